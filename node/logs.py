@@ -1,0 +1,35 @@
+"""Logging set-up for every command: human-readable by default, one JSON object per line with --log-json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(level: str = "INFO", json_lines: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if json_lines:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # Third-party libraries are chatty at INFO; keep the operator's log about prime-node.
+    for noisy in ("hivemind", "transformers", "urllib3", "aiohttp.access", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))

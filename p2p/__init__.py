@@ -1,0 +1,1 @@
+"""Networking: Ed25519 identity and signing, DHT membership, weight distribution, bulk transfer."""

@@ -1,0 +1,1 @@
+"""Pure verification logic: TOPLOC commitments, Gumbel sampling proofs, work assignment, rollout files."""

@@ -1,0 +1,80 @@
+"""Counter-based Gumbel noise: the replayable randomness behind sampling proofs (TOPLOC v2 style).
+
+A sampled token is argmax(logits / T + g) where g[v] is Gumbel noise for vocabulary entry v, keyed only
+by (sample seed, output position, v). Because the noise is a pure function of those integers, a verifier
+replays it exactly, whatever device, batch composition or thread count the sampler used.
+
+The generator hashes the counter with the `lowbias32` integer mixer (C. Wellons) in int64 tensor
+arithmetic. Multiplications are split into 16-bit halves so no intermediate exceeds 2^49: the result is
+bit-identical on CPU and CUDA (no reliance on signed-overflow behaviour). The uniform draw uses 24 bits,
+exactly representable in float32; the double log is computed in float64 and rounded to float32, so the
+remaining device difference is at most one float32 ulp of g, far below the verifier's margin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MIX_MUL_1 = 0x7FEB352D
+_MIX_MUL_2 = 0x846CA68B
+# Distinct odd constants separate the roles of the counter words, so (seed, pos) never aliases (pos, seed).
+_SEED_HI_SALT = 0x9E3779B9
+_POSITION_SALT = 0x85EBCA6B
+_VOCAB_SALT = 0xC2B2AE35
+MAX_SEED = 2**63 - 1
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2^32 for 0 <= x < 2^32 held in int64, without any intermediate overflow."""
+    low = (x & 0xFFFF) * constant
+    high = ((x >> 16) * constant) & 0xFFFF
+    return (low + (high << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX_MUL_1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MIX_MUL_2)
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per (seed, position) pair; int64 tensors of equal shape, seeds in [0, 2^63)."""
+    seeds = seeds.to(torch.int64)
+    positions = positions.to(torch.int64)
+    seed_lo = seeds & _MASK32
+    seed_hi = (seeds >> 32) & _MASK32
+    key = _mix32(seed_hi ^ _SEED_HI_SALT)
+    key = _mix32(key ^ seed_lo)
+    return _mix32(key ^ ((positions & _MASK32) ^ _POSITION_SALT))
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform draws in (0, 1), float64, shape (*seeds.shape, vocab_size), on the seeds' device."""
+    keys = row_keys(seeds, positions).unsqueeze(-1)
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
+    bits = _mix32(_mix32(keys ^ _mul32(vocab, _VOCAB_SALT)) ^ vocab)
+    return ((bits >> 8).to(torch.float64) + 0.5) * (2.0**-24)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise, float32, shape (*seeds.shape, vocab_size): -log(-log(U))."""
+    u = uniform_noise(seeds, positions, vocab_size)
+    return (-torch.log(-torch.log(u))).to(torch.float32)
+
+
+def perturbed_scores(logits: torch.Tensor, temperature: float, noise: torch.Tensor) -> torch.Tensor:
+    """logits / T + g in float32: the quantity whose argmax is the sampled token."""
+    if not temperature > 0:
+        raise ValueError(f"Gumbel sampling needs a temperature > 0, got {temperature}")
+    return logits.to(torch.float32) / temperature + noise.to(logits.device)
+
+
+def gumbel_argmax(
+    logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Sample one token per row of `logits` (shape (..., V)) with replayable Gumbel-max sampling."""
+    noise = gumbel_noise(seeds.to(logits.device), positions.to(logits.device), logits.shape[-1])
+    return perturbed_scores(logits, temperature, noise).argmax(dim=-1)

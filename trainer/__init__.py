@@ -1,0 +1,1 @@
+"""The operator side: GRPO trainer, checkpoint publishing, the validator, the ledger and the devnet."""
