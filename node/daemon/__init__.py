@@ -1,0 +1,1 @@
+"""The contributor daemon: supervised asyncio tasks, preflight checks, the local status API and metrics."""
