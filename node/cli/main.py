@@ -22,6 +22,7 @@ from ..errors import NodeError
 
 COMMAND_MODULES = [
     "keys",
+    "leaderboard",
 ]
 
 EXPECTED_ERRORS = (NodeError, P2PError, ProofError, TrainerError)

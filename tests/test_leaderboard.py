@@ -1,0 +1,288 @@
+"""The leaderboard: ranking from the ledger, the JSON API on a real server, the CLI and the dashboard page."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from ledger_support import T0, node_id, signed_verdict
+from prime_node.node.cli.main import main
+from prime_node.trainer.dashboard import RewardCurve, RewardPoint, SwarmNode, SwarmView, create_app, serve
+from prime_node.trainer.leaderboard import NodeLookupError, leaderboard, node_detail
+from prime_node.trainer.ledger import Ledger
+
+C, B, A, D, E = (node_id(20 + i) for i in range(5))
+EXPECTED_ORDER = [C, B, A, D, E]
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    """Five nodes: C most tokens; B, A tie on tokens, B has more samples; D cheated; E only heartbeats."""
+    with Ledger(tmp_path / "ledger.sqlite") as led:
+        led.record(signed_verdict(A, tokens=1000, samples=10, at=T0))
+        led.record(signed_verdict(B, tokens=600, samples=12, at=T0 + 1))
+        led.record(signed_verdict(B, tokens=400, samples=8, at=T0 + 2))
+        led.record(signed_verdict(C, tokens=5000, samples=16, at=T0 + 3))
+        led.record(signed_verdict(A, accepted=False, failed_check="schema", at=T0 + 4))
+        led.record(signed_verdict(D, tokens=100, samples=1, at=T0 + 5))
+        led.record(signed_verdict(D, accepted=False, failed_check="sampling", at=T0 + 6))
+        led.record(
+            signed_verdict(C, accepted=False, failed_check="signature", at=T0 + 7)
+        )  # forged: not C's fault
+        led.touch_node(E, seen_at=T0 + 8, hardware={"gpu": "none", "cpu_cores": 2})
+        led.touch_node(C, seen_at=T0 + 9, hardware={"gpu": "H100", "gpu_memory_gb": 80})
+        yield led
+
+
+def test_ranking_by_tokens_then_samples(ledger):
+    rows = leaderboard(ledger, now=T0 + 10)
+    assert [r.node_id for r in rows] == EXPECTED_ORDER and [r.rank for r in rows] == [1, 2, 3, 4, 5]
+    c, b, a, d, e = rows
+    assert (c.accepted_tokens, c.accepted_samples, c.rejected_files, c.hardware["gpu"]) == (
+        5000,
+        16,
+        0,
+        "H100",
+    )
+    assert (b.accepted_tokens, b.accepted_samples, b.accepted_files) == (1000, 20, 2)
+    assert (a.accepted_tokens, a.rejected_files, a.slashes, a.score, a.banned) == (
+        1000,
+        1,
+        1,
+        1.0 - 5.0,
+        False,
+    )
+    assert (d.banned, d.ban_permanent, d.banned_until, d.slashes, d.last_step) == (
+        True,
+        False,
+        T0 + 6 + 86400,
+        1,
+        3,
+    )
+    assert (e.accepted_tokens, e.last_seen, e.last_step, e.hardware) == (
+        0,
+        T0 + 8,
+        None,
+        {"gpu": "none", "cpu_cores": 2},
+    )
+    assert [r.node_id for r in leaderboard(ledger, top=2, now=T0)] == [C, B]
+    assert not leaderboard(ledger, now=T0 + 6 + 86400)[3].banned  # the ban expired
+
+
+def test_node_detail_by_id_or_prefix(ledger):
+    detail = node_detail(ledger, D[:10], now=T0 + 10)
+    assert detail.node.node_id == D and detail.node.rank == 4
+    assert [c.accepted for c in detail.recent] == [False, True]  # newest first
+    assert (
+        detail.recent[0].failed_check == "sampling" and len(detail.bans) == 1 and len(detail.slash_log) == 1
+    )
+    assert node_detail(ledger, C).recent[0].accepted  # the forged file is not listed as C's
+    for bad, status in (("xyz", 400), ("abc", 400), ("0" * 64, 404)):
+        with pytest.raises(NodeLookupError) as info:
+            node_detail(ledger, bad)
+        assert info.value.status == status
+
+
+@contextmanager
+def running_dashboard(ledger: Ledger, **sources) -> Iterator[str]:
+    """The real aiohttp app on 127.0.0.1 in its own thread and loop, so sync clients (CLI, browser) work."""
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    box: dict = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        box["runner"], box["url"] = loop.run_until_complete(
+            serve(create_app(ledger, **sources), "127.0.0.1", 0)
+        )
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, name="dashboard-test-server", daemon=True)
+    thread.start()
+    assert started.wait(30), "dashboard did not start"
+    try:
+        yield box["url"]
+    finally:
+        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+async def test_json_endpoints_on_a_real_server(ledger):
+    runner, url = await serve(create_app(ledger), "127.0.0.1", 0)
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            async with http.get(f"{url}/api/leaderboard?top=3") as resp:
+                assert resp.status == 200 and resp.headers["X-Content-Type-Options"] == "nosniff"
+                body = await resp.json()
+            assert [n["node_id"] for n in body["nodes"]] == EXPECTED_ORDER[:3]
+            async with http.get(f"{url}/api/node/{A}") as resp:
+                assert resp.status == 200 and (await resp.json())["node"]["rejected_files"] == 1
+            for path, status in (
+                ("/api/leaderboard?top=0", 400),
+                ("/api/leaderboard?top=abc", 400),
+                ("/api/node/nothex", 400),
+                (f"/api/node/{'0' * 64}", 404),
+                ("/static/../ledger.py", 404),
+            ):
+                async with http.get(url + path) as resp:
+                    assert resp.status == status, path
+            async with http.get(f"{url}/api/swarm") as resp:
+                assert await resp.json() == {"available": False, "policy_step": None, "nodes": []}
+            async with http.get(f"{url}/api/rewards") as resp:
+                assert await resp.json() == {"available": False, "points": []}
+            async with http.get(f"{url}/") as resp:
+                assert "default-src 'self'" in resp.headers["Content-Security-Policy"]
+                assert 'id="leaderboard"' in await resp.text()
+    finally:
+        await runner.cleanup()
+
+
+def test_cli_json_and_text_against_the_server(ledger, capsys):
+    with running_dashboard(ledger) as url:
+        assert main(["leaderboard", "--validator", url, "--json", "--top", "4"]) == 0
+        board = json.loads(capsys.readouterr().out)
+        assert [n["node_id"] for n in board["nodes"]] == EXPECTED_ORDER[:4]
+        assert main(["leaderboard", "--validator", url]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].split()[:4] == ["#", "node", "tokens", "samples"]
+        assert [line.split()[1] for line in lines[1:]] == [n[:12] for n in EXPECTED_ORDER]
+        assert "until" in lines[4] and "gpu=H100" in lines[1]
+        assert main(["leaderboard", "--validator", url, "--node", D[:8]]) == 0
+        text = capsys.readouterr().out
+        assert D in text and "rejected: sampling" in text and "rank        4" in text
+        assert main(["leaderboard", "--validator", url, "--node", "0" * 64]) == 1
+        assert "answered 404: no node" in capsys.readouterr().err
+
+
+def test_cli_unreachable_validator_is_one_line_and_nonzero():
+    with socket.socket() as s:  # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "prime_node.node.cli.main",
+                "leaderboard",
+                "--validator",
+                f"http://127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PRIME_NODE_DATA_DIR": "/nonexistent"},
+        )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert (
+        line.startswith("prime-node leaderboard: error: cannot reach the validator at http://127.0.0.1:")
+        and "--validator" in line
+    )
+
+
+def _browser():
+    """Headless Debian chromium through selenium, or a skip naming what is missing."""
+    webdriver = pytest.importorskip(
+        "selenium.webdriver", reason="selenium not installed (pip install -e .[dev])"
+    )
+    import shutil  # noqa: PLC0415
+
+    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not chromium or not chromedriver:
+        pytest.skip("chromium and chromium-driver not installed (apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver, options, chromedriver
+
+
+def test_dashboard_page_in_a_headless_browser(ledger, tmp_path):
+    webdriver, options, chromedriver = _browser()
+    from selenium.webdriver.common.by import By  # noqa: PLC0415
+    from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
+
+    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
+
+    live = {"on": False}  # the sources start empty, as before the swarm and trainer feeds exist
+
+    async def swarm() -> SwarmView:
+        if not live["on"]:
+            return SwarmView(available=False)
+        return SwarmView(
+            available=True,
+            policy_step=7,
+            nodes=[
+                SwarmNode(node_id=C, roles=["contributor"], step=7, hardware={"gpu": "H100"}, last_seen=T0)
+            ],
+        )
+
+    async def rewards() -> RewardCurve:
+        points = [RewardPoint(step=s, reward=0.3 + 0.1 * s, samples=64) for s in range(5)]
+        return RewardCurve(available=live["on"], points=points if live["on"] else [])
+
+    def loaded(driver) -> None:
+        WebDriverWait(driver, 30).until(
+            lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1"
+        )
+
+    with running_dashboard(ledger, swarm=swarm, rewards=rewards) as url:
+        driver = webdriver.Chrome(
+            options=options, service=webdriver.ChromeService(executable_path=chromedriver)
+        )
+        try:
+            driver.set_page_load_timeout(30)
+            driver.get(url + "/")
+            loaded(driver)
+            assert driver.find_element(By.ID, "swarm-placeholder").is_displayed()
+            assert driver.find_element(By.ID, "rewards-placeholder").is_displayed()
+            assert not driver.find_element(By.ID, "reward-chart").is_displayed()
+            rows = driver.find_elements(By.CSS_SELECTOR, "#leaderboard-body tr")
+            assert [r.get_attribute("data-node-id") for r in rows] == EXPECTED_ORDER
+            cells = [[td.text for td in r.find_elements(By.TAG_NAME, "td")] for r in rows]
+            assert cells[0][:3] == ["1", C[:12] + "…", "5000"] and "gpu=H100" in cells[0][10]
+            assert cells[3][8].startswith("until ") and "banned" in rows[3].get_attribute("class")
+            rows[3].click()
+            WebDriverWait(driver, 10).until(lambda d: D in d.find_element(By.ID, "node-detail").text)
+            assert "sampling" in driver.find_element(By.ID, "node-detail").text
+            # The live sections are fed by their JSON endpoints once their sources have data.
+            live["on"] = True
+            driver.refresh()
+            loaded(driver)
+            assert not driver.find_element(By.ID, "swarm-placeholder").is_displayed()
+            assert driver.find_element(By.ID, "policy-step").text == "(policy step 7)"
+            assert driver.find_element(By.CSS_SELECTOR, "#swarm-body td").text == C[:12] + "…"
+            points = (
+                driver.find_element(By.CSS_SELECTOR, "#reward-chart polyline").get_attribute("points").split()
+            )
+            assert len(points) == 5 and float(points[0].split(",")[1]) > float(
+                points[-1].split(",")[1]
+            )  # rising
+            errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            assert errors == [], errors  # no CSP violation, no failed request
+        finally:
+            driver.quit()

@@ -1,0 +1,196 @@
+"""The SQLite ledger: migrations, idempotence on resend, crediting, slashing applied, bans, concurrency."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import pytest
+from ledger_support import T0, VALIDATOR, node_id, signed_verdict
+from prime_node.trainer.ledger import AsyncLedger, Ledger, LedgerError
+from prime_node.trainer.ledger_schema import LATEST_VERSION
+from prime_node.trainer.slashing import Ban, Credit, Slash, SlashingPolicy
+from prime_node.trainer.verdicts import sign
+
+A, B = node_id(10), node_id(11)
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    with Ledger(tmp_path / "ledger.sqlite") as led:
+        yield led
+
+
+def _totals(ledger: Ledger, node: str) -> tuple[int, int, float]:
+    row = ledger.query(
+        "SELECT SUM(tokens * accepted), SUM(samples * accepted), (SELECT score FROM nodes WHERE node_id = ?)"
+        " FROM contributions WHERE node_id = ?",
+        (node, node),
+    )[0]
+    return row[0], row[1], row[2]
+
+
+def test_fresh_ledger_is_wal_and_at_the_latest_schema(tmp_path):
+    path = tmp_path / "sub" / "ledger.sqlite"
+    Ledger(path).close()
+    with Ledger(path) as reopened:  # reopening applies nothing twice
+        assert reopened.schema_version() == LATEST_VERSION
+        assert len(reopened.query("SELECT * FROM schema_migrations")) == LATEST_VERSION
+        assert reopened.query("PRAGMA journal_mode")[0][0] == "wal"
+
+
+def test_a_ledger_from_a_newer_version_is_refused(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    Ledger(path).close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("INSERT INTO schema_migrations VALUES (?, 'from the future', 0)", (LATEST_VERSION + 1,))
+    with pytest.raises(LedgerError, match="upgrade prime-node"):
+        Ledger(path)
+
+
+def test_accepted_file_is_credited_once_even_when_resent(ledger):
+    first = signed_verdict(A, tokens=300, samples=6)
+    result = ledger.record(first, received_at=T0 - 2)
+    assert not result.duplicate and result.actions == (Credit(1.0),)
+    # The resend is verified again by a (racing) validator, which signs a second verdict at another time.
+    second = sign(first.document.model_copy(update={"decided_at": T0 + 60}), VALIDATOR)
+    again = ledger.record(second)
+    assert again.duplicate and again.actions == () and again.verdict == first
+    assert ledger.verdict_for(first.document.file_hash) == first
+    assert _totals(ledger, A) == (300, 6, 1.0)
+
+
+def test_crediting_sums_over_files_and_nodes(ledger):
+    for tokens in (100, 200, 300):
+        ledger.record(signed_verdict(A, tokens=tokens, samples=4))
+    ledger.record(signed_verdict(B, tokens=50, samples=2))
+    ledger.record(signed_verdict(B, accepted=False, failed_check="schema", tokens=10**6))
+    assert _totals(ledger, A) == (600, 12, 3.0)
+    assert _totals(ledger, B) == (50, 2, 1.0 - 5.0)
+    assert ledger.verdict_for("f" * 64) is None
+
+
+def test_fraud_is_slashed_and_banned_in_the_same_transaction(ledger):
+    ledger.record(signed_verdict(A, at=T0))
+    result = ledger.record(signed_verdict(A, accepted=False, failed_check="toploc", at=T0 + 10))
+    assert [type(a) for a in result.actions] == [Slash, Ban]
+    (ban,) = result.new_bans
+    assert (
+        ban.node_id == A
+        and ban.until == T0 + 10 + 86400
+        and ban.file_hash == result.verdict.document.file_hash
+    )
+    assert ledger.active_ban(A, now=T0 + 20) == ban
+    assert ledger.active_ban(A, now=T0 + 10 + 86400) is None  # expired
+    slashes = ledger.query("SELECT amount, check_class, failed_check FROM slashes WHERE node_id = ?", (A,))
+    assert [tuple(r) for r in slashes] == [(100.0, "fraud", "toploc")]
+    assert ledger.history(A, now=T0 + 20).score == 1.0 - 100.0
+
+
+def test_repeated_faults_escalate_and_later_bans_grow(tmp_path):
+    policy = SlashingPolicy(
+        fault_ban_after=3, fault_window_s=600, fault_ban_s=100, ban_growth=2, permanent_after_bans=2
+    )
+    with Ledger(tmp_path / "l.sqlite", policy) as ledger:
+        bans = []
+        for i in range(9):
+            result = ledger.record(signed_verdict(A, accepted=False, failed_check="bounds", at=T0 + 200 * i))
+            bans += result.new_bans
+        # Faults 3, 6 and 9 (the counter restarts after each ban): 100 s, then 200 s, then for good.
+        assert [(b.created_at - T0, None if b.until is None else b.until - b.created_at) for b in bans] == [
+            (400, 100),
+            (1000, 200),
+            (1600, None),
+        ]
+        assert ledger.active_ban(A, now=T0 + 10**8).until is None
+
+
+def test_unauthenticated_rejections_touch_no_node(ledger):
+    result = ledger.record(signed_verdict(B, accepted=False, failed_check="signature"))
+    assert result.actions == () and not result.duplicate
+    assert ledger.query("SELECT COUNT(*) FROM nodes")[0][0] == 0
+    assert ledger.record(result.verdict).duplicate  # still idempotent
+
+
+def test_node_metadata_and_hostile_hardware(ledger):
+    ledger.touch_node(A, seen_at=T0, hardware={"gpu": "H100", "gpu_memory_gb": 80, "cpu_cores": 16})
+    ledger.touch_node(A, seen_at=T0 - 100)  # an older heartbeat arriving late does not move last_seen back
+    row = ledger.query("SELECT first_seen, last_seen, hardware FROM nodes WHERE node_id = ?", (A,))[0]
+    assert (row[0], row[1]) == (T0, T0) and '"gpu":"H100"' in row[2]
+    for bad in (
+        {"gpu": "x" * 1000},
+        {"nested": {"a": 1}},
+        {"k" * 100: 1},
+        {"nan": float("nan")},
+        {f"k{i}": "v" * 200 for i in range(30)},
+    ):
+        with pytest.raises(LedgerError):
+            ledger.touch_node(A, hardware=bad)
+    with pytest.raises(LedgerError, match="64 lowercase hex"):
+        ledger.touch_node("A" * 64)
+
+
+def test_hardware_from_a_swarm_heartbeat_is_stored_as_sent(ledger):
+    from prime_node.p2p.swarm.records import Hardware  # noqa: PLC0415 - imports hivemind; only this test needs it
+
+    hardware = Hardware(
+        gpu_model="NVIDIA H100 80GB HBM3", gpu_memory_mb=81559, cpu="x86_64", cpu_cores=16, ram_mb=131072
+    )
+    ledger.touch_node(A, seen_at=T0, hardware=hardware.model_dump())
+    stored = ledger.query("SELECT hardware FROM nodes WHERE node_id = ?", (A,))[0][0]
+    assert Hardware.model_validate_json(stored) == hardware
+
+
+def test_operator_bans_lifts_and_records(ledger):
+    ban = ledger.ban(B, "manual", until=None, at=T0)
+    assert ledger.active_bans(now=T0 + 10**9) == [ban]
+    from prime_node.trainer.verdicts import BanRecord  # noqa: PLC0415 - only this test needs it
+
+    record = sign(ban.to_record(VALIDATOR.node_id), VALIDATOR)
+    assert isinstance(record.document, BanRecord)
+    ledger.attach_ban_record(ban.id, record)
+    assert ledger.active_ban(B, now=T0 + 1).record == record.to_json().decode()
+    assert ledger.lift_bans(B, at=T0 + 5) == 1
+    assert ledger.active_ban(B, now=T0 + 6) is None and ledger.history(B, now=T0 + 6).bans_so_far == 0
+    with pytest.raises(LedgerError, match="no ban"):
+        ledger.attach_ban_record(9999, record)
+    with pytest.raises(LedgerError, match="not after"):
+        ledger.ban(B, "bad", until=T0, at=T0)
+    with pytest.raises(LedgerError, match="1 to 256 characters"):
+        ledger.ban(B, "x" * 257, until=None, at=T0)
+
+
+def test_concurrent_receipts_of_one_file_credit_it_once(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    signed = signed_verdict(A, tokens=77)
+    ledgers = [Ledger(path) for _ in range(2)]  # two connections, as two processes would have
+    results: list = []
+    barrier = threading.Barrier(8)
+
+    def worker(led: Ledger) -> None:
+        barrier.wait()
+        results.append(led.record(signed))
+
+    threads = [threading.Thread(target=worker, args=(ledgers[i % 2],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(r.duplicate for r in results) == [False] + [True] * 7
+    assert _totals(ledgers[0], A) == (77, 8, 1.0)
+    for led in ledgers:
+        led.close()
+
+
+async def test_async_wrapper_runs_off_the_loop(ledger):
+    aledger = AsyncLedger(ledger)
+    signed = signed_verdict(A)
+    assert not (await aledger.record(signed)).duplicate
+    assert (await aledger.record(signed)).duplicate
+    assert await aledger.verdict_for(signed.document.file_hash) == signed
+    await aledger.touch_node(B, seen_at=T0, hardware={"cpu": "x86"})
+    assert await aledger.active_ban(B, now=T0) is None
+    assert len(await aledger.query("SELECT * FROM nodes")) == 2
+    ban = await aledger.ban(B, "manual", until=T0 + 60, at=T0)
+    await aledger.attach_ban_record(ban.id, sign(ban.to_record(VALIDATOR.node_id), VALIDATOR))
+    assert [b.id for b in await aledger.active_bans(now=T0 + 1)] == [ban.id]

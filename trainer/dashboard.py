@@ -1,0 +1,151 @@
+"""The validator's read-only HTTP API and web dashboard (aiohttp), bound to 127.0.0.1 unless told otherwise.
+
+Routes (all GET):
+- `/api/leaderboard?top=N`: `{"generated_at", "nodes": [LeaderboardRow...]}`
+- `/api/node/{id}`: NodeDetail for a node id or a unique prefix of at least 6 hex digits (400/404/409)
+- `/api/swarm`, `/api/rewards`: the live swarm and the reward curve, fed by sources the validator service
+  passes in; without one they answer `available: false` and the page shows a placeholder.
+- `/`: the dashboard page (plain HTML + JS from trainer/dashboard_static/, no external resources; the
+  Content-Security-Policy forbids any).
+
+Ledger reads run in worker threads (`asyncio.to_thread`), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from .leaderboard import MAX_TOP, NodeLookupError, leaderboard, node_detail
+from .ledger import Ledger
+
+STATIC_DIR = Path(__file__).with_name("dashboard_static")
+DEFAULT_PORT = 8470
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+class DashboardSettings(BaseModel):
+    """Where the leaderboard API and dashboard listen (section `dashboard` of the validator)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(
+        "127.0.0.1", min_length=1, description="Listen address; 0.0.0.0 exposes it to the network."
+    )
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+
+
+class SwarmNode(BaseModel):
+    node_id: str
+    roles: list[str] = Field(default_factory=list, description="e.g. contributor, relay, validator")
+    hardware: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    step: int | None = Field(None, description="Policy step the node works on.")
+    last_seen: float | None = None
+
+
+class SwarmView(BaseModel):
+    available: bool = Field(description="False until the validator service supplies a swarm source.")
+    policy_step: int | None = Field(None, description="Latest announced policy step.")
+    nodes: list[SwarmNode] = Field(default_factory=list)
+
+
+class RewardPoint(BaseModel):
+    step: int
+    reward: float = Field(description="Mean task reward of the accepted rollouts of this step.")
+    samples: int = 0
+
+
+class RewardCurve(BaseModel):
+    available: bool = Field(description="False until the trainer supplies a reward source.")
+    points: list[RewardPoint] = Field(default_factory=list)
+
+
+SwarmSource = Callable[[], Awaitable[SwarmView]]
+RewardSource = Callable[[], Awaitable[RewardCurve]]
+
+LEDGER_KEY: web.AppKey[Ledger] = web.AppKey("ledger")
+SWARM_KEY: web.AppKey[SwarmSource | None] = web.AppKey("swarm_source")
+REWARDS_KEY: web.AppKey[RewardSource | None] = web.AppKey("reward_source")
+
+
+def create_app(
+    ledger: Ledger, *, swarm: SwarmSource | None = None, rewards: RewardSource | None = None
+) -> web.Application:
+    """The dashboard application over `ledger`; the validator service supplies the two live sources."""
+    app = web.Application(middlewares=[_headers_middleware])
+    app[LEDGER_KEY] = ledger
+    app[SWARM_KEY] = swarm
+    app[REWARDS_KEY] = rewards
+    app.router.add_get("/api/leaderboard", _leaderboard)
+    app.router.add_get("/api/node/{node_id}", _node)
+    app.router.add_get("/api/swarm", _swarm)
+    app.router.add_get("/api/rewards", _rewards)
+    app.router.add_get("/", _index)
+    app.router.add_static("/static/", STATIC_DIR, show_index=False, follow_symlinks=False)
+    return app
+
+
+async def serve(
+    app: web.Application, host: str = "127.0.0.1", port: int = DEFAULT_PORT
+) -> tuple[web.AppRunner, str]:
+    """Start `app`; returns the runner (call `await runner.cleanup()` to stop) and its base URL."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    return runner, f"http://{bound_host}:{bound_port}"
+
+
+@web.middleware
+async def _headers_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        response = await handler(request)
+    except NodeLookupError as exc:
+        response = web.json_response({"error": str(exc)}, status=exc.status)
+    response.headers.update(SECURITY_HEADERS)
+    return response
+
+
+async def _leaderboard(request: web.Request) -> web.Response:
+    raw = request.query.get("top", "100")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_TOP:
+        raise NodeLookupError(f"top must be an integer between 1 and {MAX_TOP}, got {raw[:20]!r}", 400)
+    rows = await asyncio.to_thread(leaderboard, request.app[LEDGER_KEY], top=int(raw))
+    return web.json_response(
+        {"generated_at": time.time(), "nodes": [r.model_dump(mode="json") for r in rows]}
+    )
+
+
+async def _node(request: web.Request) -> web.Response:
+    detail = await asyncio.to_thread(node_detail, request.app[LEDGER_KEY], request.match_info["node_id"])
+    return web.json_response(detail.model_dump(mode="json"))
+
+
+async def _swarm(request: web.Request) -> web.Response:
+    source = request.app[SWARM_KEY]
+    view = await source() if source is not None else SwarmView(available=False)
+    return web.json_response(view.model_dump(mode="json"))
+
+
+async def _rewards(request: web.Request) -> web.Response:
+    source = request.app[REWARDS_KEY]
+    curve = await source() if source is not None else RewardCurve(available=False)
+    return web.json_response(curve.model_dump(mode="json"))
+
+
+async def _index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC_DIR / "index.html")

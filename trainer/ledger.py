@@ -1,0 +1,379 @@
+"""The contribution ledger: every verdict, the credit and slashes it caused, bans, and node metadata.
+
+SQLite in WAL mode with a busy timeout (trainer/ledger_db.py). Every write is one `BEGIN IMMEDIATE`
+transaction: a verdict, its contribution row and the slashing actions it caused commit together.
+
+The ledger is idempotent on the file hash: recording a verdict for a file already recorded changes
+nothing and returns the verdict stored first, so a resent file is credited once and its sender gets the
+same signed verdict again.
+
+All methods block (disk I/O, fsync). In async code use `AsyncLedger`, which runs them with
+`asyncio.to_thread`; the connection is shared between threads under a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .ledger_db import Database, LedgerError, LedgerSettings
+from .slashing import (
+    UNATTRIBUTED_CHECKS,
+    Action,
+    Ban,
+    Credit,
+    NodeHistory,
+    PastRejection,
+    Slash,
+    SlashingPolicy,
+    decide,
+)
+from .verdicts import HEX64, MAX_BAN_REASON_CHARS, BanRecord, Signed, Verdict
+
+__all__ = ["AsyncLedger", "BanEntry", "Ledger", "LedgerError", "LedgerSettings", "RecordResult"]
+
+logger = logging.getLogger(__name__)
+
+MAX_HARDWARE_BYTES = 4096
+_HEX64_CHARS = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class BanEntry:
+    """One row of the bans table."""
+
+    id: int
+    node_id: str
+    reason: str
+    created_at: float
+    until: float | None  # None: permanent
+    lifted_at: float | None
+    file_hash: str | None
+    record: str | None  # the operator-signed BanRecord envelope, once published
+
+    def active(self, now: float) -> bool:
+        return self.lifted_at is None and (self.until is None or self.until > now)
+
+    def to_record(self, issuer_id: str) -> BanRecord:
+        """The document the operator signs to publish this ban."""
+        return BanRecord(
+            node_id=self.node_id,
+            reason=self.reason,
+            issued_at=self.created_at,
+            until=self.until,
+            issuer_id=issuer_id,
+        )
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    verdict: Signed[Verdict]  # the stored verdict: on a resend, the first one
+    duplicate: bool
+    actions: tuple[Action, ...]  # what this call applied (empty on a resend)
+    new_bans: tuple[BanEntry, ...]  # bans this call created: sign and publish them
+
+
+class Ledger:
+    """The validator's ledger over one SQLite file; see docs/ledger.md for the schema and the policy."""
+
+    def __init__(
+        self, path: Path, policy: SlashingPolicy | None = None, *, settings: LedgerSettings | None = None
+    ) -> None:
+        self.path = Path(path)
+        self.policy = policy or SlashingPolicy()
+        self.db = Database(self.path, settings or LedgerSettings(path=self.path))
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- verdicts ---------------------------------------------------------------------------------------
+
+    def record(self, signed: Signed[Verdict], *, received_at: float | None = None) -> RecordResult:
+        """Store a verdict and apply the slashing policy to it, once per file hash."""
+        v = signed.document
+        received = v.decided_at if received_at is None else received_at
+        with self.db.write() as c:
+            row = c.execute(
+                "SELECT verdict FROM contributions WHERE file_hash = ?", (v.file_hash,)
+            ).fetchone()
+            if row is not None:
+                return RecordResult(_load_verdict(row["verdict"]), True, (), ())
+            actions: tuple[Action, ...] = ()
+            if v.failed_check not in UNATTRIBUTED_CHECKS:  # else the file may not be this node's at all
+                self._touch(c, v.node_id, received, None)
+                actions = decide(self._history(c, v.node_id, v.decided_at), v, self.policy)
+            c.execute(
+                "INSERT INTO contributions (file_hash, node_id, step, samples, tokens, accepted,"
+                " failed_check, reason, validator_id, received_at, decided_at, recorded_at, verdict)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    v.file_hash,
+                    v.node_id,
+                    v.step,
+                    v.samples,
+                    v.tokens,
+                    int(v.accepted),
+                    v.failed_check,
+                    v.reason,
+                    v.validator_id,
+                    received,
+                    v.decided_at,
+                    time.time(),
+                    signed.to_json().decode(),
+                ),
+            )
+            bans = self._apply(c, v, actions)
+        if bans:
+            logger.warning("node %s banned: %s", v.node_id[:16], "; ".join(b.reason for b in bans))
+        return RecordResult(signed, False, actions, bans)
+
+    def verdict_for(self, file_hash: str) -> Signed[Verdict] | None:
+        """The verdict already recorded for a file, if any (check this before verifying a received file)."""
+        with self.db.read() as c:
+            row = c.execute("SELECT verdict FROM contributions WHERE file_hash = ?", (file_hash,)).fetchone()
+        return None if row is None else _load_verdict(row["verdict"])
+
+    def _apply(self, c: sqlite3.Connection, v: Verdict, actions: Sequence[Action]) -> tuple[BanEntry, ...]:
+        bans: list[BanEntry] = []
+        for action in actions:
+            if isinstance(action, Credit):
+                c.execute("UPDATE nodes SET score = score + ? WHERE node_id = ?", (action.amount, v.node_id))
+            elif isinstance(action, Slash):
+                c.execute(
+                    "INSERT INTO slashes"
+                    " (node_id, file_hash, amount, check_class, failed_check, reason, created_at)"
+                    " VALUES (?,?,?,?,?,?,?)",
+                    (
+                        v.node_id,
+                        v.file_hash,
+                        action.amount,
+                        action.check_class.value,
+                        action.failed_check,
+                        action.reason,
+                        v.decided_at,
+                    ),
+                )
+                c.execute("UPDATE nodes SET score = score - ? WHERE node_id = ?", (action.amount, v.node_id))
+            elif isinstance(action, Ban):
+                bans.append(
+                    self._insert_ban(c, v.node_id, action.reason, v.decided_at, action.until, v.file_hash)
+                )
+        return tuple(bans)
+
+    def _history(self, c: sqlite3.Connection, node_id: str, now: float) -> NodeHistory:
+        score = c.execute("SELECT score FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+        rejections = c.execute(
+            "SELECT decided_at, failed_check FROM contributions"
+            " WHERE node_id = ? AND accepted = 0 AND decided_at >= ?"
+            " ORDER BY decided_at",
+            (node_id, now - self.policy.fault_window_s),
+        ).fetchall()
+        # A ban the operator lifted was a mistake: it does not count towards escalation.
+        count, last = c.execute(
+            "SELECT COUNT(*), MAX(created_at) FROM bans WHERE node_id = ? AND lifted_at IS NULL", (node_id,)
+        ).fetchone()
+        active = self._active_ban(c, node_id, now)
+        return NodeHistory(
+            score=score["score"] if score else 0.0,
+            recent_rejections=tuple(PastRejection(r["decided_at"], r["failed_check"]) for r in rejections),
+            bans_so_far=count,
+            last_ban_at=last,
+            banned=active is not None,
+            banned_until=active.until if active else None,
+        )
+
+    def history(self, node_id: str, now: float | None = None) -> NodeHistory:
+        with self.db.read() as c:
+            return self._history(c, node_id, time.time() if now is None else now)
+
+    # -- nodes ------------------------------------------------------------------------------------------
+
+    def touch_node(
+        self, node_id: str, *, seen_at: float | None = None, hardware: dict[str, Any] | None = None
+    ) -> None:
+        """Note that a node was seen (e.g. its signed heartbeat), with its hardware if given."""
+        _check_node_id(node_id)
+        hardware_json = None if hardware is None else _hardware_json(hardware)
+        with self.db.write() as c:
+            self._touch(c, node_id, time.time() if seen_at is None else seen_at, hardware_json)
+
+    @staticmethod
+    def _touch(c: sqlite3.Connection, node_id: str, seen_at: float, hardware_json: str | None) -> None:
+        c.execute(
+            "INSERT INTO nodes (node_id, first_seen, last_seen, hardware) VALUES (?, ?, ?, COALESCE(?, '{}'))"
+            " ON CONFLICT (node_id) DO UPDATE SET last_seen = MAX(last_seen, excluded.last_seen),"
+            " hardware = COALESCE(?, hardware)",
+            (node_id, seen_at, seen_at, hardware_json, hardware_json),
+        )
+
+    # -- bans -------------------------------------------------------------------------------------------
+
+    def ban(self, node_id: str, reason: str, *, until: float | None, at: float | None = None) -> BanEntry:
+        """An operator's ban (or one learnt from another validator); `until` None is permanent."""
+        _check_node_id(node_id)
+        at = time.time() if at is None else at
+        if not 0 < len(reason) <= MAX_BAN_REASON_CHARS:
+            raise LedgerError(
+                f"a ban reason has 1 to {MAX_BAN_REASON_CHARS} characters (it travels in the DHT)"
+            )
+        if until is not None and until <= at:
+            raise LedgerError(f"ban end {until} is not after its start {at}")
+        with self.db.write() as c:
+            self._touch(c, node_id, at, None)
+            return self._insert_ban(c, node_id, reason, at, until, None)
+
+    def lift_bans(self, node_id: str, at: float | None = None) -> int:
+        """End every active ban of a node now; returns how many were lifted."""
+        at = time.time() if at is None else at
+        with self.db.write() as c:
+            cur = c.execute(
+                "UPDATE bans SET lifted_at = ?"
+                " WHERE node_id = ? AND lifted_at IS NULL AND (until IS NULL OR until > ?)",
+                (at, node_id, at),
+            )
+            return cur.rowcount
+
+    def attach_ban_record(self, ban_id: int, signed: Signed[BanRecord]) -> None:
+        """Keep the operator-signed record of a ban, so it can be republished as it was signed."""
+        with self.db.write() as c:
+            cur = c.execute("UPDATE bans SET record = ? WHERE id = ?", (signed.to_json().decode(), ban_id))
+            if cur.rowcount != 1:
+                raise LedgerError(f"no ban with id {ban_id}")
+
+    def active_ban(self, node_id: str, now: float | None = None) -> BanEntry | None:
+        with self.db.read() as c:
+            return self._active_ban(c, node_id, time.time() if now is None else now)
+
+    def active_bans(self, now: float | None = None) -> list[BanEntry]:
+        """Every ban in force (to republish in the DHT and to refuse files early)."""
+        now = time.time() if now is None else now
+        with self.db.read() as c:
+            rows = c.execute(
+                "SELECT * FROM bans WHERE lifted_at IS NULL AND (until IS NULL OR until > ?) ORDER BY id",
+                (now,),
+            ).fetchall()
+        return [_ban_entry(r) for r in rows]
+
+    @staticmethod
+    def _active_ban(c: sqlite3.Connection, node_id: str, now: float) -> BanEntry | None:
+        # The ban that ends last (a permanent one first) is the one in force.
+        row = c.execute(
+            "SELECT * FROM bans WHERE node_id = ? AND lifted_at IS NULL AND (until IS NULL OR until > ?)"
+            " ORDER BY until IS NULL DESC, until DESC LIMIT 1",
+            (node_id, now),
+        ).fetchone()
+        return None if row is None else _ban_entry(row)
+
+    @staticmethod
+    def _insert_ban(
+        c: sqlite3.Connection,
+        node_id: str,
+        reason: str,
+        at: float,
+        until: float | None,
+        file_hash: str | None,
+    ) -> BanEntry:
+        cur = c.execute(
+            "INSERT INTO bans (node_id, file_hash, reason, created_at, until) VALUES (?,?,?,?,?)",
+            (node_id, file_hash, reason, at, until),
+        )
+        return BanEntry(int(cur.lastrowid or 0), node_id, reason, at, until, None, file_hash, None)
+
+    # -- reading ----------------------------------------------------------------------------------------
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        """Run one read-only query in a read transaction (the leaderboard's queries)."""
+        return self.db.query(sql, params)
+
+    def schema_version(self) -> int:
+        return self.db.schema_version()
+
+
+class AsyncLedger:
+    """The ledger for async code: each call runs in a worker thread so the event loop never waits on disk."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    async def record(self, signed: Signed[Verdict], *, received_at: float | None = None) -> RecordResult:
+        return await asyncio.to_thread(self.ledger.record, signed, received_at=received_at)
+
+    async def verdict_for(self, file_hash: str) -> Signed[Verdict] | None:
+        return await asyncio.to_thread(self.ledger.verdict_for, file_hash)
+
+    async def touch_node(
+        self, node_id: str, *, seen_at: float | None = None, hardware: dict[str, Any] | None = None
+    ) -> None:
+        await asyncio.to_thread(self.ledger.touch_node, node_id, seen_at=seen_at, hardware=hardware)
+
+    async def active_ban(self, node_id: str, now: float | None = None) -> BanEntry | None:
+        return await asyncio.to_thread(self.ledger.active_ban, node_id, now)
+
+    async def active_bans(self, now: float | None = None) -> list[BanEntry]:
+        return await asyncio.to_thread(self.ledger.active_bans, now)
+
+    async def ban(
+        self, node_id: str, reason: str, *, until: float | None, at: float | None = None
+    ) -> BanEntry:
+        return await asyncio.to_thread(self.ledger.ban, node_id, reason, until=until, at=at)
+
+    async def attach_ban_record(self, ban_id: int, signed: Signed[BanRecord]) -> None:
+        await asyncio.to_thread(self.ledger.attach_ban_record, ban_id, signed)
+
+    async def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        return await asyncio.to_thread(self.ledger.query, sql, params)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.ledger.close)
+
+
+def _load_verdict(envelope: str) -> Signed[Verdict]:
+    # Our own file, written from a verified document: parsed strictly, not re-verified against a trust set.
+    data = json.loads(envelope)
+    return Signed[Verdict](
+        document=Verdict.model_validate(data["document"]), signature=bytes.fromhex(data["signature"])
+    )
+
+
+def _ban_entry(row: sqlite3.Row) -> BanEntry:
+    return BanEntry(**{name: row[name] for name in BanEntry.__dataclass_fields__})
+
+
+def _check_node_id(node_id: str) -> None:
+    if not isinstance(node_id, str) or len(node_id) != 64 or not set(node_id) <= _HEX64_CHARS:
+        raise LedgerError(f"node id must be 64 lowercase hex digits ({HEX64}), got {str(node_id)[:80]!r}")
+
+
+def _hardware_json(hardware: dict[str, Any]) -> str:
+    """Hardware comes from a peer's heartbeat: a small flat object of short strings and numbers only."""
+    if not isinstance(hardware, dict):
+        raise LedgerError("hardware must be a JSON object")
+    for key, value in hardware.items():
+        if not isinstance(key, str) or len(key) > 64:
+            raise LedgerError(f"hardware key {str(key)[:80]!r} must be a string of at most 64 characters")
+        if not (
+            value is None
+            or isinstance(value, (bool, int, float))
+            or (isinstance(value, str) and len(value) <= 256)
+        ):
+            raise LedgerError(f"hardware value for {key!r} must be a number, a boolean or a short string")
+    try:
+        text = json.dumps(hardware, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except ValueError as exc:
+        raise LedgerError(f"hardware is not finite JSON: {exc}") from None
+    if len(text.encode()) > MAX_HARDWARE_BYTES:
+        raise LedgerError(f"hardware description is over {MAX_HARDWARE_BYTES} bytes")
+    return text
