@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...p2p.processes import pid_alive
 from ..errors import NodeError
 from .metrics import CONTENT_TYPE_LATEST, NodeMetrics
 
@@ -98,15 +99,6 @@ class StatusServer:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 async def fetch_status(data_dir: Path, timeout: float = 5.0) -> NodeStatus:
     """Ask the daemon that owns `data_dir` for its status; DaemonNotRunning when none answers."""
@@ -118,7 +110,7 @@ async def fetch_status(data_dir: Path, timeout: float = 5.0) -> NodeStatus:
         raise DaemonNotRunning(f"no node is running for data directory {data_dir} (start one with `prime-node start`)") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise DaemonNotRunning(f"{path} is unreadable ({exc}); is a node running?") from None
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         raise DaemonNotRunning(f"no node is running for data directory {data_dir} (the last one, pid {pid}, has exited)")
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     try:

@@ -17,6 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...p2p.processes import pid_alive
+
+__all__ = ["Child", "ProcessGroup", "StopResult", "pid_alive"]
+
 logger = logging.getLogger(__name__)
 
 
@@ -41,15 +45,6 @@ class Child:
 class StopResult:
     exit_codes: dict[str, int] = field(default_factory=dict)
     killed: list[str] = field(default_factory=list)  # children that ignored SIGTERM within the grace period
-
-
-def pid_alive(pid: int) -> bool:
-    """True while a process with this PID exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 class ProcessGroup:

@@ -1,0 +1,30 @@
+"""Swarm membership over a hivemind DHT: signed, schema-checked, TTL'd records and rollout hand-off.
+
+Layers, bottom-up: records (wire schemas and the signed envelope) -> validator (the hivemind record
+validator every participant installs) -> process (the DHT child process) -> reachability (dial-back
+self-test) -> handoff (rollout files over libp2p streams) -> swarm (the library API).
+"""
+
+from .config import SwarmConfig
+from .errors import HandoffError, HandoffRefused, RecordError, SwarmError
+from .handoff import Receipt, ReceivedRollout, RolloutEnvelope
+from .records import Ban, Hardware, Heartbeat, PolicyAnnouncement, RolloutAnnouncement, ValidatorAnnouncement
+from .swarm import Swarm
+
+__all__ = [
+    "Ban",
+    "HandoffError",
+    "HandoffRefused",
+    "Hardware",
+    "Heartbeat",
+    "PolicyAnnouncement",
+    "Receipt",
+    "ReceivedRollout",
+    "RecordError",
+    "RolloutAnnouncement",
+    "RolloutEnvelope",
+    "Swarm",
+    "SwarmConfig",
+    "SwarmError",
+    "ValidatorAnnouncement",
+]

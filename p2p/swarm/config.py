@@ -1,0 +1,147 @@
+"""Settings of the swarm layer: a plain pydantic model that the CLI layer loads (flags > env > TOML)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .records import MAX_TTL_S, RecordKind
+
+NODE_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_maddr(text: str) -> str:
+    # Parsed with hivemind's multiaddr so that a typo fails at start-up, not at the first dial.
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        Multiaddr(text)
+    except Exception as exc:  # the multiaddr library raises several unrelated exception types
+        raise ValueError(
+            f"{text!r} is not a multiaddr ({exc}); e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3Koo..."
+        ) from None
+    return text
+
+
+class SwarmConfig(BaseModel):
+    """How this node joins the run's DHT, what it announces, and the limits it enforces on peers."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    run_id: str = Field(
+        "prime-node-dev",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Run id; every DHT key is prefixed with it, so two runs never read each other's records.",
+    )
+    operator_keys: list[str] = Field(
+        default_factory=list,
+        max_length=8,
+        description="Pinned operator public keys (hex): only they sign policy, validator and ban records.",
+    )
+    initial_peers: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Multiaddrs of peers to bootstrap from (/ip4/.../tcp/.../p2p/...); empty: a new swarm.",
+    )
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+        min_length=1,
+        max_length=8,
+        description="Multiaddrs the libp2p daemon listens on (use a fixed port to forward it through a NAT).",
+    )
+    announce_maddrs: list[str] = Field(
+        default_factory=list,
+        max_length=8,
+        description="Multiaddrs announced instead of the listen ones (public IP and forwarded port).",
+    )
+    reachability: Literal["auto", "public", "private"] = Field(
+        "auto",
+        description="auto: a bootstrap peer dials us back to decide; public: full DHT peer; private: client.",
+    )
+    reachability_timeout_s: float = Field(
+        3.0,
+        gt=0,
+        le=60,
+        description="How long a dial-back probe may take before the node counts as unreachable.",
+    )
+    wait_timeout_s: float = Field(
+        3.0, gt=0, le=60, description="Timeout of one DHT RPC (hivemind wait_timeout)."
+    )
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=600,
+        description="Limit for one get/store through the DHT process (a full lookup or store).",
+    )
+    startup_timeout_s: float = Field(30.0, gt=0, le=600, description="Limit for starting the DHT process.")
+    shutdown_timeout_s: float = Field(
+        5.0, gt=0, le=60, description="Grace period of the DHT process at leave."
+    )
+    heartbeat_interval_s: float = Field(
+        15.0, gt=0, le=300, description="How often this node republishes its heartbeat."
+    )
+    heartbeat_ttl_s: float = Field(
+        60.0,
+        gt=0,
+        le=MAX_TTL_S[RecordKind.HEARTBEAT],
+        description="Lifetime of a heartbeat; a node silent for longer disappears from the peer list.",
+    )
+    record_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        le=MAX_TTL_S[RecordKind.POLICY],
+        description="Lifetime of policy, validator and rollout announcements published by this node.",
+    )
+    ban_ttl_s: float = Field(
+        86400.0,
+        gt=0,
+        le=MAX_TTL_S[RecordKind.BAN],
+        description="Lifetime of a ban record (republish to extend).",
+    )
+    policy_poll_s: float = Field(2.0, gt=0, le=300, description="How often watch_policy polls the DHT.")
+    max_rollout_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, le=1 << 31, description="Largest rollout file a validator accepts."
+    )
+    handoff_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="Limit for one hand-off step (connect, header, body, receipt)."
+    )
+    max_concurrent_handoffs: int = Field(
+        4, ge=1, le=256, description="Hand-offs a validator receives at once; more wait (back-pressure)."
+    )
+
+    @field_validator("operator_keys")
+    @classmethod
+    def _hex_keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if not NODE_ID_RE.match(key):
+                raise ValueError(f"operator key {key[:80]!r} is not 64 lowercase hex digits (a node id)")
+        return keys
+
+    @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
+    @classmethod
+    def _maddrs(cls, values: list[str]) -> list[str]:
+        return [_check_maddr(v) for v in values]
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _peers_name_peer_id(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if "/p2p/" not in value:
+                raise ValueError(
+                    f"initial peer {value!r} lacks its /p2p/<peer id> part; copy the full address"
+                )
+        return values
+
+    @model_validator(mode="after")
+    def _heartbeat_outlives_interval(self) -> SwarmConfig:
+        # A heartbeat that expires before the next one is sent makes a live node flicker out of the list.
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}); about 4x is a good ratio"
+            )
+        return self

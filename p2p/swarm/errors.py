@@ -1,0 +1,25 @@
+"""Errors of the swarm layer; all derive from the p2p package's one base, P2PError."""
+
+from __future__ import annotations
+
+from ..errors import P2PError
+
+
+class SwarmError(P2PError):
+    """The swarm could not be joined or used (DHT process, bootstrap, configuration)."""
+
+
+class RecordError(SwarmError):
+    """A DHT record is malformed, oversized, expired too far ahead, or not signed by whom it must be."""
+
+
+class HandoffError(SwarmError):
+    """A rollout hand-off failed in transport (timeout, connection, protocol violation)."""
+
+
+class HandoffRefused(HandoffError):
+    """The receiving validator refused a rollout file; `reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the validator refused the rollout file: {reason}")
+        self.reason = reason

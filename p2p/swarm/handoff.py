@@ -1,0 +1,286 @@
+"""Rollout hand-off: a contributor streams a signed rollout file to a validator over libp2p.
+
+The contributor opens the stream (it needs no inbound connectivity; it may sit behind a NAT in DHT
+client mode). One exchange, every frame length-prefixed and size-bounded (docs/protocol.md, "Swarm"):
+
+    sender -> header: the signature envelope {format, node_id, sha256, size, signature}
+    receiver checks: size limit, envelope signature, sender not banned, the stream's libp2p
+                     peer id is the one the sender's signed heartbeat names; then waits for a free slot
+    receiver -> {"go": true} | {"refused": reason} | {"receipt": ...} (already received: no body needed)
+    sender -> exactly `size` raw bytes, in chunks, waiting on the stream's flow control
+    receiver: hash == header.sha256, store, acceptance callback; -> {"receipt": ...} | {"refused": reason}
+
+The file itself stays opaque bytes here: nothing in it is parsed before its signature and hash check.
+The envelope is the one proofs/rollout_file.py writes beside each file (FILE.parquet.sig).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from ..identity import Identity
+from ..signing import SignatureError, verify_document
+from .errors import HandoffError, HandoffRefused
+from .framing import close_writer, read_exactly, read_frame, write_frame
+from .records import NodeId, Sha256Hex
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 256 * 1024
+SIG_FORMAT = "prime-node/rollout-sig/v1"
+FILE_SUFFIX = ".parquet"
+ENVELOPE_SUFFIX = ".parquet.sig"  # the envelope beside each received file, as proofs/rollout_file.py names it
+MAX_CONTROL_FRAME = 4096
+SignatureHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+
+
+def protocol_name(run_id: str) -> str:
+    return f"/prime-node/{run_id}/rollout/1"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class RolloutEnvelope(_Strict):
+    """The detached signature envelope of a rollout file, exactly as proofs/rollout_file.py writes it."""
+
+    format: Literal["prime-node/rollout-sig/v1"] = SIG_FORMAT
+    node_id: NodeId  # the author, whose key signs
+    sha256: Sha256Hex  # of the file's bytes
+    size: int = Field(ge=0, le=1 << 40)  # of the file, in bytes
+    signature: SignatureHex  # Ed25519 by node_id over canonical JSON of the four fields above
+
+    def signed_body(self) -> dict[str, Any]:
+        return {"format": self.format, "node_id": self.node_id, "sha256": self.sha256, "size": self.size}
+
+    @classmethod
+    def sign(cls, identity: Identity, data: bytes) -> RolloutEnvelope:
+        sha256 = hashlib.sha256(data).hexdigest()
+        body = {"format": SIG_FORMAT, "node_id": identity.node_id, "sha256": sha256, "size": len(data)}
+        return cls(**body, signature=identity.sign_document(body).hex())
+
+    def verify(self) -> None:
+        """SignatureError unless `signature` is node_id's signature over the other fields."""
+        verify_document(self.node_id, self.signed_body(), bytes.fromhex(self.signature))
+
+
+class ReceiptBody(_Strict):
+    kind: str = Field("rollout-receipt", pattern=r"^rollout-receipt$")  # no other signed document can pass
+    sha256: Sha256Hex
+    sender: NodeId
+    receiver: NodeId  # the validator that signs this receipt
+    size: int = Field(ge=0)
+    received_at: float
+
+
+class Receipt(_Strict):
+    """The validator's signed acknowledgement that it holds the file; the sender keeps it."""
+
+    body: ReceiptBody
+    signature: SignatureHex
+
+    def verify(self, receiver: str, sha256: str, sender: str) -> None:
+        if (self.body.receiver, self.body.sha256, self.body.sender) != (receiver, sha256, sender):
+            raise HandoffError("the receipt names another validator, file or sender than this hand-off")
+        try:
+            verify_document(receiver, self.body.model_dump(mode="json"), bytes.fromhex(self.signature))
+        except SignatureError as exc:
+            raise HandoffError(f"the receipt's signature does not verify: {exc}") from None
+
+
+@dataclass(frozen=True)
+class ReceivedRollout:
+    """A stored, signature- and hash-checked rollout file handed to the acceptance callback."""
+
+    envelope: RolloutEnvelope
+    path: Path
+    peer_id: str
+    size: int
+
+
+AcceptCallback = Callable[[ReceivedRollout], Awaitable[None] | None]  # raise HandoffRefused to refuse
+PeerLookup = Callable[[str], Awaitable[str | None]]  # node id -> libp2p peer id of its live heartbeat
+BanCheck = Callable[[str], Awaitable[bool]]
+AdmitCallback = Callable[[RolloutEnvelope], Awaitable[None]]  # raise HandoffRefused to refuse before the body
+
+
+def _hash_and_store(data: bytes, directory: Path, envelope: RolloutEnvelope) -> str:
+    # Runs in a worker thread: hashing and disk writes of up to max_rollout_bytes block for a while.
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != envelope.sha256:
+        return digest
+    for suffix, content in ((ENVELOPE_SUFFIX, envelope.model_dump_json().encode()), (FILE_SUFFIX, data)):
+        # Envelope first, file last: a file that looks complete always has its signature beside it.
+        tmp = directory / f".incoming-{envelope.sha256}{suffix}"
+        tmp.write_bytes(content)
+        os.replace(tmp, directory / f"{envelope.sha256}{suffix}")
+    return digest
+
+
+class RolloutReceiver:
+    """The validator side: a libp2p stream handler that stores checked files under `directory`."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        directory: Path,
+        accept: AcceptCallback,
+        peer_of: PeerLookup,
+        is_banned: BanCheck,
+        *,
+        max_bytes: int,
+        timeout_s: float,
+        max_concurrent: int,
+        admit: AdmitCallback | None = None,
+    ) -> None:
+        self.identity = identity
+        self._admit = admit  # rate limits and queue bounds, checked before a byte of the body is read
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._accept, self._peer_of, self._is_banned = accept, peer_of, is_banned
+        self._max_bytes, self._timeout_s = max_bytes, timeout_s
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._in_progress: set[str] = set()
+
+    def stored_path(self, sha256: str) -> Path:
+        return self.directory / f"{sha256}{FILE_SUFFIX}"
+
+    def _envelope_path(self, sha256: str) -> Path:
+        return self.directory / f"{sha256}{ENVELOPE_SUFFIX}"
+
+    async def handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(info.peer_id)
+        try:
+            try:
+                reply = await self._exchange(peer, reader, writer)
+            except HandoffRefused as exc:
+                logger.info("refused a rollout hand-off from peer %s: %s", peer, exc.reason)
+                reply = {"refused": exc.reason}
+            await write_frame(writer, reply)
+        except HandoffError as exc:  # the peer broke the protocol or stalled: nothing to answer
+            logger.info("rollout hand-off from peer %s failed: %s", peer, exc)
+        except (OSError, ConnectionError) as exc:  # stream reset, or our disk refused the file
+            logger.warning("rollout hand-off from peer %s aborted: %s", peer, exc)
+        finally:
+            close_writer(writer)
+
+    async def _exchange(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict:
+        raw = await read_frame(reader, MAX_CONTROL_FRAME, self._timeout_s)
+        try:
+            header = RolloutEnvelope.model_validate(raw, strict=True)
+        except ValidationError as exc:
+            raise HandoffRefused(f"malformed header: {exc.errors()[0]['msg']}") from None
+        if header.size > self._max_bytes:
+            raise HandoffRefused(f"file of {header.size} bytes exceeds the limit of {self._max_bytes}")
+        try:
+            header.verify()  # before a single byte of the file is read
+        except SignatureError:
+            raise HandoffRefused("the file signature does not verify for the claimed node id") from None
+        if await self._is_banned(header.node_id):
+            raise HandoffRefused("the sending node is banned")
+        bound_peer = await self._peer_of(header.node_id)
+        if bound_peer != peer:
+            raise HandoffRefused(
+                "no live heartbeat binds this libp2p peer id to the sending node id; publish one first"
+            )
+        if self.stored_path(header.sha256).exists():
+            return {"receipt": self._receipt(header).model_dump(mode="json")}
+        if header.sha256 in self._in_progress:
+            raise HandoffRefused("this file is being received on another stream")
+        if self._admit is not None:
+            await self._admit(header)
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self._timeout_s)
+        except asyncio.TimeoutError:
+            raise HandoffRefused("the validator is busy; retry later") from None
+        self._in_progress.add(header.sha256)
+        try:
+            await write_frame(writer, {"go": True})
+            data = await self._read_body(reader, header.size)
+            digest = await asyncio.to_thread(_hash_and_store, data, self.directory, header)
+            if digest != header.sha256:
+                raise HandoffRefused(f"the file's SHA-256 is {digest}, not the signed {header.sha256}")
+            received = ReceivedRollout(header, self.stored_path(header.sha256), peer, header.size)
+            await self._run_accept(received)
+            return {"receipt": self._receipt(header).model_dump(mode="json")}
+        finally:
+            self._in_progress.discard(header.sha256)
+            self._slots.release()
+
+    async def _read_body(self, reader: asyncio.StreamReader, size: int) -> bytes:
+        buffer = bytearray()
+        while len(buffer) < size:
+            # Reading chunk by chunk is the back-pressure: the sender's writes wait on the stream window.
+            buffer += await read_exactly(reader, min(CHUNK_BYTES, size - len(buffer)), self._timeout_s)
+        return bytes(buffer)
+
+    async def _run_accept(self, received: ReceivedRollout) -> None:
+        try:
+            outcome = self._accept(received)
+            if inspect.isawaitable(outcome):
+                await outcome
+        except BaseException:
+            received.path.unlink(missing_ok=True)  # refused or crashed: it must not look received
+            self._envelope_path(received.envelope.sha256).unlink(missing_ok=True)
+            raise
+
+    def _receipt(self, header: RolloutEnvelope) -> Receipt:
+        body = ReceiptBody(
+            sha256=header.sha256,
+            sender=header.node_id,
+            receiver=self.identity.node_id,
+            size=header.size,
+            received_at=time.time(),
+        )
+        return Receipt(body=body, signature=self.identity.sign_document(body.model_dump(mode="json")).hex())
+
+
+async def send(
+    open_stream: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]],
+    envelope: RolloutEnvelope,
+    data: bytes,
+    receiver: str,
+    timeout_s: float,
+) -> Receipt:
+    """Hand `data` to the validator whose node id is `receiver`; returns its verified receipt."""
+    if len(data) != envelope.size:
+        raise HandoffError(f"the envelope signs {envelope.size} bytes but the file has {len(data)}")
+    try:
+        reader, writer = await asyncio.wait_for(open_stream(), timeout_s)
+    except asyncio.TimeoutError:
+        raise HandoffError(f"could not open a stream to the validator within {timeout_s:.0f} s") from None
+    try:
+        await write_frame(writer, envelope.model_dump(mode="json"))
+        answer = await read_frame(reader, MAX_CONTROL_FRAME, timeout_s)
+        if isinstance(answer, dict) and answer.get("go") is True:
+            view = memoryview(data)
+            for offset in range(0, len(view), CHUNK_BYTES):
+                writer.write(view[offset : offset + CHUNK_BYTES])
+                await asyncio.wait_for(writer.drain(), timeout_s)
+            answer = await read_frame(reader, MAX_CONTROL_FRAME, timeout_s)
+    except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
+        raise HandoffError(f"the hand-off stream broke: {exc!r}") from None
+    finally:
+        close_writer(writer)
+    if isinstance(answer, dict) and isinstance(answer.get("refused"), str):
+        raise HandoffRefused(answer["refused"][:500])
+    if not isinstance(answer, dict) or "receipt" not in answer:
+        raise HandoffError("the validator answered neither a receipt nor a refusal")
+    try:
+        receipt = Receipt.model_validate(answer["receipt"], strict=True)
+    except ValidationError as exc:
+        raise HandoffError(f"malformed receipt: {exc.errors()[0]['msg']}") from None
+    receipt.verify(receiver, envelope.sha256, envelope.node_id)
+    return receipt

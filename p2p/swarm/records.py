@@ -1,0 +1,275 @@
+"""Wire schemas of the swarm's DHT records and the signed envelope that carries them.
+
+Every record lives under the key `<run_id>/<kind>` with a subkey that names its owner (a node id, or
+`<node id>:<sha256>` for rollouts). Its DHT value is one byte string:
+
+    signer public key (32 bytes) | Ed25519 signature (64 bytes) | payload (canonical JSON of the body)
+
+The signature covers a domain tag, the 20-byte DHT key id, the serialized subkey, the expiration time
+and the payload, so a record cannot be moved to another key, another owner's subkey, another run, or
+given a longer life. Who may sign is fixed by the kind: the subkey's owner for heartbeats and rollout
+announcements, a pinned operator key for policy, validator and ban records. The signer is checked and
+the signature verified before the payload is parsed (docs/protocol.md, "Swarm").
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+import msgpack
+from hivemind.dht.routing import DHTID
+from hivemind.utils import MSGPackSerializer
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from ..identity import Identity
+from ..signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, canonical_json, is_valid_signature
+from .errors import RecordError
+
+DOMAIN = b"prime-node/swarm-record/v1\x00"
+# How far a peer's clock may run ahead of ours before its records look "from the future".
+CLOCK_SKEW_S = 30.0
+MAX_SUBKEY_BYTES = 160
+
+NodeId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+# libp2p peer ids in base58 (Ed25519/RSA identities): no 0, O, I or l.
+PeerIdB58 = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$")]
+Maddr = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^/")]
+ShortText = Annotated[str, StringConstraints(max_length=64)]
+Role = Literal["contributor", "trainer", "validator", "relay"]
+
+
+class RecordKind(str, Enum):
+    HEARTBEAT = "heartbeat"
+    POLICY = "policy"
+    VALIDATOR = "validator"
+    BAN = "ban"
+    ROLLOUT = "rollout"
+
+
+OPERATOR_KINDS = frozenset({RecordKind.POLICY, RecordKind.VALIDATOR, RecordKind.BAN})
+# Longest lifetime an honest peer accepts per kind (plus CLOCK_SKEW_S): longer ones are refused.
+MAX_TTL_S: dict[RecordKind, float] = {
+    RecordKind.HEARTBEAT: 300.0,
+    RecordKind.POLICY: 3600.0,
+    RecordKind.VALIDATOR: 3600.0,
+    RecordKind.BAN: 7 * 86400.0,
+    RecordKind.ROLLOUT: 3600.0,
+}
+MAX_PAYLOAD_BYTES: dict[RecordKind, int] = {
+    RecordKind.HEARTBEAT: 4096,
+    RecordKind.POLICY: 8192,
+    RecordKind.VALIDATOR: 4096,
+    RecordKind.BAN: 1024,
+    RecordKind.ROLLOUT: 1024,
+}
+MAX_VALUE_BYTES = PUBLIC_KEY_BYTES + SIGNATURE_BYTES + max(MAX_PAYLOAD_BYTES.values())
+
+
+class _Wire(BaseModel):
+    # strict: no coercion ("3" is not 3); forbid: unknown fields are an error, not silently dropped.
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class Hardware(_Wire):
+    gpu_model: ShortText | None = None  # e.g. "NVIDIA H100 80GB HBM3"; None on CPU-only nodes
+    gpu_memory_mb: int = Field(0, ge=0, le=1 << 24)
+    cpu: ShortText = ""
+    cpu_cores: int = Field(0, ge=0, le=1 << 16)
+    ram_mb: int = Field(0, ge=0, le=1 << 32)
+
+
+class Heartbeat(_Wire):
+    node_id: NodeId  # must equal the subkey and the signer
+    peer_id: PeerIdB58  # the libp2p peer id this node currently uses: binds streams to the node id
+    version: ShortText  # prime-node software version
+    roles: list[Role] = Field(max_length=4)
+    hardware: Hardware
+    addresses: list[Maddr] = Field(max_length=8)  # where it can be dialled; empty in client mode
+    client_mode: bool  # True when the node could not be dialled and runs as a DHT client
+    policy_step: int | None = Field(None, ge=0)  # the policy step it works on
+    serves_steps: list[Annotated[int, Field(ge=0)]] = Field(max_length=16)  # checkpoints it can serve
+    sent_at: float
+
+
+class PolicyAnnouncement(_Wire):
+    step: int = Field(ge=0)
+    manifest_sha256: Sha256Hex  # hash of the signed shard manifest of this checkpoint
+    sources: list[Annotated[str, StringConstraints(min_length=1, max_length=512)]] = Field(max_length=32)
+    published_at: float
+
+
+class ValidatorAnnouncement(_Wire):
+    node_id: NodeId  # must equal the subkey; the key that signs hand-off receipts
+    peer_id: PeerIdB58  # where rollout files are streamed to
+    addresses: list[Maddr] = Field(max_length=8)
+    max_rollout_bytes: int = Field(ge=0, le=1 << 31)
+    published_at: float
+
+
+class Ban(_Wire):
+    node_id: NodeId  # the banned node; must equal the subkey
+    reason: Annotated[str, StringConstraints(max_length=256)]
+    banned_at: float
+
+
+class RolloutAnnouncement(_Wire):
+    node_id: NodeId  # author; subkey is "<node_id>:<sha256>"
+    sha256: Sha256Hex
+    size_bytes: int = Field(ge=0, le=1 << 31)
+    step: int = Field(ge=0)
+    samples: int = Field(ge=0, le=1 << 24)
+    announced_at: float
+
+
+BODY_TYPES: dict[RecordKind, type[_Wire]] = {
+    RecordKind.HEARTBEAT: Heartbeat,
+    RecordKind.POLICY: PolicyAnnouncement,
+    RecordKind.VALIDATOR: ValidatorAnnouncement,
+    RecordKind.BAN: Ban,
+    RecordKind.ROLLOUT: RolloutAnnouncement,
+}
+
+
+def dht_key(run_id: str, kind: RecordKind) -> str:
+    return f"{run_id}/{kind.value}"
+
+
+def key_id(run_id: str, kind: RecordKind) -> bytes:
+    """The 20-byte id hivemind stores `dht_key` under; validators only ever see this id."""
+    return DHTID.generate(source=dht_key(run_id, kind)).to_bytes()
+
+
+def subkey_owner(kind: RecordKind, subkey: str) -> str:
+    """The node id a subkey names (the part before ':' for rollouts); RecordError when malformed."""
+    owner, _, rest = subkey.partition(":")
+    if len(owner) != 64 or any(c not in "0123456789abcdef" for c in owner):
+        raise RecordError(f"{kind.value} subkey {subkey[:80]!r} does not start with a node id")
+    if kind is RecordKind.ROLLOUT:
+        if len(rest) != 64 or any(c not in "0123456789abcdef" for c in rest):
+            raise RecordError(f"rollout subkey {subkey[:80]!r} is not '<node id>:<sha256>'")
+    elif rest or ":" in subkey:
+        raise RecordError(f"{kind.value} subkey {subkey[:80]!r} must be a bare node id")
+    return owner
+
+
+def _signed_message(kid: bytes, subkey_bytes: bytes, expiration: float, payload: bytes) -> bytes:
+    return (
+        DOMAIN
+        + kid
+        + struct.pack(">I", len(subkey_bytes))
+        + subkey_bytes
+        + struct.pack(">d", expiration)
+        + payload
+    )
+
+
+def seal(
+    identity: Identity, run_id: str, kind: RecordKind, subkey: str, body: _Wire, expiration: float
+) -> bytes:
+    """Sign `body` for storage under (`run_id`/`kind`, `subkey`) until `expiration`: the DHT value bytes."""
+    if not isinstance(body, BODY_TYPES[kind]):
+        raise RecordError(
+            f"a {kind.value} record needs a {BODY_TYPES[kind].__name__}, got {type(body).__name__}"
+        )
+    payload = canonical_json(body.model_dump(mode="json"))
+    if len(payload) > MAX_PAYLOAD_BYTES[kind]:
+        raise RecordError(
+            f"{kind.value} record is {len(payload)} bytes; the limit is {MAX_PAYLOAD_BYTES[kind]}"
+        )
+    return seal_payload(identity, run_id, kind, subkey, payload, expiration)
+
+
+def seal_payload(
+    identity: Identity, run_id: str, kind: RecordKind, subkey: str, payload: bytes, expiration: float
+) -> bytes:
+    """Sign raw payload bytes without checking them (seal's lower half; tests use it to forge records)."""
+    subkey_bytes = MSGPackSerializer.dumps(subkey)
+    signature = identity.sign(_signed_message(key_id(run_id, kind), subkey_bytes, expiration, payload))
+    return identity.public_key + signature + payload
+
+
+def unpack_scalar(raw: bytes, expect: type[str] | type[bytes], limit: int, what: str) -> Any:
+    """One msgpack str or bin of at most `limit` bytes; containers and extension types are refused unread."""
+    if len(raw) > limit + 5:  # 5 bytes is the largest msgpack str/bin header
+        raise RecordError(f"{what} is {len(raw)} bytes; at most {limit} allowed")
+    try:
+        value = msgpack.unpackb(
+            raw,
+            raw=False,
+            max_str_len=limit if expect is str else 0,
+            max_bin_len=limit if expect is bytes else 0,
+            max_array_len=0,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise RecordError(f"{what} is not a msgpack {expect.__name__}: {exc}") from None
+    if not isinstance(value, expect):
+        raise RecordError(f"{what} must be {expect.__name__}, got {type(value).__name__}")
+    return value
+
+
+def decode_subkey(subkey_bytes: bytes) -> str:
+    """The subkey as hivemind serialized it (a msgpack str)."""
+    return unpack_scalar(subkey_bytes, str, MAX_SUBKEY_BYTES, "subkey")
+
+
+def open_record(
+    kind: RecordKind,
+    kid: bytes,
+    subkey_bytes: bytes,
+    value: bytes,
+    expiration: float,
+    operator_keys: frozenset[str],
+    now: float,
+) -> _Wire:
+    """Check and parse one record: size, expiry, subkey, signer, signature, and only then the payload."""
+    if not isinstance(value, bytes) or len(value) > MAX_VALUE_BYTES:
+        raise RecordError(f"{kind.value} value is not bytes of at most {MAX_VALUE_BYTES}")
+    if expiration > now + MAX_TTL_S[kind] + CLOCK_SKEW_S:
+        raise RecordError(
+            f"{kind.value} record expires {expiration - now:.0f} s from now; limit {MAX_TTL_S[kind]:.0f} s"
+        )
+    subkey = decode_subkey(subkey_bytes)
+    owner = subkey_owner(kind, subkey)
+    head = PUBLIC_KEY_BYTES + SIGNATURE_BYTES
+    if len(value) <= head:
+        raise RecordError(f"{kind.value} value of {len(value)} bytes has no payload")
+    signer = value[:PUBLIC_KEY_BYTES].hex()
+    signature = value[PUBLIC_KEY_BYTES:head]
+    payload = value[head:]
+    if len(payload) > MAX_PAYLOAD_BYTES[kind]:
+        raise RecordError(
+            f"{kind.value} payload is {len(payload)} bytes; the limit is {MAX_PAYLOAD_BYTES[kind]}"
+        )
+    if kind in OPERATOR_KINDS:
+        if signer not in operator_keys:
+            raise RecordError(
+                f"{kind.value} record signed by {signer[:16]}…, which is not a pinned operator key"
+            )
+        if kind is RecordKind.POLICY and owner != signer:
+            raise RecordError("policy subkey must be the signing operator's key")
+    elif signer != owner:
+        raise RecordError(f"{kind.value} record under {owner[:16]}…'s subkey is signed by {signer[:16]}…")
+    if not is_valid_signature(signer, _signed_message(kid, subkey_bytes, expiration, payload), signature):
+        raise RecordError(f"{kind.value} record under subkey {subkey[:24]}… has a bad signature")
+    try:
+        body = BODY_TYPES[kind].model_validate_json(payload, strict=True)
+    except ValidationError as exc:
+        raise RecordError(
+            f"{kind.value} payload does not match its schema: {exc.errors()[0]['msg']}"
+        ) from None
+    _check_binding(kind, subkey, owner, body)
+    return body
+
+
+def _check_binding(kind: RecordKind, subkey: str, owner: str, body: _Wire) -> None:
+    # The body repeats the owner so that a record read on its own (logs, ledgers) still names it.
+    node_id = getattr(body, "node_id", owner)
+    if node_id != owner:
+        raise RecordError(f"{kind.value} body names node {node_id[:16]}… but its subkey names {owner[:16]}…")
+    if isinstance(body, RolloutAnnouncement) and subkey != f"{body.node_id}:{body.sha256}":
+        raise RecordError("rollout subkey does not match the announced file hash")

@@ -1,0 +1,111 @@
+"""Rollout hand-off over libp2p streams between real swarm peers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.swarm import HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
+from prime_node.p2p.swarm.handoff import ENVELOPE_SUFFIX, FILE_SUFFIX
+from prime_node.proofs.rollout_file import parse_envelope, sign_bytes, verify_envelope
+from swarm_support import fleet, wait_until
+
+# A port nothing listens on: announcing it makes the dial-back self-test fail, as behind a NAT.
+CLOSED_PORT_MADDR = "/ip4/127.0.0.1/tcp/9"
+
+
+def rollout_bytes(size: int) -> bytes:
+    return b"PAR1" + os.urandom(size - 8) + b"PAR1"  # opaque to the hand-off layer; Parquet-like ends
+
+
+async def test_rollout_reaches_validator_from_a_peer_in_client_mode(tmp_path: Path) -> None:
+    operator = Identity.generate()
+    async with fleet("handoff", operator) as group:
+        validator = await group.add(operator, roles=("validator",))
+        await validator.publish_validator()
+        received: list[ReceivedRollout] = []
+        await validator.serve_rollouts(tmp_path / "incoming", received.append)
+        sender = await group.add(announce_maddrs=[CLOSED_PORT_MADDR])
+        assert sender.client_mode  # the self-test found it cannot be dialled
+        heartbeat = (await validator.list_peers())[sender.node_id]
+        assert heartbeat.client_mode and heartbeat.addresses == []
+
+        data = rollout_bytes(700_000)  # several chunks
+        sha = hashlib.sha256(data).hexdigest()
+        # The envelope exactly as proofs/rollout_file.py signs it for the outbox.
+        envelope = RolloutEnvelope.model_validate(sign_bytes(data, sender.identity), strict=True)
+        receipt = await sender.send_rollout(data, envelope)
+        assert (receipt.body.sha256, receipt.body.sender, receipt.body.receiver) == (
+            sha,
+            sender.node_id,
+            validator.node_id,
+        )
+        assert [r.envelope.sha256 for r in received] == [sha] and received[0].peer_id == sender.peer_id
+        assert (tmp_path / "incoming" / f"{sha}{FILE_SUFFIX}").read_bytes() == data
+        # What lands on disk is what proofs/rollout_file.py reads: the file and its .sig envelope.
+        stored = parse_envelope((tmp_path / "incoming" / f"{sha}{ENVELOPE_SUFFIX}").read_bytes())
+        assert verify_envelope(data, stored, expected_signer=sender.node_id) == sender.node_id
+        # A resend after an ambiguous failure gets a receipt again without a second acceptance.
+        again = await sender.send_rollout(data, RolloutEnvelope.sign(sender.identity, data))
+        assert again.body.sha256 == sha and len(received) == 1
+
+
+async def test_bad_hand_offs_are_refused_without_being_stored(tmp_path: Path) -> None:
+    operator = Identity.generate()
+    incoming = tmp_path / "incoming"
+    async with fleet("refusals", operator) as group:
+        validator = await group.add(operator, roles=("validator",), max_rollout_bytes=64 * 1024)
+        await validator.publish_validator()
+        accepted: list[ReceivedRollout] = []
+
+        def accept(rollout: ReceivedRollout) -> None:
+            if rollout.size == 3000:  # stands in for the validator's own checks failing
+                raise HandoffRefused("rollout failed verification")
+            accepted.append(rollout)
+
+        await validator.serve_rollouts(incoming, accept)
+        sender = await group.add()
+        data = rollout_bytes(2000)
+        signed = RolloutEnvelope.sign(sender.identity, data)
+
+        async def refused(payload: bytes, envelope: RolloutEnvelope, match: str) -> None:
+            with pytest.raises(HandoffRefused, match=match):
+                await sender.send_rollout(payload, envelope)
+
+        big = rollout_bytes(65 * 1024)
+        await refused(big, RolloutEnvelope.sign(sender.identity, big), "exceeds the limit")
+        unsigned = signed.model_copy(update={"signature": "00" * 64})
+        await refused(data, unsigned, "signature does not verify")
+        by_other = RolloutEnvelope.sign(Identity.generate(), data)  # valid, but not this peer's node id
+        await refused(data, by_other, "no live heartbeat binds")
+        await refused(data[:-1] + b"!", signed, "SHA-256")
+        rejected = rollout_bytes(3000)
+        await refused(rejected, RolloutEnvelope.sign(sender.identity, rejected), "failed verification")
+        assert sorted(incoming.iterdir()) == [] and accepted == []
+        # Not one byte of the refused files reached the validator's disk: only the good one lands.
+        await sender.send_rollout(data, signed)
+        assert [r.envelope for r in accepted] == [signed]
+        assert sorted(p.name for p in incoming.iterdir()) == sorted(
+            [f"{signed.sha256}{FILE_SUFFIX}", f"{signed.sha256}{ENVELOPE_SUFFIX}"]
+        )
+        (incoming / f"{signed.sha256}{FILE_SUFFIX}").unlink()
+        (incoming / f"{signed.sha256}{ENVELOPE_SUFFIX}").unlink()
+
+        await operator_bans(group.peers[0], sender.node_id)
+        await refused(data, signed, "banned")
+        assert sorted(incoming.iterdir()) == []
+
+
+async def operator_bans(operator_swarm: Swarm, node_id: str) -> None:
+    await operator_swarm.publish_ban(node_id, "slashed in a test")
+
+    async def visible() -> bool:
+        return node_id in await operator_swarm.read_bans()
+
+    await wait_until(visible, timeout=20.0)
+    await asyncio.sleep(2.1)  # the receiver caches ban lookups for 2 s

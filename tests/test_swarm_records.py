@@ -1,0 +1,202 @@
+"""Signed swarm records and the DHT validator, on bytes exactly as hivemind hands them over."""
+
+from __future__ import annotations
+
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from pydantic import ValidationError
+
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.signing import canonical_json
+from prime_node.p2p.swarm import Ban, Hardware, Heartbeat, PolicyAnnouncement, RecordError, SwarmConfig
+from prime_node.p2p.swarm.records import RecordKind, dht_key, key_id, seal, seal_payload
+from prime_node.p2p.swarm.validator import SwarmRecordValidator
+
+RUN = "unit-run"
+OPERATOR = Identity.from_seed(bytes(range(32)))
+NODE = Identity.from_seed(bytes(range(1, 33)))
+OTHER = Identity.from_seed(bytes(range(2, 34)))
+
+
+def heartbeat(node: Identity, **changes: object) -> Heartbeat:
+    fields = dict(
+        node_id=node.node_id,
+        peer_id="12D3KooWLtPGnEYZ57XxMm1XZVfb9vLStjt5xvxMGaYtTKhRbtFK",
+        version="0.1.0",
+        roles=["contributor"],
+        hardware=Hardware(cpu="x86", cpu_cores=2, ram_mb=1024),
+        addresses=["/ip4/127.0.0.1/tcp/4001"],
+        client_mode=False,
+        policy_step=3,
+        serves_steps=[2, 3],
+        sent_at=1.0,
+    )
+    fields.update(changes)
+    return Heartbeat(**fields)
+
+
+def policy(step: int = 7) -> PolicyAnnouncement:
+    return PolicyAnnouncement(
+        step=step, manifest_sha256="ab" * 32, sources=["http://127.0.0.1:1/"], published_at=1.0
+    )
+
+
+def as_record(kind: RecordKind, subkey: str, value: bytes, expiration: float, run: str = RUN) -> DHTRecord:
+    # Exactly what hivemind's protocol passes to validators: key id, msgpack subkey, msgpack value.
+    return DHTRecord(
+        key_id(run, kind), MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiration
+    )
+
+
+@pytest.fixture()
+def validator() -> SwarmRecordValidator:
+    return SwarmRecordValidator(RUN, [OPERATOR.node_id])
+
+
+def test_honest_records_validate_and_parse_back(validator: SwarmRecordValidator) -> None:
+    exp = get_dht_time() + 30
+    hb = heartbeat(NODE)
+    rec = as_record(
+        RecordKind.HEARTBEAT, NODE.node_id, seal(NODE, RUN, RecordKind.HEARTBEAT, NODE.node_id, hb, exp), exp
+    )
+    assert validator.validate(rec)
+    assert validator.check(rec) == hb
+    pol = as_record(
+        RecordKind.POLICY,
+        OPERATOR.node_id,
+        seal(OPERATOR, RUN, RecordKind.POLICY, OPERATOR.node_id, policy(), exp),
+        exp,
+    )
+    assert validator.check(pol) == policy()
+    ban = Ban(node_id=OTHER.node_id, reason="bad TOPLOC", banned_at=1.0)
+    assert validator.validate(
+        as_record(
+            RecordKind.BAN, OTHER.node_id, seal(OPERATOR, RUN, RecordKind.BAN, OTHER.node_id, ban, exp), exp
+        )
+    )
+
+
+def forgeries() -> dict[str, DHTRecord]:
+    exp = get_dht_time() + 30
+    good = seal(NODE, RUN, RecordKind.HEARTBEAT, NODE.node_id, heartbeat(NODE), exp)
+    flipped = good[:40] + bytes([good[40] ^ 1]) + good[41:]
+    payload = canonical_json(heartbeat(NODE).model_dump(mode="json"))
+    hb = RecordKind.HEARTBEAT
+    return {
+        "bad signature": as_record(hb, NODE.node_id, flipped, exp),
+        "tampered payload": as_record(
+            hb, NODE.node_id, good.replace(b'"policy_step":3', b'"policy_step":4'), exp
+        ),
+        "another owner's subkey": as_record(
+            hb, NODE.node_id, seal_payload(OTHER, RUN, hb, NODE.node_id, payload, exp), exp
+        ),
+        "body names another node": as_record(
+            hb, OTHER.node_id, seal(OTHER, RUN, hb, OTHER.node_id, heartbeat(NODE), exp), exp
+        ),
+        "bad schema": as_record(
+            hb,
+            NODE.node_id,
+            seal_payload(
+                NODE, RUN, hb, NODE.node_id, payload.replace(b'"policy_step":3', b'"policy_step":"3"'), exp
+            ),
+            exp,
+        ),
+        "unknown field": as_record(
+            hb,
+            NODE.node_id,
+            seal_payload(NODE, RUN, hb, NODE.node_id, payload[:-1] + b',"extra":1}', exp),
+            exp,
+        ),
+        "oversized value": as_record(
+            hb, NODE.node_id, seal_payload(NODE, RUN, hb, NODE.node_id, payload + b" " * 20000, exp), exp
+        ),
+        "far-future expiry": as_record(
+            hb, NODE.node_id, seal(NODE, RUN, hb, NODE.node_id, heartbeat(NODE), exp + 86400), exp + 86400
+        ),
+        "expiry extended after signing": as_record(hb, NODE.node_id, good, exp + 10),
+        "policy not signed by the operator": as_record(
+            RecordKind.POLICY,
+            NODE.node_id,
+            seal(NODE, RUN, RecordKind.POLICY, NODE.node_id, policy(), exp),
+            exp,
+        ),
+        "ban not signed by the operator": as_record(
+            RecordKind.BAN,
+            OTHER.node_id,
+            seal(
+                NODE,
+                RUN,
+                RecordKind.BAN,
+                OTHER.node_id,
+                Ban(node_id=OTHER.node_id, reason="x", banned_at=1.0),
+                exp,
+            ),
+            exp,
+        ),
+        "heartbeat replayed under the policy key": DHTRecord(
+            key_id(RUN, RecordKind.POLICY),
+            MSGPackSerializer.dumps(NODE.node_id),
+            MSGPackSerializer.dumps(good),
+            exp,
+        ),
+        "record replayed into another run": as_record(hb, NODE.node_id, good, exp, run="other-run"),
+        "value without subkey": DHTRecord(
+            key_id(RUN, hb), MSGPackSerializer.dumps(None), MSGPackSerializer.dumps(good), exp
+        ),
+        "value is not bytes": DHTRecord(
+            key_id(RUN, hb), MSGPackSerializer.dumps(NODE.node_id), MSGPackSerializer.dumps({"a": 1}), exp
+        ),
+        "truncated value": as_record(hb, NODE.node_id, good[:90], exp),
+    }
+
+
+@pytest.mark.parametrize("name", list(forgeries()))
+def test_every_forgery_is_refused(validator: SwarmRecordValidator, name: str) -> None:
+    record = forgeries()[name]
+    assert not validator.validate(record)
+    with pytest.raises(RecordError):
+        validator.check(record)
+
+
+def test_keys_of_other_runs_are_refused_not_ignored(validator: SwarmRecordValidator) -> None:
+    exp = get_dht_time() + 30
+    stray = DHTRecord(
+        b"\x01" * 20, MSGPackSerializer.dumps(None), MSGPackSerializer.dumps(b"free storage"), exp
+    )
+    assert not validator.validate(stray)
+
+
+def test_schemas_are_strict() -> None:
+    with pytest.raises(ValidationError):
+        heartbeat(NODE, policy_step="3")
+    with pytest.raises(ValidationError):
+        heartbeat(NODE, node_id="XY" * 32)
+    with pytest.raises(RecordError):  # seal refuses a body of the wrong kind
+        seal(NODE, RUN, RecordKind.POLICY, NODE.node_id, heartbeat(NODE), get_dht_time() + 5)
+    assert dht_key(RUN, RecordKind.BAN) == "unit-run/ban"
+
+
+def test_config_checks_fields() -> None:
+    with pytest.raises(ValidationError, match="heartbeat_ttl_s"):
+        SwarmConfig(heartbeat_interval_s=30, heartbeat_ttl_s=20)
+    with pytest.raises(ValidationError, match="p2p"):
+        SwarmConfig(initial_peers=["/ip4/127.0.0.1/tcp/4001"])
+    with pytest.raises(ValidationError, match="multiaddr"):
+        SwarmConfig(host_maddrs=["127.0.0.1:4001"])
+    with pytest.raises(ValidationError, match="operator key"):
+        SwarmConfig(operator_keys=["not-hex"])
+    with pytest.raises(ValidationError):
+        SwarmConfig(heartbeat_ttl_s=10_000)  # beyond what honest peers accept
+
+
+def test_accepted_records_are_remembered_but_refusals_are_not(validator: SwarmRecordValidator) -> None:
+    exp = get_dht_time() + 30
+    value = seal(NODE, RUN, RecordKind.HEARTBEAT, NODE.node_id, heartbeat(NODE), exp)
+    record = as_record(RecordKind.HEARTBEAT, NODE.node_id, value, exp)
+    assert validator.validate(record) and validator.validate(record)
+    # A cached acceptance covers only these exact bytes: any change is checked afresh and refused.
+    assert not validator.validate(as_record(RecordKind.HEARTBEAT, NODE.node_id, value, exp + 1))
+    assert not validator.validate(as_record(RecordKind.HEARTBEAT, OTHER.node_id, value, exp))
+    for name, forged in forgeries().items():
+        assert not validator.validate(forged) and not validator.validate(forged), name
