@@ -1,0 +1,35 @@
+"""Errors of the weights sub-package; all derive from the p2p package's base, P2PError."""
+
+from __future__ import annotations
+
+from ..errors import P2PError
+
+
+class WeightsError(P2PError):
+    """Base class of errors raised by prime_node.p2p.weights."""
+
+
+class ManifestError(WeightsError):
+    """A manifest is oversized, malformed, unsigned, signed by the wrong key, or inconsistent."""
+
+
+class ReplayError(ManifestError):
+    """A manifest names a step older than one already held (a replayed or rolled-back checkpoint)."""
+
+
+class StoreError(WeightsError):
+    """The on-disk store is unusable: not enough free disk, unreadable state, or a conflicting version."""
+
+
+class PublishError(WeightsError):
+    """A checkpoint directory cannot be published (missing, empty, or holding files that cannot be shipped)."""
+
+
+class FetchError(WeightsError):
+    """A checkpoint could not be fetched and verified; the message names the shard and the sources to blame."""
+
+    def __init__(self, message: str, blame: list[dict[str, object]] | None = None, shard: int | None = None) -> None:
+        super().__init__(message)
+        # Machine-readable record of what failed where: [{shard, source, reason, corrupt}, ...] (for --json).
+        self.blame = blame or []
+        self.shard = shard  # the shard that could not be fetched, when one is to blame

@@ -1,0 +1,79 @@
+"""A relay: follow upstream servers, mirror each new version, and serve it while it arrives.
+
+The relay fetches exactly as a client does (fetch.py): the manifest is verified against the pinned key
+before it is advertised, and each shard is advertised only once its own SHA-256 verified. A version that
+fails verification is dropped and never listed as complete; a bad shard is never served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .errors import WeightsError
+from .fetch import Fetcher, FetchSettings
+from .manifest import SignedManifest
+from .server import WeightsServer
+from .store import CHECKPOINT_NAME
+
+logger = logging.getLogger(__name__)
+
+
+class Relay:
+    """Mirrors versions from `upstreams` into `server`'s store and serves them through `server`."""
+
+    def __init__(
+        self,
+        server: WeightsServer,
+        upstreams: list[str],
+        trusted_key: str,
+        fetch_settings: FetchSettings | None = None,
+        *,
+        poll_interval_s: float = 2.0,
+        node_id: str | None = None,
+    ) -> None:
+        self.server = server
+        self.poll_interval_s = poll_interval_s
+        self.fetcher = Fetcher(upstreams, trusted_key, server.store, fetch_settings, node_id=node_id)
+        self.fetcher.on_manifest = self._on_manifest
+        self._step: int | None = None
+        self.failures: list[str] = []  # recent reasons a version was not mirrored (status, tests)
+
+    def _on_manifest(self, manifest: SignedManifest, _resumed: int) -> None:
+        self._step = manifest.step
+        self.server.add_partial(manifest, self.server.store.partial_dir(manifest.step) / CHECKPOINT_NAME)
+
+    def _on_shard(self, index: int) -> None:
+        if self._step is not None:
+            self.server.shard_ready(self._step, index)
+
+    async def run(self) -> None:
+        """Follow the upstreams until cancelled; one failed round is logged, never fatal."""
+        self.fetcher.on_shard = self._on_shard
+        while True:
+            try:
+                await self.follow_once()
+            except WeightsError as exc:
+                self.failures = (self.failures + [str(exc)])[-10:]
+                logger.warning("relay: %s", exc)
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def follow_once(self) -> int | None:
+        """Mirror the upstreams' newest version if it is newer than what is held; returns its step."""
+        self.fetcher.on_shard = self._on_shard
+        try:
+            manifest, serving, errors = await self.fetcher.resolve(None)
+            if manifest.step <= self.server.store.high_water():
+                return None
+            try:
+                result = await self.fetcher.fetch_version(manifest, serving, errors)
+            except BaseException:
+                self.server.drop(manifest.step)
+                raise
+        finally:
+            self._step = None
+            self.fetcher.connections.close()
+        self.server.mark_complete(result.manifest, result.checkpoint_dir)
+        await self.server.rescan()
+        logger.info("relay: mirrored step %d", manifest.step)
+        return manifest.step

@@ -1,0 +1,288 @@
+"""The HTTP server for manifests and shards: origins, relays and peers that hold a verified version run it.
+
+Endpoints (pinned in docs/protocol.md, ## Weights):
+    GET /v1/weights/versions                     JSON list of the versions served
+    GET /v1/weights/latest                       manifest of the newest version
+    GET /v1/weights/{step}/manifest              manifest of one version
+    GET /v1/weights/{step}/shards/{index}        shard bytes; honours one `Range: bytes=` range (206)
+
+A version is served from its directory in the store. A relay also serves a version that is still
+arriving: its manifest once verified, each shard once verified; a request for a shard not verified yet
+waits for it a little (pipelining) and then gets 503 with Retry-After. Files go out with sendfile.
+Banned clients get 403, clients over their request rate 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from pydantic import BaseModel, ConfigDict, Field
+
+from .access import BanList, RateLimiter
+from ..errors import P2PError
+from .manifest import SignedManifest
+from .store import CHECKPOINT_NAME, Store
+from .transfer import NODE_ID_HEADER, SHARD_CONTENT_TYPE
+
+logger = logging.getLogger(__name__)
+
+
+class ServeSettings(BaseModel):
+    """Where and how a weights server listens, and what it keeps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to bind; loopback unless the operator opens it up.")
+    port: int = Field(8470, ge=0, le=65535, description="TCP port (0 picks a free one).")
+    keep: int = Field(5, ge=1, description="Versions kept on disk; older ones are deleted.")
+    rate_per_s: float = Field(200.0, ge=0, description="Requests per second per client address (0: unlimited).")
+    rate_burst: int = Field(400, ge=1, description="Requests a client may burst above its rate.")
+    ban: list[str] = Field(default_factory=list, description="Banned node ids (64 hex) and IP addresses/networks.")
+    ban_file: Path | None = Field(None, description="File of ban entries, one per line, re-read when it changes.")
+    scan_interval_s: float = Field(1.0, gt=0, description="How often the store directory is rescanned.")
+    shard_wait_s: float = Field(5.0, ge=0, description="How long a request waits for a shard still arriving.")
+
+
+@dataclass
+class ServedVersion:
+    """One version the server answers for."""
+
+    manifest: SignedManifest
+    manifest_bytes: bytes
+    checkpoint_dir: Path
+    complete: bool
+    ready: set[int] = field(default_factory=set)  # verified shards of an incomplete version
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # pulsed whenever a shard is verified
+
+    def has(self, index: int) -> bool:
+        return self.complete or index in self.ready
+
+
+class WeightsServer:
+    """Serves the versions of a store; see the module docstring."""
+
+    def __init__(self, store: Store, settings: ServeSettings | None = None, trusted_key: str | None = None) -> None:
+        self.store = store
+        self.settings = settings or ServeSettings()
+        self.trusted_key = trusted_key
+        self.versions: dict[int, ServedVersion] = {}
+        self.bans = BanList(self.settings.ban, self.settings.ban_file)
+        self.limiter = RateLimiter(self.settings.rate_per_s, self.settings.rate_burst)
+        self._runner: web.AppRunner | None = None
+        self._scanner: asyncio.Task[None] | None = None
+        self.port: int | None = None
+        self.addresses: list[tuple[str, int]] = []
+        self._unservable: set[int] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._access])
+        app.router.add_get("/v1/weights/versions", self._versions)
+        app.router.add_get("/v1/weights/latest", self._latest)
+        app.router.add_get(r"/v1/weights/{step:\d{1,16}}/manifest", self._manifest)
+        app.router.add_get(r"/v1/weights/{step:\d{1,16}}/shards/{index:\d{1,9}}", self._shard)
+        return app
+
+    async def start(self) -> str:
+        """Scan the store, bind, and start the rescanning task; returns the base URL."""
+        self.store.root.mkdir(parents=True, exist_ok=True)
+        await self.rescan()
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        await site.start()
+        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        self.addresses = [tuple(s.getsockname()[:2]) for s in sockets]  # what was actually bound
+        self.port = sockets[0].getsockname()[1] if sockets else self.settings.port
+        self._scanner = asyncio.create_task(self._scan_forever(), name="weights-server-scan")
+        url = f"http://{self.settings.host}:{self.port}"
+        logger.info("serving weights from %s at %s", self.store.root, url)
+        return url
+
+    async def stop(self) -> None:
+        if self._scanner is not None:
+            self._scanner.cancel()
+            await asyncio.gather(self._scanner, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @property
+    def scanner(self) -> asyncio.Task[None] | None:
+        """The background rescanning task, for supervisors that want to notice if it crashes."""
+        return self._scanner
+
+    async def _scan_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.scan_interval_s)
+            try:
+                await self.rescan()
+            except OSError as exc:  # a disk hiccup must not stop serving what is already loaded
+                logger.warning("rescanning %s failed: %s", self.store.root, exc)
+
+    async def rescan(self) -> None:
+        """Prune to `keep`, load complete versions that appeared, forget the ones that went away."""
+        await asyncio.to_thread(self.store.prune, self.settings.keep)
+        await asyncio.to_thread(self.bans.reload)
+        steps = await asyncio.to_thread(self.store.versions)
+        for step in steps:
+            served = self.versions.get(step)
+            if served is not None and served.complete:
+                continue
+            if step in self._unservable:
+                continue
+            try:
+                manifest = await asyncio.to_thread(self.store.load_manifest, step, self.trusted_key)
+            except (P2PError, OSError) as exc:
+                self._unservable.add(step)  # warned once, not at every scan
+                logger.warning("not serving %s: %s", self.store.version_dir(step), exc)
+                continue
+            self.mark_complete(manifest, self.store.version_dir(step) / CHECKPOINT_NAME)
+        for step in [s for s, v in self.versions.items() if v.complete and s not in steps]:
+            del self.versions[step]
+
+    # ---- used by relays ----------------------------------------------------------------------------------
+
+    def add_partial(self, manifest: SignedManifest, checkpoint_dir: Path) -> None:
+        """Advertise a version whose manifest verified and whose shards are arriving."""
+        if manifest.step not in self.versions:
+            self.versions[manifest.step] = ServedVersion(manifest, manifest.to_bytes(), checkpoint_dir, complete=False)
+
+    def shard_ready(self, step: int, index: int) -> None:
+        served = self.versions.get(step)
+        if served is not None and not served.complete:
+            served.ready.add(index)
+            served.arrived.set()
+            served.arrived = asyncio.Event()  # waiters hold the old event; new waiters wait for the next shard
+
+    def mark_complete(self, manifest: SignedManifest, checkpoint_dir: Path) -> None:
+        old = self.versions.get(manifest.step)
+        self.versions[manifest.step] = ServedVersion(manifest, manifest.to_bytes(), checkpoint_dir, complete=True)
+        if old is not None:
+            old.arrived.set()
+
+    def drop(self, step: int) -> None:
+        """Stop advertising an incomplete version (its fetch failed verification or was abandoned)."""
+        served = self.versions.get(step)
+        if served is not None and not served.complete:
+            del self.versions[step]
+            served.arrived.set()
+
+    # ---- handlers ----------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _access(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        node_id = request.headers.get(NODE_ID_HEADER)
+        if self.bans.is_banned(request.remote, node_id):
+            return web.json_response({"error": "banned"}, status=403)
+        allowed, retry = self.limiter.allow(request.remote or "?")
+        if not allowed:
+            return web.json_response({"error": "rate limited"}, status=429, headers={"Retry-After": f"{retry:.2f}"})
+        return await handler(request)
+
+    def _version(self, request: web.Request) -> ServedVersion:
+        served = self.versions.get(int(request.match_info["step"]))
+        if served is None:
+            raise web.HTTPNotFound(text=json.dumps({"error": "no such version"}), content_type="application/json")
+        return served
+
+    async def _versions(self, request: web.Request) -> web.Response:
+        listing = [
+            {"step": s, "manifest_sha256": v.manifest.digest, "complete": v.complete,
+             "shards_ready": len(v.manifest.body.shards) if v.complete else len(v.ready)}
+            for s, v in sorted(self.versions.items())
+        ]
+        return web.json_response({"versions": listing})
+
+    async def _latest(self, request: web.Request) -> web.Response:
+        if not self.versions:
+            return web.json_response({"error": "no version yet"}, status=404)
+        served = self.versions[max(self.versions)]
+        return web.Response(body=served.manifest_bytes, content_type="application/json")
+
+    async def _manifest(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._version(request).manifest_bytes, content_type="application/json")
+
+    async def _shard(self, request: web.Request) -> web.StreamResponse:
+        served = self._version(request)
+        index = int(request.match_info["index"])
+        shards = served.manifest.body.shards
+        if index >= len(shards):
+            raise web.HTTPNotFound(text='{"error": "no such shard"}', content_type="application/json")
+        served = await self._wait_for(served, index)
+        size = shards[index].size
+        try:
+            span = request.http_range  # slice(start, stop); slice(-N, None) for a suffix range
+        except ValueError:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
+        start, stop = span.start or 0, span.stop
+        if start < 0:
+            start, stop = max(0, size + start), None
+        stop = size if stop is None else min(stop, size)
+        if not 0 <= start < stop:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+        partial = "Range" in request.headers
+        resp = web.StreamResponse(status=206 if partial else 200)
+        resp.content_type = SHARD_CONTENT_TYPE
+        resp.content_length = stop - start
+        resp.headers["Accept-Ranges"] = "bytes"
+        resp.headers["ETag"] = f'"{shards[index].sha256}"'
+        if partial:
+            resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        await resp.prepare(request)
+        await self._send_range(request, resp, served, index, start, stop)
+        await resp.write_eof()
+        return resp
+
+    async def _wait_for(self, served: ServedVersion, index: int) -> ServedVersion:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.shard_wait_s
+        while not served.has(index):
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self.versions.get(served.manifest.step) is not served:
+                current = self.versions.get(served.manifest.step)
+                if current is not None and current.has(index):
+                    return current
+                raise web.HTTPServiceUnavailable(
+                    text='{"error": "shard not verified here yet"}', content_type="application/json",
+                    headers={"Retry-After": "1"},
+                )
+            try:
+                await asyncio.wait_for(served.arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        return served
+
+    async def _send_range(
+        self, request: web.Request, resp: web.StreamResponse, served: ServedVersion, index: int, start: int, stop: int
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        files = served.manifest.body.files
+        for seg in served.manifest.segments(index):
+            lo, hi = max(start, seg.shard_offset), min(stop, seg.shard_offset + seg.length)
+            if lo >= hi:
+                continue
+            offset = seg.file_offset + (lo - seg.shard_offset)
+            path = served.checkpoint_dir / files[seg.file_index].path
+            if not path.exists():  # a relay's version may have just moved from .partial/ into place
+                path = self.store.version_dir(served.manifest.step) / CHECKPOINT_NAME / files[seg.file_index].path
+            with open(path, "rb") as fobj:
+                transport = request.transport
+                if transport is None:
+                    raise ConnectionResetError("client went away")
+                try:
+                    await loop.sendfile(transport, fobj, offset, hi - lo)
+                except NotImplementedError:  # e.g. TLS transports: plain reads on a thread instead
+                    pos = offset
+                    while pos < offset + (hi - lo):
+                        block = await asyncio.to_thread(os.pread, fobj.fileno(), min(1 << 20, offset + hi - lo - pos), pos)
+                        await resp.write(block)
+                        pos += len(block)
+

@@ -1,0 +1,129 @@
+"""Which source serves the next shard: a weighted draw over measured bandwidth and reliability.
+
+Each source's weight is EMA(bandwidth) x EMA(success) + a healing term. The healing term (a small share of
+the best bandwidth, plus a success score that recovers with time since the last failure) means a slow or
+failed source is tried again later instead of being shunned forever; an exponential cooldown after
+consecutive failures means it is not hammered meanwhile. A source that served corrupt data is penalised
+harder than one that merely failed, and a source whose manifest did not verify is excluded outright.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SelectionSettings(BaseModel):
+    """How sources are scored and how failures back off."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ema_alpha: float = Field(0.3, gt=0, le=1, description="Weight of the newest observation in the EMAs.")
+    heal_share: float = Field(0.05, ge=0, le=1, description="Healing term: this share of the best bandwidth.")
+    heal_per_second: float = Field(0.05, ge=0, description="Success score regained per second since a failure.")
+    corrupt_penalty: float = Field(0.1, ge=0, le=1, description="Success score is multiplied by this on bad data.")
+    backoff_base_s: float = Field(0.25, gt=0, description="Cooldown after the first consecutive failure.")
+    backoff_max_s: float = Field(30.0, gt=0, description="Longest cooldown after repeated failures.")
+
+
+@dataclass
+class SourceState:
+    """What the fetcher has learnt about one source during this fetch."""
+
+    url: str
+    bandwidth: float | None = None  # EMA of bytes/s over completed shard transfers; None until measured
+    success: float = 1.0  # EMA of 1 (shard verified) / 0 (failed or corrupt)
+    failures_in_row: int = 0
+    last_failure: float = 0.0
+    cooldown_until: float = 0.0
+    excluded: str | None = None  # why this source is not used at all (e.g. its manifest did not verify)
+    shards_ok: int = 0
+    shards_failed: int = 0
+    shards_corrupt: int = 0
+    bytes_ok: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def report(self) -> dict[str, object]:
+        return {
+            "url": self.url,
+            "bandwidth_mib_s": round((self.bandwidth or 0.0) / 2**20, 2),
+            "success": round(self.success, 3),
+            "shards_ok": self.shards_ok,
+            "shards_failed": self.shards_failed,
+            "shards_corrupt": self.shards_corrupt,
+            "bytes_ok": self.bytes_ok,
+            "excluded": self.excluded,
+            "last_errors": self.errors[-3:],
+        }
+
+
+class SourcePool:
+    """The sources of one fetch and the weighted draw among them."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        settings: SelectionSettings | None = None,
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings or SelectionSettings()
+        self.sources = {url: SourceState(url) for url in urls}
+        self.rng = rng or random.Random()
+        self.clock = clock
+
+    def usable(self) -> list[SourceState]:
+        return [s for s in self.sources.values() if s.excluded is None]
+
+    def weight(self, source: SourceState, now: float) -> float:
+        if source.excluded is not None or now < source.cooldown_until:
+            return 0.0
+        known = [s.bandwidth for s in self.sources.values() if s.bandwidth]
+        best = max(known) if known else 1.0
+        bandwidth = source.bandwidth or best  # optimistic for the unmeasured, so every source gets tried
+        healed = min(1.0, source.success + self.settings.heal_per_second * max(0.0, now - source.last_failure))
+        return bandwidth * healed + self.settings.heal_share * best
+
+    def pick(self, avoid: Collection[str] = ()) -> tuple[SourceState | None, float]:
+        """Draw a source; returns (None, seconds to wait) when every usable one is cooling down."""
+        now = self.clock()
+        candidates = [s for s in self.usable() if s.url not in avoid] or self.usable()
+        weights = [self.weight(s, now) for s in candidates]
+        if not candidates:
+            return None, 0.0
+        if sum(weights) <= 0:
+            return None, max(0.01, min(s.cooldown_until for s in candidates) - now)
+        return self.rng.choices(candidates, weights=weights, k=1)[0], 0.0
+
+    def record_success(self, source: SourceState, nbytes: int, seconds: float) -> None:
+        a = self.settings.ema_alpha
+        rate = nbytes / max(seconds, 1e-6)
+        source.bandwidth = rate if source.bandwidth is None else a * rate + (1 - a) * source.bandwidth
+        source.success = a + (1 - a) * source.success
+        source.failures_in_row = 0
+        source.shards_ok += 1
+        source.bytes_ok += nbytes
+
+    def record_failure(self, source: SourceState, reason: str, *, corrupt: bool = False) -> None:
+        a = self.settings.ema_alpha
+        now = self.clock()
+        source.success = (1 - a) * source.success * (self.settings.corrupt_penalty if corrupt else 1.0)
+        source.failures_in_row += 1
+        source.last_failure = now
+        delay = self.settings.backoff_base_s * 2 ** (source.failures_in_row - 1)
+        source.cooldown_until = now + min(self.settings.backoff_max_s, delay)
+        if corrupt:
+            source.shards_corrupt += 1
+        else:
+            source.shards_failed += 1
+        source.errors.append(reason)
+        del source.errors[:-10]
+
+    def exclude(self, url: str, reason: str) -> None:
+        self.sources[url].excluded = reason
+        self.sources[url].errors.append(reason)

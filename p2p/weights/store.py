@@ -1,0 +1,303 @@
+"""The on-disk store of checkpoint versions, shared by publishers, servers, relays and fetchers.
+
+    ROOT/step-<12 digits>/manifest.json          a complete, verified version
+    ROOT/step-<12 digits>/checkpoint/<files>     ... its files, loadable as an HF directory
+    ROOT/.partial/step-<12 digits>/              a version being assembled (same layout + progress.json)
+    ROOT/high-water.json                          the highest step ever completed (replay protection)
+
+Partial data lives only under .partial/ and a version appears at its final path by one atomic rename of
+its directory, so a reader never sees a half-written checkpoint. progress.json records which shards are
+verified and how many bytes of unfinished shards are on disk, so a rerun after kill -9 resumes with Range
+requests. Every call here blocks on disk; async callers run them in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ReplayError, StoreError
+from .manifest import SignedManifest, parse_signed
+
+logger = logging.getLogger(__name__)
+
+PARTIAL = ".partial"
+MANIFEST_NAME = "manifest.json"
+PROGRESS_NAME = "progress.json"
+CHECKPOINT_NAME = "checkpoint"
+HIGH_WATER_NAME = "high-water.json"
+_VERSION_RE = re.compile(r"^step-(\d{12})$")
+FREE_DISK_MARGIN = 64 << 20  # keep some slack so that the store never fills the disk to the last byte
+
+
+def version_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a small file so that readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+@dataclass
+class ShardProgress:
+    """Bytes of an unfinished shard already on disk, and who sent them (for blame after a resume)."""
+
+    done_bytes: int = 0
+    sources: set[str] = field(default_factory=set)
+
+
+class PartialVersion:
+    """A version being assembled under ROOT/.partial/: preallocated files written shard by shard."""
+
+    def __init__(self, directory: Path, manifest: SignedManifest) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self.done: dict[int, str] = {}  # shard index -> hex digest computed from the bytes we received
+        self.progress: dict[int, ShardProgress] = {}
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.directory / CHECKPOINT_NAME
+
+    def file_path(self, file_index: int) -> Path:
+        return self.checkpoint_dir / self.manifest.body.files[file_index].path
+
+    def prepare(self) -> None:
+        """Create the directory and sparse files of the right sizes, and load progress from a previous run."""
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.directory / MANIFEST_NAME, self.manifest.to_bytes())
+        for index, entry in enumerate(self.manifest.body.files):
+            path = self.file_path(index)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            if os.fstat(fd).st_size != entry.size:
+                os.ftruncate(fd, entry.size)
+            self._fds[index] = fd
+        self._load_progress()
+
+    def _load_progress(self) -> None:
+        path = self.directory / PROGRESS_NAME
+        try:
+            state = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return
+        except ValueError:
+            logger.warning("ignoring unreadable %s; the version is fetched from scratch", path)
+            return
+        if not isinstance(state, dict) or state.get("manifest") != self.manifest.digest:
+            return  # progress of another manifest for the same step: nothing of it can be trusted
+        try:
+            self._apply_progress(state)
+        except (ValueError, TypeError, AttributeError):
+            logger.warning("ignoring malformed %s; the version is fetched from scratch", path)
+            self.done.clear()
+            self.progress.clear()
+
+    def _apply_progress(self, state: dict[str, object]) -> None:
+        shards = self.manifest.body.shards
+        for key, digest in dict(state.get("done", {})).items():  # type: ignore[call-overload]
+            index = int(key)
+            if 0 <= index < len(shards) and digest == shards[index].sha256:
+                self.done[index] = digest
+        for key, entry in dict(state.get("partial", {})).items():  # type: ignore[call-overload]
+            index = int(key)
+            if 0 <= index < len(shards) and index not in self.done:
+                done_bytes = int(entry.get("bytes", 0))
+                if 0 < done_bytes < shards[index].size:
+                    self.progress[index] = ShardProgress(done_bytes, set(map(str, entry.get("sources", []))))
+
+    def progress_snapshot(self) -> bytes:
+        """The resume journal as bytes; taken on the thread that mutates `done` and `progress` (the event loop)."""
+        state = {
+            "manifest": self.manifest.digest,
+            "done": {str(i): d for i, d in self.done.items()},
+            "partial": {
+                str(i): {"bytes": p.done_bytes, "sources": sorted(p.sources)}
+                for i, p in self.progress.items()
+                if p.done_bytes > 0
+            },
+        }
+        return json.dumps(state).encode()
+
+    def write_progress(self, snapshot: bytes) -> None:
+        with self._lock:  # journal writes from two threads must not interleave their temp files
+            write_atomic(self.directory / PROGRESS_NAME, snapshot)
+
+    def write(self, index: int, shard_offset: int, data: bytes | memoryview) -> None:
+        """Write `data` at `shard_offset` inside shard `index`, across file boundaries."""
+        view = memoryview(data)
+        end = shard_offset + len(view)
+        for seg in self.manifest.segments(index):
+            lo, hi = max(shard_offset, seg.shard_offset), min(end, seg.shard_offset + seg.length)
+            if lo < hi:
+                piece = view[lo - shard_offset : hi - shard_offset]
+                os.pwrite(self._fds[seg.file_index], piece, seg.file_offset + (lo - seg.shard_offset))
+
+    def read(self, index: int, start: int, length: int) -> bytes:
+        return read_shard_range(self.manifest, self._fds.__getitem__, index, start, length)
+
+    def fsync(self) -> None:
+        for fd in self._fds.values():
+            os.fsync(fd)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def read_shard_range(manifest: SignedManifest, fd_of: object, index: int, start: int, length: int) -> bytes:
+    """Read bytes [start, start+length) of shard `index` through `fd_of(file_index) -> fd`."""
+    parts: list[bytes] = []
+    end = start + length
+    for seg in manifest.segments(index):
+        lo, hi = max(start, seg.shard_offset), min(end, seg.shard_offset + seg.length)
+        if lo < hi:
+            parts.append(os.pread(fd_of(seg.file_index), hi - lo, seg.file_offset + (lo - seg.shard_offset)))  # type: ignore[operator]
+    return b"".join(parts)
+
+
+class Store:
+    """Versions under one root directory; see the module docstring for the layout."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).expanduser().resolve()
+
+    def version_dir(self, step: int) -> Path:
+        return self.root / version_name(step)
+
+    def partial_dir(self, step: int) -> Path:
+        return self.root / PARTIAL / version_name(step)
+
+    def versions(self) -> list[int]:
+        """Steps of the complete versions, oldest first."""
+        if not self.root.is_dir():
+            return []
+        steps = []
+        for entry in self.root.iterdir():
+            match = _VERSION_RE.match(entry.name)
+            if match and (entry / MANIFEST_NAME).is_file():
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def partial_versions(self) -> list[int]:
+        base = self.root / PARTIAL
+        if not base.is_dir():
+            return []
+        return sorted(int(m.group(1)) for e in base.iterdir() if (m := _VERSION_RE.match(e.name)))
+
+    def manifest_bytes(self, step: int, *, partial: bool = False) -> bytes:
+        directory = self.partial_dir(step) if partial else self.version_dir(step)
+        return (directory / MANIFEST_NAME).read_bytes()
+
+    def load_manifest(self, step: int, trusted_key: str | None, *, partial: bool = False) -> SignedManifest:
+        """Read and re-verify a stored manifest (against its own signer when no key is pinned: an origin)."""
+        raw = self.manifest_bytes(step, partial=partial)
+        key = trusted_key or _claimed_signer(raw)
+        manifest = parse_signed(raw, key)
+        if manifest.step != step:
+            raise StoreError(f"{self.version_dir(step)} holds a manifest for step {manifest.step}; remove it")
+        return manifest
+
+    def high_water(self) -> int:
+        """The highest step ever completed here; manifests for older steps are refused."""
+        steps = self.versions()
+        best = steps[-1] if steps else -1
+        try:
+            recorded = json.loads((self.root / HIGH_WATER_NAME).read_bytes()).get("step", -1)
+            best = max(best, int(recorded))
+        except (FileNotFoundError, ValueError, AttributeError, TypeError):
+            pass
+        return best
+
+    def check_not_replayed(self, manifest: SignedManifest) -> None:
+        high = self.high_water()
+        if manifest.step < high:
+            raise ReplayError(
+                f"manifest for step {manifest.step} is older than step {high} already held in {self.root}: "
+                "refusing a replayed or rolled-back checkpoint"
+            )
+
+    def ensure_free_space(self, needed: int) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        if free < needed + FREE_DISK_MARGIN:
+            raise StoreError(
+                f"not enough free disk in {self.root}: the checkpoint needs {needed / 2**20:.1f} MiB more "
+                f"(plus a {FREE_DISK_MARGIN >> 20} MiB margin) and {free / 2**20:.1f} MiB are free; "
+                "free some space or pass another --out"
+            )
+
+    def open_partial(self, manifest: SignedManifest) -> PartialVersion:
+        directory = self.partial_dir(manifest.step)
+        partial = PartialVersion(directory, manifest)
+        partial.prepare()
+        return partial
+
+    def finalize(self, partial: PartialVersion, *, durable: bool = True) -> Path:
+        """Move a fully verified partial version into place atomically and record the high-water mark."""
+        if durable:
+            partial.fsync()
+        partial.close()
+        (partial.directory / PROGRESS_NAME).unlink(missing_ok=True)
+        return self.install(partial.directory, partial.manifest.step, durable=durable)
+
+    def install(self, staging: Path, step: int, *, durable: bool = True) -> Path:
+        """Rename a complete staging directory to its version path (atomic on one filesystem)."""
+        final = self.version_dir(step)
+        if final.exists():
+            raise StoreError(f"{final} already exists; remove it to store step {step} again")
+        os.replace(staging, final)
+        if durable:
+            dir_fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # the rename itself must survive a crash
+            finally:
+                os.close(dir_fd)
+        high = max(step, self.high_water())  # recorded so that deleting versions never re-opens old steps
+        write_atomic(self.root / HIGH_WATER_NAME, json.dumps({"step": high, "at": int(time.time())}).encode())
+        return final
+
+    def discard_partial(self, step: int) -> None:
+        shutil.rmtree(self.partial_dir(step), ignore_errors=True)
+
+    def prune(self, keep: int) -> list[int]:
+        """Delete complete versions beyond the newest `keep`, and partials older than the newest complete one."""
+        steps = self.versions()
+        removed = steps[:-keep] if keep > 0 and len(steps) > keep else []
+        for step in removed:
+            # Rename first so that a crash mid-delete never leaves a half-deleted directory at a version path.
+            doomed = self.root / PARTIAL / f"deleting-{version_name(step)}-{os.getpid()}"
+            doomed.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.version_dir(step), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        newest = steps[-1] if steps else -1
+        for step in self.partial_versions():
+            if step < newest:
+                self.discard_partial(step)
+        if removed:
+            logger.info("removed old versions %s from %s (keeping %d)", removed, self.root, keep)
+        return removed
+
+
+def _claimed_signer(raw: bytes) -> str:
+    try:
+        signer = json.loads(raw)["body"]["signer"]
+    except (ValueError, KeyError, TypeError):
+        signer = None
+    if not isinstance(signer, str):
+        raise StoreError("stored manifest has no signer field; it was not written by prime-node")
+    return signer

@@ -1,0 +1,120 @@
+"""`prime-node weights publish|serve|fetch` as real processes, including kill -9 of a fetch and its resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from prime_node.p2p.weights.errors import FetchError
+from prime_node.p2p.weights.fetch import Fetcher
+from prime_node.p2p.weights.publish import publish
+from prime_node.p2p.weights.store import PROGRESS_NAME, Store
+from weights_support import hostile, make_checkpoint, operator, same_tree
+
+_SCRIPT = Path(sys.executable).parent / "prime-node"  # the installed console script, as a user runs it
+CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "prime_node.node.cli.main"]
+
+
+async def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(*CLI, *args, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE, env=env)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+@pytest.mark.slow  # five `prime-node` processes, each importing the whole CLI
+async def test_publish_serve_fetch_round_trip_and_json_blame(tmp_path: Path) -> None:
+    key_file = tmp_path / "operator.key"
+    operator().save(key_file)
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    rc, out, err = await run_cli("weights", "publish", str(ckpt), "--step", "4", "--key", str(key_file),
+                                 "--out", str(tmp_path / "origin"), "--shard-size", "65536", "--json")
+    assert rc == 0, err
+    published = json.loads(out)
+    assert published["step"] == 4 and published["shards"] > 10
+    server = await asyncio.create_subprocess_exec(*CLI, "weights", "serve", str(tmp_path / "origin"), "--port", "0",
+                                                  stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        assert server.stdout is not None
+        line = (await asyncio.wait_for(server.stdout.readline(), 180)).decode()
+        url = line.strip().rsplit(" ", 1)[-1]
+        assert url.startswith("http://127.0.0.1:")
+        rc, out, err = await run_cli("weights", "fetch", "--source", url, "--trainer-key", operator().node_id,
+                                     "--out", str(tmp_path / "out"), "--json")
+        assert rc == 0, err
+        report = json.loads(out)
+        assert report["ok"] and report["manifest_sha256"] == published["manifest_sha256"]
+        assert same_tree(ckpt, Path(report["checkpoint_dir"]))
+        rc, out, err = await run_cli("weights", "fetch", "--source", url, "--trainer-key", operator(8).node_id,
+                                     "--out", str(tmp_path / "out8"), "--json")
+        failure = json.loads(out)
+        assert rc == 1 and not failure["ok"] and "another key" in failure["error"]
+        assert failure["blame"][0]["source"] == url
+        # A relay process follows the server and serves what it mirrored.
+        relay = await asyncio.create_subprocess_exec(
+            *CLI, "weights", "serve", str(tmp_path / "relay"), "--port", "0", "--upstream", url,
+            "--trainer-key", operator().node_id, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            assert relay.stdout is not None
+            relay_url = (await asyncio.wait_for(relay.stdout.readline(), 180)).decode().strip().rsplit(" ", 1)[-1]
+            fetched = None
+            for _ in range(150):  # the relay polls its upstream every 2 s
+                try:
+                    fetched = await Fetcher([relay_url], operator().node_id, Store(tmp_path / "via-relay")).fetch()
+                    break
+                except FetchError:
+                    await asyncio.sleep(0.2)
+            assert fetched is not None and same_tree(ckpt, fetched.checkpoint_dir)
+        finally:
+            relay.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(relay.wait(), 20) == 0
+    finally:
+        server.send_signal(signal.SIGTERM)  # graceful shutdown: exits 0 within its time limit
+        assert await asyncio.wait_for(server.wait(), 20) == 0
+
+
+async def test_fetch_killed_with_sigkill_resumes_with_range_and_ends_byte_identical(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", megabytes=2)
+    publish(ckpt, step=2, identity=operator(), out_dir=tmp_path / "origin", shard_size=65536)
+    out = tmp_path / "out"
+    progress = Store(out).partial_dir(2) / PROGRESS_NAME
+    # Small write buffers and a fast journal so that half-received shards are on disk when the kill lands.
+    env = {**os.environ, "PRIME_NODE_FETCH__CHUNK_BYTES": "8192", "PRIME_NODE_FETCH__SAVE_INTERVAL_S": "0.1"}
+    async with hostile(tmp_path / "origin", 2, chunk_delay_s=0.05) as slow:
+        fetch = await asyncio.create_subprocess_exec(
+            *CLI, "weights", "fetch", "--source", slow.url, "--trainer-key", operator().node_id, "--out", str(out),
+            "--concurrency", "2", "--json", env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            deadline = asyncio.get_running_loop().time() + 120  # generous: CI machines are slow when busy
+            while True:
+                state = json.loads(progress.read_bytes()) if progress.exists() else {}
+                if len(state.get("done", {})) >= 3 and state.get("partial"):
+                    break
+                assert asyncio.get_running_loop().time() < deadline, "the fetch never journaled progress"
+                assert fetch.returncode is None, "the fetch ended before it could be killed"
+                await asyncio.sleep(0.02)
+        finally:
+            fetch.send_signal(signal.SIGKILL)
+            await fetch.wait()
+    assert fetch.returncode == -signal.SIGKILL
+    assert Store(out).versions() == []  # nothing visible at the final path after the kill
+    async with hostile(tmp_path / "origin", 2) as fast:
+        rc, stdout, err = await run_cli("weights", "fetch", "--source", fast.url, "--trainer-key", operator().node_id,
+                                        "--out", str(out), "--json", env=env)
+        assert rc == 0, err
+        report = json.loads(stdout)
+        assert report["resumed_bytes"] > 0 and report["fetched_bytes"] == report["total_bytes"] - report["resumed_bytes"]
+        assert fast.ranges and all(r.startswith("bytes=") and not r.startswith("bytes=0-") for _, r in fast.ranges)
+    assert same_tree(ckpt, Path(report["checkpoint_dir"]))
+    assert Store(out).partial_versions() == []
