@@ -22,6 +22,7 @@ from ..errors import NodeError
 
 COMMAND_MODULES = [
     "keys",
+    "model",
     "weights",
     "leaderboard",
 ]

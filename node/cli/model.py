@@ -1,0 +1,89 @@
+"""`prime-node model init`: create the embedded tiny model, warm-start it and save it as an HF directory."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from ..config import CommonSettings
+from ..models.warmstart_config import WarmStartConfig
+from .common import common_flags, load_settings, print_json
+
+
+class ModelInitSettings(CommonSettings):
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the model's initial weights.")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig, description="Supervised warm start.")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    group = sub.add_parser("model", help="the embedded tiny model")
+    model_sub = group.add_subparsers(dest="model_command", metavar="SUBCOMMAND")
+    model_sub.required = True  # argparse rejects `prime-node model` alone; the group handler is never reached
+    group.set_defaults(handler=lambda args: group.print_help() or 2)
+    p = model_sub.add_parser(
+        "init",
+        parents=[common_flags()],
+        help="create the tiny model from a seed and warm-start it on the arithmetic tasks",
+        description="Create the tiny Qwen2 model deterministically from --seed, warm-start it by "
+        "supervised training on the built-in arithmetic tasks, and save an HF directory (config.json, "
+        "model.safetensors, tokenizer files, prime_node.json). The same seed and settings give the same "
+        "model.safetensors bytes.",
+    )
+    p.add_argument("--out", type=Path, required=True, help="directory to write (must be empty or absent)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the initial weights (default 0)")
+    p.add_argument(
+        "--sft-steps", type=int, default=None, help="warm-start optimizer steps (default 600; 0: none)"
+    )
+    p.add_argument("--task-seed", type=int, default=None, help="seed of the arithmetic task set (default 0)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default 1; the hash can depend on it)"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="write into a non-empty directory, replacing model files"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(handler=init)
+
+
+def init(args: argparse.Namespace) -> int:
+    settings = load_settings(
+        args,
+        ModelInitSettings,
+        {
+            "seed": "seed",
+            "warm_start.steps": "sft_steps",
+            "warm_start.task_seed": "task_seed",
+            "warm_start.threads": "threads",
+        },
+    )
+    from ..models.warmstart import init_model_dir  # imports torch: only when the command runs
+
+    out_dir = args.out.expanduser().resolve()
+    wall0 = time.perf_counter()
+    cpu0 = time.process_time()
+    report, info = init_model_dir(
+        out_dir, settings.seed, settings.warm_start, force=args.force, progress=not args.no_progress
+    )
+    summary = {
+        "model_dir": str(out_dir),
+        **info,
+        "wall_seconds": round(time.perf_counter() - wall0, 3),
+        "cpu_seconds": round(time.process_time() - cpu0, 3),
+    }
+    if args.json:
+        print_json(summary)
+        return 0
+    levels = "  ".join(f"L{k} {100 * v:.0f}%" for k, v in report.accuracy_by_level.items())
+    print(f"model dir   {out_dir}")
+    print(f"seed        {settings.seed}")
+    task_seed = settings.warm_start.task_seed
+    print(f"warm start  {report.steps} steps on task seed {task_seed}, final loss {report.final_loss}")
+    accuracy = f"{100 * report.heldout_accuracy:.1f}%"
+    print(f"held-out    {accuracy} exact match over {report.eval_size} problems ({levels})")
+    print(f"sha256      {info['model_sha256']}  model.safetensors")
+    print(f"time        {summary['wall_seconds']:.1f} s wall, {summary['cpu_seconds']:.1f} s CPU")
+    return 0
