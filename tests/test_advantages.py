@@ -15,6 +15,7 @@ from prime_node.trainer.advantages import (
     length_penalty,
     thinking_suffix,
 )
+from prime_node.node.errors import TaskError
 from prime_node.trainer.errors import TrainerError
 
 
@@ -65,7 +66,7 @@ def test_target_length_draw_is_deterministic_and_covers_the_set() -> None:
     counts = Counter(draw_target_length(s, choices) for s in range(4000))
     assert set(counts) == set(choices)
     assert all(850 < n < 1150 for n in counts.values())  # uniform within sampling noise (expected 1000)
-    with pytest.raises(TrainerError):
+    with pytest.raises(TaskError):
         draw_target_length(0, [])
 
 

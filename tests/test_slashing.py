@@ -29,7 +29,7 @@ def test_accepted_file_credits_the_score():
     assert decide(NodeHistory(), make_verdict(NODE), SlashingPolicy(accept_credit=0)) == ()
 
 
-@pytest.mark.parametrize("check", ["signature", "size", "checkpoint_unavailable", "expired", "banned"])
+@pytest.mark.parametrize("check", ["signature", "size", "checkpoint_unavailable", "internal_error", "banned"])
 def test_excused_checks_cost_nothing(check):
     many_faults = NodeHistory(recent_rejections=tuple(PastRejection(T0 - i, "schema") for i in range(1, 20)))
     assert decide(many_faults, _rejected(check), POLICY) == ()
@@ -42,7 +42,7 @@ def test_a_fault_slashes_the_score_without_a_ban(check):
 
 
 @pytest.mark.parametrize(
-    "check", ["toploc", "sampling", "termination", "rewards", "work_assignment", "distribution"]
+    "check", ["toploc", "sampling", "termination", "rewards", "assignment", "prompts", "signer", "eos_probability", "distribution"]
 )
 def test_fraud_slashes_and_bans_at_once(check):
     slash, ban = decide(NodeHistory(score=10.0), _rejected(check), POLICY)

@@ -3,6 +3,8 @@
 Routes (all GET):
 - `/api/leaderboard?top=N`: `{"generated_at", "nodes": [LeaderboardRow...]}`
 - `/api/node/{id}`: NodeDetail for a node id or a unique prefix of at least 6 hex digits (400/404/409)
+- `/api/verdict/{sha256}`: the signed verdict envelope of one rollout file (404 until it is decided);
+  a sender fetches it to learn, verifiably, why its file was refused.
 - `/api/swarm`, `/api/rewards`: the live swarm and the reward curve, fed by sources the validator service
   passes in; without one they answer `available: false` and the page shows a placeholder.
 - `/`: the dashboard page (plain HTML + JS from trainer/dashboard_static/, no external resources; the
@@ -14,6 +16,7 @@ Ledger reads run in worker threads (`asyncio.to_thread`), never on the event loo
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -89,6 +92,7 @@ def create_app(
     app[REWARDS_KEY] = rewards
     app.router.add_get("/api/leaderboard", _leaderboard)
     app.router.add_get("/api/node/{node_id}", _node)
+    app.router.add_get("/api/verdict/{file_hash}", _verdict)
     app.router.add_get("/api/swarm", _swarm)
     app.router.add_get("/api/rewards", _rewards)
     app.router.add_get("/", _index)
@@ -133,6 +137,16 @@ async def _leaderboard(request: web.Request) -> web.Response:
 async def _node(request: web.Request) -> web.Response:
     detail = await asyncio.to_thread(node_detail, request.app[LEDGER_KEY], request.match_info["node_id"])
     return web.json_response(detail.model_dump(mode="json"))
+
+
+async def _verdict(request: web.Request) -> web.Response:
+    file_hash = request.match_info["file_hash"]
+    if not re.fullmatch(r"[0-9a-f]{64}", file_hash):
+        raise NodeLookupError("a file hash is 64 lowercase hex digits (its SHA-256)", 400)
+    signed = await asyncio.to_thread(request.app[LEDGER_KEY].verdict_for, file_hash)
+    if signed is None:
+        raise NodeLookupError(f"no verdict for file {file_hash[:16]}… (not received, or not decided yet)", 404)
+    return web.json_response(signed.envelope())
 
 
 async def _swarm(request: web.Request) -> web.Response:

@@ -32,20 +32,24 @@ class CheckClass(str, Enum):
     fraud = "fraud"
 
 
-# Check names as the validator reports them (proofs/ check names; aliases cover spelling variants).
+# Check names as the validator reports them: proofs/checks.py's CheckResult names (a hyphen becomes "_",
+# trainer/verify_job.check_name) and the validator service's own (checkpoint_unavailable, banned,
+# internal_error).
 DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "size": CheckClass.excused,
     "signature": CheckClass.excused,
     "checkpoint_unavailable": CheckClass.excused,
-    "expired": CheckClass.excused,
     "banned": CheckClass.excused,  # already refused for the ban; no second penalty for the same offence
+    "internal_error": CheckClass.excused,  # the validator failed (a checkpoint that will not load, a bug)
     "schema": CheckClass.fault,
     "bounds": CheckClass.fault,
-    "work_assignment": CheckClass.fraud,
-    "indices": CheckClass.fraud,
+    "signer": CheckClass.fraud,  # signed rows that name another node: claiming someone else's work
+    "assignment": CheckClass.fraud,
+    "prompts": CheckClass.fraud,
     "termination": CheckClass.fraud,
     "rewards": CheckClass.fraud,
     "toploc": CheckClass.fraud,
+    "eos_probability": CheckClass.fraud,
     "sampling": CheckClass.fraud,
     "distribution": CheckClass.fraud,
 }

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..node.durable import fsync_path, fsync_tree
 from .errors import TrainerError
 
 STATE_VERSION = 1
@@ -31,22 +32,6 @@ _OPTIM = "optimizer.pt"
 
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_train_state(
@@ -72,9 +57,9 @@ def save_train_state(
             tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / _OPTIM)
         (tmp / _META).write_text(json.dumps({"version": STATE_VERSION, "step": step}))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,6 +25,11 @@ COMMAND_MODULES = [
     "model",
     "weights",
     "leaderboard",
+    "validator",
+    "rollout",
+    "verify",
+    "start",
+    "status",
 ]
 
 EXPECTED_ERRORS = (NodeError, P2PError, ProofError, TrainerError)

@@ -3,6 +3,7 @@
 Layout under <data-dir>/rollouts/:
   pending/<sha256>.parquet + .sig   written and signed, not yet acknowledged (resent after a restart)
   sent/<sha256>.parquet + .sig      acknowledged; the receipt sits beside them as <sha256>.receipt.json
+  rejected/<sha256>.parquet + .sig  refused by a validator (never resent); the reason as <sha256>.reason.json
 Files are staged in tmp/ and moved into pending/ with one rename after the signature is on disk, so a crash
 never leaves a half-written file that looks complete; whatever is in pending/ is complete and signed.
 The validator credits each file hash once, so resending after an ambiguous failure is safe.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..durable import fsync_path
 from ..errors import NodeError
 
 logger = logging.getLogger(__name__)
@@ -37,21 +39,14 @@ class OutboxEntry:
     sig_path: Path
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Outbox:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.tmp = self.root / "tmp"
         self.pending = self.root / "pending"
         self.sent = self.root / "sent"
-        for d in (self.tmp, self.pending, self.sent):
+        self.rejected = self.root / "rejected"
+        for d in (self.tmp, self.pending, self.sent, self.rejected):
             d.mkdir(parents=True, exist_ok=True)
         for leftover in self.tmp.iterdir():  # staged by a process that died before committing
             leftover.unlink()
@@ -66,11 +61,10 @@ class Outbox:
             raise OutboxError(f"not a hex SHA-256: {sha256!r}")
         entry = self._entry(self.pending, sha256)
         for staged in (staged_file, staged_sig):
-            with open(staged, "rb") as f:
-                os.fsync(f.fileno())
+            fsync_path(staged)
         os.replace(staged_sig, entry.sig_path)
         os.replace(staged_file, entry.file_path)  # the file's presence marks the entry complete
-        _fsync_dir(self.pending)
+        fsync_path(self.pending)
         return entry
 
     def pending_entries(self) -> list[OutboxEntry]:
@@ -96,8 +90,17 @@ class Outbox:
             os.replace(entry.file_path, done.file_path)
         if entry.sig_path.exists():
             os.replace(entry.sig_path, done.sig_path)
-        _fsync_dir(self.sent)
+        fsync_path(self.sent)
         return receipt_path
+
+    def reject(self, entry: OutboxEntry, reason: str) -> None:
+        """Move a refused entry out of pending/ so it is never resent; keeps it for the operator to inspect."""
+        done = self._entry(self.rejected, entry.sha256)
+        (self.rejected / f"{entry.sha256}.reason.json").write_text(json.dumps({"reason": reason[:2000]}))
+        for src, dst in ((entry.file_path, done.file_path), (entry.sig_path, done.sig_path)):
+            if src.exists():
+                os.replace(src, dst)
+        fsync_path(self.rejected)
 
     def receipts(self) -> list[dict[str, Any]]:
         return [json.loads(p.read_text()) for p in sorted(self.sent.glob(f"*{RECEIPT_SUFFIX}"))]

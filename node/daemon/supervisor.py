@@ -120,16 +120,17 @@ class Supervisor:
         for task in reversed(self._tasks):
             if task.done():
                 continue
-            task.cancel()
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout=max(0.0, deadline - time.monotonic()))
-            except asyncio.CancelledError:
-                pass
-            except asyncio.TimeoutError:
+            # Cancel again every little while: before Python 3.12, asyncio.wait_for swallows a cancellation
+            # that arrives as its inner future completes, and the task would then run on (bpo-42130).
+            while not task.done() and time.monotonic() < deadline:
+                task.cancel()
+                await asyncio.wait({task}, timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+            if not task.done():
                 report.stuck_tasks.append(task.get_name())
                 logger.error("task %s did not stop in time", task.get_name())
-            except Exception as exc:  # the task failed while being cancelled: keep going, report it
-                report.errors.append((task.get_name(), exc))
+            elif not task.cancelled() and task.exception() is not None:
+                # the task failed while being cancelled: keep going, report it
+                report.errors.append((task.get_name(), task.exception()))  # type: ignore[arg-type]
         for name, cleanup in reversed(self._cleanups):
             try:
                 await asyncio.wait_for(cleanup(), timeout=max(0.5, deadline - time.monotonic()))

@@ -1,0 +1,81 @@
+"""`prime-node rollout`: produce one signed rollout file offline, exactly as a contributor would."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import NodeError
+from .common import common_flags, load_settings, print_json
+
+
+RUN_FLAGS = {
+    "run.run_id": "run_id", "run.run_seed": "run_seed", "run.tasks": "tasks", "run.task_seed": "task_seed",
+    "run.samples": "samples", "run.length_targets": "length_targets", "run.length_alpha": "length_alpha",
+    "engine.threads": "threads",
+}
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Flags naming the run's parameters (RunSettings via RUN_FLAGS), shared by rollout and verify."""
+    p.add_argument("--run-id", default=None, help="name of the run (default local)")
+    p.add_argument("--run-seed", type=int, default=None, help="seed of the work assignment (default 0)")
+    p.add_argument("--tasks", default=None, help="task file (Parquet/JSONL) or builtin:arithmetic (default)")
+    p.add_argument("--task-seed", type=int, default=None, help="seed of the built-in task family (default 0)")
+    p.add_argument("--samples", type=int, default=None, help="completions per prompt, G (default 4)")
+    p.add_argument("--length-targets", type=int, nargs="*", default=None, help="thinking-length targets")
+    p.add_argument("--length-alpha", type=float, default=None, help="length penalty per token (default 0.001)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("rollout", parents=[common_flags()],
+                       help="generate one signed rollout file offline, as a contributor would")
+    p.add_argument("--checkpoint", type=Path, required=True, help="HF model directory of the policy")
+    add_run_flags(p)
+    p.add_argument("--key", type=Path, required=True, help="the node's secret key file")
+    p.add_argument("--step", type=int, required=True, help="policy step of the checkpoint")
+    p.add_argument("--out", type=Path, required=True, help="rollout file to write (FILE and FILE.sig)")
+    p.add_argument("--batch-counter", type=int, default=0, help="the node's batch number at this step")
+    p.add_argument("--prompts", type=int, default=None, help="prompts in the batch (default 4)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="most tokens per sample (default 64)")
+    p.add_argument("--gpu", action="store_true", default=None, help="generate on CUDA")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(handler=rollout)
+
+
+def rollout(args: argparse.Namespace) -> int:
+    # Heavy imports (torch, transformers) only when the command runs, so `--help` stays fast.
+    from ...p2p.identity import Identity
+    from ..engine import load_engine
+    from ..producer import BatchSpec, produce_rollout_file
+    from ..run_config import RolloutSettings, load_run_tasks
+
+    flags = {**RUN_FLAGS, "prompts": "prompts", "temperature": "temperature", "max_new_tokens": "max_new_tokens"}
+    settings = load_settings(args, RolloutSettings, flags)
+    if args.gpu:
+        settings.engine.device = "cuda"
+    if args.step < 0 or args.batch_counter < 0:
+        raise NodeError("--step and --batch-counter must be >= 0")
+    identity = Identity.load(args.key)
+    engine = load_engine(args.checkpoint, **settings.engine.model_dump())
+    tasks = load_run_tasks(settings.run, args.checkpoint)
+    spec = BatchSpec(
+        run_id=settings.run.run_id, run_seed=settings.run.run_seed, policy_step=args.step,
+        batch_counter=args.batch_counter, prompts=settings.prompts, samples=settings.run.samples,
+        temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
+    )
+    batch = produce_rollout_file(engine, tasks, identity, spec, args.out)
+    summary = {
+        "file": str(args.out), "rows": len(batch.rows), "node_id": identity.node_id,
+        "mean_reward": sum(r.reward for r in batch.rows) / len(batch.rows),
+        "tokens": sum(len(r.output_ids) for r in batch.rows),
+        "generation_seconds": round(batch.generation_seconds, 3), "proof_seconds": round(batch.proof_seconds, 3),
+    }
+    if args.json:
+        print_json(summary)
+    else:
+        print(f"wrote {args.out} ({summary['rows']} samples, {summary['tokens']} tokens, "
+              f"mean reward {summary['mean_reward']:.3f}) and {args.out}.sig")
+    return 0

@@ -1,0 +1,77 @@
+"""What a running contributor knows about itself: the one object its tasks update and the status API reads.
+
+Every task runs on the one event loop, so plain attributes need no lock; the Prometheus metrics are
+updated beside the fields so that /status and /metrics never disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from .. import __version__
+from .metrics import NodeMetrics
+from .status import NodeStatus, RolloutCounts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeState:
+    node_id: str
+    operator_key: str | None
+    metrics: NodeMetrics = field(default_factory=NodeMetrics)
+    started: float = field(default_factory=time.monotonic)
+    state: str = "starting"  # a few words for `prime-node status`
+    peers_seen: int = 0
+    announced_step: int | None = None
+    local_step: int | None = None  # newest checkpoint held locally and verified
+    working_step: int | None = None  # the checkpoint the rollout loop generates with
+    rollouts: RolloutCounts = field(default_factory=RolloutCounts)
+    tokens_per_second: float | None = None
+    last_error: str | None = None
+
+    def set_announced(self, step: int) -> None:
+        self.announced_step = step
+        self.metrics.announced_step.set(step)
+
+    def set_local(self, step: int | None) -> None:
+        self.local_step = step
+        if step is not None:
+            self.metrics.local_step.set(step)
+
+    def set_peers(self, count: int) -> None:
+        self.peers_seen = count
+        self.metrics.peers.set(count)
+
+    def count_rollout(self, outcome: str) -> None:
+        """outcome: generated, handed_off, accepted or rejected (the RolloutCounts fields)."""
+        setattr(self.rollouts, outcome, getattr(self.rollouts, outcome) + 1)
+        self.metrics.rollout_files.labels(outcome=outcome).inc()
+
+    def record_batch(self, tokens: int, seconds: float) -> None:
+        self.metrics.tokens.inc(tokens)
+        if seconds > 0:
+            self.tokens_per_second = tokens / seconds
+            self.metrics.tokens_per_second.set(self.tokens_per_second)
+
+    def error(self, message: str) -> None:
+        """Remember the last problem for `prime-node status` (the caller logs it)."""
+        self.last_error = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {message}"[:500]
+
+    def to_status(self) -> NodeStatus:
+        return NodeStatus(
+            node_id=self.node_id,
+            version=__version__,
+            uptime_s=round(time.monotonic() - self.started, 1),
+            state=self.state,
+            peers_seen=self.peers_seen,
+            operator_key=self.operator_key,
+            announced_step=self.announced_step,
+            local_step=self.local_step,
+            local_verified=self.local_step is not None,  # only fully verified versions are ever held
+            rollouts=self.rollouts.model_copy(),
+            tokens_per_second=None if self.tokens_per_second is None else round(self.tokens_per_second, 2),
+            last_error=self.last_error,
+        )

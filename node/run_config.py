@@ -1,0 +1,54 @@
+"""Typed settings of `prime-node rollout` and `prime-node verify`, and the run's task rules they load.
+
+Kept apart from the CLI modules so that `prime-node --help` does not import transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from transformers import AutoTokenizer
+
+from ..proofs.verifier import VerifierSettings
+from .config import CommonSettings, Section
+from .engine import EngineSettings
+from .errors import NodeError
+from .tasks import open_task_set
+from .validation import RunTasks
+
+
+class RunSettings(Section):
+    """The run's parameters that both the contributor and the validator must agree on."""
+
+    run_id: str = Field("local", min_length=1, max_length=128, description="Name of the RL run.")
+    run_seed: int = Field(0, ge=0, lt=2**64, description="Seed of the deterministic work assignment.")
+    tasks: str | None = Field(None, description="Task file (Parquet/JSONL) or builtin:arithmetic (default).")
+    task_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the built-in task family.")
+    samples: int = Field(4, ge=1, le=1024, description="Completions per prompt (G).")
+    length_targets: list[int] = Field(default_factory=list, description="Thinking-length targets; empty: off.")
+    length_alpha: float = Field(0.001, ge=0, le=1, description="Length penalty per token of distance to target.")
+
+
+class RolloutSettings(CommonSettings):
+    run: RunSettings = Field(default_factory=RunSettings, description="Run parameters.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="Inference engine.")
+    prompts: int = Field(4, ge=1, le=4096, description="Prompts in the batch.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+    max_new_tokens: int = Field(64, ge=1, le=8192, description="Most tokens generated per sample.")
+
+
+class VerifySettings(CommonSettings):
+    run: RunSettings = Field(default_factory=RunSettings, description="Run parameters.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="Inference engine.")
+    verifier: VerifierSettings = Field(default_factory=VerifierSettings, description="Checks and thresholds.")
+
+
+def load_run_tasks(run: RunSettings, checkpoint: Path) -> RunTasks:
+    """The run's task rules with the checkpoint's own tokenizer."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise NodeError(f"cannot load the tokenizer of {checkpoint}: {exc}") from None
+    return RunTasks(open_task_set(run.tasks, seed=run.task_seed), tokenizer,
+                    length_targets=run.length_targets, length_alpha=run.length_alpha)

@@ -1,0 +1,221 @@
+"""The checks a validator runs on a rollout file, cheapest first (see verifier.py for the framework).
+
+signature -> schema -> signer -> bounds -> assignment -> prompts -> termination -> rewards   (every row, cheap)
+toploc -> eos-probability -> sampling -> distribution   (selected rows, one shared prefill)
+
+eos-probability runs before sampling so that a forced, improbable EOS is named as such; sampling would
+reject it too (EOS is then rarely the Gumbel argmax).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import groupby
+
+from .assignment import AssignmentError, check_assignment
+from .errors import ProofError
+from .rollout_file import (
+    MAX_SIG_BYTES,
+    check_signer,
+    decode_rows,
+    parse_envelope,
+    read_bounded,
+    signature_path,
+    verify_envelope,
+)
+from .rollout_schema import RolloutFileError, check_rows
+from .sampling import (
+    distribution_failure,
+    distribution_z,
+    eos_probability_failure,
+    replay_sampling,
+    sampling_failure,
+    termination_failure,
+)
+from .toploc import check_proof, committed_rows, typical_mant_err_mean, worst_failure
+from .verifier import Check, CheckFailed, VerificationContext
+
+REWARD_TOLERANCE = 1e-9
+
+
+@contextmanager
+def _rejects(*errors: type[Exception]) -> Iterator[None]:
+    """Turn the expected errors of the wrapped reader into this check's failure."""
+    try:
+        yield
+    except errors as exc:
+        raise CheckFailed(str(exc)) from None
+
+
+class SignatureCheck:
+    name = "signature"
+
+    def run(self, ctx: VerificationContext) -> str:
+        with _rejects(RolloutFileError):
+            ctx.envelope = parse_envelope(read_bounded(signature_path(ctx.path), MAX_SIG_BYTES, "signature file"))
+            ctx.data = read_bounded(ctx.path, ctx.settings.limits.max_file_bytes, "rollout file")
+            ctx.signer = verify_envelope(ctx.data, ctx.envelope)
+        return f"{len(ctx.data)} bytes signed by {ctx.signer[:16]}…"
+
+
+class SchemaCheck:
+    name = "schema"
+
+    def run(self, ctx: VerificationContext) -> str:
+        with _rejects(RolloutFileError):
+            ctx.rows = decode_rows(ctx.data, ctx.settings.limits)
+        return f"{len(ctx.rows)} rows, schema exact"
+
+
+class SignerCheck:
+    name = "signer"
+
+    def run(self, ctx: VerificationContext) -> str:
+        with _rejects(RolloutFileError):
+            check_signer(ctx.rows, ctx.signer)
+        return "rows name the signing node"
+
+
+class BoundsCheck:
+    name = "bounds"
+
+    def run(self, ctx: VerificationContext) -> str:
+        limits = ctx.settings.limits.model_copy(update={"vocab_size": ctx.model.vocab_size})
+        with _rejects(RolloutFileError):
+            check_rows(ctx.rows, limits)
+        return "all values in bounds"
+
+
+class AssignmentCheck:
+    name = "assignment"
+
+    def run(self, ctx: VerificationContext) -> str:
+        first = ctx.rows[0]
+        if ctx.settings.run_id is not None and first.run_id != ctx.settings.run_id:
+            raise CheckFailed(f"file belongs to run {first.run_id!r}, not {ctx.settings.run_id!r}")
+        samples = ctx.settings.samples_per_prompt
+        if samples is None:  # infer G from the file: every prompt must carry the same number of rows
+            samples = len(list(next(groupby(ctx.rows, key=lambda r: r.sample_index))[1]))
+        with _rejects(AssignmentError):
+            check_assignment(
+                [(r.sample_index, r.sample_seed) for r in ctx.rows], ctx.settings.run_seed, first.node_id,
+                first.policy_step, first.batch_counter, task_count=ctx.tasks.task_count, samples=samples,
+                prompts=ctx.settings.prompts_per_batch,
+            )
+        return f"{len(ctx.rows) // samples} prompts x {samples} samples as assigned"
+
+
+class PromptCheck:
+    name = "prompts"
+
+    def run(self, ctx: VerificationContext) -> str:
+        for i, row in enumerate(ctx.rows):
+            if row.prompt_ids != ctx.tasks.prompt_ids(row.sample_index, row.sample_seed):
+                raise CheckFailed(f"prompt tokens differ from task {row.sample_index}'s prompt", i)
+        return "every prompt is its task's"
+
+
+class TerminationCheck:
+    name = "termination"
+
+    def run(self, ctx: VerificationContext) -> str:
+        for i, row in enumerate(ctx.rows):
+            reason = termination_failure(row.output_ids, row.finish_reason, row.max_new_tokens,
+                                         ctx.model.eos_token_id)
+            if reason:
+                raise CheckFailed(reason, i)
+        return "finish reasons consistent"
+
+
+class RewardCheck:
+    name = "rewards"
+
+    def run(self, ctx: VerificationContext) -> str:
+        for i, row in enumerate(ctx.rows):
+            task_reward, penalty, target = ctx.tasks.rewards(row)
+            if row.target_length != target:
+                raise CheckFailed(f"target length {row.target_length}, recomputed {target}", i)
+            if abs(row.task_reward - task_reward) > REWARD_TOLERANCE:
+                raise CheckFailed(f"task reward {row.task_reward}, recomputed {task_reward}", i)
+            if abs(row.length_penalty - penalty) > REWARD_TOLERANCE:
+                raise CheckFailed(f"length penalty {row.length_penalty}, recomputed {penalty}", i)
+        return f"mean reward {sum(r.reward for r in ctx.rows) / len(ctx.rows):.3f} recomputed"
+
+
+class ToplocCheck:
+    name = "toploc"
+
+    def run(self, ctx: VerificationContext) -> str:
+        pooled = []
+        for i, result in sorted(ctx.prefilled().items()):
+            row = ctx.rows[i]
+            hidden = result.hidden_states[committed_rows(len(row.prompt_ids), len(row.output_ids))]
+            try:
+                stats = check_proof(row.proof, hidden)
+            except ProofError as exc:
+                raise CheckFailed(f"malformed proof: {exc}", i) from None
+            for chunk, s in enumerate(stats):
+                reason = s.failure(ctx.settings.toploc)
+                if reason:
+                    raise CheckFailed(f"proof chunk {chunk}: {reason}", i)
+            pooled.extend(stats)
+        reason = worst_failure(pooled, ctx.settings.toploc)
+        if reason:  # the per-chunk caps passed above, so this is the file-level typical error
+            raise CheckFailed(reason)
+        worst = max(s.exp_mismatches for s in pooled)
+        return (f"{len(ctx.selected)} rows by prefill, typical mantissa error {typical_mant_err_mean(pooled):.2f}, "
+                f"worst chunk {worst} exponent mismatches")
+
+
+class SamplingCheck:
+    name = "sampling"
+
+    def run(self, ctx: VerificationContext) -> str:
+        near_ties = 0
+        for i, result in sorted(ctx.prefilled().items()):
+            row = ctx.rows[i]
+            logits = result.logits[committed_rows(len(row.prompt_ids), len(row.output_ids))]
+            stats = replay_sampling(logits, row.output_ids, row.temperature, row.sample_seed,
+                                    ctx.settings.sampling.margin)
+            ctx.sampling_stats[i] = stats
+            reason = sampling_failure(stats, ctx.settings.sampling)
+            if reason:
+                raise CheckFailed(reason, i)
+            near_ties += stats.near_ties
+        return f"every token is the Gumbel argmax ({near_ties} tolerated near-ties)"
+
+
+class EosProbabilityCheck:
+    name = "eos-probability"
+
+    def run(self, ctx: VerificationContext) -> str:
+        checked = 0
+        for i, result in sorted(ctx.prefilled().items()):
+            row = ctx.rows[i]
+            if row.finish_reason != "eos":
+                continue
+            last = result.logits[len(row.prompt_ids) + len(row.output_ids) - 2]
+            reason = eos_probability_failure(last, ctx.model.eos_token_id, row.temperature, ctx.settings.sampling)
+            if reason:
+                raise CheckFailed(reason, i)
+            checked += 1
+        return f"{checked} EOS endings plausible"
+
+
+class DistributionCheck:
+    name = "distribution"
+
+    def run(self, ctx: VerificationContext) -> str:
+        stats = [ctx.sampling_stats[i] for i in sorted(ctx.sampling_stats)]
+        reason = distribution_failure(stats, ctx.settings.sampling)
+        if reason:
+            raise CheckFailed(reason)
+        z, tokens = distribution_z(stats)
+        return f"log-probability z-score {z:.2f} over {tokens} tokens"
+
+
+def default_checks() -> list[Check]:
+    """Every check, cheapest first."""
+    return [SignatureCheck(), SchemaCheck(), SignerCheck(), BoundsCheck(), AssignmentCheck(), PromptCheck(), TerminationCheck(),
+            RewardCheck(), ToplocCheck(), EosProbabilityCheck(), SamplingCheck(), DistributionCheck()]

@@ -1,0 +1,176 @@
+"""The composite rollout verifier: pluggable checks with one interface, run cheapest first.
+
+A check reads and extends a shared `VerificationContext` (the file's bytes, then its rows, then the
+prefill of the selected rows) and either returns a short summary or raises `CheckFailed` naming the row
+and the reason. The first failure rejects the file; the checks after it are reported as skipped. The
+expensive checks (TOPLOC, sampling, EOS probability, distribution) look at a random subset of rows
+(`sample_fraction`), chosen with the verifier's own randomness so a node cannot predict which rows are
+checked; any single failing row rejects the whole file.
+
+What the verifier needs from the model and the task set is passed in as two small protocols, so this
+package stays free of engines, tokenizers and task code (node/validation.py provides them).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .rollout_schema import RolloutLimits, RolloutRow
+from .sampling import SamplingStats, SamplingThresholds
+from .toploc import ToplocThresholds
+
+logger = logging.getLogger(__name__)
+
+
+class Prefilled(Protocol):
+    hidden_states: torch.Tensor  # (L, hidden) last hidden states after the final norm
+    logits: torch.Tensor  # (L, vocab) float32; row i predicts token i + 1
+
+
+class ModelOracle(Protocol):
+    """The claimed checkpoint, as the verifier runs it (an InferenceEngine satisfies this)."""
+
+    eos_token_id: int
+    vocab_size: int
+
+    def prefill(self, sequences: Sequence[Sequence[int]]) -> Sequence[Prefilled]: ...
+
+
+class TaskOracle(Protocol):
+    """The run's task set and reward rules, as the verifier recomputes them."""
+
+    task_count: int
+
+    def prompt_ids(self, sample_index: int, sample_seed: int) -> tuple[int, ...]:
+        """The token ids of the prompt assigned to this sample."""
+        ...
+
+    def rewards(self, row: RolloutRow) -> tuple[float, float, int | None]:
+        """(task reward, length penalty, target length) the row must carry."""
+        ...
+
+
+class VerifierSettings(BaseModel):
+    """What a validator checks a rollout file against (the run's parameters and the thresholds)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str | None = Field(None, description="The run's name; files of another run are rejected. None: any.")
+    run_seed: int = Field(0, ge=0, lt=2**64, description="The run's seed for work assignment.")
+    samples_per_prompt: int | None = Field(None, ge=1, description="Completions per prompt; None: from the file.")
+    prompts_per_batch: int | None = Field(None, ge=1, description="Prompts per file; None: any prefix.")
+    sample_fraction: float = Field(1.0, gt=0, le=1, description="Share of rows the expensive checks verify.")
+    prefill_batch_size: int = Field(16, ge=1, description="Sequences per prefill call.")
+    limits: RolloutLimits = Field(default_factory=RolloutLimits, description="Size and value bounds.")
+    toploc: ToplocThresholds = Field(default_factory=ToplocThresholds, description="TOPLOC bounds.")
+    sampling: SamplingThresholds = Field(default_factory=SamplingThresholds, description="Sampling bounds.")
+
+
+class CheckFailed(Exception):
+    """Raised by a check: the file is rejected for `reason` (at `row` when one row is to blame)."""
+
+    def __init__(self, reason: str, row: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.row = row
+
+
+@dataclass
+class VerificationContext:
+    """State the checks share; later checks rely on what earlier ones established."""
+
+    path: Path
+    settings: VerifierSettings
+    model: ModelOracle
+    tasks: TaskOracle
+    rng: random.Random
+    data: bytes = b""
+    envelope: dict[str, Any] = field(default_factory=dict)
+    signer: str = ""
+    rows: list[RolloutRow] = field(default_factory=list)
+    selected: list[int] = field(default_factory=list)  # rows the expensive checks cover
+    prefills: dict[int, Prefilled] = field(default_factory=dict)
+    sampling_stats: dict[int, SamplingStats] = field(default_factory=dict)
+
+    def select_rows(self) -> list[int]:
+        if not self.selected:
+            n = len(self.rows)
+            count = max(1, min(n, round(n * self.settings.sample_fraction)))
+            self.selected = sorted(self.rng.sample(range(n), count))
+        return self.selected
+
+    def prefilled(self) -> dict[int, Prefilled]:
+        """One prefill of prompt + output per selected row, computed once and shared."""
+        missing = [i for i in self.select_rows() if i not in self.prefills]
+        size = self.settings.prefill_batch_size
+        for start in range(0, len(missing), size):
+            batch = missing[start : start + size]
+            results = self.model.prefill([self.rows[i].prompt_ids + self.rows[i].output_ids for i in batch])
+            self.prefills.update(zip(batch, results, strict=True))
+        return self.prefills
+
+
+class Check(Protocol):
+    """One verification step; `run` returns a one-line summary or raises CheckFailed."""
+
+    name: str
+
+    def run(self, ctx: VerificationContext) -> str: ...
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    status: str  # "passed", "failed" or "skipped"
+    detail: str  # the summary, the failure reason, or why it was skipped
+    row: int | None = None
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "detail": self.detail, "row": self.row,
+                "seconds": round(self.seconds, 4)}
+
+
+@dataclass(frozen=True)
+class VerificationReport:
+    accepted: bool
+    checks: tuple[CheckResult, ...]
+
+    @property
+    def reasons(self) -> list[str]:
+        return [
+            f"{c.name}: " + (f"row {c.row}: " if c.row is not None else "") + c.detail
+            for c in self.checks if c.status == "failed"
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"accepted": self.accepted, "checks": [c.as_dict() for c in self.checks], "reasons": self.reasons}
+
+
+def run_checks(checks: Sequence[Check], ctx: VerificationContext) -> VerificationReport:
+    """Run `checks` in order; stop at the first failure and report the rest as skipped."""
+    results: list[CheckResult] = []
+    failed = False
+    for check in checks:
+        if failed:
+            results.append(CheckResult(check.name, "skipped", "an earlier check rejected the file"))
+            continue
+        start = time.perf_counter()
+        try:
+            summary = check.run(ctx)
+        except CheckFailed as exc:
+            failed = True
+            results.append(CheckResult(check.name, "failed", exc.reason, exc.row, time.perf_counter() - start))
+            logger.info("rollout file %s rejected by %s: %s", ctx.path, check.name, exc.reason)
+        else:
+            results.append(CheckResult(check.name, "passed", summary, None, time.perf_counter() - start))
+    return VerificationReport(accepted=not failed, checks=tuple(results))

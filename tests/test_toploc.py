@@ -1,0 +1,144 @@
+"""TOPLOC commitments: field arithmetic against a scalar reference, format, honest and tampered checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prime_node.proofs import gf
+from prime_node.proofs.errors import ProofError
+from prime_node.proofs.toploc import (
+    BYTES_PER_CHUNK,
+    ChunkStats,
+    ToplocThresholds,
+    build_proof,
+    check_proof,
+    committed_rows,
+    injective_moduli,
+    parse_proof,
+    proof_size,
+    worst_failure,
+)
+
+P = gf.PRIME
+
+
+def _newton_reference(x: list[int], y: list[int]) -> list[int]:
+    """Newton divided differences expanded to ascending coefficients, scalar Python (as toploc does)."""
+    n = len(x)
+    dd = [v % P for v in y]
+    for k in range(1, n):
+        for i in range(n - 1, k - 1, -1):
+            dd[i] = (dd[i] - dd[i - 1]) * pow((x[i] - x[i - k]) % P, P - 2, P) % P
+    coeffs, factor = [0] * n, [1] + [0] * (n - 1)
+    for i in range(n):
+        coeffs = [(c + dd[i] * f) % P for c, f in zip(coeffs, factor)]
+        factor = [((factor[j - 1] if j else 0) - x[i] * factor[j]) % P for j in range(n)]
+    return coeffs
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7, 64, 128])
+def test_interpolation_matches_scalar_newton(k: int):
+    rng = np.random.default_rng(k)
+    x = np.stack([rng.choice(P, k, replace=False) for _ in range(3)])
+    y = rng.integers(0, 0xFF80, (3, k))
+    coefficients = gf.interpolate(x, y)
+    for row in range(3):
+        assert coefficients[row].tolist() == _newton_reference(x[row].tolist(), y[row].tolist())
+    assert np.array_equal(gf.evaluate(coefficients, x), y % P)
+
+
+def test_modulus_is_the_largest_injective_one():
+    rng = np.random.default_rng(0)
+    # Indices up to 2^20 collide modulo 65497 often, so several chunks need a smaller modulus.
+    x = np.stack([rng.choice(1 << 20, 128, replace=False) for _ in range(40)])
+    moduli = injective_moduli(x)
+    for row, m in zip(x, moduli):
+        expected = next(c for c in range(P, 127, -1) if len(set((row % c).tolist())) == 128)
+        assert m == expected
+    assert (moduli < P).any()  # the test exercised the search, not just the first candidate
+
+
+def _hidden(rows: int, width: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("rows", [1, 31, 32, 33, 100])
+def test_proof_size_is_258_bytes_per_started_chunk(rows: int):
+    proof = build_proof(_hidden(rows))
+    assert len(proof) == proof_size(rows) == BYTES_PER_CHUNK * (-(-rows // 32))
+    moduli, _ = parse_proof(proof, -(-rows // 32))
+    assert (moduli == P).all()  # 32 x 128 < 65497: every index is its own residue
+
+
+def test_honest_recomputation_has_zero_error_and_same_bytes():
+    hidden = _hidden(70)
+    proof = build_proof(hidden)
+    assert build_proof(hidden.clone()) == proof
+    stats = check_proof(proof, hidden)
+    assert len(stats) == 3
+    assert all(s.exp_mismatches == 0 and s.mant_err_mean == 0 and s.mant_err_median == 0 for s in stats)
+    assert worst_failure(stats, ToplocThresholds()) is None
+
+
+def test_float_rounding_noise_passes_but_other_states_fail():
+    hidden = _hidden(64)
+    proof = build_proof(hidden)
+    jitter = hidden * (1 + 1e-4 * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1)))
+    assert worst_failure(check_proof(proof, jitter), ToplocThresholds()) is None
+    for other in (_hidden(64, seed=5), hidden.flip(0)):
+        stats = check_proof(proof, other)
+        assert worst_failure(stats, ToplocThresholds()) is not None
+        assert all(s.exp_mismatches > 32 for s in stats)
+    # A 5% rescale keeps most exponents but moves every mantissa.
+    scaled = check_proof(proof, hidden * 1.05)
+    assert all(s.mant_err_median >= 4 for s in scaled)
+    reason = worst_failure(scaled, ToplocThresholds(max_exp_mismatches=128, max_mant_err_mean=128,
+                                                    max_mant_err_median=128))
+    assert reason is not None and reason.startswith("typical chunk mean mantissa error")
+
+
+def test_one_outlier_chunk_is_tolerated_a_systematic_shift_is_not():
+    ok = ChunkStats(1, 0.5, 0.0)
+    outlier = ChunkStats(7, 4.7, 2.0)  # the worst honest bf16-vs-fp32 chunk seen in calibration
+    shifted = ChunkStats(6, 2.8, 2.0)  # the mildest chunk of a 5e-2 perturbation of one layer
+    assert worst_failure([ok, outlier], ToplocThresholds()) is None
+    assert worst_failure([ok] * 30 + [outlier] * 2, ToplocThresholds()) is None
+    assert "typical" in worst_failure([shifted, shifted, ok], ToplocThresholds())
+    assert "exponent mismatches" in worst_failure([ok, ChunkStats(40, 0.5, 0.0)], ToplocThresholds())
+    assert worst_failure([], ToplocThresholds()) is None
+
+
+def test_shuffled_or_foreign_chunks_fail():
+    hidden = _hidden(64)
+    proof = build_proof(hidden)
+    swapped = proof[BYTES_PER_CHUNK:] + proof[:BYTES_PER_CHUNK]
+    assert all(s.exp_mismatches > 32 for s in check_proof(swapped, hidden))
+    foreign = build_proof(_hidden(64, seed=9))
+    assert worst_failure(check_proof(foreign, hidden), ToplocThresholds()) is not None
+
+
+def test_malformed_proofs_are_refused():
+    hidden = _hidden(40)
+    proof = build_proof(hidden)
+    with pytest.raises(ProofError, match="expected 516"):
+        check_proof(proof[:-1], hidden)
+    with pytest.raises(ProofError, match="modulus 0"):
+        check_proof(b"\x00\x00" + proof[2:], hidden)
+    with pytest.raises(ProofError, match="not a field element"):
+        check_proof(proof[:2] + b"\xff\xff" + proof[4:], hidden)
+
+
+def test_bad_hidden_states_are_refused():
+    with pytest.raises(ProofError, match="NaN or infinite"):
+        build_proof(torch.full((4, 128), float("nan")))
+    with pytest.raises(ProofError, match="smaller than top-k"):
+        build_proof(torch.ones(4, 64))
+    with pytest.raises(ProofError, match="non-empty"):
+        build_proof(torch.ones(0, 128))
+
+
+def test_committed_rows_are_the_states_that_produced_the_output():
+    rows = committed_rows(prompt_len=5, output_len=3)
+    assert (rows.start, rows.stop) == (4, 7)

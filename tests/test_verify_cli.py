@@ -1,0 +1,76 @@
+"""`prime-node rollout` and `prime-node verify`: exit codes and output, run in-process on the tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attack_support import make_checkpoint
+from prime_node.node.cli.main import main
+from prime_node.p2p.identity import Identity
+
+
+@pytest.fixture(scope="module")
+def produced(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    checkpoint = make_checkpoint(root / "ckpt")
+    key = root / "node.key"
+    Identity.from_seed(b"\x33" * 32).save(key)
+    out = root / "batch.parquet"
+    argv = ["rollout", "--checkpoint", str(checkpoint), "--key", str(key), "--step", "5", "--out", str(out),
+            "--batch-counter", "2", "--prompts", "2", "--samples", "2", "--run-seed", "9",
+            "--max-new-tokens", "36", "--json", "--log-level", "WARNING"]
+    assert main(argv) == 0
+    return checkpoint, out
+
+
+def _verify(capsys, *argv: str) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(["verify", *argv, "--log-level", "WARNING"])
+    return code, capsys.readouterr().out
+
+
+def test_rollout_then_verify_accepts(produced, capsys):
+    checkpoint, out = produced
+    assert out.exists() and Path(f"{out}.sig").exists()
+    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
+                         "--json")
+    report = json.loads(text)
+    assert code == 0 and report["accepted"] is True and report["reasons"] == []
+    assert [c["name"] for c in report["checks"]][:3] == ["signature", "schema", "signer"]
+    assert all(c["status"] == "passed" for c in report["checks"])
+    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
+                         "--sample-fraction", "0.5")
+    assert code == 0 and "ACCEPTED" in text
+
+
+def test_verify_rejects_with_reason(produced, capsys, tmp_path: Path):
+    checkpoint, out = produced
+    # the wrong run seed: the node's sample indices no longer match its assignment
+    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "8", "--samples", "2",
+                         "--json")
+    report = json.loads(text)
+    assert code == 1 and report["accepted"] is False
+    assert report["reasons"][0].startswith("assignment: ")
+    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
+                         "--run-id", "another")
+    assert code == 1 and "belongs to run 'local'" in text
+    tampered = tmp_path / "t.parquet"
+    data = bytearray(out.read_bytes())
+    data[-40] ^= 1
+    tampered.write_bytes(bytes(data))
+    Path(f"{tampered}.sig").write_bytes(Path(f"{out}.sig").read_bytes())
+    code, text = _verify(capsys, str(tampered), "--checkpoint", str(checkpoint), "--run-seed", "9")
+    assert code == 1 and "REJECTED: signature:" in text
+
+
+def test_verify_usage_and_io_errors(produced, capsys, tmp_path: Path):
+    checkpoint, out = produced
+    assert main(["verify", str(tmp_path / "missing.parquet"), "--checkpoint", str(checkpoint)]) == 2
+    assert main(["verify", str(out), "--checkpoint", str(tmp_path / "no-model")]) == 2
+    assert main(["verify", str(out), "--checkpoint", str(checkpoint), "--sample-fraction", "0"]) == 2
+    with pytest.raises(SystemExit) as info:
+        main(["verify", str(out)])  # --checkpoint is required
+    assert info.value.code == 2

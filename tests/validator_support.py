@@ -1,0 +1,95 @@
+"""Helpers of the validator service tests: a tiny checkpoint, rollout files, and a validator in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prime_node.node.daemon.supervisor import Supervisor
+from prime_node.node.engine import EngineSettings, HFEngine
+from prime_node.node.models.tiny import build_tiny_model
+from prime_node.node.producer import BatchSpec, produce_rows
+from prime_node.node.run_config import RunSettings
+from prime_node.node.validation import RunTasks
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.swarm import RolloutEnvelope
+from prime_node.p2p.swarm.process import end_pids
+from prime_node.p2p.weights.publish import publish
+from prime_node.proofs.rollout_file import signature_path, write_rollout_file
+from prime_node.proofs.rollout_schema import RolloutRow
+from prime_node.trainer.dashboard import DashboardSettings
+from prime_node.trainer.validator_config import IntakeSettings, ValidatorServiceSettings, ValidatorSettings
+from prime_node.trainer.validator_run import RunningValidator, start_validator
+from prime_node.trainer.verdicts import Signed, Verdict
+
+from attack_support import engine_from, make_checkpoint, run_tasks
+from swarm_support import config
+
+RUN = "validator-test"
+OPERATOR = Identity.from_seed(b"\x5a" * 32)
+SPEC = BatchSpec(run_id=RUN, run_seed=3, policy_step=0, batch_counter=0, prompts=1, samples=2,
+                 temperature=1.0, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFEngine, RunTasks]:
+    """A tiny checkpoint on disk, an engine of the same weights for producing files, and the run's tasks."""
+    checkpoint = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "model")
+    return checkpoint, engine_from(build_tiny_model(0)[0]), run_tasks(checkpoint)
+
+
+def validator_settings(data_dir: Path, **intake: Any) -> ValidatorSettings:
+    return ValidatorSettings(
+        data_dir=data_dir,
+        run=RunSettings(run_id=RUN, run_seed=SPEC.run_seed, samples=SPEC.samples),
+        engine=EngineSettings(threads=1),
+        swarm=config(RUN, OPERATOR, reachability="public"),
+        dashboard=DashboardSettings(port=0),
+        intake=IntakeSettings(**intake),
+        validator=ValidatorServiceSettings(announce_interval_s=30.0),
+    )
+
+
+def rows_for(engine: HFEngine, tasks: RunTasks, node: Identity, **spec: Any) -> list[RolloutRow]:
+    return produce_rows(engine, tasks, node.node_id, dataclasses.replace(SPEC, **spec)).rows
+
+
+def write_file(path: Path, rows: list[RolloutRow], node: Identity) -> tuple[Path, RolloutEnvelope]:
+    write_rollout_file(path, rows, node)
+    return path, RolloutEnvelope.model_validate_json(signature_path(path).read_bytes())
+
+
+def publish_checkpoint(checkpoint: Path, store_dir: Path, step: int) -> None:
+    publish(checkpoint, step=step, identity=OPERATOR, out_dir=store_dir, shard_size=1 << 20, run_id=RUN)
+
+
+@contextlib.asynccontextmanager
+async def running_validator(settings: ValidatorSettings) -> AsyncIterator[RunningValidator]:
+    supervisor = Supervisor("test-validator")
+    pids: list[int] = []
+    try:
+        running = await start_validator(settings, OPERATOR, supervisor)
+        assert running.swarm.process is not None
+        pids = list(running.swarm.process.pids)
+        yield running
+    finally:
+        report = await supervisor.shutdown(15.0)
+        end_pids(pids, 3.0)
+        assert report.clean, report
+
+
+async def wait_verdict(running: RunningValidator, sha256: str, timeout: float) -> Signed[Verdict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = await running.service.ledger.verdict_for(sha256)
+        if found is not None:
+            return found
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no verdict for {sha256[:16]} within {timeout} s")

@@ -1,0 +1,122 @@
+"""Start and stop a validator: the swarm, the service's supervised tasks, and the dashboard.
+
+Named tasks under one Supervisor (node/daemon/supervisor.py): verification worker, hold expiry, policy
+follower (fetches checkpoints), validator announcement, ban re-publication, peer bookkeeping, and a watch
+on the swarm's own heartbeat task. Cleanups run in reverse order: dashboard, swarm, ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from ..node.daemon.supervisor import Supervisor
+from ..p2p.errors import P2PError
+from ..p2p.identity import Identity
+from ..p2p.swarm import Swarm
+from .dashboard import SwarmNode, SwarmView, create_app, serve
+from .errors import TrainerError
+from .validator_config import ValidatorSettings
+from .validator_service import ValidatorService
+
+logger = logging.getLogger(__name__)
+
+PEER_SCAN_S = 30.0
+
+
+@dataclass(frozen=True)
+class RunningValidator:
+    service: ValidatorService
+    swarm: Swarm
+    dashboard_url: str
+    maddrs: list[str]
+
+
+def check_operator(settings: ValidatorSettings, identity: Identity) -> ValidatorSettings:
+    """Pin this key as the operator when none is given; refuse a key the pinned operators do not include."""
+    keys = settings.swarm.operator_keys
+    if not keys:
+        swarm = settings.swarm.model_copy(update={"operator_keys": [identity.node_id]})
+        return settings.model_copy(update={"swarm": swarm})
+    if identity.node_id not in keys:
+        raise TrainerError(
+            f"the validator's key {identity.node_id[:16]}… is not a pinned operator key; the validator "
+            "announcement and bans must be signed by one. Start it with the operator's key (--key), or add "
+            "this key to --operator-key / swarm.operator_keys"
+        )
+    return settings
+
+
+async def start_validator(
+    settings: ValidatorSettings, identity: Identity, supervisor: Supervisor
+) -> RunningValidator:
+    settings = check_operator(settings, identity)
+    swarm = Swarm(settings.swarm, identity, roles=("validator",))
+    await swarm.join()
+    service = ValidatorService(settings, identity, swarm)
+    supervisor.on_shutdown("ledger", service.ledger.close)
+    supervisor.on_shutdown("swarm", swarm.leave)
+    await service.recover()
+    await swarm.serve_rollouts(service.spool.directory, service.accept, service.admit)
+    await swarm.publish_validator()
+    app = create_app(service.ledger.ledger, swarm=lambda: swarm_view(service))
+    runner, url = await serve(app, settings.dashboard.host, settings.dashboard.port)
+    supervisor.on_shutdown("dashboard", runner.cleanup)
+    supervisor.spawn("validator-verify", service.run_worker())
+    supervisor.spawn("validator-holds", service.run_holds())
+    supervisor.spawn("validator-policy", service.keeper.follow(swarm.watch_policy()))
+    supervisor.spawn("validator-announce", announce_forever(service))
+    supervisor.spawn("validator-bans", republish_bans(service))
+    supervisor.spawn("validator-peers", note_peers(service))
+    supervisor.spawn("swarm-tasks", _watch(swarm))
+    logger.info("validator %s ready; dashboard at %s", identity.node_id[:16], url)
+    return RunningValidator(service, swarm, url, await swarm.maddrs())
+
+
+async def _watch(swarm: Swarm) -> None:
+    # The swarm spawns its own heartbeat task; a crash there must stop the validator, not vanish.
+    await asyncio.gather(*swarm.tasks.values())
+
+
+async def swarm_view(service: ValidatorService) -> SwarmView:
+    peers = await service.swarm.list_peers()
+    nodes = [
+        SwarmNode(node_id=hb.node_id, roles=list(hb.roles), hardware=hb.hardware.model_dump(),
+                  step=hb.policy_step, last_seen=hb.sent_at)
+        for hb in peers.values()
+    ]
+    return SwarmView(available=True, policy_step=service.keeper.latest_policy, nodes=nodes)
+
+
+async def announce_forever(service: ValidatorService) -> None:
+    while True:
+        await asyncio.sleep(service.settings.validator.announce_interval_s)
+        try:
+            await service.swarm.publish_validator()
+        except (P2PError, OSError, EOFError) as exc:
+            logger.warning("validator announcement not re-published: %s", exc)
+
+
+async def republish_bans(service: ValidatorService) -> None:
+    """Bans in force are re-published: the DHT record has a TTL, the ledger's ban may outlive it."""
+    while True:
+        for ban in await service.ledger.active_bans():
+            await service.publish_ban(ban)
+        await asyncio.sleep(service.settings.validator.ban_republish_s)
+
+
+async def note_peers(service: ValidatorService) -> None:
+    """Record each live node's hardware and last-seen time for the leaderboard."""
+    while True:
+        try:
+            peers = await service.swarm.list_peers()
+        except (P2PError, OSError, EOFError) as exc:
+            logger.debug("peer scan failed: %s", exc)
+            peers = {}
+        now = time.time()
+        for hb in peers.values():
+            await service.ledger.touch_node(hb.node_id, seen_at=min(hb.sent_at, now),
+                                            hardware=hb.hardware.model_dump())
+        await asyncio.sleep(PEER_SCAN_S)
