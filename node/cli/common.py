@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
 from ..config import CommonSettings, load_config
+from ..daemon.supervisor import Supervisor
 from ..logs import configure_logging
 
 Settings = TypeVar("Settings", bound=BaseModel)
@@ -47,3 +48,19 @@ def load_settings(args: argparse.Namespace, model: type[Settings], flags: Mappin
 def print_json(payload: Any) -> None:
     json.dump(payload, sys.stdout, indent=2, sort_keys=True, default=str)
     sys.stdout.write("\n")
+
+
+async def run_until_stopped(name: str, start: Callable[[Supervisor], Awaitable[str]], shutdown_s: float) -> int:
+    """Run a long-lived service under one Supervisor: start it, print its ready line, wait for SIGINT, SIGTERM
+    or a crashed task, then shut down within `shutdown_s`. Exit code 0 only after a clean shutdown."""
+    supervisor = Supervisor(name)
+    supervisor.install_signal_handlers()
+    try:
+        ready_line = await start(supervisor)
+        print(ready_line, flush=True)
+        await supervisor.wait()
+    finally:
+        report = await supervisor.shutdown(shutdown_s)
+        for step, error in report.errors:
+            print(f"shutdown: {step}: {error}", file=sys.stderr)
+    return 0 if report.clean else 1

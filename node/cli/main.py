@@ -30,6 +30,8 @@ COMMAND_MODULES = [
     "verify",
     "start",
     "status",
+    "tasks",
+    "trainer",
 ]
 
 EXPECTED_ERRORS = (NodeError, P2PError, ProofError, TrainerError)

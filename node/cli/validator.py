@@ -10,11 +10,10 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 
 from ..errors import NodeError
-from .common import common_flags, load_settings
+from .common import common_flags, load_settings, run_until_stopped
 
 FLAGS = {
     "run.run_id": "run_id", "swarm.run_id": "run_id", "run.run_seed": "run_seed", "run.tasks": "tasks",
@@ -76,15 +75,9 @@ async def _serve(settings: object, identity: object) -> int:
     from ..daemon.supervisor import Supervisor
     from ...trainer.validator_run import start_validator
 
-    supervisor = Supervisor("validator")
-    supervisor.install_signal_handlers()
-    try:
+    async def start(supervisor: Supervisor) -> str:
         running = await start_validator(settings, identity, supervisor)  # type: ignore[arg-type]
-        print(json.dumps({"validator": running.service.identity.node_id, "maddrs": running.maddrs,
-                          "dashboard": running.dashboard_url}), flush=True)
-        await supervisor.wait()
-    finally:
-        report = await supervisor.shutdown(SHUTDOWN_S)
-        for name, error in report.errors:
-            print(f"shutdown: {name}: {error}", file=sys.stderr)
-    return 0 if report.clean else 1
+        return json.dumps({"validator": running.service.identity.node_id, "maddrs": running.maddrs,
+                           "dashboard": running.dashboard_url})
+
+    return await run_until_stopped("validator", start, SHUTDOWN_S)
