@@ -28,7 +28,7 @@ from .leaderboard import MAX_TOP, NodeLookupError, leaderboard, node_detail
 from .ledger import Ledger
 
 STATIC_DIR = Path(__file__).with_name("dashboard_static")
-DEFAULT_PORT = 8470
+DEFAULT_PORT = 8471  # 8470 is the weights server's; a trainer and a validator often share a host
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
     "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",

@@ -27,7 +27,7 @@ class LeaderboardUnavailable(NodeError):
 
 class LeaderboardSettings(CommonSettings):
     validator_url: str = Field(
-        "http://127.0.0.1:8470",
+        "http://127.0.0.1:8471",
         pattern=r"^https?://[^\s/]+(/\S*)?$",
         description="Base URL of a validator's API.",
     )
@@ -39,7 +39,7 @@ class LeaderboardSettings(CommonSettings):
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("leaderboard", parents=[common_flags()], help="contributors ranked by accepted tokens")
     p.add_argument(
-        "--validator", default=None, metavar="URL", help="validator API (default http://127.0.0.1:8470)"
+        "--validator", default=None, metavar="URL", help="validator API (default http://127.0.0.1:8471)"
     )
     p.add_argument("--top", type=_top, default=20, metavar="N", help="show the first N nodes (default 20)")
     p.add_argument(

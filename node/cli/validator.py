@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--accepted-dir", type=Path, default=None,
                    help="trainer inbox (default <data-dir>/accepted)")
     p.add_argument("--http-host", default=None, help="dashboard listen address (default 127.0.0.1)")
-    p.add_argument("--http-port", type=int, default=None, help="dashboard port (default 8470; 0 picks one)")
+    p.add_argument("--http-port", type=int, default=None, help="dashboard port (default 8471; 0 picks one)")
     p.add_argument("--run-id", default=None, help="name of the run (the DHT's and the files')")
     p.add_argument("--run-seed", type=int, default=None, help="seed of the work assignment (default 0)")
     p.add_argument("--tasks", default=None, help="task file (Parquet/JSONL) or builtin:arithmetic (default)")
