@@ -100,7 +100,9 @@ async def test_flooding_peer_is_rate_limited_while_an_honest_file_is_verified(tm
         # The bucket admits its burst plus one file per second of flooding; everything else is refused.
         assert receipts <= 4 + int(flood_seconds) + 1, (receipts, flood_seconds)
         assert receipts + len(refusals) == len(blobs)
-        assert any("rate limit" in r for r in refusals)
+        # The receipts bound above is the rate limit at work; a refusal names it, or the ban that the junk
+        # files soon earn (which of the two comes first depends on how fast the validator verifies).
+        assert refusals and all("rate limit" in r or "banned" in r for r in refusals), refusals
         assert honest_seconds < 20, honest_seconds
         # The junk that got in was verified and rejected as malformed, never credited.
         await wait_until(lambda: _decided(running, flooder.node_id, receipts), 30)

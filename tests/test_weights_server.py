@@ -86,7 +86,9 @@ async def test_server_binds_loopback_by_default_and_keeps_only_the_newest_versio
 async def test_relay_serves_shards_before_the_whole_version_has_arrived(tmp_path: Path) -> None:
     publish_steps(tmp_path, operator(), [3])
     origin = tmp_path / "origin"
-    relay_server = WeightsServer(Store(tmp_path / "relay"), ServeSettings(port=0, shard_wait_s=2.0), operator().node_id)
+    relay_server = WeightsServer(
+        Store(tmp_path / "relay"), ServeSettings(port=0, shard_wait_s=15.0), operator().node_id  # generous: CI cores are shared
+    )
     relay_url = await relay_server.start()
     async with hostile(origin, 3, chunk_delay_s=0.02) as slow_upstream:
         relay = Relay(relay_server, [slow_upstream.url], operator().node_id, FAST.model_copy(update={"concurrency": 2}))

@@ -131,7 +131,12 @@ class Swarm:
 
     async def _attach(self) -> None:
         assert self.process is not None
-        self._p2p = await self.process.dht.replicate_p2p()
+        try:
+            self._p2p = await asyncio.wait_for(self.process.dht.replicate_p2p(), self.config.startup_timeout_s)
+        except asyncio.TimeoutError:
+            raise SwarmError(
+                f"could not attach to the DHT process's p2p daemon within {self.config.startup_timeout_s:.0f} s"
+            ) from None
         if not self.client_mode:
             server = reachability.DialBackServer(self.config.run_id, self.config.reachability_timeout_s)
             await self._add_handler(server.name, server.handle)
@@ -161,7 +166,9 @@ class Swarm:
         """Stop the heartbeat, unregister handlers, shut the DHT process down (ending it by PID if needed)."""
         for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self._tasks:
+            # Bounded: shutdown must finish even if a task swallows its cancellation.
+            await asyncio.wait(list(self._tasks.values()), timeout=self.config.shutdown_timeout_s)
         self._tasks.clear()
         await self._stop_process()
 
@@ -172,7 +179,10 @@ class Swarm:
                     await asyncio.wait_for(self._p2p.remove_binary_stream_handler(name), 2)
                 except Exception as exc:  # the daemon may already be gone; nothing left to unregister
                     logger.debug("could not remove handler %s: %s", name, exc)
-            await self._p2p.shutdown()  # a replica: closes our client sockets, not the daemon
+            try:  # a replica: closes our client sockets, not the daemon; bounded like every other step
+                await asyncio.wait_for(self._p2p.shutdown(), self.config.shutdown_timeout_s)
+            except (asyncio.TimeoutError, OSError) as exc:
+                logger.warning("closing the p2p client took too long or failed (%r); ending the DHT process anyway", exc)
         self._handlers, self._p2p = [], None
         if self.process is not None:
             process, self.process = self.process, None
