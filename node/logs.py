@@ -21,8 +21,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at emit time, not the object it was when logging was set up.
+
+    A command run in-process (tests, embedding) may configure logging while sys.stderr is a temporary
+    capture; binding that object would make every later log line fail once the capture is closed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 def configure_logging(level: str = "INFO", json_lines: bool = False) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderrHandler()
     if json_lines:
         handler.setFormatter(JsonFormatter())
     else:

