@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.weights.access import AUTH_HEADER, TOKEN_LIFETIME_S, audience_of, make_access_token
 from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.relay import Relay
@@ -45,19 +49,57 @@ async def test_shards_honour_range_requests(tmp_path: Path) -> None:
         assert status == 200 and b'"complete": true' in body and manifest.digest.encode() in body
 
 
+def token_for(identity: Identity, url: str, **kwargs: float) -> dict[str, str]:
+    parts = urlsplit(url)
+    return {AUTH_HEADER: make_access_token(identity, audience_of(parts.hostname, parts.port), **kwargs)}
+
+
 async def test_banned_clients_get_403(tmp_path: Path) -> None:
     publish_steps(tmp_path, operator(), [1], megabytes=0.1)
     async with serving(tmp_path / "origin", ban=["127.0.0.0/8"]) as server:
         assert (await get(f"{server.url}/v1/weights/latest"))[0] == 403
-    banned_id = operator(9).node_id
+    banned = operator(9)
     ban_file = tmp_path / "bans.txt"
     ban_file.write_text("# banned by the operator\n")
     async with serving(tmp_path / "origin", ban_file=ban_file, scan_interval_s=0.05) as server:
-        assert (await get(f"{server.url}/v1/weights/latest", **{"X-Prime-Node-Id": banned_id}))[0] == 200
-        ban_file.write_text(f"{banned_id}  # slashed for bad rollouts\n")
+        latest = f"{server.url}/v1/weights/latest"
+        assert (await get(latest, **token_for(banned, server.url)))[0] == 200
+        ban_file.write_text(f"{banned.node_id}  # slashed for bad rollouts\n")
         await asyncio.sleep(0.3)  # the ban file is re-read when it changes
-        assert (await get(f"{server.url}/v1/weights/latest", **{"X-Prime-Node-Id": banned_id}))[0] == 403
-        assert (await get(f"{server.url}/v1/weights/latest"))[0] == 200
+        assert (await get(latest, **token_for(banned, server.url)))[0] == 403
+        assert (await get(latest, **token_for(operator(10), server.url)))[0] == 200
+        # An unproven claim of another id is not an identity: the old plain header changes nothing.
+        assert (await get(latest, **{"X-Prime-Node-Id": banned.node_id}))[0] == 200
+
+
+async def test_node_bans_cannot_be_dodged_by_dropping_or_forging_the_token(tmp_path: Path) -> None:
+    publish_steps(tmp_path, operator(), [1], megabytes=0.1)
+    banned, honest = operator(9), operator(10)
+    async with serving(tmp_path / "origin", require_node_auth=True) as server:
+        server.bans.set_dynamic({banned.node_id})  # as the node and trainer do from the DHT's signed bans
+        latest = f"{server.url}/v1/weights/latest"
+        status, body, _ = await get(latest)
+        assert status == 401 and AUTH_HEADER.encode() in body
+        assert (await get(latest, **token_for(banned, server.url)))[0] == 403
+        assert (await get(latest, **token_for(honest, server.url)))[0] == 200
+        # banned node presenting the honest node's id with its own signature: refused as forged
+        forged = token_for(banned, server.url)[AUTH_HEADER].split(".")
+        forged[0] = honest.node_id
+        status, body, _ = await get(latest, **{AUTH_HEADER: ".".join(forged)})
+        assert status == 401 and b"does not verify" in body
+        # a token made for another server (replayed by a relay) and a stale one are refused
+        assert (await get(latest, **token_for(honest, "http://127.0.0.1:1")))[0] == 401
+        stale = token_for(honest, server.url, now=time.time() - TOKEN_LIFETIME_S - 5)
+        status, body, _ = await get(latest, **stale)
+        assert status == 401 and b"check the clock" in body
+        assert (await get(latest, **{AUTH_HEADER: "x" * 5000}))[0] == 401
+        server.bans.set_dynamic(set())  # a lifted ban
+        assert (await get(latest, **token_for(banned, server.url)))[0] == 200
+        # The library fetcher signs its requests: a node with a key downloads, the banned one is refused.
+        server.bans.set_dynamic({banned.node_id})
+        await Fetcher([server.url], operator().node_id, Store(tmp_path / "honest"), FAST, identity=honest).fetch()
+        with pytest.raises(FetchError):
+            await Fetcher([server.url], operator().node_id, Store(tmp_path / "banned"), FAST, identity=banned).fetch()
 
 
 async def test_clients_over_their_rate_get_429(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from ..node.engine import EngineSettings, InferenceEngine, load_engine
 from ..node.run_config import RunSettings, load_run_tasks
 from ..node.validation import RunTasks
 from ..p2p.errors import P2PError
+from ..p2p.identity import Identity
 from ..p2p.swarm import PolicyAnnouncement
 from ..p2p.weights.fetch import FetchSettings, Fetcher
 from ..p2p.weights.store import CHECKPOINT_NAME, Store
@@ -41,7 +42,7 @@ class CheckpointKeeper:
         keep: int,
         cached_engines: int = 2,
         fetch: FetchSettings | None = None,
-        node_id: str | None = None,
+        identity: Identity | None = None,
     ) -> None:
         self.store = store
         self.trusted_key = trusted_key
@@ -50,7 +51,7 @@ class CheckpointKeeper:
         self.keep = keep
         self.cached_engines = cached_engines
         self.fetch_settings = fetch or FetchSettings(keep=keep)
-        self.node_id = node_id
+        self.identity = identity  # signs access tokens for the weight servers
         self.latest_policy: int | None = None
         self._engines: OrderedDict[int, InferenceEngine] = OrderedDict()
         self._tasks: RunTasks | None = None
@@ -105,7 +106,7 @@ class CheckpointKeeper:
             logger.warning("policy step %d names no weight sources; cannot fetch it", policy.step)
             return False
         fetcher = Fetcher(list(policy.sources), self.trusted_key, self.store, self.fetch_settings,
-                          node_id=self.node_id)
+                          identity=self.identity)
         try:
             manifest, serving, errors = await fetcher.resolve(policy.step)
             if manifest.digest != policy.manifest_sha256:

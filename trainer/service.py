@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from ..node.daemon.supervisor import Supervisor
 from ..node.tasks import open_task_set
+from ..p2p.errors import P2PError
 from ..p2p.identity import Identity
 from ..p2p.swarm import Swarm
 from ..p2p.weights.server import WeightsServer
@@ -108,6 +109,7 @@ class TrainerService:
             maddrs = [] if self.swarm.client_mode else await self.swarm.maddrs()
             await self._announce()
             self.supervisor.spawn("policy-reannounce", self._reannounce())
+            self.supervisor.spawn("ban-watch", self._watch_bans())
         metrics_url = None
         if svc.metrics_port is not None:
             runner, metrics_url = await start_metrics_server(self.metrics, svc.metrics_host, svc.metrics_port)
@@ -135,6 +137,17 @@ class TrainerService:
     async def _reannounce(self) -> None:
         while not await self.supervisor.sleep_or_stop(self.settings.service.announce_interval_s):
             await self._announce()
+
+    async def _watch_bans(self) -> None:
+        """Refuse weight requests from nodes the operator banned (signed bans in the DHT)."""
+        assert self.swarm is not None and self.server is not None
+        while not await self.supervisor.sleep_or_stop(self.settings.service.announce_interval_s):
+            try:
+                bans = await self.swarm.read_bans()
+            except (OSError, EOFError, P2PError) as exc:
+                logger.debug("ban lookup failed: %s", exc)
+                continue
+            self.server.bans.set_dynamic(set(bans))
 
     def _feed(self) -> int:
         """Blocking: offer every pending inbox file to the buffer; returns how many were taken in."""

@@ -70,7 +70,7 @@ class ValidatorService:
             settings.engine,
             keep=settings.validator.keep_checkpoints,
             fetch=settings.fetch.model_copy(update={"keep": settings.validator.keep_checkpoints}),
-            node_id=identity.node_id,
+            identity=identity,
         )
         self.keeper.on_version(self._release)
         self.verifier = settings.verifier.model_copy(

@@ -76,6 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ban", action="append", default=None, help="banned node id or IP/network (repeatable)")
     p.add_argument("--ban-file", type=Path, default=None, help="file of ban entries, re-read when it changes")
     p.add_argument("--rate-limit", type=float, default=None, help="requests per second per client (0: off)")
+    p.add_argument("--require-node-auth", action="store_true", default=None,
+                   help="refuse requests without a node's signed access token (node-id bans cannot be dodged)")
+    p.add_argument("--key", type=Path, default=None, help="this relay's key: signs its requests to upstreams")
     p.set_defaults(handler=serve_cmd)
 
     p = cmds.add_parser("fetch", parents=[common_flags()], help="download and verify a checkpoint")
@@ -86,6 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=None, help="shards downloaded at once (default 8)")
     p.add_argument("--stall-timeout", type=float, default=None, help="seconds without data before switching source")
     p.add_argument("--keep", type=int, default=None, help="keep only this many versions after success")
+    p.add_argument("--key", type=Path, default=None,
+                   help="your node key: requests carry a signed access token (needed by servers that require one)")
     p.add_argument("--json", action="store_true", help="print a JSON report instead of a progress bar")
     p.set_defaults(handler=fetch_cmd)
 
@@ -118,13 +123,15 @@ def serve_cmd(args: argparse.Namespace) -> int:
     settings = load_settings(args, WeightsSettings, {
         "serve.host": "host", "serve.port": "port", "serve.keep": "keep", "serve.ban": "ban",
         "serve.ban_file": "ban_file", "serve.rate_per_s": "rate_limit", "trainer_key": "trainer_key",
+        "serve.require_node_auth": "require_node_auth",
     })
     if args.upstream and not settings.trainer_key:
         raise ConfigError("relay mode (--upstream) needs --trainer-key: a relay verifies what it mirrors")
-    return asyncio.run(_serve(args.dir, args.upstream or [], settings))
+    identity = Identity.load(args.key) if args.key is not None else None
+    return asyncio.run(_serve(args.dir, args.upstream or [], settings, identity))
 
 
-async def _serve(directory: Path, upstreams: list[str], settings: WeightsSettings) -> int:
+async def _serve(directory: Path, upstreams: list[str], settings: WeightsSettings, identity: Identity | None) -> int:
     server = WeightsServer(Store(directory), settings.serve, settings.trainer_key)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -135,7 +142,8 @@ async def _serve(directory: Path, upstreams: list[str], settings: WeightsSetting
     tasks: list[asyncio.Task[None]] = []
     if upstreams:
         assert settings.trainer_key is not None
-        relay = Relay(server, upstreams, settings.trainer_key, settings.fetch, poll_interval_s=settings.poll_interval_s)
+        relay = Relay(server, upstreams, settings.trainer_key, settings.fetch, poll_interval_s=settings.poll_interval_s,
+                      identity=identity)
         tasks.append(asyncio.create_task(relay.run(), name="weights-relay"))
     waiter = asyncio.create_task(stop.wait(), name="weights-serve-stop")
     supervised = [waiter, *tasks, *([server.scanner] if server.scanner else [])]
@@ -163,7 +171,9 @@ def fetch_cmd(args: argparse.Namespace) -> int:
     })
     assert settings.trainer_key is not None  # required flag, validated by the settings pattern
     bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, disable=args.json or None, file=sys.stderr)
-    fetcher = Fetcher(args.source, settings.trainer_key, Store(args.out), settings.fetch, on_bytes=bar.update)
+    identity = Identity.load(args.key) if args.key is not None else None
+    fetcher = Fetcher(args.source, settings.trainer_key, Store(args.out), settings.fetch, on_bytes=bar.update,
+                      identity=identity)
 
     def on_manifest(manifest: SignedManifest, resumed: int) -> None:
         bar.reset(total=manifest.body.total_size)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ...p2p.identity import Identity
 from ...p2p.swarm.records import PolicyAnnouncement
 from ...p2p.weights.errors import WeightsError
 from ...p2p.weights.fetch import Fetcher, FetchSettings
@@ -44,6 +45,7 @@ class CheckpointKeeper:
         retry_s: float = 5.0,
         max_retry_s: float = 120.0,
         on_verified: Callable[[int], None] | None = None,
+        identity: Identity | None = None,
     ) -> None:
         self.store = store
         self.operator_key = operator_key
@@ -52,6 +54,7 @@ class CheckpointKeeper:
         self.fetch_settings = fetch_settings or FetchSettings()
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
+        self.identity = identity  # signs access tokens, so weight servers know (and can ban) this node
         self.on_verified = on_verified  # e.g. tell the weights server and the heartbeat what we can serve
         self.announced: PolicyAnnouncement | None = None
         self._verified: set[int] = set()
@@ -160,7 +163,7 @@ class CheckpointKeeper:
             self.operator_key,
             self.store,
             self.fetch_settings,
-            node_id=self.state.node_id,
+            identity=self.identity,
             on_bytes=self.state.metrics.download_bytes.inc,
         )
         try:

@@ -108,7 +108,7 @@ class ContributorNode:
 
         keeper = CheckpointKeeper(
             store, self.operator_key, state, async_level=s.async_level, fetch_settings=s.fetch,
-            retry_s=s.fetch_retry_s, max_retry_s=s.max_retry_s, on_verified=verified,
+            retry_s=s.fetch_retry_s, max_retry_s=s.max_retry_s, on_verified=verified, identity=identity,
         )
         await keeper.load_local()
         outbox = Outbox(self.data_dir / "rollouts")
@@ -132,7 +132,7 @@ class ContributorNode:
         sup.spawn("swarm-tasks", _watch_swarm_tasks(swarm))
         sup.spawn("policy-watch", watch_policy())
         sup.spawn("checkpoint-fetch", keeper.run())
-        sup.spawn("peers-watch", _watch_peers(swarm, state))
+        sup.spawn("peers-watch", _watch_peers(swarm, state, server))
         sup.spawn("hand-off", delivery.run())
         sup.spawn("rollout-loop", rollouts())
         logger.info(
@@ -148,8 +148,9 @@ async def _watch_swarm_tasks(swarm: Swarm) -> None:
     await asyncio.Event().wait()  # nothing to watch: idle until cancelled
 
 
-async def _watch_peers(swarm: Swarm, state: NodeState) -> None:
-    """Count live peers, publish our working step in the heartbeat, and notice a ban of this node."""
+async def _watch_peers(swarm: Swarm, state: NodeState, server: WeightsServer | None = None) -> None:
+    """Count live peers, publish our working step in the heartbeat, notice a ban of this node, and refuse
+    weight requests from banned nodes when this node serves weights."""
     banned_reason: str | None = None
     while True:
         swarm.policy_step = state.working_step
@@ -160,6 +161,8 @@ async def _watch_peers(swarm: Swarm, state: NodeState) -> None:
             logger.debug("peer lookup failed: %s", exc)
         else:
             state.set_peers(len([p for p in peers if p != swarm.node_id]))
+            if server is not None:
+                server.bans.set_dynamic(set(bans))
             ban = bans.get(swarm.node_id)
             if ban is not None and ban.reason != banned_reason:
                 banned_reason = ban.reason

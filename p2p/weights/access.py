@@ -1,8 +1,14 @@
-"""Who may download from a weights server: a ban list (node ids, addresses, networks) and per-client rate limits.
+"""Who may download from a weights server: signed access tokens, a ban list (node ids, addresses, networks)
+and per-client rate limits.
 
-Address bans are enforced on the TCP peer address. Node-id bans match the X-Prime-Node-Id header a
-fetcher sends; that header is a claim, not a proof, so it keeps honest-but-banned nodes off a relay while
-address bans are the tool against an adversary.
+A fetcher with an identity proves who it is with an access token in the X-Prime-Node-Auth header:
+`<node id>.<unix time>.<signature>`, an Ed25519 signature over a domain tag, the node id, the time and the
+audience (the server's host:port as the client addressed it). The audience stops a server that received a
+token from replaying it elsewhere; the time bounds how long a token lives (TOKEN_LIFETIME_S either way, to
+allow for clock skew). Node-id bans apply to the id a token proved, never to an unproven claim, so a banned
+node cannot lift its ban by omitting or changing a header: a server that sets `require_node_auth` refuses
+anonymous requests (401), and one that does not still refuses the banned id whenever it is presented.
+Address bans are enforced on the TCP peer address.
 """
 
 from __future__ import annotations
@@ -14,12 +20,77 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..identity import Identity
+from ..signing import SignatureError, verify_signature
 from .errors import WeightsError
 
 logger = logging.getLogger(__name__)
 
 _NODE_ID = re.compile(r"^[0-9a-f]{64}$")
 MAX_TRACKED_CLIENTS = 10_000  # bound the limiter's memory under a flood of distinct addresses
+
+AUTH_HEADER = "X-Prime-Node-Auth"
+TOKEN_LIFETIME_S = 300
+_TOKEN_DOMAIN = b"prime-node/weights-access/v1\x00"
+_MAX_TOKEN_CHARS = 64 + 1 + 12 + 1 + 128  # node id . time . signature: anything longer is refused unread
+
+
+class AccessDenied(WeightsError):
+    """An access token that is malformed, expired, addressed to another server, or badly signed."""
+
+
+def audience_of(host: str | None, port: int | None, scheme: str = "http") -> str:
+    """The canonical `host:port` a token is bound to (the default port filled in, the host lower-cased)."""
+    default = 443 if scheme == "https" else 80
+    return f"{(host or '').lower().strip('[]')}:{port or default}"
+
+
+def _token_message(node_id: str, issued: int, audience: str) -> bytes:
+    return _TOKEN_DOMAIN + f"{node_id}\x00{issued}\x00{audience}".encode()
+
+
+def make_access_token(identity: Identity, audience: str, now: float | None = None) -> str:
+    issued = int(time.time() if now is None else now)
+    signature = identity.sign(_token_message(identity.node_id, issued, audience))
+    return f"{identity.node_id}.{issued}.{signature.hex()}"
+
+
+def verify_access_token(token: str, audience: str, now: float | None = None) -> str:
+    """The node id the token proves, or AccessDenied naming what is wrong with it."""
+    if len(token) > _MAX_TOKEN_CHARS:
+        raise AccessDenied(f"access token is {len(token)} characters, more than {_MAX_TOKEN_CHARS}")
+    parts = token.split(".")
+    if len(parts) != 3 or not _NODE_ID.match(parts[0]) or not parts[1].isdigit() or len(parts[2]) != 128:
+        raise AccessDenied("access token must be <node id hex>.<unix time>.<signature hex>")
+    node_id, issued = parts[0], int(parts[1])
+    try:
+        signature = bytes.fromhex(parts[2])
+    except ValueError:
+        raise AccessDenied("access token signature is not hex") from None
+    age = (time.time() if now is None else now) - issued
+    if abs(age) > TOKEN_LIFETIME_S:
+        raise AccessDenied(f"access token issued {age:.0f} s from now; tokens live {TOKEN_LIFETIME_S} s (check the clock)")
+    try:
+        verify_signature(node_id, _token_message(node_id, issued, audience), signature)
+    except SignatureError:
+        raise AccessDenied(f"access token signature does not verify for node {node_id[:16]}… at {audience}") from None
+    return node_id
+
+
+class TokenSource:
+    """Access-token headers for a fetcher, one cached token per audience, renewed well before expiry."""
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+        self._cache: dict[str, tuple[float, str]] = {}
+
+    def headers(self, audience: str) -> dict[str, str]:
+        now = time.time()
+        cached = self._cache.get(audience)
+        if cached is None or now - cached[0] > TOKEN_LIFETIME_S / 3:
+            cached = (now, make_access_token(self.identity, audience, now))
+            self._cache[audience] = cached
+        return {AUTH_HEADER: cached[1]}
 
 
 class BanList:
@@ -29,10 +100,15 @@ class BanList:
         self.path = path
         self._static = list(entries or [])
         self._mtime: float | None = None
+        self._dynamic: set[str] = set()
         self.node_ids: set[str] = set()
         self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
         self._apply(self._static)
         self.reload()
+
+    def set_dynamic(self, node_ids: set[str]) -> None:
+        """Node ids banned from elsewhere (the operator's signed bans in the DHT), replacing the previous set."""
+        self._dynamic = {n.lower() for n in node_ids if _NODE_ID.match(n.lower())}
 
     def _apply(self, entries: list[str]) -> None:
         node_ids, networks = set(), []
@@ -65,7 +141,7 @@ class BanList:
         logger.info("ban list %s: %d node ids, %d networks", self.path, len(self.node_ids), len(self.networks))
 
     def is_banned(self, address: str | None, node_id: str | None) -> bool:
-        if node_id and node_id.lower() in self.node_ids:
+        if node_id and (node_id.lower() in self.node_ids or node_id.lower() in self._dynamic):
             return True
         if not address:
             return False

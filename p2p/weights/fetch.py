@@ -17,12 +17,14 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..identity import Identity
+from .access import TokenSource
 from .errors import FetchError, ManifestError, StoreError
 from .manifest import MAX_MANIFEST_BYTES, SignedManifest, parse_signed
 from .sources import SelectionSettings, SourcePool
 from .shardrun import FetchResult, ShardRun
 from .store import Store
-from .transfer import NODE_ID_HEADER, ConnectionPool, fetch_document
+from .transfer import ConnectionPool, fetch_document
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class Fetcher:
         store: Store,
         settings: FetchSettings | None = None,
         *,
-        node_id: str | None = None,
+        identity: Identity | None = None,
         on_bytes: Callable[[int], None] | None = None,
         on_shard: Callable[[int], None] | None = None,
     ) -> None:
@@ -69,8 +71,10 @@ class Fetcher:
         self.trusted_key = trusted_key
         self.store = store
         self.settings = settings or FetchSettings()
+        # With an identity every request carries a signed access token, so servers can refuse banned nodes.
         self.connections = ConnectionPool(
-            self.settings.connect_timeout_s, self.settings.stall_timeout_s, {NODE_ID_HEADER: node_id} if node_id else {}
+            self.settings.connect_timeout_s, self.settings.stall_timeout_s,
+            TokenSource(identity) if identity is not None else None,
         )
         self.on_bytes = on_bytes  # called on the event loop with each chunk's size (progress bars)
         self.on_shard = on_shard  # called with each shard index once it verified (relays advertise it)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from ..identity import Identity
 from .errors import WeightsError
 from .fetch import Fetcher, FetchSettings
 from .manifest import SignedManifest
@@ -30,11 +31,11 @@ class Relay:
         fetch_settings: FetchSettings | None = None,
         *,
         poll_interval_s: float = 2.0,
-        node_id: str | None = None,
+        identity: Identity | None = None,
     ) -> None:
         self.server = server
         self.poll_interval_s = poll_interval_s
-        self.fetcher = Fetcher(upstreams, trusted_key, server.store, fetch_settings, node_id=node_id)
+        self.fetcher = Fetcher(upstreams, trusted_key, server.store, fetch_settings, identity=identity)
         self.fetcher.on_manifest = self._on_manifest
         self._step: int | None = None
         self.failures: list[str] = []  # recent reasons a version was not mirrored (status, tests)

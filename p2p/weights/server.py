@@ -9,7 +9,9 @@ Endpoints (pinned in docs/protocol.md, ## Weights):
 A version is served from its directory in the store. A relay also serves a version that is still
 arriving: its manifest once verified, each shard once verified; a request for a shard not verified yet
 waits for it a little (pipelining) and then gets 503 with Retry-After. Files go out with sendfile.
-Banned clients get 403, clients over their request rate 429.
+Requests may carry a signed access token (p2p/weights/access.py): a bad one gets 401, and so does a request
+without one when `require_node_auth` is set. Banned clients (the proven node id, or the address) get 403,
+clients over their request rate 429.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic import BaseModel, ConfigDict, Field
 
-from .access import BanList, RateLimiter
+from .access import AUTH_HEADER, AccessDenied, BanList, RateLimiter, audience_of, verify_access_token
 from ..errors import P2PError
 from .manifest import SignedManifest
 from .store import CHECKPOINT_NAME, Store
-from .transfer import NODE_ID_HEADER, SHARD_CONTENT_TYPE
+from .transfer import SHARD_CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,9 @@ class ServeSettings(BaseModel):
     rate_burst: int = Field(400, ge=1, description="Requests a client may burst above its rate.")
     ban: list[str] = Field(default_factory=list, description="Banned node ids (64 hex) and IP addresses/networks.")
     ban_file: Path | None = Field(None, description="File of ban entries, one per line, re-read when it changes.")
+    require_node_auth: bool = Field(
+        False, description="Refuse requests without a node's signed access token (so node-id bans cannot be dodged)."
+    )
     scan_interval_s: float = Field(1.0, gt=0, description="How often the store directory is rescanned.")
     shard_wait_s: float = Field(5.0, ge=0, description="How long a request waits for a shard still arriving.")
 
@@ -179,7 +184,15 @@ class WeightsServer:
 
     @web.middleware
     async def _access(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        node_id = request.headers.get(NODE_ID_HEADER)
+        node_id: str | None = None
+        token = request.headers.get(AUTH_HEADER)
+        if token is not None:
+            try:
+                node_id = verify_access_token(token, audience_of(request.url.host, request.url.port, request.scheme))
+            except AccessDenied as exc:
+                return web.json_response({"error": str(exc)}, status=401)
+        elif self.settings.require_node_auth:
+            return web.json_response({"error": f"this server needs a node access token ({AUTH_HEADER})"}, status=401)
         if self.bans.is_banned(request.remote, node_id):
             return web.json_response({"error": "banned"}, status=403)
         allowed, retry = self.limiter.allow(request.remote or "?")

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from .access import TokenSource, audience_of
 from .errors import ManifestError
 from .store import PartialVersion, ShardProgress
 
 SHARD_CONTENT_TYPE = "application/octet-stream"
-NODE_ID_HEADER = "X-Prime-Node-Id"
 MAX_RETRY_AFTER_S = 5.0
 IDLE_CONNECTIONS_PER_SOURCE = 16
 
@@ -59,10 +59,10 @@ class ShardResult:
 class ConnectionPool:
     """Keep-alive HTTP connections per source, shared by the transfer threads of one fetch."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, headers: dict[str, str]) -> None:
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float, auth: TokenSource | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
-        self.headers = headers
+        self.auth = auth  # signs an access token per server (p2p/weights/access.py); None: anonymous
         self._idle: dict[str, list[http.client.HTTPConnection]] = {}
         self._active: set[http.client.HTTPConnection] = set()
         self._lock = threading.Lock()
@@ -83,7 +83,10 @@ class ConnectionPool:
         with self._lock:
             idle = self._idle.get(source, [])
             conn = idle.pop() if idle else None
-        prefix = urlsplit(source).path.rstrip("/")
+        parts = urlsplit(source)
+        prefix = parts.path.rstrip("/")
+        if self.auth is not None:
+            headers = {**self.auth.headers(audience_of(parts.hostname, parts.port, parts.scheme)), **headers}
         for fresh in ((False, True) if conn is not None else (True,)):
             if fresh:
                 conn, prefix = self._new(source)
@@ -91,7 +94,7 @@ class ConnectionPool:
             with self._lock:
                 self._active.add(conn)
             try:
-                conn.request("GET", prefix + path, headers={**self.headers, **headers})
+                conn.request("GET", prefix + path, headers=headers)
                 return conn.getresponse(), (source, conn)
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
                 with self._lock:
