@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from prime_node.proofs.gumbel import _mix32, gumbel_argmax, gumbel_noise
+from prime_node.proofs.gumbel import _mix32, gumbel_argmax, gumbel_noise, uniform_noise
 
 
 def _reference_mix32(x: int) -> int:
@@ -64,3 +64,16 @@ def test_gumbel_argmax_samples_from_softmax():
         freq = torch.bincount(tokens, minlength=4).double() / n
         expected = torch.softmax(logits.double() / temperature, 0)
         assert torch.allclose(freq, expected, atol=0.006), (temperature, freq, expected)
+
+
+def test_cpu_fast_path_is_bit_identical_to_the_portable_path():
+    from prime_node.proofs.gumbel import _uniform_noise_torch
+
+    g = torch.Generator().manual_seed(5)
+    seeds = torch.cat([torch.randint(0, 2**62, (300,), generator=g), torch.tensor([0, 1, 2**63 - 1, 2**32, 2**32 - 1])])
+    positions = torch.cat([torch.randint(0, 2**31, (300,), generator=g), torch.tensor([0, 2**32 - 1, 7, 2**32, 3])])
+    fast = uniform_noise(seeds, positions, 1000)
+    assert fast.dtype == torch.float64 and fast.shape == (305, 1000)
+    assert torch.equal(fast, _uniform_noise_torch(seeds, positions, 1000))
+    scalar = uniform_noise(torch.tensor(2**63 - 1), torch.tensor(9), 17)  # 0-d inputs, as a single row
+    assert torch.equal(scalar, _uniform_noise_torch(torch.tensor(2**63 - 1), torch.tensor(9), 17))
