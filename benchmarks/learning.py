@@ -5,7 +5,8 @@ Each step: load the engine from the newest published checkpoint, produce `--file
 exactly as contributors do (assigned tasks, Gumbel sampling, TOPLOC proofs), verify each with the validator's
 checks, read them back through the trainer's inbox reader, train one GRPO rollout step with the Learner
 (trainer/learner.py) and publish the next checkpoint. Held-out accuracy is the warm start's own greedy
-exact-match evaluation (the last `eval_size` problems of the family, never assigned here in practice).
+exact-match evaluation (the last `eval_size` problems of the family; samples of those problems are dropped
+before the trainer sees them, so they are never trained on).
 
     .venv/bin/python benchmarks/learning.py --model DIR --steps 30 --out reward.png
 
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,7 +36,7 @@ from prime_node.node.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
 from prime_node.proofs.verifier import VerifierSettings
-from prime_node.trainer.batch_buffer import BatchBuffer
+from prime_node.trainer.batch_buffer import BatchBuffer, RolloutRecord
 from prime_node.trainer.config import TrainerSettings
 from prime_node.trainer.consumed import ConsumedLedger
 from prime_node.trainer.inbox import Inbox
@@ -72,10 +74,24 @@ def write_png(path: Path, series: list[tuple[list[tuple[float, float]], tuple[in
     path.write_bytes(png + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
-def heldout_accuracy(checkpoint: Path) -> float:
+def heldout_accuracy(checkpoint: Path, eval_size: int) -> tuple[float, dict[int, float]]:
     model = load_engine(checkpoint, threads=1).model  # type: ignore[attr-defined]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-    return evaluate(model, tokenizer, WarmStartConfig())[0]
+    return evaluate(model, tokenizer, WarmStartConfig(eval_size=eval_size))
+
+
+def without_heldout(record: RolloutRecord, first_heldout: int) -> RolloutRecord:
+    """The record minus samples of held-out problems, so the evaluation stays honest (never trained on).
+
+    Assignment draws from the whole set, so a held-out index is assigned with probability eval_size / 2^24
+    per prompt: rare, but a benchmark that claims held-out accuracy must exclude it rather than hope.
+    """
+    kept = tuple(s for s in record.samples if int(s.prompt_key) < first_heldout)
+    return record if len(kept) == len(record.samples) else replace(record, samples=kept)
+
+
+def fmt_levels(by_level: dict[int, float]) -> str:
+    return " ".join(f"L{k} {v:.2f}" for k, v in sorted(by_level.items()))
 
 
 def main() -> int:
@@ -85,18 +101,30 @@ def main() -> int:
     p.add_argument("--files", type=int, default=2, help="rollout files per step")
     p.add_argument("--prompts", type=int, default=8, help="prompts per file")
     p.add_argument("--samples", type=int, default=8, help="completions per prompt")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=TrainerSettings().lr)
+    p.add_argument("--batch-size", type=int, default=None, help="samples per step (default: prompts x samples)")
+    p.add_argument("--optimizer-steps", type=int, default=TrainerSettings().optimizer_steps_per_batch)
+    p.add_argument("--warmup", type=int, default=TrainerSettings().warmup_steps)
+    p.add_argument("--temperature", type=float, default=TrainerSettings().temperature)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--sft-steps", type=int, default=WarmStartConfig().steps, help="warm start without --model")
+    p.add_argument("--eval-size", type=int, default=WarmStartConfig().eval_size)
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--minutes", type=float, default=20.0, help="stop after this much wall time")
     p.add_argument("--out", type=Path, default=Path("learning.png"))
     args = p.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="prime-learning-"))
     model_dir = args.model
+    cpu0 = time.process_time()
     if model_dir is None:
         model_dir = work / "warm"
-        init_model_dir(model_dir, 0, WarmStartConfig())
+        init_model_dir(model_dir, 0, WarmStartConfig(steps=args.sft_steps))
+        print(f"warm start: {args.sft_steps} steps, {time.process_time() - cpu0:.0f} s CPU", flush=True)
     operator, node = Identity.generate(), Identity.generate()
-    settings = TrainerSettings(lr=args.lr, warmup_steps=2, batch_size=args.prompts * args.samples,
+    settings = TrainerSettings(lr=args.lr, warmup_steps=args.warmup,
+                               batch_size=args.batch_size or args.prompts * args.samples,
+                               optimizer_steps_per_batch=args.optimizer_steps, temperature=args.temperature,
                                micro_batch_tokens=256, async_level=1, kl_coef=0.0)
     store = Store(work / "weights")
     ledger = ConsumedLedger(work / "consumed.sqlite")
@@ -106,10 +134,13 @@ def main() -> int:
     inbox = Inbox(work / "accepted", RUN_ID)
     tasks = RunTasks(open_task_set(None), learner.tokenizer)
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=0, samples_per_prompt=args.samples)
+    first_heldout = tasks.task_count - args.eval_size
     rewards: list[tuple[float, float]] = []
-    accuracy = [(0, heldout_accuracy(model_dir))]
-    print(f"step 0 held-out accuracy {accuracy[0][1]:.3f}", flush=True)
-    started = time.perf_counter()
+    acc0, levels0 = heldout_accuracy(model_dir, args.eval_size)
+    accuracy = [(0, acc0)]
+    print(f"step 0 held-out accuracy {acc0:.3f} ({fmt_levels(levels0)})", flush=True)
+    started, cpu_start = time.perf_counter(), time.process_time()
+    raw: list[float] = []  # task reward of every rollout produced since the last step, before filtering
     counter = 0  # the node's batch counter: never reused, or it would regenerate the same (known) file
     for step in range(args.steps):
         ckpt = store.version_dir(learner.step) / CHECKPOINT_NAME
@@ -117,7 +148,8 @@ def main() -> int:
         for f in range(args.files):
             counter += 1
             spec = BatchSpec(run_id=RUN_ID, run_seed=0, policy_step=learner.step, batch_counter=counter,
-                             prompts=args.prompts, samples=args.samples, temperature=1.0, max_new_tokens=16)
+                             prompts=args.prompts, samples=args.samples, temperature=args.temperature,
+                             max_new_tokens=args.max_new_tokens)
             path = inbox.directory / f"s{learner.step}-b{counter}.parquet"
             produce_rollout_file(engine, tasks, node, spec, path)
             report = verify_rollout_file(path, engine, tasks, verifier)
@@ -126,7 +158,8 @@ def main() -> int:
                 continue
             record = inbox.read(path)
             if record is not None:
-                buffer.add(record, learner.step)
+                raw.extend(smp.task_reward for smp in record.samples)
+                buffer.add(without_heldout(record, first_heldout), learner.step)
                 inbox.mark_done(path)
         batch = buffer.take(learner.step)
         if batch is None:  # groups with all-equal rewards were filtered: generate more before a step
@@ -136,20 +169,27 @@ def main() -> int:
         summary = learner.train(batch).summary()
         learner.save_and_publish(keep_states=1, keep_versions=2)
         buffer.commit(batch)
-        rewards.append((learner.step, metrics["task_reward"]))
-        print(f"step {learner.step} batch reward {metrics['task_reward']:.3f} clip {summary['clip_fraction']:.3f} "
-              f"|g| {summary['grad_norm']:.3f} H {summary['entropy']:.3f} ({time.perf_counter() - started:.0f} s)",
-              flush=True)
-        if learner.step % args.eval_every == 0 or step == args.steps - 1:
-            acc = heldout_accuracy(store.version_dir(learner.step) / CHECKPOINT_NAME)
+        raw_reward = sum(raw) / max(len(raw), 1)
+        raw.clear()
+        rewards.append((learner.step, raw_reward))
+        print(f"step {learner.step} rollout reward {raw_reward:.3f} batch reward {metrics['task_reward']:.3f} "
+              f"groups {metrics['groups']:.0f} clip {summary['clip_fraction']:.3f} |g| {summary['grad_norm']:.3f} "
+              f"H {summary['entropy']:.3f} ({time.perf_counter() - started:.0f} s, "
+              f"{time.process_time() - cpu_start:.0f} s CPU)", flush=True)
+        out_of_time = time.perf_counter() - started > 60 * args.minutes
+        if learner.step % args.eval_every == 0 or step == args.steps - 1 or out_of_time:
+            acc, levels = heldout_accuracy(store.version_dir(learner.step) / CHECKPOINT_NAME, args.eval_size)
             accuracy.append((learner.step, acc))
-            print(f"step {learner.step} held-out accuracy {acc:.3f}", flush=True)
+            print(f"step {learner.step} held-out accuracy {acc:.3f} ({fmt_levels(levels)})", flush=True)
+        if out_of_time:
+            break
     ledger.close()
     points = [(float(step), acc) for step, acc in accuracy]
     write_png(args.out, [(rewards, (30, 90, 200)), (points, (200, 60, 30))], x_max=max(learner.step, 1))
     first, last = accuracy[0][1], accuracy[-1][1]
-    print(f"held-out accuracy {first:.3f} -> {last:.3f} ({100 * (last - first):+.1f} points) in "
-          f"{time.perf_counter() - started:.0f} s; reward curve (blue: batch reward, red: held-out) -> {args.out}")
+    print(f"held-out accuracy {first:.3f} -> {last:.3f} ({100 * (last - first):+.1f} points) in {learner.step} steps, "
+          f"{time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_start:.0f} s CPU (1 thread); "
+          f"reward curve (blue: rollout reward before filtering, red: held-out accuracy) -> {args.out}")
     return 0
 
 

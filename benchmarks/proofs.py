@@ -65,14 +65,23 @@ def main() -> None:
     tokens = sum(len(c.output_ids) for c in completions)
     chunks = sum(len(p) for p in proofs) // BYTES_PER_CHUNK
 
+    parts: dict[str, float] = {"prefill": 0.0, "toploc": 0.0, "sampling replay": 0.0}
+
     def verify() -> None:
+        t0 = time.perf_counter()
         results = engine.prefill([c.prompt_ids + c.output_ids for c in completions])
+        parts["prefill"] += time.perf_counter() - t0
         for c, proof, result in zip(completions, proofs, results, strict=True):
             span = committed_rows(len(c.prompt_ids), len(c.output_ids))
+            t1 = time.perf_counter()
             check_proof(proof, result.hidden_states[span])
+            t2 = time.perf_counter()
             replay_sampling(result.logits[span], c.output_ids, 1.0, c.seed, 0.05)
+            parts["toploc"] += t2 - t1
+            parts["sampling replay"] += time.perf_counter() - t2
 
     verify_seconds, _ = best(verify, args.repeats)
+    total_parts = sum(parts.values())
     print(f"batch: {len(requests)} samples, {tokens} output tokens, {chunks} chunks, torch threads {torch.get_num_threads()}")
     print(f"bytes per full 32-token chunk: {BYTES_PER_CHUNK}; bytes per 32 output tokens in this batch: "
           f"{sum(len(p) for p in proofs) * 32 / tokens:.1f} (a partial last chunk costs a full 258)")
@@ -81,6 +90,8 @@ def main() -> None:
           f"(target <= 3%); one-time power table {table_seconds * 1e3:.0f} ms per process")
     print(f"verification (prefill + TOPLOC + sampling replay): {verify_seconds:.3f} s; generation / verification "
           f"= {gen_seconds / verify_seconds:.1f}x (target >= 20x on CPU)")
+    print("verification time by part (all repeats): " + ", ".join(
+        f"{name} {100 * t / total_parts:.0f}%" for name, t in parts.items()))
 
     try:
         import toploc

@@ -25,6 +25,7 @@ def config(run_id: str, operator: Identity, **overrides: Any) -> SwarmConfig:
         operator_keys=[operator.node_id],
         host_maddrs=LOOPBACK,
         wait_timeout_s=5.0,  # generous: CI cores are shared with the rest of the suite
+        startup_timeout_s=60.0,  # p2pd took over 30 s to start on 2 cores at load average 30
         heartbeat_interval_s=2.0,
         heartbeat_ttl_s=20.0,
         policy_poll_s=0.2,
@@ -115,4 +116,5 @@ async def local_subkeys(swarm: Swarm, key: str) -> list[Any]:
     from functools import partial
 
     assert swarm.process is not None
-    return await swarm.process.dht.run_coroutine(partial(_local_subkeys, key=key), return_future=True)
+    future = swarm.process.dht.run_coroutine(partial(_local_subkeys, key=key), return_future=True)
+    return await asyncio.wait_for(future, 30)

@@ -17,12 +17,18 @@ import aiohttp
 import pytest
 from ledger_support import T0, node_id, signed_verdict
 from prime_node.node.cli.main import main
-from prime_node.trainer.dashboard import RewardCurve, RewardPoint, SwarmNode, SwarmView, create_app, serve
+from prime_node.trainer.dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
 from prime_node.trainer.leaderboard import NodeLookupError, leaderboard, node_detail
 from prime_node.trainer.ledger import Ledger
 
 C, B, A, D, E = (node_id(20 + i) for i in range(5))
 EXPECTED_ORDER = [C, B, A, D, E]
+# Every leaderboard row (and `--node ID --json`'s "node") has exactly these fields (docs/validator.md).
+LEADERBOARD_FIELDS = {
+    "rank", "node_id", "accepted_tokens", "accepted_samples", "accepted_files", "rejected_files", "score",
+    "slashes", "slashed", "banned", "ban_permanent", "banned_until", "last_step", "first_seen", "last_seen",
+    "hardware",
+}
 
 
 @pytest.fixture
@@ -163,7 +169,18 @@ def test_cli_json_and_text_against_the_server(ledger, capsys):
         assert "until" in lines[4] and "gpu=H100" in lines[1]
         assert main(["leaderboard", "--validator", url, "--node", D[:8]]) == 0
         text = capsys.readouterr().out
-        assert D in text and "rejected: sampling" in text and "rank        4" in text
+        assert D in text and "rejected: sampling" in text and "rank        4 of 5" in text
+        # The machine-readable form other commands read (prime-node status): docs/validator.md, "Leaderboard".
+        assert main(["leaderboard", "--validator", url, "--node", D[:8], "--json"]) == 0
+        detail = json.loads(capsys.readouterr().out)
+        node = detail["node"]
+        assert detail["ranked"] == 5 and node["node_id"] == D and node["rank"] == 4
+        assert (node["accepted_tokens"], node["accepted_samples"], node["rejected_files"]) == (100, 1, 1)
+        assert node["slashes"] == 1 and node["score"] == pytest.approx(1.0 - 100.0)  # credit, fraud slash
+        assert node["banned"] and not node["ban_permanent"] and node["banned_until"] > T0
+        assert node["last_seen"] >= T0 + 6 and node["hardware"] == {}
+        assert set(node) == LEADERBOARD_FIELDS
+        assert set(board["nodes"][0]) == LEADERBOARD_FIELDS and board["ranked"] == 5
         assert main(["leaderboard", "--validator", url, "--node", "0" * 64]) == 1
         assert "answered 404: no node" in capsys.readouterr().err
 
@@ -221,6 +238,18 @@ def _browser():
     return webdriver, options, chromedriver
 
 
+def _click_row(driver, node: str) -> bool:  # noqa: ANN001
+    """Click the node's leaderboard row; False (try again) if a re-render replaced it meanwhile."""
+    from selenium.common.exceptions import StaleElementReferenceException  # noqa: PLC0415
+    from selenium.webdriver.common.by import By  # noqa: PLC0415
+
+    try:
+        driver.find_element(By.CSS_SELECTOR, f'#leaderboard-body tr[data-node-id="{node}"]').click()
+    except StaleElementReferenceException:
+        return False
+    return True
+
+
 def test_dashboard_page_in_a_headless_browser(ledger, tmp_path):
     webdriver, options, chromedriver = _browser()
     from selenium.webdriver.common.by import By  # noqa: PLC0415
@@ -228,7 +257,7 @@ def test_dashboard_page_in_a_headless_browser(ledger, tmp_path):
 
     options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
 
-    live = {"on": False}  # the sources start empty, as before the swarm and trainer feeds exist
+    live = {"on": False}  # the swarm source starts empty, as before the swarm feed exists
 
     async def swarm() -> SwarmView:
         if not live["on"]:
@@ -241,16 +270,27 @@ def test_dashboard_page_in_a_headless_browser(ledger, tmp_path):
             ],
         )
 
-    async def rewards() -> RewardCurve:
-        points = [RewardPoint(step=s, reward=0.3 + 0.1 * s, samples=64) for s in range(5)]
-        return RewardCurve(available=live["on"], points=points if live["on"] else [])
+    # The reward curve is the ledger's: the fixture's verdicts carry no recomputed rewards, so it starts
+    # empty; then accepted files with their rewards arrive, as the validator records them.
+    F, G = node_id(40), node_id(41)
+    curve = {0: 0.2, 1: 0.35, 2: 0.3, 3: 0.65, 4: 0.8}  # mean task reward per step, over both files
+
+    def record_rewards() -> None:
+        for step, mean in curve.items():
+            for node, samples in ((F, 8), (G, 24)):  # unequal sizes: the mean is per sample, not per file
+                ledger.record(
+                    signed_verdict(node, step=step, samples=samples, tokens=samples * 10, at=T0 + 20 + step),
+                    task_reward_sum=mean * samples,
+                )
+        ledger.record(signed_verdict(F, step=5, samples=8, at=T0 + 30))  # no recomputed reward: left out
+        ledger.record(signed_verdict(G, step=6, accepted=False, failed_check="rewards", at=T0 + 31))
 
     def loaded(driver) -> None:
         WebDriverWait(driver, 30).until(
             lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1"
         )
 
-    with running_dashboard(ledger, swarm=swarm, rewards=rewards) as url:
+    with running_dashboard(ledger, swarm=swarm, rewards=ledger_rewards(ledger)) as url:
         driver = webdriver.Chrome(
             options=options, service=webdriver.ChromeService(executable_path=chromedriver)
         )
@@ -261,27 +301,44 @@ def test_dashboard_page_in_a_headless_browser(ledger, tmp_path):
             assert driver.find_element(By.ID, "swarm-placeholder").is_displayed()
             assert driver.find_element(By.ID, "rewards-placeholder").is_displayed()
             assert not driver.find_element(By.ID, "reward-chart").is_displayed()
-            rows = driver.find_elements(By.CSS_SELECTOR, "#leaderboard-body tr")
-            assert [r.get_attribute("data-node-id") for r in rows] == EXPECTED_ORDER
-            cells = [[td.text for td in r.find_elements(By.TAG_NAME, "td")] for r in rows]
+            # The table is read in one script: the page re-renders every 5 s, which stales element handles
+            # (on loaded CI cores reading it cell by cell can span a re-render).
+            rows = driver.execute_script(
+                "return [...document.querySelectorAll('#leaderboard-body tr')].map((tr) =>"
+                " [tr.dataset.nodeId, tr.className, [...tr.cells].map((td) => td.textContent)]);"
+            )
+            assert [node for node, _, _ in rows] == EXPECTED_ORDER
+            cells = [texts for _, _, texts in rows]
             assert cells[0][:3] == ["1", C[:12] + "…", "5000"] and "gpu=H100" in cells[0][10]
-            assert cells[3][8].startswith("until ") and "banned" in rows[3].get_attribute("class")
-            rows[3].click()
+            assert cells[3][8].startswith("until ") and "banned" in rows[3][1]
+            WebDriverWait(driver, 10).until(lambda d: _click_row(d, D))
             WebDriverWait(driver, 10).until(lambda d: D in d.find_element(By.ID, "node-detail").text)
             assert "sampling" in driver.find_element(By.ID, "node-detail").text
             # The live sections are fed by their JSON endpoints once their sources have data.
             live["on"] = True
+            record_rewards()
             driver.refresh()
             loaded(driver)
             assert not driver.find_element(By.ID, "swarm-placeholder").is_displayed()
             assert driver.find_element(By.ID, "policy-step").text == "(policy step 7)"
             assert driver.find_element(By.CSS_SELECTOR, "#swarm-body td").text == C[:12] + "…"
-            points = (
-                driver.find_element(By.CSS_SELECTOR, "#reward-chart polyline").get_attribute("points").split()
+            assert not driver.find_element(By.ID, "rewards-placeholder").is_displayed()
+            # Read in one script each: the page re-renders every 5 s, which stales element handles.
+            points = driver.execute_script(
+                "return document.querySelector('#reward-chart polyline').getAttribute('points');"
+            ).split()
+            dots = driver.execute_script(
+                "return [...document.querySelectorAll('#reward-chart circle')]"
+                ".map((c) => [c.dataset.step, c.dataset.reward]);"
             )
-            assert len(points) == 5 and float(points[0].split(",")[1]) > float(
-                points[-1].split(",")[1]
-            )  # rising
+            drawn = {int(step): float(reward) for step, reward in dots}
+            assert drawn == pytest.approx(curve)  # exactly the ledger's steps and means, nothing else
+            # The line goes through the data: y = 172 - 144 * reward in the 600x200 chart (28 px margins).
+            ys = [float(p.split(",")[1]) for p in points]
+            assert ys == pytest.approx([172 - 144 * curve[step] for step in sorted(curve)])
+            assert ys[2] > ys[1] and ys[-1] < ys[0]  # the dip at step 2 is drawn, and the rise overall
+            latest = driver.find_element(By.ID, "reward-latest").text
+            assert "step 4, mean task reward 0.800 (32 samples)" in latest
             errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
             assert errors == [], errors  # no CSP violation, no failed request
         finally:

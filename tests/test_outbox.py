@@ -82,3 +82,44 @@ def test_async_window():
     assert usable_step(5, [6, 3], 2) == 3  # never ahead of the announcement
     assert steps_to_delete([1, 2, 3, 4, 5], 5, 2) == [1, 2]
     assert steps_to_delete([1, 2], None, 2) == []
+
+
+async def test_unsent_files_outside_the_async_window_are_dropped_not_sent(tmp_path):
+    import asyncio
+
+    from prime_node.node.daemon.delivery import Delivery
+    from prime_node.node.daemon.state import NodeState
+    from prime_node.p2p.identity import Identity
+    from prime_node.p2p.swarm import RolloutEnvelope, SwarmError
+
+    box, node = Outbox(tmp_path), Identity.generate()
+    by_step = {}
+    for step in (1, 3, 5):
+        payload = f"rows of step {step}".encode()
+        sha, f, s = _stage(box, payload)
+        s.write_text(RolloutEnvelope.sign(node, payload).model_dump_json())
+        by_step[step] = box.commit(sha, f, s, policy_step=step)
+    assert sorted(e.policy_step for e in box.pending_entries()) == [1, 3, 5]
+    assert Outbox(tmp_path).pending_entries()[0].policy_step is not None  # the step survives a restart
+
+    asked: list[str] = []
+
+    class NoValidatorYet:  # the transport: records what it was asked to send and fails like an absent validator
+        async def send_rollout(self, path, envelope):
+            asked.append(envelope.sha256)
+            raise SwarmError("no validator announced yet")
+
+    state = NodeState(node.node_id, None)
+    state.set_announced(5)
+    delivery = Delivery(NoValidatorYet(), box, state, retry_s=30.0, max_retry_s=30.0, async_level=2)
+    task = asyncio.create_task(delivery.run())
+    for _ in range(200):  # bounded: the first pass drops, then tries the oldest usable file
+        if asked:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert asked == [by_step[3].sha256]  # step 1 < 5 - 2 was never offered to the validator
+    assert sorted(e.policy_step for e in box.pending_entries()) == [3, 5]
+    assert not by_step[1].file_path.exists() and not by_step[1].step_path.exists()
+    assert state.rollouts.stale == 1

@@ -5,22 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 
-import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.signing import canonical_json
-from prime_node.p2p.swarm import PolicyAnnouncement
+from prime_node.p2p.swarm import PolicyAnnouncement, SwarmError
 from prime_node.p2p.processes import child_pids, end_pids
+from prime_node.p2p.swarm.process import SwarmDHT
 from prime_node.p2p.swarm.records import RecordKind, dht_key, seal, seal_payload
 from swarm_support import LOOPBACK, fleet, local_subkeys, wait_until
-
-# KNOWN ISSUE: in the full suite (one long-lived pytest process that has already started many DHTs,
-# torch thread pools and a headless browser) one of these tests occasionally waits forever on a hivemind
-# future; every test passes on its own. Until the cause is found, a hang fails after 150 s and the test
-# is rerun once or twice in the same session. See the session note on issue 5.
-pytestmark = [pytest.mark.timeout(150), pytest.mark.flaky(reruns=2)]
 
 
 @pytest.mark.slow
@@ -28,7 +22,8 @@ async def test_ten_peers_see_each_other_within_ten_seconds() -> None:
     operator = Identity.generate()
     async with fleet("ten", operator) as group:
         first = await group.add(operator, roles=("trainer",))
-        await asyncio.gather(*(group.add() for _ in range(9)))
+        for _ in range(3):  # three at a time: nine p2pd starts and pings at once time out on busy cores
+            await asyncio.gather(*(group.add() for _ in range(3)))
         everyone = {p.node_id for p in group.peers}
         await first.publish_policy(5, "cd" * 32, ["http://127.0.0.1:9/"])
 
@@ -51,7 +46,7 @@ async def test_forged_records_are_refused_by_every_honest_peer() -> None:
         await asyncio.gather(*(group.add() for _ in range(3)))
         boot = await group.bootstrap()
         # The attacker runs hivemind without our validator, so it stores and serves whatever it likes.
-        attacker = hivemind.DHT(initial_peers=boot, start=True, host_maddrs=LOOPBACK)
+        attacker = SwarmDHT(initial_peers=boot, start=True, host_maddrs=LOOPBACK)
         try:
             evil, schemer, timetraveller = Identity.generate(), Identity.generate(), Identity.generate()
             template = (await victim.list_peers())[victim.node_id]
@@ -75,7 +70,6 @@ async def test_forged_records_are_refused_by_every_honest_peer() -> None:
                     ),
                     exp,
                 ),
-                # Past our limit, below hivemind's own (its parent-child pipe garbles messages over 64 KiB).
                 "oversized": (hb, "c" * 64, b"x" * 20_000, exp),
                 "far-future expiry": (
                     hb,
@@ -91,9 +85,13 @@ async def test_forged_records_are_refused_by_every_honest_peer() -> None:
                 ),
             }
             for kind, subkey, value, when in forged.values():
-                await attacker.store(dht_key(run, kind), value, when, subkey=subkey, return_future=True)
+                await asyncio.wait_for(
+                    attacker.store(dht_key(run, kind), value, when, subkey=subkey, return_future=True), 30
+                )
             # Control: a correctly signed record from the attacker is accepted, so refusals mean something.
-            await attacker.store(dht_key(run, hb), good_evil, exp, subkey=evil.node_id, return_future=True)
+            await asyncio.wait_for(
+                attacker.store(dht_key(run, hb), good_evil, exp, subkey=evil.node_id, return_future=True), 30
+            )
 
             async def control_arrived() -> bool:
                 views = await asyncio.gather(*(p.list_peers() for p in group.peers))
@@ -188,3 +186,25 @@ async def test_restarted_node_is_recognised_by_its_identity() -> None:
         await observer.publish_ban(identity.node_id, "restart test")
         bans = await again.read_bans()
         assert bans[identity.node_id].reason == "restart test"
+
+
+async def test_commands_larger_than_the_pipe_reach_the_dht_process() -> None:
+    # hivemind sends a command over 16 KiB in two writes and one over 64 KiB in many; its child read them
+    # from a non-blocking pipe, lost the framing and never answered (the old "hangs forever" in this file).
+    operator = Identity.generate()
+    async with fleet("bigcmd", operator) as group:
+        peer = await group.add(operator)
+        assert peer.process is not None
+        key, expiration = dht_key("bigcmd", RecordKind.HEARTBEAT), get_dht_time() + 30
+        for size in (20_000, 1_000_000):
+            stored = await asyncio.wait_for(
+                peer.process.dht.store(key, b"x" * size, expiration, subkey=f"big{size}", return_future=True),
+                20,
+            )
+            assert stored is False  # delivered, then refused by our validator (oversized), not lost
+        assert peer.process.dht.is_alive()
+        assert peer.node_id in await peer.list_peers()  # the command stream is still in step
+
+        peer.process.kill()  # a crashed DHT process: commands fail at once instead of filling its pipe
+        with pytest.raises(SwarmError, match="has exited"):
+            await asyncio.wait_for(peer.list_peers(), 5)

@@ -42,7 +42,8 @@ def _contributions(running, node_id: str) -> list:  # noqa: ANN001
 async def test_honest_file_is_accepted_delivered_and_credited_once(tmp_path: Path, world) -> None:  # noqa: ANN001
     checkpoint, engine, tasks = world
     node = Identity.generate()
-    path, envelope = write_file(tmp_path / "honest.parquet", rows_for(engine, tasks, node), node)
+    produced = rows_for(engine, tasks, node)
+    path, envelope = write_file(tmp_path / "honest.parquet", produced, node)
     settings = validator_settings(tmp_path / "validator")
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
@@ -69,6 +70,12 @@ async def test_honest_file_is_accepted_delivered_and_credited_once(tmp_path: Pat
         raw = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
         board = json.loads(raw)
         assert board["nodes"][0]["node_id"] == node.node_id
+        # The reward curve comes from the rewards the validator recomputed for the accepted file.
+        url = f"{running.dashboard_url}/api/rewards"
+        curve = json.loads(await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read()))
+        mean = sum(r.task_reward for r in produced) / len(produced)
+        assert curve["available"] and [(p["step"], p["samples"]) for p in curve["points"]] == [(0, 2)]
+        assert abs(curve["points"][0]["reward"] - mean) < 1e-9
 
 
 async def _spool_empty(running) -> bool:  # noqa: ANN001

@@ -33,11 +33,13 @@ def run_tasks(checkpoint: Path) -> RunTasks:
 
 
 def make_accepted_files(checkpoint: Path, step: int, count: int, staging: Path, *, first_counter: int = 0,
-                        prompts: int = 2, samples: int = 3, max_new_tokens: int = 12) -> list[Path]:
-    """`count` rollout files of policy `step`, each verified (all rows) before it is kept; staged, not delivered."""
+                        prompts: int = 2, samples: int = 3, max_new_tokens: int = 12,
+                        node: Identity | None = None) -> list[Path]:
+    """`count` rollout files of policy `step`, each verified (all rows) before it is kept; staged, not delivered.
+    A given `node` identity makes the files reproducible (its id seeds the assignment and the sampling)."""
     engine = load_engine(checkpoint, threads=1)
     tasks = run_tasks(checkpoint)
-    node = Identity.generate()
+    node = node or Identity.generate()
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=0, samples_per_prompt=samples)
     out = []
     for counter in range(first_counter, first_counter + count):

@@ -1,12 +1,14 @@
 """The validator's read-only HTTP API and web dashboard (aiohttp), bound to 127.0.0.1 unless told otherwise.
 
 Routes (all GET):
-- `/api/leaderboard?top=N`: `{"generated_at", "nodes": [LeaderboardRow...]}`
+- `/api/leaderboard?top=N`: `{"generated_at", "ranked", "nodes": [LeaderboardRow...]}`
 - `/api/node/{id}`: NodeDetail for a node id or a unique prefix of at least 6 hex digits (400/404/409)
 - `/api/verdict/{sha256}`: the signed verdict envelope of one rollout file (404 until it is decided);
   a sender fetches it to learn, verifiably, why its file was refused.
 - `/api/swarm`, `/api/rewards`: the live swarm and the reward curve, fed by sources the validator service
-  passes in; without one they answer `available: false` and the page shows a placeholder.
+  passes in (the curve: `ledger_rewards`, the mean recomputed task reward per policy step of the accepted
+  files, persisted in the ledger); without one they answer `available: false` and the page shows a
+  placeholder.
 - `/`: the dashboard page (plain HTML + JS from trainer/dashboard_static/, no external resources; the
   Content-Security-Policy forbids any).
 
@@ -24,7 +26,7 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from .leaderboard import MAX_TOP, NodeLookupError, leaderboard, node_detail
+from .leaderboard import MAX_TOP, NodeLookupError, leaderboard, node_detail, ranked_count
 from .ledger import Ledger
 
 STATIC_DIR = Path(__file__).with_name("dashboard_static")
@@ -66,16 +68,33 @@ class SwarmView(BaseModel):
 class RewardPoint(BaseModel):
     step: int
     reward: float = Field(description="Mean task reward of the accepted rollouts of this step.")
-    samples: int = 0
+    samples: int = Field(0, description="Accepted samples (rows) the mean is over.")
+    files: int = Field(0, description="Accepted files of this step.")
 
 
 class RewardCurve(BaseModel):
-    available: bool = Field(description="False until the trainer supplies a reward source.")
-    points: list[RewardPoint] = Field(default_factory=list)
+    available: bool = Field(description="False when the dashboard has no reward source.")
+    points: list[RewardPoint] = Field(default_factory=list, description="Oldest step first.")
 
 
 SwarmSource = Callable[[], Awaitable[SwarmView]]
 RewardSource = Callable[[], Awaitable[RewardCurve]]
+REWARD_STEPS = 1000  # newest policy steps on the curve
+
+
+def ledger_rewards(ledger: Ledger, last_steps: int = REWARD_STEPS) -> RewardSource:
+    """The reward curve from the ledger: the validator recomputed every accepted file's rewards."""
+
+    async def source() -> RewardCurve:
+        points = await asyncio.to_thread(ledger.reward_curve, last_steps)
+        return RewardCurve(
+            available=True,
+            points=[
+                RewardPoint(step=p.step, reward=p.reward, samples=p.samples, files=p.files) for p in points
+            ],
+        )
+
+    return source
 
 LEDGER_KEY: web.AppKey[Ledger] = web.AppKey("ledger")
 SWARM_KEY: web.AppKey[SwarmSource | None] = web.AppKey("swarm_source")
@@ -128,9 +147,11 @@ async def _leaderboard(request: web.Request) -> web.Response:
     raw = request.query.get("top", "100")
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_TOP:
         raise NodeLookupError(f"top must be an integer between 1 and {MAX_TOP}, got {raw[:20]!r}", 400)
-    rows = await asyncio.to_thread(leaderboard, request.app[LEDGER_KEY], top=int(raw))
+    ledger = request.app[LEDGER_KEY]
+    rows = await asyncio.to_thread(leaderboard, ledger, top=int(raw))
+    ranked = await asyncio.to_thread(ranked_count, ledger)
     return web.json_response(
-        {"generated_at": time.time(), "nodes": [r.model_dump(mode="json") for r in rows]}
+        {"generated_at": time.time(), "ranked": ranked, "nodes": [r.model_dump(mode="json") for r in rows]}
     )
 
 

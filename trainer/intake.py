@@ -7,6 +7,11 @@ flooding peer from starving the others:
   is the back-pressure;
 - scheduling: the queue holds one FIFO per node and serves the nodes in turn, so an honest node's file
   waits behind at most one file of each other node, however many a flooder has queued.
+Many fresh node ids (a Sybil flood) would defeat both, so nodes come in two tiers
+(trainer/validator_admission.py decides which): established nodes, with verified work in the ledger, and newcomers. `TieredQueue` keeps one
+FairQueue per tier and gives newcomers a bounded share of the verification turns, so however many newcomer
+ids flood, an established node's file waits behind a number of files that depends only on the established
+nodes.
 """
 
 from __future__ import annotations
@@ -16,9 +21,15 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
+
+
+class Tier(str, Enum):
+    ESTABLISHED = "established"  # accepted work in the ledger: keeps its reserved share of the queue
+    NEWCOMER = "newcomer"  # no accepted work yet: shares a small bounded slice with every other newcomer
 
 # Token buckets kept; the idlest are forgotten first (a forgotten node starts again with a full bucket).
 MAX_TRACKED_NODES = 100_000
@@ -86,6 +97,12 @@ class FairQueue(Generic[Item]):
         while not self._lanes:
             self._ready.clear()
             await self._ready.wait()
+        return self.pop()
+
+    def pop(self) -> Item:
+        """The next item in the rotation without waiting; IndexError when empty."""
+        if not self._lanes:
+            raise IndexError("pop from an empty FairQueue")
         node_id, lane = next(iter(self._lanes.items()))
         item = lane.popleft()
         del self._lanes[node_id]
@@ -93,3 +110,44 @@ class FairQueue(Generic[Item]):
             self._lanes[node_id] = lane  # to the back of the rotation: the other nodes go first
         self._size -= 1
         return item
+
+
+class TieredQueue(Generic[Item]):
+    """A FairQueue per tier; newcomers get `newcomer_share` of the turns while established files wait.
+
+    When only one tier has files it is served at full speed, so an idle swarm of established nodes does not
+    slow newcomers down. The share is kept with a credit counter (deterministic, no randomness to game).
+    """
+
+    def __init__(self, newcomer_share: float) -> None:
+        if not 0.0 < newcomer_share < 1.0:
+            raise ValueError(f"newcomer_share must be in (0, 1), got {newcomer_share}")
+        self.newcomer_share = newcomer_share
+        self._tiers: dict[Tier, FairQueue[Item]] = {tier: FairQueue() for tier in Tier}
+        self._credit = 0.0
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._tiers.values())
+
+    def waiting(self, tier: Tier) -> int:
+        return len(self._tiers[tier])
+
+    def put(self, tier: Tier, node_id: str, item: Item, *, front: bool = False) -> None:
+        self._tiers[tier].put(node_id, item, front=front)
+        self._ready.set()
+
+    async def get(self) -> Item:
+        while not len(self):
+            self._ready.clear()
+            await self._ready.wait()
+        established, newcomers = self._tiers[Tier.ESTABLISHED], self._tiers[Tier.NEWCOMER]
+        if not newcomers:
+            return established.pop()
+        if not established:
+            return newcomers.pop()
+        self._credit += self.newcomer_share
+        if self._credit >= 1.0:
+            self._credit -= 1.0
+            return newcomers.pop()
+        return established.pop()

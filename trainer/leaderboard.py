@@ -72,6 +72,7 @@ class NodeDetail(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     node: LeaderboardRow
+    ranked: int = Field(description="Nodes in the ranking: `node.rank` is out of this many.")
     recent: list[ContributionRow] = Field(description=f"The last {RECENT_LIMIT} verdicts, newest first.")
     slash_log: list[dict[str, Any]]
     bans: list[dict[str, Any]]
@@ -162,10 +163,16 @@ def node_detail(ledger: Ledger, node_id: str, *, now: float | None = None) -> No
     )
     return NodeDetail(
         node=row,
+        ranked=ranked_count(ledger),
         recent=[ContributionRow(**{**dict(r), "accepted": bool(r["accepted"])}) for r in recent],
         slash_log=[dict(r) for r in slashes],
         bans=[dict(r) for r in bans],
     )
+
+
+def ranked_count(ledger: Ledger) -> int:
+    """How many nodes the ranking has (every node in the ledger has a rank)."""
+    return int(ledger.query("SELECT COUNT(*) AS n FROM nodes")[0]["n"])
 
 
 def _row(r: sqlite3.Row) -> LeaderboardRow:

@@ -144,11 +144,15 @@ class Learner:
 
     def save_and_publish(self, keep_states: int, keep_versions: int) -> SignedManifest:
         """Checkpoint step + 1 durably, publish it, and move the step counter forward."""
-        assert self.model is not None and self.optimizer is not None and self.scheduler is not None
         new_step = self.step + 1
-        save_train_state(self.state_root, new_step, self.model, self.optimizer, self.scheduler, self.tokenizer)
+        self._save_state(new_step)
         self.step = new_step
         self.manifest = self._publish_current()
         prune_train_states(self.state_root, keep_states)
         self.store.prune(keep_versions)
         return self.manifest
+
+    def _save_state(self, step: int) -> None:
+        """Write the durable train state `step` (trainer/fsdp_learner.py gathers the shards first)."""
+        assert self.model is not None and self.optimizer is not None and self.scheduler is not None
+        save_train_state(self.state_root, step, self.model, self.optimizer, self.scheduler, self.tokenizer)

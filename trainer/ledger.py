@@ -37,7 +37,9 @@ from .slashing import (
 )
 from .verdicts import HEX64, MAX_BAN_REASON_CHARS, BanRecord, Signed, Verdict
 
-__all__ = ["AsyncLedger", "BanEntry", "Ledger", "LedgerError", "LedgerSettings", "RecordResult"]
+__all__ = [
+    "AsyncLedger", "BanEntry", "Ledger", "LedgerError", "LedgerSettings", "RecordResult", "RewardPoint"
+]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,16 @@ class BanEntry:
 
 
 @dataclass(frozen=True)
+class RewardPoint:
+    """One point of the reward curve: the accepted rollouts of one policy step."""
+
+    step: int
+    reward: float  # mean task reward per sample, in [0, 1]
+    samples: int
+    files: int
+
+
+@dataclass(frozen=True)
 class RecordResult:
     verdict: Signed[Verdict]  # the stored verdict: on a resend, the first one
     duplicate: bool
@@ -101,10 +113,24 @@ class Ledger:
 
     # -- verdicts ---------------------------------------------------------------------------------------
 
-    def record(self, signed: Signed[Verdict], *, received_at: float | None = None) -> RecordResult:
-        """Store a verdict and apply the slashing policy to it, once per file hash."""
+    def record(
+        self,
+        signed: Signed[Verdict],
+        *,
+        received_at: float | None = None,
+        task_reward_sum: float | None = None,
+    ) -> RecordResult:
+        """Store a verdict and apply the slashing policy to it, once per file hash.
+
+        `task_reward_sum`: the sum of an accepted file's task rewards as the validator recomputed them (the
+        reward curve, `reward_curve`); left out for rejected files.
+        """
         v = signed.document
         received = v.decided_at if received_at is None else received_at
+        if task_reward_sum is not None and not (v.accepted and 0.0 <= task_reward_sum <= v.samples):
+            raise LedgerError(
+                f"task_reward_sum {task_reward_sum} needs an accepted file and a value in [0, {v.samples}]"
+            )
         with self.db.write() as c:
             row = c.execute(
                 "SELECT verdict FROM contributions WHERE file_hash = ?", (v.file_hash,)
@@ -117,8 +143,8 @@ class Ledger:
                 actions = decide(self._history(c, v.node_id, v.decided_at), v, self.policy)
             c.execute(
                 "INSERT INTO contributions (file_hash, node_id, step, samples, tokens, accepted,"
-                " failed_check, reason, validator_id, received_at, decided_at, recorded_at, verdict)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " failed_check, reason, validator_id, received_at, decided_at, recorded_at, verdict,"
+                " task_reward_sum) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     v.file_hash,
                     v.node_id,
@@ -133,6 +159,7 @@ class Ledger:
                     v.decided_at,
                     time.time(),
                     signed.to_json().decode(),
+                    task_reward_sum,
                 ),
             )
             bans = self._apply(c, v, actions)
@@ -294,6 +321,19 @@ class Ledger:
 
     # -- reading ----------------------------------------------------------------------------------------
 
+    def reward_curve(self, last_steps: int = 1000) -> list[RewardPoint]:
+        """Mean task reward per policy step over the accepted files, for the newest `last_steps` steps."""
+        rows = self.query(
+            "SELECT step, SUM(task_reward_sum) AS total, SUM(samples) AS samples, COUNT(*) AS files"
+            " FROM contributions WHERE accepted = 1 AND task_reward_sum IS NOT NULL AND samples > 0"
+            " GROUP BY step ORDER BY step DESC LIMIT ?",
+            (last_steps,),
+        )
+        return [
+            RewardPoint(r["step"], r["total"] / r["samples"], r["samples"], r["files"])
+            for r in reversed(rows)
+        ]
+
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
         """Run one read-only query in a read transaction (the leaderboard's queries)."""
         return self.db.query(sql, params)
@@ -308,8 +348,16 @@ class AsyncLedger:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
 
-    async def record(self, signed: Signed[Verdict], *, received_at: float | None = None) -> RecordResult:
-        return await asyncio.to_thread(self.ledger.record, signed, received_at=received_at)
+    async def record(
+        self,
+        signed: Signed[Verdict],
+        *,
+        received_at: float | None = None,
+        task_reward_sum: float | None = None,
+    ) -> RecordResult:
+        return await asyncio.to_thread(
+            self.ledger.record, signed, received_at=received_at, task_reward_sum=task_reward_sum
+        )
 
     async def verdict_for(self, file_hash: str) -> Signed[Verdict] | None:
         return await asyncio.to_thread(self.ledger.verdict_for, file_hash)

@@ -79,6 +79,18 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX bans_by_node ON bans (node_id, until)",
         ),
     ),
+    Migration(
+        2,
+        "task reward of accepted files (the reward curve)",
+        (
+            # Sum of the rows' task rewards, as the validator recomputed them; NULL for rejected files and
+            # for files recorded before this column existed (left out of the curve, never counted as 0).
+            "ALTER TABLE contributions ADD COLUMN task_reward_sum REAL"
+            " CHECK (task_reward_sum IS NULL OR (accepted = 1 AND task_reward_sum >= 0"
+            " AND task_reward_sum <= samples))",
+            "CREATE INDEX contributions_by_step ON contributions (step) WHERE accepted = 1",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -62,7 +62,8 @@ class Running:
 
 class TrainerService:
     def __init__(self, settings: TrainerCommandSettings, identity: Identity, model_dir: Path,
-                 supervisor: Supervisor, on_step: Callable[[StepRecord], None] | None = None) -> None:
+                 supervisor: Supervisor, on_step: Callable[[StepRecord], None] | None = None,
+                 learner_factory: Callable[..., Learner] | None = None) -> None:
         self.settings = settings
         self.on_step = on_step  # the CLI's progress display
         self.identity = identity
@@ -74,8 +75,10 @@ class TrainerService:
         self.store = Store(settings.path(svc.weights_dir, "weights"))
         state_root = settings.path(svc.state_dir, "trainer")
         self.ledger = ConsumedLedger(state_root / "consumed.sqlite")
-        self.learner = Learner(settings.trainer, model_dir, state_root / "states", self.store, self.ledger,
-                               identity, svc.run_id)
+        # --fsdp passes trainer/fsdp_learner.py's FsdpLearner: the same calls, with the model sharded over ranks.
+        make = learner_factory or Learner
+        self.learner = make(settings.trainer, model_dir, state_root / "states", self.store, self.ledger, identity,
+                            svc.run_id)
         t = settings.trainer
         self.buffer = BatchBuffer(self.ledger, batch_size=t.batch_size, async_level=t.async_level,
                                   advantage_eps=t.advantage_eps, max_buffered_samples=t.max_buffered_samples)

@@ -9,7 +9,7 @@ by the part's total completion tokens and accumulated before one clipped AdamW s
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,20 +75,27 @@ def prepare_parts(
     settings: TrainerSettings,
     pad_id: int,
     reference: torch.nn.Module | None = None,
+    select: Callable[[list[PackedRows]], list[PackedRows]] | None = None,
 ) -> list[PreparedPart]:
-    """Split, pack, and compute old (and reference) log-probs for every part BEFORE any weight changes."""
+    """Split, pack, and compute old (and reference) log-probs for every part BEFORE any weight changes.
+
+    `select` keeps a subset of each part's micro-batches (FSDP: this rank's share, trainer/fsdp.py); the
+    loss normaliser and token count stay those of the whole part."""
     if settings.kl_coef > 0.0 and reference is None:
         raise TrainerError("kl_coef > 0 needs a frozen reference model; pass one or set kl_coef = 0")
     parts = []
     for chunk in split_evenly(samples, settings.optimizer_steps_per_batch):
         rows = pack_samples(chunk, settings.micro_batch_tokens, pad_id)
+        loss_tokens = sum(r.loss_tokens for r in rows)
+        if select is not None:
+            rows = select(rows)
         use_ref = settings.kl_coef > 0.0 and reference is not None
         parts.append(
             PreparedPart(
                 rows=rows,
                 logp_old=_fixed_logprobs(model, rows, settings.temperature),
                 logp_ref=_fixed_logprobs(reference, rows, settings.temperature) if use_ref else None,
-                loss_tokens=sum(r.loss_tokens for r in rows),
+                loss_tokens=loss_tokens,
                 tokens=sum(len(s) for s in chunk),
             )
         )
@@ -129,10 +136,14 @@ def train_rollout_step(
     settings: TrainerSettings,
     pad_id: int,
     reference: torch.nn.Module | None = None,
+    select: Callable[[list[PackedRows]], list[PackedRows]] | None = None,
 ) -> RolloutStepReport:
-    """Train on one batch: prepare every part first, then one clipped AdamW step per part."""
+    """Train on one batch: prepare every part first, then one clipped AdamW step per part.
+
+    With `select` (FSDP, trainer/fsdp.py) this process trains its share of each part's micro-batches and the
+    report's loss metrics are its share's."""
     started = time.perf_counter()
-    parts = prepare_parts(model, samples, settings, pad_id, reference)
+    parts = prepare_parts(model, samples, settings, pad_id, reference, select)
     model.train()
     metrics, steps, tokens = LossMetrics(), [], 0
     for part in parts:

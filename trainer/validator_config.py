@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..node.config import CommonSettings, Section
 from ..node.engine import EngineSettings
@@ -21,10 +21,32 @@ class IntakeSettings(Section):
     """Bounds on what the validator takes in, so that no peer can exhaust it or starve the others."""
 
     queue_size: int = Field(
-        256, ge=1, le=100_000, description="Files waiting for verification, all nodes together."
+        256, ge=2, le=100_000, description="Files waiting for verification, all nodes together."
     )
     per_node_queue: int = Field(
-        16, ge=1, le=100_000, description="Files one node may have waiting (queued or held)."
+        16, ge=1, le=100_000, description="Files one established node may have waiting (queued or held)."
+    )
+    newcomer_queue: int = Field(
+        64,
+        ge=1,
+        le=100_000,
+        description="Slice of queue_size shared by all newcomers (nodes without accepted work); the rest "
+        "is reserved for established nodes, so fresh node ids cannot fill the queue.",
+    )
+    newcomer_per_node: int = Field(
+        4, ge=1, le=100_000, description="Files one newcomer may have waiting (queued or held)."
+    )
+    newcomer_share: float = Field(
+        0.25,
+        gt=0,
+        lt=1,
+        description="Share of verification turns newcomers get while established nodes' files wait.",
+    )
+    established_after: int = Field(
+        1, ge=1, le=1_000_000, description="Accepted files that make a node established."
+    )
+    busy_retry_s: float = Field(
+        10.0, gt=0, le=3600, description="Retry hint sent with a 'queue is full' answer."
     )
     rate_per_minute: float = Field(
         30.0, gt=0, le=1e6, description="Files per minute one node may hand in (bucket refill)."
@@ -33,6 +55,15 @@ class IntakeSettings(Section):
     hold_timeout_s: float = Field(
         600.0, gt=0, le=86400, description="How long a file waits for its checkpoint before it is rejected."
     )
+
+    @model_validator(mode="after")
+    def _newcomer_slice(self) -> IntakeSettings:
+        if self.newcomer_queue >= self.queue_size:
+            raise ValueError(
+                f"intake.newcomer_queue ({self.newcomer_queue}) must be below intake.queue_size "
+                f"({self.queue_size}): the rest of the queue is what established nodes keep"
+            )
+        return self
 
 
 class ValidatorServiceSettings(Section):
@@ -60,7 +91,8 @@ class ValidatorServiceSettings(Section):
         3600.0,
         gt=0,
         le=86400,
-        description="How often bans in force are re-published in the DHT (their TTL is finite).",
+        description="How often bans in force are re-published in the DHT; below swarm.ban_ttl_s, the "
+        "lifetime of one ban record (trainer/validator_bans.py).",
     )
 
 
@@ -87,6 +119,15 @@ class ValidatorSettings(CommonSettings):
     validator: ValidatorServiceSettings = Field(
         default_factory=ValidatorServiceSettings, description="Validator paths and intervals."
     )
+
+    @model_validator(mode="after")
+    def _bans_outlive_their_records(self) -> ValidatorSettings:
+        if self.validator.ban_republish_s >= self.swarm.ban_ttl_s:
+            raise ValueError(
+                f"validator.ban_republish_s ({self.validator.ban_republish_s:g} s) must be below "
+                f"swarm.ban_ttl_s ({self.swarm.ban_ttl_s:g} s), or ban records lapse between republications"
+            )
+        return self
 
     def path(self, value: Path | None, default: str) -> Path:
         return (value or self.resolved_data_dir() / default).expanduser()

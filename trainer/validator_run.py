@@ -16,7 +16,7 @@ from ..node.daemon.supervisor import Supervisor
 from ..p2p.errors import P2PError
 from ..p2p.identity import Identity
 from ..p2p.swarm import Swarm
-from .dashboard import SwarmNode, SwarmView, create_app, serve
+from .dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
 from .errors import TrainerError
 from .validator_config import ValidatorSettings
 from .validator_service import ValidatorService
@@ -60,15 +60,20 @@ async def start_validator(
     supervisor.on_shutdown("swarm", swarm.leave)
     await service.recover()
     await swarm.serve_rollouts(service.spool.directory, service.accept, service.admit)
-    await swarm.publish_validator()
-    app = create_app(service.ledger.ledger, swarm=lambda: swarm_view(service))
+    app = create_app(
+        service.ledger.ledger,
+        swarm=lambda: swarm_view(service),
+        rewards=ledger_rewards(service.ledger.ledger),
+    )
     runner, url = await serve(app, settings.dashboard.host, settings.dashboard.port)
     supervisor.on_shutdown("dashboard", runner.cleanup)
+    swarm.api_url = url  # announced, so that senders can fetch their verdicts and rank (node/daemon/verdicts.py)
+    await swarm.publish_validator()
     supervisor.spawn("validator-verify", service.run_worker())
     supervisor.spawn("validator-holds", service.run_holds())
     supervisor.spawn("validator-policy", service.keeper.follow(swarm.watch_policy()))
     supervisor.spawn("validator-announce", announce_forever(service))
-    supervisor.spawn("validator-bans", republish_bans(service))
+    supervisor.spawn("validator-bans", service.bans.run())
     supervisor.spawn("validator-peers", note_peers(service))
     supervisor.spawn("swarm-tasks", _watch(swarm))
     logger.info("validator %s ready; dashboard at %s", identity.node_id[:16], url)
@@ -97,14 +102,6 @@ async def announce_forever(service: ValidatorService) -> None:
             await service.swarm.publish_validator()
         except (P2PError, OSError, EOFError) as exc:
             logger.warning("validator announcement not re-published: %s", exc)
-
-
-async def republish_bans(service: ValidatorService) -> None:
-    """Bans in force are re-published: the DHT record has a TTL, the ledger's ban may outlive it."""
-    while True:
-        for ban in await service.ledger.active_bans():
-            await service.publish_ban(ban)
-        await asyncio.sleep(service.settings.validator.ban_republish_s)
 
 
 async def note_peers(service: ValidatorService) -> None:

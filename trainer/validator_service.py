@@ -1,8 +1,9 @@
 """The validator service: receive rollout files from the swarm, verify them, record and publish verdicts.
 
 Flow of one file (docs/validator.md):
-  hand-off header -> admit (not banned in the ledger, the node's token bucket, queue bounds; refusing
-  here is the back-pressure and costs the sender nothing but a retry) -> body stored by the hand-off ->
+  hand-off header -> admit (not banned in the ledger; then trainer/validator_admission.py: the node's tier,
+  queue bounds, token bucket; "busy" here is the back-pressure and costs the sender nothing but a retry)
+  -> body stored by the hand-off ->
   accept (fsync into the spool, queue) -> receipt to the sender -> fair queue -> verification thread
   (proofs/ checks, cheapest first) -> signed verdict in the ledger (once per file hash) with its slashes
   and bans -> bans published in the DHT -> accepted files copied into the trainer's inbox -> spool entry
@@ -16,19 +17,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 from ..node.errors import NodeError
-from ..p2p.errors import P2PError
 from ..p2p.identity import Identity
-from ..p2p.swarm import HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
+from ..p2p.swarm import HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
 from ..p2p.weights.store import Store
 from .checkpoints import CheckpointKeeper
 from .errors import TrainerError
-from .intake import FairQueue, RateLimiter
+from .intake import Tier, TieredQueue
 from .ledger import AsyncLedger, BanEntry, Ledger
 from .spool import Spool, SpooledFile, deliver
+from .validator_admission import Admission
+from .validator_bans import BanPublisher
 from .validator_config import ValidatorSettings
 from .verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
 from .verify_job import Outcome, verify_spooled
@@ -44,6 +45,7 @@ class Job:
     entry: SpooledFile
     node_id: str
     received_at: float
+    tier: Tier = Tier.NEWCOMER  # the queue tier it was admitted to (trainer/intake.py)
     step: int | None = None  # known once verification found the file's checkpoint missing
     hold_until: float = 0.0
 
@@ -77,50 +79,50 @@ class ValidatorService:
             update={"run_id": settings.run.run_id, "run_seed": settings.run.run_seed,
                     "samples_per_prompt": settings.run.samples}
         )
-        intake = settings.intake
-        self.limiter = RateLimiter(intake.rate_per_minute, intake.burst)
-        self.queue: FairQueue[Job] = FairQueue()
+        # A hand-off may wait for a receiving slot, then stream its body: its reservation outlives both.
+        self.admission = Admission(settings.intake, reservation_s=4 * settings.swarm.handoff_timeout_s)
+        self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
         self.held: dict[str, Job] = {}
-        self.outstanding: Counter[str] = Counter()  # files per node between receipt and verdict
-        self._known: set[str] = set()  # hashes between receipt and verdict
+        self.bans = BanPublisher(
+            self.ledger, swarm, identity,
+            record_ttl_s=settings.swarm.ban_ttl_s, republish_s=settings.validator.ban_republish_s,
+        )
         self.verdicts = 0  # decided by this process (tests and the benchmark read it)
 
     # ----- intake ----------------------------------------------------------------------------------------
 
     async def admit(self, header: RolloutEnvelope) -> None:
-        """Before the body is read: refuse banned nodes, nodes over their rate, and a full queue."""
+        """Before the body is read: refuse banned nodes; ask nodes over their bounds or rate to come back."""
         if await self.ledger.active_ban(header.node_id) is not None:
             raise HandoffRefused("the sending node is banned by this validator")
-        intake = self.settings.intake
-        if sum(self.outstanding.values()) >= intake.queue_size:
-            raise HandoffRefused(f"the validator's queue is full ({intake.queue_size} files); retry later")
-        if self.outstanding[header.node_id] >= intake.per_node_queue:
-            raise HandoffRefused(
-                f"this node already has {intake.per_node_queue} files waiting for verification; retry later"
-            )
-        wait = self.limiter.try_take(header.node_id)
-        if wait > 0:
-            raise HandoffRefused(
-                f"rate limit: {intake.rate_per_minute:g} files per minute; retry in {wait:.1f} s"
-            )
+        busy = self.admission.admit(header.node_id, header.sha256)
+        if busy is not None:
+            raise HandoffBusy(busy.reason, busy.retry_after_s)
+
+    async def load_tiers(self) -> None:
+        """Which nodes are established, from the ledger's accepted files (at start)."""
+        rows = await self.ledger.query(
+            "SELECT node_id, COUNT(*) AS n FROM contributions WHERE accepted = 1 GROUP BY node_id"
+        )
+        self.admission.load_accepted((r["node_id"], r["n"]) for r in rows)
 
     async def accept(self, received: ReceivedRollout) -> None:
         """The file is stored and its hash checked: make it durable before the receipt goes out."""
         sha = received.envelope.sha256
         if await self.ledger.verdict_for(sha) is not None:  # a resend: acknowledged, credited once
+            self.admission.cancel(sha)
             await asyncio.to_thread(self.spool.remove, self.spool.entry(sha))
             return
         entry = await asyncio.to_thread(self.spool.make_durable, sha)
         self._enqueue(Job(entry, received.envelope.node_id, time.time()))
 
-    def _enqueue(self, job: Job, *, front: bool = False) -> None:
-        if job.entry.sha256 not in self._known:
-            self._known.add(job.entry.sha256)
-            self.outstanding[job.node_id] += 1
-        self.queue.put(job.node_id, job, front=front)
+    def _enqueue(self, job: Job) -> None:
+        job.tier = self.admission.enqueued(job.node_id, job.entry.sha256)
+        self.queue.put(job.tier, job.node_id, job)
 
     async def recover(self) -> int:
         """Queue every spooled file left by an earlier run; finish those already decided."""
+        await self.load_tiers()  # recovered files join their node's tier
         entries = await asyncio.to_thread(self.spool.recover)
         for entry in entries:
             signed = await self.ledger.verdict_for(entry.sha256)
@@ -179,7 +181,7 @@ class ValidatorService:
         for sha, job in list(self.held.items()):
             if job.step == step:
                 del self.held[sha]
-                self.queue.put(job.node_id, job, front=True)
+                self.queue.put(job.tier, job.node_id, job, front=True)
 
     async def run_holds(self) -> None:
         """Reject held files whose checkpoint did not arrive within hold_timeout_s."""
@@ -211,18 +213,20 @@ class ValidatorService:
             validator_id=self.identity.node_id,
             decided_at=time.time(),
         )
-        result = await self.ledger.record(sign(verdict, self.identity), received_at=job.received_at)
+        result = await self.ledger.record(
+            sign(verdict, self.identity), received_at=job.received_at,
+            task_reward_sum=outcome.task_reward_sum if outcome.accepted else None,
+        )
         self.verdicts += 0 if result.duplicate else 1
+        if outcome.accepted and not result.duplicate:
+            self.admission.note_accepted(job.node_id)  # its next file may count as established
         level = logging.INFO if outcome.accepted else logging.WARNING
         logger.log(level, "file %s from %s: %s", job.entry.sha256[:16], job.node_id[:16],
                    "accepted" if outcome.accepted else f"rejected ({outcome.reason[:200]})")
         for ban in result.new_bans:
             await self.publish_ban(ban)
         await self._finish(job.entry, result.verdict)
-        self._known.discard(job.entry.sha256)
-        self.outstanding[job.node_id] -= 1
-        if self.outstanding[job.node_id] <= 0:
-            del self.outstanding[job.node_id]
+        self.admission.finished(job.entry.sha256)
 
     async def _finish(self, entry: SpooledFile, signed: Signed[Verdict]) -> None:
         if signed.document.accepted:
@@ -230,12 +234,8 @@ class ValidatorService:
         await asyncio.to_thread(self.spool.remove, entry)
 
     async def publish_ban(self, ban: BanEntry) -> None:
-        """Publish a ban in the DHT (operator-signed) and keep the signed ban document in the ledger."""
-        try:
-            await self.swarm.publish_ban(ban.node_id, ban.reason)
-        except (P2PError, OSError, EOFError) as exc:  # DHT unreachable for now: the republish loop retries
-            logger.warning("ban of %s not published yet: %s", ban.node_id[:16], exc)
-            return
-        if ban.record is None:
-            record = sign(ban.to_record(self.identity.node_id), self.identity)
-            await self.ledger.attach_ban_record(ban.id, record)
+        """Publish a new ban in the DHT now (operator-signed, its TTL following the ban's length).
+
+        The publisher's loop (`bans.run`, trainer/validator_bans.py) keeps it there while it is in force.
+        """
+        await self.bans.publish(ban)

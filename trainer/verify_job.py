@@ -39,6 +39,9 @@ class Outcome:
     tokens: int = 0
     checks: tuple[CheckResult, ...] = ()
     seconds: float = 0.0
+    # Sum of the rows' task rewards of an accepted file: the rewards check recomputed each of them with the
+    # run's verifiers over every row, so these are the validator's numbers, not the sender's claims.
+    task_reward_sum: float | None = None
 
 
 def check_name(name: str) -> str:
@@ -78,6 +81,8 @@ def verify_spooled(
     results = first.checks + second.checks
     samples, tokens = len(ctx.rows), sum(len(r.output_ids) for r in ctx.rows)
     if second.accepted:
-        return Outcome(False, step, True, None, "", samples, tokens, results, time.perf_counter() - start)
+        rewards = sum(r.task_reward for r in ctx.rows)
+        return Outcome(False, step, True, None, "", samples, tokens, results, time.perf_counter() - start,
+                       task_reward_sum=min(float(samples), max(0.0, rewards)))
     failed, reason = _failure(second.checks)
     return Outcome(False, step, False, failed, reason, samples, tokens, results, time.perf_counter() - start)

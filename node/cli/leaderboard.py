@@ -169,7 +169,7 @@ def format_node(detail: dict[str, Any]) -> str:
     n = detail["node"]
     out = [
         f"node        {n['node_id']}",
-        f"rank        {n['rank']}",
+        f"rank        {n['rank']}" + (f" of {detail['ranked']}" if "ranked" in detail else ""),
         f"accepted    {n['accepted_tokens']} tokens, {n['accepted_samples']} samples, "
         f"{n['accepted_files']} files",
         f"rejected    {n['rejected_files']} files",

@@ -32,6 +32,7 @@ COMMAND_MODULES = [
     "status",
     "tasks",
     "trainer",
+    "devnet",
 ]
 
 EXPECTED_ERRORS = (NodeError, P2PError, ProofError, TrainerError)

@@ -37,11 +37,19 @@ def status(args: argparse.Namespace) -> int:
         f"operator key:   {report.operator_key or 'not set'}",
         f"policy step:    announced {_step(report.announced_step)}, local {_step(report.local_step)}"
         + (" (verified)" if report.local_verified else ""),
-        f"rollout files:  {r.generated} generated, {r.handed_off} handed off, {r.accepted} accepted, {r.rejected} rejected",
+        f"rollout files:  {r.generated} generated, {r.handed_off} handed off, {r.accepted} accepted, {r.rejected} rejected"
+        + (f", {r.stale} dropped as stale" if r.stale else ""),
         f"throughput:     {'n/a' if report.tokens_per_second is None else f'{report.tokens_per_second:.1f} tokens/s'}",
         f"last error:     {report.last_error or 'none'}",
     ]
-    if report.leaderboard is not None:
-        lines.append(f"leaderboard:    rank {report.leaderboard.rank}, score {report.leaderboard.score:.3f}")
+    lines.insert(-2, f"verdicts:       {report.awaiting_verdicts} awaited")
+    board = report.leaderboard
+    if board is not None:
+        lines.append(f"leaderboard:    rank {board.rank}, score {board.score:.3f} ({board.accepted_tokens} accepted "
+                     f"tokens{', BANNED' if board.banned else ''}; {board.validator_url})")
+    else:
+        lines.append(f"leaderboard:    {report.leaderboard_status}")
+    if report.serving_weights is not None:
+        lines.append(f"serving:        verified checkpoints at {report.serving_weights}")
     print("\n".join(lines))
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import NodeError
@@ -45,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model over GPUs with FSDP2; start under torchrun (docs/trainer.md)")
     p.set_defaults(handler=trainer)
 
 
@@ -62,10 +65,17 @@ def trainer(args: argparse.Namespace) -> int:
     if settings.service.dht and identity.node_id not in settings.swarm.operator_keys:
         # The trainer signs policies, so its own key is an operator key of the run.
         settings.swarm.operator_keys = [*settings.swarm.operator_keys, identity.node_id]
+    if args.fsdp:
+        from ...trainer.fsdp_learner import run_under_torchrun
+
+        # Every rank runs this command; rank 0 serves, the others follow it (trainer/fsdp_learner.py).
+        return run_under_torchrun(settings, args.model, lambda factory: asyncio.run(
+            _serve(settings, identity, args.model, quiet=args.quiet, learner_factory=factory)))
     return asyncio.run(_serve(settings, identity, args.model, quiet=args.quiet))
 
 
-async def _serve(settings: object, identity: object, model_dir: Path, *, quiet: bool) -> int:
+async def _serve(settings: object, identity: object, model_dir: Path, *, quiet: bool,
+                 learner_factory: Callable[..., object] | None = None) -> int:
     from ...trainer.metrics import StepRecord, progress_line
     from ...trainer.service import SHUTDOWN_S, TrainerService
     from ..daemon.supervisor import Supervisor
@@ -75,7 +85,8 @@ async def _serve(settings: object, identity: object, model_dir: Path, *, quiet: 
             print(progress_line(record), file=sys.stderr, flush=True)
 
     async def start(supervisor: Supervisor) -> str:
-        service = TrainerService(settings, identity, model_dir, supervisor, on_step=show)  # type: ignore[arg-type]
+        service = TrainerService(settings, identity, model_dir, supervisor, on_step=show,  # type: ignore[arg-type]
+                                 learner_factory=learner_factory)  # type: ignore[arg-type]
         return (await service.start()).ready_line()
 
     return await run_until_stopped("trainer", start, SHUTDOWN_S)

@@ -46,6 +46,7 @@ class CheckpointKeeper:
         max_retry_s: float = 120.0,
         on_verified: Callable[[int], None] | None = None,
         identity: Identity | None = None,
+        peer_sources: Callable[[int], list[str]] | None = None,
     ) -> None:
         self.store = store
         self.operator_key = operator_key
@@ -56,6 +57,9 @@ class CheckpointKeeper:
         self.max_retry_s = max_retry_s
         self.identity = identity  # signs access tokens, so weight servers know (and can ban) this node
         self.on_verified = on_verified  # e.g. tell the weights server and the heartbeat what we can serve
+        # Peers whose heartbeats say they serve a step: extra sources. They need no trust: the manifest must
+        # still be the operator-signed one the announcement pins, and every shard must hash right.
+        self.peer_sources = peer_sources
         self.announced: PolicyAnnouncement | None = None
         self._verified: set[int] = set()
         self._retry_at: dict[int, tuple[float, float]] = {}  # step -> (monotonic time of next try, delay)
@@ -158,8 +162,11 @@ class CheckpointKeeper:
     async def fetch(self, policy: PolicyAnnouncement) -> FetchResult:
         if not policy.sources:
             raise CheckpointRefused("the announcement names no sources")
+        sources = list(policy.sources)
+        if self.peer_sources is not None:
+            sources += [url for url in self.peer_sources(policy.step) if url not in sources]
         fetcher = Fetcher(
-            list(policy.sources),
+            sources,
             self.operator_key,
             self.store,
             self.fetch_settings,

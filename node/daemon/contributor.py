@@ -2,8 +2,8 @@
 
 Order of start (stopped in reverse): preflight checks -> the DHT child process (forked before anything
 initialises CUDA) -> signal handlers -> the CUDA check for --gpu -> join the swarm -> status API ->
-optional weights server -> tasks: policy watcher, checkpoint fetcher, peers/bans watcher, hand-off,
-rollout loop. A crashed task stops the node with a non-zero exit; SIGINT/SIGTERM stop it cleanly within
+optional weights server (when reachable) -> tasks: policy watcher, checkpoint fetcher, peers/bans watcher,
+weights advertiser, hand-off, verdicts, leaderboard, rollout loop. A crashed task stops the node with a non-zero exit; SIGINT/SIGTERM stop it cleanly within
 `shutdown_timeout_s` with exit code 0.
 """
 
@@ -16,18 +16,21 @@ from concurrent.futures import ThreadPoolExecutor
 from ...p2p.identity import Identity
 from ...p2p.swarm import Hardware, Swarm, SwarmError
 from ...p2p.swarm.swarm import local_hardware
-from ...p2p.weights.server import WeightsServer
 from ...p2p.weights.store import Store
 from ..errors import ConfigError, NodeError
 from .checkpoints import CheckpointKeeper
 from .delivery import Delivery
+from .leaderboard import run_leaderboard
 from .outbox import Outbox
-from .preflight import check_cuda, check_data_dir, check_disk, check_key, check_memory, run_checks
+from .preflight import check_cuda, check_cuda_visible, check_data_dir, check_disk, check_key, check_memory, run_checks
 from .rollout_loop import RolloutLoop
+from .serving import WeightsSharing
 from .settings import StartSettings
 from .state import NodeState
 from .status import StatusServer
 from .supervisor import Supervisor, TaskCrashed
+from .validator_api import ValidatorApi
+from .verdicts import VerdictWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ MIB = 1 << 20
 
 
 class ContributorNode:
+    rollout_loop: type[RolloutLoop] = RolloutLoop  # the devnet's adversaries substitute a cheating loop
+
     def __init__(self, settings: StartSettings, *, gpu: bool = False) -> None:
         if settings.operator_key is None:
             raise ConfigError(
@@ -51,6 +56,8 @@ class ContributorNode:
         """The checks that need nothing started; raises PreflightError listing every fatal failure."""
         s = self.settings
         checks = [check_key(s.key_path()), check_data_dir(self.data_dir)]
+        if self.gpu:  # no CUDA at all is known at once, before the DHT starts (the memory check comes later)
+            checks.append(check_cuda_visible())
         run_checks(checks)
         window = (s.async_level + 1) * s.checkpoint_disk_mb * MIB
         for result in run_checks([check_disk(self.data_dir, window), check_memory(s.min_ram_mb * MIB)]):
@@ -97,23 +104,26 @@ class ContributorNode:
         await status.start()
         sup.on_shutdown("status API", status.stop)
         store = Store(self.data_dir / "checkpoints")
-        server: WeightsServer | None = None
-        if s.serve_weights:
-            server = WeightsServer(store, s.serve, self.operator_key)
-            await server.start()
-            sup.on_shutdown("weights server", server.stop)
-
-        def verified(step: int) -> None:
-            swarm.serves_steps = keeper.verified_steps() if server is not None else []
-
+        sharing = WeightsSharing(store, s, self.operator_key, swarm, state)
+        if await sharing.start():
+            sup.on_shutdown("weights server", sharing.stop)
         keeper = CheckpointKeeper(
             store, self.operator_key, state, async_level=s.async_level, fetch_settings=s.fetch,
-            retry_s=s.fetch_retry_s, max_retry_s=s.max_retry_s, on_verified=verified, identity=identity,
+            retry_s=s.fetch_retry_s, max_retry_s=s.max_retry_s, identity=identity, peer_sources=sharing.sources_for,
         )
         await keeper.load_local()
         outbox = Outbox(self.data_dir / "rollouts")
-        delivery = Delivery(swarm, outbox, state, retry_s=s.handoff_retry_s, max_retry_s=s.max_retry_s)
-        loop = RolloutLoop(s, identity, keeper, outbox, state, executor, on_committed=delivery.committed)
+        api = ValidatorApi(swarm, identity.node_id, s.validator_api_timeout_s)
+        sup.on_shutdown("validator API client", api.close)
+        verdicts = VerdictWatcher(
+            api, outbox, state, poll_s=s.verdict_poll_s, max_poll_s=s.max_retry_s, timeout_s=s.verdict_timeout_s
+        )
+        await asyncio.to_thread(verdicts.restore)
+        delivery = Delivery(
+            swarm, outbox, state, retry_s=s.handoff_retry_s, max_retry_s=s.max_retry_s, on_receipt=verdicts.receipted,
+            async_level=s.async_level,
+        )
+        loop = self.rollout_loop(s, identity, keeper, outbox, state, executor, on_committed=delivery.committed)
 
         async def watch_policy() -> None:
             while True:
@@ -132,8 +142,12 @@ class ContributorNode:
         sup.spawn("swarm-tasks", _watch_swarm_tasks(swarm))
         sup.spawn("policy-watch", watch_policy())
         sup.spawn("checkpoint-fetch", keeper.run())
-        sup.spawn("peers-watch", _watch_peers(swarm, state, server))
+        sup.spawn("peers-watch", _watch_peers(swarm, state, sharing))
+        if sharing.server is not None:
+            sup.spawn("weights-serve", sharing.advertise())
         sup.spawn("hand-off", delivery.run())
+        sup.spawn("verdicts", verdicts.run())
+        sup.spawn("leaderboard", run_leaderboard(api, state, s.leaderboard_refresh_s))
         sup.spawn("rollout-loop", rollouts())
         logger.info(
             "node %s… started: status API on %s:%s, data in %s", identity.node_id[:16], s.status_host, status.port, self.data_dir
@@ -148,9 +162,9 @@ async def _watch_swarm_tasks(swarm: Swarm) -> None:
     await asyncio.Event().wait()  # nothing to watch: idle until cancelled
 
 
-async def _watch_peers(swarm: Swarm, state: NodeState, server: WeightsServer | None = None) -> None:
-    """Count live peers, publish our working step in the heartbeat, notice a ban of this node, and refuse
-    weight requests from banned nodes when this node serves weights."""
+async def _watch_peers(swarm: Swarm, state: NodeState, sharing: WeightsSharing) -> None:
+    """Count live peers, publish our working step in the heartbeat, notice a ban of this node, note which
+    peers serve weights, and refuse weight requests from banned nodes when this node serves weights."""
     banned_reason: str | None = None
     while True:
         swarm.policy_step = state.working_step
@@ -161,8 +175,9 @@ async def _watch_peers(swarm: Swarm, state: NodeState, server: WeightsServer | N
             logger.debug("peer lookup failed: %s", exc)
         else:
             state.set_peers(len([p for p in peers if p != swarm.node_id]))
-            if server is not None:
-                server.bans.set_dynamic(set(bans))
+            sharing.note_peers(peers, set(bans))
+            if sharing.server is not None:
+                sharing.server.bans.set_dynamic(set(bans))
             ban = bans.get(swarm.node_id)
             if ban is not None and ban.reason != banned_reason:
                 banned_reason = ban.reason

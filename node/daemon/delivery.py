@@ -3,18 +3,26 @@
 Everything in the outbox's pending/ is sent oldest first, so files written before a crash go out after
 the restart before anything new. A receipt moves the entry to sent/; a refusal (the validator's verdict)
 moves it to rejected/ and is never retried; a transport failure (no validator yet, a broken stream) is
-retried with exponential backoff. The validator credits a file hash once, so a resend after an
-ambiguous failure is harmless.
+retried with exponential backoff, and so is the validator's "busy" answer (HandoffBusy: rate limit, full
+queue), waiting at least the `retry_after_s` it asks for. The validator credits a
+file hash once, so a resend after an ambiguous failure is harmless. Each receipt is passed on to the
+verdict watcher (node/daemon/verdicts.py), which learns later whether the file was accepted.
+
+A file still unsent when its checkpoint falls out of the async window (announced step - async_level) is
+dropped, not sent: the trainer would discard it, and the validator's time is the swarm's scarcest resource.
+The rollout loop's back-pressure (settings.max_pending_files) keeps such a backlog from building up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import ValidationError
 
-from ...p2p.swarm import HandoffError, HandoffRefused, RolloutEnvelope, Swarm, SwarmError
+from ...p2p.swarm import HandoffBusy, HandoffError, HandoffRefused, RolloutEnvelope, Swarm, SwarmError
 from .outbox import Outbox, OutboxEntry
 from .state import NodeState
 
@@ -24,8 +32,20 @@ _IDLE_RECHECK_S = 30.0  # look at pending/ now and then even without a wake-up (
 
 
 class Delivery:
-    def __init__(self, swarm: Swarm, outbox: Outbox, state: NodeState, *, retry_s: float, max_retry_s: float) -> None:
+    def __init__(
+        self,
+        swarm: Swarm,
+        outbox: Outbox,
+        state: NodeState,
+        *,
+        retry_s: float,
+        max_retry_s: float,
+        on_receipt: Callable[[dict[str, Any]], None] | None = None,
+        async_level: int | None = None,
+    ) -> None:
+        self.async_level = async_level  # None: never drop a file as stale
         self.swarm = swarm
+        self.on_receipt = on_receipt  # the verdict watcher's `receipted`
         self.outbox = outbox
         self.state = state
         self.retry_s = retry_s
@@ -46,10 +66,18 @@ class Delivery:
             entries = await asyncio.to_thread(self.outbox.pending_entries)
             try:
                 for entry in entries:
+                    if self._stale(entry):
+                        await asyncio.to_thread(self.outbox.drop_stale, entry)
+                        self.state.count_rollout("stale")
+                        logger.info("dropped unsent rollout file %s…: its checkpoint step %s is outside the "
+                                    "async window of announced step %s", entry.sha256[:16], entry.policy_step,
+                                    self.state.announced_step)
+                        continue
                     await self.deliver(entry)
             except (HandoffError, SwarmError, OSError) as exc:
                 self._note_failure(str(exc), delay)
-                await asyncio.sleep(delay)
+                hint = exc.retry_after_s if isinstance(exc, HandoffBusy) else 0.0  # back-pressure: the file stays
+                await asyncio.sleep(max(delay, min(hint, self.max_retry_s)))
                 delay = min(self.max_retry_s, delay * 2)
                 continue
             delay = self.retry_s
@@ -60,6 +88,12 @@ class Delivery:
                 await asyncio.wait_for(self._wake.wait(), timeout=_IDLE_RECHECK_S)
             except asyncio.TimeoutError:
                 pass
+
+    def _stale(self, entry: OutboxEntry) -> bool:
+        announced = self.state.announced_step
+        if self.async_level is None or entry.policy_step is None or announced is None:
+            return False
+        return entry.policy_step < announced - self.async_level
 
     async def deliver(self, entry: OutboxEntry) -> None:
         """Send one entry; a refusal is recorded here, transport failures propagate to the retry loop."""
@@ -82,8 +116,11 @@ class Delivery:
         except BaseException:
             self._summaries[entry.sha256] = summary
             raise
-        await asyncio.to_thread(self.outbox.acknowledge, entry, receipt.model_dump(mode="json"))
+        receipt_doc = receipt.model_dump(mode="json")
+        await asyncio.to_thread(self.outbox.acknowledge, entry, receipt_doc)
         self.state.count_rollout("handed_off")
+        if self.on_receipt is not None:
+            self.on_receipt(receipt_doc)
         logger.info("%s -> handed off to validator %s…", summary, receipt.body.receiver[:16])
 
     def _note_failure(self, message: str, delay: float) -> None:

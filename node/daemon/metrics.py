@@ -23,6 +23,8 @@ class NodeMetrics:
         self.verification_failures = Counter(
             "prime_node_checkpoint_verification_failures", "Checkpoints or shards that failed verification", registry=r
         )
+        self.rank = Gauge("prime_node_leaderboard_rank", "This node's rank on a validator's leaderboard", registry=r)
+        self.score = Gauge("prime_node_leaderboard_score", "This node's score on a validator's leaderboard", registry=r)
         self.tokens_per_second = Gauge("prime_node_tokens_per_second", "Generation throughput of the last batch", registry=r)
 
     def render(self) -> bytes:

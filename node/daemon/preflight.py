@@ -2,8 +2,10 @@
 
 They run before anything expensive so that an operator learns at once, in one readable list, what to fix:
 the key file and its mode, a writable data directory, free disk for the checkpoints of the async window,
-RAM, and for --gpu a CUDA device with enough memory. The CUDA check is separate (`check_cuda`) because it
-must run after hivemind's DHT child process has started: forking after CUDA is initialised is unsafe.
+RAM, and for --gpu a CUDA device with enough memory. Whether a device is there at all is asked first, without
+initialising CUDA (`check_cuda_visible`); the memory check (`check_cuda`) must run after hivemind's DHT child
+process has started, because forking after CUDA is initialised is unsafe. Each checkpoint is checked again
+for room on the GPU before it is loaded (`check_cuda_for_model`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,28 @@ def check_memory(needed_bytes: int) -> CheckResult:
     return CheckResult("memory", True, f"{available / GIB:.1f} GiB available")
 
 
+def check_cuda_visible() -> CheckResult:
+    """For --gpu, before anything starts: a CUDA build of torch and a visible device, without initialising CUDA.
+
+    With PYTORCH_NVML_BASED_CUDA_CHECK=1, torch answers is_available() from NVML, which is fork-safe (the
+    DHT's child process is forked after this); the memory check (`check_cuda`) comes after that fork.
+    """
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return CheckResult(
+            "cuda", False, f"--gpu was given but this torch ({torch.__version__}) is built without CUDA; install a "
+            "CUDA build of torch, or start without --gpu to generate on the CPU"
+        )
+    if not torch.cuda.is_available():
+        return CheckResult(
+            "cuda", False, "--gpu was given but no CUDA device is visible (check the driver, CUDA_VISIBLE_DEVICES), "
+            "or start without --gpu to generate on the CPU"
+        )
+    return CheckResult("cuda", True, "a CUDA device is visible")
+
+
 def check_cuda(needed_bytes: int) -> CheckResult:
     """For --gpu: a CUDA device with enough free memory. Call only after the DHT child process started."""
     import torch
@@ -96,6 +120,29 @@ def check_cuda(needed_bytes: int) -> CheckResult:
             "cuda", False, f"{name} has {free / GIB:.1f} GiB free of {total / GIB:.1f}, {needed_bytes / GIB:.1f} GiB needed"
         )
     return CheckResult("cuda", True, f"{name}, {free / GIB:.1f} GiB free")
+
+
+def model_gpu_bytes(model_dir: Path) -> int:
+    """GPU memory a checkpoint needs: its weight files plus a quarter for activations and the KV cache.
+
+    The files' size is the weights' size in their stored dtype (an upper bound when the engine loads a
+    float32 checkpoint in bfloat16), which keeps the check simple and on the safe side.
+    """
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    return weights + weights // 4
+
+
+def check_cuda_for_model(model_dir: Path, min_bytes: int) -> CheckResult:
+    """Before a checkpoint is loaded on CUDA: enough free GPU memory for it (and at least `min_bytes`)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the previous model's cached blocks are free for the next one
+    result = check_cuda(max(min_bytes, model_gpu_bytes(model_dir)))
+    if result.ok:
+        return result
+    return CheckResult("cuda", False, f"the checkpoint in {model_dir} does not fit: {result.message}; "
+                       "free GPU memory (other processes?) or run without --gpu")
 
 
 def run_checks(checks: list[CheckResult]) -> list[CheckResult]:

@@ -28,6 +28,7 @@ from ..run_config import load_run_tasks
 from ..validation import RunTasks
 from .checkpoints import CheckpointKeeper
 from .outbox import Outbox
+from .preflight import PreflightError, check_cuda_for_model, run_checks
 from .settings import StartSettings
 from .state import NodeState
 
@@ -38,6 +39,10 @@ _IDLE_POLL_S = 0.5  # how often to look again while no checkpoint is usable
 
 
 class RolloutLoop:
+    # How one batch becomes a signed file (run on the torch worker). The devnet's adversaries
+    # (trainer/devnet/attacks.py) substitute a cheating producer; production code never does.
+    produce = staticmethod(produce_rollout_file)
+
     def __init__(
         self,
         settings: StartSettings,
@@ -72,9 +77,17 @@ class RolloutLoop:
                 self.state.state = "waiting for a checkpoint within the async window"
                 await asyncio.sleep(_IDLE_POLL_S)
                 continue
+            pending = await asyncio.to_thread(self.outbox.pending_count)
+            if pending >= self.settings.max_pending_files:
+                # Back-pressure: files the validator has not taken yet would only go stale in the outbox.
+                self.state.state = f"waiting: {pending} files not handed off yet"
+                await asyncio.sleep(_IDLE_POLL_S)
+                continue
             if step != self._engine_step:
                 try:
                     await self._load(step)
+                except PreflightError:
+                    raise  # no room on the GPU: the node cannot work at all, so it stops and says why
                 except NodeError as exc:  # verified bytes, but not a model this engine can run
                     self.keeper.discard(step, f"cannot load it: {exc}")
                     continue
@@ -89,6 +102,8 @@ class RolloutLoop:
         logger.info("generating with checkpoint step %d", step)
 
     def _load_blocking(self, directory: Path) -> tuple[InferenceEngine, RunTasks]:
+        if self.settings.engine.device == "cuda":
+            run_checks([check_cuda_for_model(directory, self.settings.min_gpu_memory_mb << 20)])
         engine = load_engine(directory, **self.settings.engine.model_dump())
         return engine, load_run_tasks(self.settings.run, directory)
 
@@ -115,11 +130,11 @@ class RolloutLoop:
         self.state.state = f"generating batch {spec.batch_counter} with checkpoint step {step}"
         staged = self.outbox.staging_path(f"step{step}-batch{spec.batch_counter}.parquet")
         batch: ProducedBatch = await self._in_worker(
-            produce_rollout_file, self._engine, self._tasks, self.identity, spec, staged
+            self.produce, self._engine, self._tasks, self.identity, spec, staged
         )
         sig = signature_path(staged)
         sha256 = json.loads(await asyncio.to_thread(sig.read_bytes))["sha256"]
-        entry = await asyncio.to_thread(self.outbox.commit, sha256, staged, sig)
+        entry = await asyncio.to_thread(self.outbox.commit, sha256, staged, sig, step)
         tokens = sum(len(r.output_ids) for r in batch.rows)
         self.state.count_rollout("generated")
         self.state.record_batch(tokens, batch.generation_seconds)

@@ -36,6 +36,12 @@ class StartSettings(CommonSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings, description="Inference engine.")
     fetch: FetchSettings = Field(default_factory=FetchSettings, description="Checkpoint download.")
     serve_weights: bool = Field(False, description="Serve verified checkpoints to other peers over HTTP.")
+    weights_public_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/?#]+$",
+        description="URL peers use to reach this node's weights server; default: its bound address (an "
+        "unspecified one replaced by the node's first announced IP).",
+    )
     serve: ServeSettings = Field(
         default_factory=lambda: ServeSettings(port=0), description="The weights server (when serve_weights)."
     )
@@ -46,12 +52,22 @@ class StartSettings(CommonSettings):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
     max_new_tokens: int = Field(64, ge=1, le=8192, description="Most tokens generated per sample.")
     max_batches: int | None = Field(None, ge=1, description="Stop cleanly after this many batches (benchmarks).")
+    max_pending_files: int = Field(
+        4, ge=1, le=100_000,
+        description="Generate no further while this many files wait for hand-off (the validator's back-pressure).",
+    )
     status_host: str = Field("127.0.0.1", description="Address of the local status API (loopback by default).")
     status_port: int = Field(0, ge=0, le=65535, description="Port of the status API; 0 picks a free one.")
     shutdown_timeout_s: float = Field(30.0, gt=0, le=600, description="Bound on a graceful stop (SIGINT/SIGTERM).")
     fetch_retry_s: float = Field(5.0, gt=0, le=3600, description="First wait before retrying a failed fetch.")
     handoff_retry_s: float = Field(2.0, gt=0, le=3600, description="First wait before retrying a failed hand-off.")
     max_retry_s: float = Field(120.0, gt=0, le=86400, description="Longest wait between retries (backoff cap).")
+    verdict_poll_s: float = Field(5.0, gt=0, le=3600, description="First wait before asking for a file's verdict.")
+    verdict_timeout_s: float = Field(
+        86400.0, gt=0, description="Stop asking for a file's verdict this long after its receipt."
+    )
+    leaderboard_refresh_s: float = Field(60.0, gt=0, le=86400, description="How often the rank and score are refreshed.")
+    validator_api_timeout_s: float = Field(10.0, gt=0, le=300, description="Bound on one request to a validator's API.")
     checkpoint_disk_mb: int = Field(
         256, ge=1, description="Disk reserved per checkpoint; async_level + 1 of them must fit at start."
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from .metrics import NodeMetrics
-from .status import NodeStatus, RolloutCounts
+from .status import LeaderboardEntry, NodeStatus, RolloutCounts
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,10 @@ class NodeState:
     rollouts: RolloutCounts = field(default_factory=RolloutCounts)
     tokens_per_second: float | None = None
     last_error: str | None = None
+    leaderboard: LeaderboardEntry | None = None
+    leaderboard_status: str = "not asked yet"
+    awaiting_verdicts: int = 0
+    serving_weights: str | None = None
 
     def set_announced(self, step: int) -> None:
         self.announced_step = step
@@ -49,6 +53,19 @@ class NodeState:
         """outcome: generated, handed_off, accepted or rejected (the RolloutCounts fields)."""
         setattr(self.rollouts, outcome, getattr(self.rollouts, outcome) + 1)
         self.metrics.rollout_files.labels(outcome=outcome).inc()
+
+    def restore_verdicts(self, accepted: int, rejected: int) -> None:
+        """Counts learned by earlier runs (from the outbox), so a restart keeps them, metrics included."""
+        for outcome, count in (("accepted", accepted), ("rejected", rejected)):
+            setattr(self.rollouts, outcome, getattr(self.rollouts, outcome) + count)
+            self.metrics.rollout_files.labels(outcome=outcome).inc(count)
+
+    def set_leaderboard(self, entry: LeaderboardEntry | None, status: str) -> None:
+        self.leaderboard_status = status[:500]
+        self.leaderboard = entry  # shown only while a validator answers: a stale rank would mislead
+        if entry is not None:
+            self.metrics.rank.set(entry.rank)
+            self.metrics.score.set(entry.score)
 
     def record_batch(self, tokens: int, seconds: float) -> None:
         self.metrics.tokens.inc(tokens)
@@ -74,4 +91,8 @@ class NodeState:
             rollouts=self.rollouts.model_copy(),
             tokens_per_second=None if self.tokens_per_second is None else round(self.tokens_per_second, 2),
             last_error=self.last_error,
+            leaderboard=self.leaderboard,
+            leaderboard_status=self.leaderboard_status,
+            awaiting_verdicts=self.awaiting_verdicts,
+            serving_weights=self.serving_weights,
         )

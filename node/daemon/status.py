@@ -30,11 +30,20 @@ class RolloutCounts(BaseModel):
     handed_off: int = 0  # files a validator acknowledged with a receipt
     accepted: int = 0  # files with an accepting verdict
     rejected: int = 0  # files with a rejecting verdict
+    stale: int = 0  # files dropped unsent: their checkpoint fell out of the async window while they waited
 
 
 class LeaderboardEntry(BaseModel):
-    rank: int
+    """This node's row of a validator's leaderboard (cached by the daemon, refreshed periodically)."""
+
+    rank: int  # 1-based, over all nodes the validator knows
     score: float
+    accepted_tokens: int = 0
+    accepted_files: int = 0
+    rejected_files: int = 0
+    banned: bool = False
+    validator_url: str = ""  # the API it came from
+    fetched_at: float = 0.0  # unix time of the answer
 
 
 class NodeStatus(BaseModel):
@@ -55,6 +64,11 @@ class NodeStatus(BaseModel):
     tokens_per_second: float | None = None
     last_error: str | None = None
     leaderboard: LeaderboardEntry | None = None
+    leaderboard_status: str = Field(
+        "not asked yet", description='"ok", "not ranked yet at URL" or "validator unreachable: why".'
+    )
+    awaiting_verdicts: int = Field(0, description="Handed-off files whose verdict is not known yet.")
+    serving_weights: str | None = Field(None, description="URL of this node's weights server, when it serves.")
 
 
 class DaemonNotRunning(NodeError):

@@ -6,13 +6,14 @@ self-test) -> handoff (rollout files over libp2p streams) -> swarm (the library 
 """
 
 from .config import SwarmConfig
-from .errors import HandoffError, HandoffRefused, RecordError, SwarmError
+from .errors import HandoffBusy, HandoffError, HandoffRefused, RecordError, SwarmError
 from .handoff import Receipt, ReceivedRollout, RolloutEnvelope
 from .records import Ban, Hardware, Heartbeat, PolicyAnnouncement, RolloutAnnouncement, ValidatorAnnouncement
 from .swarm import Swarm
 
 __all__ = [
     "Ban",
+    "HandoffBusy",
     "HandoffError",
     "HandoffRefused",
     "Hardware",

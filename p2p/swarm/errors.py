@@ -23,3 +23,15 @@ class HandoffRefused(HandoffError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"the validator refused the rollout file: {reason}")
         self.reason = reason
+
+
+class HandoffBusy(HandoffError):
+    """The validator cannot take the file now (rate limit, full queue): not a verdict; send it again later.
+
+    A transport-class error on purpose: senders that retry HandoffError with backoff keep the file.
+    """
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(f"the validator is busy: {reason}")
+        self.reason = reason
+        self.retry_after_s = retry_after_s  # the validator's hint; 0 when it gave none

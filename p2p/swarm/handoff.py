@@ -6,9 +6,13 @@ client mode). One exchange, every frame length-prefixed and size-bounded (docs/p
     sender -> header: the signature envelope {format, node_id, sha256, size, signature}
     receiver checks: size limit, envelope signature, sender not banned, the stream's libp2p
                      peer id is the one the sender's signed heartbeat names; then waits for a free slot
-    receiver -> {"go": true} | {"refused": reason} | {"receipt": ...} (already received: no body needed)
+    receiver -> {"go": true} | {"refused": reason} | {"busy": reason, "retry_after_s": s}
+                | {"receipt": ...} (already received: no body needed)
     sender -> exactly `size` raw bytes, in chunks, waiting on the stream's flow control
     receiver: hash == header.sha256, store, acceptance callback; -> {"receipt": ...} | {"refused": reason}
+
+A refusal is final (the validator's verdict on this file); "busy" is back-pressure (rate limit, full queue):
+the sender keeps the file and tries again after `retry_after_s` (HandoffBusy is a transport-class error).
 
 The file itself stays opaque bytes here: nothing in it is parsed before its signature and hash check.
 The envelope is the one proofs/rollout_file.py writes beside each file (FILE.parquet.sig).
@@ -31,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from ..identity import Identity
 from ..signing import SignatureError, verify_document
-from .errors import HandoffError, HandoffRefused
+from .errors import HandoffBusy, HandoffError, HandoffRefused
 from .framing import close_writer, read_exactly, read_frame, write_frame
 from .records import NodeId, Sha256Hex
 
@@ -113,7 +117,9 @@ class ReceivedRollout:
 AcceptCallback = Callable[[ReceivedRollout], Awaitable[None] | None]  # raise HandoffRefused to refuse
 PeerLookup = Callable[[str], Awaitable[str | None]]  # node id -> libp2p peer id of its live heartbeat
 BanCheck = Callable[[str], Awaitable[bool]]
-AdmitCallback = Callable[[RolloutEnvelope], Awaitable[None]]  # raise HandoffRefused to refuse before the body
+# raise HandoffRefused to refuse before the body, HandoffBusy to ask the sender to come back later
+AdmitCallback = Callable[[RolloutEnvelope], Awaitable[None]]
+MAX_RETRY_AFTER_S = 3600.0
 
 
 def _hash_and_store(data: bytes, directory: Path, envelope: RolloutEnvelope) -> str:
@@ -168,6 +174,9 @@ class RolloutReceiver:
             except HandoffRefused as exc:
                 logger.info("refused a rollout hand-off from peer %s: %s", peer, exc.reason)
                 reply = {"refused": exc.reason}
+            except HandoffBusy as exc:
+                logger.debug("asked peer %s to retry later: %s", peer, exc.reason)
+                reply = {"busy": exc.reason, "retry_after_s": exc.retry_after_s}
             await write_frame(writer, reply)
         except HandoffError as exc:  # the peer broke the protocol or stalled: nothing to answer
             logger.info("rollout hand-off from peer %s failed: %s", peer, exc)
@@ -198,13 +207,13 @@ class RolloutReceiver:
         if self.stored_path(header.sha256).exists():
             return {"receipt": self._receipt(header).model_dump(mode="json")}
         if header.sha256 in self._in_progress:
-            raise HandoffRefused("this file is being received on another stream")
+            raise HandoffBusy("this file is being received on another stream", 1.0)
         if self._admit is not None:
             await self._admit(header)
         try:
             await asyncio.wait_for(self._slots.acquire(), self._timeout_s)
         except asyncio.TimeoutError:
-            raise HandoffRefused("the validator is busy; retry later") from None
+            raise HandoffBusy("every receiving slot stayed taken", self._timeout_s) from None
         self._in_progress.add(header.sha256)
         try:
             await write_frame(writer, {"go": True})
@@ -276,6 +285,11 @@ async def send(
         close_writer(writer)
     if isinstance(answer, dict) and isinstance(answer.get("refused"), str):
         raise HandoffRefused(answer["refused"][:500])
+    if isinstance(answer, dict) and isinstance(answer.get("busy"), str):
+        hint = answer.get("retry_after_s")
+        numeric = isinstance(hint, (int, float)) and not isinstance(hint, bool)
+        valid = numeric and 0 <= hint <= MAX_RETRY_AFTER_S  # NaN fails both comparisons
+        raise HandoffBusy(answer["busy"][:500], float(hint) if valid else 0.0)
     if not isinstance(answer, dict) or "receipt" not in answer:
         raise HandoffError("the validator answered neither a receipt nor a refusal")
     try:

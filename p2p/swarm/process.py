@@ -4,6 +4,15 @@ hivemind.DHT forks a child that runs the DHT node and starts the p2pd daemon as 
 fork must happen before CUDA or vLLM initialise in the parent (a forked CUDA context is unusable), so
 the node daemon starts the swarm first thing. It is started from a worker thread: a fork taken on the
 event loop's thread would hand the child a "running" loop it cannot use.
+
+The parent sends every command (get, store, run_coroutine) to the child over a multiprocessing pipe.
+hivemind's child registers the pipe's read end with uvloop, and libuv switches that file to
+non-blocking mode; `Connection.recv()` is written for a blocking pipe. A command that reaches the pipe
+in more than one piece (every one over 16 KiB: `Connection.send` writes the length header and the body
+separately; any over 64 KiB: the pipe holds no more) then fails half-read with EAGAIN, the stream loses
+its framing, and the child logs garbage or dies, never answering. Its caller's future waits forever, and
+once the pipe is full the parent blocks in the next send. SwarmDHT reads the pipe in blocking mode again:
+the reader callback only fires once the first byte is there, and the rest of a message follows at once.
 """
 
 from __future__ import annotations
@@ -11,6 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from multiprocessing.connection import Connection
+from typing import Any
 
 import hivemind
 
@@ -20,6 +31,41 @@ from .errors import SwarmError
 from .validator import SwarmRecordValidator
 
 logger = logging.getLogger(__name__)
+
+
+class _BlockingCommandPipe:
+    """The child's end of hivemind's command pipe, read in blocking mode (see the module docstring)."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+
+    def fileno(self) -> int:
+        return self._connection.fileno()
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self._connection.poll(timeout)
+
+    def recv(self) -> Any:
+        # uvloop's add_reader has made the file non-blocking by now; restore blocking before every read
+        # (cheap) rather than once, so no later add_reader call can undo it.
+        os.set_blocking(self._connection.fileno(), True)
+        return self._connection.recv()
+
+    def close(self) -> None:
+        self._connection.close()
+
+
+class SwarmDHT(hivemind.DHT):
+    """hivemind.DHT whose child reads its command pipe whole; otherwise identical (same arguments)."""
+
+    def run(self) -> None:  # runs in the child process only
+        self._inner_pipe = _BlockingCommandPipe(self._inner_pipe)  # type: ignore[assignment]
+        super().run()
+
+
+async def daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Any:
+    # Runs inside the DHT child (run_coroutine): where its p2pd takes control connections.
+    return node.p2p.daemon_listen_maddr
 
 
 class DHTProcess:
@@ -36,7 +82,7 @@ class DHTProcess:
         """Blocking: fork the DHT, bootstrap from config.initial_peers, return when it serves requests."""
         validator = SwarmRecordValidator(config.run_id, config.operator_keys)
         try:
-            dht = hivemind.DHT(
+            dht = SwarmDHT(
                 initial_peers=config.initial_peers or None,
                 start=True,
                 await_ready=False,

@@ -38,6 +38,7 @@ Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 PeerIdB58 = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$")]
 Maddr = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^/")]
 ShortText = Annotated[str, StringConstraints(max_length=64)]
+HttpUrlText = Annotated[str, StringConstraints(max_length=256, pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")]
 Role = Literal["contributor", "trainer", "validator", "relay"]
 
 
@@ -92,6 +93,7 @@ class Heartbeat(_Wire):
     policy_step: int | None = Field(None, ge=0)  # the policy step it works on
     serves_steps: list[Annotated[int, Field(ge=0)]] = Field(max_length=16)  # checkpoints it can serve
     sent_at: float
+    weights_url: HttpUrlText | None = None  # its weights server (p2p/weights) when serves_steps is not empty
 
 
 class PolicyAnnouncement(_Wire):
@@ -107,6 +109,7 @@ class ValidatorAnnouncement(_Wire):
     addresses: list[Maddr] = Field(max_length=8)
     max_rollout_bytes: int = Field(ge=0, le=1 << 31)
     published_at: float
+    api_url: HttpUrlText | None = None  # its HTTP API (verdicts, leaderboard: docs/validator.md), if reachable
 
 
 class Ban(_Wire):

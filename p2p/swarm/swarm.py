@@ -1,8 +1,9 @@
 """The swarm library API: join, leave, heartbeats, policy, peers, validators, bans, rollout hand-off.
 
-One Swarm per process. `start_dht()` forks the DHT child (call it before CUDA initialises); `join()`
-does that if needed, tests reachability, and starts the heartbeat task. Reads return only records that
-pass the same checks the DHT validator applies; bad entries are logged and skipped, never raised.
+Usually one Swarm per process (several work side by side: the tests and benchmarks/swarm.py run ten in
+one). `start_dht()` forks the DHT child (call it before CUDA initialises); `join()` does that if needed,
+tests reachability, and starts the heartbeat task. Reads return only records that pass the same checks
+the DHT validator applies; bad entries are logged and skipped, never raised.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..identity import Identity
 from . import handoff, reachability
 from .config import SwarmConfig
 from .errors import HandoffError, RecordError, SwarmError
-from .process import DHTProcess
+from .process import DHTProcess, daemon_listen_maddr
 from .records import (
     Ban,
     Hardware,
@@ -88,6 +89,8 @@ class Swarm:
         self.hardware = hardware or local_hardware()
         self.policy_step: int | None = None  # set by the node; published in the next heartbeat
         self.serves_steps: list[int] = []
+        self.weights_url: str | None = None  # set by a node serving weights; published with serves_steps
+        self.api_url: str | None = None  # set by a validator: its HTTP API, published in its announcement
         self.process: DHTProcess | None = None
         self.crashed: BaseException | None = None  # a background task's unexpected error
         self._p2p: P2P | None = None
@@ -131,8 +134,13 @@ class Swarm:
 
     async def _attach(self) -> None:
         assert self.process is not None
+        # Not dht.replicate_p2p(): it waits for the child's answer with a blocking, unbounded result() on
+        # this thread, which freezes the whole event loop if the child never answers.
+        listen_maddr = await self._await(
+            self.process.dht.run_coroutine(daemon_listen_maddr, return_future=True)
+        )
         try:
-            self._p2p = await asyncio.wait_for(self.process.dht.replicate_p2p(), self.config.startup_timeout_s)
+            self._p2p = await asyncio.wait_for(P2P.replicate(listen_maddr), self.config.startup_timeout_s)
         except asyncio.TimeoutError:
             raise SwarmError(
                 f"could not attach to the DHT process's p2p daemon within {self.config.startup_timeout_s:.0f} s"
@@ -232,6 +240,10 @@ class Swarm:
     def _dht(self) -> Any:
         if self.process is None:
             raise SwarmError("not joined: call join() first")
+        if not self.process.dht.is_alive():
+            # Checked before each command: a dead child leaves its pipe unread, and once the pipe is full
+            # the next send would block this thread (and with it the event loop) for good.
+            raise SwarmError("the DHT process has exited; leave() and join() again")
         return self.process.dht
 
     # ----- records ---------------------------------------------------------------------------------------
@@ -308,6 +320,7 @@ class Swarm:
             policy_step=self.policy_step,
             serves_steps=self.serves_steps[-16:],
             sent_at=time.time(),
+            weights_url=self.weights_url if self.serves_steps else None,
         )
         return await self._publish(RecordKind.HEARTBEAT, self.node_id, body, self.config.heartbeat_ttl_s)
 
@@ -337,15 +350,18 @@ class Swarm:
                 addresses=(await self.maddrs())[:8],
                 max_rollout_bytes=self.config.max_rollout_bytes,
                 published_at=time.time(),
+                api_url=self.api_url,
             )
         return await self._publish(
             RecordKind.VALIDATOR, announcement.node_id, announcement, self.config.record_ttl_s
         )
 
-    async def publish_ban(self, node_id: str, reason: str) -> bool:
+    async def publish_ban(self, node_id: str, reason: str, ttl_s: float | None = None) -> bool:
+        """Publish a ban record for `ttl_s` seconds (at most ban_ttl_s); republish to extend it."""
         self._require_operator("a ban")
         body = Ban(node_id=node_id, reason=reason[:256], banned_at=time.time())
-        return await self._publish(RecordKind.BAN, node_id, body, self.config.ban_ttl_s)
+        ttl = self.config.ban_ttl_s if ttl_s is None else min(ttl_s, self.config.ban_ttl_s)
+        return await self._publish(RecordKind.BAN, node_id, body, ttl)
 
     async def announce_rollout(self, sha256: str, size_bytes: int, step: int, samples: int) -> bool:
         body = RolloutAnnouncement(

@@ -99,26 +99,44 @@ function renderSwarm(view) {
   document.getElementById("swarm-body").replaceChildren(...rows);
 }
 
+function svgEl(tag, attrs, text) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = String(text);
+  return node;
+}
+
+// The curve is the validator's own: the mean task reward per policy step of the files it accepted, from the
+// rewards it recomputed (GET /api/rewards). One circle per step carries its numbers for tooltips and tests.
 function renderRewards(curve) {
   const svg = document.getElementById("reward-chart");
   const ready = curve.available && curve.points.length > 0;
   document.getElementById("rewards-placeholder").hidden = ready;
   document.getElementById("reward-box").hidden = !ready; // `hidden` is an HTML attribute: SVG ignores it
   if (!ready) return;
-  const [w, h, pad] = [600, 200, 24];
+  const [w, h, pad] = [600, 200, 28];
   const steps = curve.points.map((p) => p.step);
   const lo = Math.min(...steps), hi = Math.max(...steps);
   const x = (s) => pad + ((s - lo) / Math.max(1, hi - lo)) * (w - 2 * pad);
   const y = (r) => h - pad - Math.min(1, Math.max(0, r)) * (h - 2 * pad); // task reward is in [0, 1]
-  const line = document.createElementNS(SVG_NS, "polyline");
-  line.setAttribute("points", curve.points.map((p) => `${x(p.step)},${y(p.reward)}`).join(" "));
-  const axis = document.createElementNS(SVG_NS, "line");
-  for (const [k, v] of Object.entries({ x1: pad, y1: h - pad, x2: w - pad, y2: h - pad })) axis.setAttribute(k, v);
-  const label = document.createElementNS(SVG_NS, "text");
-  label.setAttribute("x", pad);
-  label.setAttribute("y", pad - 8);
-  label.textContent = `reward, steps ${lo}–${hi}`;
-  svg.replaceChildren(axis, line, label);
+  const parts = [
+    svgEl("line", { x1: pad, y1: h - pad, x2: w - pad, y2: h - pad, class: "axis" }),
+    svgEl("line", { x1: pad, y1: pad, x2: pad, y2: h - pad, class: "axis" }),
+    svgEl("text", { x: 2, y: y(1) + 4, class: "tick" }, "1"),
+    svgEl("text", { x: 2, y: y(0) + 4, class: "tick" }, "0"),
+    svgEl("text", { x: pad, y: h - 6, class: "tick" }, "step " + lo),
+    svgEl("text", { x: w - pad, y: h - 6, class: "tick", "text-anchor": "end" }, "step " + hi),
+    svgEl("polyline", { points: curve.points.map((p) => `${x(p.step)},${y(p.reward)}`).join(" ") }),
+  ];
+  for (const p of curve.points) {
+    const dot = svgEl("circle", { cx: x(p.step), cy: y(p.reward), r: 3, "data-step": p.step, "data-reward": p.reward });
+    dot.appendChild(svgEl("title", {}, `step ${p.step}: mean task reward ${p.reward.toFixed(3)} over ${p.samples} samples`));
+    parts.push(dot);
+  }
+  const last = curve.points[curve.points.length - 1];
+  document.getElementById("reward-latest").textContent =
+    `latest: step ${last.step}, mean task reward ${last.reward.toFixed(3)} (${last.samples} samples)`;
+  svg.replaceChildren(...parts);
 }
 
 async function refresh() {

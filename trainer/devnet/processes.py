@@ -19,9 +19,49 @@ from pathlib import Path
 
 from ...p2p.processes import pid_alive
 
-__all__ = ["Child", "ProcessGroup", "StopResult", "pid_alive"]
+__all__ = ["Child", "ProcessGroup", "StopResult", "descendants", "pid_alive", "start_time", "still_running"]
 
 logger = logging.getLogger(__name__)
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    # After the command name (field 2, which may hold spaces and parentheses): state, ppid, ... starttime (22).
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: with the PID, it names one process even after the
+    PID is reused. None when there is no such process."""
+    try:
+        return int(_stat_fields(pid)[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(*roots: int) -> dict[int, int]:
+    """Every live process below `roots` (children, grandchildren: a DHT child and its p2pd daemon) with its
+    start time, from one pass over /proc."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = _stat_fields(entry.name)
+                children.setdefault(int(fields[1]), []).append((int(entry.name), int(fields[19])))
+            except (OSError, IndexError, ValueError):
+                continue
+    found: dict[int, int] = {}
+    frontier = list(roots)
+    while frontier:
+        for child, started in children.get(frontier.pop(), []):
+            if child not in found:
+                found[child] = started
+                frontier.append(child)
+    return found
+
+
+def still_running(pid: int, started: int) -> bool:
+    """The same process (PID and start time) is still alive: a reused PID is not mistaken for it."""
+    return start_time(pid) == started and pid_alive(pid)
 
 
 @dataclass
@@ -95,6 +135,23 @@ class ProcessGroup:
                 killed = True
         self._signal_group(child, signal.SIGKILL)  # leftovers in its group (e.g. a p2pd daemon) go too
         return child.process.wait(timeout=30), killed
+
+    def stop_together(self, children: Sequence[Child], grace: float = 10.0) -> StopResult:
+        """SIGTERM all of `children` at once (peers shut down in parallel), then wait for each in turn."""
+        result = StopResult()
+        for child in children:
+            if child.process.poll() is None:
+                self._signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in children:  # no second SIGTERM: a daemon may take a second signal as "exit at once"
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it", child.name, child.pid, grace)
+                result.killed.append(child.name)
+            self._signal_group(child, signal.SIGKILL)  # leftovers in its group (e.g. a p2pd daemon) go too
+            result.exit_codes[child.name] = child.process.wait(timeout=30)
+        return result
 
     def stop_all(self, grace: float = 10.0) -> StopResult:
         result = StopResult()

@@ -1,0 +1,116 @@
+"""`prime-node devnet` end to end: real trainer, validator, contributors and a cheater as processes on 127.0.0.1.
+
+One trainer, one validator, two honest nodes and one adversary (inflated rewards) for two policy steps on the
+untrained tiny model: honest files accepted, the adversary slashed and banned, two steps trained, every
+process (and each one's DHT child and p2pd daemon) gone at the end. Plus the pieces the devnet is made of
+that need no swarm: the PNG writer, the attack producers against the real verifier, the live view.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from devnet_support import SMALL, assert_all_gone, run_devnet, tiny_model
+from prime_node.node.cli.devnet import succeeded
+from prime_node.node.engine import load_engine
+from prime_node.node.producer import BatchSpec
+from prime_node.node.run_config import RunSettings, load_run_tasks
+from prime_node.node.validation import verify_rollout_file
+from prime_node.p2p.identity import Identity
+from prime_node.proofs.verifier import VerifierSettings
+from prime_node.trainer.devnet.attacks import EXPECTED_CHECKS, attack_producer
+from prime_node.trainer.devnet.monitor import MemberView, Snapshot
+from prime_node.trainer.devnet.plot import Series, line_plot
+from prime_node.trainer.devnet.report import format_report
+from prime_node.trainer.devnet.view import LiveView
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # ~2 min on 2 idle cores; several times that on a shared, loaded machine
+def test_devnet_two_honest_nodes_and_a_cheater(tmp_path: Path) -> None:
+    report, devnet, shown = run_devnet(tmp_path, nodes=2, attacks=["inflated-rewards"], steps=2)
+    text = format_report(report)
+    assert report["error"] is None, text
+    assert report["steps"] >= 2 and [r["step"] for r in report["rewards"]][:2] == [1, 2]
+    assert report["honest"]["accepted_files"] >= 2 and report["honest"]["rejected_files"] == 0, text
+    (adversary,) = report["adversaries"]
+    assert adversary["banned"] and adversary["accepted_files"] == 0 and adversary["rejected_files"] >= 1, text
+    (slash, *_) = [s for s in report["slashed"] if s["name"] == adversary["name"]]
+    assert slash["failed_check"] == "rewards" and slash["class"] == "fraud"
+    assert not [s for s in report["slashed"] if s["attack"] is None], "an honest node was slashed"
+    honest_rows = [r for r in report["leaderboard"] if r["attack"] is None and r["name"].startswith("node-")]
+    assert {r["name"] for r in honest_rows if r["accepted_files"] > 0} == {"node-1", "node-2"}
+    assert succeeded(report)
+    # Every process stopped cleanly (exit 0) and nothing is left below them.
+    assert set(report["processes"]["exit_codes"].values()) == {0}, report["processes"]
+    assert_all_gone(devnet, report)
+    # The timings were measured, the plot written, the live view showed the ban.
+    t = report["timings"]
+    assert t["broadcast_s"] and t["broadcast_s"]["count"] >= 2 and t["validation_latency_s"]["count"] >= 3
+    # (broadcast -> first rollout needs a file of step >= 1 received before the stop: not always in 2 steps)
+    assert "broadcast_to_first_rollout_s" in t and 0 <= t["trainer_idle_fraction"] <= 1
+    assert Path(report["plot"]).read_bytes().startswith(b"\x89PNG")
+    assert "BANNED" in shown and "step 2/2" in shown
+    assert json.loads((devnet.layout.root / "report.json").read_text())["steps"] == report["steps"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    checkpoint = tiny_model(tmp_path_factory.mktemp("devnet") / "model")
+    run = RunSettings(run_id="devnet-unit", samples=2, length_targets=list(SMALL.length_targets or ()))
+    return checkpoint, load_engine(checkpoint, threads=1), load_run_tasks(run, checkpoint), run
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED_CHECKS))
+def test_each_attack_file_is_rejected_by_the_expected_check(world, tmp_path: Path, kind: str) -> None:
+    """The adversaries' producers write files the real verifier rejects, for the reason the attack targets."""
+    _, engine, tasks, run = world
+    identity = Identity.generate()
+    spec = BatchSpec(run_id=run.run_id, run_seed=0, policy_step=0, batch_counter=0, prompts=2, samples=2,
+                     temperature=1.0, max_new_tokens=16)
+    out = tmp_path / f"{kind}.parquet"
+    attack_producer(kind)(engine, tasks, identity, spec, out)
+    verifier = VerifierSettings(run_id=run.run_id, run_seed=0, samples_per_prompt=2)
+    report = verify_rollout_file(out, engine, tasks, verifier, rng=random.Random(0))
+    failed = [c.name.replace("-", "_") for c in report.checks if c.status == "failed"]
+    assert not report.accepted and failed, report.reasons
+    assert failed[0] in EXPECTED_CHECKS[kind], (kind, report.reasons)
+
+
+def test_line_plot_writes_a_valid_png(tmp_path: Path) -> None:
+    path = line_plot(tmp_path / "p.png", [Series([(1, 0.2), (2, 0.5), (3, 0.4)])], width=120, height=80)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (120, 80)
+    idat_len = struct.unpack(">I", data[33:37])[0]
+    raw = zlib.decompress(data[41:41 + idat_len])
+    assert len(raw) == 80 * (1 + 3 * 120)
+    assert raw.count(bytes((30, 90, 200))) > 10  # the series colour was drawn
+
+
+def test_live_view_prints_one_line_per_change() -> None:
+    import io
+
+    out = io.StringIO()
+    view = LiveView(5, stream=out, tty=False)
+    member = MemberView("node-1", "ab" * 32, None, state="generating batch 0", local_step=0)
+    snap = Snapshot(at=0, step=0, task_reward=None, members=[member], queue_depth=0, accepted_files=0,
+                    rejected_files=0)
+    view.update(snap)
+    view.update(snap)  # nothing changed: nothing printed
+    member.state = "generating batch 1"  # a new batch alone is not a change worth a line
+    view.update(snap)
+    assert len(out.getvalue().splitlines()) == 2
+    member.banned = True
+    view.update(snap)
+    assert out.getvalue().splitlines()[-1].endswith("BANNED")
+    tty = io.StringIO()
+    LiveView(5, stream=tty, tty=True).update(snap)
+    assert tty.getvalue().startswith("\x1b[H\x1b[J") and "step 0/5" in tty.getvalue()

@@ -1,0 +1,40 @@
+"""The devnet with its default settings makes the reward rise (read from the trainer's own metrics).
+
+Long (the warm start plus ~20 policy steps: 15-25 minutes on 2 cores), so it runs only when
+PRIME_NODE_LONG_TESTS=1 is set. It uses the default model (created by the devnet exactly as for a user,
+unless PRIME_NODE_DEVNET_MODEL points at one) and every RL default of the trainer and the nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+
+from devnet_support import assert_all_gone, run_devnet
+from prime_node.trainer.devnet.layout import Sizing
+
+STEPS = 20
+WINDOW = 5  # steps averaged at each end: single batches are noisy
+RISE = 0.05  # absolute task-reward gain required between the first and the last window
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.skipif(os.environ.get("PRIME_NODE_LONG_TESTS") != "1", reason="long: set PRIME_NODE_LONG_TESTS=1")
+@pytest.mark.xfail(strict=False, reason="the RL defaults (lr, batch, warm start, task mix) are still being tuned; "
+                   "benchmarks/learning.py had not shown a reliable rise yet (docs/trainer.md)")
+def test_devnet_reward_rises_with_default_settings(tmp_path: Path) -> None:
+    model = Path(os.environ.get("PRIME_NODE_DEVNET_MODEL", tmp_path / "model"))
+    report, devnet, _ = run_devnet(tmp_path, nodes=3, attacks=["inflated-rewards"], steps=STEPS, model=model,
+                                   sizing=Sizing())
+    assert report["error"] is None, report["error"]
+    assert_all_gone(devnet, report)
+    records = [json.loads(line) for line in devnet.layout.metrics_path.read_text().splitlines() if line.strip()]
+    rewards = [float(r["task_reward"]) for r in records]
+    assert len(rewards) >= STEPS
+    first, last = statistics.fmean(rewards[:WINDOW]), statistics.fmean(rewards[-WINDOW:])
+    assert last >= first + RISE, f"task reward {first:.3f} over the first {WINDOW} steps, {last:.3f} over the last"

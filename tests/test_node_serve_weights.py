@@ -1,0 +1,149 @@
+"""A reachable `prime-node start --serve-weights` serves its verified checkpoints to peers.
+
+A real node subprocess fetches step 0 from a test operator, serves it, and advertises it in its heartbeat;
+then `prime-node weights fetch` downloads and verifies it from that node alone, and a second node (its
+CheckpointKeeper, the daemon's own fetch path) gets it from the first node after the operator's server is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from node_daemon_support import NODE_ENV, RUN_ID, TestOperator, node_argv
+from prime_node.node.cli.main import main
+from prime_node.node.daemon.checkpoints import CheckpointKeeper
+from prime_node.node.daemon.serving import WeightsSharing
+from prime_node.node.daemon.settings import StartSettings
+from prime_node.node.daemon.state import NodeState
+from prime_node.node.daemon.status import DaemonNotRunning, NodeStatus, fetch_status
+from prime_node.node.models.tiny import build_tiny_model, save_model_dir
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.swarm import PolicyAnnouncement
+from prime_node.p2p.weights.fetch import FetchSettings
+from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
+from prime_node.trainer.devnet.processes import ProcessGroup
+from swarm_support import fleet, wait_until
+
+
+async def serving_status(data_dir: Path, node, timeout: float) -> NodeStatus:  # noqa: ANN001
+    """Poll the node's status API (in this process) until it holds step 0 verified and serves weights."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node.process.poll() is not None:
+            raise AssertionError(f"the node exited ({node.process.returncode}):\n" + node.log_tail(60))
+        try:
+            status = await fetch_status(data_dir)
+        except DaemonNotRunning:
+            status = None
+        if status is not None and status.local_step == 0 and status.serving_weights:
+            return status
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"the node did not serve step 0 within {timeout} s:\n" + node.log_tail(60))
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+@pytest.mark.slow
+async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, tokenizer = build_tiny_model(seed=0)
+    save_model_dir(model, tokenizer, tmp_path / "ckpt")
+    operator_id = Identity.generate()
+    data_dir = tmp_path / "node"
+    Identity.generate().save(data_dir / "node.key")
+
+    async with fleet(RUN_ID, operator_id) as group:
+        op_swarm = await group.add(operator_id, roles=("trainer",))
+        operator = TestOperator(operator_id, op_swarm, tmp_path / "operator-store")
+        await operator.start()
+        try:
+            digest = await operator.publish(tmp_path / "ckpt", 0)
+            await operator.announce(0, digest)
+            argv = node_argv(data_dir, operator_id.node_id, (await op_swarm.maddrs())[:1], "--serve-weights",
+                             "--prompts", "1", "--samples", "1", "--max-new-tokens", "4")
+            with ProcessGroup(tmp_path / "logs") as procs:
+                node = procs.start("node", argv, env=NODE_ENV)
+                status = await serving_status(data_dir, node, 150)
+                url = status.serving_weights
+                assert url is not None and url.startswith("http://127.0.0.1:")
+
+                async def advertised() -> bool:
+                    beat = (await op_swarm.list_peers()).get(status.node_id)
+                    return beat is not None and beat.serves_steps == [0] and beat.weights_url == url
+                await wait_until(advertised, 30)
+
+                # The CLI commands run in this process (on a thread: each runs its own event loop).
+                capsys.readouterr()
+                assert await asyncio.to_thread(main, ["status", "--data-dir", str(data_dir)]) == 0
+                text = capsys.readouterr().out
+                assert f"serving:        verified checkpoints at {url}" in text, text
+                assert "leaderboard:    validator unreachable" in text, text  # no validator announces an API
+
+                # A plain `weights fetch` from the node alone downloads and verifies step 0.
+                fetched = await asyncio.to_thread(main, ["weights", "fetch", "--source", url, "--trainer-key",
+                                                         operator_id.node_id, "--out", str(tmp_path / "plain"),
+                                                         "--step", "0", "--json"])
+                assert fetched == 0, capsys.readouterr()
+                plain = Store(tmp_path / "plain").version_dir(0) / CHECKPOINT_NAME
+                assert same_files(plain, operator.store.version_dir(0) / CHECKPOINT_NAME)
+
+                # The operator's server goes away: a second node finds the first one in the heartbeats and
+                # fetches the announced step from it, verified against the operator's manifest.
+                await operator.server.stop()
+                second = await group.add(Identity.generate())
+                state = NodeState(second.node_id, operator_id.node_id)
+                settings = StartSettings(operator_key=operator_id.node_id, data_dir=tmp_path / "second")
+                sharing = WeightsSharing(Store(tmp_path / "second"), settings, operator_id.node_id, second, state)
+                sharing.note_peers(await second.list_peers(), set())
+                assert sharing.sources_for(0) == [url] and sharing.sources_for(1) == []
+                keeper = CheckpointKeeper(
+                    Store(tmp_path / "second"), operator_id.node_id, state, async_level=2,
+                    fetch_settings=FetchSettings(max_attempts_per_shard=2, durable=False), retry_s=60.0,
+                    max_retry_s=120.0, peer_sources=sharing.sources_for,
+                )
+                keeper.announce(PolicyAnnouncement(step=0, manifest_sha256=digest, sources=[operator.url],
+                                                   published_at=time.time()))
+                assert await keeper.try_fetch(keeper.announced), state.last_error
+                assert same_files(keeper.checkpoint_dir(0), operator.store.version_dir(0) / CHECKPOINT_NAME)
+
+                os.kill(node.pid, signal.SIGTERM)
+                assert node.process.wait(30) == 0, node.log_tail(40)
+        finally:
+            await operator.server.stop()
+
+
+def test_peer_sources_skip_banned_unreachable_and_foreign_urls(tmp_path: Path) -> None:
+    from prime_node.p2p.swarm import Hardware, Heartbeat, Swarm
+    from swarm_support import config
+
+    operator_id, me = Identity.generate(), Identity.generate()
+    swarm = Swarm(config(RUN_ID, operator_id), me)  # not joined: only its node id is used here
+    sharing = WeightsSharing(Store(tmp_path), StartSettings(operator_key=operator_id.node_id, data_dir=tmp_path),
+                             operator_id.node_id, swarm, NodeState(me.node_id, operator_id.node_id))
+
+    def beat(ident: Identity, url: str, ip: str = "10.0.0.7", client: bool = False, steps: tuple = (3,)) -> Heartbeat:
+        return Heartbeat(node_id=ident.node_id, peer_id="12D3KooW" + "x" * 44, version="t", roles=["contributor"],
+                         hardware=Hardware(), addresses=[] if client else [f"/ip4/{ip}/tcp/1"], client_mode=client,
+                         serves_steps=list(steps), sent_at=time.time(), weights_url=url)
+
+    good, banned, hidden, liar, other = (Identity.generate() for _ in range(5))
+    sharing.note_peers({
+        good.node_id: beat(good, "http://10.0.0.7:8470"),
+        banned.node_id: beat(banned, "http://10.0.0.7:8471"),
+        hidden.node_id: beat(hidden, "http://10.0.0.7:8472", client=True),
+        liar.node_id: beat(liar, "http://192.0.2.1:80"),  # not its own address: someone else's server
+        other.node_id: beat(other, "http://10.0.0.8:8470", ip="10.0.0.8", steps=(4,)),
+        me.node_id: beat(me, "http://10.0.0.9:8470", ip="10.0.0.9"),
+    }, banned={banned.node_id})
+    assert sharing.sources_for(3) == ["http://10.0.0.7:8470"]
+    assert sharing.sources_for(4) == ["http://10.0.0.8:8470"] and sharing.sources_for(5) == []

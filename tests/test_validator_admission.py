@@ -1,0 +1,123 @@
+"""Validator admission: tiers (established vs newcomer), reserved places, back-pressure, tiered scheduling."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import pytest
+from pydantic import ValidationError
+
+from prime_node.trainer.intake import Tier, TieredQueue
+from prime_node.trainer.validator_admission import Admission
+from prime_node.trainer.validator_config import IntakeSettings
+
+_n = itertools.count()
+
+
+def sha() -> str:
+    return hashlib.sha256(f"file-{next(_n)}".encode()).hexdigest()
+
+
+def node(i: int) -> str:
+    return hashlib.sha256(f"node-{i}".encode()).hexdigest()
+
+
+HONEST = node(0)
+SYBILS = [node(100 + i) for i in range(50)]
+
+
+def make(clock: list[float], **intake: object) -> Admission:
+    fields: dict[str, object] = dict(queue_size=40, newcomer_queue=8, newcomer_per_node=2, per_node_queue=4,
+                                     rate_per_minute=60, burst=4)
+    fields.update(intake)
+    admission = Admission(IntakeSettings(**fields), reservation_s=30.0, clock=lambda: clock[0])
+    admission.load_accepted([(HONEST, 3)])
+    return admission
+
+
+def test_a_sybil_flood_fills_only_the_newcomer_slice() -> None:
+    clock = [1000.0]
+    admission = make(clock)
+    admitted = {s: 0 for s in SYBILS}
+    busy = []
+    for _ in range(3):  # 50 fresh ids, each trying 3 files at once: 150 headers
+        for sybil in SYBILS:
+            answer = admission.admit(sybil, sha())
+            if answer is None:
+                admitted[sybil] += 1
+            else:
+                busy.append(answer)
+    assert sum(admitted.values()) == 8 and max(admitted.values()) <= 2  # the slice, at most 2 per newcomer
+    assert admission.in_tier(Tier.NEWCOMER) == 8
+    assert all("queue for newcomer nodes is full" in b.reason and b.retry_after_s == 10.0 for b in busy)
+    # The established node keeps its places; its own bound and bucket still apply to it.
+    honest = [admission.admit(HONEST, sha()) for _ in range(5)]
+    assert honest[:4] == [None] * 4
+    assert honest[4] is not None and "established node already has 4 files" in honest[4].reason
+    assert admission.tier_of(HONEST) is Tier.ESTABLISHED and admission.tier_of(SYBILS[0]) is Tier.NEWCOMER
+
+
+def test_reservations_become_files_lapse_or_are_cancelled() -> None:
+    clock = [1000.0]
+    admission = make(clock, newcomer_queue=2, newcomer_per_node=2)
+    newcomer = node(1)
+    first, second, third = sha(), sha(), sha()
+    assert admission.admit(newcomer, first) is None and admission.admit(newcomer, second) is None
+    assert admission.admit(newcomer, first) is None  # the same file again: already counted, not twice
+    assert admission.admit(newcomer, third) is not None  # two reservations fill the slice
+    assert admission.enqueued(newcomer, first) is Tier.NEWCOMER  # body stored: the reservation is the file
+    assert admission.of_node(newcomer) == 2
+    clock[0] += 31  # the second hand-off never sent its body: its reservation lapses
+    assert admission.of_node(newcomer) == 1
+    assert admission.admit(newcomer, third) is None
+    admission.cancel(third)  # it turned out to be decided already
+    admission.finished(first)  # verdict
+    assert admission.in_tier(Tier.NEWCOMER) == 0
+    # A file recovered from the spool is counted whatever the bounds say: acknowledged means never dropped.
+    for _ in range(5):
+        admission.enqueued(newcomer, sha())
+    assert admission.of_node(newcomer) == 5
+
+
+def test_rate_limit_is_busy_with_the_wait_as_hint() -> None:
+    clock = [1000.0]
+    admission = make(clock, per_node_queue=100, burst=2, rate_per_minute=6)
+    answers = [admission.admit(HONEST, sha()) for _ in range(3)]
+    assert answers[:2] == [None, None]
+    assert answers[2] is not None and answers[2].reason.startswith("rate limit: 6 files per minute")
+    assert answers[2].retry_after_s == pytest.approx(10.0)
+
+
+def test_accepted_files_promote_a_newcomer() -> None:
+    admission = make([0.0], established_after=2)
+    fresh = node(7)
+    admission.note_accepted(fresh)
+    assert admission.tier_of(fresh) is Tier.NEWCOMER
+    admission.note_accepted(fresh)
+    assert admission.tier_of(fresh) is Tier.ESTABLISHED
+
+
+def test_newcomer_slice_must_leave_room_for_established_nodes() -> None:
+    with pytest.raises(ValidationError, match="newcomer_queue"):
+        IntakeSettings(queue_size=16, newcomer_queue=16)
+
+
+async def test_tiered_queue_bounds_an_established_files_wait() -> None:
+    queue: TieredQueue[str] = TieredQueue(newcomer_share=0.25)
+    for i, sybil in enumerate(SYBILS):
+        queue.put(Tier.NEWCOMER, sybil, f"sybil-{i}")
+    queue.put(Tier.ESTABLISHED, HONEST, "honest-0")
+    queue.put(Tier.ESTABLISHED, node(1), "other-0")
+    queue.put(Tier.ESTABLISHED, HONEST, "honest-1")
+    served = [await queue.get() for _ in range(6)]
+    # Established files take 3 of every 4 turns while they wait, whatever the number of newcomers.
+    assert served == ["honest-0", "other-0", "honest-1", "sybil-0", "sybil-1", "sybil-2"]
+    assert queue.waiting(Tier.NEWCOMER) == 47 and queue.waiting(Tier.ESTABLISHED) == 0
+    queue.put(Tier.ESTABLISHED, HONEST, "honest-2")
+    # The newcomers' credit from the last three turns is due first; then it is the established file's turn,
+    # not after the 47 Sybil files still waiting.
+    assert [await queue.get() for _ in range(2)] == ["sybil-3", "honest-2"]
+    newcomers_only: TieredQueue[str] = TieredQueue(0.25)
+    newcomers_only.put(Tier.NEWCOMER, node(3), "n")
+    assert await newcomers_only.get() == "n"  # alone, newcomers are served at full speed

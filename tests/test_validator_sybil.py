@@ -1,0 +1,145 @@
+"""A Sybil flood through the real hand-off: 50 fresh node ids on one machine cannot keep out an established
+node's file."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.swarm import HandoffBusy, HandoffRefused, RolloutEnvelope, Swarm
+from prime_node.p2p.swarm.records import RecordKind, dht_key, seal
+from prime_node.trainer.intake import Tier
+
+from swarm_support import fleet, wait_until
+from validator_support import (
+    OPERATOR,
+    RUN,
+    publish_checkpoint,
+    rows_for,
+    running_validator,
+    validator_settings,
+    wait_verdict,
+    world,
+    write_file,
+)
+
+SYBILS = 50
+NEWCOMER_QUEUE = 6
+HOLD_S = 8.0
+
+
+async def _bind_sybils(flooder: Swarm, sybils: list[Identity]) -> None:
+    """Each Sybil id gets a valid signed heartbeat naming the flooder's libp2p peer id: one host, many ids."""
+    assert flooder.process is not None
+    template = (await flooder.list_peers())[flooder.node_id]
+    expiration = get_dht_time() + 120
+    for sybil in sybils:
+        body = template.model_copy(update={"node_id": sybil.node_id})
+        value = seal(sybil, RUN, RecordKind.HEARTBEAT, sybil.node_id, body, expiration)
+        await flooder.process.dht.store(
+            dht_key(RUN, RecordKind.HEARTBEAT), value, expiration, subkey=sybil.node_id, return_future=True
+        )
+
+
+@pytest.mark.slow
+async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) -> None:  # noqa: ANN001
+    checkpoint, engine, tasks = world
+    honest, flooder = Identity.generate(), Identity.generate()
+    sybils = [Identity.generate() for _ in range(SYBILS)]
+    first, first_env = write_file(tmp_path / "honest-0.parquet", rows_for(engine, tasks, honest), honest)
+    second, second_env = write_file(
+        tmp_path / "honest-1.parquet", rows_for(engine, tasks, honest, batch_counter=1), honest
+    )
+    # Sybil files are well formed and signed, for a checkpoint nobody publishes: they pass the cheap checks
+    # and then wait for it, holding queue places for hold_timeout_s at no cost to the flooder.
+    template = rows_for(engine, tasks, flooder, policy_step=7)
+    blobs: list[tuple[bytes, RolloutEnvelope]] = []
+    for i, sybil in enumerate(sybils):
+        for k in range(2):
+            rows = [dataclasses.replace(r, node_id=sybil.node_id, batch_counter=k) for r in template]
+            path, envelope = write_file(tmp_path / f"sybil-{i}-{k}.parquet", rows, sybil)
+            blobs.append((path.read_bytes(), envelope))
+    settings = validator_settings(
+        tmp_path / "validator", queue_size=24, newcomer_queue=NEWCOMER_QUEUE, newcomer_per_node=1,
+        per_node_queue=4, rate_per_minute=600, burst=10, hold_timeout_s=HOLD_S,
+    )
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
+        service = running.service
+        flood_peer = await group.add(flooder, bootstrap=running.maddrs[:1], reachability="public")
+        honest_peer = await group.add(honest, bootstrap=running.maddrs[:1], reachability="public")
+        await wait_until(lambda: _announced(flood_peer), 15)
+        await wait_until(lambda: _announced(honest_peer), 15)
+        # The honest node earns its standing with real, verified work.
+        await honest_peer.send_rollout(first, first_env)
+        assert (await wait_verdict(running, first_env.sha256, 60)).document.accepted
+        await wait_until(lambda: _established(service, honest.node_id), 5)
+        await _bind_sybils(flood_peer, sybils)
+        target = (await flood_peer.list_validators())[OPERATOR.node_id]
+
+        receipts: list[str] = []
+        busy: list[tuple[str, float]] = []
+
+        async def flood() -> None:
+            for data, envelope in blobs:
+                try:
+                    await flood_peer.send_rollout(data, envelope, target)
+                    receipts.append(envelope.sha256)
+                except HandoffBusy as exc:
+                    busy.append((exc.reason, exc.retry_after_s))
+
+        async def honest_send() -> float:
+            await wait_until(lambda: _newcomers_full(service), 60, interval=0.05)  # in the thick of it
+            start = time.monotonic()
+            await honest_peer.send_rollout(second, second_env)  # HandoffBusy here would fail the test
+            verdict = (await wait_verdict(running, second_env.sha256, 30)).document
+            assert verdict.accepted, verdict.reason
+            return time.monotonic() - start
+
+        start = time.monotonic()
+        flooding = asyncio.create_task(flood(), name="sybil-flood")
+        honest_seconds = await honest_send()
+        await flooding
+        flood_seconds = time.monotonic() - start
+        # 100 headers from 50 ids: only the newcomer slice was let in (refilled as held files expire); the
+        # rest was told to come back later (busy, not refused: an outbox keeps such a file and retries it).
+        rounds = 1 + int(flood_seconds // HOLD_S)
+        assert len(receipts) <= NEWCOMER_QUEUE * rounds, (len(receipts), flood_seconds)
+        assert len(receipts) + len(busy) == len(blobs)
+        assert busy and all("newcomer" in reason for reason, _ in busy), busy[:3]
+        assert {hint for _, hint in busy} == {settings.intake.busy_retry_s}  # the hint travels with the answer
+        assert honest_seconds < 20, honest_seconds
+        # Nothing acknowledged is lost: every received Sybil file gets exactly one verdict (its checkpoint
+        # never came), and the places are free again.
+        for sha in receipts:
+            verdict = (await wait_verdict(running, sha, HOLD_S + 30)).document
+            assert verdict.failed_check == "checkpoint_unavailable"
+        assert service.admission.in_tier(Tier.NEWCOMER) == 0
+        count = await service.ledger.query(
+            "SELECT COUNT(*) AS n FROM contributions WHERE node_id != ?", (honest.node_id,)
+        )
+        assert count[0]["n"] == len(receipts)
+
+
+async def _announced(swarm: Swarm) -> bool:
+    return bool(await swarm.list_validators())
+
+
+async def _established(service, node_id: str) -> bool:  # noqa: ANN001
+    return service.admission.tier_of(node_id) is Tier.ESTABLISHED
+
+
+async def _newcomers_full(service) -> bool:  # noqa: ANN001
+    return service.admission.in_tier(Tier.NEWCOMER) >= NEWCOMER_QUEUE
+
+
+def test_refusal_and_busy_are_distinct_errors() -> None:
+    # A sender's outbox drops a refused file for good and keeps a busy one: the two must never be confused.
+    assert not issubclass(HandoffBusy, HandoffRefused)
+    assert HandoffBusy("queue full", 3.0).retry_after_s == 3.0

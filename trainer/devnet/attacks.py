@@ -1,0 +1,182 @@
+"""The devnet's cheaters: each attack of the proofs issue's threat list as a batch producer.
+
+An attack takes the same inputs as an honest contributor's `produce_rollout_file` (the engine of the
+verified checkpoint, the run's tasks, the node's identity, the assigned batch) and writes a signed file
+that lies about the work in one specific way. They live in the devnet harness only: production nodes
+never load this module. Each docstring names the check that should catch it (docs/proofs.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ...node.engine import HFEngine, InferenceEngine
+from ...node.models.tiny import TinyModelShape, build_tiny_model
+from ...node.producer import BatchSpec, ProducedBatch, produce_rows
+from ...node.validation import RunTasks
+from ...p2p.identity import Identity
+from ...proofs.rollout_file import encode_rows, sign_bytes, signature_path
+from ...proofs.rollout_schema import RolloutRow
+from ...proofs.toploc import build_proof, committed_rows
+from ..errors import TrainerError
+
+EOS_ID = 1  # the byte-level tokenizer's <eos> (node/models/tokenizer.py)
+PERTURBATION = 5e-2  # relative weight noise on one layer: the issue's example, far above the toploc threshold
+WRONG_TEMPERATURE = 0.5  # sampled cooler than the run's temperature, which the rows still claim
+# One layer and a narrow MLP (the width stays >= the proofs' top-k of 128, so its own proofs could be built).
+SMALL_SHAPE = TinyModelShape(intermediate_size=128, num_hidden_layers=1)
+
+Rows = list[RolloutRow]
+
+
+class AttackError(TrainerError):
+    pass
+
+
+def _engine_of(engine: InferenceEngine) -> HFEngine:
+    if not isinstance(engine, HFEngine):
+        raise AttackError("the devnet's attacks need the transformers engine (run the adversary on the CPU)")
+    return engine
+
+
+def _reprove(engine: HFEngine, row: RolloutRow) -> RolloutRow:
+    """The row with an honest proof (by prefill on `engine`) for whatever tokens it now holds."""
+    hidden = engine.prefill([list(row.prompt_ids) + list(row.output_ids)])[0].hidden_states
+    proof = build_proof(hidden[committed_rows(len(row.prompt_ids), len(row.output_ids))])
+    return dataclasses.replace(row, proof=proof)
+
+
+def _rescore(tasks: RunTasks, row: RolloutRow, output_ids: list[int]) -> RolloutRow:
+    """The row with new output tokens and the rewards they honestly earn (so only the tokens lie)."""
+    task_reward, penalty, target = tasks.rewards_for(row.sample_index, row.sample_seed, output_ids)
+    return dataclasses.replace(row, output_ids=type(row.output_ids)(output_ids), task_reward=task_reward, length_penalty=penalty,
+                               reward=task_reward - penalty, target_length=target)
+
+
+def perturbed(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Generates and proves with one decoder layer's weights perturbed (a cheaper or stale model): toploc."""
+    model = copy.deepcopy(_engine_of(engine).model)
+    generator = torch.Generator().manual_seed(spec.batch_counter)
+    with torch.no_grad():
+        for param in model.model.layers[len(model.model.layers) // 2].parameters():
+            param.mul_(1 + PERTURBATION * torch.randn(param.shape, generator=generator))
+    return produce_rows(HFEngine(model), tasks, node_id, spec).rows
+
+
+_small: dict[str, HFEngine] = {}
+
+
+def smaller_model(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Tokens from a much smaller model, proofs recomputed by the claimed one: sampling / distribution."""
+    claimed = _engine_of(engine)
+    if "engine" not in _small:
+        _small["engine"] = HFEngine(build_tiny_model(1, SMALL_SHAPE)[0])
+    rows = produce_rows(_small["engine"], tasks, node_id, spec).rows
+    return [_reprove(claimed, row) for row in rows]
+
+
+def wrong_temperature(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Samples at another temperature than the one it claims (proofs are honest): sampling."""
+    rows = produce_rows(engine, tasks, node_id, dataclasses.replace(spec, temperature=WRONG_TEMPERATURE)).rows
+    return [dataclasses.replace(row, temperature=spec.temperature) for row in rows]
+
+
+def truncation(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Cuts every completion in half without an EOS (cheaper, or steering the length reward): termination."""
+    claimed = _engine_of(engine)
+    out = []
+    for row in produce_rows(engine, tasks, node_id, spec).rows:
+        keep = [t for t in row.output_ids[: max(1, len(row.output_ids) // 2)] if t != EOS_ID] or [EOS_ID + 2]
+        out.append(_reprove(claimed, _rescore(tasks, row, keep)))
+    return out
+
+
+def cherry_pick(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Generates two batches and keeps the better-rewarded group of each pair, under the first batch's
+    counter (choosing its own problems instead of the assigned ones): assignment."""
+    first = produce_rows(engine, tasks, node_id, spec).rows
+    extra = produce_rows(engine, tasks, node_id, dataclasses.replace(spec, batch_counter=spec.batch_counter + 1)).rows
+    g = spec.samples
+    out: Rows = []
+    for i in range(0, len(first), g):
+        mine, other = first[i:i + g], extra[i:i + g]
+        # Always swap at least the first group, so every file is a cherry-picked one.
+        if i == 0 or sum(r.reward for r in other) > sum(r.reward for r in mine):
+            mine = [dataclasses.replace(r, batch_counter=spec.batch_counter) for r in other]
+        out.extend(mine)
+    return out
+
+
+def inflated_rewards(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Honest tokens and proofs, but every sample claims full task reward: rewards."""
+    return [dataclasses.replace(r, task_reward=1.0, reward=1.0 - r.length_penalty)
+            for r in produce_rows(engine, tasks, node_id, spec).rows]
+
+
+def tampered(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """The file edited after its proofs were built (one output token per row changed, rewards redone) and
+    signed again, as a node that 'fixes' answers would: toploc / sampling."""
+    out = []
+    for row in produce_rows(engine, tasks, node_id, spec).rows:
+        ids = list(row.output_ids)
+        at = max(0, len(ids) // 2 - 1)
+        ids[at] = 3 + (ids[at] + 7) % 200 if ids[at] != EOS_ID else ord("7")  # a printable byte token
+        out.append(_rescore(tasks, row, ids))
+    return out
+
+
+Attack = Callable[[InferenceEngine, RunTasks, str, BatchSpec], Rows]
+# In the order `--adversaries N` takes them: the first is the default demo's cheater.
+ATTACKS: dict[str, Attack] = {
+    "temperature": wrong_temperature,
+    "inflated-rewards": inflated_rewards,
+    "cherry-pick": cherry_pick,
+    "truncation": truncation,
+    "tampered": tampered,
+    "smaller-model": smaller_model,
+    "perturbed": perturbed,
+}
+
+
+def write_signed(path: Path, rows: Rows, identity: Identity) -> None:
+    """Parquet + signature as a node writes them, minus the writer's own sanity checks (a cheater skips them)."""
+    data = encode_rows(rows)
+    path.write_bytes(data)
+    signature_path(path).write_text(json.dumps(sign_bytes(data, identity)))
+
+
+def attack_producer(kind: str) -> Callable[[InferenceEngine, RunTasks, Identity, BatchSpec, Path], ProducedBatch]:
+    """A drop-in for `produce_rollout_file` that cheats with attack `kind`."""
+    if kind not in ATTACKS:
+        raise AttackError(f"unknown attack {kind!r}; choose one of {', '.join(ATTACKS)}")
+    attack = ATTACKS[kind]
+
+    def produce(engine: InferenceEngine, tasks: RunTasks, identity: Identity, spec: BatchSpec,
+                out: Path) -> ProducedBatch:
+        started = time.perf_counter()
+        rows = attack(engine, tasks, identity.node_id, spec)
+        write_signed(out, rows, identity)
+        return ProducedBatch(rows, time.perf_counter() - started, 0.0)
+
+    return produce
+
+
+# The checks that should reject each attack first (docs/devnet.md; the slow devnet test asserts them).
+EXPECTED_CHECKS: dict[str, frozenset[str]] = {
+    "perturbed": frozenset({"toploc"}),
+    "smaller-model": frozenset({"sampling", "distribution", "eos_probability", "termination"}),
+    "temperature": frozenset({"sampling", "distribution"}),
+    "truncation": frozenset({"termination"}),
+    "cherry-pick": frozenset({"assignment"}),
+    "inflated-rewards": frozenset({"rewards"}),
+    "tampered": frozenset({"toploc", "sampling"}),
+}
+
+__all__ = ["ATTACKS", "EXPECTED_CHECKS", "AttackError", "attack_producer", "write_signed"]

@@ -1,0 +1,168 @@
+"""Where a devnet keeps its files and how each of its processes is started.
+
+One run directory holds everything: `operator.key` (the trainer's and the validator's: both are the
+operator's), `trainer/`, `validator/` (its `accepted/` inbox is the trainer's), `node-1..N/` and
+`adv-1..M-<attack>/` (each with its own `node.key`), `logs/`, and the report. Every process listens on
+127.0.0.1 with ports picked by the OS, so several devnets (or tests) can run side by side.
+
+Only sizing and responsiveness are set here (batch size from the node count, DHT poll intervals, one torch
+thread per process on a shared machine); the RL recipe is the trainer's and the nodes' own defaults.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...p2p.identity import Identity
+
+CLI = (sys.executable, "-m", "prime_node.node.cli.main")
+ADVERSARY = (sys.executable, "-m", "prime_node.trainer.devnet.adversary")
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+# Responsiveness on loopback: find policies, validators and bans within a second or two, not a minute.
+SWARM_ENV = {
+    "PRIME_NODE_SWARM__REACHABILITY": "public",  # loopback: no dial-back self-test needed
+    "PRIME_NODE_SWARM__POLICY_POLL_S": "0.5",
+    "PRIME_NODE_SWARM__HEARTBEAT_INTERVAL_S": "2.0",
+    "PRIME_NODE_SWARM__HEARTBEAT_TTL_S": "30",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+NODE_ENV = {
+    "PRIME_NODE_HANDOFF_RETRY_S": "0.5",
+    "PRIME_NODE_FETCH_RETRY_S": "1.0",
+    "PRIME_NODE_MAX_RETRY_S": "5.0",
+    "PRIME_NODE_SHUTDOWN_TIMEOUT_S": "15",
+}
+
+
+# Prompts per rollout file when not given. With the node's default (4) the tiny model writes a file about
+# every second, past the validator's per-node intake limit (30 files a minute): the surplus waits in the
+# node's outbox, oldest first, and reaches the trainer after it left the async window (measured: 500 files
+# pending per node and the trainer starved after 6 steps). Files of 16 prompts carry the same samples in a
+# quarter of the hand-offs. Sizing only: the samples per prompt and the recipe stay the run's defaults.
+DEVNET_PROMPTS = 16
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How big the work is; None keeps the trainer's / node's own default."""
+
+    batch_size: int | None = None
+    prompts: int | None = DEVNET_PROMPTS
+    samples: int | None = None
+    max_new_tokens: int | None = None
+    length_targets: tuple[int, ...] | None = None
+
+    def node_flags(self) -> list[str]:
+        flags = []
+        for flag, value in (("--prompts", self.prompts), ("--samples", self.samples),
+                            ("--max-new-tokens", self.max_new_tokens)):
+            if value is not None:
+                flags += [flag, str(value)]
+        return flags
+
+    def run_env(self) -> dict[str, str]:
+        """Settings every party must agree on and that have no flag everywhere (length targets)."""
+        if self.length_targets is None:
+            return {}
+        return {"PRIME_NODE_RUN__LENGTH_TARGETS": "[" + ",".join(map(str, self.length_targets)) + "]"}
+
+
+@dataclass
+class Member:
+    """One contributor (honest or not) of the devnet."""
+
+    name: str
+    data_dir: Path
+    node_id: str
+    attack: str | None = None  # None: honest
+
+
+@dataclass
+class DevnetLayout:
+    root: Path
+    run_id: str
+    model_dir: Path
+    sizing: Sizing = field(default_factory=Sizing)
+    operator: Identity = field(init=False)
+    members: list[Member] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        key = self.root / "operator.key"
+        if key.exists():
+            self.operator = Identity.load(key)
+        else:
+            self.operator = Identity.generate()
+            self.operator.save(key)
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def trainer_dir(self) -> Path:
+        return self.root / "trainer"
+
+    @property
+    def validator_dir(self) -> Path:
+        return self.root / "validator"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.trainer_dir / "trainer" / "metrics.jsonl"
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.validator_dir / "ledger.sqlite"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.validator_dir / "spool"
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.trainer_dir / "weights"
+
+    def add_member(self, name: str, attack: str | None = None) -> Member:
+        data_dir = self.root / name
+        data_dir.mkdir(parents=True, exist_ok=True)
+        key = data_dir / "node.key"
+        identity = Identity.load(key) if key.exists() else Identity.generate()
+        if not key.exists():
+            identity.save(key)
+        member = Member(name, data_dir, identity.node_id, attack)
+        self.members.append(member)
+        return member
+
+    def env(self) -> dict[str, str]:
+        return {**SWARM_ENV, **self.sizing.run_env()}
+
+    def trainer_argv(self, max_steps: int) -> list[str]:
+        argv = [*CLI, "trainer", "--max-steps", str(max_steps), "--model", str(self.model_dir), "--key", str(self.root / "operator.key"),
+                "--data-dir", str(self.trainer_dir), "--run-id", self.run_id, "--swarm-run-id", self.run_id,
+                "--listen", LOOPBACK, "--http-port", "0", "--metrics-port", "0", "--threads", "1"]
+        if self.sizing.batch_size is not None:
+            argv += ["--batch-size", str(self.sizing.batch_size)]
+        return argv
+
+    def validator_argv(self, peers: list[str]) -> list[str]:
+        argv = [*CLI, "validator", "--key", str(self.root / "operator.key"), "--data-dir", str(self.validator_dir),
+                "--run-id", self.run_id, "--listen", LOOPBACK, "--http-port", "0", "--threads", "1",
+                "--accepted-dir", str(self.trainer_dir / "accepted"), "--peers", *peers]
+        if self.sizing.samples is not None:
+            argv += ["--samples", str(self.sizing.samples)]
+        return argv
+
+    def member_argv(self, member: Member, peers: list[str]) -> list[str]:
+        head = [*CLI, "start"] if member.attack is None else [*ADVERSARY, "--attack", member.attack]
+        return [*head, "--data-dir", str(member.data_dir), "--operator-key", self.operator.node_id,
+                "--run-id", self.run_id, "--peers", *peers, "--host-maddrs", LOOPBACK, "--threads", "1",
+                *self.sizing.node_flags()]
+
+    def member_env(self) -> dict[str, str]:
+        return {**self.env(), **NODE_ENV}

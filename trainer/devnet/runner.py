@@ -1,0 +1,233 @@
+"""`prime-node devnet`: the whole swarm on one machine, started, watched, stopped and reported.
+
+Order: the model (created with `prime-node model init`'s code if missing) -> the trainer (origin of the
+weights and first DHT peer) -> the validator (bootstrapped from the trainer) -> the contributors and the
+adversaries (bootstrapped from both). Each is a separate process with its own key and data directory,
+in its own session, so Ctrl-C reaches only this process, which then stops them in reverse order
+(SIGTERM, a grace period, SIGKILL of the process group). Every process ever seen below a child (the
+DHT's forked child, p2pd) is remembered and checked to be gone at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...p2p.processes import end_pids
+from ..errors import TrainerError
+from .attacks import ATTACKS
+from .layout import DevnetLayout, Sizing
+from .monitor import Monitor, Snapshot
+from .processes import Child, ProcessGroup, descendants, start_time, still_running
+from .report import build_report
+from .view import LiveView
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 25.0  # the contributors' own shutdown bound is 15 s, the validator's 20 s
+DESCENDANTS_EVERY_S = 3.0
+
+
+class DevnetError(TrainerError):
+    pass
+
+
+def attack_kinds(count: int, kinds: Sequence[str] | None = None) -> list[str]:
+    """`count` adversaries: the named kinds, or the attack list in order (cycling past its end)."""
+    pool = list(kinds) if kinds else list(ATTACKS)
+    unknown = [k for k in pool if k not in ATTACKS]
+    if unknown:
+        raise DevnetError(f"unknown attack {unknown[0]!r}; choose from {', '.join(ATTACKS)}")
+    return [pool[i % len(pool)] for i in range(count)] if count else []
+
+
+@dataclass
+class DevnetOptions:
+    root: Path  # this run's directory
+    model_dir: Path
+    nodes: int = 3
+    attacks: list[str] = field(default_factory=list)
+    steps: int = 10
+    run_id: str = "devnet"
+    sizing: Sizing = field(default_factory=Sizing)
+    start_timeout_s: float = 300.0  # each of trainer and validator to print its ready line
+    stall_timeout_s: float = 900.0  # no new policy step for this long: something is wrong, stop
+    ban_wait_s: float = 300.0  # after the last step, how long to wait for every adversary to be banned
+    poll_s: float = 1.0
+
+
+def ensure_model(model_dir: Path, view: LiveView) -> None:
+    """Create the embedded default model (tiny Qwen2, warm-started) exactly as `prime-node model init` does."""
+    if (model_dir / "config.json").is_file():
+        return
+    from ...node.models.warmstart import init_model_dir  # imports torch: only when needed
+
+    view.message(f"creating the default model in {model_dir} (warm start: a few minutes on 2 cores)")
+    report, _ = init_model_dir(model_dir, 0, progress=view.tty)
+    view.message(f"model ready: {100 * report.heldout_accuracy:.1f}% held-out exact match")
+
+
+def wait_ready(child: Child, key: str, timeout: float) -> dict[str, Any]:
+    """The JSON ready line a service prints on stdout (in its log), e.g. {"trainer": ..., "maddrs": [...]}."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            text = child.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            text = ""
+        for line in text.splitlines():
+            if line.startswith("{") and f'"{key}"' in line:
+                try:
+                    ready = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ready, dict) and key in ready:
+                    return ready
+        if child.process.poll() is not None:
+            raise DevnetError(f"the {child.name} exited ({child.process.returncode}) before it was ready:\n"
+                              + child.log_tail(30))
+        time.sleep(0.2)
+    raise DevnetError(f"the {child.name} was not ready within {timeout:.0f} s:\n{child.log_tail(30)}")
+
+
+class Devnet:
+    def __init__(self, options: DevnetOptions, view: LiveView) -> None:
+        self.options = options
+        self.view = view
+        o = options
+        self.layout = DevnetLayout(o.root, o.run_id, o.model_dir, o.sizing)
+        for i in range(o.nodes):
+            self.layout.add_member(f"node-{i + 1}")
+        for j, kind in enumerate(o.attacks):
+            self.layout.add_member(f"adv-{j + 1}-{kind}", kind)
+        self.monitor = Monitor(self.layout)
+        self.group = ProcessGroup(self.layout.logs)
+        self.on_snapshot: Callable[[Snapshot], None] | None = None  # e.g. a benchmark sampling the run
+        self.seen: dict[int, int] = {}  # pid -> start time of every process the devnet started
+
+    def run(self) -> dict[str, Any]:
+        """Run to `steps` (or Ctrl-C, or a failure), stop everything, and return the report."""
+        o, began = self.options, time.time()
+        ready_at = setup_s = 0.0
+        stopped_by, error = f"{o.steps} steps done", None
+        try:
+            ensure_model(o.model_dir, self.view)
+            ready_at = self._start()
+            setup_s = ready_at - began
+            self._watch()
+        except KeyboardInterrupt:
+            stopped_by = "interrupted (Ctrl-C)"
+        except DevnetError as exc:
+            stopped_by, error = "failed", str(exc)
+        finally:
+            stop = self._stop_all()
+        ended_at = time.time()
+        report = build_report(self.layout, self.monitor, ready_at=ready_at or ended_at, ended_at=ended_at,
+                              setup_s=setup_s, stop=stop, stopped_by=stopped_by)
+        report["error"] = error
+        report["wall_s"] = round(ended_at - began, 1)
+        (self.layout.root / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+        return report
+
+    def _start(self) -> float:
+        o, layout, view = self.options, self.layout, self.view
+        view.message(f"run directory {layout.root}; logs in {layout.logs}")
+        trainer = self.group.start("trainer", layout.trainer_argv(o.steps), env=layout.env())
+        ready = wait_ready(trainer, "trainer", o.start_timeout_s)
+        ready_at = time.time()
+        view.message(f"trainer {ready['trainer'][:8]} serves step {ready['step']} at {ready['weights']}")
+        validator = self.group.start("validator", layout.validator_argv(ready["maddrs"][:1]), env=layout.env())
+        vready = wait_ready(validator, "validator", o.start_timeout_s)
+        self.monitor.dashboard_url = vready["dashboard"]
+        view.message(f"validator {vready['validator'][:8]}: dashboard {vready['dashboard']}")
+        peers = [*ready["maddrs"][:1], *vready["maddrs"][:1]]
+        for member in layout.members:
+            self.group.start(member.name, layout.member_argv(member, peers), env=layout.member_env())
+        honest = sum(1 for m in layout.members if m.attack is None)
+        view.message(f"started {honest} contributors and {len(layout.members) - honest} adversaries")
+        return ready_at
+
+    def _watch(self) -> None:
+        o = self.options
+        last_step, last_progress, last_scan = -1, time.monotonic(), 0.0
+        done_at: float | None = None
+        while True:
+            snapshot = self.monitor.poll()
+            self.view.update(snapshot)
+            if self.on_snapshot is not None:
+                self.on_snapshot(snapshot)
+            if snapshot.step >= o.steps:
+                # Done, once every adversary has been caught (a slow one may not have sent a file yet).
+                pending = [m.name for m in snapshot.members if m.attack is not None and not m.banned]
+                if not pending:
+                    return
+                done_at = done_at or time.monotonic()
+                if time.monotonic() - done_at > o.ban_wait_s:
+                    raise DevnetError(f"{o.steps} steps done, but not banned after {o.ban_wait_s:.0f} s more: "
+                                      + ", ".join(pending))
+            if snapshot.step != last_step:
+                last_step, last_progress = snapshot.step, time.monotonic()
+            elif time.monotonic() - last_progress > o.stall_timeout_s:
+                raise DevnetError(f"no new policy step for {o.stall_timeout_s:.0f} s (stuck at {last_step}); "
+                                  f"see the logs in {self.layout.logs}")
+            exited = {name: code for name, code in self.group.exited().items()
+                      if not (name == "trainer" and code == 0)}  # it stops by itself after --max-steps
+            if exited:
+                name, code = next(iter(exited.items()))
+                raise DevnetError(f"{name} exited on its own ({code}):\n{self.group.get(name).log_tail(30)}")
+            if time.monotonic() - last_scan > DESCENDANTS_EVERY_S:
+                self._scan()
+                last_scan = time.monotonic()
+            time.sleep(o.poll_s)
+
+    def _stop_all(self) -> dict[str, Any]:
+        """Stop every child: the contributors together, then the validator, then the trainer (reverse order of
+        start). A second Ctrl-C cannot cut this short; the stop itself is bounded."""
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self._scan()
+            try:
+                self.monitor.poll()  # the last verdicts and steps, while the validator still answers
+            except OSError:
+                pass
+            services = [c for c in self.group.children if c.name in ("trainer", "validator")]
+            members = [c for c in self.group.children if c not in services]
+            result = self.group.stop_together(members, grace=STOP_GRACE_S)
+            for child in reversed(services):
+                code, killed = self.group.stop(child, grace=STOP_GRACE_S)
+                result.exit_codes[child.name] = code
+                result.killed += [child.name] if killed else []
+            leftovers = sorted(pid for pid, started in self.seen.items() if still_running(pid, started))
+            if leftovers:
+                described = ", ".join(f"{pid} ({_cmdline(pid)})" for pid in leftovers)
+                # torch's shared-memory manager leaves its parent's session on purpose; anything else is a bug.
+                expected = all("torch_shm_manager" in _cmdline(pid) for pid in leftovers)
+                logger.log(logging.INFO if expected else logging.WARNING,
+                           "processes left after the stop: %s; ending them", described)
+                end_pids(leftovers, 3.0)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return {"exit_codes": result.exit_codes, "killed": result.killed, "left_over": leftovers,
+                "alive": sorted(pid for pid, started in self.seen.items() if still_running(pid, started)),
+                "pids": sorted(self.seen)}
+
+    def _scan(self) -> None:
+        """Remember every process below our children (with its start time, so a reused PID is never hit)."""
+        for child in self.group.children:
+            if (started := start_time(child.pid)) is not None:
+                self.seen.setdefault(child.pid, started)
+        for pid, started in descendants(*(c.pid for c in self.group.children)).items():
+            self.seen.setdefault(pid, started)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120].strip()
+    except OSError:
+        return "?"
