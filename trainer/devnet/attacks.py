@@ -126,10 +126,60 @@ def tampered(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: Batch
     out = []
     for row in produce_rows(engine, tasks, node_id, spec).rows:
         ids = list(row.output_ids)
-        at = max(0, len(ids) // 2 - 1)
-        ids[at] = 3 + (ids[at] + 7) % 200 if ids[at] != EOS_ID else ord("7")  # a printable byte token
+        # Change a token that is not the EOS, so the file still looks well terminated and only the proofs
+        # and the sampling replay can tell (a one-token completion gets a token put in front of its EOS).
+        body = [i for i, t in enumerate(ids) if t != EOS_ID]
+        if body:
+            at = body[len(body) // 2]
+            ids[at] = 3 + (ids[at] + 7) % 200  # another printable byte token
+        else:
+            ids.insert(0, ord("7"))
         out.append(_rescore(tasks, row, ids))
     return out
+
+
+def changed_prompt(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Generates for an edited prompt (its first token changed) and proves honestly for it: prompts."""
+    claimed = _engine_of(engine)
+    out = []
+    for row in produce_rows(engine, tasks, node_id, spec).rows:
+        prompt = list(row.prompt_ids)
+        prompt[0] = 3 + (prompt[0] + 5) % 200  # another printable byte token
+        out.append(_reprove(claimed, dataclasses.replace(row, prompt_ids=tuple(prompt))))
+    return out
+
+
+def after_eos(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Keeps writing after an EOS (an answer smuggled behind the end of the text), proved honestly for the
+    tokens it claims: termination."""
+    claimed = _engine_of(engine)
+    out = []
+    for row in produce_rows(engine, tasks, node_id, spec).rows:
+        body = [t for t in row.output_ids if t != EOS_ID][: max(1, row.max_new_tokens - 3)] or [ord("4")]
+        ids = body[:1] + [EOS_ID] + body[1:2] + [ord("2")]
+        rescored = dataclasses.replace(_rescore(tasks, row, ids), finish_reason="eos")
+        out.append(_reprove(claimed, rescored))
+    return out
+
+
+def forced_eos(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Ends every completion early with an EOS the sampler did not choose (shorter, cheaper work), proved
+    honestly for the tokens it claims: EOS probability or sampling."""
+    claimed = _engine_of(engine)
+    out = []
+    for row in produce_rows(engine, tasks, node_id, spec).rows:
+        body = [t for t in row.output_ids if t != EOS_ID]
+        ids = body[: max(1, len(body) // 2)] + [EOS_ID]
+        rescored = dataclasses.replace(_rescore(tasks, row, ids), finish_reason="eos")
+        out.append(_reprove(claimed, rescored))
+    return out
+
+
+def shuffled_proofs(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Honest rows whose proofs are rotated by one row (proofs copied from other rollouts): toploc."""
+    rows = produce_rows(engine, tasks, node_id, spec).rows
+    proofs = [r.proof for r in rows]
+    return [dataclasses.replace(row, proof=proofs[(i + 1) % len(rows)]) for i, row in enumerate(rows)]
 
 
 Attack = Callable[[InferenceEngine, RunTasks, str, BatchSpec], Rows]
@@ -141,6 +191,10 @@ ATTACKS: dict[str, Attack] = {
     "truncation": truncation,
     "tampered": tampered,
     "smaller-model": smaller_model,
+    "changed-prompt": changed_prompt,
+    "after-eos": after_eos,
+    "forced-eos": forced_eos,
+    "shuffled-proofs": shuffled_proofs,
     "perturbed": perturbed,
 }
 
@@ -177,6 +231,10 @@ EXPECTED_CHECKS: dict[str, frozenset[str]] = {
     "cherry-pick": frozenset({"assignment"}),
     "inflated-rewards": frozenset({"rewards"}),
     "tampered": frozenset({"toploc", "sampling"}),
+    "changed-prompt": frozenset({"prompts"}),
+    "after-eos": frozenset({"termination"}),
+    "forced-eos": frozenset({"eos_probability", "sampling"}),
+    "shuffled-proofs": frozenset({"toploc"}),
 }
 
 __all__ = ["ATTACKS", "EXPECTED_CHECKS", "AttackError", "attack_producer", "write_signed"]
