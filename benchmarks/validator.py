@@ -32,7 +32,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.ledger import Ledger
 from prime_node.trainer.spool import Spool, deliver
-from prime_node.trainer.verdicts import Verdict, sign
+from prime_node.p2p.verdicts import Verdict, sign
 from prime_node.trainer.verify_job import verify_spooled
 
 

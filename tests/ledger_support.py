@@ -6,7 +6,7 @@ import hashlib
 import itertools
 
 from prime_node.p2p.identity import Identity
-from prime_node.trainer.verdicts import Signed, Verdict, sign
+from prime_node.p2p.verdicts import Signed, Verdict, sign
 
 T0 = 1_800_000_000.0  # a fixed clock, so tests do not depend on when they run
 VALIDATOR = Identity.from_seed(bytes(range(32)))

@@ -10,7 +10,7 @@ from ledger_support import T0, VALIDATOR, node_id, signed_verdict
 from prime_node.trainer.ledger import AsyncLedger, Ledger, LedgerError
 from prime_node.trainer.ledger_schema import LATEST_VERSION
 from prime_node.trainer.slashing import Ban, Credit, Slash, SlashingPolicy
-from prime_node.trainer.verdicts import sign
+from prime_node.p2p.verdicts import sign
 
 A, B = node_id(10), node_id(11)
 
@@ -144,7 +144,7 @@ def test_hardware_from_a_swarm_heartbeat_is_stored_as_sent(ledger):
 def test_operator_bans_lifts_and_records(ledger):
     ban = ledger.ban(B, "manual", until=None, at=T0)
     assert ledger.active_bans(now=T0 + 10**9) == [ban]
-    from prime_node.trainer.verdicts import BanRecord  # noqa: PLC0415 - only this test needs it
+    from prime_node.p2p.verdicts import BanRecord  # noqa: PLC0415 - only this test needs it
 
     record = sign(ban.to_record(VALIDATOR.node_id), VALIDATOR)
     assert isinstance(record.document, BanRecord)

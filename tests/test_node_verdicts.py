@@ -26,7 +26,7 @@ from prime_node.node.daemon.validator_api import ValidatorApi, ValidatorApiError
 from prime_node.node.daemon.verdicts import VerdictWatcher
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import signature_path, write_rollout_file
-from prime_node.trainer.verdicts import Verdict, sign
+from prime_node.p2p.verdicts import Verdict, sign
 
 from swarm_support import fleet, wait_until
 from validator_support import OPERATOR, RUN, publish_checkpoint, rows_for, running_validator, validator_settings, world

@@ -16,7 +16,7 @@ from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.validation import RunTasks
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffRefused, RolloutEnvelope, ValidatorAnnouncement
-from prime_node.trainer.verdicts import Verdict, open_signed
+from prime_node.p2p.verdicts import Verdict, open_signed
 
 from attack_support import engine_from
 from swarm_support import fleet, wait_until

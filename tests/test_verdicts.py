@@ -7,7 +7,7 @@ import json
 import pytest
 from ledger_support import T0, VALIDATOR, make_verdict, node_id
 from prime_node.p2p.identity import Identity
-from prime_node.trainer.verdicts import (
+from prime_node.p2p.verdicts import (
     MAX_ENVELOPE_BYTES,
     BanRecord,
     DocumentError,

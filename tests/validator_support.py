@@ -27,7 +27,7 @@ from prime_node.proofs.rollout_schema import RolloutRow
 from prime_node.trainer.dashboard import DashboardSettings
 from prime_node.trainer.validator_config import IntakeSettings, ValidatorServiceSettings, ValidatorSettings
 from prime_node.trainer.validator_run import RunningValidator, start_validator
-from prime_node.trainer.verdicts import Signed, Verdict
+from prime_node.p2p.verdicts import Signed, Verdict
 
 from attack_support import engine_from, make_checkpoint, run_tasks
 from swarm_support import config

@@ -35,7 +35,7 @@ from .slashing import (
     SlashingPolicy,
     decide,
 )
-from .verdicts import HEX64, MAX_BAN_REASON_CHARS, BanRecord, Signed, Verdict
+from ..p2p.verdicts import HEX64, MAX_BAN_REASON_CHARS, BanRecord, Signed, Verdict
 
 __all__ = [
     "AsyncLedger", "BanEntry", "Ledger", "LedgerError", "LedgerSettings", "RecordResult", "RewardPoint"

@@ -23,7 +23,7 @@ from enum import Enum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .verdicts import Verdict
+from ..p2p.verdicts import Verdict
 
 
 class CheckClass(str, Enum):

@@ -24,7 +24,7 @@ from ..p2p.errors import P2PError
 from ..p2p.identity import Identity
 from ..p2p.swarm import Swarm
 from .ledger import AsyncLedger, BanEntry
-from .verdicts import sign
+from ..p2p.verdicts import sign
 
 logger = logging.getLogger(__name__)
 

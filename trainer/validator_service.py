@@ -31,7 +31,7 @@ from .spool import Spool, SpooledFile, deliver
 from .validator_admission import Admission
 from .validator_bans import BanPublisher
 from .validator_config import ValidatorSettings
-from .verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
+from ..p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
 from .verify_job import Outcome, verify_spooled
 
 logger = logging.getLogger(__name__)

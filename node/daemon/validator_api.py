@@ -2,7 +2,7 @@
 
 Where to ask comes from the validators' operator-signed DHT announcements (`api_url`); nothing the API
 answers is trusted on its say-so: a verdict counts only when it is signed by the validator that signed the
-file's receipt and names this node and this file (trainer/verdicts.py `open_signed`, which checks the size,
+file's receipt and names this node and this file (p2p/verdicts.py `open_signed`, which checks the size,
 the signer and the signature before it parses anything). The leaderboard row is unsigned and only shown.
 Every read is bounded in time and bytes.
 """
@@ -16,7 +16,7 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ...p2p.swarm import Swarm, SwarmError, ValidatorAnnouncement
-from ...trainer.verdicts import MAX_ENVELOPE_BYTES, DocumentError, Signed, Verdict, open_signed
+from ...p2p.verdicts import MAX_ENVELOPE_BYTES, DocumentError, Signed, Verdict, open_signed
 from ..errors import NodeError
 from .urls import routable_url
 
@@ -92,7 +92,7 @@ class ValidatorApi:
 
     async def _get(self, url: str, limit: int) -> tuple[int, bytes]:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self.timeout, headers={"X-Prime-Node-Id": self.node_id})
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
         try:
             async with self._session.get(url, allow_redirects=False) as resp:
                 if (resp.content_length or 0) > limit:

@@ -1,5 +1,7 @@
 """Signed documents the validator side issues: the verdict on one rollout file, and the ban record.
 
+A wire format, so it lives in p2p/: validators write it and contributors read it (node/ never imports trainer/).
+
 Both travel as a JSON envelope `{"document": {...}, "signature": "<128 hex>"}`. The signature is a detached
 Ed25519 signature over the canonical JSON of `document` (p2p/signing.py), made by the key named inside the
 document (`validator_id` for a verdict, `issuer_id` for a ban), and a reader accepts the document only when
@@ -22,10 +24,9 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..p2p.errors import P2PError
-from ..p2p.identity import Identity
-from ..p2p.signing import SIGNATURE_BYTES, verify_document
-from .errors import TrainerError
+from .errors import P2PError
+from .identity import Identity
+from .signing import SIGNATURE_BYTES, verify_document
 
 HEX64 = r"^[0-9a-f]{64}$"
 CHECK_NAME = r"^[a-z][a-z0-9_]{0,47}$"
@@ -34,7 +35,7 @@ MAX_REASON_CHARS = 2000
 MAX_BAN_REASON_CHARS = 256
 
 
-class DocumentError(TrainerError):
+class DocumentError(P2PError):
     """A verdict or ban is malformed, oversized, signed by an untrusted key, or its signature fails."""
 
 
