@@ -87,8 +87,14 @@ async def test_node_bans_cannot_be_dodged_by_dropping_or_forging_the_token(tmp_p
         forged[0] = honest.node_id
         status, body, _ = await get(latest, **{AUTH_HEADER: ".".join(forged)})
         assert status == 401 and b"does not verify" in body
-        # a token made for another server (replayed by a relay) and a stale one are refused
+        # a token made for another server (replayed by a relay) is refused, also when the replay names that
+        # other server in its Host header; and so is a stale token
         assert (await get(latest, **token_for(honest, "http://127.0.0.1:1")))[0] == 401
+        status, body, _ = await get(latest, Host="127.0.0.1:1", **token_for(honest, "http://127.0.0.1:1"))
+        assert status == 401 and b"not this server" in body
+        assert (await get(latest, Host=f"localhost:{server.port}", **token_for(honest, f"http://localhost:{server.port}")))[0] == 200
+        server.accept_audience("http://weights.example.org")  # a public name in front of it (NAT, DNS)
+        assert (await get(latest, Host="weights.example.org", **token_for(honest, "http://weights.example.org")))[0] == 200
         stale = token_for(honest, server.url, now=time.time() - TOKEN_LIFETIME_S - 5)
         status, body, _ = await get(latest, **stale)
         assert status == 401 and b"check the clock" in body
@@ -192,3 +198,11 @@ async def test_a_peer_serves_the_version_it_fetched_and_verified(tmp_path: Path)
     async with serving(tmp_path / "peer", operator().node_id) as peer:
         result = await Fetcher([peer.url], operator().node_id, Store(tmp_path / "other"), FAST).fetch()
     assert same_tree(tmp_path / "origin" / "step-000000000003" / "checkpoint", result.checkpoint_dir)
+
+
+def test_a_server_bound_to_every_interface_answers_to_each_local_address() -> None:
+    from prime_node.p2p.weights.access import own_audiences
+
+    names = own_audiences("0.0.0.0", [("0.0.0.0", 8470)], 8470)
+    assert {"127.0.0.1:8470", "localhost:8470", "0.0.0.0:8470"} <= names
+    assert own_audiences("10.1.2.3", [("10.1.2.3", 9000)], 9000) == {"10.1.2.3:9000"}

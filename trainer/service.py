@@ -104,6 +104,8 @@ class TrainerService:
         url = await server.start()
         self.supervisor.on_shutdown("weights-server", server.stop)
         self.sources = list(svc.public_sources) or [url]
+        for source in self.sources:
+            server.accept_audience(source)
         maddrs: list[str] = []
         if svc.dht:
             self.swarm = Swarm(self.settings.swarm, self.identity, roles=("trainer",))

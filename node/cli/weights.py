@@ -79,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--require-node-auth", action="store_true", default=None,
                    help="refuse requests without a node's signed access token (node-id bans cannot be dodged)")
     p.add_argument("--key", type=Path, default=None, help="this relay's key: signs its requests to upstreams")
+    p.add_argument("--public-url", action="append", default=None,
+                   help="a URL clients reach this server by (NAT, DNS); access tokens may be addressed to it")
     p.set_defaults(handler=serve_cmd)
 
     p = cmds.add_parser("fetch", parents=[common_flags()], help="download and verify a checkpoint")
@@ -123,7 +125,7 @@ def serve_cmd(args: argparse.Namespace) -> int:
     settings = load_settings(args, WeightsSettings, {
         "serve.host": "host", "serve.port": "port", "serve.keep": "keep", "serve.ban": "ban",
         "serve.ban_file": "ban_file", "serve.rate_per_s": "rate_limit", "trainer_key": "trainer_key",
-        "serve.require_node_auth": "require_node_auth",
+        "serve.require_node_auth": "require_node_auth", "serve.public_urls": "public_url",
     })
     if args.upstream and not settings.trainer_key:
         raise ConfigError("relay mode (--upstream) needs --trainer-key: a relay verifies what it mirrors")

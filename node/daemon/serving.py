@@ -53,6 +53,7 @@ class WeightsSharing:
             await server.stop()
             logger.warning("not serving weights: %s is not an address peers can use; set weights_public_url", bound)
             return False
+        server.accept_audience(url)  # peers address the advertised URL, which may differ from the bound one
         self.server = server
         self.swarm.weights_url = self.state.serving_weights = url
         logger.info("serving verified checkpoints to peers at %s", url)

@@ -3,8 +3,9 @@ and per-client rate limits.
 
 A fetcher with an identity proves who it is with an access token in the X-Prime-Node-Auth header:
 `<node id>.<unix time>.<signature>`, an Ed25519 signature over a domain tag, the node id, the time and the
-audience (the server's host:port as the client addressed it). The audience stops a server that received a
-token from replaying it elsewhere; the time bounds how long a token lives (TOKEN_LIFETIME_S either way, to
+audience (the server's host:port as the client addressed it). A server accepts only tokens addressed to
+one of its own names (what it bound, plus its configured public URLs), never to whatever Host header a
+request carries, so a server that received a token cannot replay it elsewhere; the time bounds how long a token lives (TOKEN_LIFETIME_S either way, to
 allow for clock skew). Node-id bans apply to the id a token proved, never to an unproven claim, so a banned
 node cannot lift its ban by omitting or changing a header: a server that sets `require_node_auth` refuses
 anonymous requests (401), and one that does not still refuses the banned id whenever it is presented.
@@ -16,9 +17,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from ..identity import Identity
 from ..signing import SignatureError, verify_signature
@@ -43,6 +47,28 @@ def audience_of(host: str | None, port: int | None, scheme: str = "http") -> str
     """The canonical `host:port` a token is bound to (the default port filled in, the host lower-cased)."""
     default = 443 if scheme == "https" else 80
     return f"{(host or '').lower().strip('[]')}:{port or default}"
+
+
+def own_audiences(configured_host: str, bound: list[tuple[str, int]], port: int) -> set[str]:
+    """The `host:port` names a server answers to: what it bound, every local address when it bound an
+    unspecified one (0.0.0.0, ::), and `localhost` next to a loopback address."""
+    hosts = {configured_host}
+    for address, _ in bound:
+        ip = ipaddress.ip_address(address.split("%")[0])
+        if ip.is_unspecified:
+            hosts.update(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+                         if a.family in (socket.AF_INET, socket.AF_INET6))
+        hosts.add(str(ip))
+    if any(_is_loopback(h) for h in hosts):
+        hosts.update({"localhost", "127.0.0.1", "::1"})
+    return {audience_of(h, port) for h in hosts}
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _token_message(node_id: str, issued: int, audience: str) -> bytes:

@@ -22,12 +22,21 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic import BaseModel, ConfigDict, Field
 
-from .access import AUTH_HEADER, AccessDenied, BanList, RateLimiter, audience_of, verify_access_token
+from .access import (
+    AUTH_HEADER,
+    AccessDenied,
+    BanList,
+    RateLimiter,
+    audience_of,
+    own_audiences,
+    verify_access_token,
+)
 from ..errors import P2PError
 from .manifest import SignedManifest
 from .store import CHECKPOINT_NAME, Store
@@ -48,6 +57,11 @@ class ServeSettings(BaseModel):
     rate_burst: int = Field(400, ge=1, description="Requests a client may burst above its rate.")
     ban: list[str] = Field(default_factory=list, description="Banned node ids (64 hex) and IP addresses/networks.")
     ban_file: Path | None = Field(None, description="File of ban entries, one per line, re-read when it changes.")
+    public_urls: list[str] = Field(
+        default_factory=list,
+        description="URLs clients reach this server by beyond its bound address (NAT, DNS); access tokens "
+        "addressed to them are accepted.",
+    )
     require_node_auth: bool = Field(
         False, description="Refuse requests without a node's signed access token (so node-id bans cannot be dodged)."
     )
@@ -84,6 +98,7 @@ class WeightsServer:
         self._scanner: asyncio.Task[None] | None = None
         self.port: int | None = None
         self.addresses: list[tuple[str, int]] = []
+        self.audiences: set[str] = set()  # host:port names access tokens may be addressed to
         self._unservable: set[int] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------------------
@@ -107,10 +122,18 @@ class WeightsServer:
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
         self.addresses = [tuple(s.getsockname()[:2]) for s in sockets]  # what was actually bound
         self.port = sockets[0].getsockname()[1] if sockets else self.settings.port
+        self.audiences = own_audiences(self.settings.host, self.addresses, self.port)
+        for public in self.settings.public_urls:
+            self.accept_audience(public)
         self._scanner = asyncio.create_task(self._scan_forever(), name="weights-server-scan")
         url = f"http://{self.settings.host}:{self.port}"
         logger.info("serving weights from %s at %s", self.store.root, url)
         return url
+
+    def accept_audience(self, url: str) -> None:
+        """Also accept access tokens addressed to `url` (a public address that reaches this server)."""
+        parts = urlsplit(url)
+        self.audiences.add(audience_of(parts.hostname, parts.port, parts.scheme))
 
     async def stop(self) -> None:
         if self._scanner is not None:
@@ -187,8 +210,15 @@ class WeightsServer:
         node_id: str | None = None
         token = request.headers.get(AUTH_HEADER)
         if token is not None:
+            # The Host header names the audience, but the client chooses it: it must be one of this server's
+            # own names, or a server that received a token could replay it here under its own name.
+            audience = audience_of(request.url.host, request.url.port, request.scheme)
+            if audience not in self.audiences:
+                return web.json_response(
+                    {"error": f"request addressed to {audience}, which is not this server "
+                              "(behind NAT or DNS, list the public URL in serve.public_urls)"}, status=401)
             try:
-                node_id = verify_access_token(token, audience_of(request.url.host, request.url.port, request.scheme))
+                node_id = verify_access_token(token, audience)
             except AccessDenied as exc:
                 return web.json_response({"error": str(exc)}, status=401)
         elif self.settings.require_node_auth:
