@@ -120,14 +120,14 @@ def _get(url: str) -> str:
         return response.read().decode()
 
 
-async def _policy(swarm: Swarm, step: int, timeout: float = 60.0):
+async def _policy(swarm: Swarm, step: int, log: Path, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         policy = await swarm.current_policy()
         if policy is not None and policy.step >= step:
             return policy
         await asyncio.sleep(0.3)
-    raise AssertionError(f"no policy for step {step} in the DHT")
+    raise AssertionError(f"no policy for step {step} in the DHT; trainer log:\n{log.read_text()[-4000:]}")
 
 
 async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(tmp_path: Path, processes) -> None:
@@ -145,7 +145,7 @@ async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(tmp
     try:
         await reader.join(heartbeat=False)
         reader_pids = list(reader.process.pids) if reader.process else []
-        genesis = await _policy(reader, 0)
+        genesis = await _policy(reader, 0, log)
         assert genesis.step == 0 and genesis.sources == [ready["weights"]]
         fetched = await Fetcher(genesis.sources, operator.node_id, Store(tmp_path / "node")).fetch(0)
         assert fetched.manifest.digest == genesis.manifest_sha256
@@ -153,10 +153,12 @@ async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(tmp
         assert "model.safetensors" in names and "optimizer.pt" not in names
         assert ((fetched.version_dir / CHECKPOINT_NAME) / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
 
-        # One accepted file makes one batch (6 samples): the trainer trains, publishes and announces step 1.
-        staged = await asyncio.to_thread(make_accepted_files, model, 0, 1, tmp_path / "stage")
+        # One accepted file whose two groups both carry signal makes one batch (6 samples): the trainer trains,
+        # publishes and announces step 1.
+        staged = await asyncio.to_thread(make_accepted_files, model, 0, 1, tmp_path / "stage",
+                                          informative=True)
         deliver(staged[0], data / "accepted")
-        policy = await _policy(reader, 1)
+        policy = await _policy(reader, 1, log)
         assert policy.step == 1
         step1 = await Fetcher(policy.sources, operator.node_id, Store(tmp_path / "node")).fetch(1)
         assert step1.manifest.digest == policy.manifest_sha256

@@ -19,6 +19,8 @@ from prime_node.node.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import read_rollout_file, signature_path
 from prime_node.proofs.verifier import VerifierSettings
+from prime_node.trainer.advantages import group_advantages
+from prime_node.trainer.inbox import record_from_rows
 
 RUN_ID = "svc-test"
 # Length targets give completions of one prompt different rewards even when none is correct (the untrained
@@ -32,25 +34,45 @@ def run_tasks(checkpoint: Path) -> RunTasks:
     return RunTasks(open_task_set(None), tokenizer, length_targets=LENGTH_TARGETS, length_alpha=LENGTH_ALPHA)
 
 
+def every_group_informative(path: Path) -> bool:
+    """Whether every prompt's group in the file has rewards that differ, so the trainer's online filter keeps
+    it (a group whose completions all score the same carries no GRPO signal and is dropped)."""
+    verified = read_rollout_file(path)
+    record = record_from_rows(verified.sha256, verified.rows)
+    groups: dict[str, list[float]] = {}
+    for sample in record.samples:
+        groups.setdefault(sample.prompt_key, []).append(sample.reward)
+    return all(group_advantages(rewards).informative for rewards in groups.values())
+
+
 def make_accepted_files(checkpoint: Path, step: int, count: int, staging: Path, *, first_counter: int = 0,
                         prompts: int = 2, samples: int = 3, max_new_tokens: int = 12,
-                        node: Identity | None = None) -> list[Path]:
+                        node: Identity | None = None, informative: bool = False) -> list[Path]:
     """`count` rollout files of policy `step`, each verified (all rows) before it is kept; staged, not delivered.
-    A given `node` identity makes the files reproducible (its id seeds the assignment and the sampling)."""
+    A given `node` identity makes the files reproducible (its id seeds the assignment and the sampling).
+    `informative` keeps only files whose every group survives the trainer's zero-advantage filter (the
+    sampling is random, so an untrained model sometimes gives one prompt identical rewards): a test that
+    expects an exact number of training steps needs that, trying at most ten batches per file kept."""
     engine = load_engine(checkpoint, threads=1)
     tasks = run_tasks(checkpoint)
     node = node or Identity.generate()
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=0, samples_per_prompt=samples)
-    out = []
-    for counter in range(first_counter, first_counter + count):
+    out: list[Path] = []
+    for counter in range(first_counter, first_counter + 10 * count if informative else first_counter + count):
         spec = BatchSpec(run_id=RUN_ID, run_seed=0, policy_step=step, batch_counter=counter, prompts=prompts,
                          samples=samples, temperature=1.0, max_new_tokens=max_new_tokens)
         path = staging / f"file-{step}-{counter}.parquet"
         produce_rollout_file(engine, tasks, node, spec, path)
         report = verify_rollout_file(path, engine, tasks, verifier)
         assert report.accepted, report.reasons
+        if informative and not every_group_informative(path):
+            path.unlink()
+            signature_path(path).unlink()
+            continue
         out.append(path)
-    return out
+        if len(out) == count:
+            return out
+    raise AssertionError(f"only {len(out)} of {count} files had a reward spread in every group")
 
 
 def deliver(path: Path, inbox: Path) -> str:
