@@ -1,23 +1,26 @@
 """Calibrate the proof thresholds: statistic distributions of honest rollouts against attacks.
 
-Usage: .venv/bin/python benchmarks/calibrate_proofs.py [--model DIR] [--prompts N] [--samples G]
-       [--new-tokens T] [--out results.json]
-       .venv/bin/python benchmarks/calibrate_proofs.py --honest 1000 [--new-tokens T]   (false rejections)
+Usage: .venv/bin/python benchmarks/calibrate_proofs.py [--model DIR] [--other-model DIR ...] [--prompts N]
+       [--samples G] [--batches B] [--new-tokens T] [--out results.json]
+       .venv/bin/python benchmarks/calibrate_proofs.py --honest 1000 [--model DIR] [--new-tokens T]
+       (false rejections through the full verifier)
 
-Every configuration generates the same assigned batch (the embedded tiny model unless --model), then
-the validator's configuration (float32, CPU, batch 16) prefills it and computes, per TOPLOC chunk,
-exponent mismatches and mean/median mantissa errors, and per sample the Gumbel replay (mismatches beyond
-the margin, near-ties, largest gap) and the log-probability z-score. Honest configurations vary batch
-size, thread count and compute dtype; attacks use other weights (relative noise on one layer at several
-scales, int8/int4 weights, another seed) with their own honest-looking proofs. The table printed at the
-end is what docs/proofs.md reports; the thresholds must sit between the honest maxima and attack minima.
+Every configuration generates the same assigned batches (batch counters 0 .. B-1) from the checkpoint
+(--model, default: the untrained embedded tiny model), then the validator's configuration (float32,
+CPU, batch 16) prefills them and computes, per TOPLOC chunk, exponent mismatches and mean/median
+mantissa errors, per file the typical chunk error, and per sample the Gumbel replay. Honest
+configurations vary batch size (1, 4, 16), torch threads (1, 2) and compute dtype (float32, bfloat16;
+float64 stands in for another machine's float32 rounding). Attacks run other weights and make their own
+honest-looking proofs: one middle layer with relative noise (a new noise draw per batch), int8/int4
+weights (per-channel symmetric), and any --other-model (another seed, an older checkpoint). Each file is
+judged against the calibrated thresholds of both precisions and the pre-warm-start ones; the table
+printed at the end is what docs/proofs.md reports.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -27,146 +30,189 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from attack_support import (  # noqa: E402  (the attack tests' real-model cheaters, reused)
-    NODE,
-    engine_from,
-    make_checkpoint,
-    perturbed_engine,
-    quantized_engine,
-    run_tasks,
-)
+from attack_support import NODE, make_checkpoint, run_tasks  # noqa: E402
+from proofs_support import float64_copy, perturbed_copy, quantized_copy  # noqa: E402
 
 from prime_node.node.engine import HFEngine, load_engine  # noqa: E402
-from prime_node.node.models.tiny import build_tiny_model  # noqa: E402
 from prime_node.node.producer import BatchSpec, produce_rows  # noqa: E402
 from prime_node.node.validation import verify_rollout_file  # noqa: E402
 from prime_node.proofs.rollout_file import write_rollout_file  # noqa: E402
-from prime_node.proofs.sampling import SamplingThresholds, distribution_z, replay_sampling  # noqa: E402
+from prime_node.proofs.sampling import SamplingThresholds, replay_sampling  # noqa: E402
 from prime_node.proofs.toploc import (  # noqa: E402
+    ChunkStats,
     ToplocThresholds,
     check_proof,
     committed_rows,
     typical_mant_err_mean,
+    worst_failure,
 )
 from prime_node.proofs.verifier import VerifierSettings  # noqa: E402
 
+# The bounds before the warm-start recalibration (session 2), kept to show what they missed.
+PREVIOUS = ToplocThresholds(max_exp_mismatches=16, max_mant_err_mean=8.0, max_mant_err_median=4.0,
+                            max_typical_mant_err_mean=1.5, min_typical_chunks=1)
+JUDGES = {"previous": PREVIOUS, "float32": ToplocThresholds.for_precision("float32"),
+          "bfloat16": ToplocThresholds.for_precision("bfloat16")}
+NOISES = (1e-1, 7e-2, 5e-2, 2e-2, 1e-2, 5e-3, 2e-3, 1e-3)
+QUANT_BITS = (12, 10, 8, 6, 4)
+EngineFactory = Callable[[int], HFEngine]  # batch counter -> engine (attacks draw new noise per batch)
 
-def measure(verifier: HFEngine, rows) -> dict:
-    """Every statistic the verifier computes, for all rows."""
-    chunks, samples = [], []
-    margin = SamplingThresholds().margin
-    results = verifier.prefill([r.prompt_ids + r.output_ids for r in rows])
-    for row, result in zip(rows, results, strict=True):
+
+def file_stats(verifier: HFEngine, rows) -> tuple[list[ChunkStats], int, float]:
+    """Per-chunk TOPLOC statistics of one file against the verifier, its Gumbel mismatches beyond the
+    float32 margin, and the largest Gumbel gap of any non-argmax token."""
+    chunks, mismatches, gap = [], 0, 0.0
+    margin = SamplingThresholds.for_precision("float32").margin
+    for row, result in zip(rows, verifier.prefill([r.prompt_ids + r.output_ids for r in rows]), strict=True):
         span = committed_rows(len(row.prompt_ids), len(row.output_ids))
         chunks.extend(check_proof(row.proof, result.hidden_states[span]))
-        samples.append(replay_sampling(result.logits[span], row.output_ids, row.temperature, row.sample_seed, margin))
-    return {
-        "chunks": len(chunks),
-        "exp_mismatches_max": max(c.exp_mismatches for c in chunks),
-        "exp_mismatches_mean": statistics.fmean(c.exp_mismatches for c in chunks),
-        "exp_mismatches_min": min(c.exp_mismatches for c in chunks),
-        "mant_err_mean_max": max(c.mant_err_mean for c in chunks),
-        "mant_err_mean_min": min(c.mant_err_mean for c in chunks),
-        "mant_err_median_max": max(c.mant_err_median for c in chunks),
-        "mant_err_median_min": min(c.mant_err_median for c in chunks),
-        "tokens": sum(s.tokens for s in samples),
-        "sampling_mismatches": sum(s.mismatches for s in samples),
-        "near_ties": sum(s.near_ties for s in samples),
-        "max_gap": max(s.max_gap for s in samples),
-        "z": distribution_z(samples)[0],
-        "toploc_rejected_chunks": sum(c.failure(ToplocThresholds()) is not None for c in chunks),
-        "typical_mant_err_mean": typical_mant_err_mean(chunks),
-    }
+        replay = replay_sampling(result.logits[span], row.output_ids, row.temperature, row.sample_seed, margin)
+        mismatches += replay.mismatches
+        gap = max(gap, replay.max_gap)
+    return chunks, mismatches, gap
 
 
-def honest_run(checkpoint: Path, tasks, total: int, new_tokens: int, out_dir: Path) -> dict:
-    """`total` honest rollouts through the full verifier, cycling batch size, threads and dtype."""
-    verifier = load_engine(checkpoint, max_batch_size=16)
-    threads = torch.get_num_threads()
-    engines = [("fp32 batch 16", load_engine(checkpoint, max_batch_size=16)),
-               ("fp32 batch 64", load_engine(checkpoint, max_batch_size=64)),
-               ("fp32 batch 8, 1 thread", load_engine(checkpoint, max_batch_size=8, threads=1)),
-               ("bf16 batch 32", load_engine(checkpoint, max_batch_size=32, dtype="bfloat16"))]
-    settings = VerifierSettings(run_seed=1, samples_per_prompt=2)
-    done, rejected, counter = 0, [], 0
-    worst = {"exp": 0, "mean": 0.0, "median": 0.0, "typical": 0.0, "near_ties": 0}
-    while done < total:
-        name, engine = engines[counter % len(engines)]
-        spec = BatchSpec(run_id="honest", run_seed=1, policy_step=0, batch_counter=counter, prompts=16,
-                         samples=2, temperature=1.0, max_new_tokens=new_tokens)
-        torch.set_num_threads(engine.threads or threads)
-        rows = produce_rows(engine, tasks, NODE.node_id, spec).rows
+def run_config(name: str, kind: str, make: EngineFactory, threads: int, verifier: HFEngine, tasks,
+               spec: BatchSpec, batches: int) -> dict:
+    chunks: list[ChunkStats] = []
+    typical, rejected, mismatches, rollouts, gap = [], dict.fromkeys(JUDGES, 0), 0, 0, 0.0
+    start = time.perf_counter()
+    for counter in range(batches):
+        engine = make(counter)
         torch.set_num_threads(threads)
+        batch = BatchSpec(**{**spec.__dict__, "batch_counter": counter})
+        rows = produce_rows(engine, tasks, NODE.node_id, batch).rows
+        torch.set_num_threads(1)  # the validator's own setting
+        stats, wrong, file_gap = file_stats(verifier, rows)
+        gap = max(gap, file_gap)
+        chunks += stats
+        typical.append(typical_mant_err_mean(stats))
+        mismatches += wrong
+        rollouts += len(rows)
+        for judge, thresholds in JUDGES.items():
+            rejected[judge] += worst_failure(stats, thresholds) is not None
+    exp = [c.exp_mismatches for c in chunks]
+    mean = [c.mant_err_mean for c in chunks]
+    median = [c.mant_err_median for c in chunks]
+    return {"kind": kind, "config": name, "rollouts": rollouts, "files": batches, "chunks": len(chunks),
+            "exp": [min(exp), max(exp)], "mean": [min(mean), max(mean)], "median": [min(median), max(median)],
+            "typical": [min(typical), max(typical)], "mean_p99": sorted(mean)[int(0.99 * (len(mean) - 1))],
+            "nonzero_chunks": sum(m > 0 or e > 0 for m, e in zip(mean, exp, strict=True)),
+            "rejected_files": rejected, "sampling_mismatches": mismatches, "max_gap": gap,
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+Config = tuple[str, str, EngineFactory, int]  # kind, name, engine factory, torch threads while generating
+
+
+def configurations(checkpoint: Path, verifier: HFEngine, others: list[Path]) -> list[Config]:
+    configs: list[Config] = []
+    for dtype in ("float32", "bfloat16"):
+        for batch in (1, 4, 16):
+            for threads in (1, 2):
+                engine = load_engine(checkpoint, max_batch_size=batch, dtype=dtype, threads=threads)
+                name = f"{dtype} batch {batch}, {threads} thread(s)"
+                configs.append(("honest", name, lambda c, e=engine: e, threads))
+    wide = float64_copy(verifier)
+    configs.append(("honest", "float64 batch 16 (other float32 hardware)", lambda c: wide, 1))
+    for noise in NOISES:
+        configs.append(("attack", f"middle layer noise {noise:g}",
+                        lambda c, n=noise: perturbed_copy(verifier, n, seed=c), 1))
+    for bits in QUANT_BITS:
+        engine = quantized_copy(verifier, bits)
+        configs.append(("attack", f"int{bits} weights (per-channel symmetric)", lambda c, e=engine: e, 1))
+    for other in others:
+        engine = load_engine(other, max_batch_size=16)
+        configs.append(("attack", f"other model {other.name}", lambda c, e=engine: e, 1))
+    return configs
+
+
+def honest_run(checkpoint: Path, tasks, total: int, new_tokens: int, out_dir: Path, run_seed: int) -> dict:
+    """`total` honest rollouts through the full verifier, cycling batch size, threads and dtype; each file
+    is verified under the thresholds of the precision its producer computed in."""
+    verifier = load_engine(checkpoint, max_batch_size=16)
+    engines = [("float32", "batch 16", load_engine(checkpoint, max_batch_size=16, threads=2)),
+               ("float32", "batch 64", load_engine(checkpoint, max_batch_size=64, threads=2)),
+               ("float32", "batch 8, 1 thread", load_engine(checkpoint, max_batch_size=8, threads=1)),
+               ("float32", "batch 1, 1 thread", load_engine(checkpoint, max_batch_size=1, threads=1)),
+               ("bfloat16", "batch 32", load_engine(checkpoint, max_batch_size=32, dtype="bfloat16", threads=2)),
+               ("bfloat16", "batch 4, 1 thread", load_engine(checkpoint, max_batch_size=4, dtype="bfloat16", threads=1))]
+    done, rejected, counter = 0, [], 0
+    worst: dict[str, dict[str, float]] = {}
+    while done < total:
+        precision, name, engine = engines[counter % len(engines)]
+        spec = BatchSpec(run_id="honest", run_seed=run_seed, policy_step=0, batch_counter=counter, prompts=16,
+                         samples=2, temperature=1.0, max_new_tokens=new_tokens)
+        rows = produce_rows(engine, tasks, NODE.node_id, spec).rows
+        torch.set_num_threads(1)
         path = out_dir / f"honest-{counter}.parquet"
         write_rollout_file(path, rows, NODE)
+        settings = VerifierSettings(run_seed=run_seed, samples_per_prompt=2, node_precision=precision)
         report = verify_rollout_file(path, verifier, tasks, settings)
         if not report.accepted:
-            rejected.append((name, report.reasons))
-        stats = measure(verifier, rows)
-        worst = {"exp": max(worst["exp"], stats["exp_mismatches_max"]),
-                 "mean": max(worst["mean"], stats["mant_err_mean_max"]),
-                 "median": max(worst["median"], stats["mant_err_median_max"]),
-                 "typical": max(worst["typical"], stats["typical_mant_err_mean"]),
-                 "near_ties": worst["near_ties"] + stats["near_ties"]}
+            rejected.append((precision, name, report.reasons))
+        stats, _, gap = file_stats(verifier, rows)
+        w = worst.setdefault(precision, {"exp": 0, "mean": 0.0, "median": 0.0, "typical": 0.0, "gumbel_gap": 0.0})
+        w.update(exp=max(w["exp"], *(c.exp_mismatches for c in stats)),
+                 mean=max(w["mean"], *(c.mant_err_mean for c in stats)),
+                 median=max(w["median"], *(c.mant_err_median for c in stats)),
+                 typical=max(w["typical"], typical_mant_err_mean(stats)), gumbel_gap=max(w["gumbel_gap"], gap))
         done += len(rows)
         counter += 1
-        print(f"{done:5d} rollouts, {len(rejected)} rejected; batch {counter} ({name}) worst so far {worst}", flush=True)
+        print(f"{done:5d} rollouts, {len(rejected)} rejected; file {counter} ({precision} {name}) worst {worst}",
+              flush=True)
     return {"rollouts": done, "files": counter, "rejected": rejected, "worst": worst}
+
+
+def _span(pair: list[float], digits: int = 2) -> str:
+    return f"{pair[0]:.{digits}f} .. {pair[1]:.{digits}f}"
+
+
+def print_table(results: list[dict]) -> None:
+    print("| configuration | rollouts (chunks) | exponent mismatches | chunk mean | chunk median | file typical "
+          "| files rejected: previous / float32 / bfloat16 bounds | Gumbel mismatches (largest gap) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        rej = r["rejected_files"]
+        print(f"| {r['kind']}: {r['config']} | {r['rollouts']} ({r['chunks']}) | {_span(r['exp'], 0)} | "
+              f"{_span(r['mean'])} | {_span(r['median'], 0)} | {_span(r['typical'], 3)} | "
+              f"{rej['previous']} / {rej['float32']} / {rej['bfloat16']} of {r['files']} | {r['sampling_mismatches']} ({r['max_gap']:.2f}) |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: the untrained tiny model)")
+    parser.add_argument("--other-model", type=Path, action="append", default=[],
+                        help="another checkpoint a cheater might run (another seed, an older step); repeatable")
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=2, help="files per configuration")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--run-seed", type=int, default=1, help="--honest: the run seed (another seed, other batches)")
     parser.add_argument("--honest", type=int, default=0,
                         help="instead: run this many honest rollouts through the full verifier and count rejections")
     args = parser.parse_args()
+    torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory()
     checkpoint = args.model or make_checkpoint(Path(tmp.name) / "ckpt")
     tasks = run_tasks(checkpoint)
     if args.honest:
-        summary = honest_run(checkpoint, tasks, args.honest, args.new_tokens, Path(tmp.name))
+        summary = honest_run(checkpoint, tasks, args.honest, args.new_tokens, Path(tmp.name), args.run_seed)
         print(json.dumps(summary, indent=2))
         if args.out:
             args.out.write_text(json.dumps(summary, indent=2))
         return
     spec = BatchSpec(run_id="calibrate", run_seed=1, policy_step=0, batch_counter=0, prompts=args.prompts,
                      samples=args.samples, temperature=1.0, max_new_tokens=args.new_tokens)
-    verifier = load_engine(checkpoint, max_batch_size=16)
-    threads = torch.get_num_threads()
-
-    def loaded(**kw) -> Callable[[], HFEngine]:
-        return lambda: load_engine(checkpoint, **kw)
-
-    configs: list[tuple[str, str, Callable[[], HFEngine]]] = [
-        ("honest", "fp32 batch 16", loaded(max_batch_size=16)),
-        ("honest", "fp32 batch 1", loaded(max_batch_size=1)),
-        ("honest", "fp32 batch 16, 1 thread", loaded(max_batch_size=16, threads=1)),
-        ("honest", "bf16 compute, batch 16", loaded(max_batch_size=16, dtype="bfloat16")),
-    ]
-    if args.model is None:  # the cheaters rebuild the embedded model from its seed
-        configs += [("attack", f"layer-1 noise {s:g}", lambda s=s: perturbed_engine(s))
-                    for s in (1e-3, 3e-3, 1e-2, 3e-2, 5e-2)]
-        configs += [("attack", "int8 weights", lambda: quantized_engine(8)),
-                    ("attack", "int4 weights", lambda: quantized_engine(4)),
-                    ("attack", "other seed", lambda: engine_from(build_tiny_model(1)[0]))]
+    verifier = load_engine(checkpoint, max_batch_size=16, threads=1)
     results = []
-    for kind, name, make in configs:
-        engine = make()
-        start = time.perf_counter()
-        rows = produce_rows(engine, tasks, NODE.node_id, spec).rows
-        torch.set_num_threads(threads)  # a 1-thread config must not slow the verifier
-        stats = measure(verifier, rows)
-        stats.update(kind=kind, config=name, seconds=round(time.perf_counter() - start, 1))
-        results.append(stats)
-        print(f"{kind:6} {name:28} exp-mismatch max {stats['exp_mismatches_max']:3d} min {stats['exp_mismatches_min']:3d} "
-              f"| mant-mean max {stats['mant_err_mean_max']:.2f} min {stats['mant_err_mean_min']:.2f} "
-              f"| mant-median max {stats['mant_err_median_max']:.0f} | typical {stats['typical_mant_err_mean']:.2f} | sampling mismatches {stats['sampling_mismatches']} "
-              f"near-ties {stats['near_ties']} z {stats['z']:+.2f} | rejected chunks "
-              f"{stats['toploc_rejected_chunks']}/{stats['chunks']}", flush=True)
+    for kind, name, make, threads in configurations(checkpoint, verifier, args.other_model):
+        results.append(run_config(name, kind, make, threads, verifier, tasks, spec, args.batches))
+        r = results[-1]
+        print(f"{kind:6} {name:44} exp {r['exp']} mean {_span(r['mean'])} median {r['median']} typical "
+              f"{_span(r['typical'], 3)} rejected {r['rejected_files']} of {r['files']} ({r['seconds']} s)", flush=True)
+    print_table(results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

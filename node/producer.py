@@ -16,7 +16,7 @@ from ..p2p.identity import Identity
 from ..proofs.assignment import assign
 from ..proofs.rollout_file import write_rollout_file
 from ..proofs.rollout_schema import RolloutRow
-from ..proofs.toploc import build_proof, committed_rows
+from ..proofs.toploc import build_proofs, committed_rows
 from .engine import InferenceEngine, SampleRequest, SamplingParams
 from .errors import NodeError
 from .validation import RunTasks
@@ -54,11 +54,10 @@ def produce_rows(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: B
     start = time.perf_counter()
     completions = engine.generate(requests, SamplingParams(spec.max_new_tokens, spec.temperature))
     generated = time.perf_counter()
-    proofs = []
-    for c in completions:
-        if c.hidden_states is None:
-            raise NodeError("the engine returned no hidden states; proofs need them (capture_hidden=True)")
-        proofs.append(build_proof(c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))]))
+    if any(c.hidden_states is None for c in completions):
+        raise NodeError("the engine returned no hidden states; proofs need them (capture_hidden=True)")
+    proofs = build_proofs([c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))]
+                           for c in completions])
     proved = time.perf_counter()
     rows = []
     for (index, seed), completion, proof in zip(pairs, completions, proofs, strict=True):

@@ -6,6 +6,7 @@ Kept apart from the CLI modules so that `prime-node --help` does not import tran
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from transformers import AutoTokenizer
@@ -28,6 +29,34 @@ class RunSettings(Section):
     samples: int = Field(4, ge=1, le=1024, description="Completions per prompt (G).")
     length_targets: list[int] = Field(default_factory=list, description="Thinking-length targets; empty: off.")
     length_alpha: float = Field(0.001, ge=0, le=1, description="Length penalty per token of distance to target.")
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Dtype every contributor generates in and every validator prefills in; it picks the "
+        "calibrated proof bounds (docs/proofs.md). float32 catches far subtler cheats; bfloat16 suits GPU fleets.",
+    )
+
+
+def engine_for_run(engine: EngineSettings, run: RunSettings) -> EngineSettings:
+    """The engine settings with the run's compute dtype: `auto` becomes it, anything else must equal it.
+
+    The validator's TOPLOC and sampling bounds are calibrated per precision and the file does not say
+    which one a node used (a cheater would claim the looser one), so the run fixes it for everyone: a
+    node in another dtype would have every file rejected, and is stopped at start-up instead.
+    """
+    if engine.dtype == "auto":
+        return engine.model_copy(update={"dtype": run.compute_dtype})
+    if engine.dtype != run.compute_dtype:
+        raise NodeError(
+            f"engine.dtype is {engine.dtype} but the run computes in {run.compute_dtype} "
+            f"(run.compute_dtype): validators would reject every rollout; leave engine.dtype at auto"
+        )
+    return engine
+
+
+def verifier_for_run(verifier: VerifierSettings, run: RunSettings) -> VerifierSettings:
+    """The verifier settings bound to the run: its id, seed, group size and compute dtype."""
+    return verifier.model_copy(update={"run_id": run.run_id, "run_seed": run.run_seed,
+                                       "samples_per_prompt": run.samples, "node_precision": run.compute_dtype})
 
 
 class RolloutSettings(CommonSettings):

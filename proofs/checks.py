@@ -33,7 +33,7 @@ from .sampling import (
     sampling_failure,
     termination_failure,
 )
-from .toploc import check_proof, committed_rows, typical_mant_err_mean, worst_failure
+from .toploc import check_proofs, committed_rows, typical_mant_err_mean, worst_failure
 from .verifier import Check, CheckFailed, VerificationContext
 
 REWARD_TOLERANCE = 1e-9
@@ -148,19 +148,23 @@ class ToplocCheck:
 
     def run(self, ctx: VerificationContext) -> str:
         pooled = []
-        for i, result in sorted(ctx.prefilled().items()):
-            row = ctx.rows[i]
-            hidden = result.hidden_states[committed_rows(len(row.prompt_ids), len(row.output_ids))]
-            try:
-                stats = check_proof(row.proof, hidden)
-            except ProofError as exc:
-                raise CheckFailed(f"malformed proof: {exc}", i) from None
+        thresholds = ctx.settings.toploc_thresholds()
+        prefilled = sorted(ctx.prefilled().items())
+        rows = [ctx.rows[i] for i, _ in prefilled]
+        results = check_proofs(  # one batched evaluation over every selected row's chunks
+            [row.proof for row in rows],
+            [result.hidden_states[committed_rows(len(row.prompt_ids), len(row.output_ids))]
+             for row, (_, result) in zip(rows, prefilled, strict=True)],
+        )
+        for (i, _), stats in zip(prefilled, results, strict=True):
+            if isinstance(stats, ProofError):
+                raise CheckFailed(f"malformed proof: {stats}", i)
             for chunk, s in enumerate(stats):
-                reason = s.failure(ctx.settings.toploc)
+                reason = s.failure(thresholds)
                 if reason:
                     raise CheckFailed(f"proof chunk {chunk}: {reason}", i)
             pooled.extend(stats)
-        reason = worst_failure(pooled, ctx.settings.toploc)
+        reason = worst_failure(pooled, thresholds)
         if reason:  # the per-chunk caps passed above, so this is the file-level typical error
             raise CheckFailed(reason)
         worst = max(s.exp_mismatches for s in pooled)
@@ -173,13 +177,13 @@ class SamplingCheck:
 
     def run(self, ctx: VerificationContext) -> str:
         near_ties = 0
+        thresholds = ctx.settings.sampling_thresholds()
         for i, result in sorted(ctx.prefilled().items()):
             row = ctx.rows[i]
             logits = result.logits[committed_rows(len(row.prompt_ids), len(row.output_ids))]
-            stats = replay_sampling(logits, row.output_ids, row.temperature, row.sample_seed,
-                                    ctx.settings.sampling.margin)
+            stats = replay_sampling(logits, row.output_ids, row.temperature, row.sample_seed, thresholds.margin)
             ctx.sampling_stats[i] = stats
-            reason = sampling_failure(stats, ctx.settings.sampling)
+            reason = sampling_failure(stats, thresholds)
             if reason:
                 raise CheckFailed(reason, i)
             near_ties += stats.near_ties
@@ -196,7 +200,8 @@ class EosProbabilityCheck:
             if row.finish_reason != "eos":
                 continue
             last = result.logits[len(row.prompt_ids) + len(row.output_ids) - 2]
-            reason = eos_probability_failure(last, ctx.model.eos_token_id, row.temperature, ctx.settings.sampling)
+            reason = eos_probability_failure(last, ctx.model.eos_token_id, row.temperature,
+                                             ctx.settings.sampling_thresholds())
             if reason:
                 raise CheckFailed(reason, i)
             checked += 1
@@ -208,7 +213,7 @@ class DistributionCheck:
 
     def run(self, ctx: VerificationContext) -> str:
         stats = [ctx.sampling_stats[i] for i in sorted(ctx.sampling_stats)]
-        reason = distribution_failure(stats, ctx.settings.sampling)
+        reason = distribution_failure(stats, ctx.settings.sampling_thresholds())
         if reason:
             raise CheckFailed(reason)
         z, tokens = distribution_z(stats)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .rollout_schema import RolloutLimits, RolloutRow
 from .sampling import SamplingStats, SamplingThresholds
-from .toploc import ToplocThresholds
+from .toploc import Precision, ToplocThresholds
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,25 @@ class VerifierSettings(BaseModel):
     sample_fraction: float = Field(1.0, gt=0, le=1, description="Share of rows the expensive checks verify.")
     prefill_batch_size: int = Field(16, ge=1, description="Sequences per prefill call.")
     limits: RolloutLimits = Field(default_factory=RolloutLimits, description="Size and value bounds.")
-    toploc: ToplocThresholds = Field(default_factory=ToplocThresholds, description="TOPLOC bounds.")
-    sampling: SamplingThresholds = Field(default_factory=SamplingThresholds, description="Sampling bounds.")
+    node_precision: Precision = Field(
+        "float32",
+        description="Compute dtype the run's contributors generate in (run policy: files do not carry it); "
+        "picks the calibrated TOPLOC and sampling bounds. bfloat16 tolerates GPU nodes, catches only coarser cheats.",
+    )
+    toploc: ToplocThresholds | None = Field(
+        None, description="TOPLOC bounds; unset: the calibrated bounds for node_precision."
+    )
+    sampling: SamplingThresholds | None = Field(
+        None, description="Sampling bounds; unset: the calibrated bounds for node_precision."
+    )
+
+    def toploc_thresholds(self) -> ToplocThresholds:
+        """The bounds the TOPLOC check applies: explicit ones, else those calibrated for node_precision."""
+        return self.toploc if self.toploc is not None else ToplocThresholds.for_precision(self.node_precision)
+
+    def sampling_thresholds(self) -> SamplingThresholds:
+        """The sampling tolerances: explicit ones, else those calibrated for node_precision."""
+        return self.sampling if self.sampling is not None else SamplingThresholds.for_precision(self.node_precision)
 
 
 class CheckFailed(Exception):

@@ -5,14 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from prime_node.proofs import gf
 from prime_node.proofs.errors import ProofError
+from prime_node.proofs.sampling import SamplingThresholds
 from prime_node.proofs.toploc import (
     BYTES_PER_CHUNK,
     ChunkStats,
     ToplocThresholds,
     build_proof,
+    check_proofs,
+    build_proofs,
     check_proof,
     committed_rows,
     injective_moduli,
@@ -20,6 +24,7 @@ from prime_node.proofs.toploc import (
     proof_size,
     worst_failure,
 )
+from prime_node.proofs.verifier import VerifierSettings
 
 P = gf.PRIME
 
@@ -95,19 +100,31 @@ def test_float_rounding_noise_passes_but_other_states_fail():
     scaled = check_proof(proof, hidden * 1.05)
     assert all(s.mant_err_median >= 4 for s in scaled)
     reason = worst_failure(scaled, ToplocThresholds(max_exp_mismatches=128, max_mant_err_mean=128,
-                                                    max_mant_err_median=128))
+                                                    max_mant_err_median=128, min_typical_chunks=1))
     assert reason is not None and reason.startswith("typical chunk mean mantissa error")
 
 
 def test_one_outlier_chunk_is_tolerated_a_systematic_shift_is_not():
-    ok = ChunkStats(1, 0.5, 0.0)
-    outlier = ChunkStats(7, 4.7, 2.0)  # the worst honest bf16-vs-fp32 chunk seen in calibration
-    shifted = ChunkStats(6, 2.8, 2.0)  # the mildest chunk of a 5e-2 perturbation of one layer
-    assert worst_failure([ok, outlier], ToplocThresholds()) is None
-    assert worst_failure([ok] * 30 + [outlier] * 2, ToplocThresholds()) is None
-    assert "typical" in worst_failure([shifted, shifted, ok], ToplocThresholds())
-    assert "exponent mismatches" in worst_failure([ok, ChunkStats(40, 0.5, 0.0)], ToplocThresholds())
-    assert worst_failure([], ToplocThresholds()) is None
+    bf16 = ToplocThresholds.for_precision("bfloat16")
+    ok = ChunkStats(1, 0.6, 1.0)  # a typical honest bf16-vs-fp32 chunk
+    outlier = ChunkStats(19, 8.3, 3.0)  # the worst honest bf16-vs-fp32 chunk seen in calibration
+    shifted = ChunkStats(6, 2.8, 2.0)  # a 5e-2 perturbation of one layer of the untrained model
+    assert worst_failure([ok, outlier], bf16) is None  # too few chunks for the per-file bound
+    assert worst_failure([ok] * 30 + [outlier] * 2, bf16) is None
+    assert "typical" in worst_failure([shifted] * 8 + [ok] * 7, bf16)
+    assert "exponent mismatches" in worst_failure([ok, ChunkStats(41, 0.5, 0.0)], bf16)  # another model: >= 42
+    assert worst_failure([], bf16) is None
+
+
+def test_float32_bounds_reject_what_bfloat16_bounds_tolerate():
+    fp32 = ToplocThresholds.for_precision("float32")
+    honest = ChunkStats(0, 0.01, 0.0)  # the worst honest float32 chunk: one rounding flip in 128
+    perturbed = ChunkStats(0, 0.09, 0.0)  # a 5e-3 perturbation of one layer of the warm-started model
+    assert worst_failure([honest] * 16, fp32) is None
+    assert worst_failure([honest], fp32) is None
+    assert "typical" in worst_failure([perturbed] * 3, fp32)
+    assert worst_failure([perturbed] * 16, ToplocThresholds.for_precision("bfloat16")) is None
+    assert "mean mantissa error" in worst_failure([honest] * 15 + [ChunkStats(2, 1.2, 1.0)], fp32)
 
 
 def test_shuffled_or_foreign_chunks_fail():
@@ -142,3 +159,32 @@ def test_bad_hidden_states_are_refused():
 def test_committed_rows_are_the_states_that_produced_the_output():
     rows = committed_rows(prompt_len=5, output_len=3)
     assert (rows.start, rows.stop) == (4, 7)
+
+
+def test_verifier_settings_pick_bounds_by_declared_precision():
+    assert VerifierSettings().toploc_thresholds() == ToplocThresholds.for_precision("float32")
+    assert VerifierSettings().sampling_thresholds() == SamplingThresholds()
+    bf16 = VerifierSettings(node_precision="bfloat16")
+    assert bf16.toploc_thresholds() == ToplocThresholds() and bf16.sampling_thresholds().margin == 1.0
+    explicit = ToplocThresholds(max_typical_mant_err_mean=0.5)
+    assert VerifierSettings(node_precision="bfloat16", toploc=explicit).toploc_thresholds() is explicit
+    with pytest.raises(ValidationError):
+        VerifierSettings(node_precision="float16")
+
+
+def test_batched_proofs_equal_one_at_a_time() -> None:
+    # Sequences of 1, 32, 33 and 70 rows: one chunk, exactly one, a full and a short one, several.
+    hiddens = [_hidden(rows) for rows in (1, 32, 33, 70)]
+    assert build_proofs(hiddens) == [build_proof(h) for h in hiddens]
+    assert [len(p) for p in build_proofs(hiddens)] == [258, 258, 516, 774]
+    assert build_proofs([]) == []
+
+
+def test_batched_checks_equal_one_at_a_time_and_name_the_malformed_one() -> None:
+    hiddens = [_hidden(rows, seed=rows) for rows in (3, 40, 70)]
+    proofs = build_proofs(hiddens)
+    noisy = [h + 0.05 * _hidden(h.shape[0], seed=99) for h in hiddens]  # another "model": stats differ
+    batched = check_proofs([proofs[0], proofs[1][:-2], proofs[2]], noisy)
+    assert batched[0] == check_proof(proofs[0], noisy[0]) and batched[2] == check_proof(proofs[2], noisy[2])
+    assert isinstance(batched[1], ProofError) and "bytes" in str(batched[1])
+    assert any(s.exp_mismatches or s.mant_err_mean for s in batched[2])

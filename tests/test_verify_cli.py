@@ -74,3 +74,32 @@ def test_verify_usage_and_io_errors(produced, capsys, tmp_path: Path):
     with pytest.raises(SystemExit) as info:
         main(["verify", str(out)])  # --checkpoint is required
     assert info.value.code == 2
+
+
+def test_the_runs_compute_dtype_binds_the_node_engine_and_the_proof_bounds(tmp_path: Path, capsys):
+    """run.compute_dtype is one setting for both sides: a bf16 rollout passes a bf16 run's verify and fails a
+    float32 run's (the strict bounds see the rounding), and a node whose engine disagrees is stopped early."""
+    from prime_node.node.engine import EngineSettings
+    from prime_node.node.errors import NodeError
+    from prime_node.node.run_config import RunSettings, engine_for_run, verifier_for_run
+    from prime_node.proofs.verifier import VerifierSettings
+
+    run = RunSettings(compute_dtype="bfloat16", run_id="r", run_seed=3, samples=2)
+    assert engine_for_run(EngineSettings(), run).dtype == "bfloat16"
+    assert verifier_for_run(VerifierSettings(), run).node_precision == "bfloat16"
+    with pytest.raises(NodeError, match="engine.dtype is float32 but the run computes in bfloat16"):
+        engine_for_run(EngineSettings(dtype="float32"), run)
+
+    checkpoint = make_checkpoint(tmp_path / "ckpt")
+    key = tmp_path / "node.key"
+    Identity.from_seed(b"\x34" * 32).save(key)
+    out = tmp_path / "bf16.parquet"
+    assert main(["rollout", "--checkpoint", str(checkpoint), "--key", str(key), "--step", "0", "--out", str(out),
+                 "--prompts", "4", "--samples", "2", "--max-new-tokens", "36", "--compute-dtype", "bfloat16",
+                 "--log-level", "WARNING"]) == 0
+    common = [str(out), "--checkpoint", str(checkpoint), "--samples", "2", "--json"]
+    code, text = _verify(capsys, *common, "--compute-dtype", "bfloat16")
+    assert code == 0, text
+    code, text = _verify(capsys, *common)
+    report = json.loads(text)
+    assert code == 1 and report["reasons"][0].startswith("toploc: "), report["reasons"]

@@ -12,7 +12,7 @@ from .common import common_flags, load_settings, print_json
 RUN_FLAGS = {
     "run.run_id": "run_id", "run.run_seed": "run_seed", "run.tasks": "tasks", "run.task_seed": "task_seed",
     "run.samples": "samples", "run.length_targets": "length_targets", "run.length_alpha": "length_alpha",
-    "engine.threads": "threads",
+    "run.compute_dtype": "compute_dtype", "engine.threads": "threads",
 }
 
 
@@ -25,6 +25,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=None, help="completions per prompt, G (default 4)")
     p.add_argument("--length-targets", type=int, nargs="*", default=None, help="thinking-length targets")
     p.add_argument("--length-alpha", type=float, default=None, help="length penalty per token (default 0.001)")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the run's compute dtype; picks the proof bounds (default float32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -50,7 +52,7 @@ def rollout(args: argparse.Namespace) -> int:
     from ...p2p.identity import Identity
     from ..engine import load_engine
     from ..producer import BatchSpec, produce_rollout_file
-    from ..run_config import RolloutSettings, load_run_tasks
+    from ..run_config import RolloutSettings, engine_for_run, load_run_tasks
 
     flags = {**RUN_FLAGS, "prompts": "prompts", "temperature": "temperature", "max_new_tokens": "max_new_tokens"}
     settings = load_settings(args, RolloutSettings, flags)
@@ -59,7 +61,7 @@ def rollout(args: argparse.Namespace) -> int:
     if args.step < 0 or args.batch_counter < 0:
         raise NodeError("--step and --batch-counter must be >= 0")
     identity = Identity.load(args.key)
-    engine = load_engine(args.checkpoint, **settings.engine.model_dump())
+    engine = load_engine(args.checkpoint, **engine_for_run(settings.engine, settings.run).model_dump())
     tasks = load_run_tasks(settings.run, args.checkpoint)
     spec = BatchSpec(
         run_id=settings.run.run_id, run_seed=settings.run.run_seed, policy_step=args.step,

@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def verify(args: argparse.Namespace) -> int:
     # Heavy imports (torch, transformers) only when the command runs, so `--help` stays fast.
     from ..engine import load_engine
-    from ..run_config import VerifySettings, load_run_tasks
+    from ..run_config import VerifySettings, engine_for_run, load_run_tasks, verifier_for_run
     from ..validation import verify_rollout_file
 
     flags = {**RUN_FLAGS, "verifier.sample_fraction": "sample_fraction"}
@@ -47,11 +47,9 @@ def verify(args: argparse.Namespace) -> int:
     if not args.file.is_file():  # a missing FILE.sig is a verdict (unsigned), a missing FILE is not
         raise VerifyIOError(f"{args.file} does not exist or is not a file")
     run = settings.run
-    verifier = settings.verifier.model_copy(
-        update={"run_id": run.run_id, "run_seed": run.run_seed, "samples_per_prompt": run.samples}
-    )
+    verifier = verifier_for_run(settings.verifier, run)
     try:
-        engine = load_engine(args.checkpoint, **settings.engine.model_dump())
+        engine = load_engine(args.checkpoint, **engine_for_run(settings.engine, run).model_dump())
         tasks = load_run_tasks(settings.run, args.checkpoint)
     except NodeError as exc:
         raise VerifyIOError(str(exc)) from None

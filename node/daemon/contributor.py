@@ -18,6 +18,7 @@ from ...p2p.swarm import Hardware, Swarm, SwarmError
 from ...p2p.swarm.swarm import local_hardware
 from ...p2p.weights.store import Store
 from ..errors import ConfigError, NodeError
+from ..run_config import engine_for_run
 from .checkpoints import CheckpointKeeper
 from .delivery import Delivery
 from .leaderboard import run_leaderboard
@@ -55,6 +56,7 @@ class ContributorNode:
     def preflight(self) -> Identity:
         """The checks that need nothing started; raises PreflightError listing every fatal failure."""
         s = self.settings
+        engine_for_run(s.engine, s.run)  # a dtype the run's validators reject stops the node here, not per file
         checks = [check_key(s.key_path()), check_data_dir(self.data_dir)]
         if self.gpu:  # no CUDA at all is known at once, before the DHT starts (the memory check comes later)
             checks.append(check_cuda_visible())

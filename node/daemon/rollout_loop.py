@@ -24,7 +24,7 @@ from ...proofs.rollout_file import signature_path
 from ..engine import InferenceEngine, load_engine
 from ..errors import NodeError
 from ..producer import BatchSpec, ProducedBatch, produce_rollout_file
-from ..run_config import load_run_tasks
+from ..run_config import engine_for_run, load_run_tasks
 from ..validation import RunTasks
 from .checkpoints import CheckpointKeeper
 from .outbox import Outbox
@@ -104,7 +104,7 @@ class RolloutLoop:
     def _load_blocking(self, directory: Path) -> tuple[InferenceEngine, RunTasks]:
         if self.settings.engine.device == "cuda":
             run_checks([check_cuda_for_model(directory, self.settings.min_gpu_memory_mb << 20)])
-        engine = load_engine(directory, **self.settings.engine.model_dump())
+        engine = load_engine(directory, **engine_for_run(self.settings.engine, self.settings.run).model_dump())
         return engine, load_run_tasks(self.settings.run, directory)
 
     def _next_counter(self, step: int) -> int:
