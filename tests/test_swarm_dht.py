@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -208,3 +210,21 @@ async def test_commands_larger_than_the_pipe_reach_the_dht_process() -> None:
         peer.process.kill()  # a crashed DHT process: commands fail at once instead of filling its pipe
         with pytest.raises(SwarmError, match="has exited"):
             await asyncio.wait_for(peer.list_peers(), 5)
+
+
+async def test_the_dht_child_ends_on_a_sigterm_to_the_group() -> None:
+    # A daemon's event loop handles SIGTERM (asyncio installs a no-op handler and a wakeup fd); the forked DHT
+    # child inherited both and shrugged off the SIGTERM that systemd or a supervisor sends the whole group,
+    # while its p2pd died: shutdown then waited out the grace period, and a killed parent left it orphaned.
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, lambda: None)
+    operator = Identity.generate()
+    try:
+        async with fleet("sigterm", operator) as group:
+            peer = await group.add(operator)
+            assert peer.process is not None
+            os.kill(peer.process.dht.pid, signal.SIGTERM)
+            peer.process.dht.join(5)
+            assert not peer.process.dht.is_alive(), "the DHT child ignored SIGTERM"
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)

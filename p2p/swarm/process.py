@@ -1,5 +1,8 @@
 """The hivemind DHT child process: start it (before CUDA initialises), stop it, and end it by PID.
 
+The child ends at once on a SIGTERM or SIGINT sent to the process group (see SwarmDHT.run): the parent
+reads that as a dead DHT and shuts down without waiting for it.
+
 hivemind.DHT forks a child that runs the DHT node and starts the p2pd daemon as its own child. The
 fork must happen before CUDA or vLLM initialise in the parent (a forked CUDA context is unusable), so
 the node daemon starts the swarm first thing. It is started from a worker thread: a fork taken on the
@@ -56,9 +59,19 @@ class _BlockingCommandPipe:
 
 
 class SwarmDHT(hivemind.DHT):
-    """hivemind.DHT whose child reads its command pipe whole; otherwise identical (same arguments)."""
+    """hivemind.DHT whose child reads its command pipe whole and dies with its process group; otherwise
+    identical (same arguments)."""
 
     def run(self) -> None:  # runs in the child process only
+        # The fork copies the parent's asyncio signal handling: a no-op Python handler for SIGTERM and
+        # SIGINT plus a wakeup fd that is the *parent's* event-loop socket. The child then shrugs off the
+        # SIGTERM or Ctrl-C sent to the whole group (systemd, a terminal, a supervisor's killpg) while the
+        # p2pd beside it dies of it; the parent's orderly shutdown then waits out the grace period on a
+        # child whose daemon is gone, and a parent killed meanwhile leaves the child running as an orphan.
+        # The child holds nothing durable, so the default action (end at once) is the right one.
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
         self._inner_pipe = _BlockingCommandPipe(self._inner_pipe)  # type: ignore[assignment]
         super().run()
 
