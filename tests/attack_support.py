@@ -22,6 +22,7 @@ from prime_node.proofs.rollout_file import encode_rows, sign_bytes, signature_pa
 from prime_node.proofs.rollout_schema import RolloutRow
 from prime_node.proofs.toploc import build_proof, committed_rows
 from prime_node.proofs.verifier import VerificationReport, VerifierSettings
+from prime_node.trainer.devnet.attacks import quantize_decoder_
 
 NODE = Identity.from_seed(b"\x11" * 32)
 MODEL_SEED = 0
@@ -57,14 +58,7 @@ def quantized_engine(bits: int) -> HFEngine:
     """The claimed weights with every linear layer of the decoder rounded to `bits`-bit integers
     (symmetric, one scale per output channel) and back."""
     model, _ = build_tiny_model(MODEL_SEED)
-    top = 2 ** (bits - 1) - 1
-    with torch.no_grad():
-        for module in model.model.layers.modules():
-            if isinstance(module, torch.nn.Linear):
-                w = module.weight
-                scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / top
-                w.copy_((w / scale).round().clamp(-top - 1, top) * scale)
-    return engine_from(model)
+    return engine_from(quantize_decoder_(model, bits))  # the devnet's int4 cheater rounds the same way
 
 
 def honest_rows(engine: HFEngine, tasks: RunTasks, spec: BatchSpec = SPEC) -> list[RolloutRow]:

@@ -9,17 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
-from hivemind.utils import get_dht_time
 
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffBusy, HandoffRefused, RolloutEnvelope, Swarm
-from prime_node.p2p.swarm.records import RecordKind, dht_key, seal
 from prime_node.trainer.intake import Tier
 
 from swarm_support import fleet, wait_until
 from validator_support import (
     OPERATOR,
     RUN,
+    bind_node_ids,
     publish_checkpoint,
     rows_for,
     running_validator,
@@ -32,19 +31,6 @@ from validator_support import (
 SYBILS = 50
 NEWCOMER_QUEUE = 6
 HOLD_S = 8.0
-
-
-async def _bind_sybils(flooder: Swarm, sybils: list[Identity]) -> None:
-    """Each Sybil id gets a valid signed heartbeat naming the flooder's libp2p peer id: one host, many ids."""
-    assert flooder.process is not None
-    template = (await flooder.list_peers())[flooder.node_id]
-    expiration = get_dht_time() + 120
-    for sybil in sybils:
-        body = template.model_copy(update={"node_id": sybil.node_id})
-        value = seal(sybil, RUN, RecordKind.HEARTBEAT, sybil.node_id, body, expiration)
-        await flooder.process.dht.store(
-            dht_key(RUN, RecordKind.HEARTBEAT), value, expiration, subkey=sybil.node_id, return_future=True
-        )
 
 
 @pytest.mark.slow
@@ -80,7 +66,7 @@ async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) 
         await honest_peer.send_rollout(first, first_env)
         assert (await wait_verdict(running, first_env.sha256, 60)).document.accepted
         await wait_until(lambda: _established(service, honest.node_id), 5)
-        await _bind_sybils(flood_peer, sybils)
+        await bind_node_ids(flood_peer, sybils)  # each Sybil id: a signed heartbeat naming the flooder
         target = (await flood_peer.list_validators())[OPERATOR.node_id]
 
         receipts: list[str] = []

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from hivemind.utils import get_dht_time
+
 from prime_node.node.daemon.supervisor import Supervisor
 from prime_node.node.engine import EngineSettings, HFEngine
 from prime_node.node.models.tiny import build_tiny_model
@@ -19,7 +21,8 @@ from prime_node.node.producer import BatchSpec, produce_rows
 from prime_node.node.run_config import RunSettings
 from prime_node.node.validation import RunTasks
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.swarm import RolloutEnvelope
+from prime_node.p2p.swarm import RolloutEnvelope, Swarm
+from prime_node.p2p.swarm.records import RecordKind, dht_key, seal
 from prime_node.p2p.swarm.process import end_pids
 from prime_node.p2p.weights.publish import publish
 from prime_node.proofs.rollout_file import signature_path, write_rollout_file
@@ -93,3 +96,16 @@ async def wait_verdict(running: RunningValidator, sha256: str, timeout: float) -
             return found
         await asyncio.sleep(0.1)
     raise AssertionError(f"no verdict for {sha256[:16]} within {timeout} s")
+
+
+async def bind_node_ids(peer: Swarm, identities: list[Identity], ttl_s: float = 120.0) -> None:
+    """Give each identity a valid signed heartbeat naming `peer`'s libp2p peer id (one host, many node ids),
+    so `peer` may hand off files signed by any of them."""
+    assert peer.process is not None
+    template = (await peer.list_peers())[peer.node_id]
+    expiration = get_dht_time() + ttl_s
+    for identity in identities:
+        body = template.model_copy(update={"node_id": identity.node_id})
+        value = seal(identity, peer.config.run_id, RecordKind.HEARTBEAT, identity.node_id, body, expiration)
+        await peer.process.dht.store(dht_key(peer.config.run_id, RecordKind.HEARTBEAT), value, expiration,
+                                     subkey=identity.node_id, return_future=True)

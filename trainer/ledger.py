@@ -13,17 +13,25 @@ All methods block (disk I/O, fsync). In async code use `AsyncLedger`, which runs
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import sqlite3
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..p2p.verdicts import MAX_BAN_REASON_CHARS, BanRecord, Signed, Verdict
+from .ledger_async import AsyncLedger
 from .ledger_db import Database, LedgerError, LedgerSettings
+from .ledger_records import (
+    BanEntry,
+    RecordResult,
+    RewardPoint,
+    ban_entry,
+    check_node_id,
+    hardware_to_json,
+    load_verdict,
+)
 from .slashing import (
     UNATTRIBUTED_CHECKS,
     Action,
@@ -35,61 +43,12 @@ from .slashing import (
     SlashingPolicy,
     decide,
 )
-from ..p2p.verdicts import HEX64, MAX_BAN_REASON_CHARS, BanRecord, Signed, Verdict
 
 __all__ = [
     "AsyncLedger", "BanEntry", "Ledger", "LedgerError", "LedgerSettings", "RecordResult", "RewardPoint"
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_HARDWARE_BYTES = 4096
-_HEX64_CHARS = frozenset("0123456789abcdef")
-
-
-@dataclass(frozen=True)
-class BanEntry:
-    """One row of the bans table."""
-
-    id: int
-    node_id: str
-    reason: str
-    created_at: float
-    until: float | None  # None: permanent
-    lifted_at: float | None
-    file_hash: str | None
-    record: str | None  # the operator-signed BanRecord envelope, once published
-
-    def active(self, now: float) -> bool:
-        return self.lifted_at is None and (self.until is None or self.until > now)
-
-    def to_record(self, issuer_id: str) -> BanRecord:
-        """The document the operator signs to publish this ban."""
-        return BanRecord(
-            node_id=self.node_id,
-            reason=self.reason,
-            issued_at=self.created_at,
-            until=self.until,
-            issuer_id=issuer_id,
-        )
-
-
-@dataclass(frozen=True)
-class RewardPoint:
-    """One point of the reward curve: the accepted rollouts of one policy step."""
-
-    step: int
-    reward: float  # mean task reward per sample, in [0, 1]
-    samples: int
-    files: int
-
-
-@dataclass(frozen=True)
-class RecordResult:
-    verdict: Signed[Verdict]  # the stored verdict: on a resend, the first one
-    duplicate: bool
-    actions: tuple[Action, ...]  # what this call applied (empty on a resend)
-    new_bans: tuple[BanEntry, ...]  # bans this call created: sign and publish them
 
 
 class Ledger:
@@ -136,7 +95,7 @@ class Ledger:
                 "SELECT verdict FROM contributions WHERE file_hash = ?", (v.file_hash,)
             ).fetchone()
             if row is not None:
-                return RecordResult(_load_verdict(row["verdict"]), True, (), ())
+                return RecordResult(load_verdict(row["verdict"]), True, (), ())
             actions: tuple[Action, ...] = ()
             if v.failed_check not in UNATTRIBUTED_CHECKS:  # else the file may not be this node's at all
                 self._touch(c, v.node_id, received, None)
@@ -171,7 +130,7 @@ class Ledger:
         """The verdict already recorded for a file, if any (check this before verifying a received file)."""
         with self.db.read() as c:
             row = c.execute("SELECT verdict FROM contributions WHERE file_hash = ?", (file_hash,)).fetchone()
-        return None if row is None else _load_verdict(row["verdict"])
+        return None if row is None else load_verdict(row["verdict"])
 
     def _apply(self, c: sqlite3.Connection, v: Verdict, actions: Sequence[Action]) -> tuple[BanEntry, ...]:
         bans: list[BanEntry] = []
@@ -232,8 +191,8 @@ class Ledger:
         self, node_id: str, *, seen_at: float | None = None, hardware: dict[str, Any] | None = None
     ) -> None:
         """Note that a node was seen (e.g. its signed heartbeat), with its hardware if given."""
-        _check_node_id(node_id)
-        hardware_json = None if hardware is None else _hardware_json(hardware)
+        check_node_id(node_id)
+        hardware_json = None if hardware is None else hardware_to_json(hardware)
         with self.db.write() as c:
             self._touch(c, node_id, time.time() if seen_at is None else seen_at, hardware_json)
 
@@ -250,7 +209,7 @@ class Ledger:
 
     def ban(self, node_id: str, reason: str, *, until: float | None, at: float | None = None) -> BanEntry:
         """An operator's ban (or one learnt from another validator); `until` None is permanent."""
-        _check_node_id(node_id)
+        check_node_id(node_id)
         at = time.time() if at is None else at
         if not 0 < len(reason) <= MAX_BAN_REASON_CHARS:
             raise LedgerError(
@@ -292,7 +251,7 @@ class Ledger:
                 "SELECT * FROM bans WHERE lifted_at IS NULL AND (until IS NULL OR until > ?) ORDER BY id",
                 (now,),
             ).fetchall()
-        return [_ban_entry(r) for r in rows]
+        return [ban_entry(r) for r in rows]
 
     @staticmethod
     def _active_ban(c: sqlite3.Connection, node_id: str, now: float) -> BanEntry | None:
@@ -302,7 +261,7 @@ class Ledger:
             " ORDER BY until IS NULL DESC, until DESC LIMIT 1",
             (node_id, now),
         ).fetchone()
-        return None if row is None else _ban_entry(row)
+        return None if row is None else ban_entry(row)
 
     @staticmethod
     def _insert_ban(
@@ -341,87 +300,3 @@ class Ledger:
     def schema_version(self) -> int:
         return self.db.schema_version()
 
-
-class AsyncLedger:
-    """The ledger for async code: each call runs in a worker thread so the event loop never waits on disk."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
-
-    async def record(
-        self,
-        signed: Signed[Verdict],
-        *,
-        received_at: float | None = None,
-        task_reward_sum: float | None = None,
-    ) -> RecordResult:
-        return await asyncio.to_thread(
-            self.ledger.record, signed, received_at=received_at, task_reward_sum=task_reward_sum
-        )
-
-    async def verdict_for(self, file_hash: str) -> Signed[Verdict] | None:
-        return await asyncio.to_thread(self.ledger.verdict_for, file_hash)
-
-    async def touch_node(
-        self, node_id: str, *, seen_at: float | None = None, hardware: dict[str, Any] | None = None
-    ) -> None:
-        await asyncio.to_thread(self.ledger.touch_node, node_id, seen_at=seen_at, hardware=hardware)
-
-    async def active_ban(self, node_id: str, now: float | None = None) -> BanEntry | None:
-        return await asyncio.to_thread(self.ledger.active_ban, node_id, now)
-
-    async def active_bans(self, now: float | None = None) -> list[BanEntry]:
-        return await asyncio.to_thread(self.ledger.active_bans, now)
-
-    async def ban(
-        self, node_id: str, reason: str, *, until: float | None, at: float | None = None
-    ) -> BanEntry:
-        return await asyncio.to_thread(self.ledger.ban, node_id, reason, until=until, at=at)
-
-    async def attach_ban_record(self, ban_id: int, signed: Signed[BanRecord]) -> None:
-        await asyncio.to_thread(self.ledger.attach_ban_record, ban_id, signed)
-
-    async def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
-        return await asyncio.to_thread(self.ledger.query, sql, params)
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.ledger.close)
-
-
-def _load_verdict(envelope: str) -> Signed[Verdict]:
-    # Our own file, written from a verified document: parsed strictly, not re-verified against a trust set.
-    data = json.loads(envelope)
-    return Signed[Verdict](
-        document=Verdict.model_validate(data["document"]), signature=bytes.fromhex(data["signature"])
-    )
-
-
-def _ban_entry(row: sqlite3.Row) -> BanEntry:
-    return BanEntry(**{name: row[name] for name in BanEntry.__dataclass_fields__})
-
-
-def _check_node_id(node_id: str) -> None:
-    if not isinstance(node_id, str) or len(node_id) != 64 or not set(node_id) <= _HEX64_CHARS:
-        raise LedgerError(f"node id must be 64 lowercase hex digits ({HEX64}), got {str(node_id)[:80]!r}")
-
-
-def _hardware_json(hardware: dict[str, Any]) -> str:
-    """Hardware comes from a peer's heartbeat: a small flat object of short strings and numbers only."""
-    if not isinstance(hardware, dict):
-        raise LedgerError("hardware must be a JSON object")
-    for key, value in hardware.items():
-        if not isinstance(key, str) or len(key) > 64:
-            raise LedgerError(f"hardware key {str(key)[:80]!r} must be a string of at most 64 characters")
-        if not (
-            value is None
-            or isinstance(value, (bool, int, float))
-            or (isinstance(value, str) and len(value) <= 256)
-        ):
-            raise LedgerError(f"hardware value for {key!r} must be a number, a boolean or a short string")
-    try:
-        text = json.dumps(hardware, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except ValueError as exc:
-        raise LedgerError(f"hardware is not finite JSON: {exc}") from None
-    if len(text.encode()) > MAX_HARDWARE_BYTES:
-        raise LedgerError(f"hardware description is over {MAX_HARDWARE_BYTES} bytes")
-    return text

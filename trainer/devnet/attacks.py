@@ -29,6 +29,8 @@ from ..errors import TrainerError
 
 EOS_ID = 1  # the byte-level tokenizer's <eos> (node/models/tokenizer.py)
 PERTURBATION = 5e-2  # relative weight noise on one layer: the issue's example, far above the toploc threshold
+OTHER_SEED = 1_000_003  # the init seed of the "other-seed" cheater's model (any seed but the claimed model's)
+INT_BITS = 4  # the "int4" cheater's weight precision
 WRONG_TEMPERATURE = 0.5  # sampled cooler than the run's temperature, which the rows still claim
 # One layer and a narrow MLP (the width stays >= the proofs' top-k of 128, so its own proofs could be built).
 SMALL_SHAPE = TinyModelShape(intermediate_size=128, num_hidden_layers=1)
@@ -68,6 +70,48 @@ def perturbed(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: Batc
         for param in model.model.layers[len(model.model.layers) // 2].parameters():
             param.mul_(1 + PERTURBATION * torch.randn(param.shape, generator=generator))
     return produce_rows(HFEngine(model), tasks, node_id, spec).rows
+
+
+def quantize_decoder_(model: torch.nn.Module, bits: int) -> torch.nn.Module:
+    """Round every linear layer of the decoder to `bits`-bit integers and back, in place (symmetric, one
+    scale per output channel): what a node running a quantized copy of the checkpoint computes with."""
+    top = 2 ** (bits - 1) - 1
+    with torch.no_grad():
+        for module in model.model.layers.modules():  # type: ignore[union-attr]
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight
+                scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / top
+                w.copy_((w / scale).round().clamp(-top - 1, top) * scale)
+    return model
+
+
+def quantized(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Generates and proves with the claimed weights quantized to int4 and back (cheaper memory and
+    compute, not the claimed model): toploc."""
+    model = quantize_decoder_(copy.deepcopy(_engine_of(engine).model), INT_BITS)
+    return produce_rows(HFEngine(model), tasks, node_id, spec).rows
+
+
+def _reinitialised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The same architecture with fresh weights from `seed` (transformers initialises from the global
+    generator, which is restored afterwards)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = type(model)(copy.deepcopy(model.config))
+    dtype = next(model.parameters()).dtype
+    return fresh.to(dtype=dtype).eval()
+
+
+_other: dict[str, HFEngine] = {}
+
+
+def other_seed(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Generates and proves with another model of the same architecture (initialised from another seed,
+    none of the run's training in it) while claiming the run's checkpoint: toploc."""
+    claimed = _engine_of(engine)
+    if "engine" not in _other:  # the architecture never changes during a run: build it once
+        _other["engine"] = HFEngine(_reinitialised(claimed.model, OTHER_SEED))
+    return produce_rows(_other["engine"], tasks, node_id, spec).rows
 
 
 _small: dict[str, HFEngine] = {}
@@ -196,6 +240,8 @@ ATTACKS: dict[str, Attack] = {
     "forced-eos": forced_eos,
     "shuffled-proofs": shuffled_proofs,
     "perturbed": perturbed,
+    "other-seed": other_seed,
+    "int4": quantized,
 }
 
 
@@ -235,6 +281,10 @@ EXPECTED_CHECKS: dict[str, frozenset[str]] = {
     "after-eos": frozenset({"termination"}),
     "forced-eos": frozenset({"eos_probability", "sampling"}),
     "shuffled-proofs": frozenset({"toploc"}),
+    "other-seed": frozenset({"toploc"}),
+    "int4": frozenset({"toploc"}),
 }
 
-__all__ = ["ATTACKS", "EXPECTED_CHECKS", "AttackError", "attack_producer", "write_signed"]
+__all__ = [
+    "ATTACKS", "EXPECTED_CHECKS", "AttackError", "attack_producer", "quantize_decoder_", "write_signed",
+]

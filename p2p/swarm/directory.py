@@ -1,0 +1,234 @@
+"""The swarm's directory in the DHT: heartbeats, policy, validators, bans and rollout announcements.
+
+Every record is signed and sealed (records.py) before it is stored, and every read returns only records
+that pass the same checks the DHT validator applies; bad entries are logged and skipped, never raised.
+Policies, validator announcements and bans may only be published by a pinned operator key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from ..identity import Identity
+from .config import SwarmConfig
+from .errors import RecordError, SwarmError
+from .hardware import local_hardware, software_version
+from .peer import DHTPeer
+from .records import (
+    Ban,
+    Hardware,
+    Heartbeat,
+    PolicyAnnouncement,
+    RecordKind,
+    RolloutAnnouncement,
+    ValidatorAnnouncement,
+    dht_key,
+    key_id,
+    open_record,
+    seal,
+)
+
+logger = logging.getLogger(__name__)
+_LOOKUP_CACHE_S = 2.0  # how stale a peer/ban lookup made for an incoming hand-off may be
+
+
+class SwarmDirectory(DHTPeer):
+    def __init__(
+        self,
+        config: SwarmConfig,
+        identity: Identity,
+        *,
+        roles: tuple[str, ...] = ("contributor",),
+        hardware: Hardware | None = None,
+    ) -> None:
+        super().__init__(config, identity)
+        self.roles = list(roles)
+        self.hardware = hardware or local_hardware()
+        self.policy_step: int | None = None  # set by the node; published in the next heartbeat
+        self.serves_steps: list[int] = []
+        self.weights_url: str | None = None  # set by a node serving weights; published with serves_steps
+        self.api_url: str | None = None  # set by a validator: its HTTP API, published in its announcement
+        self._cache: dict[RecordKind, tuple[float, dict[str, Any]]] = {}
+
+    async def join(self, *, heartbeat: bool = True) -> None:
+        await self._connect()
+        if heartbeat:
+            await self.publish_heartbeat()
+            self._spawn("swarm-heartbeat", self.run_heartbeats())
+        if self.client_mode:
+            logger.info("joined swarm %r as %s in client mode", self.config.run_id, self.node_id[:16])
+        else:
+            logger.info(
+                "joined swarm %r as %s; other nodes can use --peers %s",
+                self.config.run_id,
+                self.node_id[:16],
+                " ".join(await self.maddrs()),
+            )
+
+    # ----- records ---------------------------------------------------------------------------------------
+
+    async def _publish(self, kind: RecordKind, subkey: str, body: Any, ttl: float) -> bool:
+        expiration = get_dht_time() + ttl
+        value = seal(self.identity, self.config.run_id, kind, subkey, body, expiration)
+        stored = await self._await(
+            self._dht().store(
+                dht_key(self.config.run_id, kind), value, expiration, subkey=subkey, return_future=True
+            )
+        )
+        if not stored:
+            # Also the answer when peers hold a newer record under this subkey (a concurrent publish).
+            logger.warning("no DHT peer stored this node's %s record (is the swarm reachable?)", kind.value)
+        return bool(stored)
+
+    async def _read(self, kind: RecordKind) -> dict[str, Any]:
+        found = await self._await(
+            self._dht().get(dht_key(self.config.run_id, kind), latest=True, return_future=True)
+        )
+        if found is None:
+            return {}
+        if not isinstance(found.value, dict):
+            logger.warning("skipping a %s entry that is not a table of signed records", kind.value)
+            return {}
+        kid, now, operators = (
+            key_id(self.config.run_id, kind),
+            get_dht_time(),
+            frozenset(self.config.operator_keys),
+        )
+        records: dict[str, Any] = {}
+        for subkey, item in found.value.items():
+            try:
+                if item.expiration_time < now:
+                    continue
+                body = open_record(
+                    kind,
+                    kid,
+                    MSGPackSerializer.dumps(subkey),
+                    item.value,
+                    item.expiration_time,
+                    operators,
+                    now,
+                )
+            except (RecordError, TypeError, ValueError) as exc:
+                logger.warning("skipping a bad %s record under subkey %.40r: %s", kind.value, subkey, exc)
+                continue
+            records[subkey] = body
+        self._cache[kind] = (time.monotonic(), records)
+        return records
+
+    async def _read_cached(self, kind: RecordKind) -> dict[str, Any]:
+        stamp, records = self._cache.get(kind, (0.0, {}))
+        return records if time.monotonic() - stamp < _LOOKUP_CACHE_S else await self._read(kind)
+
+    def _require_operator(self, what: str) -> None:
+        if self.node_id not in self.config.operator_keys:
+            raise SwarmError(
+                f"only a pinned operator key may publish {what}; this node's key {self.node_id[:16]}… "
+                f"is not in operator_keys"
+            )
+
+    async def publish_heartbeat(self) -> bool:
+        addresses = [] if self.client_mode else (await self.maddrs())[:8]
+        body = Heartbeat(
+            node_id=self.node_id,
+            peer_id=self.peer_id,
+            version=software_version(),
+            roles=self.roles,
+            hardware=self.hardware,
+            addresses=addresses,
+            client_mode=self.client_mode,
+            policy_step=self.policy_step,
+            serves_steps=self.serves_steps[-16:],
+            sent_at=time.time(),
+            weights_url=self.weights_url if self.serves_steps else None,
+        )
+        return await self._publish(RecordKind.HEARTBEAT, self.node_id, body, self.config.heartbeat_ttl_s)
+
+    async def run_heartbeats(self) -> None:
+        """Republish the heartbeat every heartbeat_interval_s; a failed round is logged and retried."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            try:
+                await self.publish_heartbeat()
+            except (OSError, EOFError, RecordError) as exc:  # DHT pipe trouble or a record we cannot build
+                logger.warning("heartbeat not published: %s", exc)
+
+    async def publish_policy(self, step: int, manifest_sha256: str, sources: list[str]) -> bool:
+        self._require_operator("a policy")
+        body = PolicyAnnouncement(
+            step=step, manifest_sha256=manifest_sha256, sources=sources, published_at=time.time()
+        )
+        return await self._publish(RecordKind.POLICY, self.node_id, body, self.config.record_ttl_s)
+
+    async def publish_validator(self, announcement: ValidatorAnnouncement | None = None) -> bool:
+        """Announce a validator (this node when None): operator-signed, so only the operator can add one."""
+        self._require_operator("a validator announcement")
+        if announcement is None:
+            announcement = ValidatorAnnouncement(
+                node_id=self.node_id,
+                peer_id=self.peer_id,
+                addresses=(await self.maddrs())[:8],
+                max_rollout_bytes=self.config.max_rollout_bytes,
+                published_at=time.time(),
+                api_url=self.api_url,
+            )
+        return await self._publish(
+            RecordKind.VALIDATOR, announcement.node_id, announcement, self.config.record_ttl_s
+        )
+
+    async def publish_ban(self, node_id: str, reason: str, ttl_s: float | None = None) -> bool:
+        """Publish a ban record for `ttl_s` seconds (at most ban_ttl_s); republish to extend it."""
+        self._require_operator("a ban")
+        body = Ban(node_id=node_id, reason=reason[:256], banned_at=time.time())
+        ttl = self.config.ban_ttl_s if ttl_s is None else min(ttl_s, self.config.ban_ttl_s)
+        return await self._publish(RecordKind.BAN, node_id, body, ttl)
+
+    async def announce_rollout(self, sha256: str, size_bytes: int, step: int, samples: int) -> bool:
+        body = RolloutAnnouncement(
+            node_id=self.node_id,
+            sha256=sha256,
+            size_bytes=size_bytes,
+            step=step,
+            samples=samples,
+            announced_at=time.time(),
+        )
+        return await self._publish(
+            RecordKind.ROLLOUT, f"{self.node_id}:{sha256}", body, self.config.record_ttl_s
+        )
+
+    async def list_peers(self) -> dict[str, Heartbeat]:
+        """Live nodes by node id (heartbeats that have not expired), this one included."""
+        return await self._read(RecordKind.HEARTBEAT)
+
+    async def list_validators(self) -> dict[str, ValidatorAnnouncement]:
+        return await self._read(RecordKind.VALIDATOR)
+
+    async def read_bans(self) -> dict[str, Ban]:
+        return await self._read(RecordKind.BAN)
+
+    async def list_rollouts(self) -> dict[str, RolloutAnnouncement]:
+        return await self._read(RecordKind.ROLLOUT)
+
+    async def current_policy(self) -> PolicyAnnouncement | None:
+        """The newest policy announced by any pinned operator key, or None."""
+        policies = list((await self._read(RecordKind.POLICY)).values())
+        return max(policies, key=lambda p: (p.step, p.published_at)) if policies else None
+
+    async def watch_policy(self) -> AsyncIterator[PolicyAnnouncement]:
+        """Yield each newer policy as it appears (polling every policy_poll_s); never yields a step twice."""
+        last_step = -1
+        while True:
+            try:
+                policy = await self.current_policy()
+            except (OSError, EOFError) as exc:
+                logger.warning("policy lookup failed: %s", exc)
+                policy = None
+            if policy is not None and policy.step > last_step:
+                last_step = policy.step
+                yield policy
+            await asyncio.sleep(self.config.policy_poll_s)
