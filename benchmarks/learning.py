@@ -32,6 +32,7 @@ from prime_node.node.engine import load_engine
 from prime_node.node.models.warmstart import WarmStartConfig, evaluate, init_model_dir
 from prime_node.node.producer import BatchSpec, produce_rollout_file
 from prime_node.node.tasks import open_task_set
+from prime_node.node.tasks.difficulty import estimate_pass_rates, histogram, in_band, write_task_file
 from prime_node.node.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
@@ -90,6 +91,21 @@ def without_heldout(record: RolloutRecord, first_heldout: int) -> RolloutRecord:
     return record if len(kept) == len(record.samples) else replace(record, samples=kept)
 
 
+def filtered_tasks(model_dir: Path, count: int, low: float, high: float, out: Path) -> Path:
+    """Offline difficulty filtering (node/tasks/difficulty.py, as `prime-node tasks filter`): the first
+    `count` problems of the built-in family, 8 samples each with the warm-started model, kept when their pass
+    rate lies in [low, high]. Those indices lie far below the held-out range, so no held-out problem is kept."""
+    engine = load_engine(model_dir, threads=1, max_batch_size=256)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    estimates = estimate_pass_rates(engine, tokenizer, open_task_set(None), list(range(count)), k=8,
+                                    max_new_tokens=8, tasks_per_batch=32)
+    kept = in_band(estimates, low, high)
+    write_task_file(out, kept)
+    print(f"offline filter: kept {len(kept)} of {count} problems with pass rate in [{low}, {high}] "
+          f"(passes/8 histogram {histogram(estimates, 8)})", flush=True)
+    return out
+
+
 def fmt_levels(by_level: dict[int, float]) -> str:
     return " ".join(f"L{k} {v:.2f}" for k, v in sorted(by_level.items()))
 
@@ -105,9 +121,14 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default: prompts x samples)")
     p.add_argument("--optimizer-steps", type=int, default=TrainerSettings().optimizer_steps_per_batch)
     p.add_argument("--warmup", type=int, default=TrainerSettings().warmup_steps)
+    p.add_argument("--negative-weight", type=float, default=TrainerSettings().negative_weight,
+                   help="weight of negative advantages (trainer negative_weight)")
     p.add_argument("--temperature", type=float, default=TrainerSettings().temperature)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--sft-steps", type=int, default=WarmStartConfig().steps, help="warm start without --model")
+    p.add_argument("--filter", type=int, default=0,
+                   help="train on the problems among the first N whose pass@8 estimate lies in the band (0: all)")
+    p.add_argument("--band", type=float, nargs=2, default=(0.125, 0.875), metavar=("MIN", "MAX"))
     p.add_argument("--eval-size", type=int, default=WarmStartConfig().eval_size)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--minutes", type=float, default=20.0, help="stop after this much wall time")
@@ -125,16 +146,19 @@ def main() -> int:
     settings = TrainerSettings(lr=args.lr, warmup_steps=args.warmup,
                                batch_size=args.batch_size or args.prompts * args.samples,
                                optimizer_steps_per_batch=args.optimizer_steps, temperature=args.temperature,
-                               micro_batch_tokens=256, async_level=1, kl_coef=0.0)
+                               micro_batch_tokens=256, async_level=1, kl_coef=0.0,
+                               negative_weight=args.negative_weight)
     store = Store(work / "weights")
     ledger = ConsumedLedger(work / "consumed.sqlite")
     learner = Learner(settings, model_dir, work / "states", store, ledger, operator, RUN_ID)
     learner.resume()
     buffer = BatchBuffer(ledger, batch_size=settings.batch_size, async_level=settings.async_level)
     inbox = Inbox(work / "accepted", RUN_ID)
-    tasks = RunTasks(open_task_set(None), learner.tokenizer)
+    task_source = filtered_tasks(model_dir, args.filter, *args.band, work / "tasks.jsonl") if args.filter else None
+    tasks = RunTasks(open_task_set(task_source), learner.tokenizer)
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=0, samples_per_prompt=args.samples)
-    first_heldout = tasks.task_count - args.eval_size
+    # A filtered file holds problems of indices below --filter only; otherwise drop the held-out ones.
+    first_heldout = tasks.task_count if task_source else tasks.task_count - args.eval_size
     rewards: list[tuple[float, float]] = []
     acc0, levels0 = heldout_accuracy(model_dir, args.eval_size)
     accuracy = [(0, acc0)]

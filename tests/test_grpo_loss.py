@@ -179,3 +179,22 @@ def test_one_step_moves_the_completion_probability_with_the_advantage(sign: floa
         after, _ = token_logprobs(model, rows)
     change = float(((after - before) * rows.loss_mask).sum())
     assert sign * change > 0.0
+
+
+def test_negative_weight_scales_only_negative_advantages() -> None:
+    # A = -0.5 at r = 1.1 (inside the range) gives -J = 0.55 at weight 1; weight 0.2 makes the advantage
+    # -0.1, so -J = 0.11 with gradient 0.11. A = +2 at r = 1.1 is untouched: -J = -2.2. Token mean of both.
+    params = LossParams(eps_low=0.2, eps_high=0.28, delta=4.0, negative_weight=0.2)
+    logp_new, logp_old, adv = _tensors([(-0.5, 1.1, 0, 0, None), (+2.0, 1.1, 0, 0, None)])
+    out = grpo_loss(logp_new, logp_old, adv, torch.ones(2, dtype=torch.bool), params)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx((0.11 - 2.2) / 2, abs=1e-12)
+    assert logp_new.grad.tolist() == pytest.approx([0.11 / 2, -2.2 / 2], abs=1e-12)
+    # Weight 0: negative samples carry no gradient at all (filtered behaviour cloning of the positives).
+    logp_new, logp_old, adv = _tensors([(-0.5, 2.0, 0, 0, None), (+2.0, 1.1, 0, 0, None)])
+    out = grpo_loss(logp_new, logp_old, adv, torch.ones(2, dtype=torch.bool),
+                    LossParams(eps_low=0.2, eps_high=0.28, delta=4.0, negative_weight=0.0))
+    out.loss.backward()
+    assert logp_new.grad.tolist() == pytest.approx([0.0, -2.2 / 2], abs=1e-12)
+    with pytest.raises(TrainerError, match="negative_weight"):
+        LossParams(negative_weight=1.5)

@@ -38,6 +38,13 @@ class TrainerSettings(Section):
     entropy_coef: float = Field(
         0.0, ge=0.0, le=1.0, description="Weight of the entropy bonus; 0 turns it off."
     )
+    negative_weight: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Weight of tokens with negative advantages (1: the INTELLECT-2 recipe; 0: learn only "
+        "from better-than-average samples). See docs/trainer.md, 'Does it learn?' (4).",
+    )
     temperature: float = Field(
         1.0, gt=0.0, le=10.0, description="Sampling temperature of the rollouts; logits are divided by it."
     )

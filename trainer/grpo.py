@@ -22,6 +22,14 @@ Branches where the objective is flat in r (no gradient), reported as clip fracti
 - "low":   A < 0 and r < 1 - eps_low (PPO's usual lower clip);
 - "delta": A < 0 and r > delta (the INTELLECT-2 addition).
 
+Negative advantages can be down-weighted (`negative_weight` w in [0, 1], default 1 = the recipe): A is
+replaced by w * A where A < 0 before the objective above. On a small model whose wrong completions are
+longer than its right ones and share their first tokens, the token-level sum of negative terms outweighs
+the positive ones on the shared prefix and pushes correct answers down with the wrong ones ("likelihood
+displacement"); w < 1 keeps the positive signal dominant (w = 0 is filtered behaviour cloning of the
+better-than-average samples, as in RAFT / expert iteration). docs/trainer.md ("Does it learn?") has the
+measurements.
+
 Optional terms, normalised by the same N:
 - KL to a frozen reference with Schulman's k3 estimator, k3 = exp(x) - x - 1 with x = logp_ref - logp_new:
   an unbiased, always non-negative estimate of KL(pi_new || pi_ref) for tokens sampled from pi_new
@@ -52,6 +60,7 @@ class LossParams:
     delta: float = 4.0
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    negative_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eps_low < 1.0 or self.eps_high < 0.0:
@@ -60,6 +69,8 @@ class LossParams:
             raise TrainerError(f"delta {self.delta} must exceed 1 + eps_high = {1.0 + self.eps_high}")
         if self.kl_coef < 0.0 or self.entropy_coef < 0.0:
             raise TrainerError("kl_coef and entropy_coef must be non-negative")
+        if not 0.0 <= self.negative_weight <= 1.0:
+            raise TrainerError(f"negative_weight must lie in [0, 1], got {self.negative_weight}")
 
 
 @dataclass
@@ -135,6 +146,8 @@ def grpo_loss(
     log_ratio = (logp_new - logp_old.detach()).clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     adv = advantages.detach().to(logp_new.dtype)
+    if params.negative_weight != 1.0:
+        adv = torch.where(adv < 0, adv * params.negative_weight, adv)
     bounded = torch.clamp(ratio, max=params.delta)
     clipped = torch.clamp(ratio, 1.0 - params.eps_low, 1.0 + params.eps_high)
     objective = torch.minimum(bounded * adv, clipped * adv)

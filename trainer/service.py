@@ -88,6 +88,9 @@ class TrainerService:
         self.swarm: Swarm | None = None
         self.server: WeightsServer | None = None
         self.sources: list[str] = []
+        # Task rewards of every sample read since the last step, filtered groups included: unlike the batch's
+        # reward (only groups whose rewards differ, so near 0.5 by construction) it follows the policy's skill.
+        self._rollout_rewards: list[float] = []
 
     async def start(self) -> Running:
         svc = self.settings.service
@@ -164,6 +167,8 @@ class TrainerService:
                 continue
             try:
                 report = self.buffer.add(record, self.learner.step)
+                if report.accepted:
+                    self._rollout_rewards.extend(s.task_reward for s in record.samples)
             except TrainerError as exc:  # e.g. a policy step the trainer never published: refuse the file
                 logger.error("refusing accepted file %s: %s", path.name, exc)
                 self.inbox.mark_done(path)
@@ -188,6 +193,9 @@ class TrainerService:
         self.learner.save_and_publish(self.settings.service.keep_states, self.settings.serve.keep)
         self.buffer.commit(batch)
         values = {**batch.reward_metrics(), **report.summary()}
+        if self._rollout_rewards:
+            values["rollout_reward"] = sum(self._rollout_rewards) / len(self._rollout_rewards)
+            self._rollout_rewards.clear()
         used = tuple(f"{g.file_id}:{g.prompt_key}" for g in batch.groups)
         return StepRecord(step=self.learner.step, values=values, wall_s=0.0, groups_used=used)
 

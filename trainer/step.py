@@ -28,6 +28,7 @@ def loss_params(settings: TrainerSettings) -> LossParams:
         delta=settings.delta,
         kl_coef=settings.kl_coef,
         entropy_coef=settings.entropy_coef,
+        negative_weight=settings.negative_weight,
     )
 
 

@@ -20,8 +20,10 @@ import time
 from dataclasses import dataclass
 
 from ..node.errors import NodeError
+from ..node.run_config import verifier_for_run
 from ..p2p.identity import Identity
 from ..p2p.swarm import HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
+from ..p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
 from ..p2p.weights.store import Store
 from .checkpoints import CheckpointKeeper
 from .errors import TrainerError
@@ -31,7 +33,6 @@ from .spool import Spool, SpooledFile, deliver
 from .validator_admission import Admission
 from .validator_bans import BanPublisher
 from .validator_config import ValidatorSettings
-from ..p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
 from .verify_job import Outcome, verify_spooled
 
 logger = logging.getLogger(__name__)
@@ -75,10 +76,7 @@ class ValidatorService:
             identity=identity,
         )
         self.keeper.on_version(self._release)
-        self.verifier = settings.verifier.model_copy(
-            update={"run_id": settings.run.run_id, "run_seed": settings.run.run_seed,
-                    "samples_per_prompt": settings.run.samples}
-        )
+        self.verifier = verifier_for_run(settings.verifier, settings.run)
         # A hand-off may wait for a receiving slot, then stream its body: its reservation outlives both.
         self.admission = Admission(settings.intake, reservation_s=4 * settings.swarm.handoff_timeout_s)
         self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
