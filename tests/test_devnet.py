@@ -46,6 +46,10 @@ def test_devnet_two_honest_nodes_and_a_cheater(tmp_path: Path) -> None:
     assert not [s for s in report["slashed"] if s["attack"] is None], "an honest node was slashed"
     honest_rows = [r for r in report["leaderboard"] if r["attack"] is None and r["name"].startswith("node-")]
     assert {r["name"] for r in honest_rows if r["accepted_files"] > 0} == {"node-1", "node-2"}
+    # Only contributors are ranked: the operator's trainer and validator heartbeat too, but are not listed.
+    assert {r["name"] for r in report["leaderboard"]} == {"node-1", "node-2", adversary["name"]}, text
+    assert [r["rank"] for r in report["leaderboard"]] == [1, 2, 3]
+    assert all(r.get("rollout_reward") is not None for r in report["rewards"]), report["rewards"]
     assert succeeded(report)
     # Every process stopped cleanly (exit 0) and nothing is left below them.
     assert set(report["processes"]["exit_codes"].values()) == {0}, report["processes"]
@@ -101,8 +105,8 @@ def test_live_view_prints_one_line_per_change() -> None:
     out = io.StringIO()
     view = LiveView(5, stream=out, tty=False)
     member = MemberView("node-1", "ab" * 32, None, state="generating batch 0", local_step=0)
-    snap = Snapshot(at=0, step=0, task_reward=None, members=[member], queue_depth=0, accepted_files=0,
-                    rejected_files=0)
+    snap = Snapshot(at=0, step=0, task_reward=None, rollout_reward=None, members=[member], queue_depth=0,
+                    accepted_files=0, rejected_files=0)
     view.update(snap)
     view.update(snap)  # nothing changed: nothing printed
     member.state = "generating batch 1"  # a new batch alone is not a change worth a line
@@ -114,3 +118,6 @@ def test_live_view_prints_one_line_per_change() -> None:
     tty = io.StringIO()
     LiveView(5, stream=tty, tty=True).update(snap)
     assert tty.getvalue().startswith("\x1b[H\x1b[J") and "step 0/5" in tty.getvalue()
+    snap.step, snap.task_reward, snap.rollout_reward = 1, 0.5, 0.25  # a step: one header line with both rewards
+    view.update(snap)
+    assert "step 1/5  reward: rollouts 0.250 batch 0.500" in out.getvalue().splitlines()[-1]

@@ -105,7 +105,8 @@ async def announce_forever(service: ValidatorService) -> None:
 
 
 async def note_peers(service: ValidatorService) -> None:
-    """Record each live node's hardware and last-seen time for the leaderboard."""
+    """Record each live contributor's hardware and last-seen time for the leaderboard (the operator's own
+    trainer and validators heartbeat too, but they are not contributors and have nothing to rank)."""
     while True:
         try:
             peers = await service.swarm.list_peers()
@@ -114,6 +115,8 @@ async def note_peers(service: ValidatorService) -> None:
             peers = {}
         now = time.time()
         for hb in peers.values():
+            if "contributor" not in hb.roles:
+                continue
             await service.ledger.touch_node(hb.node_id, seen_at=min(hb.sent_at, now),
                                             hardware=hb.hardware.model_dump())
         await asyncio.sleep(PEER_SCAN_S)

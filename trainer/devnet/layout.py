@@ -38,6 +38,13 @@ NODE_ENV = {
     "PRIME_NODE_SHUTDOWN_TIMEOUT_S": "15",
 }
 
+# The tiny model's RL settings (docs/trainer.md, "Does it learn?", 4): with the recipe's symmetric GRPO its
+# greedy held-out accuracy stalls or falls (1e-4 flat, 3e-4 and up falling); learning from the
+# better-than-average samples only, at 3e-4, raises it. Everything else stays the trainer's default.
+TRAINER_ENV = {
+    "PRIME_NODE_TRAINER__NEGATIVE_WEIGHT": "0",
+    "PRIME_NODE_TRAINER__LR": "3e-4",
+}
 
 # Prompts per rollout file when not given. With the node's default (4) the tiny model writes a file about
 # every second, past the validator's per-node intake limit (30 files a minute): the surplus waits in the
@@ -163,6 +170,9 @@ class DevnetLayout:
         return [*head, "--data-dir", str(member.data_dir), "--operator-key", self.operator.node_id,
                 "--run-id", self.run_id, "--peers", *peers, "--host-maddrs", LOOPBACK, "--threads", "1",
                 *self.sizing.node_flags()]
+
+    def trainer_env(self) -> dict[str, str]:
+        return {**self.env(), **TRAINER_ENV}
 
     def member_env(self) -> dict[str, str]:
         return {**self.env(), **NODE_ENV}

@@ -48,6 +48,7 @@ class Snapshot:
     at: float
     step: int  # newest policy step the trainer published
     task_reward: float | None  # of the last rollout step's batch
+    rollout_reward: float | None  # of every sample the trainer read for that step (filtered groups too)
     members: list[MemberView]
     queue_depth: int
     accepted_files: int
@@ -73,6 +74,7 @@ class Monitor:
         return Snapshot(
             at=time.time(), step=int(last["step"]) if last else 0,
             task_reward=float(last["task_reward"]) if last and "task_reward" in last else None,
+            rollout_reward=float(last["rollout_reward"]) if last and "rollout_reward" in last else None,
             members=members, queue_depth=self.queue_depth(),
             accepted_files=sum(int(r["accepted_files"]) for r in self.leaderboard),
             rejected_files=sum(int(r["rejected_files"]) for r in self.leaderboard),

@@ -88,6 +88,18 @@ def timings(layout: DevnetLayout, monitor: Monitor, contributions: list[dict[str
     }
 
 
+def reward_trend(rewards: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Mean rollout reward over the first and the last third of the steps (one step's 64 samples are too
+    noisy to compare two single steps); None with fewer than three steps."""
+    values = [float(r["rollout_reward"]) for r in rewards if r.get("rollout_reward") is not None]
+    if len(values) < 3:
+        return None
+    third = len(values) // 3
+    first, last = sum(values[:third]) / third, sum(values[-third:]) / third
+    return {"steps_per_window": third, "first": round(first, 4), "last": round(last, 4),
+            "change": round(last - first, 4)}
+
+
 def build_report(layout: DevnetLayout, monitor: Monitor, *, ready_at: float, ended_at: float,
                  setup_s: float, stop: dict[str, Any], stopped_by: str) -> dict[str, Any]:
     contributions, slashes, bans = _ledger_rows(layout.ledger_path)
@@ -96,12 +108,13 @@ def build_report(layout: DevnetLayout, monitor: Monitor, *, ready_at: float, end
     if layout.ledger_path.is_file():
         with Ledger(layout.ledger_path) as ledger:
             board = [r.model_dump(mode="json") for r in leaderboard(ledger, top=1000)]
-    rewards = [{"step": int(r["step"]), "task_reward": r.get("task_reward"), "samples": r.get("samples"),
-                "wall_s": r.get("wall_s")} for r in monitor.steps]
+    rewards = [{"step": int(r["step"]), "rollout_reward": r.get("rollout_reward"), "task_reward": r.get("task_reward"),
+                "samples": r.get("samples"), "wall_s": r.get("wall_s")} for r in monitor.steps]
     plot = None
-    points = [(float(r["step"]), float(r["task_reward"])) for r in rewards if r["task_reward"] is not None]
-    if points:
-        plot = str(line_plot(layout.root / "reward.png", [Series(points, PALETTE[0])]))
+    series = [Series([(float(r["step"]), float(r[key])) for r in rewards if r[key] is not None], colour)
+              for key, colour in (("rollout_reward", PALETTE[0]), ("task_reward", PALETTE[1]))]
+    if any(s.points for s in series):
+        plot = str(line_plot(layout.root / "reward.png", [s for s in series if s.points]))
 
     def who(node_id: str) -> dict[str, Any]:
         m = names.get(node_id)
@@ -117,6 +130,7 @@ def build_report(layout: DevnetLayout, monitor: Monitor, *, ready_at: float, end
         "steps": len(rewards),
         "rewards": rewards,
         "plot": plot,
+        "reward_trend": reward_trend(rewards),
         "leaderboard": [{**who(r["node_id"]), **{k: r[k] for k in (
             "rank", "accepted_files", "rejected_files", "accepted_samples", "score", "slashes", "banned")}}
             for r in board],
@@ -143,10 +157,16 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"devnet report ({r['stopped_by']}; {r['steps']} steps in {r['run_s']:.0f} s after "
              f"{r['setup_s']:.0f} s of set-up; files in {r['run_dir']})", "", "reward per step:"]
     for row in r["rewards"]:
-        reward = "-" if row["task_reward"] is None else f"{row['task_reward']:.3f}"
-        lines.append(f"  step {row['step']:>4}  task reward {reward}  ({row['samples']} samples, {row['wall_s']} s)")
+        rollouts = "-" if row.get("rollout_reward") is None else f"{row['rollout_reward']:.3f}"
+        batch = "-" if row["task_reward"] is None else f"{row['task_reward']:.3f}"
+        lines.append(f"  step {row['step']:>4}  rollouts {rollouts}  batch {batch}  "
+                     f"({row['samples']} samples, {row['wall_s']} s)")
+    if r.get("reward_trend"):
+        t = r["reward_trend"]
+        lines.append(f"  rollout reward, mean of the first {t['steps_per_window']} steps {t['first']:.3f} -> "
+                     f"of the last {t['steps_per_window']} {t['last']:.3f} ({t['change']:+.3f})")
     if r["plot"]:
-        lines.append(f"  plot: {r['plot']}")
+        lines.append(f"  plot: {r['plot']} (blue: rollout reward, all samples; red: the trained batch's)")
     lines += ["", "leaderboard:"]
     for row in r["leaderboard"]:
         role = row["name"] if row["name"] in ("operator", "unknown") else (

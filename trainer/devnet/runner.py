@@ -138,7 +138,7 @@ class Devnet:
     def _start(self) -> float:
         o, layout, view = self.options, self.layout, self.view
         view.message(f"run directory {layout.root}; logs in {layout.logs}")
-        trainer = self.group.start("trainer", layout.trainer_argv(o.steps), env=layout.env())
+        trainer = self.group.start("trainer", layout.trainer_argv(o.steps), env=layout.trainer_env())
         ready = wait_ready(trainer, "trainer", o.start_timeout_s)
         ready_at = time.time()
         view.message(f"trainer {ready['trainer'][:8]} serves step {ready['step']} at {ready['weights']}")

@@ -18,8 +18,9 @@ STATE_WIDTH = 44
 
 
 def header(snapshot: Snapshot, total_steps: int) -> str:
-    reward = "  -  " if snapshot.task_reward is None else f"{snapshot.task_reward:.3f}"
-    return (f"step {snapshot.step}/{total_steps}  task reward {reward}  verdicts: {snapshot.accepted_files} "
+    rollouts = "  -  " if snapshot.rollout_reward is None else f"{snapshot.rollout_reward:.3f}"
+    batch = "  -  " if snapshot.task_reward is None else f"{snapshot.task_reward:.3f}"
+    return (f"step {snapshot.step}/{total_steps}  reward: rollouts {rollouts} batch {batch}  verdicts: {snapshot.accepted_files} "
             f"accepted, {snapshot.rejected_files} rejected  validator queue {snapshot.queue_depth}")
 
 
@@ -57,7 +58,7 @@ class LiveView:
             self.stream.write(HOME_CLEAR + "\n".join(lines) + "\n")
         else:
             changes = []
-            key = (snapshot.step, None if snapshot.task_reward is None else round(snapshot.task_reward, 3))
+            key = (snapshot.step, snapshot.task_reward, snapshot.rollout_reward)
             if self._last.get("") != key:
                 self._last[""] = key
                 changes.append(header(snapshot, self.total_steps))
