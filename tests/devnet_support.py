@@ -10,6 +10,7 @@ from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.trainer.devnet.layout import Sizing
 from prime_node.trainer.devnet.processes import still_running
 from prime_node.trainer.devnet.runner import Devnet, DevnetOptions
+from prime_node.trainer.devnet.tasks import TaskFilter
 from prime_node.trainer.devnet.view import LiveView
 
 # Small work so a step needs a few files: 2 prompts x 2 samples per file, 8 samples per step. Length targets
@@ -25,11 +26,12 @@ def tiny_model(directory: Path) -> Path:
 
 
 def run_devnet(tmp_path: Path, *, nodes: int, attacks: list[str], steps: int, model: Path | None = None,
-               sizing: Sizing = SMALL) -> tuple[dict[str, Any], Devnet, str]:
+               sizing: Sizing = SMALL, task_filter: TaskFilter | None = None) -> tuple[dict[str, Any], Devnet, str]:
     """Run a devnet to completion; returns its report, the Devnet (for its PIDs) and the view's output."""
     out = io.StringIO()
     options = DevnetOptions(root=tmp_path / "run", model_dir=model or tiny_model(tmp_path / "model"), nodes=nodes,
-                            attacks=attacks, steps=steps, sizing=sizing, stall_timeout_s=240.0)
+                            attacks=attacks, steps=steps, sizing=sizing, stall_timeout_s=240.0,
+                            task_filter=task_filter)
     devnet = Devnet(options, LiveView(steps, stream=out, tty=False))
     report = devnet.run()
     return report, devnet, out.getvalue()

@@ -121,3 +121,14 @@ def test_live_view_prints_one_line_per_change() -> None:
     snap.step, snap.task_reward, snap.rollout_reward = 1, 0.5, 0.25  # a step: one header line with both rewards
     view.update(snap)
     assert "step 1/5  reward: rollouts 0.250 batch 0.500" in out.getvalue().splitlines()[-1]
+
+
+def test_report_counts_excused_rejections_apart_and_averages_the_reward_trend() -> None:
+    from prime_node.trainer.devnet.report import _excused, reward_trend
+
+    # A file whose checkpoint the validator had already dropped is not the honest node's fault.
+    assert _excused({"failed_check": "checkpoint_unavailable"}) and _excused({"failed_check": "banned"})
+    assert not _excused({"failed_check": "toploc"}) and not _excused({"failed_check": "schema"})
+    rows = [{"rollout_reward": r} for r in (0.2, 0.3, 0.1, 0.5, 0.5, 0.4, 0.6)] + [{"rollout_reward": None}]
+    assert reward_trend(rows) == {"steps_per_window": 2, "first": 0.25, "last": 0.5, "change": 0.25}
+    assert reward_trend(rows[:2]) is None

@@ -1,6 +1,6 @@
 """The devnet with its default settings makes the reward rise (read from the trainer's own metrics).
 
-Long (the warm start plus ~20 policy steps: 15-25 minutes on 2 cores), so it runs only when
+Long (the warm start, the task filter and 50 policy steps: 10-20 minutes on 2 cores), so it runs only when
 PRIME_NODE_LONG_TESTS=1 is set. It uses the default model (created by the devnet exactly as for a user,
 unless PRIME_NODE_DEVNET_MODEL points at one) and every RL default of the trainer and the nodes.
 """
@@ -16,9 +16,10 @@ import pytest
 
 from devnet_support import assert_all_gone, run_devnet
 from prime_node.trainer.devnet.layout import Sizing
+from prime_node.trainer.devnet.tasks import TaskFilter
 
-STEPS = 20
-WINDOW = 5  # steps averaged at each end: single batches are noisy
+STEPS = 50  # the devnet's default
+WINDOW = 16  # steps averaged at each end (a third of the run, as the report's trend): single batches are noisy
 RISE = 0.05  # absolute rollout-reward gain required between the first and the last window
 
 
@@ -30,7 +31,7 @@ RISE = 0.05  # absolute rollout-reward gain required between the first and the l
 def test_devnet_reward_rises_with_default_settings(tmp_path: Path) -> None:
     model = Path(os.environ.get("PRIME_NODE_DEVNET_MODEL", tmp_path / "model"))
     report, devnet, _ = run_devnet(tmp_path, nodes=3, attacks=["inflated-rewards"], steps=STEPS, model=model,
-                                   sizing=Sizing())
+                                   sizing=Sizing(), task_filter=TaskFilter())
     assert report["error"] is None, report["error"]
     assert_all_gone(devnet, report)
     records = [json.loads(line) for line in devnet.layout.metrics_path.read_text().splitlines() if line.strip()]

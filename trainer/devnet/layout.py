@@ -97,6 +97,10 @@ class DevnetLayout:
     sizing: Sizing = field(default_factory=Sizing)
     operator: Identity = field(init=False)
     members: list[Member] = field(default_factory=list)
+    tasks: Path | None = None  # the run's task file, given to every party; None: the built-in set
+
+    def task_flags(self) -> list[str]:
+        return [] if self.tasks is None else ["--tasks", str(self.tasks)]
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -152,7 +156,8 @@ class DevnetLayout:
     def trainer_argv(self, max_steps: int) -> list[str]:
         argv = [*CLI, "trainer", "--max-steps", str(max_steps), "--model", str(self.model_dir), "--key", str(self.root / "operator.key"),
                 "--data-dir", str(self.trainer_dir), "--run-id", self.run_id, "--swarm-run-id", self.run_id,
-                "--listen", LOOPBACK, "--http-port", "0", "--metrics-port", "0", "--threads", "1"]
+                "--listen", LOOPBACK, "--http-port", "0", "--metrics-port", "0", "--threads", "1",
+                *self.task_flags()]
         if self.sizing.batch_size is not None:
             argv += ["--batch-size", str(self.sizing.batch_size)]
         return argv
@@ -160,7 +165,7 @@ class DevnetLayout:
     def validator_argv(self, peers: list[str]) -> list[str]:
         argv = [*CLI, "validator", "--key", str(self.root / "operator.key"), "--data-dir", str(self.validator_dir),
                 "--run-id", self.run_id, "--listen", LOOPBACK, "--http-port", "0", "--threads", "1",
-                "--accepted-dir", str(self.trainer_dir / "accepted"), "--peers", *peers]
+                "--accepted-dir", str(self.trainer_dir / "accepted"), *self.task_flags(), "--peers", *peers]
         if self.sizing.samples is not None:
             argv += ["--samples", str(self.sizing.samples)]
         return argv
@@ -169,7 +174,7 @@ class DevnetLayout:
         head = [*CLI, "start"] if member.attack is None else [*ADVERSARY, "--attack", member.attack]
         return [*head, "--data-dir", str(member.data_dir), "--operator-key", self.operator.node_id,
                 "--run-id", self.run_id, "--peers", *peers, "--host-maddrs", LOOPBACK, "--threads", "1",
-                *self.sizing.node_flags()]
+                *self.task_flags(), *self.sizing.node_flags()]
 
     def trainer_env(self) -> dict[str, str]:
         return {**self.env(), **TRAINER_ENV}

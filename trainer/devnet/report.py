@@ -23,6 +23,7 @@ from typing import Any
 
 from ..ledger import Ledger
 from ..leaderboard import leaderboard
+from ..slashing import DEFAULT_CHECK_CLASSES, CheckClass
 from .layout import DevnetLayout
 from .monitor import Monitor
 from .plot import PALETTE, Series, line_plot
@@ -88,6 +89,10 @@ def timings(layout: DevnetLayout, monitor: Monitor, contributions: list[dict[str
     }
 
 
+def _excused(contribution: dict[str, Any]) -> bool:
+    return DEFAULT_CHECK_CLASSES.get(str(contribution["failed_check"])) == CheckClass.excused
+
+
 def reward_trend(rewards: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Mean rollout reward over the first and the last third of the steps (one step's 64 samples are too
     noisy to compare two single steps); None with fewer than three steps."""
@@ -122,6 +127,7 @@ def build_report(layout: DevnetLayout, monitor: Monitor, *, ready_at: float, end
         return {"name": name, "node_id": node_id, "attack": m.attack if m else None}
 
     honest_ids = {m.node_id for m in layout.members if m.attack is None}
+    honest_rejections = [c for c in contributions if c["node_id"] in honest_ids and not c["accepted"]]
     adversaries = [m for m in layout.members if m.attack is not None]
     banned_ids = {b["node_id"] for b in bans}
     return {
@@ -139,7 +145,10 @@ def build_report(layout: DevnetLayout, monitor: Monitor, *, ready_at: float, end
         "bans": [{**who(b["node_id"]), "reason": b["reason"][:300], "until": b["until"]} for b in bans],
         "honest": {
             "accepted_files": sum(1 for c in contributions if c["node_id"] in honest_ids and c["accepted"]),
-            "rejected_files": sum(1 for c in contributions if c["node_id"] in honest_ids and not c["accepted"]),
+            # Blamed rejections only; an excused one (the file's checkpoint already dropped because the file
+            # came late, a validator error) is not the node's fault and is counted apart.
+            "rejected_files": sum(1 for c in honest_rejections if not _excused(c)),
+            "excused_files": sorted(str(c["failed_check"]) for c in honest_rejections if _excused(c)),
         },
         "adversaries": [{**who(m.node_id), "banned": m.node_id in banned_ids,
                          "accepted_files": sum(1 for c in contributions if c["node_id"] == m.node_id and c["accepted"]),
@@ -178,7 +187,10 @@ def format_report(r: dict[str, Any]) -> str:
     for s in r["slashed"]:
         lines.append(f"  {s['name']:<22} -{s['amount']:g} ({s['class']}, {s['failed_check']}): {s['reason'][:140]}")
     h = r["honest"]
-    lines += ["", f"honest nodes: {h['accepted_files']} files accepted, {h['rejected_files']} rejected"]
+    excused = h.get("excused_files") or []
+    lines += ["", f"honest nodes: {h['accepted_files']} files accepted, {h['rejected_files']} rejected"
+              + (f" ({len(excused)} more not counted, not their fault: {', '.join(sorted(set(excused)))})"
+                 if excused else "")]
     for a in r["adversaries"]:
         lines.append(f"adversary {a['name']} ({a['attack']}): {'banned' if a['banned'] else 'NOT banned'}, "
                      f"{a['rejected_files']} rejected, {a['accepted_files']} accepted")

@@ -1,6 +1,7 @@
 """`prime-node devnet`: the whole swarm on one machine, started, watched, stopped and reported.
 
-Order: the model (created with `prime-node model init`'s code if missing) -> the trainer (origin of the
+Order: the model (created with `prime-node model init`'s code if missing) -> its task set (trainer/devnet/
+tasks.py, offline difficulty filtering, cached) -> the trainer (origin of the
 weights and first DHT peer) -> the validator (bootstrapped from the trainer) -> the contributors and the
 adversaries (bootstrapped from both). Each is a separate process with its own key and data directory,
 in its own session, so Ctrl-C reaches only this process, which then stops them in reverse order
@@ -26,6 +27,7 @@ from .layout import DevnetLayout, Sizing
 from .monitor import Monitor, Snapshot
 from .processes import Child, ProcessGroup, descendants, start_time, still_running
 from .report import build_report
+from .tasks import TaskFilter, filtered_tasks
 from .view import LiveView
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class DevnetOptions:
     steps: int = 10
     run_id: str = "devnet"
     sizing: Sizing = field(default_factory=Sizing)
+    task_filter: TaskFilter | None = field(default_factory=TaskFilter)  # None: the whole built-in set
     start_timeout_s: float = 300.0  # each of trainer and validator to print its ready line
     stall_timeout_s: float = 900.0  # no new policy step for this long: something is wrong, stop
     ban_wait_s: float = 300.0  # after the last step, how long to wait for every adversary to be banned
@@ -118,6 +121,9 @@ class Devnet:
         stopped_by, error = f"{o.steps} steps done", None
         try:
             ensure_model(o.model_dir, self.view)
+            if o.task_filter is not None:
+                self.layout.tasks, summary = filtered_tasks(o.model_dir, o.task_filter)
+                self.view.message(summary)
             ready_at = self._start()
             setup_s = ready_at - began
             self._watch()

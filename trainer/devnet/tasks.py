@@ -1,0 +1,61 @@
+"""The devnet's task set: the built-in problems the default model can learn from, filtered once and cached.
+
+INTELLECT-2's offline difficulty filtering (node/tasks/difficulty.py, `prime-node tasks filter`): each of the
+first `count` built-in problems gets 8 samples from the genesis model, and those it solves 1 to 4 times in 8
+are kept. Problems it always or never solves give groups with equal rewards, which the trainer discards after
+they cost a generation; on the full mix that is most of them, and a few dozen steps show no trend. The file
+is named after the model's weights digest, so a rebuilt model gets a new one; every party of the run (trainer,
+validator, contributors) is given the same file with `--tasks`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...node.tasks.difficulty import in_band, write_task_file
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TaskFilter:
+    count: int = 1200  # built-in problems estimated (indices 0..count-1): about 140 kept for the default model
+    k: int = 8
+    low: float = 0.125
+    high: float = 0.5
+    max_new_tokens: int = 16  # the answers are at most 5 characters; a sample that runs on is wrong anyway
+
+
+def task_file_for(model_dir: Path) -> Path:
+    digest = hashlib.sha256((model_dir / WEIGHTS_FILE).read_bytes()).hexdigest()[:16]
+    return model_dir.parent / f"{model_dir.name}-tasks-{digest}.jsonl"
+
+
+def filtered_tasks(model_dir: Path, spec: TaskFilter) -> tuple[Path | None, str]:
+    """The cached task file for this model (built when missing), or None when no problem is in the band;
+    with a one-line summary for the operator."""
+    out = task_file_for(model_dir)
+    if out.is_file():
+        return out, f"tasks: {out.name} (cached)"
+    from transformers import AutoTokenizer  # imports torch: only when the file has to be built
+
+    from ...node.engine import load_engine
+    from ...node.tasks import open_task_set
+    from ...node.tasks.difficulty import estimate_pass_rates
+
+    started = time.perf_counter()
+    engine = load_engine(model_dir, threads=1, max_batch_size=128)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    estimates = estimate_pass_rates(engine, tokenizer, open_task_set(None), list(range(spec.count)), k=spec.k,
+                                    max_new_tokens=spec.max_new_tokens, tasks_per_batch=128 // spec.k)
+    kept = in_band(estimates, spec.low, spec.high)
+    took = time.perf_counter() - started
+    if not kept:
+        return None, (f"tasks: no built-in problem of the first {spec.count} is solved {spec.low:g}-{spec.high:g} of "
+                      f"the time by this model ({took:.0f} s); using the whole built-in set")
+    write_task_file(out, kept)
+    return out, (f"tasks: kept {len(kept)} of the first {spec.count} built-in problems, those the model solves "
+                 f"{round(spec.low * spec.k)} to {round(spec.high * spec.k)} times in {spec.k} ({took:.0f} s) -> {out.name}")
