@@ -132,3 +132,19 @@ def test_report_counts_excused_rejections_apart_and_averages_the_reward_trend() 
     rows = [{"rollout_reward": r} for r in (0.2, 0.3, 0.1, 0.5, 0.5, 0.4, 0.6)] + [{"rollout_reward": None}]
     assert reward_trend(rows) == {"steps_per_window": 2, "first": 0.25, "last": 0.5, "change": 0.25}
     assert reward_trend(rows[:2]) is None
+
+
+def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tmp_path: Path) -> None:
+    from prime_node.node.tasks import open_task_set
+    from prime_node.trainer.devnet.tasks import TaskFilter, filtered_tasks
+
+    model = tiny_model(tmp_path / "tiny")  # untrained: solves nothing
+    assert filtered_tasks(model, TaskFilter(count=16, max_new_tokens=4))[0] is None  # empty band: full set
+    everything = TaskFilter(count=16, low=0.0, high=1.0, max_new_tokens=4)
+    path, summary = filtered_tasks(model, everything)
+    assert path is not None and path.parent == tmp_path and "kept 16 of the first 16" in summary
+    assert [open_task_set(path).get(i).prompt for i in range(16)] == [open_task_set(None).get(i).prompt
+                                                                        for i in range(16)]
+    again, summary = filtered_tasks(model, everything)
+    assert again == path and "cached" in summary
+    assert filtered_tasks(model, TaskFilter(count=8, low=0.0, high=1.0, max_new_tokens=4))[0] != path

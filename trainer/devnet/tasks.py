@@ -4,7 +4,7 @@ INTELLECT-2's offline difficulty filtering (node/tasks/difficulty.py, `prime-nod
 first `count` built-in problems gets 8 samples from the genesis model, and those it solves 1 to 4 times in 8
 are kept. Problems it always or never solves give groups with equal rewards, which the trainer discards after
 they cost a generation; on the full mix that is most of them, and a few dozen steps show no trend. The file
-is named after the model's weights digest, so a rebuilt model gets a new one; every party of the run (trainer,
+is named after the model's weights and the filter's parameters, so a rebuilt model gets a new one; every party of the run (trainer,
 validator, contributors) is given the same file with `--tasks`.
 """
 
@@ -29,15 +29,16 @@ class TaskFilter:
     max_new_tokens: int = 16  # the answers are at most 5 characters; a sample that runs on is wrong anyway
 
 
-def task_file_for(model_dir: Path) -> Path:
-    digest = hashlib.sha256((model_dir / WEIGHTS_FILE).read_bytes()).hexdigest()[:16]
+def task_file_for(model_dir: Path, spec: TaskFilter) -> Path:
+    """Named after the weights and the filter's parameters: a rebuilt model or another band gets a new file."""
+    digest = hashlib.sha256((model_dir / WEIGHTS_FILE).read_bytes() + repr(spec).encode()).hexdigest()[:16]
     return model_dir.parent / f"{model_dir.name}-tasks-{digest}.jsonl"
 
 
 def filtered_tasks(model_dir: Path, spec: TaskFilter) -> tuple[Path | None, str]:
     """The cached task file for this model (built when missing), or None when no problem is in the band;
     with a one-line summary for the operator."""
-    out = task_file_for(model_dir)
+    out = task_file_for(model_dir, spec)
     if out.is_file():
         return out, f"tasks: {out.name} (cached)"
     from transformers import AutoTokenizer  # imports torch: only when the file has to be built
