@@ -26,8 +26,6 @@ RISE = 0.05  # absolute rollout-reward gain required between the first and the l
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.skipif(os.environ.get("PRIME_NODE_LONG_TESTS") != "1", reason="long: set PRIME_NODE_LONG_TESTS=1")
-@pytest.mark.xfail(strict=False, reason="the RL defaults (lr, batch, warm start, task mix) are still being tuned; "
-                   "benchmarks/learning.py had not shown a reliable rise yet (docs/trainer.md)")
 def test_devnet_reward_rises_with_default_settings(tmp_path: Path) -> None:
     model = Path(os.environ.get("PRIME_NODE_DEVNET_MODEL", tmp_path / "model"))
     report, devnet, _ = run_devnet(tmp_path, nodes=3, attacks=["inflated-rewards"], steps=STEPS, model=model,

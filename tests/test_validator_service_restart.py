@@ -86,6 +86,9 @@ async def test_sigkilled_validator_gives_each_spooled_file_one_verdict_after_res
             for path, envelope in files:
                 await sender.send_rollout(path, envelope)  # each receipt means: spooled and fsynced
         await wait_until(lambda: _async(files[0][1].sha256 in _verdicts(data)), 30)
+        # The verdict is recorded before the accepted file is delivered and leaves the spool: wait for both,
+        # so the kill finds exactly the two undecided files spooled.
+        await wait_until(lambda: _async(len(list((data / "spool").glob("*.parquet"))) == 2), 30)
         before = _verdicts(data)
         assert set(before) == {files[0][1].sha256}  # the two step-1 files are spooled, undecided
         os.killpg(first.pid, signal.SIGKILL)  # the validator, its DHT child and p2pd, no cleanup
