@@ -132,6 +132,10 @@ def _bad(row: int, message: str) -> RolloutFileError:
 
 def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits) -> None:
     """Value bounds of one row; `first` carries the values every row of a file must share."""
+    # Finiteness first: NaN differs from itself, so the shared-field comparison would misname the fault.
+    for name in ("temperature", "task_reward", "length_penalty", "reward"):
+        if not math.isfinite(getattr(r, name)):
+            raise _bad(i, f"{name} is not a finite number ({getattr(r, name)})")
     for name in ("run_id", "node_id", "policy_step", "batch_counter", "temperature", "max_new_tokens"):
         if getattr(r, name) != getattr(first, name):
             raise _bad(i, f"{name} {getattr(r, name)!r} differs from row 0 ({getattr(first, name)!r})")
@@ -144,9 +148,6 @@ def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits) -
             raise _bad(i, f"{name} is negative")
     if not 0 <= r.sample_seed <= MAX_SEED:
         raise _bad(i, "sample seed is negative")
-    for name in ("temperature", "task_reward", "length_penalty", "reward"):
-        if not math.isfinite(getattr(r, name)):
-            raise _bad(i, f"{name} is not a finite number ({getattr(r, name)})")
     if not 0 < r.temperature <= limits.max_temperature:
         raise _bad(i, f"temperature {r.temperature} outside (0, {limits.max_temperature}]")
     if not 1 <= r.max_new_tokens <= limits.max_new_tokens:

@@ -165,6 +165,9 @@ def test_value_bounds(tmp_path: Path, changes: dict, match: str):
 def test_rows_must_share_the_batch_header(tmp_path: Path):
     path = _write_raw(tmp_path / "g.parquet", encode_rows([_row(0), _row(1, policy_step=4)]))
     _rejects(path, "row 1: policy_step 4 differs", "bounds")
+    # NaN differs from itself: a NaN temperature on every row is named as non-finite, not as a header mismatch.
+    path = _write_raw(tmp_path / "n.parquet", encode_rows([_row(i, temperature=float("nan")) for i in range(2)]))
+    _rejects(path, r"row 0: temperature is not a finite number \(nan\)", "bounds")
     path = _write_raw(tmp_path / "h.parquet", encode_rows([_row(i) for i in range(3)]))
     _rejects(path, "3 rows, over the limit 2", "bounds", limits=RolloutLimits(max_rows=2))
 
