@@ -7,6 +7,7 @@ replayable Gumbel-max sampler, commits to the hidden states that produced each o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -43,6 +44,11 @@ class ProducedBatch:
     rows: list[RolloutRow]
     generation_seconds: float
     proof_seconds: float
+    # CPU seconds of the producing thread: generation; proofs, rewards and rows; the signed file. Unlike
+    # wall time, not moved by other jobs on the machine (docs/node.md's throughput profile uses them).
+    generation_cpu_s: float = 0.0
+    proof_cpu_s: float = 0.0
+    file_cpu_s: float = 0.0
 
 
 def produce_rows(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> ProducedBatch:
@@ -51,9 +57,9 @@ def produce_rows(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: B
                         task_count=tasks.task_count, prompts=spec.prompts, samples=spec.samples)
     pairs = list(assignment.rows())
     requests = [SampleRequest(prompt_ids=tasks.prompt_ids(index, seed), seed=seed) for index, seed in pairs]
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     completions = engine.generate(requests, SamplingParams(spec.max_new_tokens, spec.temperature))
-    generated = time.perf_counter()
+    generated, generated_cpu = time.perf_counter(), time.thread_time()
     if any(c.hidden_states is None for c in completions):
         raise NodeError("the engine returned no hidden states; proofs need them (capture_hidden=True)")
     proofs = build_proofs([c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))]
@@ -70,9 +76,11 @@ def produce_rows(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: B
             task_reward=task_reward, length_penalty=penalty, reward=task_reward - penalty,
             target_length=target, proof=proof,
         ))
-    logger.info("batch %d: %d samples generated in %.2fs, proofs in %.3fs",
-                spec.batch_counter, len(rows), generated - start, proved - generated)
-    return ProducedBatch(rows, generated - start, proved - generated)
+    done_cpu = time.thread_time()
+    logger.info("batch %d: %d samples generated in %.2fs (%.3f CPU-s), proofs and rewards in %.3f CPU-s",
+                spec.batch_counter, len(rows), generated - start, generated_cpu - start_cpu, done_cpu - generated_cpu)
+    return ProducedBatch(rows, generated - start, proved - generated, generated_cpu - start_cpu,
+                         done_cpu - generated_cpu)
 
 
 def produce_rollout_file(
@@ -80,5 +88,6 @@ def produce_rollout_file(
 ) -> ProducedBatch:
     """produce_rows, then write and sign `out` (and `out`.sig)."""
     batch = produce_rows(engine, tasks, identity.node_id, spec)
+    started = time.thread_time()
     write_rollout_file(out, batch.rows, identity)
-    return batch
+    return dataclasses.replace(batch, file_cpu_s=time.thread_time() - started)

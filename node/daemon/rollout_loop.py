@@ -142,6 +142,7 @@ class RolloutLoop:
         mean_reward = sum(r.reward for r in batch.rows) / len(batch.rows)
         summary = (f"batch {spec.batch_counter} of step {step}: {len(batch.rows)} samples, {tokens} tokens, "
                    f"{self.state.tokens_per_second or 0:.0f} tok/s, mean reward {mean_reward:.3f}")
-        logger.debug("%s committed as %s", summary, entry.sha256)
+        logger.debug("%s committed as %s; CPU-s: generation %.3f, proofs and rewards %.3f, file %.3f", summary,
+                     entry.sha256, batch.generation_cpu_s, batch.proof_cpu_s, batch.file_cpu_s)
         if self.on_committed is not None:
             self.on_committed(entry.sha256, summary)
