@@ -90,7 +90,9 @@ async def test_contributor_daemon_end_to_end(tmp_path: Path) -> None:
                 node = procs.start("node-2", argv, env=NODE_ENV)
                 await poll(lambda: unacknowledged <= {r.envelope.sha256 for r in received}, 90, "the resend", node)
                 assert {r.envelope.node_id for r in received} == {node_id.node_id}
-                assert not pending_shas(data_dir) & unacknowledged
+                # The validator holds the body before the node has its receipt: the outbox entry moves to
+                # sent/ a moment later.
+                await poll(lambda: not pending_shas(data_dir) & unacknowledged, 30, "the receipts", node)
 
                 status = await poll(lambda: (s := node_status(data_dir)) and s["rollouts"]["handed_off"] >= 1
                                     and s["rollouts"]["generated"] >= 1 and s,
