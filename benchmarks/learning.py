@@ -32,7 +32,6 @@ from prime_node.node.engine import load_engine
 from prime_node.node.models.warmstart import WarmStartConfig, evaluate, init_model_dir
 from prime_node.node.producer import BatchSpec, produce_rollout_file
 from prime_node.node.tasks import open_task_set
-from prime_node.node.tasks.difficulty import estimate_pass_rates, histogram, in_band, write_task_file
 from prime_node.node.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
@@ -41,6 +40,7 @@ from prime_node.trainer.batch_buffer import BatchBuffer, RolloutRecord
 from prime_node.trainer.config import TrainerSettings
 from prime_node.trainer.consumed import ConsumedLedger
 from prime_node.trainer.inbox import Inbox
+from prime_node.trainer.devnet.tasks import TaskFilter, filtered_tasks
 from prime_node.trainer.learner import Learner
 
 RUN_ID = "learning-bench"
@@ -91,21 +91,6 @@ def without_heldout(record: RolloutRecord, first_heldout: int) -> RolloutRecord:
     return record if len(kept) == len(record.samples) else replace(record, samples=kept)
 
 
-def filtered_tasks(model_dir: Path, count: int, low: float, high: float, out: Path) -> Path:
-    """Offline difficulty filtering (node/tasks/difficulty.py, as `prime-node tasks filter`): the first
-    `count` problems of the built-in family, 8 samples each with the warm-started model, kept when their pass
-    rate lies in [low, high]. Those indices lie far below the held-out range, so no held-out problem is kept."""
-    engine = load_engine(model_dir, threads=1, max_batch_size=256)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    estimates = estimate_pass_rates(engine, tokenizer, open_task_set(None), list(range(count)), k=8,
-                                    max_new_tokens=8, tasks_per_batch=32)
-    kept = in_band(estimates, low, high)
-    write_task_file(out, kept)
-    print(f"offline filter: kept {len(kept)} of {count} problems with pass rate in [{low}, {high}] "
-          f"(passes/8 histogram {histogram(estimates, 8)})", flush=True)
-    return out
-
-
 def fmt_levels(by_level: dict[int, float]) -> str:
     return " ".join(f"L{k} {v:.2f}" for k, v in sorted(by_level.items()))
 
@@ -154,7 +139,12 @@ def main() -> int:
     learner.resume()
     buffer = BatchBuffer(ledger, batch_size=settings.batch_size, async_level=settings.async_level)
     inbox = Inbox(work / "accepted", RUN_ID)
-    task_source = filtered_tasks(model_dir, args.filter, *args.band, work / "tasks.jsonl") if args.filter else None
+    task_source = None
+    if args.filter:  # offline difficulty filtering, as the devnet does (cached beside the model)
+        low, high = args.band
+        task_source, summary = filtered_tasks(model_dir, TaskFilter(count=args.filter, low=low, high=high,
+                                                                    max_new_tokens=args.max_new_tokens))
+        print(f"offline filter: {summary}", flush=True)
     tasks = RunTasks(open_task_set(task_source), learner.tokenizer)
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=0, samples_per_prompt=args.samples)
     # A filtered file holds problems of indices below --filter only; otherwise drop the held-out ones.

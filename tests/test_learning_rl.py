@@ -35,7 +35,7 @@ WINDOW = 25  # steps averaged at each end
 PROMPTS, SAMPLES, MAX_NEW = 16, 8, 8
 
 
-def test_positive_advantage_grpo_raises_the_sampled_reward(tmp_path: Path) -> None:
+def test_grpo_raises_the_sampled_reward_of_a_briefly_warm_started_model(tmp_path: Path) -> None:
     model, tokenizer = build_tiny_model(0)
     warm_start(model, tokenizer, WarmStartConfig(steps=150, eval_size=50))
     engine = HFEngine(model, max_batch_size=128)
