@@ -4,11 +4,16 @@ rollouts produced by the real engine and accepted by the real verifier; held-out
 Each step: load the engine from the newest published checkpoint, produce `--files` signed rollout files
 exactly as contributors do (assigned tasks, Gumbel sampling, TOPLOC proofs), verify each with the validator's
 checks, read them back through the trainer's inbox reader, train one GRPO rollout step with the Learner
-(trainer/learner.py) and publish the next checkpoint. Held-out accuracy is the warm start's own greedy
-exact-match evaluation (the last `eval_size` problems of the family; samples of those problems are dropped
-before the trainer sees them, so they are never trained on).
+(trainer/learner.py) and publish the next checkpoint. Held-out accuracy is greedy exact match on problems
+never trained on (class HeldOut): the warm start's own evaluation set (`mix`), and with --heldout-filter the
+unseen problems of the run's filtered distribution (`band`); with --filter, also the held-out problems whose
+prompt text is absent from the training set (`mix-new`, `band-new`). Everything is seeded (--seed).
 
     .venv/bin/python benchmarks/learning.py --model DIR --steps 30 --out reward.png
+    # the recorded run (docs/trainer.md, "Does it learn?", section 5):
+    .venv/bin/python benchmarks/learning.py --sft-steps 150 --filter 4000 --heldout-filter 4000 --steps 400 \
+        --files 1 --prompts 32 --samples 8 --batch-size 96 --optimizer-steps 1 --lr 3e-4 --warmup 5 \
+        --negative-weight 0 --decay --eval-every 40 --minutes 20
 
 Without --model the warm start runs first (a few minutes). The PNG is drawn by a small pure-Python writer
 (zlib + struct) since matplotlib is not a dependency. Prints one line per step and a summary.
@@ -17,6 +22,8 @@ Without --model the warm start runs first (a few minutes). The PNG is drawn by a
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import struct
 import sys
 import tempfile
@@ -29,9 +36,10 @@ import torch
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
-from prime_node.node.models.warmstart import WarmStartConfig, evaluate, init_model_dir
+from prime_node.node.models.warmstart import WarmStartConfig, greedy_accuracy, init_model_dir
 from prime_node.node.producer import BatchSpec, produce_rollout_file
 from prime_node.node.tasks import open_task_set
+from prime_node.node.tasks.types import Task
 from prime_node.node.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
@@ -75,10 +83,57 @@ def write_png(path: Path, series: list[tuple[list[tuple[float, float]], tuple[in
     path.write_bytes(png + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
-def heldout_accuracy(checkpoint: Path, eval_size: int) -> tuple[float, dict[int, float]]:
-    model = load_engine(checkpoint, threads=1).model  # type: ignore[attr-defined]
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-    return evaluate(model, tokenizer, WarmStartConfig(eval_size=eval_size))
+class HeldOut:
+    """The held-out sets, evaluated by greedy exact match at every evaluation.
+
+    `mix`: the last `eval_size` problems of the built-in family (the warm start's own evaluation).
+    `band`: with --heldout-filter N, those of the last N problems whose pass@8 with the warm start lies in the
+    training band: problems of the run's own (filtered) task distribution, filtered exactly as the training set
+    was. Neither is ever trained on (`first_heldout` bounds the training indices).
+
+    Held out by index is not held out by content: the family has only 200 distinct level-1 problems (and
+    about 16,000 at level 2), so most held-out level-1 prompts also occur among the training problems. With a
+    training task file the prompts are known, and `mix-new` / `band-new` are the held-out problems whose
+    prompt text is not in it: what the policy never saw, hence the measure of learning that generalises.
+    """
+
+    def __init__(self, eval_size: int, band: list[Task], training_prompts: set[str] | None) -> None:
+        config = WarmStartConfig(eval_size=eval_size)
+        family = config.eval_tasks()
+        self.max_new_tokens = config.eval_max_new_tokens
+        self.sets = {"mix": [family.get(i) for i in range(len(family) - eval_size, len(family))]}
+        if band:
+            self.sets["band"] = band
+        if training_prompts is not None:
+            for name in list(self.sets):
+                new = [t for t in self.sets[name] if t.prompt not in training_prompts]
+                if new:
+                    self.sets[f"{name}-new"] = new
+
+    def evaluate(self, checkpoint: Path) -> dict[str, tuple[float, dict[int, float]]]:
+        model = load_engine(checkpoint, threads=1).model  # type: ignore[attr-defined]
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+        return {name: greedy_accuracy(model, tokenizer, tasks, self.max_new_tokens)
+                for name, tasks in self.sets.items()}
+
+    def line(self, step: int, results: dict[str, tuple[float, dict[int, float]]]) -> str:
+        return f"step {step} held-out " + "; ".join(
+            f"{name} ({len(self.sets[name])}) {acc:.3f} [{fmt_levels(levels)}]" for name, (acc, levels) in results.items())
+
+
+def task_file_column(path: Path, column: str) -> list[str]:
+    """One column of a task file this benchmark wrote (trusted: our own JSONL)."""
+    return [json.loads(line)[column] for line in path.read_text().splitlines() if line]
+
+
+def band_heldout(model_dir: Path, filter_spec: TaskFilter) -> list[Task]:
+    """The held-out problems of the training band (indices given by `filter_spec`), as built-in tasks."""
+    path, summary = filtered_tasks(model_dir, filter_spec)
+    print(f"held-out band: {summary}", flush=True)
+    if path is None:
+        return []
+    family = open_task_set(None)  # the file's `source_index` column names each problem
+    return [family.get(int(index)) for index in task_file_column(path, "source_index")]
 
 
 def without_heldout(record: RolloutRecord, first_heldout: int) -> RolloutRecord:
@@ -106,6 +161,9 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default: prompts x samples)")
     p.add_argument("--optimizer-steps", type=int, default=TrainerSettings().optimizer_steps_per_batch)
     p.add_argument("--warmup", type=int, default=TrainerSettings().warmup_steps)
+    p.add_argument("--decay", action="store_true",
+                   help="decay the lr linearly to --min-lr-ratio over the run's optimizer steps (trainer decay_steps)")
+    p.add_argument("--min-lr-ratio", type=float, default=TrainerSettings().min_lr_ratio)
     p.add_argument("--negative-weight", type=float, default=TrainerSettings().negative_weight,
                    help="weight of negative advantages (trainer negative_weight)")
     p.add_argument("--temperature", type=float, default=TrainerSettings().temperature)
@@ -115,8 +173,11 @@ def main() -> int:
                    help="train on the problems among the first N whose pass@8 estimate lies in the band (0: all)")
     p.add_argument("--band", type=float, nargs=2, default=(0.125, 0.875), metavar=("MIN", "MAX"))
     p.add_argument("--eval-size", type=int, default=WarmStartConfig().eval_size)
+    p.add_argument("--heldout-filter", type=int, default=0,
+                   help="also evaluate on those of the family's last N problems that lie in the training band")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--minutes", type=float, default=20.0, help="stop after this much wall time")
+    p.add_argument("--seed", type=int, default=0, help="seeds the node and operator keys (hence the task assignment)")
     p.add_argument("--out", type=Path, default=Path("learning.png"))
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -127,12 +188,16 @@ def main() -> int:
         model_dir = work / "warm"
         init_model_dir(model_dir, 0, WarmStartConfig(steps=args.sft_steps))
         print(f"warm start: {args.sft_steps} steps, {time.process_time() - cpu0:.0f} s CPU", flush=True)
-    operator, node = Identity.generate(), Identity.generate()
+    # Seeded identities: the node id seeds the task assignment, so a random key would make every run differ.
+    operator, node = (Identity.from_seed(hashlib.sha256(f"learning-bench/{who}/{args.seed}".encode()).digest())
+                      for who in ("operator", "node"))
     settings = TrainerSettings(lr=args.lr, warmup_steps=args.warmup,
                                batch_size=args.batch_size or args.prompts * args.samples,
                                optimizer_steps_per_batch=args.optimizer_steps, temperature=args.temperature,
                                micro_batch_tokens=256, async_level=1, kl_coef=0.0,
-                               negative_weight=args.negative_weight)
+                               negative_weight=args.negative_weight,
+                               decay_steps=args.steps * args.optimizer_steps if args.decay else 0,
+                               min_lr_ratio=args.min_lr_ratio)
     store = Store(work / "weights")
     ledger = ConsumedLedger(work / "consumed.sqlite")
     learner = Learner(settings, model_dir, work / "states", store, ledger, operator, RUN_ID)
@@ -146,13 +211,25 @@ def main() -> int:
                                                                     max_new_tokens=args.max_new_tokens))
         print(f"offline filter: {summary}", flush=True)
     tasks = RunTasks(open_task_set(task_source), learner.tokenizer)
-    verifier = VerifierSettings(run_id=RUN_ID, run_seed=0, samples_per_prompt=args.samples)
+    verifier = VerifierSettings(run_id=RUN_ID, run_seed=args.seed, samples_per_prompt=args.samples)
     # A filtered file holds problems of indices below --filter only; otherwise drop the held-out ones.
-    first_heldout = tasks.task_count if task_source else tasks.task_count - args.eval_size
+    held_out_count = max(args.eval_size, args.heldout_filter)
+    first_heldout = tasks.task_count if task_source else tasks.task_count - held_out_count
+    band: list[Task] = []
+    if args.heldout_filter:
+        family_size = len(open_task_set(None))
+        if args.filter and args.filter > family_size - args.heldout_filter:
+            raise SystemExit("--filter and --heldout-filter overlap: the held-out band must lie past the training one")
+        low, high = args.band
+        band = band_heldout(model_dir, TaskFilter(count=args.heldout_filter, low=low, high=high,
+                                                  max_new_tokens=args.max_new_tokens,
+                                                  offset=family_size - args.heldout_filter))
+    training_prompts = set(task_file_column(task_source, "prompt")) if task_source else None
+    held_out = HeldOut(args.eval_size, band, training_prompts)
     rewards: list[tuple[float, float]] = []
-    acc0, levels0 = heldout_accuracy(model_dir, args.eval_size)
-    accuracy = [(0, acc0)]
-    print(f"step 0 held-out accuracy {acc0:.3f} ({fmt_levels(levels0)})", flush=True)
+    results = held_out.evaluate(model_dir)
+    accuracy = {name: [(0.0, acc)] for name, (acc, _) in results.items()}
+    print(held_out.line(0, results), flush=True)
     started, cpu_start = time.perf_counter(), time.process_time()
     raw: list[float] = []  # task reward of every rollout produced since the last step, before filtering
     counter = 0  # the node's batch counter: never reused, or it would regenerate the same (known) file
@@ -161,7 +238,7 @@ def main() -> int:
         engine = load_engine(ckpt, threads=1)
         for f in range(args.files):
             counter += 1
-            spec = BatchSpec(run_id=RUN_ID, run_seed=0, policy_step=learner.step, batch_counter=counter,
+            spec = BatchSpec(run_id=RUN_ID, run_seed=args.seed, policy_step=learner.step, batch_counter=counter,
                              prompts=args.prompts, samples=args.samples, temperature=args.temperature,
                              max_new_tokens=args.max_new_tokens)
             path = inbox.directory / f"s{learner.step}-b{counter}.parquet"
@@ -192,18 +269,23 @@ def main() -> int:
               f"{time.process_time() - cpu_start:.0f} s CPU)", flush=True)
         out_of_time = time.perf_counter() - started > 60 * args.minutes
         if learner.step % args.eval_every == 0 or step == args.steps - 1 or out_of_time:
-            acc, levels = heldout_accuracy(store.version_dir(learner.step) / CHECKPOINT_NAME, args.eval_size)
-            accuracy.append((learner.step, acc))
-            print(f"step {learner.step} held-out accuracy {acc:.3f} ({fmt_levels(levels)})", flush=True)
+            results = held_out.evaluate(store.version_dir(learner.step) / CHECKPOINT_NAME)
+            for name, (acc, _) in results.items():
+                accuracy[name].append((float(learner.step), acc))
+            print(held_out.line(learner.step, results), flush=True)
         if out_of_time:
             break
     ledger.close()
-    points = [(float(step), acc) for step, acc in accuracy]
-    write_png(args.out, [(rewards, (30, 90, 200)), (points, (200, 60, 30))], x_max=max(learner.step, 1))
-    first, last = accuracy[0][1], accuracy[-1][1]
-    print(f"held-out accuracy {first:.3f} -> {last:.3f} ({100 * (last - first):+.1f} points) in {learner.step} steps, "
-          f"{time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_start:.0f} s CPU (1 thread); "
-          f"reward curve (blue: rollout reward before filtering, red: held-out accuracy) -> {args.out}")
+    colors = {"mix": (200, 60, 30), "band": (40, 150, 60), "mix-new": (230, 150, 40), "band-new": (120, 60, 160)}
+    write_png(args.out, [(rewards, (30, 90, 200))] + [(points, colors[name]) for name, points in accuracy.items()],
+              x_max=max(learner.step, 1))
+    for name, points in accuracy.items():
+        first, last = points[0][1], points[-1][1]
+        print(f"held-out {name} ({len(held_out.sets[name])} problems) accuracy {first:.3f} -> {last:.3f} "
+              f"({100 * (last - first):+.1f} points, best {max(a for _, a in points):.3f})")
+    print(f"{learner.step} steps, {time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_start:.0f} s "
+          f"CPU (1 thread); reward curve (blue: rollout reward before filtering; held-out red: mix, green: band, orange: "
+          f"mix-new, purple: band-new) -> {args.out}")
     return 0
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import statistics
@@ -37,7 +38,7 @@ import psutil
 import pyarrow.parquet as pq
 
 from prime_node.node.engine import InferenceEngine, SampleRequest, SamplingParams, load_engine
-from prime_node.node.models.tiny import build_tiny_model, save_model_dir
+from prime_node.node.models.tiny import TinyModelShape, build_tiny_model, save_model_dir
 from prime_node.node.run_config import RunSettings, load_run_tasks
 from prime_node.node.validation import RunTasks
 from prime_node.p2p.identity import Identity
@@ -194,6 +195,13 @@ async def run_pairs(args: argparse.Namespace, ckpt: Path, node_key: Path, work: 
         await swarm.leave()
 
 
+def describe_model(ckpt: Path) -> str:
+    config = json.loads((ckpt / "config.json").read_text())
+    params = sum(p.numel() for p in load_engine(ckpt, threads=1).model.parameters())  # type: ignore[attr-defined]
+    return (f"{ckpt.name}: hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+            f"{params / 1e6:.1f} M parameters")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="HF model directory (default: embedded tiny model)")
@@ -203,6 +211,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=7, help="interleaved bare/node batch pairs")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--hidden-size", type=int, default=TinyModelShape().hidden_size,
+                        help="without --model: width of the generated model (the embedded tiny model's by default; "
+                        "wider shows how the overhead shrinks as generation grows); MLP 3x, heads of 32")
+    parser.add_argument("--layers", type=int, default=TinyModelShape().num_hidden_layers)
     args = parser.parse_args()
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
@@ -212,7 +224,12 @@ def main() -> None:
         ckpt = args.model
         if ckpt is None:
             ckpt = work / "ckpt"
-            save_model_dir(*build_tiny_model(seed=0), ckpt)
+            heads = max(args.hidden_size // 32, 1)
+            shape = TinyModelShape(hidden_size=args.hidden_size, intermediate_size=3 * args.hidden_size,
+                                   num_hidden_layers=args.layers, num_attention_heads=heads,
+                                   num_key_value_heads=max(heads // 2, 1))
+            save_model_dir(*build_tiny_model(seed=0, shape=shape), ckpt)
+        ckpt_label = describe_model(ckpt)
         key = Identity.generate()
         key.save(work / "node.key")
         bare = Bare(args, ckpt, key.node_id)
@@ -225,6 +242,7 @@ def main() -> None:
     cpu = [b.cpu_s / n.cpu_s for b, n in pairs]  # node throughput / bare throughput, per pair (same tokens)
     wall = [b.wall_s / n.wall_s for b, n in pairs]
     tokens = sum(n.tokens for _, n in pairs)
+    print(f"model: {ckpt_label}")
     print(f"{len(pairs)} pairs of {args.prompts} prompts x {args.samples} samples, <= {args.new_tokens} new tokens "
           f"({tokens} tokens per side), {'cuda' if args.gpu else f'cpu, {args.threads} torch thread(s)'}; "
           f"load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -17,6 +17,7 @@ from prime_node.trainer.schedule import (
     build_optimizer,
     build_scheduler,
     split_evenly,
+    lr_factor,
     warmup_factor,
 )
 
@@ -61,6 +62,21 @@ def test_loads_from_toml_env_and_flags(tmp_path: Path) -> None:
 def test_linear_warmup_then_constant() -> None:
     assert [warmup_factor(k, 4) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert warmup_factor(0, 0) == 1.0
+    assert [lr_factor(k, 4) for k in (0, 3, 100)] == [0.25, 1.0, 1.0]  # no decay by default
+
+
+def test_linear_decay_after_warmup_to_the_floor() -> None:
+    factors = [lr_factor(k, 2, decay_steps=6, min_ratio=0.2) for k in range(9)]
+    assert factors == pytest.approx([0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2, 0.2])
+    settings = TrainerSettings(lr=1.0, warmup_steps=0, decay_steps=4, min_lr_ratio=0.0)
+    opt = build_optimizer(torch.nn.Linear(2, 1), settings)
+    sched = build_scheduler(opt, settings)
+    seen = []
+    for _ in range(6):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0, 0.0])
 
 
 def _model_with_grad(scale: float) -> torch.nn.Module:

@@ -84,6 +84,16 @@ class TrainerSettings(Section):
     warmup_steps: int = Field(
         10, ge=0, le=1_000_000, description="Optimizer steps of linear learning-rate warmup."
     )
+    decay_steps: int = Field(
+        0,
+        ge=0,
+        le=100_000_000,
+        description="Optimizer step at which a linear decay after warmup reaches min_lr_ratio x lr; "
+        "0 keeps the peak lr (an open-ended run).",
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="Learning rate at the end of the decay, as a fraction of lr."
+    )
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW first-moment decay.")
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW second-moment decay.")

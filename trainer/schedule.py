@@ -39,11 +39,26 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps)
 
 
+def lr_factor(step: int, warmup_steps: int, decay_steps: int = 0, min_ratio: float = 0.1) -> float:
+    """Warmup, then either the peak (decay_steps = 0) or a linear decay from the peak at the end of the
+    warmup to `min_ratio` at optimizer step `decay_steps`, held after it.
+
+    A finite run wants the decay: at a constant lr the tiny model's greedy answers keep flipping between
+    nearly tied candidates from one step to the next (docs/trainer.md, "Does it learn?").
+    """
+    factor = warmup_factor(step, warmup_steps)
+    if decay_steps <= 0 or step < warmup_steps:
+        return factor
+    span = max(decay_steps - warmup_steps, 1)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return factor * (1.0 - (1.0 - min_ratio) * progress)
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, settings: TrainerSettings
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = settings.warmup_steps
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_factor(step, warmup))
+    warmup, decay, floor = settings.warmup_steps, settings.decay_steps, settings.min_lr_ratio
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, decay, floor))
 
 
 @dataclass(frozen=True)

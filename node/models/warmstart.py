@@ -182,10 +182,19 @@ def evaluate(
     """Held-out exact-match accuracy (overall, and per difficulty level) by greedy decoding."""
     tasks = config.eval_tasks()
     held_out = [tasks.get(i) for i in range(len(tasks) - config.eval_size, len(tasks))]
-    completions = greedy_complete(model, tokenizer, [t.prompt for t in held_out], config.eval_max_new_tokens)
-    rewards = [get_verifier(t.task_type)(c, t.answer) for t, c in zip(held_out, completions)]
+    return greedy_accuracy(model, tokenizer, held_out, config.eval_max_new_tokens)
+
+
+def greedy_accuracy(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[Task], max_new_tokens: int
+) -> tuple[float, dict[int, float]]:
+    """Exact-match accuracy of greedy answers to `tasks` (overall, and per difficulty level)."""
+    if not tasks:
+        raise ModelError("no tasks to evaluate")
+    completions = greedy_complete(model, tokenizer, [t.prompt for t in tasks], max_new_tokens)
+    rewards = [get_verifier(t.task_type)(c, t.answer) for t, c in zip(tasks, completions)]
     per_level: dict[int, list[float]] = defaultdict(list)
-    for task, reward in zip(held_out, rewards):
+    for task, reward in zip(tasks, rewards):
         per_level[task.difficulty].append(reward)
     by_level = {level: sum(r) / len(r) for level, r in sorted(per_level.items())}
     return sum(rewards) / len(rewards), by_level

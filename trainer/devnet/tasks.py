@@ -27,6 +27,16 @@ class TaskFilter:
     low: float = 0.125
     high: float = 0.5
     max_new_tokens: int = 16  # the answers are at most 5 characters; a sample that runs on is wrong anyway
+    offset: int = 0  # first index estimated: a held-out set filtered the same way starts past the training one
+
+    @property
+    def indices(self) -> range:
+        return range(self.offset, self.offset + self.count)
+
+    def describe(self) -> str:
+        if not self.offset:
+            return f"the first {self.count} built-in problems"
+        return f"the {self.count} built-in problems from index {self.offset}"
 
 
 def task_file_for(model_dir: Path, spec: TaskFilter) -> Path:
@@ -50,13 +60,13 @@ def filtered_tasks(model_dir: Path, spec: TaskFilter) -> tuple[Path | None, str]
     started = time.perf_counter()
     engine = load_engine(model_dir, threads=1, max_batch_size=128)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    estimates = estimate_pass_rates(engine, tokenizer, open_task_set(None), list(range(spec.count)), k=spec.k,
+    estimates = estimate_pass_rates(engine, tokenizer, open_task_set(None), list(spec.indices), k=spec.k,
                                     max_new_tokens=spec.max_new_tokens, tasks_per_batch=128 // spec.k)
     kept = in_band(estimates, spec.low, spec.high)
     took = time.perf_counter() - started
     if not kept:
-        return None, (f"tasks: no built-in problem of the first {spec.count} is solved {spec.low:g}-{spec.high:g} of "
+        return None, (f"tasks: no problem of {spec.describe()} is solved {spec.low:g}-{spec.high:g} of "
                       f"the time by this model ({took:.0f} s); using the whole built-in set")
     write_task_file(out, kept)
-    return out, (f"tasks: kept {len(kept)} of the first {spec.count} built-in problems, those the model solves "
+    return out, (f"tasks: kept {len(kept)} of {spec.describe()}, those the model solves "
                  f"{round(spec.low * spec.k)} to {round(spec.high * spec.k)} times in {spec.k} ({took:.0f} s) -> {out.name}")
