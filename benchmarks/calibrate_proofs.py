@@ -4,6 +4,8 @@ Usage: .venv/bin/python benchmarks/calibrate_proofs.py [--model DIR] [--other-mo
        [--samples G] [--batches B] [--new-tokens T] [--out results.json]
        .venv/bin/python benchmarks/calibrate_proofs.py --honest 1000 [--model DIR] [--new-tokens T]
        (false rejections through the full verifier)
+       .venv/bin/python benchmarks/calibrate_proofs.py --sweep [--model DIR] [--batches B] [--plot-dir DIR]
+       (sensitivity: one layer's relative noise 1e-4 .. 1e-1 and int16 .. int4 weights against the bounds)
 
 Every configuration generates the same assigned batches (batch counters 0 .. B-1) from the checkpoint
 (--model, default: the untrained embedded tiny model), then the validator's configuration (float32,
@@ -14,13 +16,16 @@ float64 stands in for another machine's float32 rounding). Attacks run other wei
 honest-looking proofs: one middle layer with relative noise (a new noise draw per batch), int8/int4
 weights (per-channel symmetric), and any --other-model (another seed, an older checkpoint). Each file is
 judged against the calibrated thresholds of both precisions and the pre-warm-start ones; the table
-printed at the end is what docs/proofs.md reports.
+printed at the end is what docs/proofs.md reports. --sweep runs the same statistics on a finer grid of
+perturbations (and honest float32 / bf16 references), prints where each set of bounds starts catching
+every file, and with --plot-dir draws the curves as PNGs (trainer/devnet/plot.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -47,6 +52,7 @@ from prime_node.proofs.toploc import (  # noqa: E402
     worst_failure,
 )
 from prime_node.proofs.verifier import VerifierSettings  # noqa: E402
+from prime_node.trainer.devnet.plot import Series, line_plot  # noqa: E402
 
 # The bounds before the warm-start recalibration (session 2), kept to show what they missed.
 PREVIOUS = ToplocThresholds(max_exp_mismatches=16, max_mant_err_mean=8.0, max_mant_err_median=4.0,
@@ -55,6 +61,8 @@ JUDGES = {"previous": PREVIOUS, "float32": ToplocThresholds.for_precision("float
           "bfloat16": ToplocThresholds.for_precision("bfloat16")}
 NOISES = (1e-1, 7e-2, 5e-2, 2e-2, 1e-2, 5e-3, 2e-3, 1e-3)
 QUANT_BITS = (12, 10, 8, 6, 4)
+SWEEP_NOISES = tuple(m * 10.0**e for e in (-4, -3, -2) for m in (1, 2, 3, 5, 7)) + (1e-1,)  # 1e-4 .. 1e-1
+SWEEP_BITS = (16, 12, 10, 8, 6, 4)
 EngineFactory = Callable[[int], HFEngine]  # batch counter -> engine (attacks draw new noise per batch)
 
 
@@ -164,6 +172,75 @@ def honest_run(checkpoint: Path, tasks, total: int, new_tokens: int, out_dir: Pa
     return {"rollouts": done, "files": counter, "rejected": rejected, "worst": worst}
 
 
+def sweep(checkpoint: Path, tasks, spec: BatchSpec, batches: int, plot_dir: Path | None) -> list[dict]:
+    """Sensitivity: the statistics per perturbation strength against the bounds, with honest references."""
+    verifier = load_engine(checkpoint, max_batch_size=16, threads=1)
+    configs: list[tuple[str, str, EngineFactory]] = [
+        ("honest", dtype, lambda c, e=load_engine(checkpoint, max_batch_size=16, dtype=dtype, threads=1): e)
+        for dtype in ("float32", "bfloat16")
+    ]
+    configs += [("noise", f"{noise:g}", lambda c, n=noise: perturbed_copy(verifier, n, seed=c))
+                for noise in SWEEP_NOISES]
+    configs += [("quant", f"int{bits}", lambda c, e=quantized_copy(verifier, bits): e) for bits in SWEEP_BITS]
+    results = []
+    print("| cheat | strength | file typical (min .. max) | worst chunk: exp / mean | files caught: float32 bounds "
+          "/ bfloat16 bounds | Gumbel mismatches |")
+    print("|---|---|---|---|---|---|")
+    for kind, name, make in configs:
+        r = run_config(name, kind, make, 1, verifier, tasks, spec, batches)
+        results.append(r)
+        rej = r["rejected_files"]
+        print(f"| {kind} | {name} | {_span(r['typical'], 3)} | {r['exp'][1]} / {r['mean'][1]:.2f} | "
+              f"{rej['float32']} / {rej['bfloat16']} of {r['files']} | {r['sampling_mismatches']} |", flush=True)
+    for judge in ("float32", "bfloat16"):
+        for kind, label in (("noise", "relative noise"), ("quant", "quantization")):
+            # Grids run from weakest to strongest (noise) and finest to coarsest (bits): walk back from the
+            # strongest point while every file is caught; the last such point is the detection threshold.
+            caught = None
+            for r in reversed([r for r in results if r["kind"] == kind]):
+                if r["rejected_files"][judge] < r["files"]:
+                    break
+                caught = r["config"]
+            where = f"from {label} {caught} on" if caught else f"at no {label} on the grid"
+            print(f"{judge} bounds: every file caught {where}")
+    if plot_dir is not None:
+        for path in plot_sweep(results, plot_dir):
+            print(f"wrote {path}")
+    return results
+
+
+def plot_sweep(results: list[dict], plot_dir: Path) -> list[Path]:
+    """Two PNGs, y = log10 of the file typical statistic (-2 .. 1; lower values drawn at -2): min and max
+    over files for each strength (blue, light blue), the float32 and bfloat16 bounds (green, red) and the
+    honest float32 and bfloat16 maxima (grey, orange) as horizontal lines. x: log10(relative noise) in one,
+    bits in the other."""
+    def level(value: float) -> float:
+        return math.log10(max(value, 1e-2))
+
+    honest = {r["config"]: level(r["typical"][1]) for r in results if r["kind"] == "honest"}
+    paths = []
+    for kind, name, x_of in (("noise", "noise", lambda c: math.log10(float(c))),
+                             ("quant", "quantization", lambda c: float(c.removeprefix("int")))):
+        points = [r for r in results if r["kind"] == kind]
+        xs = [x_of(r["config"]) for r in points]
+        span = (min(xs), max(xs))
+
+        def flat(y: float, color: tuple[int, int, int], s: tuple[float, float] = span) -> Series:
+            return Series([(s[0], y), (s[1], y)], color)
+
+        series = [flat(level(JUDGES["float32"].max_typical_mant_err_mean), (40, 150, 60)),
+                  flat(level(JUDGES["bfloat16"].max_typical_mant_err_mean), (200, 60, 30)),
+                  flat(honest["float32"], (150, 150, 150)), flat(honest["bfloat16"], (240, 160, 40)),
+                  Series([(x, level(r["typical"][1])) for x, r in zip(xs, points, strict=True)],
+                         (150, 190, 240)),
+                  Series([(x, level(r["typical"][0])) for x, r in zip(xs, points, strict=True)],
+                         (30, 90, 200))]
+        # Grid lines every half decade of y (and of noise) and every 2 bits.
+        paths.append(line_plot(plot_dir / f"proofs_sensitivity_{name}.png", series, x_range=span,
+                               y_range=(-2.0, 1.0), grid=6))
+    return paths
+
+
 def _span(pair: list[float], digits: int = 2) -> str:
     return f"{pair[0]:.{digits}f} .. {pair[1]:.{digits}f}"
 
@@ -192,6 +269,9 @@ def main() -> None:
     parser.add_argument("--run-seed", type=int, default=1, help="--honest: the run seed (another seed, other batches)")
     parser.add_argument("--honest", type=int, default=0,
                         help="instead: run this many honest rollouts through the full verifier and count rejections")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead: the sensitivity sweep (noise and quantization)")
+    parser.add_argument("--plot-dir", type=Path, default=None, help="--sweep: write the curves as PNGs here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory()
@@ -205,6 +285,11 @@ def main() -> None:
         return
     spec = BatchSpec(run_id="calibrate", run_seed=1, policy_step=0, batch_counter=0, prompts=args.prompts,
                      samples=args.samples, temperature=1.0, max_new_tokens=args.new_tokens)
+    if args.sweep:
+        results = sweep(checkpoint, tasks, spec, args.batches, args.plot_dir)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=2))
+        return
     verifier = load_engine(checkpoint, max_batch_size=16, threads=1)
     results = []
     for kind, name, make, threads in configurations(checkpoint, verifier, args.other_model):

@@ -2,12 +2,18 @@
 (where the `toploc` package is installed) our build/verify times against its own, with cross-checks.
 
 Usage: .venv/bin/python benchmarks/proofs.py [--model DIR] [--prompts N] [--samples G] [--new-tokens T]
-       [--batch B] [--repeats R]
+       [--batch B] [--repeats R] [--threads K] [--grid]
 
 Without --model it builds the embedded tiny model (random init, seed 0). Generation is timed with
-hidden-state capture (what a contributor runs); proof building covers every completion of the batch;
-verification is what a validator does per file: one prefill of prompt + output per sample (batched),
-TOPLOC check and Gumbel replay. Best of R repeats for each timing, all in this one process.
+hidden-state capture (what a contributor runs, micro-batches of --batch); proof building covers every
+completion of the batch; verification is what proofs/checks.py does per file with the validator's own
+engine (micro-batches of 16): one prefill of prompt + output per sample (length-bucketed batches), one
+batched TOPLOC check, one batched Gumbel replay and the EOS-probability check. Both sides run on the same
+--threads torch threads (default 1). Best of R repeats for each timing (generation, building and
+verification alternate within a repeat), all in this one process. Times are this process's CPU time by
+default (--clock cpu): on a machine shared with other work, wall time swings with their load while CPU
+time of a one-thread process does not; --clock wall measures elapsed time.
+--grid also prints generation / verification for max new tokens 16, 64, 128 x generation batch 1, 4, 16.
 """
 
 from __future__ import annotations
@@ -20,20 +26,107 @@ from pathlib import Path
 
 import torch
 
-from prime_node.node.engine import SampleRequest, SamplingParams, load_engine
+from prime_node.node.engine import Completion, InferenceEngine, SampleRequest, SamplingParams, load_engine
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.proofs import gf
-from prime_node.proofs.sampling import replay_sampling
+from prime_node.proofs.sampling import SamplingThresholds, eos_probability_failure, replay_samplings
 from prime_node.proofs.toploc import BYTES_PER_CHUNK, build_proof, build_proofs, check_proof, check_proofs, committed_rows
+
+VERIFIER_BATCH = 16  # the validator's default prefill batch (VerifierSettings.prefill_batch_size)
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+clock = CLOCKS["cpu"]  # set from --clock in main
 
 
 def best(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
     times, result = [], None
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         result = fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return min(times), result
+
+
+def requests_for(prompts: int, samples: int) -> list[SampleRequest]:
+    return [SampleRequest(prompt_ids=tuple(3 + 48 + (5 * i + j) % 10 for j in range(10 + i % 16)), seed=1000 + i)
+            for i in range(prompts) for _ in range(samples)]
+
+
+def verify(verifier: InferenceEngine, completions: list[Completion], proofs: list[bytes],
+           parts: dict[str, float]) -> None:
+    """The expensive checks of proofs/checks.py on one file's rows, timed by part into `parts`."""
+    thresholds = SamplingThresholds()
+    t0 = clock()
+    results = []
+    ordered = sorted(range(len(completions)), reverse=True,
+                     key=lambda i: len(completions[i].prompt_ids) + len(completions[i].output_ids))
+    for start in range(0, len(ordered), VERIFIER_BATCH):  # as VerificationContext.prefilled batches them
+        batch = ordered[start:start + VERIFIER_BATCH]
+        sequences = [completions[i].prompt_ids + completions[i].output_ids for i in batch]
+        results += zip(batch, verifier.prefill(sequences))
+    prefills = [r for _, r in sorted(results, key=lambda pair: pair[0])]
+    spans = [committed_rows(len(c.prompt_ids), len(c.output_ids)) for c in completions]
+    t1 = clock()
+    check_proofs(proofs, [r.hidden_states[span] for r, span in zip(prefills, spans, strict=True)])
+    t2 = clock()
+    replay_samplings([r.logits[span] for r, span in zip(prefills, spans, strict=True)],
+                     [c.output_ids for c in completions], [c.seed for c in completions], 1.0,
+                     thresholds.margin)
+    for c, r, span in zip(completions, prefills, spans, strict=True):
+        if c.finish_reason == "eos":
+            eos_probability_failure(r.logits[span.stop - 1], verifier.eos_token_id, 1.0, thresholds)
+    parts["prefill"] += t1 - t0
+    parts["toploc"] += t2 - t1
+    parts["sampling replay"] += clock() - t2
+
+
+def measure(engine: InferenceEngine, verifier: InferenceEngine, requests: list[SampleRequest],
+            params: SamplingParams, repeats: int) -> dict:
+    """Generation, proof building and verification of the same rollouts, timed in this one run. The three
+    alternate within each repeat, so a burst of load from other processes hits all of them alike."""
+    gen, build, check = [], [], []
+    parts: dict[str, float] = {"prefill": 0.0, "toploc": 0.0, "sampling replay": 0.0}
+    for _ in range(repeats):
+        seconds, completions = best(lambda: engine.generate(requests, params), 1)
+        gen.append(seconds)
+        states = [c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))] for c in completions]
+        # As the producer does (node/producer.py): one batched call for the whole batch's completions.
+        seconds, proofs = best(lambda: build_proofs(states), 1)
+        build.append(seconds)
+        check.append(best(lambda: verify(verifier, completions, proofs, parts), 1)[0])
+    return {"gen": min(gen), "build": min(build), "verify": min(check), "parts": parts,
+            "completions": completions, "states": states, "proofs": proofs,
+            "tokens": sum(len(c.output_ids) for c in completions)}
+
+
+def matmul_flops_per_second(width: int, inner: int, repeats: int = 30) -> float:
+    """This CPU's float32 matmul rate at the model's shapes, on the current torch threads (best of R)."""
+    a, b = torch.randn(4096, width), torch.randn(width, inner)
+    seconds, _ = best(lambda: a @ b, repeats)
+    return 2 * 4096 * width * inner / seconds
+
+
+def prefill_floor(verifier: InferenceEngine, completions: list[Completion]) -> tuple[float, float, float]:
+    """(seconds, FLOP per token, FLOP/s): the prefill's time if every weight multiply ran at the measured
+    matmul rate and nothing else cost anything (attention scores, norms, Python all free): a floor."""
+    model = verifier.model  # the transformers engine (the only CPU backend)
+    weights = sum(p.numel() for p in model.model.layers.parameters()) + model.get_output_embeddings().weight.numel()
+    flops = 2 * weights
+    rate = matmul_flops_per_second(model.config.hidden_size, model.config.intermediate_size)
+    tokens = sum(len(c.prompt_ids) + len(c.output_ids) for c in completions)
+    return tokens * flops / rate, flops, rate
+
+
+def grid(model_dir: Path, requests: list[SampleRequest], threads: int, repeats: int) -> None:
+    verifier = load_engine(model_dir, max_batch_size=VERIFIER_BATCH, threads=threads)
+    print("| max new tokens | generation batch | output tokens | generation s | verification s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for new_tokens in (16, 64, 128):
+        for batch in (1, 4, 16):
+            engine = load_engine(model_dir, max_batch_size=batch, threads=threads)
+            params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+            m = measure(engine, verifier, requests, params, repeats)
+            print(f"| {new_tokens} | {batch} | {m['tokens']} | {m['gen']:.3f} | {m['verify']:.3f} | "
+                  f"{m['gen'] / m['verify']:.1f}x |", flush=True)
 
 
 def main() -> None:
@@ -44,50 +137,40 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for generation and verification")
+    parser.add_argument("--grid", action="store_true", help="also the ratio over output lengths and batch sizes")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
+                        help="cpu: this process's CPU time (steady on a shared machine; with --threads > 1 it sums "
+                             "the threads, i.e. CPU cost); wall: elapsed time")
     args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
+    torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model
     if model_dir is None:
         model_dir = Path(tmp.name) / "tiny"
         model, tokenizer = build_tiny_model(0)
         save_model_dir(model, tokenizer, model_dir)
-    engine = load_engine(model_dir, max_batch_size=args.batch)
-    requests = [SampleRequest(prompt_ids=tuple(3 + 48 + (5 * i + j) % 10 for j in range(10 + i % 16)), seed=1000 + i)
-                for i in range(args.prompts) for _ in range(args.samples)]
+    engine = load_engine(model_dir, max_batch_size=args.batch, threads=args.threads)
+    verifier = load_engine(model_dir, max_batch_size=VERIFIER_BATCH, threads=args.threads)
+    requests = requests_for(args.prompts, args.samples)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0)
 
-    start = time.perf_counter()
+    start = clock()
     gf._power_rows(128)  # one-time table, built at first use in a process
-    table_seconds = time.perf_counter() - start
-    gen_seconds, completions = best(lambda: engine.generate(requests, params), args.repeats)
-    states = [c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))] for c in completions]
-    # As the producer does (node/producer.py): one batched call for the whole batch's completions.
-    build_seconds, proofs = best(lambda: build_proofs(states), args.repeats)
+    table_seconds = clock() - start
+    m = measure(engine, verifier, requests, params, args.repeats)
+    gen_seconds, build_seconds, verify_seconds, parts = m["gen"], m["build"], m["verify"], m["parts"]
+    states, proofs, tokens = m["states"], m["proofs"], m["tokens"]
     one_by_one_seconds, _ = best(lambda: [build_proof(h) for h in states], args.repeats)
-    tokens = sum(len(c.output_ids) for c in completions)
     chunks = sum(len(p) for p in proofs) // BYTES_PER_CHUNK
-
-    parts: dict[str, float] = {"prefill": 0.0, "toploc": 0.0, "sampling replay": 0.0}
-
-    def verify() -> None:  # as proofs/checks.py does: one prefill, one batched TOPLOC check, replay per row
-        t0 = time.perf_counter()
-        results = engine.prefill([c.prompt_ids + c.output_ids for c in completions])
-        spans = [committed_rows(len(c.prompt_ids), len(c.output_ids)) for c in completions]
-        t1 = time.perf_counter()
-        check_proofs(proofs, [r.hidden_states[span] for r, span in zip(results, spans, strict=True)])
-        t2 = time.perf_counter()
-        for c, result, span in zip(completions, results, spans, strict=True):
-            replay_sampling(result.logits[span], c.output_ids, 1.0, c.seed, 0.05)
-        parts["prefill"] += t1 - t0
-        parts["toploc"] += t2 - t1
-        parts["sampling replay"] += time.perf_counter() - t2
-
-    verify_seconds, _ = best(verify, args.repeats)
     total_parts = sum(parts.values())
-    print(f"batch: {len(requests)} samples, {tokens} output tokens, {chunks} chunks, torch threads {torch.get_num_threads()}")
+    print(f"batch: {len(requests)} samples, {tokens} output tokens, {chunks} chunks, torch threads "
+          f"{torch.get_num_threads()}, times are {args.clock} seconds")
     print(f"bytes per full 32-token chunk: {BYTES_PER_CHUNK}; bytes per 32 output tokens in this batch: "
           f"{sum(len(p) for p in proofs) * 32 / tokens:.1f} (a partial last chunk costs a full 258)")
-    print(f"generation: {gen_seconds:.3f} s ({tokens / gen_seconds:.0f} tokens/s)")
+    print(f"generation: {gen_seconds:.3f} s ({tokens / gen_seconds:.0f} tokens/s, batch {args.batch})")
     print(f"proof building: {build_seconds * 1e3:.1f} ms = {100 * build_seconds / gen_seconds:.2f}% of generation "
           f"(target <= 3%); one-time power table {table_seconds * 1e3:.0f} ms per process; one call per "
           f"completion instead of one per batch: {one_by_one_seconds * 1e3:.1f} ms")
@@ -95,6 +178,14 @@ def main() -> None:
           f"= {gen_seconds / verify_seconds:.1f}x (target >= 20x on CPU)")
     print("verification time by part (all repeats): " + ", ".join(
         f"{name} {100 * t / total_parts:.0f}%" for name, t in parts.items()))
+    prefill_seconds = verify_seconds * parts["prefill"] / total_parts
+    floor, flops, rate = prefill_floor(verifier, m["completions"])
+    print(f"ceilings: generation / prefill alone (TOPLOC and replay free) = "
+          f"{gen_seconds / prefill_seconds:.1f}x; prefill at this CPU's matmul rate ({rate / 1e9:.0f} GFLOP/s, "
+          f"{flops / 1e6:.2f} MFLOP per token, nothing else costing anything) >= {floor * 1e3:.1f} ms, "
+          f"generation / that = {gen_seconds / floor:.1f}x")
+    if args.grid:
+        grid(model_dir, requests, args.threads, args.repeats)
 
     try:
         import toploc

@@ -29,7 +29,7 @@ from .sampling import (
     distribution_failure,
     distribution_z,
     eos_probability_failure,
-    replay_sampling,
+    replay_samplings,
     sampling_failure,
     termination_failure,
 )
@@ -176,17 +176,23 @@ class SamplingCheck:
     name = "sampling"
 
     def run(self, ctx: VerificationContext) -> str:
-        near_ties = 0
         thresholds = ctx.settings.sampling_thresholds()
-        for i, result in sorted(ctx.prefilled().items()):
-            row = ctx.rows[i]
-            logits = result.logits[committed_rows(len(row.prompt_ids), len(row.output_ids))]
-            stats = replay_sampling(logits, row.output_ids, row.temperature, row.sample_seed, thresholds.margin)
-            ctx.sampling_stats[i] = stats
-            reason = sampling_failure(stats, thresholds)
+        prefilled = sorted(ctx.prefilled().items())
+        by_temperature: dict[float, list[int]] = {}  # one group: the bounds check made every row share T
+        for i, _ in prefilled:
+            by_temperature.setdefault(ctx.rows[i].temperature, []).append(i)
+        for temperature, members in by_temperature.items():
+            rows = [ctx.rows[i] for i in members]
+            logits = [ctx.prefills[i].logits[committed_rows(len(r.prompt_ids), len(r.output_ids))]
+                      for i, r in zip(members, rows, strict=True)]
+            stats = replay_samplings(logits, [r.output_ids for r in rows], [r.sample_seed for r in rows],
+                                     temperature, thresholds.margin)
+            ctx.sampling_stats.update(zip(members, stats, strict=True))
+        for i, _ in prefilled:  # the first failing row, in file order
+            reason = sampling_failure(ctx.sampling_stats[i], thresholds)
             if reason:
                 raise CheckFailed(reason, i)
-            near_ties += stats.near_ties
+        near_ties = sum(s.near_ties for s in ctx.sampling_stats.values())
         return f"every token is the Gumbel argmax ({near_ties} tolerated near-ties)"
 
 

@@ -58,12 +58,14 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def _mix32_u32(x: np.ndarray) -> np.ndarray:
-    """_mix32 on uint32 arrays (wrapping multiplication is exact modulo 2^32 here)."""
-    x = x ^ (x >> np.uint32(16))
-    x = x * np.uint32(_MIX_MUL_1)
-    x = x ^ (x >> np.uint32(15))
-    x = x * np.uint32(_MIX_MUL_2)
-    return x ^ (x >> np.uint32(16))
+    """_mix32 on uint32 arrays (wrapping multiplication is exact modulo 2^32 here), in place: x is
+    overwritten and returned (fresh temporaries per step cost more than the arithmetic at this size)."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(_MIX_MUL_1)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(_MIX_MUL_2)
+    x ^= x >> np.uint32(16)
+    return x
 
 
 def _uniform_noise_numpy(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -80,8 +82,13 @@ def _uniform_noise_numpy_unchecked(seeds: torch.Tensor, positions: torch.Tensor,
     key = _mix32_u32(key ^ seed_lo)
     key = _mix32_u32(key ^ (pos ^ np.uint32(_POSITION_SALT)))[..., None]
     vocab = np.arange(vocab_size, dtype=np.uint32)
-    bits = _mix32_u32(_mix32_u32(key ^ (vocab * np.uint32(_VOCAB_SALT))) ^ vocab)
-    return torch.from_numpy(((bits >> np.uint32(8)).astype(np.float64) + 0.5) * (2.0**-24))
+    bits = _mix32_u32(key ^ (vocab * np.uint32(_VOCAB_SALT)))
+    bits ^= vocab
+    bits = _mix32_u32(bits) >> np.uint32(8)
+    uniform = bits.astype(np.float64)
+    uniform += 0.5
+    uniform *= 2.0**-24
+    return torch.from_numpy(uniform)
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -101,8 +108,9 @@ def _uniform_noise_torch(seeds: torch.Tensor, positions: torch.Tensor, vocab_siz
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel noise, float32, shape (*seeds.shape, vocab_size): -log(-log(U))."""
-    u = uniform_noise(seeds, positions, vocab_size)
-    return (-torch.log(-torch.log(u))).to(torch.float32)
+    # In place on the fresh draws: the same operations as -log(-log(u)), without a new float64 buffer
+    # (and its page faults) per step, which cost more than the logarithms.
+    return uniform_noise(seeds, positions, vocab_size).log_().neg_().log_().neg_().to(torch.float32)
 
 
 def perturbed_scores(logits: torch.Tensor, temperature: float, noise: torch.Tensor) -> torch.Tensor:

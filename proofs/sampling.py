@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .gumbel import gumbel_noise
 
 Z_UNDEFINED = 0.0  # z-score reported when too few tokens carry information
+REPLAY_BLOCK_ELEMENTS = 1 << 22  # logits replayed per pass (float64 temporaries of 32 MiB each)
 
 
 class SamplingThresholds(BaseModel):
@@ -71,32 +72,96 @@ def replay_sampling(
     logits: torch.Tensor, output_ids: Sequence[int], temperature: float, seed: int, margin: float
 ) -> SamplingStats:
     """Replay the Gumbel noise over `logits` (n_out, vocab): row t produced output token t."""
-    tokens = torch.as_tensor(list(output_ids), dtype=torch.int64)
-    n = int(tokens.numel())
-    if logits.dim() != 2 or logits.shape[0] != n:
-        raise ValueError(f"need one logits row per output token: {tuple(logits.shape)} for {n} tokens")
-    logits = logits.to(torch.float32)
-    scaled = logits / temperature
-    noise = gumbel_noise(torch.full((n,), seed, dtype=torch.int64), torch.arange(n), logits.shape[1])
+    return replay_samplings([logits], [output_ids], [seed], temperature, margin)[0]
+
+
+def replay_samplings(
+    logits: Sequence[torch.Tensor],
+    output_ids: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    temperature: float,
+    margin: float,
+) -> list[SamplingStats]:
+    """replay_sampling for many samples of one temperature at once: the noise, scores and log-softmax of
+    a group of samples' tokens in one pass each, then per-sample sums (the rows of a file share T by the
+    bounds check). Element-wise work is the same as one sample at a time, so the gaps are bit-identical.
+    Groups hold at most REPLAY_BLOCK_ELEMENTS logits (or one sample), which bounds the float64 temporaries
+    for large vocabularies."""
+    counts = [len(ids) for ids in output_ids]
+    if not (len(logits) == len(counts) == len(seeds)):
+        raise ValueError(f"{len(logits)} logits matrices, {len(counts)} outputs and {len(seeds)} seeds")
+    for rows, n in zip(logits, counts, strict=True):
+        if rows.dim() != 2 or rows.shape[0] != n:
+            raise ValueError(f"need one logits row per output token: {tuple(rows.shape)} for {n} tokens")
+    samples = list(zip(logits, output_ids, seeds, strict=True))
+    sizes = [n * rows.shape[1] for rows, n in zip(logits, counts, strict=True)]
+    stats: list[SamplingStats] = []
+    start = 0
+    while start < len(samples):
+        end, elements = start + 1, sizes[start]
+        while end < len(samples) and elements + sizes[end] <= REPLAY_BLOCK_ELEMENTS:
+            elements += sizes[end]
+            end += 1
+        stats += _replay_group(samples[start:end], temperature, margin)
+        start = end
+    return stats
+
+
+def _replay_group(
+    samples: Sequence[tuple[torch.Tensor, Sequence[int], int]], temperature: float, margin: float
+) -> list[SamplingStats]:
+    """The replay of samples (logits, output ids, seed) whose logits fit in one pass."""
+    logits, output_ids, seeds = zip(*samples, strict=True)
+    counts = [len(ids) for ids in output_ids]
+    total = sum(counts)
+    sample = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+    # Output position t of every token: its index minus where its sample starts.
+    starts = torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0)
+    positions = torch.arange(total) - starts[sample]
+    tokens = torch.tensor([t for ids in output_ids for t in ids], dtype=torch.int64)
+    flat = torch.cat([rows.to(torch.float32) for rows in logits])
+    scaled = flat / temperature
+    noise = gumbel_noise(torch.tensor(list(seeds), dtype=torch.int64)[sample], positions, flat.shape[1])
     scores = scaled + noise
-    chosen = scores.gather(1, tokens[:, None])[:, 0]
-    gaps = scores.max(dim=1).values - chosen
+    gaps = scores.max(dim=1).values - scores.gather(1, tokens[:, None])[:, 0]
     off = gaps > 0
     beyond = gaps > margin
-    logp = torch.log_softmax(scaled.to(torch.float64), dim=1)
+    # Per position in float32 (the distribution check needs ~1e-4 of a z-score, float32 gives ~1e-6; float64
+    # over the whole vocabulary cost as much as the noise), summed over positions in float64.
+    logp = torch.log_softmax(scaled, dim=1)
     probs = logp.exp()
     entropy_terms = -(probs * logp).sum(dim=1)
-    second_moment = (probs * logp * logp).sum(dim=1)
-    return SamplingStats(
-        tokens=n,
-        near_ties=int((off & ~beyond).sum()),
-        mismatches=int(beyond.sum()),
-        first_mismatch=int(beyond.nonzero()[0, 0]) if bool(beyond.any()) else -1,
-        max_gap=float(gaps.max()) if n else 0.0,
-        logprob_sum=float(logp.gather(1, tokens[:, None]).sum()),
-        expected_logprob_sum=float(-entropy_terms.sum()),
-        logprob_variance=float((second_moment - entropy_terms**2).clamp(min=0).sum()),
-    )
+    # Var_t = E[(log p + H_t)^2], centred, so float32 does not cancel E[log^2 p] against H_t^2.
+    variance_terms = (probs * (logp + entropy_terms[:, None]).square()).sum(dim=1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    n = len(counts)
+
+    def per_sample(values: torch.Tensor) -> list[float]:
+        wide = values.to(torch.float64) if values.is_floating_point() else values
+        return torch.zeros(n, dtype=wide.dtype).index_add_(0, sample, wide).tolist()
+
+    near_ties = per_sample((off & ~beyond).to(torch.int64))
+    mismatches = per_sample(beyond.to(torch.int64))
+    # Tokens within the margin stand at position `total`, past every real one: amin finds the first mismatch.
+    first = torch.where(beyond, positions, torch.full_like(positions, total))
+    first = torch.full((n,), total, dtype=torch.int64).scatter_reduce_(0, sample, first, "amin").tolist()
+    max_gap = torch.zeros(n, dtype=gaps.dtype).scatter_reduce_(0, sample, gaps, "amax", include_self=False)
+    max_gap = max_gap.tolist()
+    return [
+        SamplingStats(
+            tokens=counts[i],
+            near_ties=int(near_ties[i]),
+            mismatches=int(mismatches[i]),
+            first_mismatch=int(first[i]) if first[i] < total else -1,
+            max_gap=float(max_gap[i]) if counts[i] else 0.0,
+            logprob_sum=sums[0],
+            expected_logprob_sum=-sums[1],
+            logprob_variance=sums[2],
+        )
+        for i, sums in enumerate(
+            zip(per_sample(chosen), per_sample(entropy_terms), per_sample(variance_terms), strict=True)
+        )
+    ]
 
 
 def sampling_failure(stats: SamplingStats, thresholds: SamplingThresholds) -> str | None:

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from prime_node.proofs import sampling
 from prime_node.proofs.gumbel import gumbel_argmax
 from prime_node.proofs.sampling import (
     SamplingThresholds,
@@ -14,6 +15,7 @@ from prime_node.proofs.sampling import (
     distribution_z,
     eos_probability_failure,
     replay_sampling,
+    replay_samplings,
     sampling_failure,
     termination_failure,
 )
@@ -130,3 +132,28 @@ def test_distribution_z_is_standard_normal_over_honest_samples():
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="one logits row per output token"):
         replay_sampling(_logits(3, 0), [1, 2], 1.0, 0, T.margin)
+
+
+def test_replay_of_many_samples_matches_one_at_a_time(monkeypatch: pytest.MonkeyPatch):
+    # The validator replays a whole file at once; each sample's verdict must be what it gets alone.
+    logits, outputs, seeds = [], [], []
+    for i in range(12):
+        rows = _logits(5 + 7 * i, 50 + i, scale=0.5 + i)
+        tokens = _sample(rows, 0.9, 900 + i)
+        if i % 3 == 1:  # some samples with swapped tokens: mismatches at known positions
+            tokens[i % 5] = (tokens[i % 5] + 1) % VOCAB
+        logits.append(rows)
+        outputs.append(tokens)
+        seeds.append(900 + i)
+    alone = [replay_sampling(r, o, 0.9, s, T.margin) for r, o, s in zip(logits, outputs, seeds)]
+    assert sum(a.mismatches for a in alone) > 0 and any(a.mismatches == 0 for a in alone)
+    for block in (sampling.REPLAY_BLOCK_ELEMENTS, 200 * VOCAB, 1):  # one pass, several groups, one per sample
+        monkeypatch.setattr(sampling, "REPLAY_BLOCK_ELEMENTS", block)
+        together = replay_samplings(logits, outputs, seeds, 0.9, T.margin)
+        for a, b in zip(alone, together, strict=True):
+            assert (a.tokens, a.near_ties, a.mismatches, a.first_mismatch, a.max_gap) == (
+                b.tokens, b.near_ties, b.mismatches, b.first_mismatch, b.max_gap)
+            for field in ("logprob_sum", "expected_logprob_sum", "logprob_variance"):
+                assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-12, abs=1e-12)
+    with pytest.raises(ValueError):
+        replay_samplings(logits, outputs[:-1], seeds, 0.9, T.margin)

@@ -10,7 +10,8 @@ scaling) are refused instead of silently sampled wrongly.
 Batching: prompts are left-padded, with an attention mask and explicit position ids, so that every
 sample's positions are those it would have alone. Samples that finish leave the batch (their rows of the
 KV cache are dropped), and requests are sorted by prompt length before being cut into micro-batches of at
-most `max_batch_size`, to keep padding small.
+most `max_batch_size`, to keep padding small. A prefill (the validator's pass) right-pads without a mask,
+in groups of similar length chosen by `prefill_batches.length_buckets`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from ...proofs.gumbel import MAX_SEED, gumbel_noise, perturbed_scores
 from ..errors import EngineError
+from .prefill_batches import CALL_COST_TOKENS, length_buckets
 from .types import Completion, FinishReason, PrefillResult, SampleRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -238,28 +240,30 @@ class HFEngine:
             self._validate_ids(sequence, f"sequence {i}")
         _apply_threads(self.threads)
         results: list[PrefillResult | None] = [None] * len(sequences)
-        for chunk in self._micro_batches([len(s) for s in sequences]):
+        lengths = [len(s) for s in sequences]
+        # Groups of similar length (not fixed-size groups): padding is compute the verifier wastes.
+        for chunk in length_buckets(lengths, self.max_batch_size, CALL_COST_TOKENS.get(self.device, 64)):
             for i, result in zip(chunk, self._prefill_batch([sequences[i] for i in chunk])):
                 results[i] = result
         return [r for r in results if r is not None]
 
     @torch.inference_mode()
     def _prefill_batch(self, sequences: list[Sequence[int]]) -> list[PrefillResult]:
-        # Right padding: causal attention already keeps every real position away from the pads after it.
-        longest = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), longest), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+        # Right padding and no attention mask: causal attention already keeps every real position away
+        # from the pads after it, and without a padding mask the attention kernel takes its causal fast
+        # path (no (B, L, L) mask is built). Positions are 0.. for every sequence, as when prefilled alone.
+        lengths = [len(s) for s in sequences]
+        ids = torch.full((len(sequences), max(lengths)), self.pad_token_id, dtype=torch.long)
         for b, sequence in enumerate(sequences):
             ids[b, : len(sequence)] = torch.tensor(list(sequence), dtype=torch.long)
-            mask[b, : len(sequence)] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = torch.arange(longest, device=self.device).expand(len(sequences), -1)
-        hidden = self._forward(ids, mask, positions, None)
-        results = []
-        for b, sequence in enumerate(sequences):
-            rows = hidden[b, : len(sequence)]
-            results.append(PrefillResult(hidden_states=rows.to("cpu"), logits=self.head(rows).float().to("cpu")))
-        return results
+        ids = ids.to(self.device)
+        positions = torch.arange(ids.shape[1], device=self.device).expand(len(sequences), -1)
+        hidden = self.base(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        # The LM head once over the real rows of every sequence, none over the pads.
+        real = torch.cat([hidden[b, :n] for b, n in enumerate(lengths)])
+        states, logits = real.to("cpu"), self.head(real).float().to("cpu")
+        return [PrefillResult(hidden_states=h, logits=g)
+                for h, g in zip(states.split(lengths), logits.split(lengths), strict=True)]
 
     # ----------------------------------------------------------------- helpers
 
