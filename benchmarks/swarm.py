@@ -1,11 +1,18 @@
 """Swarm benchmark: N DHT peers, each its own hivemind DHT process with its own p2pd, on loopback.
 
 Measures, in one run:
-  * time from the last peer joining until every peer sees every other peer and the current policy
-    (DESIGN.md target: 50 peers within 10 s);
+  * a timeline from the script's start: host processes ready, first and last peer joined (with the time
+    one join took and the CPU the swarm used meanwhile), policy published, every peer has seen all;
+  * time until every peer sees every other peer and the current policy (DESIGN.md target: 50 peers
+    within 10 s): once the last peer has joined, every peer starts polling (every 0.5 s, each table until
+    seen) and the operator's peer publishes a policy; counted from the last join and from the policy's
+    publication, never from a point that hides the joining: the timeline above gives the rest;
   * memory per peer: PSS of every process involved (host processes, DHT processes, p2pd daemons),
     divided by N, with the parts listed (PSS divides pages shared between processes, such as torch's
     libraries and the pages a forked DHT process still shares with its parent, so it sums to real usage);
+  * the wall and CPU time of one full peer-table read, with hivemind's default lookup beam (20) and with
+    the swarm's (beam_size), alternated so that both meet the same machine load;
+  * the CPU an idle swarm uses (heartbeats, hivemind's upkeep);
   * DHT throughput: signed heartbeats stored per second (each a lookup plus stores on up to 5 replicas, all
     validated) and peer tables read per second, all peers at once.
 
@@ -14,7 +21,8 @@ each of which forks its own DHT process, which starts its own p2pd; peers share 
 Python interpreter. A node process costs about 300 MiB because hivemind imports torch; sharing it is what
 lets 50 peers fit on a small machine. --per-process 1 gives one host per peer (the node daemon's layout).
 
-Usage: .venv/bin/python benchmarks/swarm.py [--peers 50] [--per-process 10] [--load-seconds 5]
+Usage: .venv/bin/python benchmarks/swarm.py [--peers 50] [--per-process 10] [--join-concurrency 4]
+       [--hosts-at-once 1] [--beam-size 0] [--read-rounds 3] [--idle-seconds 10] [--load-seconds 5]
 Each host is this script run with --worker; the coordinator talks to it over stdin/stdout JSON lines.
 """
 
@@ -90,32 +98,69 @@ def _emit(event: str, **fields: Any) -> None:
 
 async def _worker(args: argparse.Namespace) -> None:
     from prime_node.p2p.identity import Identity
-    from prime_node.p2p.swarm import Swarm, SwarmConfig, SwarmError
+    from prime_node.p2p.swarm import Swarm  # noqa: F401  (imported here so that "ready" includes it)
 
     operator = Identity.from_seed(bytes.fromhex(args.operator_seed))
+    swarms: list[Any] = []
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    _emit("ready")  # imports done (hivemind, and with it torch): the host can start peers
+    background: set[asyncio.Task[None]] = set()  # convergence runs while the next commands arrive
+    try:
+        while line := await reader.readline():
+            command = json.loads(line)
+            if command["do"] == "join":
+                await _join_peers(swarms, operator, args, command["bootstrap"])
+            elif command["do"] == "policy":
+                await swarms[0].publish_policy(1, "ab" * 32, ["http://127.0.0.1:1/"])
+                _emit("published")
+            elif command["do"] == "converge":
+                # Started before the policy is published, as in a live swarm where nodes keep polling.
+                task = asyncio.create_task(_converge_all(swarms, command["n"], command["deadline"]))
+                background.add(task)
+                task.add_done_callback(background.discard)
+            elif command["do"] == "load":
+                counts = await asyncio.gather(*(_load(s, command["seconds"]) for s in swarms))
+                _emit("loaded", stores=sum(c[0] for c in counts), reads=sum(c[1] for c in counts))
+            elif command["do"] == "read":
+                # One peer reads the whole peer table `reads` times in a row with the given lookup beam.
+                reader_swarm = swarms[-1]
+                reader_swarm.config.beam_size = command["beam"]
+                seen = [len(await reader_swarm.list_peers()) for _ in range(command["reads"])]
+                _emit("read", seen=min(seen))
+            elif command["do"] == "quit":
+                return
+    finally:
+        await asyncio.gather(*(s.leave() for s in swarms), return_exceptions=True)
 
-    def peer(identity: Identity, bootstrap: list[str]) -> Swarm:
-        config = SwarmConfig(
-            run_id=RUN_ID,
-            operator_keys=[operator.node_id],
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            initial_peers=bootstrap,
-            reachability="public",
-        )
-        return Swarm(config, identity)
 
-    swarms: list[Swarm] = []
-    bootstrap = list(args.bootstrap)
+async def _join_peers(
+    swarms: list[Any], operator: Any, args: argparse.Namespace, bootstrap: list[str]
+) -> None:
+    """Start this host's peers, join_concurrency at a time; the first host's first peer is the operator."""
+    from prime_node.p2p.identity import Identity
+    from prime_node.p2p.swarm import Swarm, SwarmConfig, SwarmError
+
     slots = asyncio.Semaphore(args.join_concurrency)
-    retries = 0
+    retries, durations = 0, []
 
-    async def join(identity: Identity) -> None:
+    async def join(identity: Identity, initial_peers: list[str]) -> None:
         # A bootstrap ping can time out on an overloaded machine: that peer starts again (counted), with a
-        # fresh DHT process; the benchmark measures the swarm once it is up, not how fast CPUs fork.
+        # fresh DHT process; its join time counts from its first attempt.
         nonlocal retries
         async with slots:
+            started = time.monotonic()
             for attempt in range(3):
-                swarm = peer(identity, bootstrap)
+                config = SwarmConfig(
+                    run_id=RUN_ID,
+                    operator_keys=[operator.node_id],
+                    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                    initial_peers=initial_peers,
+                    reachability="public",
+                    **({"beam_size": args.beam_size} if args.beam_size else {}),
+                )
+                swarm = Swarm(config, identity)
                 try:
                     await swarm.join()
                 except SwarmError:
@@ -125,36 +170,20 @@ async def _worker(args: argparse.Namespace) -> None:
                     retries += 1
                     continue
                 swarms.append(swarm)
+                durations.append(time.monotonic() - started)
                 return
 
-    try:
-        if not bootstrap:  # this host runs the first peer (the operator): the others bootstrap from it
-            await join(operator)
-            bootstrap = (await swarms[0].maddrs())[:1]
-        await asyncio.gather(*(join(Identity.generate()) for _ in range(args.count - len(swarms))))
-        _emit("joined", maddrs=bootstrap, count=len(swarms), retries=retries)
-        await _serve_commands(swarms)
-    finally:
-        await asyncio.gather(*(s.leave() for s in swarms), return_exceptions=True)
+    if not bootstrap:  # this host runs the first peer (the operator): the others bootstrap from it
+        await join(operator, [])
+        bootstrap = (await swarms[0].maddrs())[:1]
+        _emit("bootstrap", maddrs=bootstrap)
+    await asyncio.gather(*(join(Identity.generate(), bootstrap) for _ in range(args.count - len(swarms))))
+    _emit("joined", count=len(swarms), retries=retries, join_s=durations)
 
 
-async def _serve_commands(swarms: list[Any]) -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while line := await reader.readline():
-        command = json.loads(line)
-        if command["do"] == "policy":
-            await swarms[0].publish_policy(1, "ab" * 32, ["http://127.0.0.1:1/"])
-            _emit("published")
-        elif command["do"] == "converge":
-            times = await asyncio.gather(*(_converge(s, command["n"], command["deadline"]) for s in swarms))
-            _emit("converged", times=times)
-        elif command["do"] == "load":
-            counts = await asyncio.gather(*(_load(s, command["seconds"]) for s in swarms))
-            _emit("loaded", stores=sum(c[0] for c in counts), reads=sum(c[1] for c in counts))
-        elif command["do"] == "quit":
-            return
+async def _converge_all(swarms: list[Any], n: int, deadline: float) -> None:
+    times = await asyncio.gather(*(_converge(s, n, deadline) for s in swarms))
+    _emit("converged", times=times)
 
 
 async def _converge(swarm: Any, n: int, deadline: float) -> float | None:
@@ -208,11 +237,13 @@ async def _load(swarm: Any, seconds: float) -> tuple[int, int]:
 class Host:
     """One worker process running `count` peers."""
 
-    def __init__(self, count: int, seed: str, bootstrap: list[str], join_concurrency: int) -> None:
+    def __init__(self, count: int, seed: str, join_concurrency: int, beam_size: int) -> None:
         cmd = [sys.executable, __file__, "--worker", "--count", str(count), "--operator-seed", seed]
-        cmd += ["--join-concurrency", str(join_concurrency), "--bootstrap", *bootstrap]
+        cmd += ["--join-concurrency", str(join_concurrency), "--beam-size", str(beam_size)]
         self.count = count
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.events: dict[str, dict[str, Any]] = {}  # the last message of each kind, "ready" included
+        self._unclaimed: dict[str, dict[str, Any]] = {}  # read while waiting for another kind
 
     def send(self, **command: Any) -> None:
         assert self.proc.stdin is not None
@@ -221,10 +252,14 @@ class Host:
 
     def expect(self, event: str) -> dict[str, Any]:
         assert self.proc.stdout is not None
+        if event in self._unclaimed:
+            return self._unclaimed.pop(event)
         while line := self.proc.stdout.readline():
             message = json.loads(line)
+            self.events[message["event"]] = message
             if message["event"] == event:
                 return message
+            self._unclaimed[message["event"]] = message
         raise RuntimeError(f"host process {self.proc.pid} exited before {event!r}")
 
 
@@ -253,56 +288,145 @@ def _memory_report(hosts: list[Host], n: int) -> None:
             )
 
 
+def _read_cost(host: Host, pids: list[int], n: int, ours: int, rounds: int) -> None:
+    """Wall and CPU time of one full peer-table read, hivemind's default beam against ours, alternated so
+    that both see the same machine load."""
+    beams = (20, ours)
+    costs: dict[int, list[tuple[float, float]]] = {beam: [] for beam in beams}
+    for _ in range(rounds):
+        for beam in beams:
+            cpu, wall = _cpu_seconds(pids), time.monotonic()
+            host.send(do="read", beam=beam, reads=10)
+            seen = host.expect("read")["seen"]
+            costs[beam].append(((time.monotonic() - wall) / 10, (_cpu_seconds(pids) - cpu) / 10))
+            if seen < n:
+                print(f"  a read with beam {beam} saw only {seen} of {n} peers")
+    print(
+        f"one full peer-table read ({n} entries), beams alternated {rounds} times x 10 reads, "
+        f"CPU of every swarm process (idle upkeep included):"
+    )
+    for beam, pairs in costs.items():
+        walls, cpus = sorted(w for w, _ in pairs), sorted(c for _, c in pairs)
+        runs = ", ".join(f"{1000 * c:.0f}" for c in cpus)
+        print(
+            f"  beam {beam:2d}: median {1000 * statistics.median(walls):.0f} ms wall, "
+            f"{1000 * statistics.median(cpus):.0f} ms CPU (each run: {runs})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--peers", type=int, default=50)
     parser.add_argument("--per-process", type=int, default=10, help="peers per host process")
     parser.add_argument("--load-seconds", type=float, default=5.0)
+    parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--read-rounds", type=int, default=3, help="alternations of the read-cost test")
     parser.add_argument("--join-concurrency", type=int, default=4, help="peers a host starts at once")
+    parser.add_argument(
+        "--hosts-at-once", type=int, default=1, help="host processes starting their peers at the same time"
+    )
+    parser.add_argument(
+        "--beam-size", type=int, default=0, help="SwarmConfig.beam_size (0: its default)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--operator-seed", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--bootstrap", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.worker:
         asyncio.run(_worker(args))
         return
+    load_at_start = os.getloadavg()[0]
+    # Imported before the clock starts: importing hivemind (and torch) takes seconds on a loaded machine.
+    from prime_node.p2p.swarm import SwarmConfig
+
+    beam = args.beam_size or SwarmConfig().beam_size
 
     n, seed = args.peers, os.urandom(32).hex()
     sizes = [min(args.per_process, n - i) for i in range(0, n, args.per_process)]
     started = time.time()
-    hosts = [Host(sizes[0], seed, [], args.join_concurrency)]
+    # Every host process starts at once, so that the others' imports (hivemind, torch: seconds of CPU each)
+    # overlap the first host's joins; their peers then join --hosts-at-once hosts at a time.
+    hosts = [Host(size, seed, args.join_concurrency, args.beam_size) for size in sizes]
     try:
-        first = hosts[0].expect("joined")
-        bootstrap, last_join, retries = first["maddrs"], first["t"], first["retries"]
-        # Hosts join one after another: n interpreters importing torch at once would thrash a small machine.
-        for size in sizes[1:]:
-            hosts.append(Host(size, seed, bootstrap, args.join_concurrency))
-            joined = hosts[-1].expect("joined")
-            last_join, retries = joined["t"], retries + joined["retries"]
+        hosts[0].expect("ready")
+        hosts[0].send(do="join", bootstrap=[])
+        bootstrap = hosts[0].expect("bootstrap")
+        first_join, maddrs = bootstrap["t"], bootstrap["maddrs"]
+        joined: list[dict[str, Any]] = []
+        for i in range(0, len(hosts), args.hosts_at_once):
+            wave = hosts[i : i + args.hosts_at_once]
+            for h in wave[1:] if i == 0 else wave:  # the first host is joining already
+                h.send(do="join", bootstrap=maddrs)
+            joined += [h.expect("joined") for h in wave]
+        last_join = max(j["t"] for j in joined)
+        ready = max(h.events["ready"]["t"] for h in hosts)
+        join_s = sorted(t for j in joined for t in j["join_s"])
+        all_pids = [pid for h in hosts for pid in _tree(h.proc.pid)]
+        join_cpu = _cpu_seconds(all_pids)  # every process of the swarm is ours and started after `started`
         print(
             f"peers: {n} (each a DHT process + p2pd) in {len(hosts)} host processes of up to "
-            f"{args.per_process}, on {os.cpu_count()} cores"
+            f"{args.per_process}, on {os.cpu_count()} cores; machine load average at start "
+            f"{load_at_start:.1f}; "
+            f"DHT searches keep a beam of {beam} peers per key"
         )
-        print(f"all joined {last_join - started:.1f} s after start ({retries} joins retried after a timeout)")
-        hosts[0].send(do="policy")
-        hosts[0].expect("published")
+        print("timeline, seconds after the benchmark started:")
+        print(f"  {ready - started:6.1f}  all {len(hosts)} host processes ready (hivemind, torch imported)")
+        print(f"  {first_join - started:6.1f}  first peer (the bootstrap) joined")
+        print(
+            f"  {last_join - started:6.1f}  all {n} peers joined ({args.hosts_at_once} host(s) at a time, "
+            f"{args.join_concurrency} joins at a time per host; one join took median "
+            f"{statistics.median(join_s):.1f} s, max {join_s[-1]:.1f} s; "
+            f"{sum(j['retries'] for j in joined)} retried after a timeout)"
+        )
+        print(
+            f"          CPU used by the swarm's processes until then: {join_cpu:.0f} s of the "
+            f"{(last_join - started) * (os.cpu_count() or 1):.0f} s the machine's cores had"
+        )
+        # Every peer starts polling, then the operator publishes the policy: the policy's store and the
+        # peers' reads share the machine, as they would in a live swarm.
         deadline = time.time() + 120
         for h in hosts:
             h.send(do="converge", n=n, deadline=deadline)
+        policy_sent = time.time()
+        hosts[0].send(do="policy")
+        published = hosts[0].expect("published")["t"]
         times = [t for h in hosts for t in h.expect("converged")["times"]]
-        seen = sorted(t - last_join for t in times if t is not None)
+        seen = sorted(t for t in times if t is not None)
+        print(
+            f"  {policy_sent - started:6.1f}  every peer polling; policy handed to the DHT "
+            f"(its store call returned {published - policy_sent:.1f} s later)"
+        )
+        if seen:
+            print(
+                f"  {seen[-1] - started:6.1f}  every peer has seen all {n} peers and the policy "
+                f"(median peer {statistics.median(seen) - started:.1f})"
+            )
         if len(seen) < n:
             print(f"NOT converged within 120 s on {n - len(seen)} of {n} peers")
         if seen:
             print(
-                f"every peer sees all {n} peers and the policy: median {statistics.median(seen):.2f} s, "
-                f"last {seen[-1]:.2f} s after the last join (target: within 10 s)"
+                f"discovery, from the last join: every peer sees all {n} peers and the policy after median "
+                f"{statistics.median(seen) - last_join:.2f} s, last {seen[-1] - last_join:.2f} s "
+                f"(DESIGN target: within 10 s); from the policy's publication: median "
+                f"{statistics.median(seen) - policy_sent:.2f} s, last {seen[-1] - policy_sent:.2f} s"
+            )
+            print(
+                f"from the benchmark's start: {seen[-1] - started:.1f} s, "
+                f"of which {last_join - started:.1f} s "
+                f"starting the {n} peers' processes and joining them"
             )
         _memory_report(hosts, n)
 
         all_pids = [pid for h in hosts for pid in _tree(h.proc.pid)]
+        cpu_before = _cpu_seconds(all_pids)
+        time.sleep(args.idle_seconds)
+        idle_cpu = _cpu_seconds(all_pids) - cpu_before
+        print(
+            f"idle swarm (heartbeats every 15 s, hivemind's own upkeep, nobody reading): "
+            f"{idle_cpu / args.idle_seconds:.2f} cores busy over {args.idle_seconds:.0f} s"
+        )
+        _read_cost(hosts[0], all_pids, n, beam, args.read_rounds)
         cpu_before = _cpu_seconds(all_pids)
         for h in hosts:
             h.send(do="load", seconds=args.load_seconds)

@@ -12,7 +12,7 @@ from typing import Any
 from hivemind.dht.routing import DHTID
 
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.swarm import Swarm, SwarmConfig
+from prime_node.p2p.swarm import Hardware, Swarm, SwarmConfig
 from prime_node.p2p.processes import end_pids, pid_alive
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -49,6 +49,7 @@ class SwarmFleet:
         *,
         roles: tuple[str, ...] = ("contributor",),
         bootstrap: list[str] | None = None,
+        hardware: Hardware | None = None,
         **overrides: Any,
     ) -> Swarm:
         peers = bootstrap if bootstrap is not None else await self.bootstrap()
@@ -56,6 +57,7 @@ class SwarmFleet:
             config(self.run_id, self.operator, initial_peers=peers, **overrides),
             identity or Identity.generate(),
             roles=roles,
+            hardware=hardware,
         )
         self.peers.append(swarm)
         try:

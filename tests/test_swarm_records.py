@@ -9,7 +9,16 @@ from pydantic import ValidationError
 
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.signing import canonical_json
-from prime_node.p2p.swarm import Ban, Hardware, Heartbeat, PolicyAnnouncement, RecordError, SwarmConfig
+from prime_node.p2p.swarm import (
+    Ban,
+    Hardware,
+    Heartbeat,
+    PolicyAnnouncement,
+    RecordError,
+    RolloutAnnouncement,
+    SwarmConfig,
+    ValidatorAnnouncement,
+)
 from prime_node.p2p.swarm.records import RecordKind, dht_key, key_id, seal, seal_payload
 from prime_node.p2p.swarm.validator import SwarmRecordValidator
 
@@ -77,6 +86,33 @@ def test_honest_records_validate_and_parse_back(validator: SwarmRecordValidator)
     )
 
 
+def validator_of(node: Identity) -> ValidatorAnnouncement:
+    return ValidatorAnnouncement(
+        node_id=node.node_id,
+        peer_id="12D3KooWLtPGnEYZ57XxMm1XZVfb9vLStjt5xvxMGaYtTKhRbtFK",
+        addresses=["/ip4/127.0.0.1/tcp/4001"],
+        max_rollout_bytes=1 << 20,
+        published_at=1.0,
+    )
+
+
+def rollout_of(node: Identity, sha256: str = "cd" * 32) -> RolloutAnnouncement:
+    return RolloutAnnouncement(
+        node_id=node.node_id, sha256=sha256, size_bytes=4096, step=3, samples=16, announced_at=1.0
+    )
+
+
+def test_validator_and_rollout_announcements_validate(validator: SwarmRecordValidator) -> None:
+    exp = get_dht_time() + 30
+    val, roll = RecordKind.VALIDATOR, RecordKind.ROLLOUT
+    sealed = seal(OPERATOR, RUN, val, NODE.node_id, validator_of(NODE), exp)
+    announced = as_record(val, NODE.node_id, sealed, exp)
+    assert validator.check(announced) == validator_of(NODE)
+    subkey = f"{NODE.node_id}:{'cd' * 32}"
+    rollout = as_record(roll, subkey, seal(NODE, RUN, roll, subkey, rollout_of(NODE), exp), exp)
+    assert validator.check(rollout) == rollout_of(NODE)
+
+
 def forgeries() -> dict[str, DHTRecord]:
     exp = get_dht_time() + 30
     good = seal(NODE, RUN, RecordKind.HEARTBEAT, NODE.node_id, heartbeat(NODE), exp)
@@ -134,6 +170,24 @@ def forgeries() -> dict[str, DHTRecord]:
             ),
             exp,
         ),
+        "validator announced by a non-operator": as_record(
+            RecordKind.VALIDATOR,
+            NODE.node_id,
+            seal(NODE, RUN, RecordKind.VALIDATOR, NODE.node_id, validator_of(NODE), exp),
+            exp,
+        ),
+        "rollout announcement under another file's subkey": as_record(
+            RecordKind.ROLLOUT,
+            f"{NODE.node_id}:{'ef' * 32}",
+            seal(NODE, RUN, RecordKind.ROLLOUT, f"{NODE.node_id}:{'ef' * 32}", rollout_of(NODE), exp),
+            exp,
+        ),
+        "rollout announced for another node": as_record(
+            RecordKind.ROLLOUT,
+            f"{OTHER.node_id}:{'cd' * 32}",
+            seal(NODE, RUN, RecordKind.ROLLOUT, f"{OTHER.node_id}:{'cd' * 32}", rollout_of(NODE), exp),
+            exp,
+        ),
         "heartbeat replayed under the policy key": DHTRecord(
             key_id(RUN, RecordKind.POLICY),
             MSGPackSerializer.dumps(NODE.node_id),
@@ -188,6 +242,8 @@ def test_config_checks_fields() -> None:
         SwarmConfig(operator_keys=["not-hex"])
     with pytest.raises(ValidationError):
         SwarmConfig(heartbeat_ttl_s=10_000)  # beyond what honest peers accept
+    with pytest.raises(ValidationError, match="beam_size"):
+        SwarmConfig(beam_size=4)  # a beam must reach the 5 peers that store each record
 
 
 def test_accepted_records_are_remembered_but_refusals_are_not(validator: SwarmRecordValidator) -> None:

@@ -78,6 +78,13 @@ class SwarmConfig(BaseModel):
         description="Limit for one get/store through the DHT process (a full lookup or store).",
     )
     startup_timeout_s: float = Field(30.0, gt=0, le=600, description="Limit for starting the DHT process.")
+    beam_size: int = Field(
+        8,
+        ge=5,
+        le=64,
+        description="Nearest peers a DHT search (get or store) keeps asking per key (hivemind's default is "
+        "20): a read merges the table from each, so fewer ask less; at least the 5 that store each record.",
+    )
     shutdown_timeout_s: float = Field(
         5.0, gt=0, le=60, description="Grace period of the DHT process at leave."
     )

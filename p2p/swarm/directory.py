@@ -78,7 +78,12 @@ class SwarmDirectory(DHTPeer):
         value = seal(self.identity, self.config.run_id, kind, subkey, body, expiration)
         stored = await self._await(
             self._dht().store(
-                dht_key(self.config.run_id, kind), value, expiration, subkey=subkey, return_future=True
+                dht_key(self.config.run_id, kind),
+                value,
+                expiration,
+                subkey=subkey,
+                beam_size=self.config.beam_size,
+                return_future=True,
             )
         )
         if not stored:
@@ -88,7 +93,12 @@ class SwarmDirectory(DHTPeer):
 
     async def _read(self, kind: RecordKind) -> dict[str, Any]:
         found = await self._await(
-            self._dht().get(dht_key(self.config.run_id, kind), latest=True, return_future=True)
+            self._dht().get(
+                dht_key(self.config.run_id, kind),
+                latest=True,
+                beam_size=self.config.beam_size,
+                return_future=True,
+            )
         )
         if found is None:
             return {}

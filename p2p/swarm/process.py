@@ -16,6 +16,11 @@ separately; any over 64 KiB: the pipe holds no more) then fails half-read with E
 its framing, and the child logs garbage or dies, never answering. Its caller's future waits forever, and
 once the pipe is full the parent blocks in the next send. SwarmDHT reads the pipe in blocking mode again:
 the reader callback only fires once the first byte is there, and the rest of a message follows at once.
+
+SwarmDHT also makes the child judge a table (a key's subkey entries, as a peer returns or replicates it)
+entry by entry: stock hivemind drops a peer's whole table when one entry fails validation, so one record
+that its storer accepted and a reader refuses (an operator key one of them does not pin yet, an expiry
+near the limit read by a peer whose clock lags) would hide every honest record under that key from it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import hivemind
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord
 
 from ..processes import child_pids, end_pids
 from .config import SwarmConfig
@@ -58,9 +66,35 @@ class _BlockingCommandPipe:
         self._connection.close()
 
 
+def _keep_valid_entries(self: DHTProtocol, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
+    """Drop a table's invalid entries in place; False only when entries were refused and none is left.
+
+    Replaces DHTProtocol._validate_dictionary in the DHT child (see the module docstring); its callers,
+    rpc_store and call_find, then store or return only the entries that passed.
+    """
+    if self.record_validator is None:
+        return True
+    with dictionary.freeze():  # no expiry sweep while we iterate
+        refused = [
+            subkey
+            for subkey, (value, expiration) in dictionary.items()
+            if not self.record_validator.validate(
+                DHTRecord(key_bytes, self.serializer.dumps(subkey), value, expiration)
+            )
+        ]
+    for subkey in refused:
+        del dictionary[subkey]
+    if refused:
+        # A refused far-future entry must not lend the table its expiry (searches stop on it).
+        dictionary.latest_expiration_time = max(
+            (expiration for _, (_, expiration) in dictionary.items()), default=float("-inf")
+        )
+    return bool(dictionary) or not refused
+
+
 class SwarmDHT(hivemind.DHT):
-    """hivemind.DHT whose child reads its command pipe whole and dies with its process group; otherwise
-    identical (same arguments)."""
+    """hivemind.DHT whose child reads its command pipe whole, judges tables entry by entry, and dies with
+    its process group; otherwise identical (same arguments)."""
 
     def run(self) -> None:  # runs in the child process only
         # The fork copies the parent's asyncio signal handling: a no-op Python handler for SIGTERM and
@@ -73,6 +107,8 @@ class SwarmDHT(hivemind.DHT):
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
         self._inner_pipe = _BlockingCommandPipe(self._inner_pipe)  # type: ignore[assignment]
+        # Patched on the class, in this child only: its one DHTProtocol is built inside super().run().
+        DHTProtocol._validate_dictionary = _keep_valid_entries  # type: ignore[method-assign]
         super().run()
 
 
