@@ -106,7 +106,8 @@ async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) 
         for sha in receipts:
             verdict = (await wait_verdict(running, sha, HOLD_S + 30)).document
             assert verdict.failed_check == "checkpoint_unavailable"
-        assert service.admission.in_tier(Tier.NEWCOMER) == 0
+        # The verdict is in the ledger a moment before its admission slot is released (_decide): wait for it.
+        await wait_until(lambda: _newcomers_empty(service), 10, interval=0.05)
         count = await service.ledger.query(
             "SELECT COUNT(*) AS n FROM contributions WHERE node_id != ?", (honest.node_id,)
         )
@@ -123,6 +124,10 @@ async def _established(service, node_id: str) -> bool:  # noqa: ANN001
 
 async def _newcomers_full(service) -> bool:  # noqa: ANN001
     return service.admission.in_tier(Tier.NEWCOMER) >= NEWCOMER_QUEUE
+
+
+async def _newcomers_empty(service) -> bool:  # noqa: ANN001
+    return service.admission.in_tier(Tier.NEWCOMER) == 0
 
 
 def test_refusal_and_busy_are_distinct_errors() -> None:
