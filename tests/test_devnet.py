@@ -148,7 +148,8 @@ def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tm
     again, summary = filtered_tasks(model, everything)
     assert again == path and "cached" in summary
     assert filtered_tasks(model, TaskFilter(count=8, low=0.0, high=1.0, max_new_tokens=4))[0] != path
-    later = TaskFilter(count=4, low=0.0, high=1.0, max_new_tokens=4, offset=100)  # a held-out range, cached apart
+    # A held-out range: another file, cached apart.
+    later = TaskFilter(count=4, low=0.0, high=1.0, max_new_tokens=4, offset=100)
     other, summary = filtered_tasks(model, later)
     assert other not in (None, path) and "kept 4 of the 4 built-in problems from index 100" in summary
     assert [open_task_set(other).get(i).prompt for i in range(4)] == [open_task_set(None).get(i).prompt

@@ -27,7 +27,8 @@ class TaskFilter:
     low: float = 0.125
     high: float = 0.5
     max_new_tokens: int = 16  # the answers are at most 5 characters; a sample that runs on is wrong anyway
-    offset: int = 0  # first index estimated: a held-out set filtered the same way starts past the training one
+    # First index estimated: a held-out set, filtered the same way, starts past the training one.
+    offset: int = 0
 
     @property
     def indices(self) -> range:
