@@ -177,18 +177,19 @@ class SamplingCheck:
 
     def run(self, ctx: VerificationContext) -> str:
         thresholds = ctx.settings.sampling_thresholds()
-        prefilled = sorted(ctx.prefilled().items())
-        by_temperature: dict[float, list[int]] = {}  # one group: the bounds check made every row share T
-        for i, _ in prefilled:
-            by_temperature.setdefault(ctx.rows[i].temperature, []).append(i)
-        for temperature, members in by_temperature.items():
-            rows = [ctx.rows[i] for i in members]
-            logits = [ctx.prefills[i].logits[committed_rows(len(r.prompt_ids), len(r.output_ids))]
-                      for i, r in zip(members, rows, strict=True)]
-            stats = replay_samplings(logits, [r.output_ids for r in rows], [r.sample_seed for r in rows],
-                                     temperature, thresholds.margin)
-            ctx.sampling_stats.update(zip(members, stats, strict=True))
-        for i, _ in prefilled:  # the first failing row, in file order
+        members = sorted(ctx.prefilled())
+        rows = [ctx.rows[i] for i in members]
+        logits = [ctx.prefills[i].logits[committed_rows(len(r.prompt_ids), len(r.output_ids))]
+                  for i, r in zip(members, rows, strict=True)]
+        # One temperature for the whole file: the bounds check refuses rows that disagree on it first.
+        temperatures = {r.temperature for r in rows}
+        if len(temperatures) > 1:
+            reason = f"rows of one file disagree on the temperature: {sorted(temperatures)}"
+            raise CheckFailed(reason, members[0])
+        stats = replay_samplings(logits, [r.output_ids for r in rows], [r.sample_seed for r in rows],
+                                 temperatures.pop() if rows else 1.0, thresholds.margin)
+        ctx.sampling_stats.update(zip(members, stats, strict=True))
+        for i in members:  # the first failing row, in file order
             reason = sampling_failure(ctx.sampling_stats[i], thresholds)
             if reason:
                 raise CheckFailed(reason, i)

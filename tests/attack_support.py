@@ -22,7 +22,7 @@ from prime_node.proofs.rollout_file import encode_rows, sign_bytes, signature_pa
 from prime_node.proofs.rollout_schema import RolloutRow
 from prime_node.proofs.toploc import build_proof, committed_rows
 from prime_node.proofs.verifier import VerificationReport, VerifierSettings
-from prime_node.trainer.devnet.attacks import quantize_decoder_
+from prime_node.trainer.devnet.attacks import perturb_layer_, quantize_decoder_
 
 NODE = Identity.from_seed(b"\x11" * 32)
 MODEL_SEED = 0
@@ -47,11 +47,7 @@ def engine_from(model: torch.nn.Module) -> HFEngine:
 def perturbed_engine(relative_noise: float, layer: int = 1, seed: int = 0) -> HFEngine:
     """The claimed weights with one decoder layer's matrices multiplied by (1 + noise * N(0, 1))."""
     model, _ = build_tiny_model(MODEL_SEED)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.model.layers[layer].parameters():
-            param.mul_(1 + relative_noise * torch.randn(param.shape, generator=generator))
-    return engine_from(model)
+    return engine_from(perturb_layer_(model, relative_noise, torch.Generator().manual_seed(seed), layer))
 
 
 def quantized_engine(bits: int) -> HFEngine:

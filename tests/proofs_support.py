@@ -9,25 +9,15 @@ import copy
 import torch
 
 from prime_node.node.engine import HFEngine
-from prime_node.trainer.devnet.attacks import quantize_decoder_
-
-
-def middle_layer(engine: HFEngine) -> int:
-    """The decoder layer the devnet's perturbed adversary also picks."""
-    return len(engine.model.model.layers) // 2
+from prime_node.trainer.devnet.attacks import perturb_layer_, quantize_decoder_
 
 
 def perturbed_copy(
     engine: HFEngine, relative_noise: float, *, layer: int | None = None, seed: int = 0
 ) -> HFEngine:
     """The engine's weights with every parameter of one decoder layer multiplied by (1 + noise * N(0, 1))."""
-    model = copy.deepcopy(engine.model)
     generator = torch.Generator().manual_seed(seed)
-    index = middle_layer(engine) if layer is None else layer
-    with torch.no_grad():
-        for param in model.model.layers[index].parameters():
-            noise = torch.randn(param.shape, generator=generator).to(param.dtype)
-            param.mul_(1 + relative_noise * noise)
+    model = perturb_layer_(copy.deepcopy(engine.model), relative_noise, generator, layer)
     return HFEngine(model, max_batch_size=engine.max_batch_size)
 
 

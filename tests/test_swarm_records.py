@@ -256,3 +256,38 @@ def test_accepted_records_are_remembered_but_refusals_are_not(validator: SwarmRe
     assert not validator.validate(as_record(RecordKind.HEARTBEAT, OTHER.node_id, value, exp))
     for name, forged in forgeries().items():
         assert not validator.validate(forged) and not validator.validate(forged), name
+
+
+def test_a_table_is_judged_entry_by_entry_up_to_a_cap_of_refusals() -> None:
+    """The DHT child's table check (p2p/swarm/process.py) drops the entries its validator refuses and keeps
+    the rest; past MAX_REFUSED_ENTRIES refusals it refuses the whole table without checking further."""
+    from types import SimpleNamespace
+
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+
+    from prime_node.p2p.swarm.process import MAX_REFUSED_ENTRIES, _keep_valid_entries
+
+    checked: list[bytes] = []
+
+    class RefusesBad:
+        def validate(self, record) -> bool:  # noqa: ANN001
+            checked.append(record.value)
+            return not record.value.startswith(b"bad")
+
+    def table(good: int, bad: int) -> DictionaryDHTValue:
+        out, expiry = DictionaryDHTValue(), get_dht_time() + 60
+        for i in range(good):
+            out.store(f"good-{i}", b"good", expiry)
+        for i in range(bad):
+            out.store(f"bad-{i}", b"bad", expiry)
+        return out
+
+    protocol = SimpleNamespace(record_validator=RefusesBad(), serializer=MSGPackSerializer)
+    few = table(3, MAX_REFUSED_ENTRIES)
+    assert _keep_valid_entries(protocol, b"key", few)
+    assert sorted(subkey for subkey, _ in few.items()) == ["good-0", "good-1", "good-2"]
+    assert not _keep_valid_entries(protocol, b"key", table(0, 1))  # nothing valid left: refused
+    checked.clear()
+    assert not _keep_valid_entries(protocol, b"key", table(3, 50))  # junk: refused, and not checked to the end
+    assert checked.count(b"bad") == MAX_REFUSED_ENTRIES + 1

@@ -109,7 +109,10 @@ def test_one_outlier_chunk_is_tolerated_a_systematic_shift_is_not():
     ok = ChunkStats(1, 0.6, 1.0)  # a typical honest bf16-vs-fp32 chunk
     outlier = ChunkStats(19, 8.3, 3.0)  # the worst honest bf16-vs-fp32 chunk seen in calibration
     shifted = ChunkStats(6, 2.8, 2.0)  # a 5e-2 perturbation of one layer of the untrained model
-    assert worst_failure([ok, outlier], bf16) is None  # too few chunks for the per-file bound
+    assert worst_failure([ok, outlier], bf16) is None
+    assert bf16.min_typical_chunks == 8
+    assert worst_failure([shifted] * 7, bf16) is None  # too few chunks for the per-file bound
+    assert "typical" in worst_failure([shifted] * 8, bf16)  # enough of them: caught
     assert worst_failure([ok] * 30 + [outlier] * 2, bf16) is None
     assert "typical" in worst_failure([shifted] * 8 + [ok] * 7, bf16)
     assert "exponent mismatches" in worst_failure([ok, ChunkStats(41, 0.5, 0.0)], bf16)  # another model: >= 42

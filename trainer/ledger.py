@@ -299,4 +299,3 @@ class Ledger:
 
     def schema_version(self) -> int:
         return self.db.schema_version()
-

@@ -58,4 +58,3 @@ class AsyncLedger:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.ledger.close)
-

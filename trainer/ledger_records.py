@@ -64,8 +64,6 @@ class RecordResult:
     new_bans: tuple[BanEntry, ...]  # bans this call created: sign and publish them
 
 
-
-
 def load_verdict(envelope: str) -> Signed[Verdict]:
     # Our own file, written from a verified document: parsed strictly, not re-verified against a trust set.
     data = json.loads(envelope)

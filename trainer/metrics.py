@@ -20,8 +20,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # Reported as gauges (last step's value) and written to the log; names as in docs/trainer.md.
 GAUGES = (
-    "rollout_reward", "task_reward", "length_penalty", "policy_lag", "policy_loss", "ratio", "clip_fraction", "clip_low",
-    "clip_high", "clip_delta", "kl", "entropy", "grad_norm", "lr", "tokens_per_s", "samples", "groups",
+    "rollout_reward", "task_reward", "length_penalty", "policy_lag", "policy_loss", "ratio", "clip_fraction",
+    "clip_low", "clip_high", "clip_delta", "kl", "entropy", "grad_norm", "lr", "tokens_per_s", "samples", "groups",
 )
 
 
@@ -85,7 +85,8 @@ def progress_line(record: StepRecord) -> str:
     """A compact line per step, e.g. `step    3 rollouts 0.270 batch 0.412 len 0.003 H 1.21 clip 0.04 ...`."""
     v = record.values.get
     return (
-        f"step {record.step:>5} rollouts {v('rollout_reward', 0.0):.3f} batch {v('task_reward', 0.0):.3f} len {v('length_penalty', 0.0):.3f} "
+        f"step {record.step:>5} rollouts {v('rollout_reward', 0.0):.3f} batch {v('task_reward', 0.0):.3f} "
+        f"len {v('length_penalty', 0.0):.3f} "
         f"H {v('entropy', 0.0):.3f} clip {v('clip_fraction', 0.0):.3f} |g| {v('grad_norm', 0.0):.3f} "
         f"kl {v('kl', 0.0):.4f} lag {v('policy_lag', 0.0):.1f} {v('tokens_per_s', 0.0):.0f} tok/s "
         f"({record.wall_s:.1f} s)"

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ...p2p.identity import Identity
 from ...p2p.swarm import Hardware, Swarm, SwarmError
-from ...p2p.swarm.swarm import local_hardware
+from ...p2p.swarm.hardware import local_hardware
 from ...p2p.weights.store import Store
 from ..errors import ConfigError, NodeError
 from ..run_config import engine_for_run

@@ -66,29 +66,31 @@ class _BlockingCommandPipe:
         self._connection.close()
 
 
+# Refused entries tolerated in one table before the whole table is refused, as stock hivemind does at the
+# first. The cases this is for (a key one side does not pin yet, a lagging clock) are a few entries; without
+# a cap one message of junk entries would cost one signature check each instead of one in all.
+MAX_REFUSED_ENTRIES = 4
+
+
 def _keep_valid_entries(self: DHTProtocol, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
-    """Drop a table's invalid entries in place; False only when entries were refused and none is left.
+    """Drop a table's invalid entries in place; False when entries were refused and none is left, or when
+    more than MAX_REFUSED_ENTRIES were refused (the whole table is then refused, as stock hivemind does).
 
     Replaces DHTProtocol._validate_dictionary in the DHT child (see the module docstring); its callers,
     rpc_store and call_find, then store or return only the entries that passed.
     """
     if self.record_validator is None:
         return True
+    refused: list[Any] = []
     with dictionary.freeze():  # no expiry sweep while we iterate
-        refused = [
-            subkey
-            for subkey, (value, expiration) in dictionary.items()
-            if not self.record_validator.validate(
-                DHTRecord(key_bytes, self.serializer.dumps(subkey), value, expiration)
-            )
-        ]
+        for subkey, (value, expiration) in dictionary.items():
+            record = DHTRecord(key_bytes, self.serializer.dumps(subkey), value, expiration)
+            if not self.record_validator.validate(record):
+                refused.append(subkey)
+                if len(refused) > MAX_REFUSED_ENTRIES:
+                    return False
     for subkey in refused:
         del dictionary[subkey]
-    if refused:
-        # A refused far-future entry must not lend the table its expiry (searches stop on it).
-        dictionary.latest_expiration_time = max(
-            (expiration for _, (_, expiration) in dictionary.items()), default=float("-inf")
-        )
     return bool(dictionary) or not refused
 
 

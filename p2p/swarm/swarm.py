@@ -24,10 +24,9 @@ from hivemind.utils.multiaddr import Multiaddr
 from . import handoff
 from .directory import SwarmDirectory
 from .errors import HandoffError, SwarmError
-from .hardware import local_hardware
 from .records import RecordKind, ValidatorAnnouncement
 
-__all__ = ["Swarm", "local_hardware"]
+__all__ = ["Swarm"]
 
 logger = logging.getLogger(__name__)
 

@@ -62,13 +62,22 @@ def _rescore(tasks: RunTasks, row: RolloutRow, output_ids: list[int]) -> Rollout
                                reward=task_reward - penalty, target_length=target)
 
 
+def perturb_layer_(
+    model: torch.nn.Module, relative_noise: float, generator: torch.Generator, layer: int | None = None
+) -> torch.nn.Module:
+    """Multiply every parameter of one decoder layer (the middle one by default) by (1 + noise * N(0, 1)),
+    in place: a cheaper, stale or tampered copy of the claimed weights."""
+    layers = model.model.layers  # type: ignore[union-attr]
+    with torch.no_grad():
+        for param in layers[len(layers) // 2 if layer is None else layer].parameters():
+            param.mul_(1 + relative_noise * torch.randn(param.shape, generator=generator).to(param.dtype))
+    return model
+
+
 def perturbed(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
     """Generates and proves with one decoder layer's weights perturbed (a cheaper or stale model): toploc."""
     model = copy.deepcopy(_engine_of(engine).model)
-    generator = torch.Generator().manual_seed(spec.batch_counter)
-    with torch.no_grad():
-        for param in model.model.layers[len(model.model.layers) // 2].parameters():
-            param.mul_(1 + PERTURBATION * torch.randn(param.shape, generator=generator))
+    perturb_layer_(model, PERTURBATION, torch.Generator().manual_seed(spec.batch_counter))
     return produce_rows(HFEngine(model), tasks, node_id, spec).rows
 
 
@@ -286,5 +295,6 @@ EXPECTED_CHECKS: dict[str, frozenset[str]] = {
 }
 
 __all__ = [
-    "ATTACKS", "EXPECTED_CHECKS", "AttackError", "attack_producer", "quantize_decoder_", "write_signed",
+    "ATTACKS", "EXPECTED_CHECKS", "AttackError", "attack_producer", "perturb_layer_", "quantize_decoder_",
+    "write_signed",
 ]
