@@ -31,8 +31,9 @@ class RunSettings(Section):
     length_alpha: float = Field(0.001, ge=0, le=1, description="Length penalty per token of distance to target.")
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
-        description="Dtype every contributor generates in and every validator prefills in; it picks the "
-        "calibrated proof bounds (docs/proofs.md). float32 catches far subtler cheats; bfloat16 suits GPU fleets.",
+        description="Dtype every contributor generates in; it picks the calibrated proof bounds (validators "
+        "prefill in float32 either way; docs/proofs.md). float32 catches far subtler cheats; bfloat16 suits GPU "
+        "fleets.",
     )
 
 
@@ -49,6 +50,23 @@ def engine_for_run(engine: EngineSettings, run: RunSettings) -> EngineSettings:
         raise NodeError(
             f"engine.dtype is {engine.dtype} but the run computes in {run.compute_dtype} "
             f"(run.compute_dtype): validators would reject every rollout; leave engine.dtype at auto"
+        )
+    return engine
+
+
+def validator_engine(engine: EngineSettings) -> EngineSettings:
+    """The validator's prefill engine: float32 whatever the run's dtype.
+
+    Both sets of proof bounds were calibrated against a float32 prefill (bf16 nodes included: the bf16
+    bounds measure how far a bf16 node strays from float32); a bf16 prefill would add its own rounding on
+    top, which no bound was measured for.
+    """
+    if engine.dtype == "auto":
+        return engine.model_copy(update={"dtype": "float32"})
+    if engine.dtype != "float32":
+        raise NodeError(
+            f"engine.dtype is {engine.dtype}, but a validator prefills in float32: the proof bounds are "
+            "calibrated against a float32 prefill (docs/proofs.md); leave engine.dtype at auto"
         )
     return engine
 

@@ -81,7 +81,7 @@ def test_the_runs_compute_dtype_binds_the_node_engine_and_the_proof_bounds(tmp_p
     float32 run's (the strict bounds see the rounding), and a node whose engine disagrees is stopped early."""
     from prime_node.node.engine import EngineSettings
     from prime_node.node.errors import NodeError
-    from prime_node.node.run_config import RunSettings, engine_for_run, verifier_for_run
+    from prime_node.node.run_config import RunSettings, engine_for_run, validator_engine, verifier_for_run
     from prime_node.proofs.verifier import VerifierSettings
 
     run = RunSettings(compute_dtype="bfloat16", run_id="r", run_seed=3, samples=2)
@@ -89,6 +89,10 @@ def test_the_runs_compute_dtype_binds_the_node_engine_and_the_proof_bounds(tmp_p
     assert verifier_for_run(VerifierSettings(), run).node_precision == "bfloat16"
     with pytest.raises(NodeError, match="engine.dtype is float32 but the run computes in bfloat16"):
         engine_for_run(EngineSettings(dtype="float32"), run)
+    # The validator prefills in float32 whatever the run: the bounds were calibrated against that.
+    assert validator_engine(EngineSettings()).dtype == "float32"
+    with pytest.raises(NodeError, match="a validator prefills in float32"):
+        validator_engine(EngineSettings(dtype="bfloat16"))
 
     checkpoint = make_checkpoint(tmp_path / "ckpt")
     key = tmp_path / "node.key"

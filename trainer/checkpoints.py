@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..node.engine import EngineSettings, InferenceEngine, load_engine
-from ..node.run_config import RunSettings, engine_for_run, load_run_tasks
+from ..node.run_config import RunSettings, load_run_tasks, validator_engine
 from ..node.validation import RunTasks
 from ..p2p.errors import P2PError
 from ..p2p.identity import Identity
@@ -47,7 +47,7 @@ class CheckpointKeeper:
         self.store = store
         self.trusted_key = trusted_key
         self.run = run
-        self.engine_settings = engine_for_run(engine, run)
+        self.engine_settings = validator_engine(engine)
         self.keep = keep
         self.cached_engines = cached_engines
         self.fetch_settings = fetch or FetchSettings(keep=keep)

@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def verify(args: argparse.Namespace) -> int:
     # Heavy imports (torch, transformers) only when the command runs, so `--help` stays fast.
     from ..engine import load_engine
-    from ..run_config import VerifySettings, engine_for_run, load_run_tasks, verifier_for_run
+    from ..run_config import VerifySettings, load_run_tasks, validator_engine, verifier_for_run
     from ..validation import verify_rollout_file
 
     flags = {**RUN_FLAGS, "verifier.sample_fraction": "sample_fraction"}
@@ -49,7 +49,7 @@ def verify(args: argparse.Namespace) -> int:
     run = settings.run
     verifier = verifier_for_run(settings.verifier, run)
     try:
-        engine = load_engine(args.checkpoint, **engine_for_run(settings.engine, run).model_dump())
+        engine = load_engine(args.checkpoint, **validator_engine(settings.engine).model_dump())
         tasks = load_run_tasks(settings.run, args.checkpoint)
     except NodeError as exc:
         raise VerifyIOError(str(exc)) from None
