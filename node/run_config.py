@@ -6,11 +6,11 @@ Kept apart from the CLI modules so that `prime-node --help` does not import tran
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field
 from transformers import AutoTokenizer
 
+from ..proofs.toploc import Precision
 from ..proofs.verifier import VerifierSettings
 from .config import CommonSettings, Section
 from .engine import EngineSettings
@@ -29,7 +29,7 @@ class RunSettings(Section):
     samples: int = Field(4, ge=1, le=1024, description="Completions per prompt (G).")
     length_targets: list[int] = Field(default_factory=list, description="Thinking-length targets; empty: off.")
     length_alpha: float = Field(0.001, ge=0, le=1, description="Length penalty per token of distance to target.")
-    compute_dtype: Literal["float32", "bfloat16"] = Field(
+    compute_dtype: Precision = Field(
         "float32",
         description="Dtype every contributor generates in; it picks the calibrated proof bounds (validators "
         "prefill in float32 either way; docs/proofs.md). float32 catches far subtler cheats; bfloat16 suits GPU "

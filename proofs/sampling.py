@@ -23,12 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .gumbel import gumbel_noise
+from .toploc import Precision
 
 Z_UNDEFINED = 0.0  # z-score reported when too few tokens carry information
 REPLAY_BLOCK_ELEMENTS = 1 << 22  # logits replayed per pass (float64 temporaries of 32 MiB each)
@@ -47,7 +47,7 @@ class SamplingThresholds(BaseModel):
     min_z_tokens: int = Field(64, ge=1, description="Tokens needed before the distribution check applies.")
 
     @classmethod
-    def for_precision(cls, precision: Literal["float32", "bfloat16"]) -> SamplingThresholds:
+    def for_precision(cls, precision: Precision) -> SamplingThresholds:
         """The calibrated tolerances for contributors computing in `precision` (the validator: float32)."""
         # bf16 logits of a trained model are off by up to ~0.26 at the largest honest near-tie measured
         # (docs/proofs.md); float32 contributors reproduce the validator's argmax exactly.

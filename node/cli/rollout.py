@@ -25,6 +25,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=None, help="completions per prompt, G (default 4)")
     p.add_argument("--length-targets", type=int, nargs="*", default=None, help="thinking-length targets")
     p.add_argument("--length-alpha", type=float, default=None, help="length penalty per token (default 0.001)")
+    # The values of proofs.toploc.Precision, spelled out: importing it here would slow `--help`.
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
                    help="the run's compute dtype; picks the proof bounds (default float32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
