@@ -7,13 +7,16 @@ checks, read them back through the trainer's inbox reader, train one GRPO rollou
 (trainer/learner.py) and publish the next checkpoint. Held-out accuracy is greedy exact match on problems
 never trained on (class HeldOut): the warm start's own evaluation set (`mix`), and with --heldout-filter the
 unseen problems of the run's filtered distribution (`band`); with --filter, also the held-out problems whose
-prompt text is absent from the training set (`mix-new`, `band-new`). Everything is seeded (--seed).
+prompt text is absent from the training set (`mix-new`, `band-new`). With --heldout-fraction the split is by
+content instead: held-out prompts are never trained on, by the warm start or by RL (`-distinct`: each prompt
+once). Everything is seeded (--seed).
 
     .venv/bin/python benchmarks/learning.py --model DIR --steps 30 --out reward.png
-    # the recorded run (docs/trainer.md, "Does it learn?", section 5):
-    .venv/bin/python benchmarks/learning.py --sft-steps 150 --filter 4000 --heldout-filter 4000 --steps 400 \
-        --files 1 --prompts 32 --samples 8 --batch-size 96 --optimizer-steps 1 --lr 3e-4 --warmup 5 \
-        --negative-weight 0 --decay --eval-every 40 --minutes 20
+    # the record run, prompts held out by content (docs/trainer.md, "Does it learn?", section 6):
+    .venv/bin/python benchmarks/learning.py --sft-steps 300 --heldout-fraction 0.2 --filter 4000 \
+        --heldout-filter 8000 --steps 400 --files 1 --prompts 64 --samples 8 --batch-size 192 \
+        --optimizer-steps 1 --lr 1e-3 --warmup 5 --negative-weight 0 --decay --min-lr-ratio 0 \
+        --eval-every 50 --minutes 20 --seed 0
 
 Without --model the warm start runs first (a few minutes). The PNG is drawn by a small pure-Python writer
 (zlib + struct) since matplotlib is not a dependency. Prints one line per step and a summary.
@@ -36,9 +39,10 @@ import torch
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
-from prime_node.node.models.warmstart import WarmStartConfig, greedy_accuracy, init_model_dir
+from prime_node.node.models.warmstart import RUN_INFO_FILE, WarmStartConfig, greedy_accuracy, heldout_tasks, init_model_dir
 from prime_node.node.producer import BatchSpec, produce_rollout_file
 from prime_node.node.tasks import open_task_set
+from prime_node.node.tasks.split import ContentSplit
 from prime_node.node.tasks.types import Task
 from prime_node.node.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
@@ -91,20 +95,33 @@ class HeldOut:
     training band: problems of the run's own (filtered) task distribution, filtered exactly as the training set
     was. Neither is ever trained on (`first_heldout` bounds the training indices).
 
+    With --heldout-fraction F the split is by content (node/tasks/split.py): both sets hold only prompts on
+    the held-out side, which neither the warm start nor the RL run ever trains on, so they are wholly new.
+    Both are drawn as the family draws them, so an easy prompt recurs (at level 1, 40 held-out prompts for
+    F = 0.2): accuracy on them estimates accuracy on the held-out part of the task distribution. `-distinct`
+    counts each prompt once, the measure with the effective sample size.
+
     Held out by index is not held out by content: the family has only 200 distinct level-1 problems (and
     about 16,000 at level 2), so most held-out level-1 prompts also occur among the training problems. With a
     training task file the prompts are known, and `mix-new` / `band-new` are the held-out problems whose
     prompt text is not in it: what the policy never saw, hence the measure of learning that generalises.
     """
 
-    def __init__(self, eval_size: int, band: list[Task], training_prompts: set[str] | None) -> None:
-        config = WarmStartConfig(eval_size=eval_size)
-        family = config.eval_tasks()
+    def __init__(self, eval_size: int, band: list[Task], training_prompts: set[str] | None,
+                 heldout_fraction: float) -> None:
+        config = WarmStartConfig(eval_size=eval_size, heldout_fraction=heldout_fraction)
         self.max_new_tokens = config.eval_max_new_tokens
-        self.sets = {"mix": [family.get(i) for i in range(len(family) - eval_size, len(family))]}
+        self.sets = {"mix": heldout_tasks(config)}
         if band:
             self.sets["band"] = band
-        if training_prompts is not None:
+        if heldout_fraction:
+            for name in list(self.sets):
+                self.sets[f"{name}-distinct"] = list({t.prompt: t for t in self.sets[name]}.values())
+        if heldout_fraction and training_prompts is not None:
+            seen = sum(t.prompt in training_prompts for tasks in self.sets.values() for t in tasks)
+            if seen:  # the split guarantees none; a bug here would inflate every number printed
+                raise SystemExit(f"{seen} held-out prompts occur in the training set: the content split is broken")
+        elif training_prompts is not None:
             for name in list(self.sets):
                 new = [t for t in self.sets[name] if t.prompt not in training_prompts]
                 if new:
@@ -136,14 +153,31 @@ def band_heldout(model_dir: Path, filter_spec: TaskFilter) -> list[Task]:
     return [family.get(int(index)) for index in task_file_column(path, "source_index")]
 
 
-def without_heldout(record: RolloutRecord, first_heldout: int) -> RolloutRecord:
+def without_heldout(record: RolloutRecord, first_heldout: int, tasks: RunTasks, split: ContentSplit) -> RolloutRecord:
     """The record minus samples of held-out problems, so the evaluation stays honest (never trained on).
 
     Assignment draws from the whole set, so a held-out index is assigned with probability eval_size / 2^24
-    per prompt: rare, but a benchmark that claims held-out accuracy must exclude it rather than hope.
+    per prompt: rare, but a benchmark that claims held-out accuracy must exclude it rather than hope. Under a
+    content split, a prompt on the held-out side is dropped whatever its index (the whole family's prompts
+    are assigned when there is no filtered task file).
     """
-    kept = tuple(s for s in record.samples if int(s.prompt_key) < first_heldout)
+    kept = tuple(s for s in record.samples if int(s.prompt_key) < first_heldout
+                 and not split.is_heldout(tasks.task_set.get(int(s.prompt_key)).prompt))
     return record if len(kept) == len(record.samples) else replace(record, samples=kept)
+
+
+def check_warm_start_split(model_dir: Path, heldout_fraction: float) -> None:
+    """A content split means nothing if the warm start trained on the held-out prompts: refuse a --model
+    whose warm start used another split (its prime_node.json records it)."""
+    if not heldout_fraction:
+        return
+    info_path = model_dir / RUN_INFO_FILE
+    used = json.loads(info_path.read_text()).get("warm_start", {}).get("heldout_fraction", 0.0) \
+        if info_path.is_file() else None
+    if used != heldout_fraction:
+        raise SystemExit(f"{model_dir} was warm-started with heldout_fraction {used} (from {RUN_INFO_FILE}), not "
+                         f"{heldout_fraction}: its warm start may have trained on held-out prompts; warm-start "
+                         "anew (omit --model)")
 
 
 def fmt_levels(by_level: dict[int, float]) -> str:
@@ -175,6 +209,9 @@ def main() -> int:
     p.add_argument("--eval-size", type=int, default=WarmStartConfig().eval_size)
     p.add_argument("--heldout-filter", type=int, default=0,
                    help="also evaluate on those of the family's last N problems that lie in the training band")
+    p.add_argument("--heldout-fraction", type=float, default=0.0,
+                   help="hold out this share of prompt texts by content: never trained on (warm start and RL), "
+                        "the only ones evaluated (0: held out by index)")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--minutes", type=float, default=20.0, help="stop after this much wall time")
     p.add_argument("--seed", type=int, default=0, help="seeds the node and operator keys (hence the task assignment)")
@@ -186,8 +223,9 @@ def main() -> int:
     cpu0 = time.process_time()
     if model_dir is None:
         model_dir = work / "warm"
-        init_model_dir(model_dir, 0, WarmStartConfig(steps=args.sft_steps))
+        init_model_dir(model_dir, 0, WarmStartConfig(steps=args.sft_steps, heldout_fraction=args.heldout_fraction))
         print(f"warm start: {args.sft_steps} steps, {time.process_time() - cpu0:.0f} s CPU", flush=True)
+    check_warm_start_split(model_dir, args.heldout_fraction)
     # Seeded identities: the node id seeds the task assignment, so a random key would make every run differ.
     operator, node = (Identity.from_seed(hashlib.sha256(f"learning-bench/{who}/{args.seed}".encode()).digest())
                       for who in ("operator", "node"))
@@ -208,7 +246,8 @@ def main() -> int:
     if args.filter:  # offline difficulty filtering, as the devnet does (cached beside the model)
         low, high = args.band
         task_source, summary = filtered_tasks(model_dir, TaskFilter(count=args.filter, low=low, high=high,
-                                                                    max_new_tokens=args.max_new_tokens))
+                                                                    max_new_tokens=args.max_new_tokens,
+                                                                    heldout_fraction=args.heldout_fraction))
         print(f"offline filter: {summary}", flush=True)
     tasks = RunTasks(open_task_set(task_source), learner.tokenizer)
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=args.seed, samples_per_prompt=args.samples)
@@ -223,9 +262,11 @@ def main() -> int:
         low, high = args.band
         band = band_heldout(model_dir, TaskFilter(count=args.heldout_filter, low=low, high=high,
                                                   max_new_tokens=args.max_new_tokens,
-                                                  offset=family_size - args.heldout_filter))
+                                                  offset=family_size - args.heldout_filter,
+                                                  heldout_fraction=args.heldout_fraction, heldout=True))
     training_prompts = set(task_file_column(task_source, "prompt")) if task_source else None
-    held_out = HeldOut(args.eval_size, band, training_prompts)
+    held_out = HeldOut(args.eval_size, band, training_prompts, args.heldout_fraction)
+    split = ContentSplit(args.heldout_fraction)
     rewards: list[tuple[float, float]] = []
     results = held_out.evaluate(model_dir)
     accuracy = {name: [(0.0, acc)] for name, (acc, _) in results.items()}
@@ -250,7 +291,7 @@ def main() -> int:
             record = inbox.read(path)
             if record is not None:
                 raw.extend(smp.task_reward for smp in record.samples)
-                buffer.add(without_heldout(record, first_heldout), learner.step)
+                buffer.add(without_heldout(record, first_heldout, tasks, split), learner.step)
                 inbox.mark_done(path)
         batch = buffer.take(learner.step)
         if batch is None:  # groups with all-equal rewards were filtered: generate more before a step
@@ -276,7 +317,8 @@ def main() -> int:
         if out_of_time:
             break
     ledger.close()
-    colors = {"mix": (200, 60, 30), "band": (40, 150, 60), "mix-new": (230, 150, 40), "band-new": (120, 60, 160)}
+    colors = {"mix": (200, 60, 30), "band": (40, 150, 60), "mix-new": (230, 150, 40), "band-new": (120, 60, 160),
+              "mix-distinct": (230, 150, 40), "band-distinct": (120, 60, 160)}
     write_png(args.out, [(rewards, (30, 90, 200))] + [(points, colors[name]) for name, points in accuracy.items()],
               x_max=max(learner.step, 1))
     for name, points in accuracy.items():
@@ -285,7 +327,7 @@ def main() -> int:
               f"({100 * (last - first):+.1f} points, best {max(a for _, a in points):.3f})")
     print(f"{learner.step} steps, {time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_start:.0f} s "
           f"CPU (1 thread); reward curve (blue: rollout reward before filtering; held-out red: mix, green: band, orange: "
-          f"mix-new, purple: band-new) -> {args.out}")
+          f"mix-new or mix-distinct, purple: band-new or band-distinct) -> {args.out}")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,9 +52,18 @@ def test_filter_builtin_keeps_all_in_full_band_and_is_deterministic(checkpoint, 
     assert [triple(loaded.get(i)) for i in range(5)] == [triple(source.get(i)) for i in range(3, 8)]
 
 
-def test_filter_band_matches_direct_estimates(checkpoint, capsys, tmp_path):
-    if "even_length_test" not in VERIFIERS:
-        register_verifier("even_length_test", _even_length)
+@pytest.fixture
+def even_length_verifier() -> Iterator[None]:
+    """Registered for this test only: the registry is global, and other tests probe every verifier in it
+    with inputs this one is not meant for (test_tasks.py, wrong types)."""
+    register_verifier("even_length_test", _even_length)
+    try:
+        yield
+    finally:
+        VERIFIERS.pop("even_length_test", None)
+
+
+def test_filter_band_matches_direct_estimates(checkpoint, capsys, tmp_path, even_length_verifier):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(
         json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "task_type": "even_length_test"}) + "\n"

@@ -5,7 +5,9 @@ groups. A few hundred SFT steps bring held-out exact-match accuracy into the 20-
 for RL to show a rise. The run is deterministic for a given (model seed, config, torch build, thread count):
 data order is fixed by the task seed, there is no dropout, and torch's deterministic algorithms are on.
 Problems are drawn from index 0 upwards; held-out problems are the last `eval_size` indices of the set, so
-they are never trained on by index (at the easy levels the same expression can still recur by chance).
+they are never trained on by index (at the easy levels the same expression recurs: there are only 200
+distinct level-1 problems). With `heldout_fraction` the split is by content (node/tasks/split.py): held-out
+prompts are skipped in training and only they are evaluated.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..errors import ModelError
+from ..tasks.split import ContentSplit
 from ..tasks.types import Task
 from ..tasks.verifier import get_verifier
 from .tiny import TinyModelShape, build_tiny_model, save_model_dir
@@ -90,17 +93,24 @@ def _lr_factor(step: int, config: WarmStartConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))  # cosine down to 10%
 
 
+def _training_problems(config: WarmStartConfig) -> Iterator[Task]:
+    """Problems in index order from 0, minus held-out prompts under a content split; enough for every step."""
+    tasks = config.train_tasks()
+    needed = config.steps * config.batch_size
+    if not config.heldout_fraction:
+        train_limit = len(tasks) - config.eval_size
+        if needed > train_limit:
+            raise ModelError(f"warm start needs {needed} training problems; the set has {train_limit}")
+        return (tasks.get(i) for i in range(needed))
+    # No length check: the family has 2^24 problems and a content split removes only a share of them.
+    return ContentSplit(config.heldout_fraction).trainable(tasks)
+
+
 def train(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: WarmStartConfig, progress: bool
 ) -> float | None:
     """Supervised training in place; returns the mean loss of the last 20 steps (None when steps == 0)."""
-    tasks = config.train_tasks()
-    train_limit = len(tasks) - config.eval_size
-    if config.steps * config.batch_size > train_limit:
-        raise ModelError(
-            f"warm start needs {config.steps * config.batch_size} training problems; "
-            f"the set has {train_limit}"
-        )
+    problems = _training_problems(config)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay
     )
@@ -109,8 +119,7 @@ def train(
     model.train()
     with tqdm(total=config.steps, desc="warm start", unit="step", disable=not progress) as bar:
         for step in range(config.steps):
-            first = step * config.batch_size
-            batch = _encode_batch(tokenizer, [tasks.get(first + i) for i in range(config.batch_size)])
+            batch = _encode_batch(tokenizer, [next(problems) for _ in range(config.batch_size)])
             loss = model(**batch).loss
             if not torch.isfinite(loss):
                 raise ModelError(
@@ -180,9 +189,22 @@ def evaluate(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: WarmStartConfig
 ) -> tuple[float, dict[int, float]]:
     """Held-out exact-match accuracy (overall, and per difficulty level) by greedy decoding."""
+    return greedy_accuracy(model, tokenizer, heldout_tasks(config), config.eval_max_new_tokens)
+
+
+def heldout_tasks(config: WarmStartConfig) -> list[Task]:
+    """The evaluation problems: the last eval_size indices, or under a content split the last eval_size
+    problems whose prompts are held out (never trained on by the warm start nor by a run using the split)."""
     tasks = config.eval_tasks()
-    held_out = [tasks.get(i) for i in range(len(tasks) - config.eval_size, len(tasks))]
-    return greedy_accuracy(model, tokenizer, held_out, config.eval_max_new_tokens)
+    if not config.heldout_fraction:
+        return [tasks.get(i) for i in range(len(tasks) - config.eval_size, len(tasks))]
+    scan = min(len(tasks), int(config.eval_size / config.heldout_fraction * 4) + 1000)
+    found = ContentSplit(config.heldout_fraction).heldout_from_end(tasks, config.eval_size, scan)
+    if len(found) < config.eval_size:
+        raise ModelError(
+            f"only {len(found)} held-out problems among the last {scan}; raise heldout_fraction or lower eval_size"
+        )
+    return found
 
 
 def greedy_accuracy(

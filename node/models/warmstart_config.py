@@ -35,6 +35,14 @@ class WarmStartConfig(BaseModel):
         description="Relative frequency of levels 1..5 among held-out problems.",
     )
     eval_size: int = Field(1000, ge=1, le=100_000, description="Held-out problems scored after training.")
+    # 0 keeps the original split by index (and the embedded model's weights); benchmarks/learning.py sets it.
+    heldout_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Share of prompt texts held out by content (node/tasks/split.py): never trained on, "
+        "and the only ones evaluated. 0: the last eval_size indices are held out (by index only).",
+    )
     eval_max_new_tokens: int = Field(
         8, ge=1, le=64, description="Greedy decoding budget per held-out problem."
     )

@@ -15,7 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...node.tasks import open_task_set
 from ...node.tasks.difficulty import in_band, write_task_file
+from ...node.tasks.split import ContentSplit
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -29,15 +31,27 @@ class TaskFilter:
     max_new_tokens: int = 16  # the answers are at most 5 characters; a sample that runs on is wrong anyway
     # First index estimated: a held-out set, filtered the same way, starts past the training one.
     offset: int = 0
+    # A content split (node/tasks/split.py): with heldout_fraction > 0 only the problems on one side of it
+    # are estimated, the trainable ones, or with `heldout` the held-out ones (benchmarks/learning.py).
+    heldout_fraction: float = 0.0
+    heldout: bool = False
 
     @property
     def indices(self) -> range:
         return range(self.offset, self.offset + self.count)
 
+    def selected_indices(self) -> list[int]:
+        if not self.heldout_fraction:
+            return list(self.indices)
+        split, family = ContentSplit(self.heldout_fraction), open_task_set(None)
+        return [i for i in self.indices if split.is_heldout(family.get(i).prompt) == self.heldout]
+
     def describe(self) -> str:
-        if not self.offset:
-            return f"the first {self.count} built-in problems"
-        return f"the {self.count} built-in problems from index {self.offset}"
+        where = f"the first {self.count}" if not self.offset else f"the {self.count}"
+        side = ""
+        if self.heldout_fraction:
+            side = f" ({'held-out' if self.heldout else 'trainable'} side of a {self.heldout_fraction:g} content split)"
+        return f"{where} built-in problems{'' if not self.offset else f' from index {self.offset}'}{side}"
 
 
 def task_file_for(model_dir: Path, spec: TaskFilter) -> Path:
@@ -55,13 +69,12 @@ def filtered_tasks(model_dir: Path, spec: TaskFilter) -> tuple[Path | None, str]
     from transformers import AutoTokenizer  # imports torch: only when the file has to be built
 
     from ...node.engine import load_engine
-    from ...node.tasks import open_task_set
     from ...node.tasks.difficulty import estimate_pass_rates
 
     started = time.perf_counter()
     engine = load_engine(model_dir, threads=1, max_batch_size=128)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    estimates = estimate_pass_rates(engine, tokenizer, open_task_set(None), list(spec.indices), k=spec.k,
+    estimates = estimate_pass_rates(engine, tokenizer, open_task_set(None), spec.selected_indices(), k=spec.k,
                                     max_new_tokens=spec.max_new_tokens, tasks_per_batch=128 // spec.k)
     kept = in_band(estimates, spec.low, spec.high)
     took = time.perf_counter() - started
