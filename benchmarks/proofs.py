@@ -2,7 +2,7 @@
 (where the `toploc` package is installed) our build/verify times against its own, with cross-checks.
 
 Usage: .venv/bin/python benchmarks/proofs.py [--model DIR] [--prompts N] [--samples G] [--new-tokens T]
-       [--batch B] [--repeats R] [--threads K] [--grid]
+       [--batch B] [--repeats R] [--threads K] [--grid] [--prefill-variants]
 
 Without --model it builds the embedded tiny model (random init, seed 0). Generation is timed with
 hidden-state capture (what a contributor runs, micro-batches of --batch); proof building covers every
@@ -14,11 +14,15 @@ verification alternate within a repeat), all in this one process. Times are this
 default (--clock cpu): on a machine shared with other work, wall time swings with their load while CPU
 time of a one-thread process does not; --clock wall measures elapsed time.
 --grid also prints generation / verification for max new tokens 16, 64, 128 x generation batch 1, 4, 16.
+--prefill-variants measures candidate prefill paths (attention kernel, autograd mode, torch.compile) against
+the validator's current one on the same rollouts: whole verification, prefill, one-time cost, and how far
+their hidden states, logits and TOPLOC statistics move (docs/proofs.md, "Costs").
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from prime_node.node.engine import Completion, InferenceEngine, SampleRequest, SamplingParams, load_engine
+from prime_node.node.engine import Completion, HFEngine, InferenceEngine, SampleRequest, SamplingParams, load_engine
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.proofs import gf
 from prime_node.proofs.sampling import SamplingThresholds, eos_probability_failure, replay_samplings
@@ -129,6 +133,83 @@ def grid(model_dir: Path, requests: list[SampleRequest], threads: int, repeats: 
                   f"{m['gen'] / m['verify']:.1f}x |", flush=True)
 
 
+def _variant_engines(model_dir: Path, threads: int) -> dict[str, HFEngine]:
+    """The validator's prefill as it is, and candidates that compute the same float32 forward otherwise."""
+    def engine() -> HFEngine:
+        loaded = load_engine(model_dir, max_batch_size=VERIFIER_BATCH, threads=threads)
+        assert isinstance(loaded, HFEngine)  # CPU: always the transformers backend
+        return loaded
+
+    variants = {"current (sdpa, inference_mode)": engine()}
+    eager = variants["eager attention"] = engine()
+    eager.model.set_attn_implementation("eager")
+    math = variants["sdpa math backend"] = engine()
+    plain_prefill = math.prefill
+
+    def math_prefill(sequences: list) -> list:
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+            return plain_prefill(sequences)
+
+    math.prefill = math_prefill  # type: ignore[method-assign]
+    no_grad = variants["no_grad instead of inference_mode"] = engine()
+    no_grad._prefill_batch = torch.no_grad()(  # type: ignore[method-assign]
+        functools.partial(HFEngine._prefill_batch.__wrapped__, no_grad))  # type: ignore[attr-defined]
+    compiled = variants["torch.compile(dynamic=True), inductor"] = engine()
+    compiled.base = torch.compile(compiled.base, dynamic=True)  # type: ignore[assignment]
+    return variants
+
+
+def prefill_variants(model_dir: Path, completions: list[Completion], proofs: list[bytes], threads: int,
+                     repeats: int, clock_name: str) -> None:
+    """Each candidate's whole verification of the same rollouts against the current path, alternating within
+    each repeat in this process (best of R), its first call (compilation) timed apart, and how far its states,
+    logits and TOPLOC statistics move from the current path's."""
+    current = "current (sdpa, inference_mode)"
+    variants = _variant_engines(model_dir, threads)
+    sequences = [c.prompt_ids + c.output_ids for c in completions]
+    spans = [committed_rows(len(c.prompt_ids), len(c.output_ids)) for c in completions]
+    reference = variants[current].prefill(sequences)
+    first, diffs = {}, {}
+    for name, engine in list(variants.items()):
+        cpu, wall = time.process_time(), time.perf_counter()
+        try:
+            results = engine.prefill(sequences)
+        except Exception as exc:  # e.g. no C++ compiler for inductor: report the candidate and drop it
+            print(f"{name}: failed ({type(exc).__name__}: {exc}); left out")
+            del variants[name]
+            continue
+        first[name] = (time.process_time() - cpu, time.perf_counter() - wall)
+        states = [r.hidden_states[span] for r, span in zip(results, spans, strict=True)]
+        stats = [s for row in check_proofs(proofs, states) for s in row]
+        diffs[name] = (max(float((a.hidden_states - b.hidden_states).abs().max()) for a, b in zip(results, reference)),
+                       max(float((a.logits - b.logits).abs().max()) for a, b in zip(results, reference)),
+                       max(s.exp_mismatches for s in stats), max(s.mant_err_mean for s in stats))
+    scale = max(float(r.hidden_states.abs().max()) for r in reference)
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    parts = {name: {"prefill": 0.0, "toploc": 0.0, "sampling replay": 0.0} for name in variants}
+    for _ in range(repeats):
+        for name, engine in variants.items():
+            start = clock()
+            verify(engine, completions, proofs, parts[name])
+            seconds[name].append(clock() - start)
+
+    def prefill_share(name: str) -> float:
+        return min(seconds[name]) * parts[name]["prefill"] / sum(parts[name].values())
+
+    base, base_prefill = min(seconds[current]), prefill_share(current)
+    print(f"prefill variants ({len(completions)} samples, best of {repeats}, {clock_name} seconds; "
+          f"max |hidden state| {scale:.2f}):")
+    print("| prefill path | first call s (cpu / wall) | verification ms | speed-up | prefill ms | speed-up | "
+          "max abs diff hidden / logits | worst chunk: exp mismatches / mean mantissa err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in variants:
+        t, prefill = min(seconds[name]), prefill_share(name)
+        dh, dl, exp, mant = diffs[name]
+        print(f"| {name} | {first[name][0]:.2f} / {first[name][1]:.2f} | {t * 1e3:.1f} | {base / t:.2f}x | "
+              f"{prefill * 1e3:.1f} | {base_prefill / prefill:.2f}x | {dh:.2g} / {dl:.2g} | {exp} / {mant:.2f} |",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
@@ -139,6 +220,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for generation and verification")
     parser.add_argument("--grid", action="store_true", help="also the ratio over output lengths and batch sizes")
+    parser.add_argument("--prefill-variants", action="store_true",
+                        help="also candidate prefill paths (attention kernel, torch.compile...) against the current")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
                         help="cpu: this process's CPU time (steady on a shared machine; with --threads > 1 it sums "
                              "the threads, i.e. CPU cost); wall: elapsed time")
@@ -184,6 +267,8 @@ def main() -> None:
           f"{gen_seconds / prefill_seconds:.1f}x; prefill at this CPU's matmul rate ({rate / 1e9:.0f} GFLOP/s, "
           f"{flops / 1e6:.2f} MFLOP per token, nothing else costing anything) >= {floor * 1e3:.1f} ms, "
           f"generation / that = {gen_seconds / floor:.1f}x")
+    if args.prefill_variants:
+        prefill_variants(model_dir, m["completions"], proofs, args.threads, max(args.repeats, 5), args.clock)
     if args.grid:
         grid(model_dir, requests, args.threads, args.repeats)
 
