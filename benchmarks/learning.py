@@ -216,7 +216,10 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=20.0, help="stop after this much wall time")
     p.add_argument("--seed", type=int, default=0, help="seeds the node and operator keys (hence the task assignment)")
     p.add_argument("--out", type=Path, default=Path("learning.png"))
+    p.add_argument("--summary", type=Path, default=None,
+                   help="also write the figures printed at the end as JSON (tests/test_learning_record.py reads it)")
     args = p.parse_args()
+    begun = time.perf_counter()  # the whole run: warm start and offline filtering included
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="prime-learning-"))
     model_dir = args.model
@@ -325,8 +328,19 @@ def main() -> int:
         first, last = points[0][1], points[-1][1]
         print(f"held-out {name} ({len(held_out.sets[name])} problems) accuracy {first:.3f} -> {last:.3f} "
               f"({100 * (last - first):+.1f} points, best {max(a for _, a in points):.3f})")
+    if args.summary:
+        window = max(1, min(40, len(rewards) // 2))
+        args.summary.write_text(json.dumps({
+            "steps": learner.step, "rl_wall_s": time.perf_counter() - started, "total_wall_s": time.perf_counter() - begun,
+            "rl_cpu_s": time.process_time() - cpu_start,
+            "rollout_reward": {"first": sum(r for _, r in rewards[:window]) / window if rewards else None,
+                               "last": sum(r for _, r in rewards[-window:]) / window if rewards else None,
+                               "window": window},
+            "heldout": {name: {"problems": len(held_out.sets[name]), "first": points[0][1], "last": points[-1][1],
+                               "best": max(a for _, a in points)} for name, points in accuracy.items()},
+        }, indent=2) + "\n")
     print(f"{learner.step} steps, {time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_start:.0f} s "
-          f"CPU (1 thread); reward curve (blue: rollout reward before filtering; held-out red: mix, green: band, orange: "
+          f"CPU (1 thread); {time.perf_counter() - begun:.0f} s wall in all (warm start included); reward curve (blue: rollout reward before filtering; held-out red: mix, green: band, orange: "
           f"mix-new or mix-distinct, purple: band-new or band-distinct) -> {args.out}")
     return 0
 
