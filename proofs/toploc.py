@@ -36,6 +36,7 @@ BYTES_PER_CHUNK = 2 + 2 * TOPK  # 258
 NO_MATCH_ERROR = float(2**64)  # toploc's mantissa statistic when every exponent mismatches
 _EXP_MASK, _EXP_SHIFT, _MANT_MASK = 0x7F80, 7, 0x007F  # bf16 bit fields
 _MODULUS_BLOCK = 64  # candidate moduli tested per vectorised step
+_NOT_FINITE = "hidden states contain NaN or infinite values (after rounding to bf16)"
 
 
 Precision = Literal["float32", "bfloat16"]
@@ -125,43 +126,64 @@ def _as_bf16(hidden: torch.Tensor, topk: int, chunk_rows: int) -> torch.Tensor:
         raise ProofError(f"hidden size {hidden.shape[1]} is smaller than top-k {topk}; use a wider model")
     if chunk_rows * hidden.shape[1] >= 2**31:
         raise ProofError("a chunk has 2^31 or more entries: the format's indices are 32-bit")
-    hidden = hidden.detach().to("cpu", torch.bfloat16).contiguous()
-    if not bool(torch.isfinite(hidden).all()):
-        raise ProofError("hidden states contain NaN or infinite values (after rounding to bf16)")
-    return hidden
+    return hidden.detach().to("cpu", torch.bfloat16).contiguous()  # finiteness: checked per chunk
 
 
-def _chunk_topk(hidden: torch.Tensor, topk: int, chunk_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per chunk: the top-k flat indices by magnitude and the bf16 bits there, shapes (chunks, k).
+def _chunks_topk(
+    matrices: Sequence[torch.Tensor], topk: int, chunk_rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per chunk of every bf16 matrix (matrix by matrix, chunk by chunk): the top-k flat indices by
+    magnitude and the bf16 bits there, both (chunks, k) int64, and whether all its entries are finite.
 
-    Full chunks go through one batched torch.topk; the shorter last chunk through its own call, both on
-    the same flattened bf16 layout toploc uses, so ties between equal magnitudes break the same way.
+    Chunks of equal shape, from all matrices, share one torch.topk call: the full 32-row ones, and the
+    shorter last chunks grouped by row count. Each chunk is one row of the call on the same flattened
+    bf16 layout toploc uses, and torch's CPU top-k selects every row on its own (a fresh selection per
+    row, its algorithm picked by k and the row length alone), so ties between equal magnitudes break as
+    in toploc's own one-chunk-at-a-time calls; batching only removes the per-call overhead.
     """
-    rows, width = hidden.shape
-    full = rows // chunk_rows
-    bits = hidden.view(torch.int16)
-    indices, values = [], []
-    if full:
-        flat = hidden[: full * chunk_rows].reshape(full, chunk_rows * width)
-        idx = flat.abs().topk(topk, dim=1).indices
-        indices.append(idx)
-        values.append(bits[: full * chunk_rows].reshape(full, -1).gather(1, idx))
-    if rows > full * chunk_rows:
-        flat = hidden[full * chunk_rows :].reshape(1, -1)
-        idx = flat.abs().topk(topk, dim=1).indices
-        indices.append(idx)
-        values.append(bits[full * chunk_rows :].reshape(1, -1).gather(1, idx))
-    index_array = torch.cat(indices).numpy().astype(np.int64)
-    bit_array = torch.cat(values).numpy().astype(np.int64) & 0xFFFF
-    return index_array, bit_array
+    groups: dict[tuple[int, int], tuple[list[torch.Tensor], list[np.ndarray]]] = {}
+    total = 0
+    for matrix in matrices:
+        rows, width = matrix.shape
+        full = rows // chunk_rows
+        if full:
+            blocks, slots = groups.setdefault((chunk_rows, width), ([], []))
+            blocks.append(matrix[: full * chunk_rows])
+            slots.append(np.arange(total, total + full))
+        if rows > full * chunk_rows:
+            blocks, slots = groups.setdefault((rows - full * chunk_rows, width), ([], []))
+            blocks.append(matrix[full * chunk_rows :])
+            slots.append(np.array([total + full]))
+        total += chunk_count(rows, chunk_rows)
+    indices = np.empty((total, topk), dtype=np.int64)
+    bits = np.empty((total, topk), dtype=np.int64)
+    finite = np.empty(total, dtype=bool)
+    for (rows, width), (blocks, slots) in groups.items():
+        flat = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).reshape(-1, rows * width)
+        magnitudes = flat.abs()
+        slot = np.concatenate(slots)
+        finite[slot] = (magnitudes.amax(dim=1) < float("inf")).numpy()  # amax propagates NaN; inf is no < inf
+        idx = magnitudes.topk(topk, dim=1).indices
+        indices[slot] = idx.numpy()
+        bits[slot] = flat.view(torch.int16).gather(1, idx).numpy()
+    bits &= 0xFFFF  # the int16 view sign-extended; the format's y is the unsigned bit pattern
+    return indices, bits, finite
 
 
 def injective_moduli(x: np.ndarray) -> np.ndarray:
-    """Per row of x (chunks, k): the largest m <= 65497 with the k values x mod m pairwise distinct."""
+    """Per row of x (chunks, k): the largest m <= 65497 with the k values x mod m pairwise distinct.
+
+    The top candidate settles every row whose values are distinct mod 65497, which is every chunk of a
+    model with 32 x hidden <= 65497 (the flat indices are then their own residues): one (chunks, k) sort.
+    Only the rows it leaves go through the search below, 64 candidates per vectorised step.
+    """
     chunks, k = x.shape
     result = np.zeros(chunks, dtype=np.int64)
-    pending = np.arange(chunks)
-    top = MAX_MODULUS
+    first = np.sort(x % MAX_MODULUS, axis=1)
+    settled = (np.diff(first, axis=1) != 0).all(axis=1)
+    result[settled] = MAX_MODULUS
+    pending = np.flatnonzero(~settled)
+    top = MAX_MODULUS - 1
     while pending.size:
         if top < k:
             raise ProofError(f"no modulus >= {k} keeps the top-k indices distinct")
@@ -190,15 +212,16 @@ def build_proofs(
     """
     if not hiddens:
         return []
-    parts = [_chunk_topk(_as_bf16(h, topk, chunk_rows), topk, chunk_rows) for h in hiddens]
-    indices = np.concatenate([p[0] for p in parts])
-    bits = np.concatenate([p[1] for p in parts])
+    matrices = [_as_bf16(h, topk, chunk_rows) for h in hiddens]
+    indices, bits, finite = _chunks_topk(matrices, topk, chunk_rows)
+    if not finite.all():
+        raise ProofError(_NOT_FINITE)
     moduli = injective_moduli(indices)
     words = np.empty((len(moduli), 1 + topk), dtype=">u2")
     words[:, 0] = moduli
     words[:, 1:] = gf.interpolate(indices % moduli[:, None], bits)
-    ends = np.cumsum([len(p[0]) for p in parts])
-    return [words[end - len(p[0]) : end].tobytes() for p, end in zip(parts, ends, strict=True)]
+    bounds = np.cumsum([0] + [chunk_count(m.shape[0], chunk_rows) for m in matrices])
+    return [words[start:end].tobytes() for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def parse_proof(proof: bytes, chunks: int, topk: int = TOPK) -> tuple[np.ndarray, np.ndarray]:
@@ -208,13 +231,13 @@ def parse_proof(proof: bytes, chunks: int, topk: int = TOPK) -> tuple[np.ndarray
         raise ProofError(f"proof is {len(proof)} bytes, expected {expected} ({chunks} chunks x {2 + 2 * topk})")
     words = np.frombuffer(proof, dtype=">u2").reshape(chunks, 1 + topk).astype(np.int64)
     moduli, coefficients = words[:, 0], words[:, 1:]
+    if not chunks or (moduli.min() >= topk and moduli.max() <= MAX_MODULUS and coefficients.max() < gf.PRIME):
+        return moduli, coefficients  # the common case: three reductions, no index searches
     bad = np.flatnonzero((moduli < topk) | (moduli > MAX_MODULUS))
     if bad.size:
         raise ProofError(f"chunk {bad[0]}: modulus {moduli[bad[0]]} outside [{topk}, {MAX_MODULUS}]")
     bad_rows = np.flatnonzero((coefficients >= gf.PRIME).any(axis=1))
-    if bad_rows.size:
-        raise ProofError(f"chunk {bad_rows[0]}: a coefficient is not a field element (>= {gf.PRIME})")
-    return moduli, coefficients
+    raise ProofError(f"chunk {bad_rows[0]}: a coefficient is not a field element (>= {gf.PRIME})")
 
 
 def check_proof(
@@ -237,28 +260,33 @@ def check_proofs(
     """
     if len(proofs) != len(hiddens):
         raise ProofError(f"{len(proofs)} proofs for {len(hiddens)} hidden-state matrices")
-    parsed: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | ProofError] = []
-    for proof, hidden in zip(proofs, hiddens, strict=True):
+    results: list[list[ChunkStats] | ProofError | None] = [None] * len(proofs)
+    matrices: list[torch.Tensor] = []
+    members: list[int] = []  # the sequence of each matrix
+    for n, hidden in enumerate(hiddens):
         try:
-            bf16 = _as_bf16(hidden, topk, chunk_rows)
-            moduli, coefficients = parse_proof(proof, chunk_count(bf16.shape[0], chunk_rows), topk)
-            parsed.append((moduli, coefficients, *_chunk_topk(bf16, topk, chunk_rows)))
+            matrices.append(_as_bf16(hidden, topk, chunk_rows))
+            members.append(n)
         except ProofError as exc:
-            parsed.append(exc)
-    good = [p for p in parsed if not isinstance(p, ProofError)]
-    if not good:
-        return list(parsed)  # type: ignore[arg-type]  (every entry is a ProofError)
-    moduli, coefficients, indices, bits = (np.concatenate([p[n] for p in good]) for n in range(4))
-    stats = _chunk_stats(gf.evaluate(coefficients, indices % moduli[:, None]), bits)
-    out: list[list[ChunkStats] | ProofError] = []
-    start = 0
-    for p in parsed:
-        if isinstance(p, ProofError):
-            out.append(p)
-            continue
-        out.append(stats[start : start + len(p[0])])
-        start += len(p[0])
-    return out
+            results[n] = exc
+    indices, bits, finite = _chunks_topk(matrices, topk, chunk_rows)
+    bounds = np.cumsum([0] + [chunk_count(m.shape[0], chunk_rows) for m in matrices])
+    checked: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # sequence, chunks, moduli, coefficients
+    for n, start, end in zip(members, bounds[:-1], bounds[1:], strict=True):
+        try:
+            if not finite[start:end].all():
+                raise ProofError(_NOT_FINITE)
+            checked.append((n, np.arange(start, end), *parse_proof(proofs[n], end - start, topk)))
+        except ProofError as exc:
+            results[n] = exc
+    if checked:
+        chunks, moduli, coefficients = (np.concatenate([c[i] for c in checked]) for i in (1, 2, 3))
+        stats = _chunk_stats(gf.evaluate(coefficients, indices[chunks] % moduli[:, None]), bits[chunks])
+        position = 0
+        for n, own, _, _ in checked:
+            results[n] = stats[position : position + len(own)]
+            position += len(own)
+    return results  # type: ignore[return-value]  (each entry is now a list or a ProofError)
 
 
 def _chunk_stats(committed: np.ndarray, bits: np.ndarray) -> list[ChunkStats]:

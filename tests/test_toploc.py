@@ -54,15 +54,30 @@ def test_interpolation_matches_scalar_newton(k: int):
     assert np.array_equal(gf.evaluate(coefficients, x), y % P)
 
 
+def _largest_injective(row: np.ndarray) -> int:
+    return next(c for c in range(P, len(row) - 1, -1) if len(set((row % c).tolist())) == len(row))
+
+
 def test_modulus_is_the_largest_injective_one():
     rng = np.random.default_rng(0)
-    # Indices up to 2^20 collide modulo 65497 often, so several chunks need a smaller modulus.
-    x = np.stack([rng.choice(1 << 20, 128, replace=False) for _ in range(40)])
+    # Indices up to 2^20 collide modulo 65497 often, so several chunks need a smaller modulus; indices of a
+    # wide model's chunk (32 x 4096 entries) exceed 65497 and mostly settle at the first candidate; a
+    # 128-wide model's (< 4096) always do.
+    bounds = [1 << 20] * 30 + [1 << 17] * 10 + [4096] * 4
+    x = np.stack([rng.choice(bound, 128, replace=False) for bound in bounds])
     moduli = injective_moduli(x)
-    for row, m in zip(x, moduli):
-        expected = next(c for c in range(P, 127, -1) if len(set((row % c).tolist())) == 128)
-        assert m == expected
-    assert (moduli < P).any()  # the test exercised the search, not just the first candidate
+    assert moduli.tolist() == [_largest_injective(row) for row in x]
+    assert (moduli < P).any() and (moduli[30:40] == P).any()  # both the search and the first candidate ran
+    assert (moduli[40:] == P).all()
+    with pytest.raises(ProofError, match="no modulus"):
+        injective_moduli(np.r_[np.arange(127), 5][None, :])  # a repeated value collides under every modulus
+
+
+def test_inverse_table_covers_the_field():
+    values = np.arange(1, P)
+    assert (values * gf.inverse(values) % P == 1).all()
+    assert gf.inverse(np.array([P, 0]))[1] == 0  # documented: 0 (no inverse) maps to 0, as a^(p-2) does
+    assert np.array_equal(gf.inverse(np.array([3, P + 3])), gf.pow_mod(np.array([3, 3]), P - 2))
 
 
 def _hidden(rows: int, width: int = 128, seed: int = 0) -> torch.Tensor:
@@ -170,7 +185,7 @@ def test_verifier_settings_pick_bounds_by_declared_precision():
     bf16 = VerifierSettings(node_precision="bfloat16")
     assert bf16.toploc_thresholds() == ToplocThresholds() and bf16.sampling_thresholds().margin == 1.0
     explicit = ToplocThresholds(max_typical_mant_err_mean=0.5)
-    assert VerifierSettings(node_precision="bfloat16", toploc=explicit).toploc_thresholds() is explicit
+    assert VerifierSettings(node_precision="bfloat16", toploc=explicit).toploc_thresholds() == explicit
     with pytest.raises(ValidationError):
         VerifierSettings(node_precision="float16")
 
@@ -191,3 +206,72 @@ def test_batched_checks_equal_one_at_a_time_and_name_the_malformed_one() -> None
     assert batched[0] == check_proof(proofs[0], noisy[0]) and batched[2] == check_proof(proofs[2], noisy[2])
     assert isinstance(batched[1], ProofError) and "bytes" in str(batched[1])
     assert any(s.exp_mismatches or s.mant_err_mean for s in batched[2])
+
+
+def _chunk_points(chunk: torch.Tensor) -> tuple[list[int], list[int]]:
+    """toploc's own selection: one torch.topk call on one flattened bf16 chunk."""
+    flat = chunk.reshape(-1)
+    indices = flat.abs().topk(128).indices
+    return indices.tolist(), [v & 0xFFFF for v in flat.view(torch.int16)[indices].tolist()]
+
+
+def _reference_proof(hidden: torch.Tensor) -> bytes:
+    """One chunk at a time and scalar: the chunk's own top-k, brute-force modulus, Newton interpolation."""
+    bf16, out = hidden.to(torch.bfloat16), b""
+    for start in range(0, bf16.shape[0], 32):
+        x, y = _chunk_points(bf16[start : start + 32])
+        m = _largest_injective(np.array(x))
+        out += np.array([m, *_newton_reference([v % m for v in x], y)], dtype=">u2").tobytes()
+    return out
+
+
+def _reference_stats(proof: bytes, hidden: torch.Tensor) -> list[tuple[int, float, float]]:
+    bf16, out = hidden.to(torch.bfloat16), []
+    for n, start in enumerate(range(0, bf16.shape[0], 32)):
+        m, *coefficients = np.frombuffer(proof, ">u2").reshape(-1, 129)[n].tolist()
+        errors, mismatches = [], 0
+        for x, y in zip(*_chunk_points(bf16[start : start + 32])):
+            committed = sum(c * pow(x % m, t, P) for t, c in enumerate(coefficients)) % P
+            if (committed >> 7) & 0xFF != (y >> 7) & 0xFF:
+                mismatches += 1
+            else:
+                errors.append(abs((committed & 0x7F) - (y & 0x7F)))
+        errors.sort()
+        no_match = float(2**64)
+        out.append((mismatches, sum(errors) / len(errors) if errors else no_match,
+                    float(errors[len(errors) // 2]) if errors else no_match))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["randn", "rounded", "equal magnitudes"])
+def test_batched_build_and_check_equal_a_chunk_at_a_time_scalar_reference(kind: str) -> None:
+    # Batching puts chunks of different sequences (full ones, and short last ones of equal length) into one
+    # torch.topk call; ties between equal magnitudes must still break as in a call on the chunk alone.
+    generator = torch.Generator().manual_seed(len(kind))
+    shapes = ((1, 128), (31, 128), (33, 128), (70, 128), (86, 128), (38, 128), (40, 160))
+    hiddens = [torch.randn(rows, width, generator=generator) * 3 for rows, width in shapes]
+    if kind == "rounded":  # magnitudes repeat (integers up to ~15): ties across the top-k boundary
+        hiddens = [h.round() for h in hiddens]
+    elif kind == "equal magnitudes":  # every entry ties: the selection is torch's tie-breaking alone
+        hiddens = [torch.sign(h) + (h == 0) for h in hiddens]
+    proofs = build_proofs(hiddens)
+    assert proofs == [_reference_proof(h) for h in hiddens]
+    other = [h * (1 + 0.02 * torch.randn(h.shape, generator=generator)) for h in hiddens]
+    checked = check_proofs(proofs, other)
+    assert [[(s.exp_mismatches, s.mant_err_mean, s.mant_err_median) for s in stats] for stats in checked] == [
+        _reference_stats(p, h) for p, h in zip(proofs, other)]
+    assert any(s.exp_mismatches or s.mant_err_mean for stats in checked for s in stats)
+
+
+def test_one_non_finite_entry_anywhere_is_refused() -> None:
+    hiddens = [_hidden(rows, seed=rows) for rows in (40, 70, 3)]
+    proofs = build_proofs(hiddens)
+    for row, column, value in ((69, 127, float("inf")), (0, 0, float("nan")), (33, 5, float("-inf"))):
+        bad = [h.clone() for h in hiddens]
+        bad[1][row, column] = value
+        with pytest.raises(ProofError, match="NaN or infinite"):
+            build_proofs(bad)
+        results = check_proofs(proofs, bad)
+        assert isinstance(results[1], ProofError) and "NaN or infinite" in str(results[1])
+        assert results[0] == check_proof(proofs[0], hiddens[0])
+        assert results[2] == check_proof(proofs[2], hiddens[2])
