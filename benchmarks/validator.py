@@ -76,6 +76,7 @@ def main() -> None:
         entries = spool.recover()
         for fraction in (1.0, args.sample_fraction):
             settings = VerifierSettings(run_id="bench", run_seed=0, samples_per_prompt=args.samples,
+                                        temperature=spec.temperature, max_new_tokens=spec.max_new_tokens,
                                         sample_fraction=fraction)
             with Ledger(root / f"ledger-{fraction}.sqlite") as ledger:
                 start, verified, accepted, rollouts = time.perf_counter(), 0, 0, 0

@@ -13,7 +13,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -29,6 +29,9 @@ class Section(BaseModel):
     """Base of every config model: unknown keys are errors (a typo must not be silently ignored)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Top-level settings that moved, old name -> new dotted name: a config, variable or flag written for the
+    # old layout is refused with where the setting lives now (load_config), not just "unknown setting".
+    MOVED: ClassVar[Mapping[str, str]] = {}
 
 
 class CommonSettings(Section):
@@ -69,7 +72,7 @@ def _env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, 
         dotted = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split("__") if part)
         if not dotted:
             continue
-        if dotted[0] not in model.model_fields:
+        if dotted[0] not in model.model_fields and dotted[0] not in getattr(model, "MOVED", {}):
             continue  # another command's setting, or a variable this command does not use
         found[".".join(dotted)] = (dotted, _env_value(raw), f"environment variable {name}")
     return found
@@ -123,6 +126,15 @@ def load_config(
             continue
         _set_path(merged, tuple(dotted_name.split(".")), value)
         sources[dotted_name] = "flag --" + dotted_name.split(".")[-1].replace("_", "-")
+    for old, new in getattr(model, "MOVED", {}).items():
+        if old in merged:
+            where = sources.get(old)
+            section, _, key = new.rpartition(".")
+            raise ConfigError(
+                f"setting {old!r}" + (f" (from {where})" if where else "") + f" is now {new!r}: in a config "
+                f"file write `{key} = ...` under [{section}]; in the environment {ENV_PREFIX}"
+                + "__".join(new.upper().split("."))
+            )
     try:
         return model.model_validate(merged)
     except ValidationError as exc:

@@ -29,6 +29,10 @@ class RunSettings(Section):
     samples: int = Field(4, ge=1, le=1024, description="Completions per prompt (G).")
     length_targets: list[int] = Field(default_factory=list, description="Thinking-length targets; empty: off.")
     length_alpha: float = Field(0.001, ge=0, le=1, description="Length penalty per token of distance to target.")
+    # Sampling is the run's, not each node's: a node free to pick them would sample cooler (higher rewards,
+    # proofs still honest) or shorter (cheaper work), and the trainer's log-probabilities assume one temperature.
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature every rollout must use.")
+    max_new_tokens: int = Field(64, ge=1, le=8192, description="Most tokens per sample; every rollout must use it.")
     compute_dtype: Precision = Field(
         "float32",
         description="Dtype every contributor generates in; it picks the calibrated proof bounds (validators "
@@ -72,17 +76,22 @@ def validator_engine(engine: EngineSettings) -> EngineSettings:
 
 
 def verifier_for_run(verifier: VerifierSettings, run: RunSettings) -> VerifierSettings:
-    """The verifier settings bound to the run: its id, seed, group size and compute dtype."""
+    """The verifier settings bound to the run: its id, seed, group size, sampling and compute dtype."""
     return verifier.model_copy(update={"run_id": run.run_id, "run_seed": run.run_seed,
-                                       "samples_per_prompt": run.samples, "node_precision": run.compute_dtype})
+                                       "samples_per_prompt": run.samples, "temperature": run.temperature,
+                                       "max_new_tokens": run.max_new_tokens, "node_precision": run.compute_dtype})
+
+
+# Node-level before the run fixed them for everyone (see RunSettings).
+MOVED_TO_RUN = {"temperature": "run.temperature", "max_new_tokens": "run.max_new_tokens"}
 
 
 class RolloutSettings(CommonSettings):
+    MOVED = MOVED_TO_RUN
+
     run: RunSettings = Field(default_factory=RunSettings, description="Run parameters.")
     engine: EngineSettings = Field(default_factory=EngineSettings, description="Inference engine.")
     prompts: int = Field(4, ge=1, le=4096, description="Prompts in the batch.")
-    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
-    max_new_tokens: int = Field(64, ge=1, le=8192, description="Most tokens generated per sample.")
 
 
 class VerifySettings(CommonSettings):

@@ -1,7 +1,9 @@
 """The checks a validator runs on a rollout file, cheapest first (see verifier.py for the framework).
 
-signature -> schema -> signer -> bounds -> assignment -> prompts -> termination -> rewards   (every row, cheap)
-toploc -> eos-probability -> sampling -> distribution   (selected rows, one shared prefill)
+signature -> schema -> signer -> bounds -> run-parameters -> assignment -> prompts -> termination -> rewards
+    (every row, cheap)
+toploc -> eos-probability -> sampling -> distribution   (selected rows: what one prefill each gives,
+    reduced call by call so that memory does not grow with the file, proofs/evidence.py)
 
 eos-probability runs before sampling so that a forced, improbable EOS is named as such; sampling would
 reject it too (EOS is then rarely the Gumbel argmax).
@@ -29,11 +31,10 @@ from .sampling import (
     distribution_failure,
     distribution_z,
     eos_probability_failure,
-    replay_samplings,
     sampling_failure,
     termination_failure,
 )
-from .toploc import check_proofs, committed_rows, typical_mant_err_mean, worst_failure
+from .toploc import typical_mant_err_mean, worst_failure
 from .verifier import Check, CheckFailed, VerificationContext
 
 REWARD_TOLERANCE = 1e-9
@@ -85,6 +86,25 @@ class BoundsCheck:
         with _rejects(RolloutFileError):
             check_rows(ctx.rows, limits)
         return "all values in bounds"
+
+
+class RunParametersCheck:
+    """The sampling the run fixed: a node that honestly declares a cooler temperature (higher rewards; every
+    proof still holds at the declared one) or fewer new tokens (cheaper work) is not doing the run's work."""
+
+    name = "run-parameters"
+
+    def run(self, ctx: VerificationContext) -> str:
+        pinned = ctx.settings
+        for i, row in enumerate(ctx.rows):
+            if pinned.temperature is not None and row.temperature != pinned.temperature:
+                raise CheckFailed(f"sampled at temperature {row.temperature:g}; the run samples at "
+                                  f"{pinned.temperature:g}", i)
+            if pinned.max_new_tokens is not None and row.max_new_tokens != pinned.max_new_tokens:
+                raise CheckFailed(f"max_new_tokens {row.max_new_tokens}; the run's is {pinned.max_new_tokens}", i)
+        first = ctx.rows[0]
+        return f"temperature {first.temperature:g}, max_new_tokens {first.max_new_tokens}" + (
+            "" if pinned.temperature is not None and pinned.max_new_tokens is not None else " (not pinned)")
 
 
 class AssignmentCheck:
@@ -149,21 +169,14 @@ class ToplocCheck:
     def run(self, ctx: VerificationContext) -> str:
         pooled = []
         thresholds = ctx.settings.toploc_thresholds()
-        prefilled = sorted(ctx.prefilled().items())
-        rows = [ctx.rows[i] for i, _ in prefilled]
-        results = check_proofs(  # one batched evaluation over every selected row's chunks
-            [row.proof for row in rows],
-            [result.hidden_states[committed_rows(len(row.prompt_ids), len(row.output_ids))]
-             for row, (_, result) in zip(rows, prefilled, strict=True)],
-        )
-        for (i, _), stats in zip(prefilled, results, strict=True):
-            if isinstance(stats, ProofError):
-                raise CheckFailed(f"malformed proof: {stats}", i)
-            for chunk, s in enumerate(stats):
+        for i, evidence in sorted(ctx.row_evidence().items()):
+            if isinstance(evidence.toploc, ProofError):
+                raise CheckFailed(f"malformed proof: {evidence.toploc}", i)
+            for chunk, s in enumerate(evidence.toploc):
                 reason = s.failure(thresholds)
                 if reason:
                     raise CheckFailed(f"proof chunk {chunk}: {reason}", i)
-            pooled.extend(stats)
+            pooled.extend(evidence.toploc)
         reason = worst_failure(pooled, thresholds)
         if reason:  # the per-chunk caps passed above, so this is the file-level typical error
             raise CheckFailed(reason)
@@ -177,23 +190,12 @@ class SamplingCheck:
 
     def run(self, ctx: VerificationContext) -> str:
         thresholds = ctx.settings.sampling_thresholds()
-        members = sorted(ctx.prefilled())
-        rows = [ctx.rows[i] for i in members]
-        logits = [ctx.prefills[i].logits[committed_rows(len(r.prompt_ids), len(r.output_ids))]
-                  for i, r in zip(members, rows, strict=True)]
-        # One temperature for the whole file: the bounds check refuses rows that disagree on it first.
-        temperatures = {r.temperature for r in rows}
-        if len(temperatures) > 1:
-            reason = f"rows of one file disagree on the temperature: {sorted(temperatures)}"
-            raise CheckFailed(reason, members[0])
-        stats = replay_samplings(logits, [r.output_ids for r in rows], [r.sample_seed for r in rows],
-                                 temperatures.pop() if rows else 1.0, thresholds.margin)
-        ctx.sampling_stats.update(zip(members, stats, strict=True))
-        for i in members:  # the first failing row, in file order
-            reason = sampling_failure(ctx.sampling_stats[i], thresholds)
+        evidence = sorted(ctx.row_evidence().items())
+        for i, row in evidence:  # the first failing row, in file order
+            reason = sampling_failure(row.sampling, thresholds)
             if reason:
                 raise CheckFailed(reason, i)
-        near_ties = sum(s.near_ties for s in ctx.sampling_stats.values())
+        near_ties = sum(row.sampling.near_ties for _, row in evidence)
         return f"every token is the Gumbel argmax ({near_ties} tolerated near-ties)"
 
 
@@ -202,12 +204,10 @@ class EosProbabilityCheck:
 
     def run(self, ctx: VerificationContext) -> str:
         checked = 0
-        for i, result in sorted(ctx.prefilled().items()):
-            row = ctx.rows[i]
-            if row.finish_reason != "eos":
+        for i, evidence in sorted(ctx.row_evidence().items()):
+            if evidence.eos_logits is None:  # a `length` ending
                 continue
-            last = result.logits[len(row.prompt_ids) + len(row.output_ids) - 2]
-            reason = eos_probability_failure(last, ctx.model.eos_token_id, row.temperature,
+            reason = eos_probability_failure(evidence.eos_logits, ctx.model.eos_token_id, ctx.rows[i].temperature,
                                              ctx.settings.sampling_thresholds())
             if reason:
                 raise CheckFailed(reason, i)
@@ -219,7 +219,7 @@ class DistributionCheck:
     name = "distribution"
 
     def run(self, ctx: VerificationContext) -> str:
-        stats = [ctx.sampling_stats[i] for i in sorted(ctx.sampling_stats)]
+        stats = [evidence.sampling for _, evidence in sorted(ctx.row_evidence().items())]
         reason = distribution_failure(stats, ctx.settings.sampling_thresholds())
         if reason:
             raise CheckFailed(reason)
@@ -229,5 +229,6 @@ class DistributionCheck:
 
 def default_checks() -> list[Check]:
     """Every check, cheapest first."""
-    return [SignatureCheck(), SchemaCheck(), SignerCheck(), BoundsCheck(), AssignmentCheck(), PromptCheck(), TerminationCheck(),
-            RewardCheck(), ToplocCheck(), EosProbabilityCheck(), SamplingCheck(), DistributionCheck()]
+    return [SignatureCheck(), SchemaCheck(), SignerCheck(), BoundsCheck(), RunParametersCheck(), AssignmentCheck(),
+            PromptCheck(), TerminationCheck(), RewardCheck(), ToplocCheck(), EosProbabilityCheck(), SamplingCheck(),
+            DistributionCheck()]

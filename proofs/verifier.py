@@ -1,11 +1,11 @@
 """The composite rollout verifier: pluggable checks with one interface, run cheapest first.
 
 A check reads and extends a shared `VerificationContext` (the file's bytes, then its rows, then the
-prefill of the selected rows) and either returns a short summary or raises `CheckFailed` naming the row
-and the reason. The first failure rejects the file; the checks after it are reported as skipped. The
-expensive checks (TOPLOC, sampling, EOS probability, distribution) look at a random subset of rows
-(`sample_fraction`), chosen with the verifier's own randomness so a node cannot predict which rows are
-checked; any single failing row rejects the whole file.
+evidence the prefill of the selected rows gives, proofs/evidence.py) and either returns a short summary
+or raises `CheckFailed` naming the row and the reason. The first failure rejects the file; the checks
+after it are reported as skipped. The expensive checks (TOPLOC, sampling, EOS probability, distribution)
+look at a random subset of rows (`sample_fraction`), chosen with the verifier's own randomness so a node
+cannot predict which rows are checked; any single failing row rejects the whole file.
 
 What the verifier needs from the model and the task set is passed in as two small protocols, so this
 package stays free of engines, tokenizers and task code (node/validation.py provides them).
@@ -19,21 +19,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from .errors import ProofError
+from .evidence import Prefilled, RowEvidence, batch_evidence, prefill_batches
 from .rollout_schema import RolloutLimits, RolloutRow
-from .sampling import SamplingStats, SamplingThresholds
+from .sampling import SamplingThresholds
 from .toploc import Precision, ToplocThresholds
 
 logger = logging.getLogger(__name__)
-
-
-class Prefilled(Protocol):
-    hidden_states: torch.Tensor  # (L, hidden) last hidden states after the final norm
-    logits: torch.Tensor  # (L, vocab) float32; row i predicts token i + 1
 
 
 class ModelOracle(Protocol):
@@ -68,8 +64,18 @@ class VerifierSettings(BaseModel):
     run_seed: int = Field(0, ge=0, lt=2**64, description="The run's seed for work assignment.")
     samples_per_prompt: int | None = Field(None, ge=1, description="Completions per prompt; None: from the file.")
     prompts_per_batch: int | None = Field(None, ge=1, description="Prompts per file; None: any prefix.")
+    temperature: float | None = Field(
+        None, gt=0, description="The run's sampling temperature every row must carry; None: any (checked as declared)."
+    )
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="The run's max_new_tokens every row must carry; None: any."
+    )
     sample_fraction: float = Field(1.0, gt=0, le=1, description="Share of rows the expensive checks verify.")
-    prefill_batch_size: int = Field(16, ge=1, description="Sequences per prefill call.")
+    prefill_batch_size: int = Field(16, ge=1, description="Most sequences per prefill call.")
+    prefill_max_logits_mib: int = Field(
+        1024, ge=1, description="Most float32 logits one prefill call may return (MiB); calls are cut to fit, "
+        "one sequence at least. Bounds the validator's memory whatever a file holds.",
+    )
     limits: RolloutLimits = Field(default_factory=RolloutLimits, description="Size and value bounds.")
     node_precision: Precision = Field(
         "float32",
@@ -77,19 +83,30 @@ class VerifierSettings(BaseModel):
         "picks the calibrated TOPLOC and sampling bounds. bfloat16 tolerates GPU nodes, catches only coarser cheats.",
     )
     toploc: ToplocThresholds | None = Field(
-        None, description="TOPLOC bounds; unset: the calibrated bounds for node_precision."
+        None, description="TOPLOC bounds; the fields set here replace node_precision's calibrated ones."
     )
     sampling: SamplingThresholds | None = Field(
-        None, description="Sampling bounds; unset: the calibrated bounds for node_precision."
+        None, description="Sampling bounds; the fields set here replace node_precision's calibrated ones."
     )
 
     def toploc_thresholds(self) -> ToplocThresholds:
-        """The bounds the TOPLOC check applies: explicit ones, else those calibrated for node_precision."""
-        return self.toploc if self.toploc is not None else ToplocThresholds.for_precision(self.node_precision)
+        """The bounds the TOPLOC check applies: those calibrated for node_precision, with the explicitly set
+        fields of `toploc` on top (a partial override must not fall back to another precision's defaults)."""
+        return _override(ToplocThresholds.for_precision(self.node_precision), self.toploc)
 
     def sampling_thresholds(self) -> SamplingThresholds:
-        """The sampling tolerances: explicit ones, else those calibrated for node_precision."""
-        return self.sampling if self.sampling is not None else SamplingThresholds.for_precision(self.node_precision)
+        """The sampling tolerances: calibrated for node_precision, explicitly set fields of `sampling` on top."""
+        return _override(SamplingThresholds.for_precision(self.node_precision), self.sampling)
+
+
+Bounds = TypeVar("Bounds", ToplocThresholds, SamplingThresholds)
+
+
+def _override(calibrated: Bounds, explicit: Bounds | None) -> Bounds:
+    if explicit is None:
+        return calibrated
+    # Only the fields the operator wrote: the class defaults of the rest are one precision's set, not this one's.
+    return calibrated.model_copy(update={name: getattr(explicit, name) for name in explicit.model_fields_set})
 
 
 class CheckFailed(Exception):
@@ -115,8 +132,7 @@ class VerificationContext:
     signer: str = ""
     rows: list[RolloutRow] = field(default_factory=list)
     selected: list[int] = field(default_factory=list)  # rows the expensive checks cover
-    prefills: dict[int, Prefilled] = field(default_factory=dict)
-    sampling_stats: dict[int, SamplingStats] = field(default_factory=dict)
+    evidence: dict[int, RowEvidence] = field(default_factory=dict)  # per selected row, see row_evidence
 
     def select_rows(self) -> list[int]:
         if not self.selected:
@@ -125,20 +141,22 @@ class VerificationContext:
             self.selected = sorted(self.rng.sample(range(n), count))
         return self.selected
 
-    def prefilled(self) -> dict[int, Prefilled]:
-        """One prefill of prompt + output per selected row, computed once and shared."""
-        # Longest first, so each call holds rows of similar length (padding is wasted compute).
-        missing = sorted(
-            (i for i in self.select_rows() if i not in self.prefills),
-            key=lambda i: len(self.rows[i].prompt_ids) + len(self.rows[i].output_ids),
-            reverse=True,
-        )
-        size = self.settings.prefill_batch_size
-        for start in range(0, len(missing), size):
-            batch = missing[start : start + size]
-            results = self.model.prefill([self.rows[i].prompt_ids + self.rows[i].output_ids for i in batch])
-            self.prefills.update(zip(batch, results, strict=True))
-        return self.prefills
+    def row_evidence(self) -> dict[int, RowEvidence]:
+        """What the expensive checks read for every selected row: one prefill of prompt + output each, in
+        bounded calls, every call reduced before the next runs (proofs/evidence.py); computed once, shared."""
+        missing = [i for i in self.select_rows() if i not in self.evidence]
+        lengths = [len(self.rows[i].prompt_ids) + len(self.rows[i].output_ids) for i in missing]
+        margin = self.settings.sampling_thresholds().margin
+        for batch in prefill_batches(lengths, self.model.vocab_size, self.settings.prefill_batch_size,
+                                     self.settings.prefill_max_logits_mib << 20):
+            rows = [self.rows[missing[k]] for k in batch]
+            results = self.model.prefill([r.prompt_ids + r.output_ids for r in rows])
+            try:
+                found = batch_evidence(rows, results, margin)
+            except ProofError as exc:
+                raise CheckFailed(str(exc)) from None
+            self.evidence.update(zip((missing[k] for k in batch), found, strict=True))
+        return self.evidence
 
 
 class Check(Protocol):

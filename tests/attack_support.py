@@ -95,7 +95,10 @@ def write_honest(path: Path, rows: Sequence[RolloutRow]) -> Path:
 
 
 def verify(path: Path, verifier_engine: HFEngine, tasks: RunTasks, **settings) -> VerificationReport:
-    config = VerifierSettings(run_seed=SPEC.run_seed, samples_per_prompt=SPEC.samples, **settings)
+    """The verdict of a validator of SPEC's run (its seed, group size and sampling pinned, as in production)."""
+    run = {"run_seed": SPEC.run_seed, "samples_per_prompt": SPEC.samples, "temperature": SPEC.temperature,
+           "max_new_tokens": SPEC.max_new_tokens}
+    config = VerifierSettings(**{**run, **settings})
     return verify_rollout_file(path, verifier_engine, tasks, config, rng=random.Random(0))
 
 

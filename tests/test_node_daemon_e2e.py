@@ -103,7 +103,7 @@ async def test_contributor_daemon_end_to_end(tmp_path: Path) -> None:
 
                 # 3. A received file passes the validator's full verification against the step-0 checkpoint.
                 verdict = cli("verify", str(received[0].path), "--checkpoint", str(ckpt), "--run-id", RUN_ID,
-                              "--samples", "2", "--threads", "1")
+                              "--samples", "2", "--max-new-tokens", "16", "--threads", "1")
                 assert verdict.returncode == 0, verdict.stdout + verdict.stderr
 
                 # 4. A policy signed by a key that is not pinned is ignored (step 9 never shows up).

@@ -69,6 +69,9 @@ def test_inbox_skips_tampered_unsigned_and_foreign_files(staged, tmp_path, caplo
     foreign = _copy(staged[2], inbox_dir)
     inbox = Inbox(inbox_dir, "another-run")
     assert inbox.read(foreign) is None  # a correctly signed file of another run is not this trainer's data
+    # Nor is one sampled at another temperature than the trainer's log-probabilities assume.
+    assert Inbox(inbox_dir, RUN_ID, temperature=0.7).read(foreign) is None
+    assert "sampled at temperature 1, the trainer's is 0.7" in caplog.text
     inbox = Inbox(inbox_dir, RUN_ID)
     assert inbox.read(tampered) is None
     assert inbox.read(forged) is None

@@ -24,6 +24,8 @@ CONFIG = f"""
 run_id = "{RUN}"
 run_seed = {SPEC.run_seed}
 samples = {SPEC.samples}
+temperature = {SPEC.temperature}
+max_new_tokens = {SPEC.max_new_tokens}
 
 [engine]
 threads = 1

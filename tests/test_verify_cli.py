@@ -26,9 +26,11 @@ def produced(tmp_path_factory):
     return checkpoint, out
 
 
-def _verify(capsys, *argv: str) -> tuple[int, str]:
+def _verify(capsys, *argv: str, max_new_tokens: str | None = "36") -> tuple[int, str]:
+    """`prime-node verify` for the run the files above belong to (max_new_tokens 36; None: the default)."""
     capsys.readouterr()
-    code = main(["verify", *argv, "--log-level", "WARNING"])
+    run = ["--max-new-tokens", max_new_tokens] if max_new_tokens else []
+    code = main(["verify", *argv, *run, "--log-level", "WARNING"])
     return code, capsys.readouterr().out
 
 
@@ -57,6 +59,13 @@ def test_verify_rejects_with_reason(produced, capsys, tmp_path: Path):
     code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
                          "--run-id", "another")
     assert code == 1 and "belongs to run 'local'" in text
+    # The run's sampling binds the file: another max_new_tokens or temperature than the run's is refused.
+    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
+                         max_new_tokens=None)
+    assert code == 1 and "REJECTED: run-parameters: row 0: max_new_tokens 36; the run's is 64" in text, text
+    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
+                         "--temperature", "0.7")
+    assert code == 1 and "run-parameters: row 0: sampled at temperature 1; the run samples at 0.7" in text, text
     tampered = tmp_path / "t.parquet"
     data = bytearray(out.read_bytes())
     data[-40] ^= 1

@@ -51,7 +51,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFEngine, Run
 def validator_settings(data_dir: Path, **intake: Any) -> ValidatorSettings:
     return ValidatorSettings(
         data_dir=data_dir,
-        run=RunSettings(run_id=RUN, run_seed=SPEC.run_seed, samples=SPEC.samples),
+        run=RunSettings(run_id=RUN, run_seed=SPEC.run_seed, samples=SPEC.samples, temperature=SPEC.temperature,
+                        max_new_tokens=SPEC.max_new_tokens),
         engine=EngineSettings(threads=1),
         swarm=config(RUN, OPERATOR, reachability="public"),
         dashboard=DashboardSettings(port=0),

@@ -51,6 +51,9 @@ class Inbox:
     directory: Path
     run_id: str
     limits: RolloutLimits = field(default_factory=RolloutLimits)
+    # The temperature the trainer's log-probabilities assume; rows sampled at another one would be trained on
+    # as if drawn from a distribution they were not (validators pin it too: this guards a misconfigured one).
+    temperature: float | None = None
     _done: set[str] = field(default_factory=set)  # file names fully handed to the buffer or refused
 
     def pending(self) -> list[Path]:
@@ -73,6 +76,10 @@ class Inbox:
             verified = read_rollout_file(path, self.limits)
             if any(r.run_id != self.run_id for r in verified.rows):
                 raise RolloutFileError(f"rows belong to another run than {self.run_id!r}", check="bounds")
+            other = {r.temperature for r in verified.rows} - {self.temperature} if self.temperature else set()
+            if other:
+                raise RolloutFileError(f"rows were sampled at temperature {min(other):g}, the trainer's is "
+                                       f"{self.temperature:g} (trainer.temperature)", check="bounds")
             return record_from_rows(verified.sha256, verified.rows)
         except RolloutFileError as exc:
             logger.warning("skipping accepted-rollout file %s: %s", path.name, exc)

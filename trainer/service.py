@@ -82,7 +82,8 @@ class TrainerService:
         t = settings.trainer
         self.buffer = BatchBuffer(self.ledger, batch_size=t.batch_size, async_level=t.async_level,
                                   advantage_eps=t.advantage_eps, max_buffered_samples=t.max_buffered_samples)
-        self.inbox = Inbox(settings.path(svc.accepted_dir, "accepted"), svc.run_id)
+        self.inbox = Inbox(settings.path(svc.accepted_dir, "accepted"), svc.run_id,
+                           temperature=settings.trainer.temperature)
         self.metrics = TrainerMetrics()
         self.log = StepLog(state_root / "metrics.jsonl")
         self.swarm: Swarm | None = None

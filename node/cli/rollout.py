@@ -12,7 +12,8 @@ from .common import common_flags, load_settings, print_json
 RUN_FLAGS = {
     "run.run_id": "run_id", "run.run_seed": "run_seed", "run.tasks": "tasks", "run.task_seed": "task_seed",
     "run.samples": "samples", "run.length_targets": "length_targets", "run.length_alpha": "length_alpha",
-    "run.compute_dtype": "compute_dtype", "engine.threads": "threads",
+    "run.compute_dtype": "compute_dtype", "run.temperature": "temperature", "run.max_new_tokens": "max_new_tokens",
+    "engine.threads": "threads",
 }
 
 
@@ -29,6 +30,13 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
                    help="the run's compute dtype; picks the proof bounds (default float32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_sampling_flags(p)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """The run's sampling parameters (run.temperature, run.max_new_tokens): every party must agree on them."""
+    p.add_argument("--temperature", type=float, default=None, help="the run's sampling temperature (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="the run's most tokens per sample (default 64)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +49,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="rollout file to write (FILE and FILE.sig)")
     p.add_argument("--batch-counter", type=int, default=0, help="the node's batch number at this step")
     p.add_argument("--prompts", type=int, default=None, help="prompts in the batch (default 4)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="most tokens per sample (default 64)")
     p.add_argument("--gpu", action="store_true", default=None, help="generate on CUDA")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(handler=rollout)
@@ -55,7 +61,7 @@ def rollout(args: argparse.Namespace) -> int:
     from ..producer import BatchSpec, produce_rollout_file
     from ..run_config import RolloutSettings, engine_for_run, load_run_tasks
 
-    flags = {**RUN_FLAGS, "prompts": "prompts", "temperature": "temperature", "max_new_tokens": "max_new_tokens"}
+    flags = {**RUN_FLAGS, "prompts": "prompts"}
     settings = load_settings(args, RolloutSettings, flags)
     if args.gpu:
         settings.engine.device = "cuda"
@@ -67,7 +73,7 @@ def rollout(args: argparse.Namespace) -> int:
     spec = BatchSpec(
         run_id=settings.run.run_id, run_seed=settings.run.run_seed, policy_step=args.step,
         batch_counter=args.batch_counter, prompts=settings.prompts, samples=settings.run.samples,
-        temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
+        temperature=settings.run.temperature, max_new_tokens=settings.run.max_new_tokens,
     )
     batch = produce_rollout_file(engine, tasks, identity, spec, args.out)
     summary = {

@@ -8,11 +8,12 @@ import logging
 from pathlib import Path
 
 from .common import common_flags, load_settings
+from .rollout import add_sampling_flags
 
 FLAGS = {
     "key_file": "key", "operator_key": "operator_key", "run.run_id": "run_id", "run.run_seed": "run_seed",
     "run.tasks": "tasks", "run.task_seed": "task_seed", "run.samples": "samples", "prompts": "prompts",
-    "temperature": "temperature", "max_new_tokens": "max_new_tokens", "async_level": "async_level",
+    "run.temperature": "temperature", "run.max_new_tokens": "max_new_tokens", "async_level": "async_level",
     "swarm.initial_peers": "peers", "swarm.host_maddrs": "host_maddrs", "swarm.announce_maddrs": "announce_maddrs",
     "swarm.reachability": "reachability", "engine.threads": "threads", "status_host": "status_host",
     "status_port": "status_port", "max_batches": "max_batches", "serve_weights": "serve_weights",
@@ -31,8 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--key", type=Path, default=None, help="the node's key file (default <data-dir>/node.key)")
     p.add_argument("--samples", type=int, default=None, help="completions per prompt (G)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per rollout batch")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="most tokens per sample")
+    add_sampling_flags(p)
     p.add_argument("--async-level", type=int, default=None, help="oldest usable checkpoint, in steps (default 2)")
     p.add_argument("--host-maddrs", nargs="+", default=None, metavar="MADDR", help="libp2p listen addresses")
     p.add_argument("--announce-maddrs", nargs="+", default=None, metavar="MADDR", help="public addresses")

@@ -14,11 +14,13 @@ from pathlib import Path
 
 from ..errors import NodeError
 from .common import common_flags, load_settings, run_until_stopped
+from .rollout import add_sampling_flags
 
 FLAGS = {
     "run.run_id": "run_id", "swarm.run_id": "run_id", "run.run_seed": "run_seed", "run.tasks": "tasks",
     "run.task_seed": "task_seed", "run.samples": "samples", "run.length_targets": "length_targets",
-    "run.length_alpha": "length_alpha", "engine.threads": "threads", "swarm.initial_peers": "peers",
+    "run.length_alpha": "length_alpha", "run.temperature": "temperature",
+    "run.max_new_tokens": "max_new_tokens", "engine.threads": "threads", "swarm.initial_peers": "peers",
     "swarm.operator_keys": "operator_key", "swarm.host_maddrs": "listen",
     "verifier.sample_fraction": "sample_fraction", "dashboard.host": "http_host",
     "dashboard.port": "http_port",
@@ -51,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-targets", type=int, nargs="*", default=None, help="thinking-length targets")
     p.add_argument("--length-alpha", type=float, default=None,
                    help="length penalty per token (default 0.001)")
+    add_sampling_flags(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default 1 on machines with 4 cores or fewer)")
     p.set_defaults(handler=validator)

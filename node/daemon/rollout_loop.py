@@ -124,7 +124,7 @@ class RolloutLoop:
         spec = BatchSpec(
             run_id=s.run.run_id, run_seed=s.run.run_seed, policy_step=step,
             batch_counter=await asyncio.to_thread(self._next_counter, step), prompts=s.prompts,
-            samples=s.run.samples, temperature=s.temperature, max_new_tokens=s.max_new_tokens,
+            samples=s.run.samples, temperature=s.run.temperature, max_new_tokens=s.run.max_new_tokens,
         )
         self.state.working_step = step
         self.state.state = f"generating batch {spec.batch_counter} with checkpoint step {step}"

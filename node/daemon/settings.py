@@ -17,7 +17,7 @@ from ...p2p.weights.fetch import FetchSettings
 from ...p2p.weights.server import ServeSettings
 from ..config import CommonSettings
 from ..engine import EngineSettings
-from ..run_config import RunSettings
+from ..run_config import MOVED_TO_RUN, RunSettings
 
 KEY_FILE_NAME = "node.key"
 _HEX_KEY = re.compile(r"^[0-9a-f]{64}$")
@@ -26,6 +26,8 @@ _SWARM_RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # SwarmConfig.run_id's ow
 
 class StartSettings(CommonSettings):
     """Everything a contributor node needs to join a run and work unattended."""
+
+    MOVED = MOVED_TO_RUN
 
     key_file: Path | None = Field(None, description="The node's secret key; default <data-dir>/node.key.")
     operator_key: str | None = Field(
@@ -49,8 +51,6 @@ class StartSettings(CommonSettings):
         2, ge=0, le=64, description="Use checkpoints at most this many steps behind the announced one."
     )
     prompts: int = Field(4, ge=1, le=4096, description="Prompts per rollout batch (one file per batch).")
-    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
-    max_new_tokens: int = Field(64, ge=1, le=8192, description="Most tokens generated per sample.")
     max_batches: int | None = Field(None, ge=1, description="Stop cleanly after this many batches (benchmarks).")
     max_pending_files: int = Field(
         4, ge=1, le=100_000,

@@ -66,17 +66,19 @@ class Sizing:
 
     def node_flags(self) -> list[str]:
         flags = []
-        for flag, value in (("--prompts", self.prompts), ("--samples", self.samples),
-                            ("--max-new-tokens", self.max_new_tokens)):
+        for flag, value in (("--prompts", self.prompts), ("--samples", self.samples)):
             if value is not None:
                 flags += [flag, str(value)]
         return flags
 
     def run_env(self) -> dict[str, str]:
-        """Settings every party must agree on and that have no flag everywhere (length targets)."""
-        if self.length_targets is None:
-            return {}
-        return {"PRIME_NODE_RUN__LENGTH_TARGETS": "[" + ",".join(map(str, self.length_targets)) + "]"}
+        """Run settings every party (nodes and validators) must agree on, given to all of them the same way."""
+        env = {}
+        if self.length_targets is not None:
+            env["PRIME_NODE_RUN__LENGTH_TARGETS"] = "[" + ",".join(map(str, self.length_targets)) + "]"
+        if self.max_new_tokens is not None:
+            env["PRIME_NODE_RUN__MAX_NEW_TOKENS"] = str(self.max_new_tokens)
+        return env
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""The expensive checks' evidence is reduced prefill call by prefill call: the validator's memory is bounded
+by one call's logits (rows and bytes), whatever the file holds, and the verdict does not depend on the cut."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from attack_support import SPEC, build_world, honest_rows, write_honest
+from prime_node.node.engine import HFEngine, PrefillResult
+from prime_node.node.validation import verify_rollout_file
+from prime_node.proofs.checks import default_checks
+from prime_node.proofs.evidence import LOGIT_BYTES, prefill_batches
+from prime_node.proofs.verifier import VerificationContext, VerificationReport, VerifierSettings, run_checks
+
+
+def test_prefill_batches_bound_rows_and_bytes_longest_first():
+    lengths = [10, 50, 30, 20, 40]
+    assert prefill_batches(lengths, vocab_size=1, max_rows=2, max_logit_bytes=1 << 30) == [[1, 4], [2, 3], [0]]
+    # 70 positions of logits per call: 50 alone (50 + 40 > 70), then 40 + 30, then 20 + 10.
+    assert prefill_batches(lengths, 1, 16, 70 * LOGIT_BYTES) == [[1], [4, 2], [3, 0]]
+    # A sequence over the budget still gets a call of its own; nothing is dropped or repeated.
+    assert prefill_batches([500, 5, 600], 1, 16, 100 * LOGIT_BYTES) == [[2], [0], [1]]
+    assert prefill_batches([], 1, 16, 1) == []
+
+
+class RecordingModel:
+    """The real engine; it notes how many logits bytes each prefill call returned."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine, self.calls = engine, []
+        self.eos_token_id, self.vocab_size = engine.eos_token_id, engine.vocab_size
+
+    def prefill(self, sequences: Sequence[Sequence[int]]) -> list[PrefillResult]:
+        results = self.engine.prefill(sequences)
+        self.calls.append((len(results), sum(r.logits.numel() * r.logits.element_size() for r in results)))
+        return results
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    engine, tasks, _ = build_world(tmp_path_factory.mktemp("ckpt"))
+    return engine, tasks, honest_rows(engine, tasks, dataclasses.replace(SPEC, prompts=12))  # 24 rows
+
+
+def _verify(world, path: Path, **settings) -> tuple[VerificationReport, RecordingModel]:
+    engine, tasks, _ = world
+    model = RecordingModel(engine)
+    return verify_rollout_file(path, model, tasks, _settings(**settings), rng=random.Random(0)), model
+
+
+def _settings(**settings) -> VerifierSettings:
+    return VerifierSettings(run_seed=SPEC.run_seed, samples_per_prompt=SPEC.samples, **settings)
+
+
+def test_the_verdict_does_not_depend_on_how_prefill_calls_are_cut(world, tmp_path: Path):
+    path = write_honest(tmp_path / "honest.parquet", world[2])
+    whole, whole_model = _verify(world, path)
+    assert whole.accepted and [rows for rows, _ in whole_model.calls] == [16, 8]
+    by_bytes, model = _verify(world, path, prefill_max_logits_mib=1)  # the 24 rows hold ~1.2 MiB of logits
+    assert len(model.calls) >= 2 and max(nbytes for _, nbytes in model.calls) <= 1 << 20
+    by_rows, model = _verify(world, path, prefill_batch_size=5)
+    assert [rows for rows, _ in model.calls] == [5, 5, 5, 5, 4]
+    for report in (by_bytes, by_rows):  # the same statistics, to the digit, whatever the cut
+        assert [(c.name, c.status, c.detail) for c in report.checks] == \
+            [(c.name, c.status, c.detail) for c in whole.checks]
+
+
+def test_evidence_keeps_no_view_of_a_calls_logits(world, tmp_path: Path):
+    engine, tasks, rows = world
+
+    ctx = VerificationContext(write_honest(tmp_path / "f.parquet", rows), _settings(), engine, tasks, random.Random(0))
+    assert run_checks(default_checks(), ctx).accepted
+    eos_rows = [e.eos_logits for e in ctx.evidence.values() if e.eos_logits is not None]
+    assert eos_rows and len(ctx.evidence) == len(rows)
+    # One (vocab,) row each, in storage of its own: nothing keeps a (positions x vocab) prefill alive.
+    assert all(t.shape == (engine.vocab_size,) and t.untyped_storage().nbytes() == engine.vocab_size * 4
+               for t in eos_rows)
