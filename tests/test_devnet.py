@@ -20,7 +20,7 @@ from devnet_support import SMALL, assert_all_gone, run_devnet, tiny_model
 from prime_node.node.cli.devnet import succeeded
 from prime_node.node.engine import load_engine
 from prime_node.node.producer import BatchSpec
-from prime_node.node.run_config import RunSettings, load_run_tasks
+from prime_node.node.run_config import RunSettings, load_run_tasks, verifier_for_run
 from prime_node.node.validation import verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.verifier import VerifierSettings
@@ -67,7 +67,7 @@ def test_devnet_two_honest_nodes_and_a_cheater(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory):
     checkpoint = tiny_model(tmp_path_factory.mktemp("devnet") / "model")
-    run = RunSettings(run_id="devnet-unit", samples=2, length_targets=list(SMALL.length_targets or ()))
+    run = RunSettings(run_id="devnet-unit", samples=2, max_new_tokens=16, length_targets=list(SMALL.length_targets or ()))
     return checkpoint, load_engine(checkpoint, threads=1), load_run_tasks(run, checkpoint), run
 
 
@@ -77,10 +77,10 @@ def test_each_attack_file_is_rejected_by_the_expected_check(world, tmp_path: Pat
     _, engine, tasks, run = world
     identity = Identity.generate()
     spec = BatchSpec(run_id=run.run_id, run_seed=0, policy_step=0, batch_counter=0, prompts=2, samples=2,
-                     temperature=1.0, max_new_tokens=16)
+                     temperature=run.temperature, max_new_tokens=run.max_new_tokens)
     out = tmp_path / f"{kind}.parquet"
     attack_producer(kind)(engine, tasks, identity, spec, out)
-    verifier = VerifierSettings(run_id=run.run_id, run_seed=0, samples_per_prompt=2)
+    verifier = verifier_for_run(VerifierSettings(), run)  # as a validator of this run checks
     report = verify_rollout_file(out, engine, tasks, verifier, rng=random.Random(0))
     failed = [c.name.replace("-", "_") for c in report.checks if c.status == "failed"]
     assert not report.accepted and failed, report.reasons

@@ -1,6 +1,6 @@
 """Every attack of the threat list through the real validator hand-off, in one devnet.
 
-Thirteen cheating contributors (one per attack kind) and one honest node join a devnet on the untrained tiny
+Fourteen cheating contributors (one per attack kind) and one honest node join a devnet on the untrained tiny
 model: each cheater's files travel over the swarm like any node's, are verified by the validator, rejected
 by the check the attack targets, slashed as fraud and banned, while the honest node's files are accepted
 and the trainer keeps stepping.

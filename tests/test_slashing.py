@@ -6,6 +6,7 @@ import pytest
 from ledger_support import T0, make_verdict, node_id
 from prime_node.trainer.slashing import (
     Ban,
+    DEFAULT_CHECK_CLASSES,
     CheckClass,
     Credit,
     NodeHistory,
@@ -134,3 +135,12 @@ def test_policy_fields_are_bounded_and_documented():
     policy = SlashingPolicy.model_validate({"check_classes": {"schema": "fraud"}, "fraud_ban_s": None})
     assert policy.classify("schema") is CheckClass.fraud and policy.fraud_ban_s is None
     assert policy.classify("toploc") is CheckClass.fraud and policy.classify("bounds") is CheckClass.fault
+
+
+def test_every_check_of_the_verifier_has_a_class_of_its_own():
+    # A new check must be classed on purpose, not fall into unknown_check_class by omission.
+    from prime_node.proofs.checks import default_checks
+    from prime_node.trainer.verify_job import check_name
+
+    names = {check_name(check.name) for check in default_checks()}
+    assert names <= set(DEFAULT_CHECK_CLASSES), names - set(DEFAULT_CHECK_CLASSES)

@@ -12,7 +12,7 @@ Every failed check falls in one of three classes:
 - fault: the file is malformed (schema, bounds). Could be a bug; costs score, and repeated faults in a
   window escalate to a ban.
 - fraud: the file is well-formed but the work is false (proofs, sampling, rewards, work assignment,
-  termination). Costs score and bans at once.
+  termination, sampling settings other than the run's). Costs score and bans at once.
 Ban lengths grow with every earlier ban and become permanent after a set number of them.
 """
 
@@ -44,6 +44,9 @@ DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "schema": CheckClass.fault,
     "bounds": CheckClass.fault,
     "signer": CheckClass.fraud,  # signed rows that name another node: claiming someone else's work
+    # Sampled otherwise than the run's published settings: not this run's work, and a colder temperature
+    # buys higher rewards (a node cannot drift into it: the old node-level settings are refused at start).
+    "run_parameters": CheckClass.fraud,
     "assignment": CheckClass.fraud,
     "prompts": CheckClass.fraud,
     "termination": CheckClass.fraud,

@@ -228,6 +228,12 @@ def forced_eos(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: Bat
     return out
 
 
+def declared_temperature(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
+    """Samples cooler than the run and says so: every proof holds at the declared temperature, and colder
+    samples score higher rewards: run-parameters (the validator pins the run's temperature)."""
+    return produce_rows(engine, tasks, node_id, dataclasses.replace(spec, temperature=WRONG_TEMPERATURE)).rows
+
+
 def shuffled_proofs(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
     """Honest rows whose proofs are rotated by one row (proofs copied from other rollouts): toploc."""
     rows = produce_rows(engine, tasks, node_id, spec).rows
@@ -251,6 +257,7 @@ ATTACKS: dict[str, Attack] = {
     "perturbed": perturbed,
     "other-seed": other_seed,
     "int4": quantized,
+    "declared-temperature": declared_temperature,
 }
 
 
@@ -292,6 +299,7 @@ EXPECTED_CHECKS: dict[str, frozenset[str]] = {
     "shuffled-proofs": frozenset({"toploc"}),
     "other-seed": frozenset({"toploc"}),
     "int4": frozenset({"toploc"}),
+    "declared-temperature": frozenset({"run_parameters"}),
 }
 
 __all__ = [
