@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -144,19 +144,27 @@ class VerificationContext:
     def row_evidence(self) -> dict[int, RowEvidence]:
         """What the expensive checks read for every selected row: one prefill of prompt + output each, in
         bounded calls, every call reduced before the next runs (proofs/evidence.py); computed once, shared."""
+        for _ in self.evidence_calls():
+            pass
+        return self.evidence
+
+    def evidence_calls(self) -> Iterator[list[int]]:
+        """Compute the evidence still missing call by call, yielding the rows each call covered, so that a
+        check can reject before the rest is prefilled: a file of junk rows costs one call, not all of them."""
         missing = [i for i in self.select_rows() if i not in self.evidence]
         lengths = [len(self.rows[i].prompt_ids) + len(self.rows[i].output_ids) for i in missing]
         margin = self.settings.sampling_thresholds().margin
         for batch in prefill_batches(lengths, self.model.vocab_size, self.settings.prefill_batch_size,
                                      self.settings.prefill_max_logits_mib << 20):
-            rows = [self.rows[missing[k]] for k in batch]
+            members = [missing[k] for k in batch]
+            rows = [self.rows[i] for i in members]
             results = self.model.prefill([r.prompt_ids + r.output_ids for r in rows])
             try:
                 found = batch_evidence(rows, results, margin)
             except ProofError as exc:
                 raise CheckFailed(str(exc)) from None
-            self.evidence.update(zip((missing[k] for k in batch), found, strict=True))
-        return self.evidence
+            self.evidence.update(zip(members, found, strict=True))
+            yield members
 
 
 class Check(Protocol):

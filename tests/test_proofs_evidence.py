@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from attack_support import SPEC, build_world, honest_rows, write_honest
+from attack_support import SPEC, build_world, honest_rows, rejected_by, write_honest, write_signed
 from prime_node.node.engine import HFEngine, PrefillResult
 from prime_node.node.validation import verify_rollout_file
 from prime_node.proofs.checks import default_checks
@@ -80,3 +80,11 @@ def test_evidence_keeps_no_view_of_a_calls_logits(world, tmp_path: Path):
     # One (vocab,) row each, in storage of its own: nothing keeps a (positions x vocab) prefill alive.
     assert all(t.shape == (engine.vocab_size,) and t.untyped_storage().nbytes() == engine.vocab_size * 4
                for t in eos_rows)
+
+
+def test_forged_proofs_are_rejected_after_one_prefill_call(world, tmp_path: Path):
+    # Proofs of the right length but made of nothing cost a node no compute; they must not cost the
+    # validator a prefill of every row either.
+    rows = [dataclasses.replace(r, proof=bytes(len(r.proof))) for r in world[2]]
+    report, model = _verify(world, write_signed(tmp_path / "forged.parquet", rows), prefill_batch_size=4)
+    assert rejected_by(report) == "toploc" and len(model.calls) == 1, report.reasons
