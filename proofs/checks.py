@@ -30,7 +30,7 @@ from .rollout_schema import RolloutFileError, check_rows
 from .sampling import (
     distribution_failure,
     distribution_z,
-    eos_probability_failure,
+    eos_logprob_failure,
     sampling_failure,
     termination_failure,
 )
@@ -98,13 +98,14 @@ class RunParametersCheck:
         pinned = ctx.settings
         for i, row in enumerate(ctx.rows):
             if pinned.temperature is not None and row.temperature != pinned.temperature:
-                raise CheckFailed(f"sampled at temperature {row.temperature:g}; the run samples at "
-                                  f"{pinned.temperature:g}", i)
+                raise CheckFailed(f"sampled at temperature {row.temperature!r}; the run samples at "
+                                  f"{pinned.temperature!r}", i)
             if pinned.max_new_tokens is not None and row.max_new_tokens != pinned.max_new_tokens:
                 raise CheckFailed(f"max_new_tokens {row.max_new_tokens}; the run's is {pinned.max_new_tokens}", i)
         first = ctx.rows[0]
-        return f"temperature {first.temperature:g}, max_new_tokens {first.max_new_tokens}" + (
-            "" if pinned.temperature is not None and pinned.max_new_tokens is not None else " (not pinned)")
+        loose = [name for name in ("temperature", "max_new_tokens") if getattr(pinned, name) is None]
+        return (f"temperature {first.temperature!r}, max_new_tokens {first.max_new_tokens}"
+                + (f" ({' and '.join(loose)} not pinned)" if loose else ""))
 
 
 class AssignmentCheck:
@@ -215,10 +216,9 @@ class EosProbabilityCheck:
     def run(self, ctx: VerificationContext) -> str:
         checked = 0
         for i, evidence in sorted(ctx.row_evidence().items()):
-            if evidence.eos_logits is None:  # a `length` ending
+            if evidence.eos_logprob is None:  # a `length` ending
                 continue
-            reason = eos_probability_failure(evidence.eos_logits, ctx.model.eos_token_id, ctx.rows[i].temperature,
-                                             ctx.settings.sampling_thresholds())
+            reason = eos_logprob_failure(evidence.eos_logprob, ctx.settings.sampling_thresholds())
             if reason:
                 raise CheckFailed(reason, i)
             checked += 1

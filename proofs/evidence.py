@@ -4,8 +4,8 @@ A prefill returns float32 logits for every position: (positions x vocabulary) pe
 position for a 152k-token vocabulary. Holding them for a whole file until the last check ran made a
 validator's memory grow with the file (rows x tokens x vocabulary), which a node chooses. So each prefill
 call is cut to a bound in rows and in logits bytes, and its results are reduced at once to what the checks
-need (TOPLOC chunk statistics, the Gumbel replay's statistics and the one logits row where an `eos` sample
-ended) before the next call runs: peak memory is one call's logits, whatever the file.
+need (TOPLOC chunk statistics, the Gumbel replay's statistics and log p(EOS) where an `eos` sample ended)
+before the next call runs: peak memory is one call's logits, whatever the file.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from .errors import ProofError
 from .rollout_schema import RolloutRow
-from .sampling import SamplingStats, replay_samplings
+from .sampling import SamplingStats, eos_logprob, replay_samplings
 from .toploc import ChunkStats, check_proofs, committed_rows
 
 LOGIT_BYTES = 4  # prefills return float32 logits
@@ -35,7 +35,7 @@ class RowEvidence:
 
     toploc: list[ChunkStats] | ProofError  # per chunk, or why the proof is malformed
     sampling: SamplingStats
-    eos_logits: torch.Tensor | None  # (vocab,) logits that produced a final EOS; None unless finish_reason eos
+    eos_logprob: float | None  # log p(EOS) under softmax(logits / T) where the row ended on EOS; else None
 
 
 def prefill_batches(lengths: Sequence[int], vocab_size: int, max_rows: int, max_logit_bytes: int) -> list[list[int]]:
@@ -54,17 +54,20 @@ def prefill_batches(lengths: Sequence[int], vocab_size: int, max_rows: int, max_
     return batches
 
 
-def batch_evidence(rows: Sequence[RolloutRow], results: Sequence[Prefilled], margin: float) -> list[RowEvidence]:
-    """Reduce one prefill call's results (one per row, same order); nothing returned refers to its tensors."""
+def batch_evidence(
+    rows: Sequence[RolloutRow], results: Sequence[Prefilled], margin: float, eos_token_id: int
+) -> list[RowEvidence]:
+    """Reduce one prefill call's results (one per row, same order) to numbers: nothing returned refers to
+    its tensors, and nothing kept grows with the vocabulary."""
     temperatures = {r.temperature for r in rows}
     if len(temperatures) != 1:  # the bounds check refuses such files before any prefill
         raise ProofError(f"rows of one file disagree on the temperature: {sorted(temperatures)}")
     spans = [committed_rows(len(r.prompt_ids), len(r.output_ids)) for r in rows]
     chunk_stats = check_proofs([r.proof for r in rows],
                                [res.hidden_states[span] for res, span in zip(results, spans, strict=True)])
+    temperature = temperatures.pop()
     replays = replay_samplings([res.logits[span] for res, span in zip(results, spans, strict=True)],
-                               [r.output_ids for r in rows], [r.sample_seed for r in rows], temperatures.pop(), margin)
-    # A copy of the one row: a view would keep the whole call's logits alive.
-    eos = [res.logits[span.stop - 1].clone() if r.finish_reason == "eos" else None
+                               [r.output_ids for r in rows], [r.sample_seed for r in rows], temperature, margin)
+    eos = [eos_logprob(res.logits[span.stop - 1], eos_token_id, temperature) if r.finish_reason == "eos" else None
            for r, res, span in zip(rows, results, spans, strict=True)]
     return [RowEvidence(t, s, e) for t, s, e in zip(chunk_stats, replays, eos, strict=True)]

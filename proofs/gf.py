@@ -136,6 +136,8 @@ def _product(a: np.ndarray, b: np.ndarray, keep: slice = slice(None)) -> np.ndar
     """Coefficients `keep` of the products of coefficient-major polynomials a (n, ...) and b (m, ...)
     (reduced int64, same trailing shape): (n + m - 1, ...) for all of them."""
     n, m = a.shape[0], b.shape[0]
+    if a.size == 0 or b.size == 0:  # no problems in the batch: nothing to multiply (and nothing to reshape)
+        return np.zeros((n + m - 1, *a.shape[1:]), dtype=np.int64)[keep]
     if min(n, m) <= _SCHOOLBOOK_MAX or n + m - 1 > PRIME:  # the latter: too few field elements as points
         # min(n, m) passes over the batch; each output sums at most that many products < p^2 (int64-exact).
         if n > m:

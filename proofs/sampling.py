@@ -227,7 +227,11 @@ def eos_probability_failure(
     last_logits: torch.Tensor, eos_token_id: int, temperature: float, thresholds: SamplingThresholds
 ) -> str | None:
     """Why an EOS ending is implausible (its probability was negligible there), or None."""
-    logp = eos_logprob(last_logits, eos_token_id, temperature)
+    return eos_logprob_failure(eos_logprob(last_logits, eos_token_id, temperature), thresholds)
+
+
+def eos_logprob_failure(logp: float, thresholds: SamplingThresholds) -> str | None:
+    """eos_probability_failure for an already computed log p(EOS)."""
     if logp < thresholds.min_eos_logprob:
         return f"EOS is improbable where the sample ends: log p = {logp:.1f} < {thresholds.min_eos_logprob}"
     return None

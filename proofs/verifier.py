@@ -160,9 +160,10 @@ class VerificationContext:
             rows = [self.rows[i] for i in members]
             results = self.model.prefill([r.prompt_ids + r.output_ids for r in rows])
             try:
-                found = batch_evidence(rows, results, margin)
+                found = batch_evidence(rows, results, margin, self.model.eos_token_id)
             except ProofError as exc:
                 raise CheckFailed(str(exc)) from None
+            del results  # before the next call runs: one call's logits alive at a time, not two
             self.evidence.update(zip(members, found, strict=True))
             yield members
 

@@ -24,7 +24,7 @@ def world(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("change", "reason"), [
-    ({"temperature": 0.3}, "row 0: sampled at temperature 0.3; the run samples at 1"),  # cooler: higher rewards
+    ({"temperature": 0.3}, "row 0: sampled at temperature 0.3; the run samples at 1.0"),  # cooler: higher rewards
     ({"max_new_tokens": 4}, "row 0: max_new_tokens 4; the run's is 40"),  # shorter: cheaper work
 ])
 def test_declared_sampling_other_than_the_runs_is_rejected(world, tmp_path: Path, change, reason):
@@ -36,7 +36,8 @@ def test_declared_sampling_other_than_the_runs_is_rejected(world, tmp_path: Path
     # Only the pin catches it: every proof holds at the declared values.
     unpinned = verify(path, engine, tasks, temperature=None, max_new_tokens=None)
     assert unpinned.accepted, unpinned.reasons
-    assert "(not pinned)" in next(c.detail for c in unpinned.checks if c.name == "run-parameters")
+    assert "(temperature and max_new_tokens not pinned)" in next(
+        c.detail for c in unpinned.checks if c.name == "run-parameters")
 
 
 def test_verifier_for_run_pins_the_runs_sampling():

@@ -52,6 +52,7 @@ def test_interpolation_matches_scalar_newton(k: int):
     for row in range(3):
         assert coefficients[row].tolist() == _newton_reference(x[row].tolist(), y[row].tolist())
     assert np.array_equal(gf.evaluate(coefficients, x), y % P)
+    assert gf.interpolate(x[:0], y[:0]).shape == (0, k)  # an empty batch is an empty answer, not an error
 
 
 def _largest_injective(row: np.ndarray) -> int:

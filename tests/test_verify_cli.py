@@ -65,7 +65,7 @@ def test_verify_rejects_with_reason(produced, capsys, tmp_path: Path):
     assert code == 1 and "REJECTED: run-parameters: row 0: max_new_tokens 36; the run's is 64" in text, text
     code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
                          "--temperature", "0.7")
-    assert code == 1 and "run-parameters: row 0: sampled at temperature 1; the run samples at 0.7" in text, text
+    assert code == 1 and "run-parameters: row 0: sampled at temperature 1.0; the run samples at 0.7" in text, text
     tampered = tmp_path / "t.parquet"
     data = bytearray(out.read_bytes())
     data[-40] ^= 1
