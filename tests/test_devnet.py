@@ -49,7 +49,9 @@ def test_devnet_two_honest_nodes_and_a_cheater(tmp_path: Path) -> None:
     # Only contributors are ranked: the operator's trainer and validator heartbeat too, but are not listed.
     assert {r["name"] for r in report["leaderboard"]} == {"node-1", "node-2", adversary["name"]}, text
     assert [r["rank"] for r in report["leaderboard"]] == [1, 2, 3]
-    assert all(r.get("rollout_reward") is not None for r in report["rewards"]), report["rewards"]
+    # The first step's rollouts were read for it; a later step may be cut entirely from samples buffered
+    # before the previous step (nothing new read in between), and then reports no rollout reward (None).
+    assert report["rewards"][0].get("rollout_reward") is not None, report["rewards"]
     assert succeeded(report)
     # Every process stopped cleanly (exit 0) and nothing is left below them.
     assert set(report["processes"]["exit_codes"].values()) == {0}, report["processes"]
