@@ -34,9 +34,14 @@ from prime_node.node.engine import Completion, HFEngine, InferenceEngine, Sample
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.proofs import gf
 from prime_node.proofs.sampling import SamplingThresholds, eos_probability_failure, replay_samplings
-from prime_node.proofs.toploc import BYTES_PER_CHUNK, build_proof, build_proofs, check_proof, check_proofs, committed_rows
+from prime_node.proofs.evidence import prefill_batches
+from prime_node.proofs.toploc import (
+    BYTES_PER_CHUNK, build_proof, build_proofs, check_proof, check_proofs, committed_rows,
+)
+from prime_node.proofs.verifier import VerifierSettings
 
-VERIFIER_BATCH = 16  # the validator's default prefill batch (VerifierSettings.prefill_batch_size)
+VERIFIER = VerifierSettings()  # the validator's defaults: prefill calls of this many rows and logits bytes
+VERIFIER_BATCH = VERIFIER.prefill_batch_size
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = CLOCKS["cpu"]  # set from --clock in main
 
@@ -61,10 +66,11 @@ def verify(verifier: InferenceEngine, completions: list[Completion], proofs: lis
     thresholds = SamplingThresholds()
     t0 = clock()
     results = []
-    ordered = sorted(range(len(completions)), reverse=True,
-                     key=lambda i: len(completions[i].prompt_ids) + len(completions[i].output_ids))
-    for start in range(0, len(ordered), VERIFIER_BATCH):  # as VerificationContext.prefilled batches them
-        batch = ordered[start:start + VERIFIER_BATCH]
+    lengths = [len(c.prompt_ids) + len(c.output_ids) for c in completions]
+    # The validator's cut into prefill calls (proofs/evidence.py); unlike the validator, which reduces each
+    # call before the next, every call's outputs are kept here so that TOPLOC and the replay can be timed apart.
+    for batch in prefill_batches(lengths, verifier.vocab_size, VERIFIER.prefill_batch_size,
+                                 VERIFIER.prefill_max_logits_mib << 20):
         sequences = [completions[i].prompt_ids + completions[i].output_ids for i in batch]
         results += zip(batch, verifier.prefill(sequences))
     prefills = [r for _, r in sorted(results, key=lambda pair: pair[0])]

@@ -69,7 +69,8 @@ def test_devnet_two_honest_nodes_and_a_cheater(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory):
     checkpoint = tiny_model(tmp_path_factory.mktemp("devnet") / "model")
-    run = RunSettings(run_id="devnet-unit", samples=2, max_new_tokens=16, length_targets=list(SMALL.length_targets or ()))
+    run = RunSettings(run_id="devnet-unit", samples=2, max_new_tokens=16,
+                      length_targets=list(SMALL.length_targets or ()))
     return checkpoint, load_engine(checkpoint, threads=1), load_run_tasks(run, checkpoint), run
 
 

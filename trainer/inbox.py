@@ -76,8 +76,8 @@ class Inbox:
             verified = read_rollout_file(path, self.limits)
             if any(r.run_id != self.run_id for r in verified.rows):
                 raise RolloutFileError(f"rows belong to another run than {self.run_id!r}", check="bounds")
-            other = {r.temperature for r in verified.rows} - {self.temperature} if self.temperature else set()
-            if other:
+            other = {r.temperature for r in verified.rows} - {self.temperature}
+            if self.temperature is not None and other:
                 raise RolloutFileError(f"rows were sampled at temperature {min(other)!r}, the trainer's is "
                                        f"{self.temperature!r}: set trainer.temperature to the run's "
                                        "run.temperature", check="bounds")
