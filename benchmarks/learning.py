@@ -340,8 +340,9 @@ def main() -> int:
                                "best": max(a for _, a in points)} for name, points in accuracy.items()},
         }, indent=2) + "\n")
     print(f"{learner.step} steps, {time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_start:.0f} s "
-          f"CPU (1 thread); {time.perf_counter() - begun:.0f} s wall in all (warm start included); reward curve (blue: rollout reward before filtering; held-out red: mix, green: band, orange: "
-          f"mix-new or mix-distinct, purple: band-new or band-distinct) -> {args.out}")
+          f"CPU (1 thread); {time.perf_counter() - begun:.0f} s wall in all (warm start included); reward curve "
+          f"(blue: rollout reward before filtering; held-out red: mix, green: band, orange: mix-new or "
+          f"mix-distinct, purple: band-new or band-distinct) -> {args.out}")
     return 0
 
 
