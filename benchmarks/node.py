@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 
 from prime_node.node.engine import InferenceEngine, SampleRequest, SamplingParams, load_engine
 from prime_node.node.models.tiny import TinyModelShape, build_tiny_model, save_model_dir
+from prime_node.node.run_announcement import run_parameters
 from prime_node.node.run_config import RunSettings, load_run_tasks
 from prime_node.node.validation import RunTasks
 from prime_node.p2p.identity import Identity
@@ -148,7 +149,9 @@ async def run_pairs(args: argparse.Namespace, ckpt: Path, node_key: Path, work: 
         url = await server.start()
         await swarm.serve_rollouts(work / "incoming", lambda r: arrived.__setitem__(r.envelope.sha256, r))
         await swarm.publish_validator()
-        await swarm.publish_policy(0, manifest.digest, [url])
+        # The run parameters the node is started with below: it stops on any other announcement.
+        run = RunSettings(run_id=RUN_ID, samples=args.samples, temperature=1.0, max_new_tokens=args.new_tokens)
+        await swarm.publish_policy(0, manifest.digest, [url], run_parameters(run))
         argv = [sys.executable, "-m", "prime_node.node.cli.main", "start", "--data-dir", str(work / "node"),
                 "--key", str(node_key), "--operator-key", operator.node_id, "--peers", (await swarm.maddrs())[0],
                 "--run-id", RUN_ID, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--reachability", "public",

@@ -97,6 +97,8 @@ def _emit(event: str, **fields: Any) -> None:
 
 
 async def _worker(args: argparse.Namespace) -> None:
+    from prime_node.node.run_announcement import run_parameters
+    from prime_node.node.run_config import RunSettings
     from prime_node.p2p.identity import Identity
     from prime_node.p2p.swarm import Swarm  # noqa: F401  (imported here so that "ready" includes it)
 
@@ -113,7 +115,8 @@ async def _worker(args: argparse.Namespace) -> None:
             if command["do"] == "join":
                 await _join_peers(swarms, operator, args, command["bootstrap"])
             elif command["do"] == "policy":
-                await swarms[0].publish_policy(1, "ab" * 32, ["http://127.0.0.1:1/"])
+                run = run_parameters(RunSettings())  # no rollouts here: the default run's parameters will do
+                await swarms[0].publish_policy(1, "ab" * 32, ["http://127.0.0.1:1/"], run)
                 _emit("published")
             elif command["do"] == "converge":
                 # Started before the policy is published, as in a live swarm where nodes keep polling.

@@ -29,8 +29,9 @@ class Section(BaseModel):
     """Base of every config model: unknown keys are errors (a typo must not be silently ignored)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-    # Top-level settings that moved, old name -> new dotted name: a config, variable or flag written for the
-    # old layout is refused with where the setting lives now (load_config), not just "unknown setting".
+    # Settings that moved, old dotted name -> new dotted name: a config, variable or flag written for the old
+    # layout is refused with where the setting lives now (load_config), not just "unknown setting" (or, where
+    # the old name is still a field of a shared section, silently overridden).
     MOVED: ClassVar[Mapping[str, str]] = {}
 
 
@@ -72,7 +73,8 @@ def _env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, 
         dotted = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split("__") if part)
         if not dotted:
             continue
-        if dotted[0] not in model.model_fields and dotted[0] not in getattr(model, "MOVED", {}):
+        moved_roots = {old.split(".")[0] for old in getattr(model, "MOVED", {})}
+        if dotted[0] not in model.model_fields and dotted[0] not in moved_roots:
             continue  # another command's setting, or a variable this command does not use
         found[".".join(dotted)] = (dotted, _env_value(raw), f"environment variable {name}")
     return found
@@ -86,6 +88,14 @@ def _flatten(table: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[str
             paths.update(_flatten(value, path))
         paths[".".join(path)] = path
     return paths
+
+
+def _has_path(table: Mapping[str, Any], dotted: list[str]) -> bool:
+    for part in dotted[:-1]:
+        table = table.get(part)  # type: ignore[assignment]
+        if not isinstance(table, Mapping):
+            return False
+    return dotted[-1] in table
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -127,7 +137,7 @@ def load_config(
         _set_path(merged, tuple(dotted_name.split(".")), value)
         sources[dotted_name] = "flag --" + dotted_name.split(".")[-1].replace("_", "-")
     for old, new in getattr(model, "MOVED", {}).items():
-        if old in merged:
+        if _has_path(merged, old.split(".")):
             where = sources.get(old)
             section, _, key = new.rpartition(".")
             raise ConfigError(

@@ -6,6 +6,7 @@ Kept apart from the CLI modules so that `prime-node --help` does not import tran
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field
 from transformers import AutoTokenizer
@@ -22,12 +23,16 @@ from .validation import RunTasks
 class RunSettings(Section):
     """The run's parameters that both the contributor and the validator must agree on."""
 
-    run_id: str = Field("local", min_length=1, max_length=128, description="Name of the RL run.")
+    # The DHT keys of the run start with it (SwarmConfig.run_id's rule), and nodes take their swarm's from it.
+    run_id: str = Field("local", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Name of the RL run: 1-64 of "
+                        "A-Z a-z 0-9 . _ -")
     run_seed: int = Field(0, ge=0, lt=2**64, description="Seed of the deterministic work assignment.")
     tasks: str | None = Field(None, description="Task file (Parquet/JSONL) or builtin:arithmetic (default).")
     task_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the built-in task family.")
     samples: int = Field(4, ge=1, le=1024, description="Completions per prompt (G).")
-    length_targets: list[int] = Field(default_factory=list, description="Thinking-length targets; empty: off.")
+    length_targets: list[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
+        default_factory=list, max_length=32, description="Thinking-length targets in tokens; empty: off."
+    )
     length_alpha: float = Field(0.001, ge=0, le=1, description="Length penalty per token of distance to target.")
     # Sampling is the run's, not each node's: a node free to pick them would sample cooler (higher rewards,
     # proofs still honest) or shorter (cheaper work), and the trainer's log-probabilities assume one temperature.

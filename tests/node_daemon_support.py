@@ -4,23 +4,30 @@ a `prime-node start` subprocess, and reading what a validator received."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
+from prime_node.node.run_announcement import run_parameters
+from prime_node.node.run_config import RunSettings
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.swarm import Swarm
+from prime_node.p2p.swarm import RunParameters, Swarm
 from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
+from swarm_support import fleet
 
 RUN_ID = "nodetest"
+# The run parameters node_argv gives the node, as the test operator announces them.
+NODE_RUN = RunSettings(run_id=RUN_ID, samples=2, max_new_tokens=16)
 
 
 class TestOperator:
@@ -28,8 +35,9 @@ class TestOperator:
 
     __test__ = False  # not a test class, despite its name
 
-    def __init__(self, identity: Identity, swarm: Swarm, store_dir: Path) -> None:
+    def __init__(self, identity: Identity, swarm: Swarm, store_dir: Path, run: RunParameters | None = None) -> None:
         self.identity, self.swarm = identity, swarm
+        self.run = run or run_parameters(NODE_RUN)  # announced with every policy
         self.store = Store(store_dir)
         self.server = WeightsServer(self.store, ServeSettings(port=0, scan_interval_s=0.2), identity.node_id)
         self.url = ""
@@ -48,13 +56,28 @@ class TestOperator:
         # Like a real trainer, republish until a DHT peer holds it (a peer that was just SIGKILLed can make
         # one round fail while the routing tables still list it).
         for _ in range(5):
-            if await self.swarm.publish_policy(step, digest, [self.url]):
+            if await self.swarm.publish_policy(step, digest, [self.url], self.run):
                 return
             await asyncio.sleep(1.0)
         raise AssertionError(f"no DHT peer stored the policy of step {step}")
 
     def served_file(self, step: int, name: str) -> Path:
         return self.store.version_dir(step) / CHECKPOINT_NAME / name
+
+
+@contextlib.asynccontextmanager
+async def operator_fleet(
+    store_dir: Path, operator_id: Identity, run: RunSettings = NODE_RUN
+) -> AsyncIterator[tuple[Any, TestOperator]]:
+    """A DHT whose first peer is a started test operator announcing `run` (the fleet, the operator)."""
+    async with fleet(RUN_ID, operator_id) as group:
+        swarm = await group.add(operator_id, roles=("trainer",))
+        operator = TestOperator(operator_id, swarm, store_dir, run_parameters(run))
+        await operator.start()
+        try:
+            yield group, operator
+        finally:
+            await operator.server.stop()
 
 
 def node_argv(data_dir: Path, operator_key: str, peers: list[str], *extra: str) -> list[str]:

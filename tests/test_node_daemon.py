@@ -24,12 +24,13 @@ from prime_node.p2p.swarm import HandoffRefused, PolicyAnnouncement, ReceivedRol
 from prime_node.p2p.weights.fetch import FetchSettings
 from prime_node.p2p.weights.store import Store
 from prime_node.proofs.rollout_file import sign_bytes
-from swarm_support import fleet
+from swarm_support import RUN_PARAMETERS, fleet
 from weights_support import operator, publish_steps, serving
 
 
 def policy(step: int, digest: str, url: str) -> PolicyAnnouncement:
-    return PolicyAnnouncement(step=step, manifest_sha256=digest, sources=[url], published_at=time.time())
+    return PolicyAnnouncement(step=step, manifest_sha256=digest, sources=[url], published_at=time.time(),
+                              run=RUN_PARAMETERS)
 
 
 def keeper_for(tmp_path: Path, key: str, state: NodeState) -> CheckpointKeeper:

@@ -109,7 +109,7 @@ async def test_contributor_daemon_end_to_end(tmp_path: Path) -> None:
                 # 4. A policy signed by a key that is not pinned is ignored (step 9 never shows up).
                 rogue_id = Identity.generate()
                 rogue = await group.add(rogue_id, roles=("trainer",), operator_keys=[rogue_id.node_id])
-                await rogue.publish_policy(9, "ab" * 32, [operator.url])
+                await rogue.publish_policy(9, "ab" * 32, [operator.url], operator.run)
 
                 # 5. Step 1 is announced, but its served weights are corrupted: refused, work goes on with 0.
                 digest1 = await operator.publish(ckpt, 1)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon_support import NODE_ENV, RUN_ID, TestOperator, node_argv
+from node_daemon_support import NODE_ENV, NODE_RUN, RUN_ID, node_argv, operator_fleet
 from prime_node.node.cli.main import main
 from prime_node.node.daemon.checkpoints import CheckpointKeeper
 from prime_node.node.daemon.serving import WeightsSharing
@@ -28,7 +28,7 @@ from prime_node.p2p.swarm import PolicyAnnouncement
 from prime_node.p2p.weights.fetch import FetchSettings
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
 from prime_node.trainer.devnet.processes import ProcessGroup
-from swarm_support import fleet, wait_until
+from swarm_support import RUN_PARAMETERS, wait_until
 
 
 async def serving_status(data_dir: Path, node, timeout: float) -> NodeStatus:  # noqa: ANN001
@@ -62,64 +62,61 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
     data_dir = tmp_path / "node"
     Identity.generate().save(data_dir / "node.key")
 
-    async with fleet(RUN_ID, operator_id) as group:
-        op_swarm = await group.add(operator_id, roles=("trainer",))
-        operator = TestOperator(operator_id, op_swarm, tmp_path / "operator-store")
-        await operator.start()
-        try:
-            digest = await operator.publish(tmp_path / "ckpt", 0)
-            await operator.announce(0, digest)
-            argv = node_argv(data_dir, operator_id.node_id, (await op_swarm.maddrs())[:1], "--serve-weights",
-                             "--prompts", "1", "--samples", "1", "--max-new-tokens", "4")
-            with ProcessGroup(tmp_path / "logs") as procs:
-                node = procs.start("node", argv, env=NODE_ENV)
-                status = await serving_status(data_dir, node, 150)
-                url = status.serving_weights
-                assert url is not None and url.startswith("http://127.0.0.1:")
+    # The node generates 1 sample of at most 4 tokens per prompt: the operator announces that run.
+    run = NODE_RUN.model_copy(update={"samples": 1, "max_new_tokens": 4})
+    async with operator_fleet(tmp_path / "operator-store", operator_id, run) as (group, operator):
+        op_swarm = operator.swarm
+        digest = await operator.publish(tmp_path / "ckpt", 0)
+        await operator.announce(0, digest)
+        argv = node_argv(data_dir, operator_id.node_id, (await op_swarm.maddrs())[:1], "--serve-weights",
+                         "--prompts", "1", "--samples", "1", "--max-new-tokens", "4")
+        with ProcessGroup(tmp_path / "logs") as procs:
+            node = procs.start("node", argv, env=NODE_ENV)
+            status = await serving_status(data_dir, node, 150)
+            url = status.serving_weights
+            assert url is not None and url.startswith("http://127.0.0.1:")
 
-                async def advertised() -> bool:
-                    beat = (await op_swarm.list_peers()).get(status.node_id)
-                    return beat is not None and beat.serves_steps == [0] and beat.weights_url == url
-                await wait_until(advertised, 30)
+            async def advertised() -> bool:
+                beat = (await op_swarm.list_peers()).get(status.node_id)
+                return beat is not None and beat.serves_steps == [0] and beat.weights_url == url
+            await wait_until(advertised, 30)
 
-                # The CLI commands run in this process (on a thread: each runs its own event loop).
-                capsys.readouterr()
-                assert await asyncio.to_thread(main, ["status", "--data-dir", str(data_dir)]) == 0
-                text = capsys.readouterr().out
-                assert f"serving:        verified checkpoints at {url}" in text, text
-                assert "leaderboard:    validator unreachable" in text, text  # no validator announces an API
+            # The CLI commands run in this process (on a thread: each runs its own event loop).
+            capsys.readouterr()
+            assert await asyncio.to_thread(main, ["status", "--data-dir", str(data_dir)]) == 0
+            text = capsys.readouterr().out
+            assert f"serving:        verified checkpoints at {url}" in text, text
+            assert "leaderboard:    validator unreachable" in text, text  # no validator announces an API
 
-                # A plain `weights fetch` from the node alone downloads and verifies step 0.
-                fetched = await asyncio.to_thread(main, ["weights", "fetch", "--source", url, "--trainer-key",
-                                                         operator_id.node_id, "--out", str(tmp_path / "plain"),
-                                                         "--step", "0", "--json"])
-                assert fetched == 0, capsys.readouterr()
-                plain = Store(tmp_path / "plain").version_dir(0) / CHECKPOINT_NAME
-                assert same_files(plain, operator.store.version_dir(0) / CHECKPOINT_NAME)
+            # A plain `weights fetch` from the node alone downloads and verifies step 0.
+            fetched = await asyncio.to_thread(main, ["weights", "fetch", "--source", url, "--trainer-key",
+                                                     operator_id.node_id, "--out", str(tmp_path / "plain"),
+                                                     "--step", "0", "--json"])
+            assert fetched == 0, capsys.readouterr()
+            plain = Store(tmp_path / "plain").version_dir(0) / CHECKPOINT_NAME
+            assert same_files(plain, operator.store.version_dir(0) / CHECKPOINT_NAME)
 
-                # The operator's server goes away: a second node finds the first one in the heartbeats and
-                # fetches the announced step from it, verified against the operator's manifest.
-                await operator.server.stop()
-                second = await group.add(Identity.generate())
-                state = NodeState(second.node_id, operator_id.node_id)
-                settings = StartSettings(operator_key=operator_id.node_id, data_dir=tmp_path / "second")
-                sharing = WeightsSharing(Store(tmp_path / "second"), settings, operator_id.node_id, second, state)
-                sharing.note_peers(await second.list_peers(), set())
-                assert sharing.sources_for(0) == [url] and sharing.sources_for(1) == []
-                keeper = CheckpointKeeper(
-                    Store(tmp_path / "second"), operator_id.node_id, state, async_level=2,
-                    fetch_settings=FetchSettings(max_attempts_per_shard=2, durable=False), retry_s=60.0,
-                    max_retry_s=120.0, peer_sources=sharing.sources_for,
-                )
-                keeper.announce(PolicyAnnouncement(step=0, manifest_sha256=digest, sources=[operator.url],
-                                                   published_at=time.time()))
-                assert await keeper.try_fetch(keeper.announced), state.last_error
-                assert same_files(keeper.checkpoint_dir(0), operator.store.version_dir(0) / CHECKPOINT_NAME)
-
-                os.kill(node.pid, signal.SIGTERM)
-                assert node.process.wait(30) == 0, node.log_tail(40)
-        finally:
+            # The operator's server goes away: a second node finds the first one in the heartbeats and
+            # fetches the announced step from it, verified against the operator's manifest.
             await operator.server.stop()
+            second = await group.add(Identity.generate())
+            state = NodeState(second.node_id, operator_id.node_id)
+            settings = StartSettings(operator_key=operator_id.node_id, data_dir=tmp_path / "second")
+            sharing = WeightsSharing(Store(tmp_path / "second"), settings, operator_id.node_id, second, state)
+            sharing.note_peers(await second.list_peers(), set())
+            assert sharing.sources_for(0) == [url] and sharing.sources_for(1) == []
+            keeper = CheckpointKeeper(
+                Store(tmp_path / "second"), operator_id.node_id, state, async_level=2,
+                fetch_settings=FetchSettings(max_attempts_per_shard=2, durable=False), retry_s=60.0,
+                max_retry_s=120.0, peer_sources=sharing.sources_for,
+            )
+            keeper.announce(PolicyAnnouncement(step=0, manifest_sha256=digest, sources=[operator.url],
+                                               published_at=time.time(), run=RUN_PARAMETERS))
+            assert await keeper.try_fetch(keeper.announced), state.last_error
+            assert same_files(keeper.checkpoint_dir(0), operator.store.version_dir(0) / CHECKPOINT_NAME)
+
+            os.kill(node.pid, signal.SIGTERM)
+            assert node.process.wait(30) == 0, node.log_tail(40)
 
 
 def test_peer_sources_skip_banned_unreachable_and_foreign_urls(tmp_path: Path) -> None:

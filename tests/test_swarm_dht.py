@@ -16,7 +16,7 @@ from prime_node.p2p.swarm import PolicyAnnouncement, SwarmError
 from prime_node.p2p.processes import child_pids, end_pids
 from prime_node.p2p.swarm.process import SwarmDHT
 from prime_node.p2p.swarm.records import RecordKind, dht_key, seal, seal_payload
-from swarm_support import LOOPBACK, fleet, local_subkeys, wait_until
+from swarm_support import LOOPBACK, RUN_PARAMETERS, fleet, local_subkeys, wait_until
 
 
 @pytest.mark.slow
@@ -27,7 +27,7 @@ async def test_ten_peers_see_each_other_within_ten_seconds() -> None:
         for _ in range(3):  # three at a time: nine p2pd starts and pings at once time out on busy cores
             await asyncio.gather(*(group.add() for _ in range(3)))
         everyone = {p.node_id for p in group.peers}
-        await first.publish_policy(5, "cd" * 32, ["http://127.0.0.1:9/"])
+        await first.publish_policy(5, "cd" * 32, ["http://127.0.0.1:9/"], RUN_PARAMETERS)
 
         async def all_see_all() -> bool:
             views = await asyncio.gather(*(p.list_peers() for p in group.peers))
@@ -60,7 +60,9 @@ async def test_forged_records_are_refused_by_every_honest_peer() -> None:
             hb, pol = RecordKind.HEARTBEAT, RecordKind.POLICY
             good_evil = seal(evil, run, hb, evil.node_id, body_of(evil), exp)
             flipped = good_evil[:40] + bytes([good_evil[40] ^ 1]) + good_evil[41:]
-            policy = PolicyAnnouncement(step=99, manifest_sha256="ee" * 32, sources=[], published_at=1.0)
+            policy = PolicyAnnouncement(
+                step=99, manifest_sha256="ee" * 32, sources=[], published_at=1.0, run=RUN_PARAMETERS
+            )
             forged = {  # name: (key kind, subkey, value, expiration)
                 "bad signature": (hb, evil.node_id, flipped, exp + 5),
                 "another owner's subkey": (hb, victim.node_id, good_evil, exp + 20),
@@ -125,9 +127,9 @@ async def test_policy_is_watched_and_expired_heartbeats_disappear() -> None:
 
         await wait_until(both_seen, timeout=20.0)
         watcher = goes.watch_policy()
-        await stays.publish_policy(1, "01" * 32, [])
+        await stays.publish_policy(1, "01" * 32, [], RUN_PARAMETERS)
         assert (await asyncio.wait_for(anext(watcher), 20.0)).step == 1
-        await stays.publish_policy(2, "02" * 32, ["http://127.0.0.1:1/"])
+        await stays.publish_policy(2, "02" * 32, ["http://127.0.0.1:1/"], RUN_PARAMETERS)
         assert (await asyncio.wait_for(anext(watcher), 20.0)).manifest_sha256 == "02" * 32
         await watcher.aclose()
         await goes.leave()  # stops refreshing; its last heartbeat lives 2 s at most
@@ -148,7 +150,7 @@ async def test_bootstrap_peer_dies_and_the_rest_admit_a_newcomer() -> None:
         first = await group.add(operator)
         first_addr = await first.maddrs()
         others = await asyncio.gather(*(group.add(bootstrap=first_addr) for _ in range(3)))
-        await first.publish_policy(1, "aa" * 32, [])
+        await first.publish_policy(1, "aa" * 32, [], RUN_PARAMETERS)
         assert first.process is not None
         first.process.kill()  # a crash: no goodbye, its p2pd is gone too
         await first.leave()

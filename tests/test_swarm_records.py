@@ -21,6 +21,7 @@ from prime_node.p2p.swarm import (
 )
 from prime_node.p2p.swarm.records import RecordKind, dht_key, key_id, seal, seal_payload
 from prime_node.p2p.swarm.validator import SwarmRecordValidator
+from swarm_support import RUN_PARAMETERS
 
 RUN = "unit-run"
 OPERATOR = Identity.from_seed(bytes(range(32)))
@@ -47,7 +48,8 @@ def heartbeat(node: Identity, **changes: object) -> Heartbeat:
 
 def policy(step: int = 7) -> PolicyAnnouncement:
     return PolicyAnnouncement(
-        step=step, manifest_sha256="ab" * 32, sources=["http://127.0.0.1:1/"], published_at=1.0
+        step=step, manifest_sha256="ab" * 32, sources=["http://127.0.0.1:1/"], published_at=1.0,
+        run=RUN_PARAMETERS,
     )
 
 

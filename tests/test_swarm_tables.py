@@ -10,7 +10,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import Hardware, PolicyAnnouncement
 from prime_node.p2p.swarm.hardware import software_version
 from prime_node.p2p.swarm.records import RecordKind, dht_key, seal
-from swarm_support import fleet, wait_until
+from swarm_support import RUN_PARAMETERS, fleet, wait_until
 
 
 async def test_heartbeat_carries_every_field_the_node_sets() -> None:
@@ -54,12 +54,14 @@ async def test_one_refused_entry_does_not_hide_the_rest_of_its_table() -> None:
         reader = await group.add(reachability="private")  # a DHT client: stores nothing, reads from storer
         assert reader.client_mode and not storer.client_mode
         expiration = get_dht_time() + 60
-        old_policy = PolicyAnnouncement(step=5, manifest_sha256="05" * 32, sources=[], published_at=1.0)
+        old_policy = PolicyAnnouncement(
+            step=5, manifest_sha256="05" * 32, sources=[], published_at=1.0, run=RUN_PARAMETERS
+        )
         value = seal(old_key, run, RecordKind.POLICY, old_key.node_id, old_policy, expiration)
         assert await storer.process.dht.store(  # type: ignore[union-attr]
             dht_key(run, RecordKind.POLICY), value, expiration, subkey=old_key.node_id, return_future=True
         )
-        assert await storer.publish_policy(9, "09" * 32, [])
+        assert await storer.publish_policy(9, "09" * 32, [], RUN_PARAMETERS)
         assert {p.step for p in (await storer._read(RecordKind.POLICY)).values()} == {5, 9}
 
         async def reader_sees_old_policy() -> bool:

@@ -71,7 +71,7 @@ def test_inbox_skips_tampered_unsigned_and_foreign_files(staged, tmp_path, caplo
     assert inbox.read(foreign) is None  # a correctly signed file of another run is not this trainer's data
     # Nor is one sampled at another temperature than the trainer's log-probabilities assume.
     assert Inbox(inbox_dir, RUN_ID, temperature=0.7).read(foreign) is None
-    assert "sampled at temperature 1.0, the trainer's is 0.7: set trainer.temperature" in caplog.text
+    assert "sampled at temperature 1.0, the run's is 0.7 (run.temperature): the validator" in caplog.text
     inbox = Inbox(inbox_dir, RUN_ID)
     assert inbox.read(tampered) is None
     assert inbox.read(forged) is None

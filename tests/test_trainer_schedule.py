@@ -43,18 +43,18 @@ def test_defaults_follow_the_recipe() -> None:
 def test_cross_field_checks() -> None:
     with pytest.raises(ValidationError, match="delta"):
         TrainerSettings(eps_high=0.5, delta=1.4)
-    with pytest.raises(ValidationError, match="length_targets"):
-        TrainerSettings(length_targets=[32, 0])
+    with pytest.raises(ValidationError, match="optimizer_steps_per_batch"):
+        TrainerSettings(batch_size=1, optimizer_steps_per_batch=2)
     with pytest.raises(ValidationError):
         TrainerSettings(grad_clip=0.0)
 
 
 def test_loads_from_toml_env_and_flags(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
-    toml.write_text("[trainer]\neps_high = 0.28\nlength_targets = [16, 32]\nasync_level = 1\n")
+    toml.write_text("[trainer]\neps_high = 0.28\nwarmup_steps = 5\nasync_level = 1\n")
     env = {"PRIME_NODE_TRAINER__ASYNC_LEVEL": "3", "PRIME_NODE_TRAINER__LR": "3e-7"}
     s = load_config(_Command, toml_path=toml, env=env, cli_overrides={"trainer.batch_size": 128}).trainer
-    assert (s.eps_high, s.length_targets, s.async_level, s.lr, s.batch_size) == (0.28, [16, 32], 3, 3e-7, 128)
+    assert (s.eps_high, s.warmup_steps, s.async_level, s.lr, s.batch_size) == (0.28, 5, 3, 3e-7, 128)
     with pytest.raises(ConfigError, match="trainer.delta"):
         load_config(_Command, env={"PRIME_NODE_TRAINER__DELTA": "0.5"})
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from attack_support import make_checkpoint
+from prime_node.node.run_announcement import run_parameters
+from prime_node.node.run_config import RunSettings
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.processes import end_pids
 from prime_node.p2p.swarm import Swarm
@@ -27,7 +29,14 @@ from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
 from prime_node.proofs.rollout_file import read_rollout_file
 from prime_node.trainer.consumed import ConsumedLedger
 from swarm_support import config as swarm_config
-from trainer_service_support import deliver, make_accepted_files, read_ready, start_trainer, trainer_argv
+from trainer_service_support import (
+    RUN_ID,
+    deliver,
+    make_accepted_files,
+    read_ready,
+    start_trainer,
+    trainer_argv,
+)
 from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -147,6 +156,8 @@ async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(tmp
         reader_pids = list(reader.process.pids) if reader.process else []
         genesis = await _policy(reader, 0, log)
         assert genesis.step == 0 and genesis.sources == [ready["weights"]]
+        # It announces its [run] section: here the defaults and trainer_argv's --run-id.
+        assert genesis.run == run_parameters(RunSettings(run_id=RUN_ID))
         fetched = await Fetcher(genesis.sources, operator.node_id, Store(tmp_path / "node")).fetch(0)
         assert fetched.manifest.digest == genesis.manifest_sha256
         names = {p.name for p in (fetched.version_dir / CHECKPOINT_NAME).iterdir()}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from prime_node.node.run_announcement import run_parameters
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffBusy, HandoffRefused, RolloutEnvelope
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
@@ -147,7 +148,7 @@ async def test_files_wait_for_their_checkpoint_then_are_verified_or_expire(tmp_p
             assert await running.service.ledger.verdict_for(early_env.sha256) is None
 
             manifest = Store(origin).load_manifest(1, OPERATOR.node_id)
-            await running.swarm.publish_policy(1, manifest.digest, [url])
+            await running.swarm.publish_policy(1, manifest.digest, [url], run_parameters(settings.run))
             verdict = (await wait_verdict(running, early_env.sha256, 30)).document
             assert verdict.accepted and verdict.step == 1, verdict.reason
 

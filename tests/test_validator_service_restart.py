@@ -17,7 +17,18 @@ from prime_node.trainer.ledger import Ledger
 
 from attack_support import engine_from, make_checkpoint, run_tasks
 from swarm_support import fleet, wait_until
-from validator_support import OPERATOR, RUN, SPEC, publish_checkpoint, rows_for, write_file
+from validator_support import (
+    OPERATOR,
+    RUN,
+    SPEC,
+    VALIDATOR_RUN,
+    announce_run,
+    publish_checkpoint,
+    rows_for,
+    write_file,
+)
+
+TRAINER = Identity.from_seed(b"\x5b" * 32)  # a second operator key: it announces the run's policies
 
 CONFIG = f"""
 [run]
@@ -32,7 +43,7 @@ threads = 1
 
 [swarm]
 run_id = "{RUN}"
-operator_keys = ["{OPERATOR.node_id}"]
+operator_keys = ["{OPERATOR.node_id}", "{TRAINER.node_id}"]
 host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
 reachability = "public"
 heartbeat_interval_s = 2.0
@@ -83,6 +94,9 @@ async def test_sigkilled_validator_gives_each_spooled_file_one_verdict_after_res
     with ProcessGroup(tmp_path / "logs") as group:
         first, ready = _start(group, "validator-1", key, data, config)
         async with fleet(RUN, OPERATOR) as peers:
+            trainer = await peers.add(TRAINER, roles=("trainer",), bootstrap=ready["maddrs"][:1],
+                                      operator_keys=[OPERATOR.node_id, TRAINER.node_id])
+            await announce_run(trainer, VALIDATOR_RUN)  # the validator verifies nothing before it
             sender = await peers.add(node, bootstrap=ready["maddrs"][:1], reachability="public")
             await wait_until(lambda: _has_validator(sender), 20)
             for path, envelope in files:
@@ -98,6 +112,8 @@ async def test_sigkilled_validator_gives_each_spooled_file_one_verdict_after_res
         assert len(list((data / "spool").glob("*.parquet"))) == 2
 
         publish_checkpoint(checkpoint, data / "validator-weights", 1)  # the checkpoint arrives meanwhile
+        # The restarted validator has no DHT peer (the trainer is gone): it resumes from the run parameters
+        # the first one recorded as confirmed.
         second, _ = _start(group, "validator-2", key, data, config)
         hashes = {envelope.sha256 for _, envelope in files}
         await wait_until(lambda: _async(set(_verdicts(data)) == hashes), 60)

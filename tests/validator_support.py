@@ -18,6 +18,7 @@ from prime_node.node.daemon.supervisor import Supervisor
 from prime_node.node.engine import EngineSettings, HFEngine
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.producer import BatchSpec, produce_rows
+from prime_node.node.run_announcement import run_parameters
 from prime_node.node.run_config import RunSettings
 from prime_node.node.validation import RunTasks
 from prime_node.p2p.identity import Identity
@@ -48,11 +49,15 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFEngine, Run
     return checkpoint, engine_from(build_tiny_model(0)[0]), run_tasks(checkpoint)
 
 
+# The run SPEC's files belong to, as the validators of these tests are configured and the operator announces it.
+VALIDATOR_RUN = RunSettings(run_id=RUN, run_seed=SPEC.run_seed, samples=SPEC.samples, temperature=SPEC.temperature,
+                            max_new_tokens=SPEC.max_new_tokens)
+
+
 def validator_settings(data_dir: Path, **intake: Any) -> ValidatorSettings:
     return ValidatorSettings(
         data_dir=data_dir,
-        run=RunSettings(run_id=RUN, run_seed=SPEC.run_seed, samples=SPEC.samples, temperature=SPEC.temperature,
-                        max_new_tokens=SPEC.max_new_tokens),
+        run=VALIDATOR_RUN,
         engine=EngineSettings(threads=1),
         swarm=config(RUN, OPERATOR, reachability="public"),
         dashboard=DashboardSettings(port=0),
@@ -75,18 +80,27 @@ def publish_checkpoint(checkpoint: Path, store_dir: Path, step: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_validator(settings: ValidatorSettings) -> AsyncIterator[RunningValidator]:
+async def running_validator(settings: ValidatorSettings, announce: bool = True) -> AsyncIterator[RunningValidator]:
+    """A validator in this process; with `announce`, the operator (the validator's own key) announces a policy
+    with the validator's run parameters, which it waits for before verifying (trainer/run_confirmation.py)."""
     supervisor = Supervisor("test-validator")
     pids: list[int] = []
     try:
         running = await start_validator(settings, OPERATOR, supervisor)
         assert running.swarm.process is not None
         pids = list(running.swarm.process.pids)
+        if announce:
+            await announce_run(running.swarm, settings.run)
         yield running
     finally:
         report = await supervisor.shutdown(15.0)
         end_pids(pids, 3.0)
         assert report.clean, report
+
+
+async def announce_run(swarm: Swarm, run: RunSettings, step: int = 0) -> None:
+    """Announce policy `step` with `run`'s parameters (no weight sources: the tests place checkpoints)."""
+    assert await swarm.publish_policy(step, "00" * 32, [], run_parameters(run))
 
 
 async def wait_verdict(running: RunningValidator, sha256: str, timeout: float) -> Signed[Verdict]:

@@ -46,20 +46,16 @@ class TrainerSettings(Section):
         "from better-than-average samples). See docs/trainer.md, 'Does it learn?' (4).",
     )
     temperature: float = Field(
-        1.0, gt=0.0, le=10.0, description="Sampling temperature of the rollouts; logits are divided by it."
+        1.0,
+        gt=0.0,
+        le=10.0,
+        description="Sampling temperature of the rollouts; logits are divided by it. `prime-node trainer` sets "
+        "it from run.temperature (not a setting of its own).",
     )
 
-    # --- advantages and length rewards (trainer/advantages.py) ---
+    # --- advantages (trainer/advantages.py); the length reward is a run parameter (run.length_targets) ---
     advantage_eps: float = Field(
         1e-6, gt=0.0, le=1.0, description="Added to a group's reward std before dividing (avoids 0/0)."
-    )
-    length_targets: list[int] = Field(
-        default_factory=list,
-        max_length=32,
-        description="Thinking-length targets in tokens, one drawn per sample; empty: no length reward.",
-    )
-    length_alpha: float = Field(
-        0.001, ge=0.0, le=1.0, description="Length penalty per token of distance to the target length."
     )
 
     # --- batches (trainer/batch_buffer.py, trainer/packing.py) ---
@@ -111,8 +107,6 @@ class TrainerSettings(Section):
         # delta only bites when it is above the upper clip; below it would clip inside the trust region.
         if self.delta <= 1.0 + self.eps_high:
             raise ValueError(f"delta ({self.delta}) must exceed 1 + eps_high ({1.0 + self.eps_high})")
-        if any(t < 1 for t in self.length_targets):
-            raise ValueError("length_targets must be positive token counts")
         if self.batch_size < self.optimizer_steps_per_batch:
             raise ValueError(
                 "batch_size must be at least optimizer_steps_per_batch (each step needs samples)"

@@ -78,9 +78,10 @@ class Inbox:
                 raise RolloutFileError(f"rows belong to another run than {self.run_id!r}", check="bounds")
             other = {r.temperature for r in verified.rows} - {self.temperature}
             if self.temperature is not None and other:
-                raise RolloutFileError(f"rows were sampled at temperature {min(other)!r}, the trainer's is "
-                                       f"{self.temperature!r}: set trainer.temperature to the run's "
-                                       "run.temperature", check="bounds")
+                raise RolloutFileError(f"rows were sampled at temperature {min(other)!r}, the run's is "
+                                       f"{self.temperature!r} (run.temperature): the validator that accepted "
+                                       "it does not pin the run's sampling; check its [run] section",
+                                       check="bounds")
             return record_from_rows(verified.sha256, verified.rows)
         except RolloutFileError as exc:
             logger.warning("skipping accepted-rollout file %s: %s", path.name, exc)

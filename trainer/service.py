@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..node.daemon.supervisor import Supervisor
-from ..node.tasks import open_task_set
+from ..node.run_announcement import run_parameters
 from ..p2p.errors import P2PError
 from ..p2p.identity import Identity
-from ..p2p.swarm import Swarm
+from ..p2p.swarm import RunParameters, Swarm
 from ..p2p.weights.server import WeightsServer
 from ..p2p.weights.store import Store
 from .batch_buffer import Batch, BatchBuffer
@@ -78,17 +78,18 @@ class TrainerService:
         # --fsdp passes trainer/fsdp_learner.py's FsdpLearner: the same calls, with the model sharded over ranks.
         make = learner_factory or Learner
         self.learner = make(settings.trainer, model_dir, state_root / "states", self.store, self.ledger, identity,
-                            svc.run_id)
+                            settings.run.run_id)
         t = settings.trainer
         self.buffer = BatchBuffer(self.ledger, batch_size=t.batch_size, async_level=t.async_level,
                                   advantage_eps=t.advantage_eps, max_buffered_samples=t.max_buffered_samples)
-        self.inbox = Inbox(settings.path(svc.accepted_dir, "accepted"), svc.run_id,
-                           temperature=settings.trainer.temperature)
+        self.inbox = Inbox(settings.path(svc.accepted_dir, "accepted"), settings.run.run_id,
+                           temperature=settings.run.temperature)
         self.metrics = TrainerMetrics()
         self.log = StepLog(state_root / "metrics.jsonl")
         self.swarm: Swarm | None = None
         self.server: WeightsServer | None = None
         self.sources: list[str] = []
+        self.run_parameters: RunParameters | None = None  # announced with every policy; read at start
         # Task rewards of every sample read since the last step, filtered groups included: unlike the batch's
         # reward (only groups whose rewards differ, so near 0.5 by construction) it follows the policy's skill.
         self._rollout_rewards: list[float] = []
@@ -100,8 +101,8 @@ class TrainerService:
 
             torch.set_num_threads(svc.threads)
         self.supervisor.on_shutdown("consumed-record", self._close_ledger)
-        # Fail at start-up, not hours later, when the run's task set is unreadable.
-        await asyncio.to_thread(open_task_set, svc.tasks)
+        # Reads the run's task set: fails at start-up, not hours later, when it is unreadable.
+        self.run_parameters = await asyncio.to_thread(run_parameters, self.settings.run)
         step = await self._blocking(self.learner.resume)
         self.metrics.step.set(step)
         self.server = server = WeightsServer(self.store, self.settings.serve, trusted_key=self.identity.node_id)
@@ -134,12 +135,12 @@ class TrainerService:
         self.ledger.close()
 
     async def _announce(self) -> None:
-        if self.swarm is None or self.learner.manifest is None:
+        if self.swarm is None or self.learner.manifest is None or self.run_parameters is None:
             return
         manifest = self.learner.manifest
         self.swarm.policy_step = manifest.step
         self.swarm.serves_steps = self.store.versions()
-        if not await self.swarm.publish_policy(manifest.step, manifest.digest, self.sources):
+        if not await self.swarm.publish_policy(manifest.step, manifest.digest, self.sources, self.run_parameters):
             logger.warning("policy step %d was not stored in the DHT; retrying at the next announcement",
                            manifest.step)
 

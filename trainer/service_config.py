@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..node.config import CommonSettings, Section
+from ..node.run_config import RunSettings
 from ..p2p.swarm import SwarmConfig
 from ..p2p.weights.server import ServeSettings
 from .config import TrainerSettings
@@ -15,8 +16,6 @@ from .config import TrainerSettings
 class TrainerServiceSection(Section):
     """Where the trainer keeps its state and how it runs; the recipe itself is in [trainer]."""
 
-    run_id: str = Field("local", min_length=1, max_length=128, description="Run id the rollout files must carry.")
-    tasks: str | None = Field(None, description="The run's task file or builtin:arithmetic; checked at start-up.")
     accepted_dir: Path | None = Field(
         None, description="Inbox of validator-accepted files (+ .sig); default <data-dir>/accepted."
     )
@@ -39,6 +38,18 @@ class TrainerServiceSection(Section):
 
 
 class TrainerCommandSettings(CommonSettings):
+    # The run's parameters are one section shared with `start` and `validator` (one TOML file can configure
+    # all three), and the trainer announces them with every policy (node/run_announcement.py). These used to
+    # be the trainer's own, free to disagree with the nodes'.
+    MOVED = {
+        "trainer.temperature": "run.temperature",
+        "trainer.length_targets": "run.length_targets",
+        "trainer.length_alpha": "run.length_alpha",
+        "service.run_id": "run.run_id",
+        "service.tasks": "run.tasks",
+    }
+
+    run: RunSettings = Field(default_factory=RunSettings, description="Run parameters, announced to every party.")
     trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="The GRPO recipe.")
     swarm: SwarmConfig = Field(default_factory=SwarmConfig, description="DHT membership.")
     serve: ServeSettings = Field(default_factory=ServeSettings, description="The weights server (origin).")
@@ -46,3 +57,14 @@ class TrainerCommandSettings(CommonSettings):
 
     def path(self, value: Path | None, default: str) -> Path:
         return (value or self.resolved_data_dir() / default).expanduser()
+
+    @model_validator(mode="after")
+    def _follow_the_run(self) -> TrainerCommandSettings:
+        # The log-probabilities must be those of the distribution the nodes sampled from.
+        if self.trainer.temperature != self.run.temperature:
+            self.trainer = self.trainer.model_copy(update={"temperature": self.run.temperature})
+        # Nodes take their DHT's run id from run.run_id (StartSettings.swarm_config): so does the trainer,
+        # unless swarm.run_id is set (--swarm-run-id).
+        if "run_id" not in self.swarm.model_fields_set:
+            self.swarm = self.swarm.model_copy(update={"run_id": self.run.run_id})
+        return self

@@ -45,7 +45,8 @@ DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "bounds": CheckClass.fault,
     "signer": CheckClass.fraud,  # signed rows that name another node: claiming someone else's work
     # Sampled otherwise than the run's published settings: not this run's work, and a colder temperature
-    # buys higher rewards (a node cannot drift into it: the old node-level settings are refused at start).
+    # buys higher rewards. An honest node cannot drift into it: the trainer announces the run's parameters
+    # with every policy and a node configured otherwise stops before working (node/run_announcement.py).
     "run_parameters": CheckClass.fraud,
     "assignment": CheckClass.fraud,
     "prompts": CheckClass.fraud,

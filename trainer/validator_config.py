@@ -121,6 +121,14 @@ class ValidatorSettings(CommonSettings):
     )
 
     @model_validator(mode="after")
+    def _swarm_follows_the_run(self) -> ValidatorSettings:
+        # Nodes take their DHT's run id from run.run_id (StartSettings.swarm_config): so does the validator,
+        # unless swarm.run_id is set.
+        if "run_id" not in self.swarm.model_fields_set:
+            self.swarm = self.swarm.model_copy(update={"run_id": self.run.run_id})
+        return self
+
+    @model_validator(mode="after")
     def _bans_outlive_their_records(self) -> ValidatorSettings:
         if self.validator.ban_republish_s >= self.swarm.ban_ttl_s:
             raise ValueError(

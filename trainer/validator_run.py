@@ -13,11 +13,13 @@ import time
 from dataclasses import dataclass
 
 from ..node.daemon.supervisor import Supervisor
+from ..node.run_announcement import run_parameters
 from ..p2p.errors import P2PError
 from ..p2p.identity import Identity
 from ..p2p.swarm import Swarm
 from .dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
 from .errors import TrainerError
+from .run_confirmation import RunConfirmation
 from .validator_config import ValidatorSettings
 from .validator_service import ValidatorService
 
@@ -53,11 +55,23 @@ async def start_validator(
     settings: ValidatorSettings, identity: Identity, supervisor: Supervisor
 ) -> RunningValidator:
     settings = check_operator(settings, identity)
+    # Reads the run's task set (a file is hashed): an unreadable one stops the validator before it joins.
+    ours = await asyncio.to_thread(run_parameters, settings.run)
     swarm = Swarm(settings.swarm, identity, roles=("validator",))
     await swarm.join()
     service = ValidatorService(settings, identity, swarm)
     supervisor.on_shutdown("ledger", service.ledger.close)
     supervisor.on_shutdown("swarm", swarm.leave)
+    # A validator pinned to other run parameters than the trainer's would reject (and slash) every honest file:
+    # it verifies nothing before a policy confirms its own, and stops at one that announces others.
+    confirmation = RunConfirmation(settings.resolved_data_dir(), ours)
+    try:
+        current = await swarm.current_policy()
+    except (OSError, EOFError, P2PError) as exc:
+        logger.warning("policy lookup failed: %s; the policy watch will look again", exc)
+        current = None
+    if current is not None:
+        await confirmation.admit(current)  # a mismatch stops it here, before it accepts any file
     await service.recover()
     await swarm.serve_rollouts(service.spool.directory, service.accept, service.admit)
     app = create_app(
@@ -69,9 +83,9 @@ async def start_validator(
     supervisor.on_shutdown("dashboard", runner.cleanup)
     swarm.api_url = url  # announced, so that senders can fetch their verdicts and rank (node/daemon/verdicts.py)
     await swarm.publish_validator()
-    supervisor.spawn("validator-verify", service.run_worker())
+    supervisor.spawn("validator-verify", service.run_worker(confirmation.confirmed))
     supervisor.spawn("validator-holds", service.run_holds())
-    supervisor.spawn("validator-policy", service.keeper.follow(swarm.watch_policy()))
+    supervisor.spawn("validator-policy", service.keeper.follow(confirmation.policies(swarm.watch_policy())))
     supervisor.spawn("validator-announce", announce_forever(service))
     supervisor.spawn("validator-bans", service.bans.run())
     supervisor.spawn("validator-peers", note_peers(service))

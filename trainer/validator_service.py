@@ -142,8 +142,11 @@ class ValidatorService:
 
     # ----- verification ---------------------------------------------------------------------------------
 
-    async def run_worker(self) -> None:
-        """Verify queued files one at a time, in a worker thread (torch and parquet block)."""
+    async def run_worker(self, run_confirmed: asyncio.Event | None = None) -> None:
+        """Verify queued files one at a time, in a worker thread (torch and parquet block), once
+        `run_confirmed` is set (trainer/run_confirmation.py: files wait until then)."""
+        if run_confirmed is not None:
+            await run_confirmed.wait()
         while True:
             job = await self.queue.get()
             if await self.ledger.active_ban(job.node_id) is not None:

@@ -7,36 +7,7 @@ from pathlib import Path
 
 from ..errors import NodeError
 from .common import common_flags, load_settings, print_json
-
-
-RUN_FLAGS = {
-    "run.run_id": "run_id", "run.run_seed": "run_seed", "run.tasks": "tasks", "run.task_seed": "task_seed",
-    "run.samples": "samples", "run.length_targets": "length_targets", "run.length_alpha": "length_alpha",
-    "run.compute_dtype": "compute_dtype", "run.temperature": "temperature", "run.max_new_tokens": "max_new_tokens",
-    "engine.threads": "threads",
-}
-
-
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """Flags naming the run's parameters (RunSettings via RUN_FLAGS), shared by rollout and verify."""
-    p.add_argument("--run-id", default=None, help="name of the run (default local)")
-    p.add_argument("--run-seed", type=int, default=None, help="seed of the work assignment (default 0)")
-    p.add_argument("--tasks", default=None, help="task file (Parquet/JSONL) or builtin:arithmetic (default)")
-    p.add_argument("--task-seed", type=int, default=None, help="seed of the built-in task family (default 0)")
-    p.add_argument("--samples", type=int, default=None, help="completions per prompt, G (default 4)")
-    p.add_argument("--length-targets", type=int, nargs="*", default=None, help="thinking-length targets")
-    p.add_argument("--length-alpha", type=float, default=None, help="length penalty per token (default 0.001)")
-    # The values of proofs.toploc.Precision, spelled out: importing it here would slow `--help`.
-    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="the run's compute dtype; picks the proof bounds (default float32)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    add_sampling_flags(p)
-
-
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    """The run's sampling parameters (run.temperature, run.max_new_tokens): every party must agree on them."""
-    p.add_argument("--temperature", type=float, default=None, help="the run's sampling temperature (default 1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="the run's most tokens per sample (default 64)")
+from .run_flags import RUN_FLAGS, add_run_flags
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="generate one signed rollout file offline, as a contributor would")
     p.add_argument("--checkpoint", type=Path, required=True, help="HF model directory of the policy")
     add_run_flags(p)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--key", type=Path, required=True, help="the node's secret key file")
     p.add_argument("--step", type=int, required=True, help="policy step of the checkpoint")
     p.add_argument("--out", type=Path, required=True, help="rollout file to write (FILE and FILE.sig)")
@@ -61,7 +33,7 @@ def rollout(args: argparse.Namespace) -> int:
     from ..producer import BatchSpec, produce_rollout_file
     from ..run_config import RolloutSettings, engine_for_run, load_run_tasks
 
-    flags = {**RUN_FLAGS, "prompts": "prompts"}
+    flags = {**RUN_FLAGS, "engine.threads": "threads", "prompts": "prompts"}
     settings = load_settings(args, RolloutSettings, flags)
     if args.gpu:
         settings.engine.device = "cuda"

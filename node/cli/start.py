@@ -8,12 +8,10 @@ import logging
 from pathlib import Path
 
 from .common import common_flags, load_settings
-from .rollout import add_sampling_flags
+from .run_flags import RUN_FLAGS, add_run_flags
 
 FLAGS = {
-    "key_file": "key", "operator_key": "operator_key", "run.run_id": "run_id", "run.run_seed": "run_seed",
-    "run.tasks": "tasks", "run.task_seed": "task_seed", "run.samples": "samples", "prompts": "prompts",
-    "run.temperature": "temperature", "run.max_new_tokens": "max_new_tokens", "async_level": "async_level",
+    **RUN_FLAGS, "key_file": "key", "operator_key": "operator_key", "prompts": "prompts", "async_level": "async_level",
     "swarm.initial_peers": "peers", "swarm.host_maddrs": "host_maddrs", "swarm.announce_maddrs": "announce_maddrs",
     "swarm.reachability": "reachability", "engine.threads": "threads", "status_host": "status_host",
     "status_port": "status_port", "max_batches": "max_batches", "serve_weights": "serve_weights",
@@ -25,14 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu", action="store_true", help="generate on CUDA (vLLM where installed)")
     p.add_argument("--operator-key", default=None, help="the run operator's public key (64 hex)")
     p.add_argument("--peers", nargs="+", default=None, metavar="MADDR", help="bootstrap peers (/ip4/.../p2p/...)")
-    p.add_argument("--run-id", default=None, help="name of the run")
-    p.add_argument("--run-seed", type=int, default=None, help="seed of the run's work assignment")
-    p.add_argument("--tasks", default=None, help="task file or builtin:arithmetic (default)")
-    p.add_argument("--task-seed", type=int, default=None, help="seed of the built-in task family")
     p.add_argument("--key", type=Path, default=None, help="the node's key file (default <data-dir>/node.key)")
-    p.add_argument("--samples", type=int, default=None, help="completions per prompt (G)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per rollout batch")
-    add_sampling_flags(p)
+    add_run_flags(p)
     p.add_argument("--async-level", type=int, default=None, help="oldest usable checkpoint, in steps (default 2)")
     p.add_argument("--host-maddrs", nargs="+", default=None, metavar="MADDR", help="libp2p listen addresses")
     p.add_argument("--announce-maddrs", nargs="+", default=None, metavar="MADDR", help="public addresses")

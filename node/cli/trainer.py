@@ -15,9 +15,10 @@ from pathlib import Path
 
 from ..errors import NodeError
 from .common import common_flags, load_settings, run_until_stopped
+from .run_flags import RUN_FLAGS, add_run_flags
 
 FLAGS = {
-    "service.run_id": "run_id", "swarm.run_id": "swarm_run_id", "service.tasks": "tasks",
+    **RUN_FLAGS, "swarm.run_id": "swarm_run_id",
     "swarm.initial_peers": "peers", "swarm.host_maddrs": "listen", "serve.host": "http_host",
     "serve.port": "http_port", "service.accepted_dir": "accepted_dir", "service.max_steps": "max_steps",
     "service.threads": "threads", "service.metrics_port": "metrics_port",
@@ -30,9 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="train on accepted rollouts with GRPO; publish and announce every checkpoint")
     p.add_argument("--model", type=Path, required=True, help="HF model directory: the genesis weights (step 0)")
     p.add_argument("--key", type=Path, required=True, help="the operator's secret key (signs manifests, policies)")
-    p.add_argument("--tasks", default=None, help="the run's task file or builtin:arithmetic (checked at start)")
-    p.add_argument("--run-id", default=None, help="run id of the rollout files (default local)")
-    p.add_argument("--swarm-run-id", default=None, help="DHT run id (default prime-node-dev)")
+    add_run_flags(p)
+    p.add_argument("--swarm-run-id", default=None, help="DHT run id (default: the run id, as nodes use)")
     p.add_argument("--peers", nargs="*", default=None, metavar="MADDR", help="bootstrap peers (/ip4/.../p2p/...)")
     p.add_argument("--listen", nargs="*", default=None, metavar="MADDR", help="libp2p listen multiaddrs")
     p.add_argument("--no-dht", action="store_true", help="serve weights over HTTP only; announce nothing")

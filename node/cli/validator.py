@@ -14,13 +14,10 @@ from pathlib import Path
 
 from ..errors import NodeError
 from .common import common_flags, load_settings, run_until_stopped
-from .rollout import add_sampling_flags
+from .run_flags import RUN_FLAGS, add_run_flags
 
 FLAGS = {
-    "run.run_id": "run_id", "swarm.run_id": "run_id", "run.run_seed": "run_seed", "run.tasks": "tasks",
-    "run.task_seed": "task_seed", "run.samples": "samples", "run.length_targets": "length_targets",
-    "run.length_alpha": "length_alpha", "run.temperature": "temperature",
-    "run.max_new_tokens": "max_new_tokens", "engine.threads": "threads", "swarm.initial_peers": "peers",
+    **RUN_FLAGS, "swarm.run_id": "run_id", "engine.threads": "threads", "swarm.initial_peers": "peers",
     "swarm.operator_keys": "operator_key", "swarm.host_maddrs": "listen",
     "verifier.sample_fraction": "sample_fraction", "dashboard.host": "http_host",
     "dashboard.port": "http_port",
@@ -45,15 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="trainer inbox (default <data-dir>/accepted)")
     p.add_argument("--http-host", default=None, help="dashboard listen address (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=None, help="dashboard port (default 8471; 0 picks one)")
-    p.add_argument("--run-id", default=None, help="name of the run (the DHT's and the files')")
-    p.add_argument("--run-seed", type=int, default=None, help="seed of the work assignment (default 0)")
-    p.add_argument("--tasks", default=None, help="task file (Parquet/JSONL) or builtin:arithmetic (default)")
-    p.add_argument("--task-seed", type=int, default=None, help="seed of the built-in task family (default 0)")
-    p.add_argument("--samples", type=int, default=None, help="completions per prompt, G (default 4)")
-    p.add_argument("--length-targets", type=int, nargs="*", default=None, help="thinking-length targets")
-    p.add_argument("--length-alpha", type=float, default=None,
-                   help="length penalty per token (default 0.001)")
-    add_sampling_flags(p)
+    add_run_flags(p)  # --run-id names the DHT's run too
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default 1 on machines with 4 cores or fewer)")
     p.set_defaults(handler=validator)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, NodeError
 from .common import common_flags, load_settings, print_json
-from .rollout import RUN_FLAGS, add_run_flags
+from .run_flags import RUN_FLAGS, add_run_flags
 
 EXIT_ACCEPTED, EXIT_REJECTED, EXIT_IO = 0, 1, 2
 
@@ -27,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", type=Path, help="rollout file (its signature is FILE.sig)")
     p.add_argument("--checkpoint", type=Path, required=True, help="HF model directory of the claimed policy")
     add_run_flags(p)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--sample-fraction", type=float, default=None,
                    help="share of rows the expensive checks (prefill, sampling) cover (default 1.0)")
     p.add_argument("--json", action="store_true", help='print {"accepted", "checks", "reasons"} as JSON')
@@ -39,7 +40,7 @@ def verify(args: argparse.Namespace) -> int:
     from ..run_config import VerifySettings, load_run_tasks, validator_engine, verifier_for_run
     from ..validation import verify_rollout_file
 
-    flags = {**RUN_FLAGS, "verifier.sample_fraction": "sample_fraction"}
+    flags = {**RUN_FLAGS, "engine.threads": "threads", "verifier.sample_fraction": "sample_fraction"}
     try:
         settings = load_settings(args, VerifySettings, flags)
     except ConfigError as exc:

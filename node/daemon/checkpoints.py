@@ -108,7 +108,7 @@ class CheckpointKeeper:
 
     def announce(self, policy: PolicyAnnouncement) -> None:
         if self.announced is not None and policy.step <= self.announced.step:
-            return  # the swarm yields newer steps only; a stale duplicate changes nothing
+            return  # an older or repeated step (re-announced with the same run parameters) changes nothing
         self.announced = policy
         self.state.set_announced(policy.step)
         logger.debug("policy step %d announced (manifest %s…)", policy.step, policy.manifest_sha256[:16])

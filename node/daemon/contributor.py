@@ -18,6 +18,7 @@ from ...p2p.swarm import Hardware, Swarm, SwarmError
 from ...p2p.swarm.hardware import local_hardware
 from ...p2p.weights.store import Store
 from ..errors import ConfigError, NodeError
+from ..run_announcement import agreed_policies, run_parameters
 from ..run_config import engine_for_run
 from .checkpoints import CheckpointKeeper
 from .delivery import Delivery
@@ -29,7 +30,7 @@ from .serving import WeightsSharing
 from .settings import StartSettings
 from .state import NodeState
 from .status import StatusServer
-from .supervisor import Supervisor, TaskCrashed
+from .supervisor import OperatorActionNeeded, Supervisor, TaskCrashed
 from .validator_api import ValidatorApi
 from .verdicts import VerdictWatcher
 
@@ -73,6 +74,7 @@ class ContributorNode:
         state = NodeState(identity.node_id, self.operator_key)
         swarm = Swarm(s.swarm_config(), identity, roles=("contributor", "relay") if s.serve_weights else ("contributor",))
         crash: TaskCrashed | None = None
+        needs_operator: OperatorActionNeeded | None = None
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-worker")
         try:
             state.state = "starting the DHT"
@@ -88,14 +90,21 @@ class ContributorNode:
             await sup.wait()
         except TaskCrashed as exc:
             crash = exc
+        except OperatorActionNeeded as exc:  # e.g. the run announces other parameters: its message says what to do
+            needs_operator = exc
         finally:
             state.state = "stopping"
             sup.on_shutdown("torch worker", _executor_closer(executor))
             report = await sup.shutdown(s.shutdown_timeout_s)
         if crash is not None:
             raise NodeError(f"the node stopped because {crash}") from crash.__cause__
-        if not report.clean:
-            problems = [f"{name}: {err}" for name, err in report.errors] + [f"{t} did not stop" for t in report.stuck_tasks]
+        problems = [f"{name}: {err}" for name, err in report.errors]
+        problems += [f"{t} did not stop" for t in report.stuck_tasks]
+        if needs_operator is not None:
+            if problems:
+                logger.error("the node stopped, but not cleanly: %s", "; ".join(problems))
+            raise needs_operator
+        if problems:
             raise NodeError("the node stopped, but not cleanly: " + "; ".join(problems))
         logger.info("stopped (%s) in %.1f s", sup.stop_reason, report.seconds)
         return 0
@@ -127,10 +136,13 @@ class ContributorNode:
         )
         loop = self.rollout_loop(s, identity, keeper, outbox, state, executor, on_committed=delivery.committed)
 
+        # Read once (a task file is hashed); every announced policy must carry the same (node/run_announcement.py).
+        ours = await asyncio.to_thread(run_parameters, s.run)
+
         async def watch_policy() -> None:
             while True:
                 try:
-                    async for policy in swarm.watch_policy():
+                    async for policy in agreed_policies(swarm.watch_policy(), ours, "node"):
                         keeper.announce(policy)
                 except SwarmError as exc:  # the DHT process answered too slowly: transient, look again
                     state.error(f"policy lookup failed: {exc}")

@@ -21,7 +21,6 @@ from ..run_config import MOVED_TO_RUN, RunSettings
 
 KEY_FILE_NAME = "node.key"
 _HEX_KEY = re.compile(r"^[0-9a-f]{64}$")
-_SWARM_RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # SwarmConfig.run_id's own rule, checked at load time
 
 
 class StartSettings(CommonSettings):
@@ -80,8 +79,6 @@ class StartSettings(CommonSettings):
             raise ValueError(f"operator_key {self.operator_key[:80]!r} is not 64 lowercase hex digits")
         if self.fetch_retry_s > self.max_retry_s or self.handoff_retry_s > self.max_retry_s:
             raise ValueError("fetch_retry_s and handoff_retry_s must not exceed max_retry_s")
-        if not _SWARM_RUN_ID.match(self.run.run_id):
-            raise ValueError(f"run.run_id {self.run.run_id!r} must be 1-64 of A-Z a-z 0-9 . _ - (it prefixes DHT keys)")
         return self
 
     def key_path(self) -> Path:

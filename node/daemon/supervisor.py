@@ -22,6 +22,12 @@ logger = logging.getLogger(__name__)
 Cleanup = Callable[[], Awaitable[None]]
 
 
+class OperatorActionNeeded(Exception):
+    """Base mixed into errors a task raises for a condition the operator must fix, not a bug (settings that
+    disagree with the run's): the process stops, `wait()` raises the error itself so the command prints its
+    message, and the log gets that message without a traceback."""
+
+
 class TaskCrashed(Exception):
     """A supervised task raised; `task_name` says which, __cause__ holds the original exception."""
 
@@ -50,6 +56,7 @@ class Supervisor:
         self._cleanups: list[tuple[str, Cleanup]] = []
         self._stop = asyncio.Event()
         self._crash: TaskCrashed | None = None
+        self._needs_operator: OperatorActionNeeded | None = None
         self.stop_reason: str | None = None
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
@@ -69,6 +76,12 @@ class Supervisor:
             return
         error = task.exception()
         if error is None:
+            return
+        if isinstance(error, OperatorActionNeeded):
+            if self._needs_operator is None:
+                self._needs_operator = error
+                logger.error("%s", error)
+            self.request_stop(f"task {task.get_name()} stopped: the operator must act")
             return
         if self._crash is None:
             self._crash = TaskCrashed(task.get_name(), error)
@@ -98,10 +111,13 @@ class Supervisor:
             loop.add_signal_handler(sig, handler)
 
     async def wait(self) -> None:
-        """Block until a stop is requested; raise TaskCrashed if a task crashed."""
+        """Block until a stop is requested; raise TaskCrashed if a task crashed (a bug outranks the rest),
+        else the OperatorActionNeeded error a task raised."""
         await self._stop.wait()
         if self._crash is not None:
             raise self._crash
+        if self._needs_operator is not None:
+            raise self._needs_operator
 
     async def sleep_or_stop(self, seconds: float) -> bool:
         """Sleep up to `seconds`; return True early (and True) if a stop was requested."""

@@ -151,6 +151,10 @@ class ArithmeticTaskSet:
         weights = ",".join(str(w) for w in self.config.level_weights)
         return f"builtin:arithmetic?seed={self.config.seed}&size={self.config.size}&levels={weights}"
 
+    @property
+    def identity(self) -> str:
+        return self.name  # the generator's whole configuration, nothing local
+
     def __len__(self) -> int:
         return self.config.size
 

@@ -40,6 +40,10 @@ class FileTaskSet:
     def name(self) -> str:
         return f"file:{self.path}#sha256={self.sha256}"
 
+    @property
+    def identity(self) -> str:
+        return f"sha256:{self.sha256}"  # the bytes, not the path: each machine keeps the file where it likes
+
     def __len__(self) -> int:
         return len(self._tasks)
 

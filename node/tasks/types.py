@@ -45,6 +45,12 @@ class TaskSet(Protocol):
         """A short, stable description of where the tasks come from (logged and recorded with models)."""
         ...
 
+    @property
+    def identity(self) -> str:
+        """What peers compare to know they draw the same tasks: the same on every machine that holds the
+        same tasks, whatever the local path (the run's operator announces it: docs/protocol.md)."""
+        ...
+
     def __len__(self) -> int: ...
 
     def get(self, index: int) -> Task:

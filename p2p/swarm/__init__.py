@@ -9,7 +9,15 @@ daemon) -> directory (publishing and reading signed records) -> swarm (the libra
 from .config import SwarmConfig
 from .errors import HandoffBusy, HandoffError, HandoffRefused, RecordError, SwarmError
 from .handoff import Receipt, ReceivedRollout, RolloutEnvelope
-from .records import Ban, Hardware, Heartbeat, PolicyAnnouncement, RolloutAnnouncement, ValidatorAnnouncement
+from .records import (
+    Ban,
+    Hardware,
+    Heartbeat,
+    PolicyAnnouncement,
+    RolloutAnnouncement,
+    RunParameters,
+    ValidatorAnnouncement,
+)
 from .swarm import Swarm
 
 __all__ = [
@@ -25,6 +33,7 @@ __all__ = [
     "RecordError",
     "RolloutAnnouncement",
     "RolloutEnvelope",
+    "RunParameters",
     "Swarm",
     "SwarmConfig",
     "SwarmError",

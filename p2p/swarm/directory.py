@@ -27,6 +27,7 @@ from .records import (
     PolicyAnnouncement,
     RecordKind,
     RolloutAnnouncement,
+    RunParameters,
     ValidatorAnnouncement,
     dht_key,
     key_id,
@@ -168,10 +169,10 @@ class SwarmDirectory(DHTPeer):
             except (OSError, EOFError, RecordError) as exc:  # DHT pipe trouble or a record we cannot build
                 logger.warning("heartbeat not published: %s", exc)
 
-    async def publish_policy(self, step: int, manifest_sha256: str, sources: list[str]) -> bool:
+    async def publish_policy(self, step: int, manifest_sha256: str, sources: list[str], run: RunParameters) -> bool:
         self._require_operator("a policy")
         body = PolicyAnnouncement(
-            step=step, manifest_sha256=manifest_sha256, sources=sources, published_at=time.time()
+            step=step, manifest_sha256=manifest_sha256, sources=sources, published_at=time.time(), run=run
         )
         return await self._publish(RecordKind.POLICY, self.node_id, body, self.config.record_ttl_s)
 
@@ -230,15 +231,19 @@ class SwarmDirectory(DHTPeer):
         return max(policies, key=lambda p: (p.step, p.published_at)) if policies else None
 
     async def watch_policy(self) -> AsyncIterator[PolicyAnnouncement]:
-        """Yield each newer policy as it appears (polling every policy_poll_s); never yields a step twice."""
-        last_step = -1
+        """Yield each newer policy as it appears (polling every policy_poll_s), and the current step again when
+        it is re-announced with other run parameters (an operator who restarted the trainer with a changed
+        [run] section): readers check those on every policy they get (node/run_announcement.py)."""
+        last: PolicyAnnouncement | None = None
         while True:
             try:
                 policy = await self.current_policy()
             except (OSError, EOFError) as exc:
                 logger.warning("policy lookup failed: %s", exc)
                 policy = None
-            if policy is not None and policy.step > last_step:
-                last_step = policy.step
+            if policy is not None and (
+                last is None or policy.step > last.step or (policy.step == last.step and policy.run != last.run)
+            ):
+                last = policy
                 yield policy
             await asyncio.sleep(self.config.policy_poll_s)

@@ -96,11 +96,31 @@ class Heartbeat(_Wire):
     weights_url: HttpUrlText | None = None  # its weights server (p2p/weights) when serves_steps is not empty
 
 
+class RunParameters(_Wire):
+    """The run's parameters every contributor and validator must share (node/run_config.RunSettings).
+
+    The operator announces them with every policy, so a party configured otherwise finds out at once, with
+    the setting to change, instead of producing work the validators reject as not this run's, or (for a
+    validator) rejecting every honest file. Field meanings: docs/protocol.md, "Swarm".
+    """
+
+    run_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+    run_seed: int = Field(ge=0, lt=1 << 64)
+    tasks: Annotated[str, StringConstraints(min_length=1, max_length=256)]  # the task set's identity
+    samples: int = Field(ge=1, le=1024)
+    temperature: float = Field(gt=0, le=10, allow_inf_nan=False)
+    max_new_tokens: int = Field(ge=1, le=8192)
+    compute_dtype: Literal["float32", "bfloat16"]
+    length_targets: list[Annotated[int, Field(ge=1)]] = Field(max_length=32)
+    length_alpha: float = Field(ge=0, le=1, allow_inf_nan=False)
+
+
 class PolicyAnnouncement(_Wire):
     step: int = Field(ge=0)
     manifest_sha256: Sha256Hex  # hash of the signed shard manifest of this checkpoint
     sources: list[Annotated[str, StringConstraints(min_length=1, max_length=512)]] = Field(max_length=32)
     published_at: float
+    run: RunParameters  # what every rollout for this policy must be produced with
 
 
 class ValidatorAnnouncement(_Wire):

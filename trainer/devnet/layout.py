@@ -65,20 +65,18 @@ class Sizing:
     length_targets: tuple[int, ...] | None = None
 
     def node_flags(self) -> list[str]:
+        return [] if self.prompts is None else ["--prompts", str(self.prompts)]
+
+    def run_flags(self) -> list[str]:
+        """Run parameters every party must agree on (the trainer announces its own, and nodes and the
+        validator stop on a difference), given to all of them the same way."""
         flags = []
-        for flag, value in (("--prompts", self.prompts), ("--samples", self.samples)):
+        for flag, value in (("--samples", self.samples), ("--max-new-tokens", self.max_new_tokens)):
             if value is not None:
                 flags += [flag, str(value)]
-        return flags
-
-    def run_env(self) -> dict[str, str]:
-        """Run settings every party (nodes and validators) must agree on, given to all of them the same way."""
-        env = {}
         if self.length_targets is not None:
-            env["PRIME_NODE_RUN__LENGTH_TARGETS"] = "[" + ",".join(map(str, self.length_targets)) + "]"
-        if self.max_new_tokens is not None:
-            env["PRIME_NODE_RUN__MAX_NEW_TOKENS"] = str(self.max_new_tokens)
-        return env
+            flags += ["--length-targets", *map(str, self.length_targets)]
+        return flags
 
 
 @dataclass
@@ -101,8 +99,10 @@ class DevnetLayout:
     members: list[Member] = field(default_factory=list)
     tasks: Path | None = None  # the run's task file, given to every party; None: the built-in set
 
-    def task_flags(self) -> list[str]:
-        return [] if self.tasks is None else ["--tasks", str(self.tasks)]
+    def run_flags(self) -> list[str]:
+        """The run's parameters, the same for the trainer, the validator and every member."""
+        tasks = [] if self.tasks is None else ["--tasks", str(self.tasks)]
+        return ["--run-id", self.run_id, *tasks, *self.sizing.run_flags()]
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -153,30 +153,27 @@ class DevnetLayout:
         return member
 
     def env(self) -> dict[str, str]:
-        return {**SWARM_ENV, **self.sizing.run_env()}
+        return dict(SWARM_ENV)
 
     def trainer_argv(self, max_steps: int) -> list[str]:
         argv = [*CLI, "trainer", "--max-steps", str(max_steps), "--model", str(self.model_dir), "--key", str(self.root / "operator.key"),
-                "--data-dir", str(self.trainer_dir), "--run-id", self.run_id, "--swarm-run-id", self.run_id,
-                "--listen", LOOPBACK, "--http-port", "0", "--metrics-port", "0", "--threads", "1",
-                *self.task_flags()]
+                "--data-dir", str(self.trainer_dir), *self.run_flags(), "--swarm-run-id", self.run_id,
+                "--listen", LOOPBACK, "--http-port", "0", "--metrics-port", "0", "--threads", "1"]
         if self.sizing.batch_size is not None:
             argv += ["--batch-size", str(self.sizing.batch_size)]
         return argv
 
     def validator_argv(self, peers: list[str]) -> list[str]:
         argv = [*CLI, "validator", "--key", str(self.root / "operator.key"), "--data-dir", str(self.validator_dir),
-                "--run-id", self.run_id, "--listen", LOOPBACK, "--http-port", "0", "--threads", "1",
-                "--accepted-dir", str(self.trainer_dir / "accepted"), *self.task_flags(), "--peers", *peers]
-        if self.sizing.samples is not None:
-            argv += ["--samples", str(self.sizing.samples)]
+                *self.run_flags(), "--listen", LOOPBACK, "--http-port", "0", "--threads", "1",
+                "--accepted-dir", str(self.trainer_dir / "accepted"), "--peers", *peers]
         return argv
 
     def member_argv(self, member: Member, peers: list[str]) -> list[str]:
         head = [*CLI, "start"] if member.attack is None else [*ADVERSARY, "--attack", member.attack]
         return [*head, "--data-dir", str(member.data_dir), "--operator-key", self.operator.node_id,
-                "--run-id", self.run_id, "--peers", *peers, "--host-maddrs", LOOPBACK, "--threads", "1",
-                *self.task_flags(), *self.sizing.node_flags()]
+                *self.run_flags(), "--peers", *peers, "--host-maddrs", LOOPBACK, "--threads", "1",
+                *self.sizing.node_flags()]
 
     def trainer_env(self) -> dict[str, str]:
         return {**self.env(), **TRAINER_ENV}

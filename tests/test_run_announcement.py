@@ -1,0 +1,266 @@
+"""The trainer announces the run's parameters with every policy; a node or validator configured otherwise
+stops at the first such policy, naming each setting to change, before it produces or judges any work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from node_daemon_support import NODE_ENV, node_argv, operator_fleet, pending_shas
+from prime_node.node.config import load_config
+from prime_node.node.daemon.supervisor import Supervisor
+from prime_node.node.errors import ConfigError
+from prime_node.node.run_announcement import RunMismatchError, agreed_policies, differences, run_parameters
+from prime_node.node.run_config import RunSettings
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.swarm import PolicyAnnouncement, RunParameters
+from prime_node.trainer.devnet.processes import ProcessGroup
+from prime_node.trainer.service_config import TrainerCommandSettings
+from prime_node.trainer.validator_run import start_validator
+from prime_node.p2p.processes import end_pids
+from prime_node.trainer.devnet.layout import DevnetLayout, Sizing
+from prime_node.trainer.run_confirmation import RunConfirmation
+from swarm_support import RUN_PARAMETERS, fleet, wait_until
+from validator_support import (
+    OPERATOR,
+    RUN,
+    announce_run,
+    publish_checkpoint,
+    rows_for,
+    running_validator,
+    validator_settings,
+    wait_verdict,
+    world,  # noqa: F401  (module fixture: a tiny checkpoint, an engine and the run's tasks)
+    write_file,
+)
+
+
+def _policy(step: int, run: RunParameters) -> PolicyAnnouncement:
+    return PolicyAnnouncement(step=step, manifest_sha256="ab" * 32, sources=[], published_at=time.time(), run=run)
+
+
+def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
+    ours = run_parameters(RunSettings())
+    assert differences(ours, run_parameters(RunSettings())) == []
+    other = run_parameters(RunSettings(
+        run_id="other", run_seed=1, task_seed=9, samples=8, temperature=0.7, max_new_tokens=128,
+        compute_dtype="bfloat16", length_targets=[16], length_alpha=0.01,
+    ))
+    assert differences(ours, other) == [
+        "run.run_id: 'local' here, 'other' in the run",
+        "run.run_seed: 0 here, 1 in the run",
+        "run.tasks (and run.task_seed for builtin:arithmetic): "
+        "'builtin:arithmetic?seed=0&size=16777216&levels=3,3,2,1,1' here, "
+        "'builtin:arithmetic?seed=9&size=16777216&levels=3,3,2,1,1' in the run",
+        "run.samples: 4 here, 8 in the run",
+        "run.temperature: 1.0 here, 0.7 in the run",
+        "run.max_new_tokens: 64 here, 128 in the run",
+        "run.compute_dtype: 'float32' here, 'bfloat16' in the run",
+        "run.length_targets: [] here, [16] in the run",
+        "run.length_alpha: 0.001 here, 0.01 in the run",
+    ]
+    assert set(RunParameters.model_fields) == {"run_id", "run_seed", "tasks", "samples", "temperature",
+                                               "max_new_tokens", "compute_dtype", "length_targets", "length_alpha"}
+
+
+def test_a_task_file_is_known_by_its_bytes_not_its_path(tmp_path: Path) -> None:
+    first, second, changed = tmp_path / "a.jsonl", tmp_path / "sub" / "b.jsonl", tmp_path / "c.jsonl"
+    second.parent.mkdir()
+    line = '{"prompt": "1+1=", "answer": "2"}\n'
+    first.write_text(line)
+    second.write_text(line)
+    changed.write_text(line.replace('"2"', '"3"'))
+    same = run_parameters(RunSettings(tasks=str(first))), run_parameters(RunSettings(tasks=str(second)))
+    assert same[0].tasks == same[1].tasks and same[0].tasks.startswith("sha256:")
+    assert run_parameters(RunSettings(tasks=str(changed))).tasks != same[0].tasks
+
+
+async def _feed(policies: list[PolicyAnnouncement]) -> AsyncIterator[PolicyAnnouncement]:
+    for policy in policies:
+        yield policy
+
+
+async def test_agreed_policies_stop_at_the_first_other_run() -> None:
+    ours = run_parameters(RunSettings())
+    other = run_parameters(RunSettings(max_new_tokens=32))
+    seen = []
+    with pytest.raises(RunMismatchError) as caught:
+        async for policy in agreed_policies(_feed([_policy(1, ours), _policy(2, other), _policy(3, ours)]), ours,
+                                            "validator"):
+            seen.append(policy.step)
+    assert seen == [1]  # step 2 is never acted on
+    message = str(caught.value)
+    assert "policy step 2 with other run parameters than this validator's" in message
+    assert "run.max_new_tokens: 64 here, 32 in the run" in message and "rejects honest work" in message
+
+
+async def test_the_supervisor_raises_the_operators_error_itself_without_a_traceback(caplog) -> None:  # noqa: ANN001
+    supervisor = Supervisor("test")
+    ours = run_parameters(RunSettings())
+
+    async def watch() -> None:
+        async for _ in agreed_policies(_feed([_policy(4, run_parameters(RunSettings(temperature=2.0)))]), ours,
+                                       "node"):
+            pass
+
+    with caplog.at_level(logging.ERROR):
+        supervisor.spawn("policy-watch", watch())
+        with pytest.raises(RunMismatchError, match=r"run.temperature: 1.0 here, 2.0 in the run"):
+            await asyncio.wait_for(supervisor.wait(), 10)
+    assert (await supervisor.shutdown(5.0)).clean
+    record = next(r for r in caplog.records if "run.temperature" in r.getMessage())
+    assert record.exc_info is None  # an operator's setting, not a bug: the message is the whole story
+
+
+def test_the_trainer_takes_its_temperature_and_run_from_the_run_section(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text('[run]\nrun_id = "r1"\ntemperature = 0.7\nlength_targets = [8]\n')
+    settings = load_config(TrainerCommandSettings, toml_path=toml, cli_overrides={"run.max_new_tokens": 32})
+    assert settings.trainer.temperature == 0.7  # the log-probabilities use the sampling temperature
+    assert (settings.run.run_id, settings.run.max_new_tokens, settings.run.length_targets) == ("r1", 32, [8])
+    # The trainer's own copies of run parameters are gone; written the old way they say where they went.
+    for old, new, env_name in [
+        ("[trainer]\ntemperature = 0.7\n", "run.temperature", "PRIME_NODE_RUN__TEMPERATURE"),
+        ("[trainer]\nlength_targets = [8]\n", "run.length_targets", "PRIME_NODE_RUN__LENGTH_TARGETS"),
+        ('[service]\nrun_id = "r1"\n', "run.run_id", "PRIME_NODE_RUN__RUN_ID"),
+        ('[service]\ntasks = "builtin:arithmetic"\n', "run.tasks", "PRIME_NODE_RUN__TASKS"),
+    ]:
+        toml.write_text(old)
+        with pytest.raises(ConfigError, match=rf"is now '{new}'.*{env_name}"):
+            load_config(TrainerCommandSettings, toml_path=toml)
+    with pytest.raises(ConfigError, match=r"'trainer.temperature' \(from environment variable "
+                                          r"PRIME_NODE_TRAINER__TEMPERATURE\) is now 'run.temperature'"):
+        load_config(TrainerCommandSettings, env={"PRIME_NODE_TRAINER__TEMPERATURE": "0.7"})
+
+
+@pytest.mark.slow
+async def test_a_node_with_another_temperature_stops_before_any_work(tmp_path: Path) -> None:
+    operator_id = Identity.generate()
+    data_dir = tmp_path / "node"
+    Identity.generate().save(data_dir / "node.key")
+    async with operator_fleet(tmp_path / "operator-store", operator_id) as (_, operator):
+        await operator.announce(0, "ab" * 32)  # no checkpoint needed: the node must stop before fetching
+        argv = node_argv(data_dir, operator_id.node_id, (await operator.swarm.maddrs())[:1], "--temperature", "0.7")
+        with ProcessGroup(tmp_path / "logs") as procs:
+            node = procs.start("node", argv, env=NODE_ENV)
+            code = await asyncio.to_thread(node.process.wait, 120)
+            log = node.log_path.read_text()
+    assert code == 1, log
+    assert "prime-node start: error: the run's operator announces policy step 0 with other run parameters" in log
+    assert "run.temperature: 0.7 here, 1.0 in the run" in log and "Traceback" not in log
+    assert not pending_shas(data_dir) and not list((data_dir / "checkpoints").glob("*/"))
+
+
+async def test_a_validator_pinned_to_other_parameters_stops_instead_of_slashing(tmp_path: Path) -> None:
+    settings = validator_settings(tmp_path / "validator")
+    supervisor = Supervisor("test-validator")
+    running = await start_validator(settings, OPERATOR, supervisor)
+    pids = list(running.swarm.process.pids) if running.swarm.process else []
+    try:
+        announced = run_parameters(settings.run.model_copy(update={"samples": settings.run.samples + 1}))
+        await wait_until(lambda: running.swarm.publish_policy(1, "ab" * 32, [], announced), 15)
+        with pytest.raises(RunMismatchError, match=r"run.samples: 2 here, 3 in the run"):
+            await asyncio.wait_for(supervisor.wait(), 30)
+        assert running.service.keeper.latest_policy is None  # it fetched nothing for that policy
+    finally:
+        report = await supervisor.shutdown(15.0)
+        end_pids(pids, 3.0)
+    assert report.clean, report
+
+
+async def test_a_validator_verifies_nothing_before_a_policy_confirms_its_parameters(
+    tmp_path: Path, world  # noqa: ANN001, F811
+) -> None:
+    checkpoint, engine, tasks = world
+    node = Identity.generate()
+    path, envelope = write_file(tmp_path / "r.parquet", rows_for(engine, tasks, node), node)
+    settings = validator_settings(tmp_path / "validator")
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    async with running_validator(settings, announce=False) as running, fleet(RUN, OPERATOR) as group:
+        sender = await group.add(node, bootstrap=running.maddrs[:1], reachability="public")
+        await wait_until(lambda: _has_validator(sender), 15)
+        await sender.send_rollout(path, envelope)  # the receipt: spooled and queued
+        await asyncio.sleep(2.0)  # the worker would decide it in well under a second if it were open
+        assert await running.service.ledger.verdict_for(envelope.sha256) is None
+        await announce_run(running.swarm, settings.run)
+        verdict = (await wait_verdict(running, envelope.sha256, 30)).document
+        assert verdict.accepted, verdict.reason
+    # Recorded: the same settings resume at once after a restart, other settings wait for the operator.
+    ours = run_parameters(settings.run)
+    assert RunConfirmation(settings.resolved_data_dir(), ours).confirmed.is_set()
+    other = run_parameters(settings.run.model_copy(update={"max_new_tokens": 8}))
+    assert not RunConfirmation(settings.resolved_data_dir(), other).confirmed.is_set()
+
+
+async def _has_validator(swarm) -> bool:  # noqa: ANN001
+    return bool(await swarm.list_validators())
+
+
+async def test_a_step_re_announced_with_other_run_parameters_is_seen_again() -> None:
+    operator = Identity.generate()
+    changed = RUN_PARAMETERS.model_copy(update={"temperature": 0.5})
+    async with fleet("reannounce", operator) as group:
+        trainer = await group.add(operator, roles=("trainer",), policy_poll_s=0.2)
+        reader = await group.add(policy_poll_s=0.2)
+        watcher = reader.watch_policy()
+        try:
+            await trainer.publish_policy(3, "ab" * 32, [], RUN_PARAMETERS)
+            assert (await asyncio.wait_for(anext(watcher), 20)).run == RUN_PARAMETERS
+            await trainer.publish_policy(3, "ab" * 32, [], RUN_PARAMETERS)  # a plain re-announcement: nothing new
+            await trainer.publish_policy(3, "ab" * 32, [], changed)  # a restarted trainer with another [run]
+            again = await asyncio.wait_for(anext(watcher), 20)
+            assert (again.step, again.run) == (3, changed)
+        finally:
+            await watcher.aclose()
+
+
+def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) -> None:
+    from prime_node.node.cli import start as start_cli, trainer as trainer_cli, validator as validator_cli
+    from prime_node.node.cli.common import load_settings
+    from prime_node.node.cli.main import build_parser
+    from prime_node.node.daemon.settings import StartSettings
+    from prime_node.trainer.validator_config import ValidatorSettings
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    layout = DevnetLayout(tmp_path / "run", "devnet", tmp_path / "model",
+                          sizing=Sizing(samples=2, max_new_tokens=16, length_targets=(3, 9, 17)), tasks=tasks)
+    honest, cheater = layout.add_member("node-1"), layout.add_member("adv-1", attack="inflated-rewards")
+    peers = ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWF4NCf4BuFF35ra6sCoMwfpNBVSQppG7VzU6yC98XsiB7"]
+    parser = build_parser()
+
+    def announced(argv: list[str], model: type, flags: dict[str, str]) -> RunParameters:
+        return run_parameters(load_settings(parser.parse_args(argv), model, flags).run)
+
+    trainer = announced(layout.trainer_argv(2)[3:], TrainerCommandSettings, trainer_cli.FLAGS)
+    assert (trainer.run_id, trainer.samples, trainer.max_new_tokens) == ("devnet", 2, 16)
+    assert trainer.length_targets == [3, 9, 17]
+    assert trainer.tasks.startswith("sha256:")
+    assert announced(layout.validator_argv(peers)[3:], ValidatorSettings, validator_cli.FLAGS) == trainer
+    assert announced(layout.member_argv(honest, peers)[3:], StartSettings, start_cli.FLAGS) == trainer
+    # The adversary harness parses its `--attack NAME` and hands the rest to `start`.
+    assert announced(["start", *layout.member_argv(cheater, peers)[5:]], StartSettings, start_cli.FLAGS) == trainer
+
+
+async def test_a_validator_stops_at_start_up_when_the_current_policy_runs_otherwise(tmp_path: Path) -> None:
+    trainer_id = Identity.generate()
+    operators = [OPERATOR.node_id, trainer_id.node_id]
+    settings = validator_settings(tmp_path / "validator")
+    async with fleet(RUN, OPERATOR) as group:
+        trainer = await group.add(trainer_id, roles=("trainer",), operator_keys=operators)
+        await announce_run(trainer, settings.run.model_copy(update={"temperature": 0.9}))
+        swarm = settings.swarm.model_copy(update={"initial_peers": await trainer.maddrs(), "operator_keys": operators})
+        settings = settings.model_copy(update={"swarm": swarm})
+        supervisor = Supervisor("test-validator")
+        with pytest.raises(RunMismatchError, match=r"run.temperature: 1.0 here, 0.9 in the run"):
+            await start_validator(settings, OPERATOR, supervisor)
+        report = await supervisor.shutdown(15.0)
+    assert report.clean, report
+    spool = settings.resolved_data_dir() / "spool"
+    assert not spool.exists() or not any(spool.iterdir())  # it never took a file in
