@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from ..p2p.swarm.records import PolicyAnnouncement, RunParameters
 from .daemon.supervisor import OperatorActionNeeded
 from .errors import NodeError
-from .run_config import RunSettings
-from .tasks import open_task_set
+from .run_config import RunSettings, open_run_task_set
+from .tasks import TaskSet
 
 # Announced field -> the setting that gives it (the task set's identity comes from two of them).
 _SETTING_OF = {
@@ -36,9 +36,10 @@ class RunMismatchError(NodeError, OperatorActionNeeded):
     """This party's run parameters differ from those the run's operator announces: it stops, naming them."""
 
 
-def run_parameters(run: RunSettings) -> RunParameters:
-    """The wire form of `run`; opens the task set (a file is read and hashed: call it off the event loop)."""
-    tasks = open_task_set(run.tasks, seed=run.task_seed)
+def run_parameters(run: RunSettings, tasks: TaskSet | None = None) -> RunParameters:
+    """The wire form of `run` with `tasks` (the run's task set, opened with open_run_task_set; None opens it:
+    a file is read and hashed, so call it off the event loop)."""
+    tasks = tasks if tasks is not None else open_run_task_set(run)
     return RunParameters(
         run_id=run.run_id, run_seed=run.run_seed, tasks=tasks.identity, samples=run.samples,
         temperature=float(run.temperature), max_new_tokens=run.max_new_tokens, compute_dtype=run.compute_dtype,

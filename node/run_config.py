@@ -16,7 +16,7 @@ from ..proofs.verifier import VerifierSettings
 from .config import CommonSettings, Section
 from .engine import EngineSettings
 from .errors import NodeError
-from .tasks import open_task_set
+from .tasks import TaskSet, open_task_set
 from .validation import RunTasks
 
 
@@ -105,11 +105,18 @@ class VerifySettings(CommonSettings):
     verifier: VerifierSettings = Field(default_factory=VerifierSettings, description="Checks and thresholds.")
 
 
-def load_run_tasks(run: RunSettings, checkpoint: Path) -> RunTasks:
-    """The run's task rules with the checkpoint's own tokenizer."""
+def open_run_task_set(run: RunSettings) -> TaskSet:
+    """The run's task set (a file is read, checked and hashed: call it off the event loop)."""
+    return open_task_set(run.tasks, seed=run.task_seed)
+
+
+def load_run_tasks(run: RunSettings, checkpoint: Path, task_set: TaskSet | None = None) -> RunTasks:
+    """The run's task rules with the checkpoint's own tokenizer. Long-running processes pass the task set they
+    opened once at start (the one whose identity they compared with the run's), so that a task file edited
+    in place later cannot change the tasks under them; None opens it now."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise NodeError(f"cannot load the tokenizer of {checkpoint}: {exc}") from None
-    return RunTasks(open_task_set(run.tasks, seed=run.task_seed), tokenizer,
+    return RunTasks(task_set if task_set is not None else open_run_task_set(run), tokenizer,
                     length_targets=run.length_targets, length_alpha=run.length_alpha)

@@ -17,9 +17,13 @@ from prime_node.node.config import load_config
 from prime_node.node.daemon.supervisor import Supervisor
 from prime_node.node.errors import ConfigError
 from prime_node.node.run_announcement import RunMismatchError, agreed_policies, differences, run_parameters
-from prime_node.node.run_config import RunSettings
+from prime_node.node.engine import EngineSettings
+from prime_node.node.run_config import RunSettings, open_run_task_set
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.swarm import PolicyAnnouncement, RunParameters
+from prime_node.p2p.swarm import PolicyAnnouncement, RecordError, RunParameters
+from prime_node.p2p.swarm.records import RecordKind, payload_of
+from prime_node.p2p.weights.store import Store
+from prime_node.trainer.checkpoints import CheckpointKeeper
 from prime_node.trainer.devnet.processes import ProcessGroup
 from prime_node.trainer.service_config import TrainerCommandSettings
 from prime_node.trainer.validator_run import start_validator
@@ -264,3 +268,33 @@ async def test_a_validator_stops_at_start_up_when_the_current_policy_runs_otherw
     assert report.clean, report
     spool = settings.resolved_data_dir() / "spool"
     assert not spool.exists() or not any(spool.iterdir())  # it never took a file in
+
+
+def test_the_validator_checks_the_task_set_it_compared_with_the_run(
+    tmp_path: Path, world  # noqa: ANN001, F811
+) -> None:
+    checkpoint, _, _ = world
+    task_file = tmp_path / "tasks.jsonl"
+    task_file.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    run = RunSettings(tasks=str(task_file))
+    opened = open_run_task_set(run)
+    identity = run_parameters(run, opened).tasks
+    store = Store(tmp_path / "weights")
+    publish_checkpoint(checkpoint, store.root, 0)
+    keeper = CheckpointKeeper(store, OPERATOR.node_id, run, EngineSettings(threads=1), keep=2, task_set=opened)
+    task_file.write_text('{"prompt": "1+1=", "answer": "3"}\n')  # edited in place after the comparison
+    found = keeper.model_for(0)
+    assert found is not None
+    assert found[1].task_set is opened and found[1].task_set.get(0).answer == "2"
+    assert run_parameters(run).tasks != identity  # what a fresh open would have drawn from instead
+
+
+def test_policy_sources_too_large_for_the_dht_are_refused_before_any_announcement() -> None:
+    sources = [f"http://198.51.100.{i}:8470/" + "x" * 480 for i in range(32)]
+    widest = PolicyAnnouncement(step=10**15, manifest_sha256="0" * 64, sources=sources, published_at=1.0,
+                                run=RUN_PARAMETERS)
+    with pytest.raises(RecordError, match=r"policy record is \d+ bytes; the limit is 8192"):
+        payload_of(RecordKind.POLICY, widest)
+    assert payload_of(RecordKind.POLICY, widest.model_copy(update={"sources": sources[:4]}))
+    with pytest.raises(ConfigError, match=r"service.public_sources.0.*ftp://mirror"):
+        load_config(TrainerCommandSettings, env={"PRIME_NODE_SERVICE__PUBLIC_SOURCES": '["ftp://mirror/"]'})

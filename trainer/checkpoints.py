@@ -21,6 +21,7 @@ from typing import Any
 
 from ..node.engine import EngineSettings, InferenceEngine, load_engine
 from ..node.run_config import RunSettings, load_run_tasks, validator_engine
+from ..node.tasks import TaskSet
 from ..node.validation import RunTasks
 from ..p2p.errors import P2PError
 from ..p2p.identity import Identity
@@ -43,8 +44,10 @@ class CheckpointKeeper:
         cached_engines: int = 2,
         fetch: FetchSettings | None = None,
         identity: Identity | None = None,
+        task_set: TaskSet | None = None,
     ) -> None:
         self.store = store
+        self.task_set = task_set  # the run's, opened once at start (None: opened with the first checkpoint)
         self.trusted_key = trusted_key
         self.run = run
         self.engine_settings = validator_engine(engine)
@@ -88,7 +91,7 @@ class CheckpointKeeper:
         engine = load_engine(directory, **self.engine_settings.model_dump())
         with self._lock:
             if self._tasks is None:  # the tokenizer is the run's; it does not change between steps
-                self._tasks = load_run_tasks(self.run, directory)
+                self._tasks = load_run_tasks(self.run, directory, self.task_set)
             self._engines[step] = engine
             while len(self._engines) > self.cached_engines:
                 self._engines.popitem(last=False)

@@ -18,6 +18,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ from ..node.daemon.supervisor import Supervisor
 from ..node.run_announcement import run_parameters
 from ..p2p.errors import P2PError
 from ..p2p.identity import Identity
-from ..p2p.swarm import RunParameters, Swarm
+from ..p2p.swarm import PolicyAnnouncement, RecordError, RunParameters, Swarm
+from ..p2p.swarm.records import RecordKind, payload_of
 from ..p2p.weights.server import WeightsServer
 from ..p2p.weights.store import Store
 from .batch_buffer import Batch, BatchBuffer
@@ -109,6 +111,7 @@ class TrainerService:
         url = await server.start()
         self.supervisor.on_shutdown("weights-server", server.stop)
         self.sources = list(svc.public_sources) or [url]
+        self._check_policy_fits()
         for source in self.sources:
             server.accept_audience(source)
         maddrs: list[str] = []
@@ -126,6 +129,18 @@ class TrainerService:
             self.supervisor.on_shutdown("metrics-server", runner.cleanup)
         self.supervisor.spawn("train-loop", self._loop())
         return Running(self.identity.node_id, step, url, maddrs, metrics_url)
+
+    def _check_policy_fits(self) -> None:
+        """Fail at start-up, not at some later step, when the policy record would be too large for the DHT
+        (its size grows with the step number): measured with a 16-digit step."""
+        assert self.run_parameters is not None
+        widest = PolicyAnnouncement(step=10**15, manifest_sha256="0" * 64, sources=self.sources,
+                                    published_at=time.time(), run=self.run_parameters)
+        try:
+            payload_of(RecordKind.POLICY, widest)
+        except RecordError as exc:
+            raise TrainerError(f"{exc}: announce fewer or shorter service.public_sources "
+                               f"({len(self.sources)} now)") from None
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
 from ..node.config import CommonSettings, Section
 from ..node.run_config import RunSettings
 from ..p2p.swarm import SwarmConfig
 from ..p2p.weights.server import ServeSettings
 from .config import TrainerSettings
+
+
+# What a policy record allows in its sources (p2p/swarm/records.py): refused here, at start, not at announcement.
+SourceUrl = Annotated[str, StringConstraints(max_length=512, pattern=r"^https?://[^\s/?#]+")]
 
 
 class TrainerServiceSection(Section):
@@ -28,7 +33,7 @@ class TrainerServiceSection(Section):
     announce_interval_s: float = Field(
         120.0, gt=0, le=3600, description="Re-announce the current policy this often (its DHT record has a TTL)."
     )
-    public_sources: list[str] = Field(
+    public_sources: list[SourceUrl] = Field(
         default_factory=list, max_length=32,
         description="Weights URLs announced to peers; default the local server's own URL.",
     )

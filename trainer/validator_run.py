@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..node.daemon.supervisor import Supervisor
 from ..node.run_announcement import run_parameters
+from ..node.run_config import open_run_task_set
 from ..p2p.errors import P2PError
 from ..p2p.identity import Identity
 from ..p2p.swarm import Swarm
@@ -55,11 +56,13 @@ async def start_validator(
     settings: ValidatorSettings, identity: Identity, supervisor: Supervisor
 ) -> RunningValidator:
     settings = check_operator(settings, identity)
-    # Reads the run's task set (a file is hashed): an unreadable one stops the validator before it joins.
-    ours = await asyncio.to_thread(run_parameters, settings.run)
+    # The run's task set, opened once (a file is read and hashed; an unreadable one stops the validator before
+    # it joins): its identity is what policies must announce, and the checks draw from this same object.
+    task_set = await asyncio.to_thread(open_run_task_set, settings.run)
+    ours = run_parameters(settings.run, task_set)
     swarm = Swarm(settings.swarm, identity, roles=("validator",))
     await swarm.join()
-    service = ValidatorService(settings, identity, swarm)
+    service = ValidatorService(settings, identity, swarm, task_set)
     supervisor.on_shutdown("ledger", service.ledger.close)
     supervisor.on_shutdown("swarm", swarm.leave)
     # A validator pinned to other run parameters than the trainer's would reject (and slash) every honest file:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..node.errors import NodeError
 from ..node.run_config import verifier_for_run
+from ..node.tasks import TaskSet
 from ..p2p.identity import Identity
 from ..p2p.swarm import HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
 from ..p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
@@ -54,7 +55,9 @@ class Job:
 class ValidatorService:
     """Owns the ledger, spool, queue and checkpoint keeper; the swarm is joined by the caller."""
 
-    def __init__(self, settings: ValidatorSettings, identity: Identity, swarm: Swarm) -> None:
+    def __init__(
+        self, settings: ValidatorSettings, identity: Identity, swarm: Swarm, task_set: TaskSet | None = None
+    ) -> None:
         self.settings = settings
         self.identity = identity
         self.swarm = swarm
@@ -74,6 +77,7 @@ class ValidatorService:
             keep=settings.validator.keep_checkpoints,
             fetch=settings.fetch.model_copy(update={"keep": settings.validator.keep_checkpoints}),
             identity=identity,
+            task_set=task_set,
         )
         self.keeper.on_version(self._release)
         self.verifier = verifier_for_run(settings.verifier, settings.run)

@@ -19,7 +19,7 @@ from ...p2p.swarm.hardware import local_hardware
 from ...p2p.weights.store import Store
 from ..errors import ConfigError, NodeError
 from ..run_announcement import agreed_policies, run_parameters
-from ..run_config import engine_for_run
+from ..run_config import engine_for_run, open_run_task_set
 from .checkpoints import CheckpointKeeper
 from .delivery import Delivery
 from .leaderboard import run_leaderboard
@@ -134,10 +134,13 @@ class ContributorNode:
             swarm, outbox, state, retry_s=s.handoff_retry_s, max_retry_s=s.max_retry_s, on_receipt=verdicts.receipted,
             async_level=s.async_level,
         )
-        loop = self.rollout_loop(s, identity, keeper, outbox, state, executor, on_committed=delivery.committed)
+        # Opened once (a file is read and hashed): its identity is compared with every policy's, and the rollout
+        # loop draws from this same object, so a task file edited in place cannot change the tasks unnoticed.
+        task_set = await asyncio.to_thread(open_run_task_set, s.run)
+        loop = self.rollout_loop(s, identity, keeper, outbox, state, executor, on_committed=delivery.committed,
+                                 task_set=task_set)
 
-        # Read once (a task file is hashed); every announced policy must carry the same (node/run_announcement.py).
-        ours = await asyncio.to_thread(run_parameters, s.run)
+        ours = run_parameters(s.run, task_set)  # every announced policy must carry these (run_announcement.py)
 
         async def watch_policy() -> None:
             while True:

@@ -25,6 +25,7 @@ from ..engine import InferenceEngine, load_engine
 from ..errors import NodeError
 from ..producer import BatchSpec, ProducedBatch, produce_rollout_file
 from ..run_config import engine_for_run, load_run_tasks
+from ..tasks import TaskSet
 from ..validation import RunTasks
 from .checkpoints import CheckpointKeeper
 from .outbox import Outbox
@@ -52,6 +53,7 @@ class RolloutLoop:
         state: NodeState,
         executor: ThreadPoolExecutor,
         on_committed: Any = None,
+        task_set: TaskSet | None = None,
     ) -> None:
         self.settings = settings
         self.identity = identity
@@ -60,6 +62,7 @@ class RolloutLoop:
         self.state = state
         self.executor = executor
         self.on_committed = on_committed  # (sha256, summary) after each commit: wakes the hand-off task
+        self.task_set = task_set  # the run's, opened once by the caller (None: opened at each checkpoint load)
         self.batches_done = 0
         self._engine: InferenceEngine | None = None
         self._tasks: RunTasks | None = None
@@ -105,7 +108,7 @@ class RolloutLoop:
         if self.settings.engine.device == "cuda":
             run_checks([check_cuda_for_model(directory, self.settings.min_gpu_memory_mb << 20)])
         engine = load_engine(directory, **engine_for_run(self.settings.engine, self.settings.run).model_dump())
-        return engine, load_run_tasks(self.settings.run, directory)
+        return engine, load_run_tasks(self.settings.run, directory, self.task_set)
 
     def _next_counter(self, step: int) -> int:
         try:

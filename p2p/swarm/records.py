@@ -197,12 +197,17 @@ def seal(
         raise RecordError(
             f"a {kind.value} record needs a {BODY_TYPES[kind].__name__}, got {type(body).__name__}"
         )
+    return seal_payload(identity, run_id, kind, subkey, payload_of(kind, body), expiration)
+
+
+def payload_of(kind: RecordKind, body: _Wire) -> bytes:
+    """`body`'s payload bytes; RecordError when they exceed the kind's limit (peers would refuse the record)."""
     payload = canonical_json(body.model_dump(mode="json"))
     if len(payload) > MAX_PAYLOAD_BYTES[kind]:
         raise RecordError(
             f"{kind.value} record is {len(payload)} bytes; the limit is {MAX_PAYLOAD_BYTES[kind]}"
         )
-    return seal_payload(identity, run_id, kind, subkey, payload, expiration)
+    return payload
 
 
 def seal_payload(
