@@ -67,13 +67,13 @@ def _env_value(raw: str) -> Any:
 
 def _env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, tuple[tuple[str, ...], Any, str]]:
     found: dict[str, tuple[tuple[str, ...], Any, str]] = {}
+    moved_roots = {old.split(".")[0] for old in getattr(model, "MOVED", {})}
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
         dotted = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split("__") if part)
         if not dotted:
             continue
-        moved_roots = {old.split(".")[0] for old in getattr(model, "MOVED", {})}
         if dotted[0] not in model.model_fields and dotted[0] not in moved_roots:
             continue  # another command's setting, or a variable this command does not use
         found[".".join(dotted)] = (dotted, _env_value(raw), f"environment variable {name}")

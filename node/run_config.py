@@ -11,6 +11,7 @@ from typing import Annotated
 from pydantic import Field
 from transformers import AutoTokenizer
 
+from ..p2p.names import RUN_ID_PATTERN, RUN_ID_RULE
 from ..proofs.toploc import Precision
 from ..proofs.verifier import VerifierSettings
 from .config import CommonSettings, Section
@@ -23,9 +24,9 @@ from .validation import RunTasks
 class RunSettings(Section):
     """The run's parameters that both the contributor and the validator must agree on."""
 
-    # The DHT keys of the run start with it (SwarmConfig.run_id's rule), and nodes take their swarm's from it.
-    run_id: str = Field("local", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Name of the RL run: 1-64 of "
-                        "A-Z a-z 0-9 . _ -")
+    # The DHT keys and the checkpoint manifests of the run carry it (one rule: p2p/names.py), and nodes take
+    # their swarm's run id from it.
+    run_id: str = Field("local", pattern=RUN_ID_PATTERN, description=f"Name of the RL run: {RUN_ID_RULE}.")
     run_seed: int = Field(0, ge=0, lt=2**64, description="Seed of the deterministic work assignment.")
     tasks: str | None = Field(None, description="Task file (Parquet/JSONL) or builtin:arithmetic (default).")
     task_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the built-in task family.")

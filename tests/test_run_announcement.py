@@ -20,11 +20,12 @@ from prime_node.node.run_announcement import RunMismatchError, agreed_policies, 
 from prime_node.node.engine import EngineSettings
 from prime_node.node.run_config import RunSettings, open_run_task_set
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.swarm import PolicyAnnouncement, RecordError, RunParameters
-from prime_node.p2p.swarm.records import RecordKind, payload_of
+from prime_node.p2p.swarm import PolicyAnnouncement, RunParameters
 from prime_node.p2p.weights.store import Store
 from prime_node.trainer.checkpoints import CheckpointKeeper
 from prime_node.trainer.devnet.processes import ProcessGroup
+from prime_node.trainer.errors import TrainerError
+from prime_node.trainer.service import check_policy_fits
 from prime_node.trainer.service_config import TrainerCommandSettings
 from prime_node.trainer.validator_run import start_validator
 from prime_node.p2p.processes import end_pids
@@ -291,10 +292,9 @@ def test_the_validator_checks_the_task_set_it_compared_with_the_run(
 
 def test_policy_sources_too_large_for_the_dht_are_refused_before_any_announcement() -> None:
     sources = [f"http://198.51.100.{i}:8470/" + "x" * 480 for i in range(32)]
-    widest = PolicyAnnouncement(step=10**15, manifest_sha256="0" * 64, sources=sources, published_at=1.0,
-                                run=RUN_PARAMETERS)
-    with pytest.raises(RecordError, match=r"policy record is \d+ bytes; the limit is 8192"):
-        payload_of(RecordKind.POLICY, widest)
-    assert payload_of(RecordKind.POLICY, widest.model_copy(update={"sources": sources[:4]}))
+    with pytest.raises(TrainerError, match=r"policy record is \d+ bytes; the limit is 8192: announce fewer or "
+                                           r"shorter service.public_sources \(32 now\)"):
+        check_policy_fits(sources, RUN_PARAMETERS)
+    check_policy_fits(sources[:4], RUN_PARAMETERS)  # fits, whatever the step grows to
     with pytest.raises(ConfigError, match=r"service.public_sources.0.*ftp://mirror"):
         load_config(TrainerCommandSettings, env={"PRIME_NODE_SERVICE__PUBLIC_SOURCES": '["ftp://mirror/"]'})

@@ -159,6 +159,24 @@ def forgeries() -> dict[str, DHTRecord]:
             seal(NODE, RUN, RecordKind.POLICY, NODE.node_id, policy(), exp),
             exp,
         ),
+        # The operator's key, but a policy an older trainer wrote (no run parameters) or one whose run
+        # parameters are out of bounds: readers must not act on a policy whose run they cannot check.
+        "policy without run parameters": as_record(
+            RecordKind.POLICY,
+            OPERATOR.node_id,
+            seal_payload(OPERATOR, RUN, RecordKind.POLICY, OPERATOR.node_id,
+                         canonical_json(policy().model_dump(mode="json", exclude={"run"})), exp),
+            exp,
+        ),
+        "policy with a zero temperature": as_record(
+            RecordKind.POLICY,
+            OPERATOR.node_id,
+            seal_payload(OPERATOR, RUN, RecordKind.POLICY, OPERATOR.node_id, canonical_json({
+                **policy().model_dump(mode="json"),
+                "run": {**RUN_PARAMETERS.model_dump(mode="json"), "temperature": 0.0},
+            }), exp),
+            exp,
+        ),
         "ban not signed by the operator": as_record(
             RecordKind.BAN,
             OTHER.node_id,

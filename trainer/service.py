@@ -62,6 +62,17 @@ class Running:
                            "maddrs": self.maddrs, "metrics": self.metrics_url})
 
 
+def check_policy_fits(sources: list[str], run: RunParameters) -> None:
+    """TrainerError at start-up, not at some later step, when the policy record announcing `sources` and `run`
+    would be too large for the DHT (its size grows with the step number): measured with a 16-digit step."""
+    widest = PolicyAnnouncement(step=10**15, manifest_sha256="0" * 64, sources=sources, published_at=time.time(),
+                                run=run)
+    try:
+        payload_of(RecordKind.POLICY, widest)
+    except RecordError as exc:
+        raise TrainerError(f"{exc}: announce fewer or shorter service.public_sources ({len(sources)} now)") from None
+
+
 class TrainerService:
     def __init__(self, settings: TrainerCommandSettings, identity: Identity, model_dir: Path,
                  supervisor: Supervisor, on_step: Callable[[StepRecord], None] | None = None,
@@ -111,7 +122,8 @@ class TrainerService:
         url = await server.start()
         self.supervisor.on_shutdown("weights-server", server.stop)
         self.sources = list(svc.public_sources) or [url]
-        self._check_policy_fits()
+        assert self.run_parameters is not None
+        check_policy_fits(self.sources, self.run_parameters)
         for source in self.sources:
             server.accept_audience(source)
         maddrs: list[str] = []
@@ -129,18 +141,6 @@ class TrainerService:
             self.supervisor.on_shutdown("metrics-server", runner.cleanup)
         self.supervisor.spawn("train-loop", self._loop())
         return Running(self.identity.node_id, step, url, maddrs, metrics_url)
-
-    def _check_policy_fits(self) -> None:
-        """Fail at start-up, not at some later step, when the policy record would be too large for the DHT
-        (its size grows with the step number): measured with a 16-digit step."""
-        assert self.run_parameters is not None
-        widest = PolicyAnnouncement(step=10**15, manifest_sha256="0" * 64, sources=self.sources,
-                                    published_at=time.time(), run=self.run_parameters)
-        try:
-            payload_of(RecordKind.POLICY, widest)
-        except RecordError as exc:
-            raise TrainerError(f"{exc}: announce fewer or shorter service.public_sources "
-                               f"({len(self.sources)} now)") from None
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))

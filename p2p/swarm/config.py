@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..names import RUN_ID_PATTERN
 from .records import MAX_TTL_S, RecordKind
 
 NODE_ID_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -32,9 +33,7 @@ class SwarmConfig(BaseModel):
 
     run_id: str = Field(
         "prime-node-dev",
-        min_length=1,
-        max_length=64,
-        pattern=r"^[A-Za-z0-9._-]+$",
+        pattern=RUN_ID_PATTERN,
         description="Run id; every DHT key is prefixed with it, so two runs never read each other's records.",
     )
     operator_keys: list[str] = Field(

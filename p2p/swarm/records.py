@@ -24,6 +24,7 @@ from hivemind.utils import MSGPackSerializer
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from ..identity import Identity
+from ..names import RUN_ID_PATTERN
 from ..signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, canonical_json, is_valid_signature
 from .errors import RecordError
 
@@ -104,7 +105,7 @@ class RunParameters(_Wire):
     validator) rejecting every honest file. Field meanings: docs/protocol.md, "Swarm".
     """
 
-    run_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+    run_id: Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
     run_seed: int = Field(ge=0, lt=1 << 64)
     tasks: Annotated[str, StringConstraints(min_length=1, max_length=256)]  # the task set's identity
     samples: int = Field(ge=1, le=1024)

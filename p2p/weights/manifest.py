@@ -22,6 +22,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import SignatureError
+from ..names import RUN_ID_PATTERN
 from ..signing import canonical_json, parse_public_key, verify_document
 from .errors import ManifestError
 
@@ -37,7 +38,6 @@ MAX_PATH_CHARS = 1024
 MAX_COMPONENT_CHARS = 255
 MAX_STEP = 2**53  # exact in every JSON implementation
 _HEX64 = r"^[0-9a-f]{64}$"
-_RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 _COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=@,-]*$")
 
 
@@ -88,7 +88,7 @@ class ManifestBody(BaseModel):
 
     format: Literal["prime-node-weights"] = Field(description="Document type tag.")
     format_version: Literal[1] = Field(description="Manifest format version.")
-    run_id: str = Field(pattern=_RUN_ID, description="The training run this checkpoint belongs to.")
+    run_id: str = Field(pattern=RUN_ID_PATTERN, description="The training run this checkpoint belongs to.")
     step: int = Field(ge=0, le=MAX_STEP, description="Optimizer step that produced the checkpoint.")
     created_at: int = Field(ge=0, le=MAX_STEP, description="Unix time (seconds) the manifest was made.")
     signer: str = Field(pattern=_HEX64, description="Hex Ed25519 public key of the signer.")
