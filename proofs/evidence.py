@@ -1,11 +1,13 @@
 """What the expensive checks read from the claimed model's prefill, reduced batch by batch.
 
-A prefill returns float32 logits for every position: (positions x vocabulary) per row, 608 KiB per
+A prefill returns float32 logits for every position: (positions x vocabulary) per row, 594 KiB per
 position for a 152k-token vocabulary. Holding them for a whole file until the last check ran made a
 validator's memory grow with the file (rows x tokens x vocabulary), which a node chooses. So each prefill
 call is cut to a bound in rows and in logits bytes, and its results are reduced at once to what the checks
 need (TOPLOC chunk statistics, the Gumbel replay's statistics and log p(EOS) where an `eos` sample ended)
-before the next call runs: peak memory is one call's logits, whatever the file.
+before the next call runs: peak memory is one call's logits (the limit, or one row's when a single row is
+larger: its length is bounded by the run's prompts and max_new_tokens, checked before any prefill), whatever
+the number of rows.
 """
 
 from __future__ import annotations

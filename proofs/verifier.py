@@ -65,16 +65,18 @@ class VerifierSettings(BaseModel):
     samples_per_prompt: int | None = Field(None, ge=1, description="Completions per prompt; None: from the file.")
     prompts_per_batch: int | None = Field(None, ge=1, description="Prompts per file; None: any prefix.")
     temperature: float | None = Field(
-        None, gt=0, description="The run's sampling temperature every row must carry; None: any (checked as declared)."
+        None, gt=0, le=10, description="The run's sampling temperature every row must carry; None: any (checked as "
+        "declared). Set from run.temperature by the commands that load a run."
     )
     max_new_tokens: int | None = Field(
-        None, ge=1, description="The run's max_new_tokens every row must carry; None: any."
+        None, ge=1, le=8192, description="The run's max_new_tokens every row must carry; None: any. Set from "
+        "run.max_new_tokens by the commands that load a run."
     )
     sample_fraction: float = Field(1.0, gt=0, le=1, description="Share of rows the expensive checks verify.")
     prefill_batch_size: int = Field(16, ge=1, description="Most sequences per prefill call.")
     prefill_max_logits_mib: int = Field(
         1024, ge=1, description="Most float32 logits one prefill call may return (MiB); calls are cut to fit, "
-        "one sequence at least. Bounds the validator's memory whatever a file holds.",
+        "one sequence at least. Bounds the validator's memory whatever the number of rows.",
     )
     limits: RolloutLimits = Field(default_factory=RolloutLimits, description="Size and value bounds.")
     node_precision: Precision = Field(

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-import torch
 
 from attack_support import SPEC, build_world, honest_rows, rejected_by, write_honest, write_signed
 from prime_node.node.engine import HFEngine, PrefillResult
@@ -84,9 +83,12 @@ def test_evidence_keeps_no_tensor_of_a_call(world, tmp_path: Path):
     ctx = VerificationContext(write_honest(tmp_path / "f.parquet", rows), _settings(), engine, tasks, random.Random(0))
     assert run_checks(default_checks(), ctx).accepted
     assert len(ctx.evidence) == len(rows) and any(e.eos_logprob is not None for e in ctx.evidence.values())
-    # Numbers only: no tensor (no view of a prefill, nothing the size of the vocabulary) outlives its call.
-    held = [value for e in ctx.evidence.values() for value in dataclasses.asdict(e).values()]
-    assert not any(isinstance(v, torch.Tensor) for v in held)
+    # Numbers only: no tensor or array (no view of a prefill, nothing the size of the vocabulary) outlives its
+    # call. Each leaf is read as stored (dataclasses.asdict would turn a nested tensor into a list first).
+    for e in ctx.evidence.values():
+        assert isinstance(e.toploc, list), e.toploc
+        leaves = [e.eos_logprob, *vars(e.sampling).values(), *(v for chunk in e.toploc for v in vars(chunk).values())]
+        assert all(v is None or isinstance(v, (int, float)) for v in leaves), [type(v) for v in leaves]
 
 
 def test_forged_proofs_are_rejected_after_one_prefill_call(world, tmp_path: Path):
