@@ -81,11 +81,19 @@ def validator_engine(engine: EngineSettings) -> EngineSettings:
     return engine
 
 
+# The verifier's fields a command that loads a run takes from its [run] section (verifier field -> run field).
+VERIFIER_FIELDS_FROM_RUN = {
+    "run_id": "run_id", "run_seed": "run_seed", "samples_per_prompt": "samples", "temperature": "temperature",
+    "max_new_tokens": "max_new_tokens", "node_precision": "compute_dtype",
+}
+# For those commands' MOVED tables: a `[verifier] temperature` would otherwise be accepted and then silently
+# replaced by the run's, and the operator would believe their validator checks a value it does not.
+VERIFIER_SETTINGS_SET_BY_RUN = {f"verifier.{mine}": f"run.{theirs}" for mine, theirs in VERIFIER_FIELDS_FROM_RUN.items()}
+
+
 def verifier_for_run(verifier: VerifierSettings, run: RunSettings) -> VerifierSettings:
     """The verifier settings bound to the run: its id, seed, group size, sampling and compute dtype."""
-    return verifier.model_copy(update={"run_id": run.run_id, "run_seed": run.run_seed,
-                                       "samples_per_prompt": run.samples, "temperature": run.temperature,
-                                       "max_new_tokens": run.max_new_tokens, "node_precision": run.compute_dtype})
+    return verifier.model_copy(update={mine: getattr(run, theirs) for mine, theirs in VERIFIER_FIELDS_FROM_RUN.items()})
 
 
 # Node-level before the run fixed them for everyone (see RunSettings).
@@ -101,6 +109,8 @@ class RolloutSettings(CommonSettings):
 
 
 class VerifySettings(CommonSettings):
+    MOVED = VERIFIER_SETTINGS_SET_BY_RUN
+
     run: RunSettings = Field(default_factory=RunSettings, description="Run parameters.")
     engine: EngineSettings = Field(default_factory=EngineSettings, description="Inference engine.")
     verifier: VerifierSettings = Field(default_factory=VerifierSettings, description="Checks and thresholds.")

@@ -201,6 +201,10 @@ async def test_a_validator_verifies_nothing_before_a_policy_confirms_its_paramet
     assert RunConfirmation(settings.resolved_data_dir(), ours).confirmed.is_set()
     other = run_parameters(settings.run.model_copy(update={"max_new_tokens": 8}))
     assert not RunConfirmation(settings.resolved_data_dir(), other).confirmed.is_set()
+    # A damaged record (here: the right JSON, padded past the size bound) is ignored: wait for the operator.
+    record = settings.resolved_data_dir() / "run-parameters.json"
+    record.write_text(ours.model_dump_json() + " " * 70_000)
+    assert not RunConfirmation(settings.resolved_data_dir(), ours).confirmed.is_set()
 
 
 async def _has_validator(swarm) -> bool:  # noqa: ANN001

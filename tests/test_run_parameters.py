@@ -12,10 +12,11 @@ from attack_support import SPEC, build_world, honest_rows, rejected_by, verify, 
 from prime_node.node.config import load_config
 from prime_node.node.daemon.settings import StartSettings
 from prime_node.node.errors import ConfigError
-from prime_node.node.run_config import RolloutSettings, RunSettings, verifier_for_run
+from prime_node.node.run_config import RolloutSettings, RunSettings, VerifySettings, verifier_for_run
 from prime_node.proofs.sampling import SamplingThresholds
 from prime_node.proofs.toploc import ToplocThresholds
 from prime_node.proofs.verifier import VerifierSettings
+from prime_node.trainer.validator_config import ValidatorSettings
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,25 @@ def test_verifier_for_run_pins_the_runs_sampling():
     run = RunSettings(run_id="r", temperature=0.8, max_new_tokens=128)
     bound = verifier_for_run(VerifierSettings(), run)
     assert (bound.temperature, bound.max_new_tokens, bound.run_id) == (0.8, 128, "r")
+
+
+@pytest.mark.parametrize("model", [VerifySettings, ValidatorSettings])
+def test_verifier_settings_the_run_sets_are_refused_with_their_place(model, tmp_path: Path):
+    # verifier_for_run replaces them: accepted, they would be ignored while the operator believes them in force.
+    config = tmp_path / "validator.toml"
+    for key, value, new in [("temperature", "0.7", "run.temperature"), ("max_new_tokens", "16", "run.max_new_tokens"),
+                            ("samples_per_prompt", "4", "run.samples"), ("node_precision", '"bfloat16"',
+                            "run.compute_dtype"), ("run_id", '"r"', "run.run_id"), ("run_seed", "3", "run.run_seed")]:
+        config.write_text(f"[verifier]\n{key} = {value}\n")
+        with pytest.raises(ConfigError, match=rf"'verifier.{key}' \(from config file .*\) is now '{new}'"):
+            load_config(model, toml_path=config, env={})
+    with pytest.raises(ConfigError, match="'verifier.temperature' .*environment variable.* PRIME_NODE_RUN__TEMPERATURE"):
+        load_config(model, env={"PRIME_NODE_VERIFIER__TEMPERATURE": "0.7"})
+    # The verifier's own settings stay where they are.
+    config.write_text("[verifier]\nsample_fraction = 0.5\n[run]\ntemperature = 0.7\n")
+    settings = load_config(model, toml_path=config, env={})
+    bound = verifier_for_run(settings.verifier, settings.run)
+    assert (bound.sample_fraction, bound.temperature) == (0.5, 0.7)
 
 
 @pytest.mark.parametrize("model", [StartSettings, RolloutSettings])

@@ -17,8 +17,6 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from ..node.run_announcement import check_announced_run
 from ..p2p.swarm.records import PolicyAnnouncement, RunParameters
 from ..p2p.weights.store import write_atomic
@@ -30,6 +28,8 @@ _MAX_FILE_BYTES = 64 * 1024
 
 
 class RunConfirmation:
+    """Reads its file when built: construct it off the event loop (asyncio.to_thread)."""
+
     def __init__(self, data_dir: Path, ours: RunParameters) -> None:
         self.path = data_dir / FILE_NAME
         self.ours = ours
@@ -41,11 +41,14 @@ class RunConfirmation:
 
     def _previously_confirmed(self) -> bool:
         try:
-            raw = self.path.read_bytes()[:_MAX_FILE_BYTES]
+            with self.path.open("rb") as file:
+                raw = file.read(_MAX_FILE_BYTES + 1)
+            if len(raw) > _MAX_FILE_BYTES:
+                raise ValueError(f"larger than {_MAX_FILE_BYTES} bytes")
             return RunParameters.model_validate_json(raw) == self.ours
         except FileNotFoundError:
             return False
-        except (OSError, ValidationError) as exc:  # our own file, damaged: wait for an announcement
+        except (OSError, ValueError) as exc:  # our own file, damaged (ValidationError is a ValueError): wait
             logger.warning("ignoring %s: %s", self.path, exc)
             return False
 

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from ..node.config import CommonSettings, Section
 from ..node.engine import EngineSettings
-from ..node.run_config import RunSettings
+from ..node.run_config import VERIFIER_SETTINGS_SET_BY_RUN, RunSettings
 from ..p2p.swarm import SwarmConfig
 from ..p2p.weights.fetch import FetchSettings
 from ..proofs.verifier import VerifierSettings
@@ -97,6 +97,8 @@ class ValidatorServiceSettings(Section):
 
 
 class ValidatorSettings(CommonSettings):
+    MOVED = VERIFIER_SETTINGS_SET_BY_RUN
+
     run: RunSettings = Field(
         default_factory=RunSettings, description="Run parameters the files must match."
     )

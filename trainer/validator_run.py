@@ -67,7 +67,7 @@ async def start_validator(
     supervisor.on_shutdown("swarm", swarm.leave)
     # A validator pinned to other run parameters than the trainer's would reject (and slash) every honest file:
     # it verifies nothing before a policy confirms its own, and stops at one that announces others.
-    confirmation = RunConfirmation(settings.resolved_data_dir(), ours)
+    confirmation = await asyncio.to_thread(RunConfirmation, settings.resolved_data_dir(), ours)
     try:
         current = await swarm.current_policy()
     except (OSError, EOFError, P2PError) as exc:
