@@ -67,14 +67,17 @@ def verify(verifier: InferenceEngine, completions: list[Completion], proofs: lis
     t0 = clock()
     results = []
     lengths = [len(c.prompt_ids) + len(c.output_ids) for c in completions]
-    # The validator's cut into prefill calls (proofs/evidence.py); unlike the validator, which reduces each
-    # call before the next, every call's outputs are kept here so that TOPLOC and the replay can be timed apart.
-    for batch in prefill_batches(lengths, verifier.vocab_size, VERIFIER.prefill_batch_size,
-                                 VERIFIER.prefill_max_logits_mib << 20):
-        sequences = [completions[i].prompt_ids + completions[i].output_ids for i in batch]
-        results += zip(batch, verifier.prefill(sequences))
-    prefills = [r for _, r in sorted(results, key=lambda pair: pair[0])]
     spans = [committed_rows(len(c.prompt_ids), len(c.output_ids)) for c in completions]
+    # The validator's cut into prefill calls, kept from each prompt's last token (proofs/evidence.py); unlike
+    # the validator, which reduces each call before the next, every call's outputs are kept here so that
+    # TOPLOC and the replay can be timed apart.
+    for batch in prefill_batches(lengths, verifier.vocab_size, VERIFIER.prefill_batch_size,
+                                 VERIFIER.prefill_max_logits_mib << 20,
+                                 logit_rows=[n - span.start for n, span in zip(lengths, spans, strict=True)]):
+        sequences = [completions[i].prompt_ids + completions[i].output_ids for i in batch]
+        results += zip(batch, verifier.prefill(sequences, [spans[i].start for i in batch]))
+    prefills = [r for _, r in sorted(results, key=lambda pair: pair[0])]
+    spans = [slice(0, span.stop - span.start) for span in spans]  # counted from each result's first position
     t1 = clock()
     check_proofs(proofs, [r.hidden_states[span] for r, span in zip(prefills, spans, strict=True)])
     t2 = clock()
@@ -152,9 +155,9 @@ def _variant_engines(model_dir: Path, threads: int) -> dict[str, HFEngine]:
     math = variants["sdpa math backend"] = engine()
     plain_prefill = math.prefill
 
-    def math_prefill(sequences: list) -> list:
+    def math_prefill(sequences: list, keep_from: list | None = None) -> list:
         with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
-            return plain_prefill(sequences)
+            return plain_prefill(sequences, keep_from)
 
     math.prefill = math_prefill  # type: ignore[method-assign]
     no_grad = variants["no_grad instead of inference_mode"] = engine()

@@ -72,12 +72,14 @@ def main() -> None:
         batch = produce_rollout_file(engine, load_run_tasks(RunSettings(run_id="bench", samples=args.samples), model),
                                      Identity.generate(), spec, path)
         tokens = sum(len(r.prompt_ids) + len(r.output_ids) for r in batch.rows)
+        kept = sum(len(r.output_ids) + 1 for r in batch.rows)  # returned from each prompt's last token on
         per_token = (engine.vocab_size + int(engine.head.weight.shape[1])) * 4  # float32 logits + hidden states
-        longest = sorted((len(r.prompt_ids) + len(r.output_ids) for r in batch.rows), reverse=True)
+        longest = sorted((len(r.output_ids) + 1 for r in batch.rows), reverse=True)
         call = sum(longest[: VerifierSettings().prefill_batch_size])
-        print(f"file: {len(batch.rows)} rows, {tokens} prefilled tokens, vocabulary {engine.vocab_size}, "
-              f"{path.stat().st_size / 2**20:.1f} MiB on disk; prefill outputs (logits + states) of every row "
-              f"{tokens * per_token / 2**20:.1f} MiB, of the largest default call {call * per_token / 2**20:.1f} MiB")
+        print(f"file: {len(batch.rows)} rows, {tokens} prefilled tokens ({kept} positions returned), vocabulary "
+              f"{engine.vocab_size}, {path.stat().st_size / 2**20:.1f} MiB on disk; prefill outputs (logits + "
+              f"states) of every row {kept * per_token / 2**20:.1f} MiB, of the largest default call "
+              f"{call * per_token / 2**20:.1f} MiB")
         results: dict[str, list[dict]] = {"bounded": [], "held": []}
         for _ in range(args.repeats):  # alternating, so load on the machine hits both alike
             for mode in results:

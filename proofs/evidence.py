@@ -1,13 +1,14 @@
 """What the expensive checks read from the claimed model's prefill, reduced batch by batch.
 
-A prefill returns float32 logits for every position: (positions x vocabulary) per row, 594 KiB per
-position for a 152k-token vocabulary. Holding them for a whole file until the last check ran made a
+A prefill returns float32 logits for every position it keeps: (positions x vocabulary) per row, 594 KiB per
+position for a 152k-token vocabulary; it keeps those from the prompt's last token on (the output's), since
+the checks read nothing before. Holding them for a whole file until the last check ran made a
 validator's memory grow with the file (rows x tokens x vocabulary), which a node chooses. So each prefill
 call is cut to a bound in rows and in logits bytes, and its results are reduced at once to what the checks
 need (TOPLOC chunk statistics, the Gumbel replay's statistics and log p(EOS) where an `eos` sample ended)
 before the next call runs: peak memory is one call's logits (the limit, or one row's when a single row is
-larger: its length is bounded by the run's prompts and max_new_tokens, checked before any prefill), whatever
-the number of rows.
+larger: at most max_new_tokens + 1 positions, the run's pin checked before any prefill), whatever the number
+of rows.
 """
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ LOGIT_BYTES = 4  # prefills return float32 logits
 
 
 class Prefilled(Protocol):
-    hidden_states: torch.Tensor  # (L, hidden) last hidden states after the final norm
-    logits: torch.Tensor  # (L, vocab) float32; row i predicts token i + 1
+    # Row i is position first_position + i of the sequence (the verifier keeps from the prompt's last token).
+    hidden_states: torch.Tensor  # (L - first_position, hidden) last hidden states after the final norm
+    logits: torch.Tensor  # (L - first_position, vocab) float32; row i predicts the token after its position
+    first_position: int
+
+
+def first_read_position(row: RolloutRow) -> int:
+    """The first position whose prefill the checks read: the prompt's last, whose logits drew output token 0
+    (committed_rows). Nothing before it is returned by the prefill: a prompt's logits are never read."""
+    return committed_rows(len(row.prompt_ids), len(row.output_ids)).start
 
 
 @dataclass(frozen=True)
@@ -40,14 +49,19 @@ class RowEvidence:
     eos_logprob: float | None  # log p(EOS) under softmax(logits / T) where the row ended on EOS; else None
 
 
-def prefill_batches(lengths: Sequence[int], vocab_size: int, max_rows: int, max_logit_bytes: int) -> list[list[int]]:
+def prefill_batches(
+    lengths: Sequence[int], vocab_size: int, max_rows: int, max_logit_bytes: int,
+    logit_rows: Sequence[int] | None = None,
+) -> list[list[int]]:
     """Row indices cut into prefill calls, longest first (similar lengths pad little): each call holds at most
-    `max_rows` rows and `max_logit_bytes` of logits, and at least one row whatever its size."""
+    `max_rows` rows and `max_logit_bytes` of logits (`logit_rows[i]` positions of them for row i: all its
+    `lengths[i]` by default), and at least one row whatever its size."""
+    kept = lengths if logit_rows is None else logit_rows
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     batches: list[list[int]] = []
     held = 0
     for i in order:
-        size = lengths[i] * vocab_size * LOGIT_BYTES
+        size = kept[i] * vocab_size * LOGIT_BYTES
         if not batches or len(batches[-1]) >= max_rows or held + size > max_logit_bytes:
             batches.append([])
             held = 0
@@ -64,7 +78,9 @@ def batch_evidence(
     temperatures = {r.temperature for r in rows}
     if len(temperatures) != 1:  # the bounds check refuses such files before any prefill
         raise ProofError(f"rows of one file disagree on the temperature: {sorted(temperatures)}")
-    spans = [committed_rows(len(r.prompt_ids), len(r.output_ids)) for r in rows]
+    # The committed rows, counted from each result's first returned position.
+    spans = [_shifted(committed_rows(len(r.prompt_ids), len(r.output_ids)), res.first_position)
+             for r, res in zip(rows, results, strict=True)]
     chunk_stats = check_proofs([r.proof for r in rows],
                                [res.hidden_states[span] for res, span in zip(results, spans, strict=True)])
     temperature = temperatures.pop()
@@ -73,3 +89,9 @@ def batch_evidence(
     eos = [eos_logprob(res.logits[span.stop - 1], eos_token_id, temperature) if r.finish_reason == "eos" else None
            for r, res, span in zip(rows, results, spans, strict=True)]
     return [RowEvidence(t, s, e) for t, s, e in zip(chunk_stats, replays, eos, strict=True)]
+
+
+def _shifted(span: slice, first_position: int) -> slice:
+    if span.start < first_position:  # the model oracle's bug, never the file's: no rejection (no ProofError)
+        raise RuntimeError(f"the prefill returned positions from {first_position}; the checks read from {span.start}")
+    return slice(span.start - first_position, span.stop - first_position)

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ProofError
-from .evidence import Prefilled, RowEvidence, batch_evidence, prefill_batches
+from .evidence import Prefilled, RowEvidence, batch_evidence, first_read_position, prefill_batches
 from .rollout_schema import RolloutLimits, RolloutRow
 from .sampling import SamplingThresholds
 from .toploc import Precision, ToplocThresholds
@@ -38,7 +38,8 @@ class ModelOracle(Protocol):
     eos_token_id: int
     vocab_size: int
 
-    def prefill(self, sequences: Sequence[Sequence[int]]) -> Sequence[Prefilled]: ...
+    def prefill(self, sequences: Sequence[Sequence[int]], keep_from: Sequence[int] | None = None) -> Sequence[Prefilled]:
+        ...
 
 
 class TaskOracle(Protocol):
@@ -155,12 +156,14 @@ class VerificationContext:
         check can reject before the rest is prefilled: a file of junk rows costs one call, not all of them."""
         missing = [i for i in self.select_rows() if i not in self.evidence]
         lengths = [len(self.rows[i].prompt_ids) + len(self.rows[i].output_ids) for i in missing]
+        starts = [first_read_position(self.rows[i]) for i in missing]
         margin = self.settings.sampling_thresholds().margin
         for batch in prefill_batches(lengths, self.model.vocab_size, self.settings.prefill_batch_size,
-                                     self.settings.prefill_max_logits_mib << 20):
+                                     self.settings.prefill_max_logits_mib << 20,
+                                     logit_rows=[lengths[k] - starts[k] for k in range(len(missing))]):
             members = [missing[k] for k in batch]
             rows = [self.rows[i] for i in members]
-            results = self.model.prefill([r.prompt_ids + r.output_ids for r in rows])
+            results = self.model.prefill([r.prompt_ids + r.output_ids for r in rows], [starts[k] for k in batch])
             try:
                 found = batch_evidence(rows, results, margin, self.model.eos_token_id)
             except ProofError as exc:

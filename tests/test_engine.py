@@ -213,6 +213,24 @@ def test_bad_requests_are_refused(engine: HFEngine) -> None:
             engine.generate(requests, p)
     with pytest.raises(EngineError, match="empty"):
         engine.prefill([[]])
+    for keep_from, message in [([3], "outside its 3 positions"), ([-1], "outside"), ([0, 0], "2 entries for 1")]:
+        with pytest.raises(EngineError, match=message):
+            engine.prefill([[40, 41, 42]], keep_from)
+
+
+def test_prefill_keeps_the_positions_asked_for(engine: HFEngine) -> None:
+    # A verifier keeps each row from its prompt's last token: the same states and logits as the full prefill's
+    # tail, nothing before (a prompt's logits are 594 KiB per token at a 152k vocabulary).
+    sequences = [list(range(40, 40 + n)) for n in (9, 5, 12, 7)]
+    starts = [8, 0, 3, 6]  # the last position alone, all of them, and two in between
+    full = engine.prefill(sequences)
+    kept = engine.prefill(sequences, starts)
+    for sequence, start, whole, part in zip(sequences, starts, full, kept, strict=True):
+        assert part.first_position == start and whole.first_position == 0
+        assert part.logits.shape == (len(sequence) - start, engine.vocab_size)
+        assert part.hidden_states.shape == (len(sequence) - start, whole.hidden_states.shape[1])
+        torch.testing.assert_close(part.hidden_states, whole.hidden_states[start:], rtol=0, atol=1e-6)
+        torch.testing.assert_close(part.logits, whole.logits[start:], rtol=0, atol=1e-5)
 
 
 def test_hidden_states_are_the_final_norm_output(engine: HFEngine) -> None:

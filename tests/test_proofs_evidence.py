@@ -38,10 +38,10 @@ class RecordingModel:
         self.engine, self.calls, self.alive_at_call, self._earlier = engine, [], [], []
         self.eos_token_id, self.vocab_size = engine.eos_token_id, engine.vocab_size
 
-    def prefill(self, sequences: Sequence[Sequence[int]]) -> list[PrefillResult]:
+    def prefill(self, sequences: Sequence[Sequence[int]], keep_from: Sequence[int] | None = None) -> list[PrefillResult]:
         gc.collect()
         self.alive_at_call.append(sum(ref() is not None for ref in self._earlier))
-        results = self.engine.prefill(sequences)
+        results = self.engine.prefill(sequences, keep_from)
         self.calls.append((len(results), sum(r.logits.numel() * r.logits.element_size() for r in results)))
         self._earlier += [weakref.ref(r.logits) for r in results]
         return results
@@ -67,7 +67,10 @@ def test_the_verdict_does_not_depend_on_how_prefill_calls_are_cut(world, tmp_pat
     path = write_honest(tmp_path / "honest.parquet", world[2])
     whole, whole_model = _verify(world, path)
     assert whole.accepted and [rows for rows, _ in whole_model.calls] == [16, 8]
-    by_bytes, model = _verify(world, path, prefill_max_logits_mib=1)  # the 24 rows hold ~1.2 MiB of logits
+    # Logits only from each prompt's last token on (output + 1 positions a row): a prompt's are never read.
+    kept = sum(len(r.output_ids) + 1 for r in world[2]) * world[0].vocab_size * LOGIT_BYTES
+    assert sum(nbytes for _, nbytes in whole_model.calls) == kept
+    by_bytes, model = _verify(world, path, prefill_max_logits_mib=1)  # the 24 rows keep ~1.1 MiB of logits
     assert len(model.calls) >= 2 and max(nbytes for _, nbytes in model.calls) <= 1 << 20
     by_rows, model = _verify(world, path, prefill_batch_size=5)
     assert [rows for rows, _ in model.calls] == [5, 5, 5, 5, 4]

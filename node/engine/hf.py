@@ -235,20 +235,24 @@ class HFEngine:
 
     # ----------------------------------------------------------------- prefill
 
-    def prefill(self, sequences: Sequence[Sequence[int]]) -> list[PrefillResult]:
+    def prefill(
+        self, sequences: Sequence[Sequence[int]], keep_from: Sequence[int] | None = None
+    ) -> list[PrefillResult]:
         for i, sequence in enumerate(sequences):
             self._validate_ids(sequence, f"sequence {i}")
+        starts = _kept_starts(sequences, keep_from)
         _apply_threads(self.threads)
         results: list[PrefillResult | None] = [None] * len(sequences)
         lengths = [len(s) for s in sequences]
         # Groups of similar length (not fixed-size groups): padding is compute the verifier wastes.
         for chunk in length_buckets(lengths, self.max_batch_size, CALL_COST_TOKENS.get(self.device, 64)):
-            for i, result in zip(chunk, self._prefill_batch([sequences[i] for i in chunk])):
+            batch = self._prefill_batch([sequences[i] for i in chunk], [starts[i] for i in chunk])
+            for i, result in zip(chunk, batch, strict=True):
                 results[i] = result
         return [r for r in results if r is not None]
 
     @torch.inference_mode()
-    def _prefill_batch(self, sequences: list[Sequence[int]]) -> list[PrefillResult]:
+    def _prefill_batch(self, sequences: list[Sequence[int]], starts: list[int]) -> list[PrefillResult]:
         # Right padding and no attention mask: causal attention already keeps every real position away
         # from the pads after it, and without a padding mask the attention kernel takes its causal fast
         # path (no (B, L, L) mask is built). Positions are 0.. for every sequence, as when prefilled alone.
@@ -259,11 +263,13 @@ class HFEngine:
         ids = ids.to(self.device)
         positions = torch.arange(ids.shape[1], device=self.device).expand(len(sequences), -1)
         hidden = self.base(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-        # The LM head once over the real rows of every sequence, none over the pads.
-        real = torch.cat([hidden[b, :n] for b, n in enumerate(lengths)])
+        # The LM head once over the kept rows of every sequence: none over the pads, nor over the positions
+        # before keep_from (a verifier's prompts).
+        kept = [n - k for n, k in zip(lengths, starts, strict=True)]
+        real = torch.cat([hidden[b, k:n] for b, (n, k) in enumerate(zip(lengths, starts, strict=True))])
         states, logits = real.to("cpu"), self.head(real).float().to("cpu")
-        return [PrefillResult(hidden_states=h, logits=g)
-                for h, g in zip(states.split(lengths), logits.split(lengths), strict=True)]
+        return [PrefillResult(hidden_states=h, logits=g, first_position=k)
+                for h, g, k in zip(states.split(kept), logits.split(kept), starts, strict=True)]
 
     # ----------------------------------------------------------------- helpers
 
@@ -321,3 +327,14 @@ def _apply_threads(threads: int | None) -> None:
     # torch's thread pool is process-wide; setting it per call keeps two engines from fighting over it.
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+def _kept_starts(sequences: Sequence[Sequence[int]], keep_from: Sequence[int] | None) -> list[int]:
+    if keep_from is None:
+        return [0] * len(sequences)
+    if len(keep_from) != len(sequences):
+        raise EngineError(f"keep_from has {len(keep_from)} entries for {len(sequences)} sequences")
+    for i, (sequence, start) in enumerate(zip(sequences, keep_from, strict=True)):
+        if not 0 <= start < len(sequence):
+            raise EngineError(f"keep_from {start} of sequence {i} is outside its {len(sequence)} positions")
+    return list(keep_from)

@@ -58,8 +58,11 @@ class Completion:
 class PrefillResult:
     """The model's view of a full sequence (prompt + output), computed in one forward pass."""
 
-    hidden_states: torch.Tensor  # (L, hidden) last hidden states after the final norm, on CPU
-    logits: torch.Tensor  # (L, vocab) float32 logits, on CPU; row i predicts token i + 1
+    # Rows are positions first_position .. L - 1 of the sequence (first_position: the caller's keep_from, 0 by
+    # default): row i is position first_position + i, and its logits predict the token after it.
+    hidden_states: torch.Tensor  # (L - first_position, hidden) last hidden states after the final norm, on CPU
+    logits: torch.Tensor  # (L - first_position, vocab) float32 logits, on CPU
+    first_position: int = 0
 
 
 class InferenceEngine(Protocol):
@@ -75,6 +78,10 @@ class InferenceEngine(Protocol):
         """Generate one completion per request (batched internally); order is preserved."""
         ...
 
-    def prefill(self, sequences: Sequence[Sequence[int]]) -> list[PrefillResult]:
-        """One forward pass per sequence (batched internally), for verification."""
+    def prefill(
+        self, sequences: Sequence[Sequence[int]], keep_from: Sequence[int] | None = None
+    ) -> list[PrefillResult]:
+        """One forward pass per sequence (batched internally), for verification. `keep_from[i]`: the first
+        position of sequence i whose hidden state and logits are returned (0 for all): a verifier reads only
+        the output's positions, and a prompt's logits are 594 KiB per token at a 152k vocabulary."""
         ...

@@ -112,8 +112,10 @@ class VLLMEngine:
             f"{self.eos_token_id}; does the model's generation_config list other stop tokens?"
         )
 
-    def prefill(self, sequences: Sequence[Sequence[int]]) -> list[PrefillResult]:
-        return self.prefill_engine.prefill(sequences)
+    def prefill(
+        self, sequences: Sequence[Sequence[int]], keep_from: Sequence[int] | None = None
+    ) -> list[PrefillResult]:
+        return self.prefill_engine.prefill(sequences, keep_from)
 
 
 def _completion(
