@@ -17,6 +17,8 @@ from prime_node.node.engine import HFEngine, PrefillResult
 from prime_node.node.validation import verify_rollout_file
 from prime_node.proofs.checks import default_checks
 from prime_node.proofs.evidence import LOGIT_BYTES, prefill_batches
+from prime_node.proofs.sampling import eos_logprob, replay_samplings
+from prime_node.proofs.toploc import check_proofs, committed_rows
 from prime_node.proofs.verifier import VerificationContext, VerificationReport, VerifierSettings, run_checks
 
 
@@ -92,6 +94,32 @@ def test_evidence_keeps_no_tensor_of_a_call(world, tmp_path: Path):
         assert isinstance(e.toploc, list), e.toploc
         leaves = [e.eos_logprob, *vars(e.sampling).values(), *(v for chunk in e.toploc for v in vars(chunk).values())]
         assert all(v is None or isinstance(v, (int, float)) for v in leaves), [type(v) for v in leaves]
+
+
+def test_evidence_reads_the_positions_a_full_prefill_gives_for_each_check(world, tmp_path: Path):
+    # The verifier prefills from each prompt's last token; every statistic must be the one the full
+    # prefill gives at the absolute positions: TOPLOC and the replay at committed_rows, p(EOS) at the
+    # position that drew the final token. (An off-by-one at p(EOS) would stay inside its loose bound.)
+    engine, tasks, rows = world
+    ctx = VerificationContext(write_honest(tmp_path / "f.parquet", rows), _settings(), engine, tasks, random.Random(0))
+    assert run_checks(default_checks(), ctx).accepted
+    full = engine.prefill([r.prompt_ids + r.output_ids for r in rows])
+    margin = ctx.settings.sampling_thresholds().margin
+    assert any(r.finish_reason == "eos" for r in rows)
+    for i, (row, whole) in enumerate(zip(rows, full, strict=True)):
+        span = committed_rows(len(row.prompt_ids), len(row.output_ids))
+        evidence = ctx.evidence[i]
+        assert evidence.toploc == check_proofs([row.proof], [whole.hidden_states[span]])[0]
+        replay = replay_samplings([whole.logits[span]], [row.output_ids], [row.sample_seed], row.temperature, margin)[0]
+        assert evidence.sampling.logprob_sum == pytest.approx(replay.logprob_sum, abs=1e-4)
+        assert (evidence.sampling.near_ties, evidence.sampling.mismatches) == (replay.near_ties, replay.mismatches)
+        if row.finish_reason == "eos":
+            drew_last = len(row.prompt_ids) + len(row.output_ids) - 2
+            expected = eos_logprob(whole.logits[drew_last], engine.eos_token_id, row.temperature)
+            assert evidence.eos_logprob == pytest.approx(expected, abs=1e-5)
+            assert abs(eos_logprob(whole.logits[drew_last + 1], engine.eos_token_id, row.temperature) - expected) > 1e-3
+        else:
+            assert evidence.eos_logprob is None
 
 
 def test_forged_proofs_are_rejected_after_one_prefill_call(world, tmp_path: Path):
