@@ -9,8 +9,13 @@ that need no swarm: the PNG writer, the attack producers against the real verifi
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import struct
+import subprocess
+import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -27,6 +32,7 @@ from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.devnet.attacks import EXPECTED_CHECKS, attack_producer
 from prime_node.trainer.devnet.monitor import MemberView, Snapshot
 from prime_node.trainer.devnet.plot import Series, line_plot
+from prime_node.trainer.devnet.processes import descendants, still_running
 from prime_node.trainer.devnet.report import format_report
 from prime_node.trainer.devnet.view import LiveView
 
@@ -64,6 +70,52 @@ def test_devnet_two_honest_nodes_and_a_cheater(tmp_path: Path) -> None:
     assert Path(report["plot"]).read_bytes().startswith(b"\x89PNG")
     assert "BANNED" in shown and "step 2/2" in shown
     assert json.loads((devnet.layout.root / "report.json").read_text())["steps"] == report["steps"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sigterm_stops_the_devnet_and_everything_below_it(tmp_path: Path) -> None:
+    # A service manager or `kill` sends SIGTERM, a closed terminal SIGHUP: the children live in their own
+    # sessions, so unless the devnet stops them itself they run on with no one left to stop them.
+    command = [sys.executable, "-m", "prime_node.node.cli.main", "devnet", "--data-dir", str(tmp_path / "data"),
+               "--model", str(tiny_model(tmp_path / "model")), "--nodes", "1", "--adversaries", "0", "--steps", "50",
+               "--all-tasks", "--batch-size", "8", "--prompts", "2", "--samples", "2", "--max-new-tokens", "16",
+               "--json"]
+    devnet = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 180
+        # The signal lands as the contributor's DHT child appears: the node is still starting (joining the
+        # swarm), the moment a stop is most easily mishandled; the trainer and validator are serving.
+        node_started = False
+        while not node_started and devnet.poll() is None and time.monotonic() < deadline:
+            seen.update(descendants(devnet.pid))
+            nodes = [pid for pid in seen if b"\0start\0" in _cmdline(pid)]
+            node_started = bool(nodes) and bool(descendants(*nodes))
+            time.sleep(0.1)
+        assert node_started and devnet.poll() is None, f"the devnet did not start its swarm: {seen}"
+        devnet.send_signal(signal.SIGTERM)
+        out, err = devnet.communicate(timeout=150)
+    finally:
+        if devnet.poll() is None:
+            devnet.kill()
+        for pid, started in seen.items():  # never leave a swarm behind a failed test
+            if still_running(pid, started):
+                os.kill(pid, signal.SIGKILL)
+    report = json.loads(out)
+    assert report["stopped_by"] == "terminated (SIGTERM)", err[-3000:]
+    assert not report["processes"]["alive"] and set(report["processes"]["exit_codes"].values()) == {0}, report["processes"]
+    assert devnet.returncode == 0, err[-3000:]
+    alive = [pid for pid, started in seen.items() if still_running(pid, started)]
+    assert not alive, f"still running after the devnet stopped: {alive}"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @pytest.fixture(scope="module")

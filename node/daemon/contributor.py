@@ -36,6 +36,8 @@ from .verdicts import VerdictWatcher
 
 logger = logging.getLogger(__name__)
 
+STOP_SIGNAL_GRACE_S = 1.0  # how long a failed start waits for the stop signal that may have caused it
+
 MIB = 1 << 20
 
 
@@ -77,16 +79,28 @@ class ContributorNode:
         needs_operator: OperatorActionNeeded | None = None
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-worker")
         try:
-            state.state = "starting the DHT"
-            await asyncio.to_thread(swarm.start_dht)  # fork before CUDA initialises (STYLE.md, point 4)
-            sup.on_shutdown("leave the swarm", swarm.leave)
+            # Before the DHT's fork: a SIGTERM while it starts is then a stop request, and the shutdown ends
+            # the DHT child and its p2pd, instead of killing this process and orphaning them.
             sup.install_signal_handlers()
-            if self.gpu:
-                result = await asyncio.to_thread(check_cuda, s.min_gpu_memory_mb * MIB)
-                run_checks([result])
-                swarm.hardware = await asyncio.to_thread(_gpu_hardware)
-            await swarm.join()
-            await self._start_services(identity, swarm, state, executor)
+            state.state = "starting the DHT"
+            try:
+                await asyncio.to_thread(swarm.start_dht)  # fork before CUDA initialises (STYLE.md, point 4)
+            except Exception:
+                # A stop sent to the whole process group (systemd, the devnet) also reaches the helpers the
+                # DHT start spawns (torch's shared-memory manager), and the start fails: the stop's doing. The
+                # failure can reach this task before the loop has run the signal's handler: give it a moment.
+                if not await sup.sleep_or_stop(STOP_SIGNAL_GRACE_S):
+                    raise
+                logger.info("the DHT start was cut short by the stop")
+            sup.on_shutdown("leave the swarm", swarm.leave)
+            if not sup.stopping:
+                if self.gpu:
+                    result = await asyncio.to_thread(check_cuda, s.min_gpu_memory_mb * MIB)
+                    run_checks([result])
+                    swarm.hardware = await asyncio.to_thread(_gpu_hardware)
+                await swarm.join()
+            if not sup.stopping:
+                await self._start_services(identity, swarm, state, executor)
             await sup.wait()
         except TaskCrashed as exc:
             crash = exc

@@ -5,8 +5,9 @@ tasks.py, offline difficulty filtering, cached) -> the trainer (origin of the
 weights and first DHT peer) -> the validator (bootstrapped from the trainer) -> the contributors and the
 adversaries (bootstrapped from both). Each is a separate process with its own key and data directory,
 in its own session, so Ctrl-C reaches only this process, which then stops them in reverse order
-(SIGTERM, a grace period, SIGKILL of the process group). Every process ever seen below a child (the
-DHT's forked child, p2pd) is remembered and checked to be gone at the end.
+(SIGTERM, a grace period, SIGKILL of the process group); a SIGTERM or SIGHUP to this process stops them the
+same way. Every process ever seen below a child (the DHT's forked child, p2pd) is remembered and checked to
+be gone at the end.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +40,34 @@ DESCENDANTS_EVERY_S = 3.0
 
 class DevnetError(TrainerError):
     pass
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP reached the devnet (a service manager, `kill`, a closed terminal): stop as on Ctrl-C.
+    Without it the default action would end this process at once and leave every child, each in its own
+    session, running with no one to stop it. A BaseException, like KeyboardInterrupt, so that no `except
+    Exception` on the way swallows it."""
+
+
+# Signals that end the devnet gracefully besides Ctrl-C; ignored, like a second Ctrl-C, while the stop runs.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+def _set_handlers(signals: Sequence[signal.Signals], handler: Any) -> dict[signal.Signals, Any]:
+    """Set `handler` for `signals`, returning the previous ones; nothing outside the main thread, where Python
+    cannot set handlers (an embedding program's thread keeps the program's)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in signals}
+
+
+def _restore_handlers(previous: dict[signal.Signals, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def attack_kinds(count: int, kinds: Sequence[str] | None = None) -> list[str]:
@@ -119,6 +149,7 @@ class Devnet:
         o, began = self.options, time.time()
         ready_at = setup_s = 0.0
         stopped_by, error = f"{o.steps} steps done", None
+        handlers = _set_handlers(STOP_SIGNALS, _raise_terminated)
         try:
             ensure_model(o.model_dir, self.view)
             if o.task_filter is not None:
@@ -129,10 +160,15 @@ class Devnet:
             self._watch()
         except KeyboardInterrupt:
             stopped_by = "interrupted (Ctrl-C)"
+        except Terminated as exc:
+            stopped_by = f"terminated ({exc})"
         except DevnetError as exc:
             stopped_by, error = "failed", str(exc)
         finally:
-            stop = self._stop_all()
+            try:
+                stop = self._stop_all()
+            finally:
+                _restore_handlers(handlers)
         ended_at = time.time()
         report = build_report(self.layout, self.monitor, ready_at=ready_at or ended_at, ended_at=ended_at,
                               setup_s=setup_s, stop=stop, stopped_by=stopped_by)
@@ -195,7 +231,7 @@ class Devnet:
     def _stop_all(self) -> dict[str, Any]:
         """Stop every child: the contributors together, then the validator, then the trainer (reverse order of
         start). A second Ctrl-C cannot cut this short; the stop itself is bounded."""
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous = _set_handlers((signal.SIGINT, *STOP_SIGNALS), signal.SIG_IGN)
         try:
             self._scan()
             try:
@@ -218,7 +254,7 @@ class Devnet:
                            "processes left after the stop: %s; ending them", described)
                 end_pids(leftovers, 3.0)
         finally:
-            signal.signal(signal.SIGINT, previous)
+            _restore_handlers(previous)
         return {"exit_codes": result.exit_codes, "killed": result.killed, "left_over": leftovers,
                 "alive": sorted(pid for pid, started in self.seen.items() if still_running(pid, started)),
                 "pids": sorted(self.seen)}
