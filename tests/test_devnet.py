@@ -84,25 +84,30 @@ def test_a_sigterm_stops_the_devnet_and_everything_below_it(tmp_path: Path) -> N
     devnet = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen: dict[int, int] = {}
+    out = err = ""
     try:
-        deadline = time.monotonic() + 180
-        # The signal lands as the contributor's DHT child appears: the node is still starting (joining the
-        # swarm), the moment a stop is most easily mishandled; the trainer and validator are serving.
+        deadline = time.monotonic() + 150
+        # The signal lands as the contributor's first helper appears: the node is starting its DHT (torch's
+        # shared-memory manager, then the DHT child), the moment a stop is most easily mishandled; the trainer
+        # and validator are serving.
         node_started = False
         while not node_started and devnet.poll() is None and time.monotonic() < deadline:
             seen.update(descendants(devnet.pid))
             nodes = [pid for pid in seen if b"\0start\0" in _cmdline(pid)]
             node_started = bool(nodes) and bool(descendants(*nodes))
             time.sleep(0.1)
+        seen.update(descendants(devnet.pid))
         assert node_started and devnet.poll() is None, f"the devnet did not start its swarm: {seen}"
         devnet.send_signal(signal.SIGTERM)
-        out, err = devnet.communicate(timeout=150)
+        out, err = devnet.communicate(timeout=100)
     finally:
+        seen.update(descendants(devnet.pid))
         if devnet.poll() is None:
             devnet.kill()
         for pid, started in seen.items():  # never leave a swarm behind a failed test
             if still_running(pid, started):
                 os.kill(pid, signal.SIGKILL)
+    assert out, err[-3000:]
     report = json.loads(out)
     assert report["stopped_by"] == "terminated (SIGTERM)", err[-3000:]
     assert not report["processes"]["alive"] and set(report["processes"]["exit_codes"].values()) == {0}, report["processes"]

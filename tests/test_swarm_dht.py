@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import time
 
 import pytest
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.swarm import PolicyAnnouncement, SwarmError
 from prime_node.p2p.processes import child_pids, end_pids
-from prime_node.p2p.swarm.process import SwarmDHT
+from prime_node.p2p.swarm.mp_locks import SHARED_LOCKS
+from prime_node.p2p.swarm.process import SwarmDHT, wait_until_started
 from prime_node.p2p.swarm.records import RecordKind, dht_key, seal, seal_payload
 from swarm_support import LOOPBACK, RUN_PARAMETERS, fleet, local_subkeys, wait_until
 
@@ -230,3 +233,46 @@ async def test_the_dht_child_ends_on_a_sigterm_to_the_group() -> None:
             assert not peer.process.dht.is_alive(), "the DHT child ignored SIGTERM"
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+
+
+def test_a_dht_child_that_dies_while_starting_fails_the_start_at_once() -> None:
+    # A SIGTERM to the process group (systemd, the devnet) can end the child before it is ready; hivemind's
+    # ready signal then never comes, and the node sat out the whole start-up timeout (60 s by default)
+    # before it could stop.
+    dht = SwarmDHT(host_maddrs=LOOPBACK, start=True, await_ready=False)
+    try:
+        os.kill(dht.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(SwarmError, match=r"the DHT process exited \(-9\) while starting"):
+            wait_until_started(dht, 60.0)
+        assert time.monotonic() - started < 10
+    finally:
+        end_pids([dht.pid, *child_pids(dht.pid)], 5.0)
+        dht.join(5)
+
+
+def _die_holding_hivemind_locks() -> None:
+    for owner, attribute in SHARED_LOCKS:
+        getattr(owner, attribute).acquire()
+    os._exit(0)  # without releasing: as a DHT child ended in the middle of a write
+
+
+async def test_a_dht_starts_after_a_child_died_holding_hiveminds_shared_locks(caplog) -> None:
+    # The locks are shared by every process forked from this one; before the fix, each later DHT child blocked
+    # on its "ready" result and every swarm test after such a death waited out its whole start-up timeout.
+    dying = multiprocessing.get_context("fork").Process(target=_die_holding_hivemind_locks)
+    dying.start()
+    dying.join(10)
+    assert dying.exitcode == 0
+    assert not MPFuture._update_lock.acquire(timeout=0.1)  # held for good by the dead process
+    operator = Identity.generate()
+    started = time.monotonic()
+    async with fleet("deadlock", operator) as group:
+        peer = await group.add(operator)
+        assert peer.node_id in await peer.list_peers()
+    assert time.monotonic() - started < 30
+    assert "died holding it" in caplog.text
+    for owner, attribute in SHARED_LOCKS:  # fresh and free again
+        lock = getattr(owner, attribute)
+        assert lock.acquire(timeout=1)
+        lock.release()

@@ -1,8 +1,8 @@
 """`prime-node devnet`: a trainer, a validator, contributors and cheaters on this machine (docs/devnet.md).
 
 Creates the embedded model if it is missing, starts every role as its own process on 127.0.0.1, shows a
-live view, and after --steps policy steps (or Ctrl-C) stops them all and prints the report: reward per
-step (and a PNG), the leaderboard, who was slashed and why, and the timings. Exit status 0 when the run
+live view, and after --steps policy steps (or Ctrl-C, SIGTERM, SIGHUP) stops them all and prints the report:
+reward per step (and a PNG), the leaderboard, who was slashed and why, and the timings. Exit status 0 when the run
 completed (or was interrupted) with every process stopped, every adversary banned and no honest file
 rejected; 1 otherwise.
 """

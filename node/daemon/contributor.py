@@ -86,9 +86,10 @@ class ContributorNode:
             try:
                 await asyncio.to_thread(swarm.start_dht)  # fork before CUDA initialises (STYLE.md, point 4)
             except Exception:
-                # A stop sent to the whole process group (systemd, the devnet) also reaches the helpers the
-                # DHT start spawns (torch's shared-memory manager), and the start fails: the stop's doing. The
-                # failure can reach this task before the loop has run the signal's handler: give it a moment.
+                # A stop sent to the whole process group (systemd, the devnet) also reaches what the DHT start
+                # waits on (torch's shared-memory manager, the DHT child), and the start fails: the stop's
+                # doing. The failure can reach this task before the loop has run the signal's handler: give
+                # it a moment.
                 if not await sup.sleep_or_stop(STOP_SIGNAL_GRACE_S):
                     raise
                 logger.info("the DHT start was cut short by the stop")

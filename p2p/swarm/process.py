@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -39,6 +41,7 @@ from hivemind.dht.validation import DHTRecord
 from ..processes import child_pids, end_pids
 from .config import SwarmConfig
 from .errors import SwarmError
+from .mp_locks import replace_locks_held_by_the_dead
 from .validator import SwarmRecordValidator
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,8 @@ class _BlockingCommandPipe:
 # first. The cases this is for (a key one side does not pin yet, a lagging clock) are a few entries; without
 # a cap one message of junk entries would cost one signature check each instead of one in all.
 MAX_REFUSED_ENTRIES = 4
+
+READY_POLL_S = 0.2  # how often a starting DHT child is checked for having died
 
 
 def _keep_valid_entries(self: DHTProtocol, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
@@ -114,6 +119,21 @@ class SwarmDHT(hivemind.DHT):
         super().run()
 
 
+def wait_until_started(dht: hivemind.DHT, timeout: float) -> None:
+    """hivemind's wait_until_ready, but a child that died while starting (a SIGTERM to the process group, an
+    OOM kill) fails the start at once: its ready signal would never come, and the wait would last `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            dht.wait_until_ready(timeout=min(READY_POLL_S, max(deadline - time.monotonic(), 0.0)))
+            return
+        except FutureTimeout:  # the builtin TimeoutError from Python 3.11 on
+            if not dht.is_alive():
+                raise SwarmError(f"the DHT process exited ({dht.exitcode}) while starting") from None
+            if time.monotonic() >= deadline:
+                raise
+
+
 async def daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Any:
     # Runs inside the DHT child (run_coroutine): where its p2pd takes control connections.
     return node.p2p.daemon_listen_maddr
@@ -132,6 +152,7 @@ class DHTProcess:
     def start(cls, config: SwarmConfig, *, client_mode: bool) -> DHTProcess:
         """Blocking: fork the DHT, bootstrap from config.initial_peers, return when it serves requests."""
         validator = SwarmRecordValidator(config.run_id, config.operator_keys)
+        replace_locks_held_by_the_dead()  # else an earlier child killed mid-write would hang this one's start
         try:
             dht = SwarmDHT(
                 initial_peers=config.initial_peers or None,
@@ -151,7 +172,7 @@ class DHTProcess:
         except (OSError, ValueError) as exc:
             raise SwarmError(f"could not start the DHT process: {exc}") from exc
         try:
-            dht.wait_until_ready(timeout=config.startup_timeout_s + 10 * config.wait_timeout_s)
+            wait_until_started(dht, config.startup_timeout_s + 10 * config.wait_timeout_s)
         except Exception as exc:  # hivemind reports bootstrap and daemon failures with assorted types
             pids = [dht.pid, *child_pids(dht.pid)] if dht.pid else []
             end_pids(pids, config.shutdown_timeout_s)
@@ -161,6 +182,8 @@ class DHTProcess:
                 if config.initial_peers
                 else ""
             )
+            if isinstance(exc, SwarmError):  # the child died: no bootstrap problem to hint at
+                raise
             raise SwarmError(f"the DHT did not start: {exc}.{hint}") from exc
         return cls(dht, client_mode, config.shutdown_timeout_s)
 

@@ -49,20 +49,28 @@ class Terminated(BaseException):
     Exception` on the way swallows it."""
 
 
-# Signals that end the devnet gracefully besides Ctrl-C; ignored, like a second Ctrl-C, while the stop runs.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# Signals that stop the devnet gracefully. The first raises in the main thread (Ctrl-C as KeyboardInterrupt,
+# the others as Terminated); from then on all of them are ignored until the report is written, so that a
+# second one (a repeated Ctrl-C; a closed terminal sends SIGHUP twice) cannot cut the stop short.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def _raise_terminated(signum: int, _frame: object) -> None:
+def _on_stop_signal(signum: int, _frame: object) -> None:
+    _set_handlers(STOP_SIGNALS, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Terminated(signal.Signals(signum).name)
 
 
-def _set_handlers(signals: Sequence[signal.Signals], handler: Any) -> dict[signal.Signals, Any]:
-    """Set `handler` for `signals`, returning the previous ones; nothing outside the main thread, where Python
-    cannot set handlers (an embedding program's thread keeps the program's)."""
+def _set_handlers(signals: Sequence[signal.Signals], handler: Any, *, keep_ignored: bool = False
+                  ) -> dict[signal.Signals, Any]:
+    """Set `handler` for `signals`, returning the previous ones. `keep_ignored`: leave a signal the operator
+    chose to ignore (`nohup` ignores SIGHUP) ignored. Nothing outside the main thread, where Python cannot set
+    handlers (an embedding program's thread keeps the program's)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, handler) for sig in signals}
+    return {sig: signal.signal(sig, handler) for sig in signals
+            if not (keep_ignored and signal.getsignal(sig) == signal.SIG_IGN)}
 
 
 def _restore_handlers(previous: dict[signal.Signals, Any]) -> None:
@@ -149,33 +157,34 @@ class Devnet:
         o, began = self.options, time.time()
         ready_at = setup_s = 0.0
         stopped_by, error = f"{o.steps} steps done", None
-        handlers = _set_handlers(STOP_SIGNALS, _raise_terminated)
+        handlers = _set_handlers(STOP_SIGNALS, _on_stop_signal, keep_ignored=True)
         try:
-            ensure_model(o.model_dir, self.view)
-            if o.task_filter is not None:
-                self.layout.tasks, summary = filtered_tasks(o.model_dir, o.task_filter)
-                self.view.message(summary)
-            ready_at = self._start()
-            setup_s = ready_at - began
-            self._watch()
-        except KeyboardInterrupt:
-            stopped_by = "interrupted (Ctrl-C)"
-        except Terminated as exc:
-            stopped_by = f"terminated ({exc})"
-        except DevnetError as exc:
-            stopped_by, error = "failed", str(exc)
-        finally:
             try:
-                stop = self._stop_all()
+                ensure_model(o.model_dir, self.view)
+                if o.task_filter is not None:
+                    self.layout.tasks, summary = filtered_tasks(o.model_dir, o.task_filter)
+                    self.view.message(summary)
+                ready_at = self._start()
+                setup_s = ready_at - began
+                self._watch()
+            except KeyboardInterrupt:
+                stopped_by = "interrupted (Ctrl-C)"
+            except Terminated as exc:
+                stopped_by = f"terminated ({exc})"
+            except DevnetError as exc:
+                stopped_by, error = "failed", str(exc)
             finally:
-                _restore_handlers(handlers)
-        ended_at = time.time()
-        report = build_report(self.layout, self.monitor, ready_at=ready_at or ended_at, ended_at=ended_at,
-                              setup_s=setup_s, stop=stop, stopped_by=stopped_by)
-        report["error"] = error
-        report["wall_s"] = round(ended_at - began, 1)
-        (self.layout.root / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
-        return report
+                _set_handlers(STOP_SIGNALS, signal.SIG_IGN)  # the stop and the report run to their end
+                stop = self._stop_all()
+            ended_at = time.time()
+            report = build_report(self.layout, self.monitor, ready_at=ready_at or ended_at, ended_at=ended_at,
+                                  setup_s=setup_s, stop=stop, stopped_by=stopped_by)
+            report["error"] = error
+            report["wall_s"] = round(ended_at - began, 1)
+            (self.layout.root / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+            return report
+        finally:
+            _restore_handlers(handlers)
 
     def _start(self) -> float:
         o, layout, view = self.options, self.layout, self.view
@@ -230,31 +239,27 @@ class Devnet:
 
     def _stop_all(self) -> dict[str, Any]:
         """Stop every child: the contributors together, then the validator, then the trainer (reverse order of
-        start). A second Ctrl-C cannot cut this short; the stop itself is bounded."""
-        previous = _set_handlers((signal.SIGINT, *STOP_SIGNALS), signal.SIG_IGN)
+        start). Bounded; run() ignores the stop signals meanwhile."""
+        self._scan()
         try:
-            self._scan()
-            try:
-                self.monitor.poll()  # the last verdicts and steps, while the validator still answers
-            except OSError:
-                pass
-            services = [c for c in self.group.children if c.name in ("trainer", "validator")]
-            members = [c for c in self.group.children if c not in services]
-            result = self.group.stop_together(members, grace=STOP_GRACE_S)
-            for child in reversed(services):
-                code, killed = self.group.stop(child, grace=STOP_GRACE_S)
-                result.exit_codes[child.name] = code
-                result.killed += [child.name] if killed else []
-            leftovers = sorted(pid for pid, started in self.seen.items() if still_running(pid, started))
-            if leftovers:
-                described = ", ".join(f"{pid} ({_cmdline(pid)})" for pid in leftovers)
-                # torch's shared-memory manager leaves its parent's session on purpose; anything else is a bug.
-                expected = all("torch_shm_manager" in _cmdline(pid) for pid in leftovers)
-                logger.log(logging.INFO if expected else logging.WARNING,
-                           "processes left after the stop: %s; ending them", described)
-                end_pids(leftovers, 3.0)
-        finally:
-            _restore_handlers(previous)
+            self.monitor.poll()  # the last verdicts and steps, while the validator still answers
+        except Exception as exc:  # a strange answer must not keep the children from being stopped
+            logger.warning("last look at the run before the stop failed: %r", exc)
+        services = [c for c in self.group.children if c.name in ("trainer", "validator")]
+        members = [c for c in self.group.children if c not in services]
+        result = self.group.stop_together(members, grace=STOP_GRACE_S)
+        for child in reversed(services):
+            code, killed = self.group.stop(child, grace=STOP_GRACE_S)
+            result.exit_codes[child.name] = code
+            result.killed += [child.name] if killed else []
+        leftovers = sorted(pid for pid, started in self.seen.items() if still_running(pid, started))
+        if leftovers:
+            described = ", ".join(f"{pid} ({_cmdline(pid)})" for pid in leftovers)
+            # torch's shared-memory manager leaves its parent's session on purpose; anything else is a bug.
+            expected = all("torch_shm_manager" in _cmdline(pid) for pid in leftovers)
+            logger.log(logging.INFO if expected else logging.WARNING,
+                       "processes left after the stop: %s; ending them", described)
+            end_pids(leftovers, 3.0)
         return {"exit_codes": result.exit_codes, "killed": result.killed, "left_over": leftovers,
                 "alive": sorted(pid for pid, started in self.seen.items() if still_running(pid, started)),
                 "pids": sorted(self.seen)}
