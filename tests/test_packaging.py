@@ -24,6 +24,8 @@ def test_all_subpackages_are_declared():
         top, _, rest = name.partition(".")[2].partition(".")
         folder = ROOT / top / rest.replace(".", "/")
         assert folder.is_dir() and any(folder.iterdir()) and not (folder / "__init__.py").exists(), name
+        # package-data's "*" does not recurse: a subfolder would be left out of the wheel without a word.
+        assert not [f for f in folder.iterdir() if f.is_dir() and f.name != "__pycache__"], name
     assert on_disk | data_only == declared, \
         f"missing from pyproject: {(on_disk | data_only) - declared}; stale: {declared - on_disk - data_only}"
 
