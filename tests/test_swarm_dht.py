@@ -16,7 +16,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.swarm import PolicyAnnouncement, SwarmError
 from prime_node.p2p.processes import child_pids, end_pids
-from prime_node.p2p.swarm.mp_locks import SHARED_LOCKS
+from prime_node.p2p.swarm.mp_locks import SHARED_LOCKS, replace_locks_held_by_the_dead
 from prime_node.p2p.swarm.process import SwarmDHT, wait_until_started
 from prime_node.p2p.swarm.records import RecordKind, dht_key, seal, seal_payload
 from swarm_support import LOOPBACK, RUN_PARAMETERS, fleet, local_subkeys, wait_until
@@ -253,16 +253,21 @@ def test_a_dht_child_that_dies_while_starting_fails_the_start_at_once() -> None:
 
 def _die_holding_hivemind_locks() -> None:
     for owner, attribute in SHARED_LOCKS:
-        getattr(owner, attribute).acquire()
+        if not getattr(owner, attribute).acquire(timeout=5):
+            os._exit(1)
     os._exit(0)  # without releasing: as a DHT child ended in the middle of a write
 
 
 async def test_a_dht_starts_after_a_child_died_holding_hiveminds_shared_locks(caplog) -> None:
     # The locks are shared by every process forked from this one; before the fix, each later DHT child blocked
     # on its "ready" result and every swarm test after such a death waited out its whole start-up timeout.
+    # An earlier test's killed DHT child may already hold one (the very hazard; its next DHT start recovers).
+    replace_locks_held_by_the_dead()
     dying = multiprocessing.get_context("fork").Process(target=_die_holding_hivemind_locks)
     dying.start()
-    dying.join(10)
+    dying.join(20)
+    if dying.exitcode is None:
+        dying.kill()
     assert dying.exitcode == 0
     assert not MPFuture._update_lock.acquire(timeout=0.1)  # held for good by the dead process
     operator = Identity.generate()
