@@ -277,6 +277,12 @@ def main() -> None:
           f"{gen_seconds / prefill_seconds:.1f}x; prefill at this CPU's matmul rate ({rate / 1e9:.0f} GFLOP/s, "
           f"{flops / 1e6:.2f} MFLOP per token, nothing else costing anything) >= {floor * 1e3:.1f} ms, "
           f"generation / that = {gen_seconds / floor:.1f}x")
+    completions = m["completions"]
+    head = verifier.model.get_output_embeddings().weight.numel() * 2 / flops
+    prompt_positions = sum(len(c.prompt_ids) - 1 for c in completions)
+    print(f"LM head: {100 * head:.1f}% of a token's weight FLOPs; prompt positions before the last prompt token, "
+          f"whose LM head and logits the verifier skips: {prompt_positions} of "
+          f"{sum(len(c.prompt_ids) + len(c.output_ids) for c in completions)} prefilled")
     if args.prefill_variants:
         prefill_variants(model_dir, m["completions"], proofs, args.threads, max(args.repeats, 5), args.clock)
     if args.grid:
