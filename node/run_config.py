@@ -11,7 +11,7 @@ from typing import Annotated
 from pydantic import Field
 from transformers import AutoTokenizer
 
-from ..p2p.names import RUN_ID_PATTERN, RUN_ID_RULE
+from ..p2p.names import MAX_LENGTH_TARGET, RUN_ID_PATTERN, RUN_ID_RULE
 from ..proofs.toploc import Precision
 from ..proofs.verifier import VerifierSettings
 from .config import CommonSettings, Section
@@ -31,7 +31,7 @@ class RunSettings(Section):
     tasks: str | None = Field(None, description="Task file (Parquet/JSONL) or builtin:arithmetic (default).")
     task_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the built-in task family.")
     samples: int = Field(4, ge=1, le=1024, description="Completions per prompt (G).")
-    length_targets: list[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
+    length_targets: list[Annotated[int, Field(ge=1, le=MAX_LENGTH_TARGET)]] = Field(
         default_factory=list, max_length=32, description="Thinking-length targets in tokens; empty: off."
     )
     length_alpha: float = Field(0.001, ge=0, le=1, description="Length penalty per token of distance to target.")

@@ -91,3 +91,10 @@ def test_partial_threshold_overrides_keep_the_declared_precisions_calibration():
         update={"max_abs_z": 7})
     bf16 = VerifierSettings(node_precision="bfloat16", sampling=SamplingThresholds(max_abs_z=7)).sampling_thresholds()
     assert bf16.margin == SamplingThresholds.for_precision("bfloat16").margin and bf16.max_abs_z == 7
+
+
+def test_length_targets_are_bounded_like_the_policy_record_announcing_them():
+    assert RunSettings(length_targets=[1, 1_000_000]).length_targets == [1, 1_000_000]
+    for bad in ([0], [1_000_001], [8] * 33):
+        with pytest.raises(ValueError, match="length_targets"):
+            RunSettings(length_targets=bad)

@@ -263,6 +263,7 @@ async def test_a_dht_starts_after_a_child_died_holding_hiveminds_shared_locks(ca
     # on its "ready" result and every swarm test after such a death waited out its whole start-up timeout.
     # An earlier test's killed DHT child may already hold one (the very hazard; its next DHT start recovers).
     replace_locks_held_by_the_dead()
+    caplog.clear()  # that call may already have logged the warning this test looks for
     dying = multiprocessing.get_context("fork").Process(target=_die_holding_hivemind_locks)
     dying.start()
     dying.join(20)

@@ -19,7 +19,7 @@ from prime_node.p2p.swarm import (
     SwarmConfig,
     ValidatorAnnouncement,
 )
-from prime_node.p2p.swarm.records import RecordKind, dht_key, key_id, seal, seal_payload
+from prime_node.p2p.swarm.records import RecordKind, dht_key, key_id, open_record, seal, seal_payload
 from prime_node.p2p.swarm.validator import SwarmRecordValidator
 from swarm_support import RUN_PARAMETERS
 
@@ -311,3 +311,45 @@ def test_a_table_is_judged_entry_by_entry_up_to_a_cap_of_refusals() -> None:
     checked.clear()
     assert not _keep_valid_entries(protocol, b"key", table(3, 50))  # junk: refused, and not checked to the end
     assert checked.count(b"bad") == MAX_REFUSED_ENTRIES + 1
+
+
+
+def _open_policy_payload(payload: bytes) -> PolicyAnnouncement:
+    """The reader's whole check (open_record) of an operator-signed policy made of `payload`."""
+    exp = get_dht_time() + 30
+    value = seal_payload(OPERATOR, RUN, RecordKind.POLICY, OPERATOR.node_id, payload, exp)
+    return open_record(RecordKind.POLICY, key_id(RUN, RecordKind.POLICY), MSGPackSerializer.dumps(OPERATOR.node_id),
+                       value, exp, frozenset([OPERATOR.node_id]), get_dht_time())
+
+
+def _open_policy(run: dict) -> PolicyAnnouncement:
+    return _open_policy_payload(canonical_json({**policy().model_dump(mode="json"), "run": run}))
+
+
+EDGES = [  # (field, accepted at the edge, refused past it)
+    ("run_id", "a" * 64, "-leading-dash"), ("run_seed", 2**64 - 1, 2**64), ("tasks", "t" * 256, "t" * 257),
+    ("samples", 1024, 0), ("temperature", 10.0, 0.0), ("max_new_tokens", 8192, 8193),
+    ("compute_dtype", "bfloat16", "float16"), ("length_targets", [1_000_000] * 32, [1] * 33),
+    ("length_targets", [1], [0]), ("length_targets", [1_000_000], [1_000_001]), ("length_alpha", 1.0, 1.5),
+    ("length_alpha", 0.0, -0.1), ("run_seed", 0, "0"),
+]
+
+
+@pytest.mark.parametrize(("field", "edge", "past"), EDGES)
+def test_policy_run_parameters_are_bounded_on_the_wire_and_refusals_name_the_field(field, edge, past) -> None:
+    run = RUN_PARAMETERS.model_dump(mode="json")
+    assert _open_policy({**run, field: edge}).run.model_dump(mode="json")[field] == edge
+    with pytest.raises(RecordError, match=rf"policy payload does not match its schema at run\.{field}"):
+        _open_policy({**run, field: past})
+
+
+def test_policy_run_parameters_refuse_nan_extra_fields_and_a_missing_run() -> None:
+    run = RUN_PARAMETERS.model_dump(mode="json")
+    body = canonical_json({**policy().model_dump(mode="json"), "run": run})
+    assert b'"length_alpha":0.001' in body
+    with pytest.raises(RecordError, match=r"at run\.length_alpha"):
+        _open_policy_payload(body.replace(b'"length_alpha":0.001', b'"length_alpha":NaN'))
+    with pytest.raises(RecordError, match=r"at run\.note: Extra inputs"):
+        _open_policy({**run, "note": "x"})
+    with pytest.raises(RecordError, match=r"at run: Field required"):  # what an older trainer's record gives
+        _open_policy_payload(canonical_json(policy().model_dump(mode="json", exclude={"run"})))

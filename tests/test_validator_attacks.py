@@ -33,6 +33,7 @@ from prime_node.trainer.slashing import SlashingPolicy
 from attack_support import MODEL_SEED, engine_from, quantized_engine
 from swarm_support import fleet, wait_until
 from validator_support import (
+    sees_a_validator,
     OPERATOR,
     RUN,
     bind_node_ids,
@@ -130,10 +131,6 @@ async def _banned_in_dht(swarm: Swarm, node_id: str) -> bool:
     return node_id in await swarm.read_bans()
 
 
-async def _announced(swarm: Swarm) -> bool:
-    return bool(await swarm.list_validators())
-
-
 def _cheats(
     engine: HFEngine, tasks: RunTasks, nodes: dict[str, Identity]
 ) -> dict[str, tuple[Blob, str, str]]:
@@ -167,7 +164,7 @@ async def test_malformed_cheating_and_unattributable_files_through_the_handoff(
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
         host = await group.add(bootstrap=running.maddrs[:1], reachability="public")
         await bind_node_ids(host, [*malformed.values(), *fraud.values(), repeat, honest])
-        await wait_until(lambda: _announced(host), 15)
+        await wait_until(lambda: sees_a_validator(host), 15)
 
         # Faults: rejected for the named reason, docked the fault penalty once, not banned.
         for name, (write, check, fragment) in MALFORMED.items():

@@ -21,6 +21,7 @@ from prime_node.p2p.verdicts import Verdict, open_signed
 from attack_support import engine_from
 from swarm_support import fleet, wait_until
 from validator_support import (
+    sees_a_validator,
     OPERATOR,
     RUN,
     publish_checkpoint,
@@ -48,7 +49,7 @@ async def test_honest_file_is_accepted_delivered_and_credited_once(tmp_path: Pat
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
         sender = await group.add(node, bootstrap=running.maddrs[:1], reachability="public")
-        await wait_until(lambda: _announced(sender), 15)
+        await wait_until(lambda: sees_a_validator(sender), 15)
         receipt = await sender.send_rollout(path, envelope)
         assert receipt.body.sha256 == envelope.sha256
         verdict = (await wait_verdict(running, envelope.sha256, 30)).document
@@ -82,10 +83,6 @@ async def _spool_empty(running) -> bool:  # noqa: ANN001
     return not list(running.service.spool.directory.iterdir())
 
 
-async def _announced(swarm) -> bool:  # noqa: ANN001
-    return bool(await swarm.list_validators())
-
-
 def _attacks(engine: HFEngine, tasks: RunTasks, nodes: list[Identity]) -> dict[str, list]:
     """Three cheats, each by its own node: tampered reward, another checkpoint, unassigned samples."""
     honest = rows_for(engine, tasks, nodes[0])
@@ -110,7 +107,7 @@ async def test_attacks_are_rejected_slashed_and_banned_through_the_dht(tmp_path:
         for cheat, (expected, rows) in zip(cheats, attacks.items(), strict=True):
             path, envelope = write_file(tmp_path / f"{expected}.parquet", rows, cheat)
             sender = await group.add(cheat, bootstrap=running.maddrs[:1], reachability="public")
-            await wait_until(lambda s=sender: _announced(s), 15)
+            await wait_until(lambda s=sender: sees_a_validator(s), 15)
             await sender.send_rollout(path, envelope)
             verdict = (await wait_verdict(running, envelope.sha256, 30)).document
             assert not verdict.accepted and verdict.failed_check == expected, verdict.reason

@@ -18,6 +18,7 @@ from prime_node.trainer.intake import FairQueue, RateLimiter
 
 from swarm_support import fleet, wait_until
 from validator_support import (
+    sees_a_validator,
     OPERATOR,
     RUN,
     publish_checkpoint,
@@ -86,8 +87,8 @@ async def test_flooding_peer_is_rate_limited_while_an_honest_file_is_verified(tm
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
         flood_peer = await group.add(flooder, bootstrap=running.maddrs[:1], reachability="public")
         honest_peer = await group.add(honest, bootstrap=running.maddrs[:1], reachability="public")
-        await wait_until(lambda: _announced(flood_peer), 15)
-        await wait_until(lambda: _announced(honest_peer), 15)
+        await wait_until(lambda: sees_a_validator(flood_peer), 15)
+        await wait_until(lambda: sees_a_validator(honest_peer), 15)
 
         async def honest_send() -> float:
             await asyncio.sleep(0.5)  # in the middle of the flood
@@ -123,10 +124,6 @@ async def _decided(running, node_id: str, count: int) -> bool:  # noqa: ANN001
     return rows[0]["n"] >= count
 
 
-async def _announced(swarm) -> bool:  # noqa: ANN001
-    return bool(await swarm.list_validators())
-
-
 @pytest.mark.slow
 async def test_files_wait_for_their_checkpoint_then_are_verified_or_expire(tmp_path: Path, world) -> None:  # noqa: ANN001
     checkpoint, engine, tasks = world
@@ -141,7 +138,7 @@ async def test_files_wait_for_their_checkpoint_then_are_verified_or_expire(tmp_p
     try:
         async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
             sender = await group.add(node, bootstrap=running.maddrs[:1], reachability="public")
-            await wait_until(lambda: _announced(sender), 15)
+            await wait_until(lambda: sees_a_validator(sender), 15)
             await sender.send_rollout(early, early_env)
             await sender.send_rollout(never, never_env)
             await wait_until(lambda: _held(running, 2), 15)  # no checkpoint yet: both wait, no verdict

@@ -18,6 +18,7 @@ from prime_node.trainer.ledger import Ledger
 from attack_support import engine_from, make_checkpoint, run_tasks
 from swarm_support import fleet, wait_until
 from validator_support import (
+    sees_a_validator,
     OPERATOR,
     RUN,
     SPEC,
@@ -98,7 +99,7 @@ async def test_sigkilled_validator_gives_each_spooled_file_one_verdict_after_res
                                       operator_keys=[OPERATOR.node_id, TRAINER.node_id])
             await announce_run(trainer, VALIDATOR_RUN)  # the validator verifies nothing before it
             sender = await peers.add(node, bootstrap=ready["maddrs"][:1], reachability="public")
-            await wait_until(lambda: _has_validator(sender), 20)
+            await wait_until(lambda: sees_a_validator(sender), 20)
             for path, envelope in files:
                 await sender.send_rollout(path, envelope)  # each receipt means: spooled and fsynced
         await wait_until(lambda: _async(files[0][1].sha256 in _verdicts(data)), 30)
@@ -124,10 +125,6 @@ async def test_sigkilled_validator_gives_each_spooled_file_one_verdict_after_res
         assert sorted(p.name for p in (data / "accepted").glob("*.parquet")) == sorted(f"{h}.parquet" for h in hashes)
         code, killed = group.stop(second, grace=30)  # SIGTERM: graceful
         assert code == 0 and not killed, second.log_tail()
-
-
-async def _has_validator(swarm) -> bool:  # noqa: ANN001
-    return bool(await swarm.list_validators())
 
 
 async def _async(value: bool) -> bool:

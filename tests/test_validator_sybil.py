@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.swarm import HandoffBusy, HandoffRefused, RolloutEnvelope, Swarm
+from prime_node.p2p.swarm import HandoffBusy, HandoffRefused, RolloutEnvelope
 from prime_node.trainer.intake import Tier
 
 from swarm_support import fleet, wait_until
 from validator_support import (
+    sees_a_validator,
     OPERATOR,
     RUN,
     bind_node_ids,
@@ -60,8 +61,8 @@ async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) 
         service = running.service
         flood_peer = await group.add(flooder, bootstrap=running.maddrs[:1], reachability="public")
         honest_peer = await group.add(honest, bootstrap=running.maddrs[:1], reachability="public")
-        await wait_until(lambda: _announced(flood_peer), 15)
-        await wait_until(lambda: _announced(honest_peer), 15)
+        await wait_until(lambda: sees_a_validator(flood_peer), 15)
+        await wait_until(lambda: sees_a_validator(honest_peer), 15)
         # The honest node earns its standing with real, verified work.
         await honest_peer.send_rollout(first, first_env)
         assert (await wait_verdict(running, first_env.sha256, 60)).document.accepted
@@ -112,10 +113,6 @@ async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) 
             "SELECT COUNT(*) AS n FROM contributions WHERE node_id != ?", (honest.node_id,)
         )
         assert count[0]["n"] == len(receipts)
-
-
-async def _announced(swarm: Swarm) -> bool:
-    return bool(await swarm.list_validators())
 
 
 async def _established(service, node_id: str) -> bool:  # noqa: ANN001

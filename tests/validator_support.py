@@ -124,3 +124,8 @@ async def bind_node_ids(peer: Swarm, identities: list[Identity], ttl_s: float = 
         value = seal(identity, peer.config.run_id, RecordKind.HEARTBEAT, identity.node_id, body, expiration)
         await peer.process.dht.store(dht_key(peer.config.run_id, RecordKind.HEARTBEAT), value, expiration,
                                      subkey=identity.node_id, return_future=True)
+
+
+async def sees_a_validator(swarm) -> bool:  # noqa: ANN001
+    """Whether `swarm` (a peer) reads any validator announcement: wait on it before handing off a file."""
+    return bool(await swarm.list_validators())

@@ -24,7 +24,7 @@ from hivemind.utils import MSGPackSerializer
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from ..identity import Identity
-from ..names import RUN_ID_PATTERN
+from ..names import MAX_LENGTH_TARGET, RUN_ID_PATTERN
 from ..signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, canonical_json, is_valid_signature
 from .errors import RecordError
 
@@ -112,7 +112,7 @@ class RunParameters(_Wire):
     temperature: float = Field(gt=0, le=10, allow_inf_nan=False)
     max_new_tokens: int = Field(ge=1, le=8192)
     compute_dtype: Literal["float32", "bfloat16"]
-    length_targets: list[Annotated[int, Field(ge=1)]] = Field(max_length=32)
+    length_targets: list[Annotated[int, Field(ge=1, le=MAX_LENGTH_TARGET)]] = Field(max_length=32)
     length_alpha: float = Field(ge=0, le=1, allow_inf_nan=False)
 
 
@@ -288,8 +288,10 @@ def open_record(
     try:
         body = BODY_TYPES[kind].model_validate_json(payload, strict=True)
     except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"]))  # which field: e.g. an old peer's policy lacks `run`
         raise RecordError(
-            f"{kind.value} payload does not match its schema: {exc.errors()[0]['msg']}"
+            f"{kind.value} payload does not match its schema" + (f" at {where}" if where else "") + f": {first['msg']}"
         ) from None
     _check_binding(kind, subkey, owner, body)
     return body
