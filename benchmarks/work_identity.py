@@ -48,12 +48,14 @@ def main() -> None:
     parser.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        before, size_before = _run(Path(tmp) / "before.sqlite", args.files, args.rows, args.synchronous, False)
-        after, size_after = _run(Path(tmp) / "after.sqlite", args.files, args.rows, args.synchronous, True)
+        runs = [_run(Path(tmp) / f"{name}.sqlite", args.files, args.rows, args.synchronous, with_ids)
+                for name, with_ids in (("before", False), ("after", True))]
+    (before, size_before), (after, size_after) = runs
     print(f"{args.files} accepted files x {args.rows} rows, synchronous={args.synchronous}:")
     print(f"  verdict only:                     {before * 1e3:.2f} ms per file")
     print(f"  lookup + verdict with identities: {after * 1e3:.2f} ms per file ({after / before:.2f}x)")
-    print(f"  ledger growth per accepted sample: {(size_after - size_before) / (args.files * args.rows):.0f} bytes")
+    growth = (size_after - size_before) / (args.files * args.rows)
+    print(f"  ledger growth per accepted sample: {growth:.0f} bytes")
 
 
 if __name__ == "__main__":
