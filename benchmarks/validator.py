@@ -67,8 +67,8 @@ def main() -> None:
             batch = produce_rollout_file(engine, tasks, node, dataclasses.replace(spec, batch_counter=counter), scratch)
             tokens += sum(len(r.output_ids) for r in batch.rows)
             sha = hashlib.sha256(scratch.read_bytes()).hexdigest()
-            scratch.rename(spool.entry(sha).path)
-            Path(f"{scratch}.sig").rename(spool.entry(sha).sig_path)
+            scratch.rename(spool.entry(sha, node.node_id).path)
+            Path(f"{scratch}.sig").rename(spool.entry(sha, node.node_id).sig_path)
         gen_s = time.perf_counter() - start
         gen_rate = tokens / gen_s
         print(f"contributor: {args.files} files, {tokens} tokens in {gen_s:.2f} s = {gen_rate:.1f} tokens/s "
@@ -81,12 +81,13 @@ def main() -> None:
             with Ledger(root / f"ledger-{fraction}.sqlite") as ledger:
                 start, verified, accepted, rollouts = time.perf_counter(), 0, 0, 0
                 for entry in entries:
-                    outcome = verify_spooled(entry.path, lambda step: (engine, tasks), settings, random.Random(1))
+                    outcome = verify_spooled(entry.path, lambda step: (engine, tasks), settings,
+                                             random.Random(1), accepted=ledger.accepted_holder)
                     verdict = Verdict(file_hash=entry.sha256, node_id=node.node_id, step=outcome.step,
                                       samples=outcome.samples, tokens=outcome.tokens, accepted=outcome.accepted,
                                       failed_check=outcome.failed_check, reason=outcome.reason,
                                       validator_id=validator.node_id, decided_at=time.time())
-                    ledger.record(sign(verdict, validator))
+                    ledger.record(sign(verdict, validator), samples=outcome.sample_ids)
                     if outcome.accepted:
                         deliver(entry, root / f"inbox-{fraction}")
                     verified += outcome.tokens

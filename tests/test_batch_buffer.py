@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -164,3 +165,65 @@ def test_corrupt_record_is_a_clear_error(tmp_path: Path) -> None:
     path.write_bytes(b"not a database" * 100)
     with pytest.raises(TrainerError, match="unreadable"):
         ConsumedLedger(path)
+
+
+def _copy(file_id: str, step: int, rewards_by_prompt: dict[str, list[float]]) -> RolloutRecord:
+    """A record whose samples carry identities that depend on prompt and position only, not on the file: two
+    copies of the same work under two file ids (as two validators' copies in two encodings would be)."""
+    record = _record(file_id, step, rewards_by_prompt)
+    samples = tuple(dataclasses.replace(s, sample_id=f"work/{s.prompt_key}/{s.completion_ids[0]}")
+                    for s in record.samples)
+    return dataclasses.replace(record, samples=samples)
+
+
+def test_a_sample_is_used_once_whichever_file_carries_it(tmp_path: Path) -> None:
+    path = tmp_path / "consumed.sqlite"
+    with ConsumedLedger(path) as db:
+        buf = BatchBuffer(db, batch_size=2, async_level=2)
+        first = buf.add(_copy("enc-1", 0, {"a": [0, 1], "b": [1, 0], "z": [1, 1]}), current_step=0)
+        assert (first.kept, first.filtered) == (2, 1)
+        # Buffered (a, b), dropped for zero advantage (z): the copy brings nothing new.
+        assert buf.add(_copy("enc-2", 0, {"a": [0, 1], "b": [1, 0], "z": [1, 1]}), current_step=0).already_known == 3
+        batch = buf.take(current_step=0)
+        assert [g.file_id for g in batch.groups] == ["enc-1"]
+        # Reserved (in a batch) or buffered: a third copy, with one new prompt, brings only that prompt.
+        third = buf.add(_copy("enc-3", 0, {"a": [0, 1], "b": [1, 0], "c": [0, 1]}), current_step=0)
+        assert (third.kept, third.already_known) == (1, 2)
+        with pytest.raises(TrainerError, match="twice"):  # the record's key refuses a sample reserved twice
+            db.reserve(1, [("enc-2", "a")], [("work/a/10", ("enc-2", "a"))])
+        buf.release(batch)  # training failed: the group is back, its samples still taken by it
+        assert buf.add(_copy("enc-4", 0, {"a": [0, 1]}), current_step=0).already_known == 1
+        batch = buf.take(current_step=0)
+        buf.commit(batch)
+        consumed = [s.sample_id for g in batch.groups for s in g.samples]
+        assert db.seen_samples([*consumed, "work/q/10"]) == set(consumed)
+        pending = buf.take(current_step=0)  # reserved for step 0, then a crash before checkpoint 1
+        assert pending is not None
+    with ConsumedLedger(path) as db:
+        assert db.recover(resume_step=0) == (0, len(pending.groups))  # released: their samples are free again
+        buf = BatchBuffer(db, batch_size=2, async_level=2)
+        again = buf.add(_copy("enc-5", 0, {"a": [0, 1], "b": [1, 0], "c": [0, 1], "z": [1, 1]}), current_step=0)
+        # a: consumed; z: dropped; b: released by the crash; c: was only buffered, never recorded.
+        assert [g.prompt_key for g in pending.groups] == ["b"]
+        assert (again.kept, again.already_known) == (2, 2) and sorted(k for _, k in buf.pending_keys()) == ["b", "c"]
+
+
+def test_a_version_1_record_is_upgraded_and_keeps_what_it_recorded(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "consumed.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE groups (file_id TEXT NOT NULL, group_key TEXT NOT NULL, state TEXT NOT NULL, step INTEGER NOT "
+        "NULL, reason TEXT NOT NULL DEFAULT '', PRIMARY KEY (file_id, group_key));"
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+        "INSERT INTO meta VALUES ('schema', '1'); INSERT INTO groups VALUES ('old', 'a', 'consumed', 3, '');"
+    )
+    conn.commit()
+    conn.close()
+    with ConsumedLedger(path) as db:
+        assert db.state(("old", "a")) == "consumed"
+        buf = BatchBuffer(db, batch_size=2, async_level=2)
+        assert buf.add(_copy("old", 3, {"a": [0, 1], "b": [1, 0]}), current_step=3).already_known == 1
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("2",)

@@ -7,8 +7,9 @@ import threading
 
 import pytest
 from ledger_support import T0, VALIDATOR, node_id, signed_verdict
-from prime_node.trainer.ledger import AsyncLedger, Ledger, LedgerError
-from prime_node.trainer.ledger_schema import LATEST_VERSION
+from prime_node.proofs.work_identity import SampleId
+from prime_node.trainer.ledger import AsyncLedger, DuplicateWork, Ledger, LedgerError
+from prime_node.trainer.ledger_schema import CREATE_MIGRATIONS_TABLE, LATEST_VERSION, MIGRATIONS
 from prime_node.trainer.slashing import Ban, Credit, Slash, SlashingPolicy
 from prime_node.p2p.verdicts import sign
 
@@ -56,7 +57,8 @@ def test_accepted_file_is_credited_once_even_when_resent(ledger):
     second = sign(first.document.model_copy(update={"decided_at": T0 + 60}), VALIDATOR)
     again = ledger.record(second)
     assert again.duplicate and again.actions == () and again.verdict == first
-    assert ledger.verdict_for(first.document.file_hash) == first
+    assert ledger.verdict_for(first.document.file_hash, A) == first
+    assert ledger.verdict_for(first.document.file_hash, B) is None  # a verdict belongs to (file, sender)
     assert _totals(ledger, A) == (300, 6, 1.0)
 
 
@@ -67,7 +69,7 @@ def test_crediting_sums_over_files_and_nodes(ledger):
     ledger.record(signed_verdict(B, accepted=False, failed_check="schema", tokens=10**6))
     assert _totals(ledger, A) == (600, 12, 3.0)
     assert _totals(ledger, B) == (50, 2, 1.0 - 5.0)
-    assert ledger.verdict_for("f" * 64) is None
+    assert ledger.verdict_for("f" * 64, A) is None
 
 
 def test_fraud_is_slashed_and_banned_in_the_same_transaction(ledger):
@@ -187,10 +189,107 @@ async def test_async_wrapper_runs_off_the_loop(ledger):
     signed = signed_verdict(A)
     assert not (await aledger.record(signed)).duplicate
     assert (await aledger.record(signed)).duplicate
-    assert await aledger.verdict_for(signed.document.file_hash) == signed
+    assert await aledger.verdict_for(signed.document.file_hash, A) == signed
     await aledger.touch_node(B, seen_at=T0, hardware={"cpu": "x86"})
     assert await aledger.active_ban(B, now=T0) is None
     assert len(await aledger.query("SELECT * FROM nodes")) == 2
     ban = await aledger.ban(B, "manual", until=T0 + 60, at=T0)
     await aledger.attach_ban_record(ban.id, sign(ban.to_record(VALIDATOR.node_id), VALIDATOR))
     assert [b.id for b in await aledger.active_bans(now=T0 + 1)] == [ban.id]
+
+
+def _ids(node: str, batch: int, n: int, *, step: int = 3) -> list[SampleId]:
+    return [SampleId("run", node, step, batch, 100 + i // 2, 7_000 + i) for i in range(n)]
+
+
+def test_a_sample_is_accepted_once_whatever_file_carries_it(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as ledger:
+        first = signed_verdict(A, samples=4)
+        ledger.record(first, samples=_ids(A, 0, 4))
+        # Another file (another encoding, a prefix, a superset...) claiming one of those samples: nothing is
+        # written, and the error names the sample and the file that holds it.
+        superset = signed_verdict(A, samples=6)
+        with pytest.raises(DuplicateWork, match=f"seed 7000.*file {first.document.file_hash[:16]}") as caught:
+            ledger.record(superset, samples=_ids(A, 0, 6))
+        assert caught.value.holder == first.document.file_hash and caught.value.sample == _ids(A, 0, 4)[0]
+        assert ledger.verdict_for(superset.document.file_hash, A) is None
+        with pytest.raises(DuplicateWork, match="repeated row"):  # a file repeating its own rows
+            ledger.record(signed_verdict(A, samples=2), samples=_ids(A, 1, 1) * 2)
+        assert _totals(ledger, A) == (256, 4, 1.0)  # credited once
+        assert ledger.accepted_holder(_ids(A, 1, 2) + _ids(A, 0, 1)) == (_ids(A, 0, 1)[0], first.document.file_hash)
+        ledger.record(signed_verdict(A, samples=2), samples=_ids(A, 1, 2))  # new work is accepted
+        with pytest.raises(LedgerError, match="another node"):  # identities are the sender's own
+            ledger.record(signed_verdict(B, samples=2), samples=_ids(A, 2, 2))
+    with Ledger(path) as reopened:  # a restart forgets nothing
+        assert reopened.accepted_holder(_ids(A, 0, 4)[2:]) == (_ids(A, 0, 4)[2], first.document.file_hash)
+
+
+def test_two_writers_cannot_both_accept_the_same_sample(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    ledgers = [Ledger(path) for _ in range(2)]  # two connections, as two processes would have
+    barrier = threading.Barrier(6)
+    outcomes: list[str] = []
+
+    def worker(i: int) -> None:
+        # Six files, each a different cut of the same batch: samples 0..i+1 of it.
+        signed = signed_verdict(A, samples=i + 2)
+        barrier.wait()
+        try:
+            ledgers[i % 2].record(signed, samples=_ids(A, 0, i + 2))
+            outcomes.append("accepted")
+        except DuplicateWork:
+            outcomes.append("duplicate")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(outcomes) == ["accepted"] + ["duplicate"] * 5
+    assert len(ledgers[0].query("SELECT * FROM contributions")) == 1
+    for led in ledgers:
+        led.close()
+
+
+def test_a_verdict_belongs_to_the_file_and_its_sender(ledger):
+    stolen = signed_verdict(B, accepted=False, failed_check="signer")  # B re-signed A's file, delivered first
+    own = signed_verdict(A, file_hash=stolen.document.file_hash, samples=2)
+    assert not ledger.record(stolen).duplicate
+    assert not ledger.record(own, samples=_ids(A, 0, 2)).duplicate  # judged on its own, not a resend
+    assert ledger.verdict_for(own.document.file_hash, A) == own and ledger.verdict_for(own.document.file_hash, B) == stolen
+    assert ledger.verdicts_for(own.document.file_hash) == [stolen, own]
+    assert _totals(ledger, A)[2] == 1.0 and ledger.history(B).banned
+
+
+def test_a_version_2_ledger_is_rebuilt_keyed_by_file_and_sender(tmp_path):
+    path = tmp_path / "old.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute(CREATE_MIGRATIONS_TABLE)
+    for migration in MIGRATIONS[:2]:
+        for statement in migration.statements:
+            conn.execute(statement)
+        conn.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (migration.version, migration.name, T0))
+    old = signed_verdict(A, accepted=False, failed_check="toploc", at=T0)
+    conn.execute("INSERT INTO nodes (node_id, first_seen, last_seen, score) VALUES (?, ?, ?, -100)", (A, T0, T0))
+    conn.execute(
+        "INSERT INTO contributions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,NULL)",
+        (old.document.file_hash, A, 3, 0, 0, 0, "toploc", "x", VALIDATOR.node_id, T0, T0, T0, old.to_json().decode()),
+    )
+    conn.execute("INSERT INTO slashes (node_id, file_hash, amount, check_class, failed_check, reason, created_at)"
+                 " VALUES (?, ?, 100, 'fraud', 'toploc', 'x', ?)", (A, old.document.file_hash, T0))
+    conn.execute("INSERT INTO bans (node_id, file_hash, reason, created_at, until) VALUES (?, ?, 'fraud', ?, ?)",
+                 (A, old.document.file_hash, T0, T0 + 60))
+    conn.execute("INSERT INTO bans (node_id, file_hash, reason, created_at, until) VALUES (?, NULL, 'manual', ?, NULL)",
+                 (A, T0))
+    conn.commit()
+    conn.close()
+    with Ledger(path) as ledger:
+        assert ledger.schema_version() == LATEST_VERSION
+        assert ledger.verdict_for(old.document.file_hash, A) == old  # old records stay readable
+        assert [b.reason for b in ledger.active_bans(now=T0 + 1)] == ["fraud", "manual"]
+        assert ledger.query("SELECT COUNT(*) FROM slashes")[0][0] == 1
+        assert ledger.query("PRAGMA foreign_key_check") == [] and ledger.query("PRAGMA foreign_keys")[0][0] == 1
+        # The same bytes from another sender now get their own row.
+        ledger.record(signed_verdict(B, file_hash=old.document.file_hash, samples=2), samples=_ids(B, 0, 2))
+        assert len(ledger.verdicts_for(old.document.file_hash)) == 2

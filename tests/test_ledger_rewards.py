@@ -11,7 +11,7 @@ from ledger_support import T0, node_id, signed_verdict
 
 from prime_node.trainer.dashboard import create_app, ledger_rewards, serve
 from prime_node.trainer.ledger import Ledger, LedgerError
-from prime_node.trainer.ledger_schema import CREATE_MIGRATIONS_TABLE, MIGRATIONS
+from prime_node.trainer.ledger_schema import LATEST_VERSION, CREATE_MIGRATIONS_TABLE, MIGRATIONS
 
 A, B = node_id(50), node_id(51)
 
@@ -58,7 +58,7 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(tmp_path: Path) -> No
     conn.commit()
     conn.close()
     with Ledger(path) as ledger:
-        assert ledger.schema_version() == 2
+        assert ledger.schema_version() == LATEST_VERSION
         assert ledger.query("SELECT task_reward_sum FROM contributions")[0]["task_reward_sum"] is None
         assert ledger.reward_curve() == []  # an unknown reward is left out, never drawn as 0
         ledger.record(signed_verdict(B, step=1, samples=2, at=T0 + 1), task_reward_sum=1.0)

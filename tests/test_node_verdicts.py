@@ -70,8 +70,9 @@ async def test_verdicts_and_rank_are_learned_checked_persisted_and_shown(
     checkpoint, engine, tasks = world
     node = Identity.generate()
     honest = rows_for(engine, tasks, node)
-    cheat = [dataclasses.replace(honest[0], task_reward=1.0 - honest[0].task_reward,
-                                 reward=1.0 - honest[0].task_reward - honest[0].length_penalty), *honest[1:]]
+    other = rows_for(engine, tasks, node, batch_counter=1)  # other work: the honest file's samples are taken
+    cheat = [dataclasses.replace(other[0], task_reward=1.0 - other[0].task_reward,
+                                 reward=1.0 - other[0].task_reward - other[0].length_penalty), *other[1:]]
     outbox = Outbox(tmp_path / "node" / "rollouts")
     good = commit(outbox, honest, node, "honest.parquet")
     time.sleep(0.01)  # pending/ is sent oldest first: the honest file goes first
@@ -119,8 +120,8 @@ async def test_verdicts_and_rank_are_learned_checked_persisted_and_shown(
             rogue = Identity.generate()
             forged = sign(Verdict(file_hash=bad, node_id=node.node_id, step=0, samples=2, tokens=10, accepted=True,
                                   validator_id=rogue.node_id, decided_at=time.time()), rogue).to_json()
-            runner, url = await serve_json({f"/api/verdict/{bad}": forged,
-                                            f"/api/verdict/{'0' * 64}": json.dumps(stored).encode()})
+            runner, url = await serve_json({f"/api/verdict/{bad}/{node.node_id}": forged,
+                                            f"/api/verdict/{'0' * 64}/{node.node_id}": json.dumps(stored).encode()})
             try:
                 for sha in (bad, "0" * 64):
                     try:

@@ -205,7 +205,7 @@ async def test_a_validator_verifies_nothing_before_a_policy_confirms_its_paramet
         # Still queued, not just undecided: an open worker takes a job off the queue at once, however long
         # verifying it then takes on a busy machine.
         assert len(running.service.queue) == 1
-        assert await running.service.ledger.verdict_for(envelope.sha256) is None
+        assert await running.service.ledger.verdict_for(envelope.sha256, node.node_id) is None
         await announce_run(running.swarm, settings.run)
         verdict = (await wait_verdict(running, envelope.sha256, 30)).document
         assert verdict.accepted, verdict.reason

@@ -12,7 +12,7 @@ import pytest
 
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
-from prime_node.p2p.swarm.handoff import ENVELOPE_SUFFIX, FILE_SUFFIX
+from prime_node.p2p.swarm.handoff import ENVELOPE_SUFFIX, FILE_SUFFIX, stored_name
 from prime_node.proofs.rollout_file import parse_envelope, sign_bytes, verify_envelope
 from swarm_support import fleet, wait_until
 
@@ -55,9 +55,10 @@ async def test_rollout_reaches_validator_from_a_peer_in_client_mode(
             validator.node_id,
         )
         assert [r.envelope.sha256 for r in received] == [sha] and received[0].peer_id == sender.peer_id
-        assert (tmp_path / "incoming" / f"{sha}{FILE_SUFFIX}").read_bytes() == data
+        name = stored_name(sha, sender.node_id)  # one sender's delivery of these bytes
+        assert (tmp_path / "incoming" / f"{name}{FILE_SUFFIX}").read_bytes() == data
         # What lands on disk is what proofs/rollout_file.py reads: the file and its .sig envelope.
-        stored = parse_envelope((tmp_path / "incoming" / f"{sha}{ENVELOPE_SUFFIX}").read_bytes())
+        stored = parse_envelope((tmp_path / "incoming" / f"{name}{ENVELOPE_SUFFIX}").read_bytes())
         assert verify_envelope(data, stored, expected_signer=sender.node_id) == sender.node_id
         # A resend after an ambiguous failure gets a receipt again without a second acceptance.
         again = await sender.send_rollout(data, RolloutEnvelope.sign(sender.identity, data))
@@ -99,11 +100,10 @@ async def test_bad_hand_offs_are_refused_without_being_stored(tmp_path: Path) ->
         # Not one byte of the refused files reached the validator's disk: only the good one lands.
         await sender.send_rollout(data, signed)
         assert [r.envelope for r in accepted] == [signed]
-        assert sorted(p.name for p in incoming.iterdir()) == sorted(
-            [f"{signed.sha256}{FILE_SUFFIX}", f"{signed.sha256}{ENVELOPE_SUFFIX}"]
-        )
-        (incoming / f"{signed.sha256}{FILE_SUFFIX}").unlink()
-        (incoming / f"{signed.sha256}{ENVELOPE_SUFFIX}").unlink()
+        name = stored_name(signed.sha256, sender.node_id)
+        assert sorted(p.name for p in incoming.iterdir()) == sorted([f"{name}{FILE_SUFFIX}", f"{name}{ENVELOPE_SUFFIX}"])
+        (incoming / f"{name}{FILE_SUFFIX}").unlink()
+        (incoming / f"{name}{ENVELOPE_SUFFIX}").unlink()
 
         await operator_bans(group.peers[0], sender.node_id)
         await refused(data, signed, "banned")

@@ -71,8 +71,8 @@ def test_reservations_become_files_lapse_or_are_cancelled() -> None:
     clock[0] += 31  # the second hand-off never sent its body: its reservation lapses
     assert admission.of_node(newcomer) == 1
     assert admission.admit(newcomer, third) is None
-    admission.cancel(third)  # it turned out to be decided already
-    admission.finished(first)  # verdict
+    admission.cancel(newcomer, third)  # it turned out to be decided already
+    admission.finished(newcomer, first)  # verdict
     assert admission.in_tier(Tier.NEWCOMER) == 0
     # A file recovered from the spool is counted whatever the bounds say: acknowledged means never dropped.
     for _ in range(5):

@@ -57,8 +57,9 @@ async def test_honest_file_is_accepted_delivered_and_credited_once(tmp_path: Pat
         assert verdict.validator_id == OPERATOR.node_id and verdict.samples == 2 and verdict.tokens > 0
         inbox = settings.resolved_data_dir() / "accepted"
         await wait_until(lambda: _spool_empty(running), 10)  # the verdict is recorded first, then delivered
-        assert (inbox / f"{envelope.sha256}.parquet").read_bytes() == path.read_bytes()
-        assert (inbox / f"{envelope.sha256}.parquet.sig").is_file()
+        name = f"{envelope.sha256}-{node.node_id}"  # one sender's delivery of these bytes
+        assert (inbox / f"{name}.parquet").read_bytes() == path.read_bytes()
+        assert (inbox / f"{name}.parquet.sig").is_file()
 
         again = await sender.send_rollout(path, envelope)  # a resend is acknowledged, credited once
         assert again.body.sha256 == envelope.sha256
@@ -113,7 +114,7 @@ async def test_attacks_are_rejected_slashed_and_banned_through_the_dht(tmp_path:
             assert not verdict.accepted and verdict.failed_check == expected, verdict.reason
             assert verdict.reason.startswith(expected)
             # The sender can fetch the signed verdict and check it against the validator's key.
-            url = f"{running.dashboard_url}/api/verdict/{envelope.sha256}"
+            url = f"{running.dashboard_url}/api/verdict/{envelope.sha256}/{cheat.node_id}"
             raw = await asyncio.to_thread(lambda u=url: urllib.request.urlopen(u, timeout=5).read())
             assert open_signed(raw, Verdict, {OPERATOR.node_id}).document == verdict
             assert (await running.service.ledger.active_ban(cheat.node_id)) is not None

@@ -142,7 +142,7 @@ async def test_files_wait_for_their_checkpoint_then_are_verified_or_expire(tmp_p
             await sender.send_rollout(early, early_env)
             await sender.send_rollout(never, never_env)
             await wait_until(lambda: _held(running, 2), 15)  # no checkpoint yet: both wait, no verdict
-            assert await running.service.ledger.verdict_for(early_env.sha256) is None
+            assert await running.service.ledger.verdict_for(early_env.sha256, node.node_id) is None
 
             manifest = Store(origin).load_manifest(1, OPERATOR.node_id)
             await running.swarm.publish_policy(1, manifest.digest, [url], run_parameters(settings.run))

@@ -76,8 +76,9 @@ def _start(group: ProcessGroup, name: str, key: Path, data: Path, config: Path) 
 
 def _verdicts(data: Path) -> dict[str, tuple[int, float]]:
     with Ledger(data / "ledger.sqlite") as ledger:
-        return {r["file_hash"]: (r["accepted"], r["decided_at"])
-                for r in ledger.query("SELECT file_hash, accepted, decided_at FROM contributions")}
+        rows = ledger.query("SELECT file_hash, node_id, accepted, decided_at FROM contributions")
+    assert len({(r["file_hash"], r["node_id"]) for r in rows}) == len({r["file_hash"] for r in rows})  # one sender
+    return {r["file_hash"]: (r["accepted"], r["decided_at"]) for r in rows}
 
 
 @pytest.mark.slow
@@ -122,7 +123,8 @@ async def test_sigkilled_validator_gives_each_spooled_file_one_verdict_after_res
         assert all(accepted == 1 for accepted, _ in after.values()), second.log_tail()
         assert after[files[0][1].sha256] == before[files[0][1].sha256]  # decided once, never again
         await wait_until(lambda: _async(not list((data / "spool").glob("*.parquet"))), 10)
-        assert sorted(p.name for p in (data / "accepted").glob("*.parquet")) == sorted(f"{h}.parquet" for h in hashes)
+        assert sorted(p.name for p in (data / "accepted").glob("*.parquet")) == sorted(
+            f"{h}-{node.node_id}.parquet" for h in hashes)
         code, killed = group.stop(second, grace=30)  # SIGTERM: graceful
         assert code == 0 and not killed, second.log_tail()
 

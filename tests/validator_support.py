@@ -103,10 +103,18 @@ async def announce_run(swarm: Swarm, run: RunSettings, step: int = 0) -> None:
     assert await swarm.publish_policy(step, "00" * 32, [], run_parameters(run))
 
 
-async def wait_verdict(running: RunningValidator, sha256: str, timeout: float) -> Signed[Verdict]:
+async def wait_verdict(running: RunningValidator, sha256: str, timeout: float,
+                       node_id: str | None = None) -> Signed[Verdict]:
+    """The verdict on `node_id`'s delivery of the file; without `node_id`, on the one sender that delivered it."""
     deadline = time.monotonic() + timeout
+    ledger = running.service.ledger.ledger
     while time.monotonic() < deadline:
-        found = await running.service.ledger.verdict_for(sha256)
+        if node_id is not None:
+            found = await asyncio.to_thread(ledger.verdict_for, sha256, node_id)
+        else:
+            verdicts = await asyncio.to_thread(ledger.verdicts_for, sha256)
+            assert len(verdicts) <= 1, f"several senders delivered {sha256[:16]}: name the node"
+            found = verdicts[0] if verdicts else None
         if found is not None:
             return found
         await asyncio.sleep(0.1)

@@ -9,7 +9,9 @@ ONE file: completions of the same prompt from two files were sampled independent
 policies, so their rewards are not pooled.
 
 Every decision is written to the ConsumedLedger (trainer/consumed.py) so a restarted trainer that re-reads
-its accepted-rollouts directory skips what it already used or discarded.
+its accepted-rollouts directory skips what it already used or discarded. A group any of whose samples (by
+identity, proofs/work_identity.py) is already recorded or buffered is skipped whole: two accepted files that
+carry the same work (two validators' copies, in two encodings or cut differently) give it to training once.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class RolloutSample:
     completion_ids: tuple[int, ...]
     task_reward: float
     length_penalty: float = 0.0  # alpha * |length - target|, 0 when length rewards are off
+    sample_id: str | None = None  # SampleId.key() of the row (trainer/inbox.py); None: known by file only
 
     @property
     def reward(self) -> float:
@@ -61,6 +64,10 @@ class ScoredGroup:
     @property
     def key(self) -> GroupKey:
         return (self.file_id, self.prompt_key)
+
+    def sample_keys(self) -> list[tuple[str, GroupKey]]:
+        """(sample identity, this group's key) for each sample that has an identity: what the record keeps."""
+        return [(s.sample_id, self.key) for s in self.samples if s.sample_id is not None]
 
     def train_samples(self) -> list[TrainSample]:
         return [
@@ -124,6 +131,7 @@ class BatchBuffer:
         self.max_buffered_samples = max_buffered_samples
         self._groups: OrderedDict[GroupKey, ScoredGroup] = OrderedDict()
         self._samples = 0
+        self._buffered_ids: set[str] = set()  # sample identities of the buffered groups
 
     @property
     def buffered_samples(self) -> int:
@@ -152,42 +160,54 @@ class BatchBuffer:
         for s in record.samples:
             by_prompt.setdefault(s.prompt_key, []).append(s)
         known = self.ledger.known(record.file_id)
+        ids = [s.sample_id for s in record.samples if s.sample_id is not None]
+        seen = self.ledger.seen_samples(ids) | (self._buffered_ids & set(ids))
         stale = record.policy_step < self.oldest_usable_step(current_step)
         kept = filtered = dropped_stale = already = 0
-        zero: list[GroupKey] = []
-        old: list[GroupKey] = []
+        zero: list[ScoredGroup] = []
+        old: list[ScoredGroup] = []
         for prompt_key, samples in by_prompt.items():
             key = (record.file_id, prompt_key)
-            if prompt_key in known or key in self._groups:
+            if prompt_key in known or key in self._groups or any(s.sample_id in seen for s in samples):
                 already += 1
                 continue
-            stats = group_advantages([s.reward for s in samples], self.advantage_eps)
-            if not stats.informative:
-                zero.append(key)
+            group = ScoredGroup(record.file_id, prompt_key, record.policy_step, tuple(samples),
+                                group_advantages([s.reward for s in samples], self.advantage_eps))
+            if not group.stats.informative:
+                zero.append(group)
                 filtered += 1
             elif stale:
-                old.append(key)
+                old.append(group)
                 dropped_stale += 1
             else:
-                self._groups[key] = ScoredGroup(
-                    record.file_id, prompt_key, record.policy_step, tuple(samples), stats
-                )
-                self._samples += len(samples)
+                self._keep(group)
                 kept += 1
-        if zero:
-            self.ledger.drop(current_step, zero, "zero_advantage")
-        if old:
-            self.ledger.drop(current_step, old, "stale")
+        for groups, reason in ((zero, "zero_advantage"), (old, "stale")):
+            if groups:
+                self.ledger.drop(current_step, [g.key for g in groups], reason,
+                                 [k for g in groups for k in g.sample_keys()])
         return AddReport(True, kept, filtered, dropped_stale, already)
+
+    def _keep(self, group: ScoredGroup, *, front: bool = False) -> None:
+        self._groups[group.key] = group
+        if front:
+            self._groups.move_to_end(group.key, last=False)
+        self._samples += len(group.samples)
+        self._buffered_ids.update(sid for sid, _ in group.sample_keys())
+
+    def _forget(self, key: GroupKey) -> ScoredGroup:
+        group = self._groups.pop(key)
+        self._samples -= len(group.samples)
+        self._buffered_ids.difference_update(sid for sid, _ in group.sample_keys())
+        return group
 
     def evict_stale(self, current_step: int) -> int:
         """Drop (and record) buffered groups from policies older than the async window allows."""
         limit = self.oldest_usable_step(current_step)
-        old = [k for k, g in self._groups.items() if g.policy_step < limit]
-        for k in old:
-            self._samples -= len(self._groups.pop(k).samples)
+        old = [self._forget(k) for k, g in list(self._groups.items()) if g.policy_step < limit]
         if old:
-            self.ledger.drop(current_step, old, "stale")
+            self.ledger.drop(current_step, [g.key for g in old], "stale",
+                             [k for g in old for k in g.sample_keys()])
             logger.info("dropped %d rollout groups older than policy step %d", len(old), limit)
         return len(old)
 
@@ -206,10 +226,10 @@ class BatchBuffer:
                 break
             chosen.append(g)
             total += len(g.samples)
-        self.ledger.reserve(current_step, [g.key for g in chosen])
+        self.ledger.reserve(current_step, [g.key for g in chosen],
+                            [k for g in chosen for k in g.sample_keys()])
         for g in chosen:
-            del self._groups[g.key]
-        self._samples -= total
+            self._forget(g.key)
         return Batch(step=current_step, groups=tuple(chosen))
 
     def commit(self, batch: Batch) -> None:
@@ -220,6 +240,4 @@ class BatchBuffer:
         """Training on `batch` failed before its checkpoint: return its groups to the buffer, front first."""
         self.ledger.release(batch.step)
         for g in reversed(batch.groups):
-            self._groups[g.key] = g
-            self._groups.move_to_end(g.key, last=False)
-            self._samples += len(g.samples)
+            self._keep(g, front=True)

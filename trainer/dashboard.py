@@ -3,8 +3,11 @@
 Routes (all GET):
 - `/api/leaderboard?top=N`: `{"generated_at", "ranked", "nodes": [LeaderboardRow...]}`
 - `/api/node/{id}`: NodeDetail for a node id or a unique prefix of at least 6 hex digits (400/404/409)
-- `/api/verdict/{sha256}`: the signed verdict envelope of one rollout file (404 until it is decided);
-  a sender fetches it to learn, verifiably, why its file was refused.
+- `/api/verdict/{sha256}/{node_id}`: the signed verdict envelope on one sender's delivery of a rollout file
+  (404 until it is decided); a sender fetches its own to learn, verifiably, why its file was refused. A
+  verdict belongs to (file hash, sender): another node's delivery of the same bytes has its own.
+- `/api/verdict/{sha256}` (kept for nodes of earlier versions): the verdict when exactly one sender delivered
+  these bytes; 409 when several did (ask with the node id).
 - `/api/swarm`, `/api/rewards`: the live swarm and the reward curve, fed by sources the validator service
   passes in (the curve: `ledger_rewards`, the mean recomputed task reward per policy step of the accepted
   files, persisted in the ledger); without one they answer `available: false` and the page shows a
@@ -111,7 +114,8 @@ def create_app(
     app[REWARDS_KEY] = rewards
     app.router.add_get("/api/leaderboard", _leaderboard)
     app.router.add_get("/api/node/{node_id}", _node)
-    app.router.add_get("/api/verdict/{file_hash}", _verdict)
+    app.router.add_get("/api/verdict/{file_hash}", _verdict_by_hash)
+    app.router.add_get("/api/verdict/{file_hash}/{node_id}", _verdict)
     app.router.add_get("/api/swarm", _swarm)
     app.router.add_get("/api/rewards", _rewards)
     app.router.add_get("/", _index)
@@ -160,14 +164,40 @@ async def _node(request: web.Request) -> web.Response:
     return web.json_response(detail.model_dump(mode="json"))
 
 
+def _hex64(request: web.Request, name: str, what: str) -> str:
+    value = request.match_info[name]
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise NodeLookupError(f"a {what} is 64 lowercase hex digits", 400)
+    return value
+
+
 async def _verdict(request: web.Request) -> web.Response:
-    file_hash = request.match_info["file_hash"]
-    if not re.fullmatch(r"[0-9a-f]{64}", file_hash):
-        raise NodeLookupError("a file hash is 64 lowercase hex digits (its SHA-256)", 400)
-    signed = await asyncio.to_thread(request.app[LEDGER_KEY].verdict_for, file_hash)
+    file_hash = _hex64(request, "file_hash", "file hash (its SHA-256)")
+    node_id = _hex64(request, "node_id", "node id (its Ed25519 public key)")
+    signed = await asyncio.to_thread(request.app[LEDGER_KEY].verdict_for, file_hash, node_id)
     if signed is None:
-        raise NodeLookupError(f"no verdict for file {file_hash[:16]}… (not received, or not decided yet)", 404)
+        raise NodeLookupError(
+            f"no verdict for file {file_hash[:16]}… from node {node_id[:16]}… (not received, or not "
+            "decided yet)",
+            404,
+        )
     return web.json_response(signed.envelope())
+
+
+async def _verdict_by_hash(request: web.Request) -> web.Response:
+    file_hash = _hex64(request, "file_hash", "file hash (its SHA-256)")
+    found = await asyncio.to_thread(request.app[LEDGER_KEY].verdicts_for, file_hash, 2)
+    if not found:
+        raise NodeLookupError(
+            f"no verdict for file {file_hash[:16]}… (not received, or not decided yet)", 404
+        )
+    if len(found) > 1:
+        raise NodeLookupError(
+            f"several nodes delivered file {file_hash[:16]}…, each with its own verdict: ask "
+            f"/api/verdict/{file_hash}/<node id>",
+            409,
+        )
+    return web.json_response(found[0].envelope())
 
 
 async def _swarm(request: web.Request) -> web.Response:

@@ -1,4 +1,4 @@
-"""The trainer's inbox of accepted rollout files: `<sha256>.parquet` + `.parquet.sig`, dropped by a validator.
+"""The trainer's inbox: accepted rollout files `<sha256>-<node_id>.parquet` + `.parquet.sig` from validators.
 
 The validator (trainer/spool.py `deliver`) writes the signature first and renames the Parquet file into place
 last, so a `*.parquet` seen here is complete. Even so every file is read with the full reader
@@ -8,6 +8,9 @@ write to, and a file's name is not its identity, its verified SHA-256 is.
 
 A file that fails to read is logged once and skipped (it stays on disk for the operator to inspect); files are
 offered oldest first (by modification time, then name), the order in which the validator accepted them.
+Each sample carries its identity (proofs/work_identity.py), by which the batch buffer and its consumed record
+use every sample at most once, even when two validators each accepted a file carrying it. A file that repeats
+a sample within itself is refused (no validator accepts one).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from ..proofs.rollout_file import SIG_SUFFIX, read_rollout_file
 from ..proofs.rollout_schema import RolloutFileError, RolloutLimits
+from ..proofs.work_identity import first_repeat, sample_ids
 from .batch_buffer import RolloutRecord, RolloutSample
 
 logger = logging.getLogger(__name__)
@@ -31,6 +35,11 @@ def record_from_rows(sha256: str, rows: tuple) -> RolloutRecord:
     if len(steps) != 1:
         raise RolloutFileError(f"rows name {len(steps)} policy steps; a rollout file comes from one checkpoint",
                                check="bounds")
+    ids = sample_ids(rows)
+    repeat = first_repeat(ids)
+    if repeat is not None:
+        raise RolloutFileError(f"row {repeat[1]} repeats row {repeat[0]} ({ids[repeat[1]].describe()})",
+                               check="duplicate")
     samples = tuple(
         RolloutSample(
             prompt_key=str(r.sample_index),
@@ -38,8 +47,9 @@ def record_from_rows(sha256: str, rows: tuple) -> RolloutRecord:
             completion_ids=tuple(r.output_ids),
             task_reward=float(r.task_reward),
             length_penalty=float(r.length_penalty),
+            sample_id=identity.key(),
         )
-        for r in rows
+        for r, identity in zip(rows, ids, strict=True)
     )
     return RolloutRecord(file_id=sha256, policy_step=steps.pop(), samples=samples)
 

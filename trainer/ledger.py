@@ -3,9 +3,14 @@
 SQLite in WAL mode with a busy timeout (trainer/ledger_db.py). Every write is one `BEGIN IMMEDIATE`
 transaction: a verdict, its contribution row and the slashing actions it caused commit together.
 
-The ledger is idempotent on the file hash: recording a verdict for a file already recorded changes
-nothing and returns the verdict stored first, so a resent file is credited once and its sender gets the
-same signed verdict again.
+A verdict belongs to (file hash, sender): two nodes may deliver the same bytes (one re-signing the other's
+file) and each is judged on its own. The ledger is idempotent on that pair: recording a verdict for a file
+this sender already has one for changes nothing and returns the verdict stored first, so a resent file is
+credited once and its sender gets the same signed verdict again.
+
+Work is identified by what it is, not by its bytes (proofs/work_identity.py): an accepted verdict records
+the identity of each of its samples under a unique key, in the transaction that records the verdict, so no
+sample is ever accepted twice whatever file carries it (`DuplicateWork`).
 
 All methods block (disk I/O, fsync). In async code use `AsyncLedger`, which runs them with
 `asyncio.to_thread`; the connection is shared between threads under a lock.
@@ -21,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from ..p2p.verdicts import MAX_BAN_REASON_CHARS, BanRecord, Signed, Verdict
+from ..proofs.work_identity import SampleId, first_repeat
 from .ledger_async import AsyncLedger
 from .ledger_db import Database, LedgerError, LedgerSettings
 from .ledger_records import (
     BanEntry,
+    DuplicateWork,
     RecordResult,
     RewardPoint,
     ban_entry,
@@ -45,7 +52,8 @@ from .slashing import (
 )
 
 __all__ = [
-    "AsyncLedger", "BanEntry", "Ledger", "LedgerError", "LedgerSettings", "RecordResult", "RewardPoint"
+    "AsyncLedger", "BanEntry", "DuplicateWork", "Ledger", "LedgerError", "LedgerSettings", "RecordResult",
+    "RewardPoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,11 +86,15 @@ class Ledger:
         *,
         received_at: float | None = None,
         task_reward_sum: float | None = None,
+        samples: Sequence[SampleId] = (),
     ) -> RecordResult:
-        """Store a verdict and apply the slashing policy to it, once per file hash.
+        """Store a verdict and apply the slashing policy to it, once per (file hash, sender).
 
         `task_reward_sum`: the sum of an accepted file's task rewards as the validator recomputed them (the
         reward curve, `reward_curve`); left out for rejected files.
+        `samples`: the identities of an accepted file's rows, one per row (the validator always gives them).
+        If any was accepted before, in any file, or occurs twice among them, nothing is written and
+        `DuplicateWork` names it: the caller records a rejection instead.
         """
         v = signed.document
         received = v.decided_at if received_at is None else received_at
@@ -90,12 +102,18 @@ class Ledger:
             raise LedgerError(
                 f"task_reward_sum {task_reward_sum} needs an accepted file and a value in [0, {v.samples}]"
             )
+        if samples and not (v.accepted and len(samples) == v.samples):
+            raise LedgerError(f"{len(samples)} sample identities need an accepted file of as many samples")
+        if any(s.node_id != v.node_id for s in samples):  # the signer check ensures it; the key relies on it
+            raise LedgerError("a sample identity names another node than the verdict's sender")
         with self.db.write() as c:
             row = c.execute(
-                "SELECT verdict FROM contributions WHERE file_hash = ?", (v.file_hash,)
+                "SELECT verdict FROM contributions WHERE file_hash = ? AND node_id = ?",
+                (v.file_hash, v.node_id),
             ).fetchone()
             if row is not None:
                 return RecordResult(load_verdict(row["verdict"]), True, (), ())
+            self._check_new(c, samples)  # inside the write lock: no other verdict can claim them meanwhile
             actions: tuple[Action, ...] = ()
             if v.failed_check not in UNATTRIBUTED_CHECKS:  # else the file may not be this node's at all
                 self._touch(c, v.node_id, received, None)
@@ -122,15 +140,60 @@ class Ledger:
                 ),
             )
             bans = self._apply(c, v, actions)
+            # The key admits each identity once: a second claim fails here even if a check above were wrong.
+            c.executemany(
+                "INSERT INTO accepted_samples (run_id, node_id, policy_step, batch_counter, sample_index,"
+                " sample_seed, file_hash) VALUES (?,?,?,?,?,?,?)",
+                [(*s, v.file_hash) for s in samples],
+            )
         if bans:
             logger.warning("node %s banned: %s", v.node_id[:16], "; ".join(b.reason for b in bans))
         return RecordResult(signed, False, actions, bans)
 
-    def verdict_for(self, file_hash: str) -> Signed[Verdict] | None:
-        """The verdict already recorded for a file, if any (check this before verifying a received file)."""
+    def verdict_for(self, file_hash: str, node_id: str) -> Signed[Verdict] | None:
+        """The verdict recorded on this sender's file, if any (check before verifying a received file)."""
         with self.db.read() as c:
-            row = c.execute("SELECT verdict FROM contributions WHERE file_hash = ?", (file_hash,)).fetchone()
+            row = c.execute(
+                "SELECT verdict FROM contributions WHERE file_hash = ? AND node_id = ?", (file_hash, node_id)
+            ).fetchone()
         return None if row is None else load_verdict(row["verdict"])
+
+    def verdicts_for(self, file_hash: str, limit: int = 2) -> list[Signed[Verdict]]:
+        """Up to `limit` verdicts on these bytes, whoever sent them, oldest first (hash-only API route)."""
+        with self.db.read() as c:
+            rows = c.execute(
+                "SELECT verdict FROM contributions WHERE file_hash = ? ORDER BY recorded_at LIMIT ?",
+                (file_hash, limit),
+            ).fetchall()
+        return [load_verdict(r["verdict"]) for r in rows]
+
+    def accepted_holder(self, samples: Sequence[SampleId]) -> tuple[SampleId, str] | None:
+        """The first of `samples` already accepted, with the hash of the file that holds it; None if none is.
+
+        A read, for the early check before a file is verified; `record` checks again under the write lock.
+        """
+        with self.db.read() as c:
+            return self._holder(c, samples)
+
+    @staticmethod
+    def _holder(c: sqlite3.Connection, samples: Sequence[SampleId]) -> tuple[SampleId, str] | None:
+        for s in samples:
+            row = c.execute(
+                "SELECT file_hash FROM accepted_samples WHERE run_id = ? AND node_id = ? AND policy_step = ?"
+                " AND batch_counter = ? AND sample_index = ? AND sample_seed = ?",
+                tuple(s),
+            ).fetchone()
+            if row is not None:
+                return s, row["file_hash"]
+        return None
+
+    def _check_new(self, c: sqlite3.Connection, samples: Sequence[SampleId]) -> None:
+        repeat = first_repeat(samples)
+        if repeat is not None:
+            raise DuplicateWork(samples[repeat[1]], None)
+        held = self._holder(c, samples)
+        if held is not None:
+            raise DuplicateWork(*held)
 
     def _apply(self, c: sqlite3.Connection, v: Verdict, actions: Sequence[Action]) -> tuple[BanEntry, ...]:
         bans: list[BanEntry] = []

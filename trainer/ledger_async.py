@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..p2p.verdicts import BanRecord, Signed, Verdict
+from ..proofs.work_identity import SampleId
 from .ledger_records import BanEntry, RecordResult
 
 if TYPE_CHECKING:  # trainer/ledger.py re-exports this class, so it cannot be imported from there at run time
@@ -26,13 +27,15 @@ class AsyncLedger:
         *,
         received_at: float | None = None,
         task_reward_sum: float | None = None,
+        samples: Sequence[SampleId] = (),
     ) -> RecordResult:
         return await asyncio.to_thread(
-            self.ledger.record, signed, received_at=received_at, task_reward_sum=task_reward_sum
+            self.ledger.record, signed,
+            received_at=received_at, task_reward_sum=task_reward_sum, samples=samples,
         )
 
-    async def verdict_for(self, file_hash: str) -> Signed[Verdict] | None:
-        return await asyncio.to_thread(self.ledger.verdict_for, file_hash)
+    async def verdict_for(self, file_hash: str, node_id: str) -> Signed[Verdict] | None:
+        return await asyncio.to_thread(self.ledger.verdict_for, file_hash, node_id)
 
     async def touch_node(
         self, node_id: str, *, seen_at: float | None = None, hardware: dict[str, Any] | None = None

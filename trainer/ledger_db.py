@@ -69,8 +69,8 @@ class Database:
             )
         self._conn.execute(f"PRAGMA busy_timeout={int(settings.busy_timeout_s * 1000)}")
         self._conn.execute(f"PRAGMA synchronous={settings.synchronous}")
-        self._conn.execute("PRAGMA foreign_keys=ON")
         self._migrate()
+        self._conn.execute("PRAGMA foreign_keys=ON")
 
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
@@ -107,6 +107,9 @@ class Database:
 
     def _migrate(self) -> None:
         # Each pending migration commits with its schema_migrations row; DDL is transactional in SQLite.
+        # Foreign keys are off meanwhile (the pragma is a no-op inside a transaction, so it is set before):
+        # a table rebuild drops a parent table; every key is checked before the upgrade commits instead.
+        self._conn.execute("PRAGMA foreign_keys=OFF")
         with self.write() as c:
             c.execute(CREATE_MIGRATIONS_TABLE)
             current = c.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0]
@@ -126,4 +129,11 @@ class Database:
                 )
                 logger.info(
                     "ledger %s: applied migration %d (%s)", self.path, migration.version, migration.name
+                )
+            broken = c.execute("PRAGMA foreign_key_check").fetchall() if current < LATEST_VERSION else []
+            if broken:
+                raise LedgerError(
+                    f"ledger {self.path}: the upgrade to version {LATEST_VERSION} would leave "
+                    f"{len(broken)} rows breaking a foreign key (first: {tuple(broken[0])}); it was rolled "
+                    f"back, the ledger is unchanged at version {current}"
                 )

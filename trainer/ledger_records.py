@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..p2p.verdicts import HEX64, BanRecord, Signed, Verdict
+from ..proofs.work_identity import SampleId
 from .ledger_db import LedgerError
 from .slashing import Action
 
@@ -56,10 +57,21 @@ class RewardPoint:
     files: int
 
 
+class DuplicateWork(LedgerError):
+    """An accepted verdict was not recorded: one of its samples was accepted before, in `holder` (file hash),
+    or occurs twice in the file itself (`holder` None). Nothing was written; record a rejection instead."""
+
+    def __init__(self, sample: SampleId, holder: str | None) -> None:
+        where = f"file {holder[:16]}…" if holder is not None else "this same file (a repeated row)"
+        super().__init__(f"sample ({sample.describe()}) was already accepted in {where}")
+        self.sample = sample
+        self.holder = holder
+
+
 @dataclass(frozen=True)
 class RecordResult:
     verdict: Signed[Verdict]  # the stored verdict: on a resend, the first one
-    duplicate: bool
+    duplicate: bool  # this (file hash, sender) already had a verdict: a resend, recorded once
     actions: tuple[Action, ...]  # what this call applied (empty on a resend)
     new_bans: tuple[BanEntry, ...]  # bans this call created: sign and publish them
 

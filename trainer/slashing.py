@@ -9,8 +9,9 @@ Every failed check falls in one of three classes:
   the named node's (anyone can claim a node id; the same holds for a file over the size limit, refused
   before its signature is read), and a checkpoint the validator never obtained is not
   the sender's fault. Slashing on these would let anyone frame an honest node.
-- fault: the file is malformed (schema, bounds). Could be a bug; costs score, and repeated faults in a
-  window escalate to a ban.
+- fault: the file is malformed (schema, bounds), or repeats samples already accepted (duplicate: the same
+  work sent again in another encoding, order or file). Could be a bug; costs score, and repeated faults in
+  a window escalate to a ban.
 - fraud: the file is well-formed but the work is false (proofs, sampling, rewards, work assignment,
   termination, sampling settings other than the run's). Costs score and bans at once.
 Ban lengths grow with every earlier ban and become permanent after a set number of them.
@@ -43,6 +44,10 @@ DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "internal_error": CheckClass.excused,  # the validator failed (a checkpoint that will not load, a bug)
     "schema": CheckClass.fault,
     "bounds": CheckClass.fault,
+    # Samples accepted before (or repeated in the file): only their own node can sign them (the signer check
+    # comes first), so it costs the sender; a fault, not fraud: a node that lost its batch counter (its data
+    # directory) repeats work by mistake.
+    "duplicate": CheckClass.fault,
     "signer": CheckClass.fraud,  # signed rows that name another node: claiming someone else's work
     # Sampled otherwise than the run's published settings: not this run's work, and a colder temperature
     # buys higher rewards. An honest node cannot drift into it: the trainer announces the run's parameters

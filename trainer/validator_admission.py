@@ -37,6 +37,9 @@ class Busy:
     retry_after_s: float
 
 
+Delivery = tuple[str, str]  # (node id, file hash): one sender's file; two senders of the same bytes are two
+
+
 @dataclass(frozen=True)
 class _Place:
     node_id: str
@@ -59,8 +62,8 @@ class Admission:
         self._clock = clock
         self.limiter = RateLimiter(settings.rate_per_minute, settings.burst, clock=clock)
         self._accepted: Counter[str] = Counter()  # accepted files per node (only counts that matter)
-        self._reserved: dict[str, _Place] = {}  # file hash -> place taken by a hand-off in flight
-        self._files: dict[str, _Place] = {}  # file hash -> place of a spooled file without a verdict
+        self._reserved: dict[Delivery, _Place] = {}  # place taken by a hand-off in flight
+        self._files: dict[Delivery, _Place] = {}  # place of a spooled file without a verdict
         self._per_node: Counter[str] = Counter()  # places per node, reserved or filled
         self._per_tier: Counter[Tier] = Counter()
 
@@ -101,7 +104,8 @@ class Admission:
     def admit(self, node_id: str, sha256: str) -> Busy | None:
         """Reserve a place for a file whose header just arrived, or say why not now."""
         self._expire()
-        if sha256 in self._files or sha256 in self._reserved:
+        key = (node_id, sha256)
+        if key in self._files or key in self._reserved:
             return None  # already counted: a resend, or the same file on a second stream
         tier = self.tier_of(node_id)
         if self._per_tier[tier] >= self.capacity(tier):
@@ -121,36 +125,37 @@ class Admission:
             return Busy(
                 f"rate limit: {self.settings.rate_per_minute:g} files per minute; retry in {wait:.1f} s", wait
             )
-        self._take(self._reserved, sha256, _Place(node_id, tier, self._clock() + self.reservation_s))
+        self._take(self._reserved, key, _Place(node_id, tier, self._clock() + self.reservation_s))
         return None
 
     def enqueued(self, node_id: str, sha256: str) -> Tier:
         """A spooled file enters the queue: its reservation (if any) becomes a counted file; its tier."""
-        known = self._files.get(sha256)
+        key = (node_id, sha256)
+        known = self._files.get(key)
         if known is not None:
             return known.tier
-        reserved = self._release(self._reserved, sha256)
+        reserved = self._release(self._reserved, key)
         tier = reserved.tier if reserved is not None else self.tier_of(node_id)
-        self._take(self._files, sha256, _Place(node_id, tier, float("inf")))
+        self._take(self._files, key, _Place(node_id, tier, float("inf")))
         return tier
 
-    def cancel(self, sha256: str) -> None:
+    def cancel(self, node_id: str, sha256: str) -> None:
         """A reserved file will not be queued (it already had a verdict): free its place now."""
-        self._release(self._reserved, sha256)
+        self._release(self._reserved, (node_id, sha256))
 
-    def finished(self, sha256: str) -> None:
+    def finished(self, node_id: str, sha256: str) -> None:
         """The file has its verdict: its place is free."""
-        self._release(self._files, sha256)
+        self._release(self._files, (node_id, sha256))
 
     # ----- internals ---------------------------------------------------------------------------------------
 
-    def _take(self, table: dict[str, _Place], sha256: str, place: _Place) -> None:
-        table[sha256] = place
+    def _take(self, table: dict[Delivery, _Place], key: Delivery, place: _Place) -> None:
+        table[key] = place
         self._per_node[place.node_id] += 1
         self._per_tier[place.tier] += 1
 
-    def _release(self, table: dict[str, _Place], sha256: str) -> _Place | None:
-        place = table.pop(sha256, None)
+    def _release(self, table: dict[Delivery, _Place], key: Delivery) -> _Place | None:
+        place = table.pop(key, None)
         if place is not None:
             self._per_node[place.node_id] -= 1
             if self._per_node[place.node_id] <= 0:
@@ -160,5 +165,5 @@ class Admission:
 
     def _expire(self) -> None:
         now = self._clock()
-        for sha256 in [sha for sha, place in self._reserved.items() if place.expires <= now]:
-            self._release(self._reserved, sha256)
+        for key in [key for key, place in self._reserved.items() if place.expires <= now]:
+            self._release(self._reserved, key)

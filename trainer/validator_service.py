@@ -5,16 +5,23 @@ Flow of one file (docs/validator.md):
   queue bounds, token bucket; "busy" here is the back-pressure and costs the sender nothing but a retry)
   -> body stored by the hand-off ->
   accept (fsync into the spool, queue) -> receipt to the sender -> fair queue -> verification thread
-  (proofs/ checks, cheapest first) -> signed verdict in the ledger (once per file hash) with its slashes
-  and bans -> bans published in the DHT -> accepted files copied into the trainer's inbox -> spool entry
-  removed. A file whose checkpoint the validator does not hold waits (held) until it is fetched, or is
-  rejected when `hold_timeout_s` passes. After a crash every spooled file is recovered and gets exactly
-  one verdict: the ledger is idempotent on the file hash and every later step is idempotent too.
+  (proofs/ checks, cheapest first; samples already accepted are a `duplicate`) -> signed verdict in the
+  ledger (once per file hash and sender; an acceptance records its sample identities in the same
+  transaction, and loses to any earlier claim on them) with its slashes and bans -> bans published in the
+  DHT -> accepted files copied into the trainer's inbox -> spool entry removed. A file whose checkpoint the
+  validator does not hold waits (held) until it is fetched, or is rejected when `hold_timeout_s` passes.
+  After a crash every spooled file is recovered and gets exactly one verdict: the ledger is idempotent on
+  (file hash, sender) and every later step is idempotent too.
+
+A delivery is (file hash, sender) throughout (spool entry, queue place, hold, ledger row, inbox name): a node
+that re-signs another's file and delivers it first gets its own verdict (`signer`), and the other's delivery
+of the same bytes is judged on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -29,12 +36,12 @@ from ..p2p.weights.store import Store
 from .checkpoints import CheckpointKeeper
 from .errors import TrainerError
 from .intake import Tier, TieredQueue
-from .ledger import AsyncLedger, BanEntry, Ledger
+from .ledger import AsyncLedger, BanEntry, DuplicateWork, Ledger
 from .spool import Spool, SpooledFile, deliver
 from .validator_admission import Admission
 from .validator_bans import BanPublisher
 from .validator_config import ValidatorSettings
-from .verify_job import Outcome, verify_spooled
+from .verify_job import DUPLICATE, Outcome, verify_spooled
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +52,7 @@ MAX_SIG_READ = 4096
 @dataclass
 class Job:
     entry: SpooledFile
-    node_id: str
+    node_id: str  # the sender (the envelope's signer): with the file hash, what the verdict belongs to
     received_at: float
     tier: Tier = Tier.NEWCOMER  # the queue tier it was admitted to (trainer/intake.py)
     step: int | None = None  # known once verification found the file's checkpoint missing
@@ -84,7 +91,7 @@ class ValidatorService:
         # A hand-off may wait for a receiving slot, then stream its body: its reservation outlives both.
         self.admission = Admission(settings.intake, reservation_s=4 * settings.swarm.handoff_timeout_s)
         self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
-        self.held: dict[str, Job] = {}
+        self.held: dict[tuple[str, str], Job] = {}  # (file hash, sender) -> job waiting for its checkpoint
         self.bans = BanPublisher(
             self.ledger, swarm, identity,
             record_ttl_s=settings.swarm.ban_ttl_s, republish_s=settings.validator.ban_republish_s,
@@ -110,13 +117,15 @@ class ValidatorService:
 
     async def accept(self, received: ReceivedRollout) -> None:
         """The file is stored and its hash checked: make it durable before the receipt goes out."""
-        sha = received.envelope.sha256
-        if await self.ledger.verdict_for(sha) is not None:  # a resend: acknowledged, credited once
-            self.admission.cancel(sha)
-            await asyncio.to_thread(self.spool.remove, self.spool.entry(sha))
+        sha, node = received.envelope.sha256, received.envelope.node_id
+        # A resend by the same sender: acknowledged, credited once. Another sender's verdict on the same bytes
+        # says nothing about this delivery.
+        if await self.ledger.verdict_for(sha, node) is not None:
+            self.admission.cancel(node, sha)
+            await asyncio.to_thread(self.spool.remove, self.spool.entry(sha, node))
             return
-        entry = await asyncio.to_thread(self.spool.make_durable, sha)
-        self._enqueue(Job(entry, received.envelope.node_id, time.time()))
+        entry = await asyncio.to_thread(self.spool.make_durable, sha, node)
+        self._enqueue(Job(entry, node, time.time()))
 
     def _enqueue(self, job: Job) -> None:
         job.tier = self.admission.enqueued(job.node_id, job.entry.sha256)
@@ -127,17 +136,20 @@ class ValidatorService:
         await self.load_tiers()  # recovered files join their node's tier
         entries = await asyncio.to_thread(self.spool.recover)
         for entry in entries:
-            signed = await self.ledger.verdict_for(entry.sha256)
-            if signed is not None:  # decided before the crash: only delivery and removal may be missing
-                await self._finish(entry, signed)
-                continue
             try:
                 raw = await asyncio.to_thread(entry.sig_path.read_bytes)
                 envelope = RolloutEnvelope.model_validate_json(raw[:MAX_SIG_READ])
+                if envelope.sha256 != entry.sha256 or entry.node_id not in (None, envelope.node_id):
+                    raise ValueError("it names another file or sender than the spool entry")
             except (OSError, ValueError) as exc:
                 logger.warning("spooled file %s has an unreadable signature (%s); removing it",
                                entry.path, exc)
                 await asyncio.to_thread(self.spool.remove, entry)
+                continue
+            entry = dataclasses.replace(entry, node_id=envelope.node_id)  # a legacy entry learns its sender
+            signed = await self.ledger.verdict_for(entry.sha256, envelope.node_id)
+            if signed is not None:  # decided before the crash: only delivery and removal may be missing
+                await self._finish(entry, signed)
                 continue
             self._enqueue(Job(entry, envelope.node_id, entry.path.stat().st_mtime))
         if entries:
@@ -159,7 +171,8 @@ class ValidatorService:
                 continue
             try:
                 outcome = await asyncio.to_thread(
-                    verify_spooled, job.entry.path, self.keeper.model_for, self.verifier
+                    verify_spooled, job.entry.path, self.keeper.model_for, self.verifier,
+                    accepted=self.ledger.ledger.accepted_holder,
                 )
             except (NodeError, TrainerError, OSError, RuntimeError, ValueError) as exc:
                 # Our failure (a checkpoint that will not load, a full disk, a bug): never the sender's.
@@ -179,13 +192,13 @@ class ValidatorService:
             return
         job.step = step
         job.hold_until = job.received_at + self.settings.intake.hold_timeout_s
-        self.held[job.entry.sha256] = job
+        self.held[(job.entry.sha256, job.node_id)] = job
         logger.info("holding %s until checkpoint step %d arrives", job.entry.sha256[:16], step)
 
     def _release(self, step: int) -> None:
-        for sha, job in list(self.held.items()):
+        for key, job in list(self.held.items()):
             if job.step == step:
-                del self.held[sha]
+                del self.held[key]
                 self.queue.put(job.tier, job.node_id, job, front=True)
 
     async def run_holds(self) -> None:
@@ -194,8 +207,8 @@ class ValidatorService:
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
             now = time.time()
-            for sha, job in list(self.held.items()):
-                if job.hold_until <= now and self.held.pop(sha, None) is not None:
+            for key, job in list(self.held.items()):
+                if job.hold_until <= now and self.held.pop(key, None) is not None:
                     assert job.step is not None
                     await self._decide(job, Outcome(
                         False, max(0, job.step), False, "checkpoint_unavailable",
@@ -205,7 +218,7 @@ class ValidatorService:
 
     # ----- verdicts ---------------------------------------------------------------------------------------
 
-    async def _decide(self, job: Job, outcome: Outcome) -> None:
+    def _verdict(self, job: Job, outcome: Outcome) -> Signed[Verdict]:
         verdict = Verdict(
             file_hash=job.entry.sha256,
             node_id=job.node_id,
@@ -218,10 +231,21 @@ class ValidatorService:
             validator_id=self.identity.node_id,
             decided_at=time.time(),
         )
-        result = await self.ledger.record(
-            sign(verdict, self.identity), received_at=job.received_at,
-            task_reward_sum=outcome.task_reward_sum if outcome.accepted else None,
-        )
+        return sign(verdict, self.identity)
+
+    async def _decide(self, job: Job, outcome: Outcome) -> None:
+        try:
+            result = await self.ledger.record(
+                self._verdict(job, outcome), received_at=job.received_at,
+                task_reward_sum=outcome.task_reward_sum if outcome.accepted else None,
+                samples=outcome.sample_ids if outcome.accepted else (),
+            )
+        except DuplicateWork as exc:
+            # Another file claimed one of these samples after this one's early check (a race the ledger's key
+            # settles): the acceptance was not written; the file is a duplicate after all.
+            outcome = dataclasses.replace(outcome, accepted=False, failed_check=DUPLICATE,
+                                          reason=f"{DUPLICATE}: {exc}", sample_ids=())
+            result = await self.ledger.record(self._verdict(job, outcome), received_at=job.received_at)
         self.verdicts += 0 if result.duplicate else 1
         if outcome.accepted and not result.duplicate:
             self.admission.note_accepted(job.node_id)  # its next file may count as established
@@ -231,7 +255,7 @@ class ValidatorService:
         for ban in result.new_bans:
             await self.publish_ban(ban)
         await self._finish(job.entry, result.verdict)
-        self.admission.finished(job.entry.sha256)
+        self.admission.finished(job.node_id, job.entry.sha256)
 
     async def _finish(self, entry: SpooledFile, signed: Signed[Verdict]) -> None:
         if signed.document.accepted:

@@ -1,17 +1,20 @@
 """One spooled rollout file through the proofs/ checks, in two phases around the checkpoint lookup.
 
-Phase 1 (signature, schema) needs no model and tells which checkpoint the file claims; phase 2 (every
-other check, cheapest first) runs against that checkpoint. When the validator does not hold it yet the
-outcome is `hold`, and the file is retried when the version arrives. Blocking (parquet decoding, torch):
-run it in the verification thread. The rows the expensive checks cover are drawn here, after the file
-arrived, from the validator's own randomness (proofs/verifier.py).
+Phase 1 (signature, schema, signer) needs no model and tells which checkpoint the file claims. Then the
+work is looked up by what it is (proofs/work_identity.py): a file whose rows repeat a sample, among
+themselves or one the ledger already accepted in any file, is rejected as `duplicate` before any costly
+check (the ledger checks again, atomically, when it records an acceptance). Phase 2 (every other check,
+cheapest first) runs against the claimed checkpoint. When the validator does not hold it yet the outcome is
+`hold`, and the file is retried when the version arrives. Blocking (parquet decoding, torch): run it in the
+verification thread. The rows the expensive checks cover are drawn here, after the file arrived, from the
+validator's own randomness (proofs/verifier.py).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +22,17 @@ from ..node.engine import InferenceEngine
 from ..node.validation import RunTasks
 from ..proofs.checks import default_checks
 from ..proofs.verifier import CheckResult, VerificationContext, VerifierSettings, run_checks
+from ..proofs.work_identity import SampleId, first_repeat, sample_ids
 
 # Checks that need neither the model nor the task rules; they must pass before the claimed step is known.
-MODEL_FREE_CHECKS = frozenset({"signature", "schema"})
+# The signer check is among them: a node that re-signs another's rows is named for that (fraud), not for
+# repeating work the other node was credited for.
+MODEL_FREE_CHECKS = frozenset({"signature", "schema", "signer"})
+DUPLICATE = "duplicate"  # the failed check of a file that repeats accepted (or its own) samples: a fault
 
 ModelLookup = Callable[[int], "tuple[InferenceEngine, RunTasks] | None"]
+# The first of these samples already accepted, with the hash of the file holding it (Ledger.accepted_holder).
+AcceptedLookup = Callable[[Sequence[SampleId]], "tuple[SampleId, str] | None"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class Outcome:
     # Sum of the rows' task rewards of an accepted file: the rewards check recomputed each of them with the
     # run's verifiers over every row, so these are the validator's numbers, not the sender's claims.
     task_reward_sum: float | None = None
+    sample_ids: tuple[SampleId, ...] = ()  # what an accepted file's rows are, recorded with its verdict
 
 
 def check_name(name: str) -> str:
@@ -55,8 +65,23 @@ def _failure(results: tuple[CheckResult, ...]) -> tuple[str, str]:
     return check_name(failed.name), f"{failed.name}: {where}{failed.detail}"
 
 
+def duplicate_reason(ids: Sequence[SampleId], accepted: AcceptedLookup | None) -> str | None:
+    """Why these rows are not new work (a verdict reason), or None when every sample is new."""
+    repeat = first_repeat(ids)
+    if repeat is not None:
+        earlier, row = repeat
+        return f"{DUPLICATE}: row {row}: repeats row {earlier} of this file ({ids[row].describe()})"
+    held = accepted(ids) if accepted is not None else None
+    if held is not None:
+        sample, holder = held
+        return (f"{DUPLICATE}: row {ids.index(sample)}: sample ({sample.describe()}) was already accepted "
+                f"in file {holder}")
+    return None
+
+
 def verify_spooled(
-    path: Path, lookup: ModelLookup, settings: VerifierSettings, rng: random.Random | None = None
+    path: Path, lookup: ModelLookup, settings: VerifierSettings, rng: random.Random | None = None,
+    accepted: AcceptedLookup | None = None,
 ) -> Outcome:
     start = time.perf_counter()
     checks = default_checks()
@@ -73,6 +98,11 @@ def verify_spooled(
         seconds = time.perf_counter() - start
         return Outcome(False, 0, False, failed, reason, checks=first.checks, seconds=seconds)
     step = ctx.rows[0].policy_step
+    ids = sample_ids(ctx.rows)
+    repeated = duplicate_reason(ids, accepted)
+    if repeated is not None:
+        return Outcome(False, step, False, DUPLICATE, repeated, checks=first.checks,
+                       seconds=time.perf_counter() - start)
     found = lookup(step)
     if found is None:
         return Outcome(True, step, seconds=time.perf_counter() - start)
@@ -83,6 +113,6 @@ def verify_spooled(
     if second.accepted:
         rewards = sum(r.task_reward for r in ctx.rows)
         return Outcome(False, step, True, None, "", samples, tokens, results, time.perf_counter() - start,
-                       task_reward_sum=min(float(samples), max(0.0, rewards)))
+                       task_reward_sum=min(float(samples), max(0.0, rewards)), sample_ids=ids)
     failed, reason = _failure(second.checks)
     return Outcome(False, step, False, failed, reason, samples, tokens, results, time.perf_counter() - start)

@@ -107,8 +107,12 @@ class ValidatorApi:
             raise ValidatorApiError(f"{url}: {type(exc).__name__}: {exc}") from exc
 
     async def verdict(self, endpoint: ValidatorEndpoint, sha256: str) -> Signed[Verdict]:
-        """The signed verdict on this node's file `sha256`, checked; VerdictNotReady while undecided."""
-        url = f"{endpoint.url}/api/verdict/{sha256}"
+        """The signed verdict on this node's file `sha256`, checked; VerdictNotReady while undecided.
+
+        Asked for by (file hash, this node): another node that delivered the same bytes (re-signed) has its
+        own verdict, which says nothing about this node's delivery.
+        """
+        url = f"{endpoint.url}/api/verdict/{sha256}/{self.node_id}"
         status, body = await self._get(url, MAX_ENVELOPE_BYTES)
         if status == 404:
             raise VerdictNotReady(f"validator {endpoint.node_id[:16]}… has no verdict for {sha256[:16]}… yet")

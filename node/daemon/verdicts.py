@@ -1,7 +1,8 @@
 """Learning the verdicts on handed-off files, off the hot path, in the supervised task `verdicts`.
 
 A receipt only says the validator holds a file; whether it was accepted comes later, as a verdict signed
-by the same validator, served at `<api_url>/api/verdict/<sha256>` (docs/validator.md). For each receipted
+by the same validator, served at `<api_url>/api/verdict/<sha256>/<node_id>` (docs/validator.md; the verdict
+on this node's own delivery of the file, whoever else sent the same bytes). For each receipted
 file this task asks the validator that signed the receipt, with exponential backoff per file (404 means
 "not decided yet"), at most `_MAX_PER_ROUND` requests a round, and gives up on a file `timeout_s` after
 its receipt. A checked verdict is stored beside the receipt (`sent/<sha256>.verdict.json`), so a restart

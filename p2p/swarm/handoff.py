@@ -7,7 +7,7 @@ client mode). One exchange, every frame length-prefixed and size-bounded (docs/p
     receiver checks: size limit, envelope signature, sender not banned, the stream's libp2p
                      peer id is the one the sender's signed heartbeat names; then waits for a free slot
     receiver -> {"go": true} | {"refused": reason} | {"busy": reason, "retry_after_s": s}
-                | {"receipt": ...} (already received: no body needed)
+                | {"receipt": ...} (this sender's file is already held: no body needed)
     sender -> exactly `size` raw bytes, in chunks, waiting on the stream's flow control
     receiver: hash == header.sha256, store, acceptance callback; -> {"receipt": ...} | {"refused": reason}
 
@@ -15,7 +15,9 @@ A refusal is final (the validator's verdict on this file); "busy" is back-pressu
 the sender keeps the file and tries again after `retry_after_s` (HandoffBusy is a transport-class error).
 
 The file itself stays opaque bytes here: nothing in it is parsed before its signature and hash check.
-The envelope is the one proofs/rollout_file.py writes beside each file (FILE.parquet.sig).
+The envelope is the one proofs/rollout_file.py writes beside each file (FILE.parquet.sig). A received file is
+one sender's delivery, stored as `<sha256>-<node_id>.parquet` (`stored_name`): the same bytes signed by two
+nodes (one re-signing the other's file) are two deliveries, and neither answers for the other.
 """
 
 from __future__ import annotations
@@ -122,16 +124,22 @@ AdmitCallback = Callable[[RolloutEnvelope], Awaitable[None]]
 MAX_RETRY_AFTER_S = 3600.0
 
 
+def stored_name(sha256: str, node_id: str) -> str:
+    """The name (without suffix) a received file is stored under: one per (file hash, sender)."""
+    return f"{sha256}-{node_id}"
+
+
 def _hash_and_store(data: bytes, directory: Path, envelope: RolloutEnvelope) -> str:
     # Runs in a worker thread: hashing and disk writes of up to max_rollout_bytes block for a while.
     digest = hashlib.sha256(data).hexdigest()
     if digest != envelope.sha256:
         return digest
+    name = stored_name(envelope.sha256, envelope.node_id)
     for suffix, content in ((ENVELOPE_SUFFIX, envelope.model_dump_json().encode()), (FILE_SUFFIX, data)):
         # Envelope first, file last: a file that looks complete always has its signature beside it.
-        tmp = directory / f".incoming-{envelope.sha256}{suffix}"
+        tmp = directory / f".incoming-{name}{suffix}"
         tmp.write_bytes(content)
-        os.replace(tmp, directory / f"{envelope.sha256}{suffix}")
+        os.replace(tmp, directory / f"{name}{suffix}")
     return digest
 
 
@@ -158,13 +166,13 @@ class RolloutReceiver:
         self._accept, self._peer_of, self._is_banned = accept, peer_of, is_banned
         self._max_bytes, self._timeout_s = max_bytes, timeout_s
         self._slots = asyncio.Semaphore(max_concurrent)
-        self._in_progress: set[str] = set()
+        self._in_progress: set[tuple[str, str]] = set()  # (file hash, sender) being received
 
-    def stored_path(self, sha256: str) -> Path:
-        return self.directory / f"{sha256}{FILE_SUFFIX}"
+    def stored_path(self, sha256: str, node_id: str) -> Path:
+        return self.directory / f"{stored_name(sha256, node_id)}{FILE_SUFFIX}"
 
-    def _envelope_path(self, sha256: str) -> Path:
-        return self.directory / f"{sha256}{ENVELOPE_SUFFIX}"
+    def _envelope_path(self, sha256: str, node_id: str) -> Path:
+        return self.directory / f"{stored_name(sha256, node_id)}{ENVELOPE_SUFFIX}"
 
     async def handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
@@ -204,9 +212,12 @@ class RolloutReceiver:
             raise HandoffRefused(
                 "no live heartbeat binds this libp2p peer id to the sending node id; publish one first"
             )
-        if self.stored_path(header.sha256).exists():
+        # Only this sender's own delivery answers for it: another node's copy of the same bytes (a re-signed
+        # file) must not stand in for it, or the first sender would decide the second one's verdict.
+        delivery = (header.sha256, header.node_id)
+        if self.stored_path(*delivery).exists():
             return {"receipt": self._receipt(header).model_dump(mode="json")}
-        if header.sha256 in self._in_progress:
+        if delivery in self._in_progress:
             raise HandoffBusy("this file is being received on another stream", 1.0)
         if self._admit is not None:
             await self._admit(header)
@@ -214,18 +225,18 @@ class RolloutReceiver:
             await asyncio.wait_for(self._slots.acquire(), self._timeout_s)
         except asyncio.TimeoutError:
             raise HandoffBusy("every receiving slot stayed taken", self._timeout_s) from None
-        self._in_progress.add(header.sha256)
+        self._in_progress.add(delivery)
         try:
             await write_frame(writer, {"go": True})
             data = await self._read_body(reader, header.size)
             digest = await asyncio.to_thread(_hash_and_store, data, self.directory, header)
             if digest != header.sha256:
                 raise HandoffRefused(f"the file's SHA-256 is {digest}, not the signed {header.sha256}")
-            received = ReceivedRollout(header, self.stored_path(header.sha256), peer, header.size)
+            received = ReceivedRollout(header, self.stored_path(*delivery), peer, header.size)
             await self._run_accept(received)
             return {"receipt": self._receipt(header).model_dump(mode="json")}
         finally:
-            self._in_progress.discard(header.sha256)
+            self._in_progress.discard(delivery)
             self._slots.release()
 
     async def _read_body(self, reader: asyncio.StreamReader, size: int) -> bytes:
@@ -242,7 +253,7 @@ class RolloutReceiver:
                 await outcome
         except BaseException:
             received.path.unlink(missing_ok=True)  # refused or crashed: it must not look received
-            self._envelope_path(received.envelope.sha256).unlink(missing_ok=True)
+            self._envelope_path(received.envelope.sha256, received.envelope.node_id).unlink(missing_ok=True)
             raise
 
     def _receipt(self, header: RolloutEnvelope) -> Receipt:

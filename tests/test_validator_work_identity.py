@@ -1,0 +1,319 @@
+"""Work is what it is, not its bytes; a verdict is the sender's, not the hash's. Through live validators.
+
+Every file is made by the project's producer (node/producer.py) with the tiny model, handed off over the real
+swarm, verified, recorded and delivered by a validator running in this process:
+- copies of accepted work in another form (another Parquet compression, a prefix of the batch, the rows
+  reordered, the rows with a new prompt appended) and a file repeating its own rows, each signed by the node
+  that did the work, are rejected as `duplicate` naming the sample, cost the sender a fault, and credit
+  nothing; also after the validator restarts. The honest control: the node's new work is accepted;
+- two validators each accept one copy of the same work (neither knows the other's ledger): the trainer's
+  inbox and batch buffer still use every sample once, also after the trainer restarts;
+- a node that re-signs another's file and delivers it first is rejected (`signer`, fraud: slashed and
+  banned), and the author's own delivery of the same bytes is judged on its own, accepted and credited to
+  it; the author learns its own verdict through the node's API client;
+- an acceptance whose samples another writer of the ledger claimed after the early check is recorded as a
+  `duplicate` (the ledger's check in the recording transaction).
+
+The helpers read the ledger with plain SQL on the contributions table, so the tests run (and fail for the
+right reason) against the code before verdicts were keyed by sender.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from prime_node.node.daemon.validator_api import ValidatorApi
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.swarm import RolloutEnvelope, Swarm
+from prime_node.p2p.verdicts import Verdict, sign
+from prime_node.proofs.rollout_file import encode_rows, read_rollout_file
+from prime_node.proofs.rollout_schema import SCHEMA, RolloutRow
+from prime_node.proofs.work_identity import sample_ids
+from prime_node.trainer.batch_buffer import BatchBuffer
+from prime_node.trainer.consumed import ConsumedLedger
+from prime_node.trainer.inbox import Inbox
+from prime_node.trainer.ledger import Ledger
+from prime_node.trainer.ledger_records import load_verdict
+from prime_node.trainer.slashing import SlashingPolicy
+from prime_node.trainer.validator_config import ValidatorSettings
+from prime_node.trainer.validator_service import Job
+from prime_node.trainer.verify_job import Outcome
+
+from swarm_support import fleet, wait_until
+from validator_support import (
+    OPERATOR,
+    RUN,
+    bind_node_ids,
+    publish_checkpoint,
+    rows_for,
+    running_validator,
+    sees_a_validator,
+    validator_settings,
+    world,
+)
+
+__all__ = ["world"]  # the module-scoped fixture (tiny checkpoint, engine, tasks)
+
+POLICY = SlashingPolicy(fault_ban_after=50)  # every duplicate is slashed; none of these few bans the node
+
+
+def _parquet(rows: list[RolloutRow], compression: str) -> bytes:
+    """The same rows as another Parquet encoding (encode_rows writes zstd)."""
+    sink = io.BytesIO()
+    table = pa.Table.from_pylist([r.to_record() for r in rows], schema=SCHEMA)
+    pq.write_table(table, sink, compression=compression)
+    return sink.getvalue()
+
+
+def _settings(data_dir: Path, inbox: Path | None = None) -> ValidatorSettings:
+    settings = validator_settings(data_dir).model_copy(update={"slashing": POLICY})
+    if inbox is not None:
+        settings = settings.model_copy(
+            update={"validator": settings.validator.model_copy(update={"accepted_dir": inbox})})
+    return settings
+
+
+async def _verdict(running, sha256: str, node_id: str, timeout: float = 60.0) -> Verdict:  # noqa: ANN001
+    """The verdict on `node_id`'s delivery of the file (plain SQL: the same query works on every schema)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = await running.service.ledger.query(
+            "SELECT verdict FROM contributions WHERE file_hash = ? AND node_id = ?", (sha256, node_id))
+        if rows:
+            return load_verdict(rows[0]["verdict"]).document
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no verdict on {sha256[:16]}… from {node_id[:16]}… within {timeout} s")
+
+
+async def _judge(running, sender: Swarm, data: bytes, signer: Identity) -> Verdict:  # noqa: ANN001
+    envelope = RolloutEnvelope.sign(signer, data)
+    await sender.send_rollout(data, envelope)
+    return await _verdict(running, envelope.sha256, signer.node_id)
+
+
+async def _record(running, node_id: str) -> dict:  # noqa: ANN001
+    ledger = running.service.ledger
+    score = await ledger.query("SELECT score FROM nodes WHERE node_id = ?", (node_id,))
+    slashes = await ledger.query(
+        "SELECT check_class, failed_check FROM slashes WHERE node_id = ?", (node_id,))
+    files = await ledger.query(
+        "SELECT COALESCE(SUM(accepted), 0) AS accepted, COALESCE(SUM(samples * accepted), 0) AS samples"
+        " FROM contributions WHERE node_id = ?", (node_id,))
+    return {"score": score[0]["score"] if score else None,
+            "slashes": sorted((s["check_class"], s["failed_check"]) for s in slashes),
+            "accepted": files[0]["accepted"], "samples": files[0]["samples"],
+            "banned": await ledger.active_ban(node_id) is not None}
+
+
+async def test_copies_of_accepted_work_are_duplicates_credited_once_also_after_a_restart(
+    tmp_path: Path, world  # noqa: ANN001
+) -> None:
+    checkpoint, engine, tasks = world
+    node = Identity.generate()
+    rows = rows_for(engine, tasks, node, prompts=2)  # the batch accepted first: 2 prompts x 2 completions
+    longer = rows_for(engine, tasks, node, prompts=3)  # the same batch, one assigned prompt further
+    fresh = rows_for(engine, tasks, node, batch_counter=5)  # work never sent
+    later = rows_for(engine, tasks, node, batch_counter=1)  # the honest control: the node's next batch
+    original = encode_rows(rows)
+    # Each passes every check of the proofs (the first four are accepted by a validator that knows only file
+    # hashes), and each repeats samples: accepted ones, or its own.
+    copies = {
+        "another compression": (_parquet(rows, "gzip"), "already accepted"),
+        "a prefix": (encode_rows(rows[:2]), "already accepted"),
+        "a new prompt appended": (encode_rows(rows + longer[4:]), "already accepted"),
+        "reordered": (encode_rows(rows[::-1]), "already accepted"),
+        "its own rows twice": (encode_rows(fresh + fresh), "row 2: repeats row 0 of this file"),
+    }
+    settings = _settings(tmp_path / "validator")
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
+        sender = await group.add(node, bootstrap=running.maddrs[:1], reachability="public")
+        await wait_until(lambda: sees_a_validator(sender), 15)
+        first = await _judge(running, sender, original, node)
+        assert first.accepted, first.reason
+        for name, (data, fragment) in copies.items():
+            verdict = await _judge(running, sender, data, node)
+            assert not verdict.accepted and verdict.failed_check == "duplicate", (name, verdict.reason)
+            assert verdict.reason.startswith("duplicate: row "), (name, verdict.reason)
+            assert fragment in verdict.reason, (name, verdict.reason)
+            if fragment == "already accepted":  # the reason names the sample and the file that holds it
+                assert f"in file {first.file_hash}" in verdict.reason and "sample index" in verdict.reason
+        control = await _judge(running, sender, encode_rows(later), node)
+        assert control.accepted, control.reason
+        record = await _record(running, node.node_id)
+        faults = len(copies)
+        assert record == {"score": 2 * POLICY.accept_credit - faults * POLICY.fault_penalty,
+                          "slashes": [("fault", "duplicate")] * faults,
+                          "accepted": 2, "samples": len(rows) + len(later), "banned": False}, record
+
+    # A file acknowledged by a validator of the version before, still in its spool under the hash alone.
+    legacy = encode_rows(rows_for(engine, tasks, node, batch_counter=2))
+    envelope = RolloutEnvelope.sign(node, legacy)
+    spool = settings.resolved_data_dir() / "spool"
+    (spool / f"{envelope.sha256}.parquet.sig").write_bytes(envelope.model_dump_json().encode())
+    (spool / f"{envelope.sha256}.parquet").write_bytes(legacy)
+
+    # The ledger remembers the accepted samples across a restart of the validator.
+    async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
+        recovered = await _verdict(running, envelope.sha256, node.node_id)  # its sender read from its signature
+        assert recovered.accepted, recovered.reason
+        sender = await group.add(node, bootstrap=running.maddrs[:1], reachability="public")
+        await wait_until(lambda: sees_a_validator(sender), 15)
+        again = ((_parquet(rows, "none"), first.file_hash), (_parquet(later, "gzip"), control.file_hash))
+        for data, holder in again:
+            verdict = await _judge(running, sender, data, node)
+            assert verdict.failed_check == "duplicate", verdict.reason
+            assert f"in file {holder}" in verdict.reason, verdict.reason
+        record = await _record(running, node.node_id)
+        assert (record["accepted"], record["samples"]) == (3, len(rows) + 2 * len(later))
+        assert record["score"] == 3 * POLICY.accept_credit - (faults + 2) * POLICY.fault_penalty
+        await wait_until(lambda: _count(spool, 0), 10)
+    delivered = sorted((settings.resolved_data_dir() / "accepted").glob("*.parquet"))
+    assert len(delivered) == 3  # the three accepted files reached the trainer's inbox, nothing else
+
+
+async def test_an_acceptance_that_loses_the_race_for_its_samples_is_recorded_as_a_duplicate(
+    tmp_path: Path, world  # noqa: ANN001
+) -> None:
+    """The early check reads the ledger before the costly checks; a claim can land after it (another validator
+    process on the same ledger, or any race). The validator's own record then turns the acceptance into a
+    `duplicate` rejection instead of crediting the samples twice."""
+    checkpoint, engine, tasks = world
+    node = Identity.generate()
+    rows = rows_for(engine, tasks, node)
+    settings = _settings(tmp_path / "validator")
+    async with running_validator(settings) as running:
+        winner = sign(Verdict(file_hash="a" * 64, node_id=node.node_id, step=0, samples=len(rows), tokens=9,
+                              accepted=True, validator_id=OPERATOR.node_id, decided_at=time.time()), OPERATOR)
+        with Ledger(running.service.ledger.ledger.path) as other:  # a second connection, as another process
+            other.record(winner, samples=sample_ids(rows))
+        late = Job(running.service.spool.entry("b" * 64, node.node_id), node.node_id, time.time())
+        await running.service._decide(late, Outcome(False, 0, True, None, "", len(rows), 9,
+                                                    sample_ids=sample_ids(rows)))
+        verdict = await _verdict(running, "b" * 64, node.node_id)
+        assert not verdict.accepted and verdict.failed_check == "duplicate", verdict
+        assert verdict.reason.startswith("duplicate: sample (") and f"file {'a' * 16}" in verdict.reason
+        record = await _record(running, node.node_id)
+        assert record["accepted"] == 1 and record["slashes"] == [("fault", "duplicate")]
+
+
+async def test_the_trainer_uses_each_sample_once_when_two_validators_accept_copies(
+    tmp_path: Path, world  # noqa: ANN001
+) -> None:
+    checkpoint, engine, tasks = world
+    node = Identity.generate()
+    rows = rows_for(engine, tasks, node, prompts=2)
+    control = rows_for(engine, tasks, node, prompts=2, batch_counter=1)
+    inbox = tmp_path / "trainer" / "accepted"  # both validators deliver into the trainer's one inbox
+    first, second = _settings(tmp_path / "v1", inbox), _settings(tmp_path / "v2", inbox)
+    for settings in (first, second):
+        publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    # Two validators in two swarms: neither sees the other's ledger, so each accepts the copy it is sent.
+    async with running_validator(first) as v1, running_validator(second) as v2, fleet(RUN, OPERATOR) as group:
+        to_v1 = await group.add(node, bootstrap=v1.maddrs[:1], reachability="public")
+        to_v2 = await group.add(node, bootstrap=v2.maddrs[:1], reachability="public")
+        await wait_until(lambda: sees_a_validator(to_v1), 15)
+        await wait_until(lambda: sees_a_validator(to_v2), 15)
+        for running, sender, data in ((v1, to_v1, encode_rows(rows)), (v2, to_v2, _parquet(rows, "gzip")),
+                                      (v1, to_v1, encode_rows(control))):
+            verdict = await _judge(running, sender, data, node)
+            assert verdict.accepted, verdict.reason
+        await wait_until(lambda: _count(inbox, 3), 15)  # each verdict is recorded, then the file delivered
+
+    expected = {(r.policy_step, r.batch_counter, r.sample_index, r.sample_seed) for r in rows + control}
+    with ConsumedLedger(tmp_path / "trainer" / "consumed.sqlite") as consumed:
+        reader = Inbox(inbox, RUN)
+        buffer = BatchBuffer(consumed, batch_size=2, async_level=2)
+        reports = [buffer.add(reader.read(path), 0) for path in reader.pending()]  # oldest first
+        assert [(r.kept + r.filtered, r.already_known) for r in reports] == [(2, 0), (0, 2), (2, 0)], reports
+        trained: list[str] = []
+        while (batch := buffer.take(0)) is not None:
+            trained += [s.sample_id for g in batch.groups for s in g.samples]
+            buffer.commit(batch)
+        assert len(trained) == len(set(trained))  # no sample twice
+        every = [s.sample_id for path in inbox.glob("*.parquet") for s in reader.read(path).samples]
+        assert consumed.seen_samples(every) == set(every) and len(set(every)) == len(expected)
+    # A restarted trainer re-reads the inbox and takes nothing again, whichever copy it meets first.
+    with ConsumedLedger(tmp_path / "trainer" / "consumed.sqlite") as consumed:
+        reader = Inbox(inbox, RUN)
+        buffer = BatchBuffer(consumed, batch_size=2, async_level=2)
+        for path in sorted(reader.pending(), reverse=True):
+            report = buffer.add(reader.read(path), 0)
+            assert (report.kept, report.filtered, report.already_known) == (0, 0, 2), (path.name, report)
+    assert {(r.policy_step, r.batch_counter, r.sample_index, r.sample_seed)
+            for p in inbox.glob("*.parquet") for r in read_rollout_file(p).rows} == expected
+
+
+async def _count(directory: Path, n: int) -> bool:
+    return len(list(directory.glob("*.parquet"))) == n
+
+
+async def test_a_front_runner_is_rejected_and_the_authors_own_delivery_is_accepted_and_credited(
+    tmp_path: Path, world  # noqa: ANN001
+) -> None:
+    checkpoint, engine, tasks = world
+    victim, thief, racer = Identity.generate(), Identity.generate(), Identity.generate()
+    work = encode_rows(rows_for(engine, tasks, victim))
+    more = encode_rows(rows_for(engine, tasks, victim, batch_counter=1))
+    settings = _settings(tmp_path / "validator")
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
+        host = await group.add(bootstrap=running.maddrs[:1], reachability="public")
+        await bind_node_ids(host, [victim, thief, racer])  # one host speaks for all three nodes
+        await wait_until(lambda: sees_a_validator(host), 15)
+
+        # The thief re-signs the victim's file and delivers it first; it is judged before the victim sends.
+        stolen = await _judge(running, host, work, thief)
+        assert not stolen.accepted and stolen.failed_check == "signer", stolen.reason
+        own = await _judge(running, host, work, victim)  # the same bytes, the author's own envelope
+        assert own.accepted and own.node_id == victim.node_id, own.reason
+        assert own.file_hash == stolen.file_hash
+
+        # A racer re-signs the next file and delivers it just before the author: both spooled at once.
+        await host.send_rollout(more, RolloutEnvelope.sign(racer, more))
+        await host.send_rollout(more, RolloutEnvelope.sign(victim, more))
+        sha = RolloutEnvelope.sign(victim, more).sha256
+        raced = await _verdict(running, sha, racer.node_id)
+        mine = await _verdict(running, sha, victim.node_id)
+        assert raced.failed_check == "signer" and mine.accepted, (raced.reason, mine.reason)
+
+        # A resend by the author is a resend: acknowledged again, credited once.
+        receipt = await host.send_rollout(work, RolloutEnvelope.sign(victim, work))
+        assert receipt.body.sha256 == own.file_hash and receipt.body.sender == victim.node_id
+        await asyncio.sleep(1.0)
+        assert await _record(running, victim.node_id) == {
+            "score": 2 * POLICY.accept_credit, "slashes": [], "accepted": 2, "samples": 4, "banned": False}
+        for cheat in (thief, racer):  # fraud: slashed and banned at once
+            record = await _record(running, cheat.node_id)
+            assert record["slashes"] == [("fraud", "signer")] and record["banned"] and record["accepted"] == 0
+
+        # The author asks for its own verdict, as its daemon does, and gets it, not the thief's.
+        api = ValidatorApi(host, victim.node_id, timeout_s=5.0)
+        try:
+            endpoint = (await api.endpoints())[OPERATOR.node_id]
+            signed = await api.verdict(endpoint, own.file_hash)
+        finally:
+            await api.close()
+        assert signed.document == own
+        # The hash alone no longer names one verdict: the old route says so instead of answering either.
+        url = f"{running.dashboard_url}/api/verdict/{own.file_hash}"
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+        assert answer.value.code == 409 and "several nodes" in json.loads(answer.value.read())["error"]
+        url = f"{running.dashboard_url}/api/verdict/{stolen.file_hash}/{thief.node_id}"
+        raw = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+        assert json.loads(raw)["document"]["failed_check"] == "signer"
+        # Only the author's deliveries reach the trainer.
+        inbox = settings.resolved_data_dir() / "accepted"
+        await wait_until(lambda: _count(inbox, 2), 10)
+        assert {read_rollout_file(p).signer for p in inbox.glob("*.parquet")} == {victim.node_id}
