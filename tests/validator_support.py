@@ -54,12 +54,12 @@ VALIDATOR_RUN = RunSettings(run_id=RUN, run_seed=SPEC.run_seed, samples=SPEC.sam
                             max_new_tokens=SPEC.max_new_tokens)
 
 
-def validator_settings(data_dir: Path, **intake: Any) -> ValidatorSettings:
+def validator_settings(data_dir: Path, swarm: dict[str, Any] | None = None, **intake: Any) -> ValidatorSettings:
     return ValidatorSettings(
         data_dir=data_dir,
         run=VALIDATOR_RUN,
         engine=EngineSettings(threads=1),
-        swarm=config(RUN, OPERATOR, reachability="public"),
+        swarm=config(RUN, OPERATOR, reachability="public", **(swarm or {})),
         dashboard=DashboardSettings(port=0),
         intake=IntakeSettings(**intake),
         validator=ValidatorServiceSettings(announce_interval_s=30.0),

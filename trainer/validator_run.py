@@ -76,7 +76,7 @@ async def start_validator(
     if current is not None:
         await confirmation.admit(current)  # a mismatch stops it here, before it accepts any file
     await service.recover()
-    await swarm.serve_rollouts(service.spool.directory, service.accept, service.admit)
+    service.receiver = await swarm.serve_rollouts(service.spool.directory, service.accept, service.admit)
     app = create_app(
         service.ledger.ledger,
         swarm=lambda: swarm_view(service),

@@ -30,7 +30,8 @@ from ..node.errors import NodeError
 from ..node.run_config import verifier_for_run
 from ..node.tasks import TaskSet
 from ..p2p.identity import Identity
-from ..p2p.swarm import HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
+from ..p2p.swarm import Admitted, HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
+from ..p2p.swarm.handoff import RolloutReceiver
 from ..p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
 from ..p2p.weights.store import Store
 from .checkpoints import CheckpointKeeper
@@ -88,8 +89,14 @@ class ValidatorService:
         )
         self.keeper.on_version(self._release)
         self.verifier = verifier_for_run(settings.verifier, settings.run)
-        # A hand-off may wait for a receiving slot, then stream its body: its reservation outlives both.
-        self.admission = Admission(settings.intake, reservation_s=4 * settings.swarm.handoff_timeout_s)
+        # A hand-off may wait for a receive slot, then stream its body at the rate floor: its reservation
+        # outlives the longest it may take. One that ends without a file frees its place at once (admit's
+        # `abandon`); the lapse only covers a handler that vanished without that.
+        sw = settings.swarm
+        longest_body_s = sw.handoff_deadline_grace_s + sw.max_rollout_bytes / sw.handoff_min_bytes_per_s
+        self.admission = Admission(
+            settings.intake, reservation_s=2 * sw.handoff_timeout_s + sw.handoff_slot_wait_s + longest_body_s
+        )
         self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
         self.held: dict[tuple[str, str], Job] = {}  # (file hash, sender) -> job waiting for its checkpoint
         self.bans = BanPublisher(
@@ -97,16 +104,23 @@ class ValidatorService:
             record_ttl_s=settings.swarm.ban_ttl_s, republish_s=settings.validator.ban_republish_s,
         )
         self.verdicts = 0  # decided by this process (tests and the benchmark read it)
+        self.receiver: RolloutReceiver | None = None  # set once the swarm serves hand-offs (validator_run.py)
 
     # ----- intake ----------------------------------------------------------------------------------------
 
-    async def admit(self, header: RolloutEnvelope) -> None:
-        """Before the body is read: refuse banned nodes; ask nodes over their bounds or rate to come back."""
+    async def admit(self, header: RolloutEnvelope) -> Admitted:
+        """Before the body is read: refuse banned nodes; ask nodes over their bounds or rate to come back.
+
+        The answer's tier decides which receive slots the body may use (p2p/swarm/slots.py); a hand-off that
+        ends without a file (cut off, broken, wrong hash) frees its queue place at once.
+        """
         if await self.ledger.active_ban(header.node_id) is not None:
             raise HandoffRefused("the sending node is banned by this validator")
         busy = self.admission.admit(header.node_id, header.sha256)
         if busy is not None:
             raise HandoffBusy(busy.reason, busy.retry_after_s)
+        established = self.admission.tier_of(header.node_id) is Tier.ESTABLISHED
+        return Admitted(established, abandon=lambda: self.admission.cancel(header.node_id, header.sha256))
 
     async def load_tiers(self) -> None:
         """Which nodes are established, from the ledger's accepted files (at start)."""

@@ -116,7 +116,54 @@ class SwarmConfig(BaseModel):
         60.0, gt=0, le=3600, description="Limit for one hand-off step (connect, header, body, receipt)."
     )
     max_concurrent_handoffs: int = Field(
-        4, ge=1, le=256, description="Hand-offs a validator receives at once; more wait (back-pressure)."
+        4, ge=2, le=256, description="Hand-offs a validator receives at once; more wait (back-pressure)."
+    )
+    # What a receive slot costs its holder, and who may hold one (p2p/swarm/slots.py, docs/protocol.md).
+    handoff_min_bytes_per_s: int = Field(
+        64 * 1024,
+        ge=1,
+        le=1 << 30,
+        description="Rate floor of a hand-off's body: a sender slower than this over a window is cut off.",
+    )
+    handoff_rate_window_s: float = Field(
+        10.0, gt=0, le=600, description="Window over which the rate floor is measured."
+    )
+    handoff_deadline_grace_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="A body's total deadline is this plus its size at the rate floor.",
+    )
+    handoff_reserved_slots: int = Field(
+        2,
+        ge=1,
+        le=255,
+        description="Receive slots only established nodes (accepted work) may use; below the total.",
+    )
+    handoff_slots_per_sender: int = Field(
+        1, ge=1, le=256, description="Receive slots one node id, or one libp2p peer id, may hold at once."
+    )
+    handoff_slots_per_network: int = Field(
+        2,
+        ge=1,
+        le=256,
+        description="Receive slots one tier's nodes on one network (IPv4 /24, IPv6 /48) may hold at once.",
+    )
+    handoff_group_loopback: bool = Field(
+        False,
+        description="Count loopback senders as one network too (off: a devnet runs every node on one host).",
+    )
+    handoff_slot_wait_s: float = Field(
+        5.0,
+        gt=0,
+        le=600,
+        description="How long a checked header waits for a receive slot before the sender is told busy.",
+    )
+    handoff_cooldown_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Cooldown after a sender is cut off for being too slow; doubles with each further cut.",
     )
 
     @field_validator("operator_keys")
@@ -141,6 +188,15 @@ class SwarmConfig(BaseModel):
                     f"initial peer {value!r} lacks its /p2p/<peer id> part; copy the full address"
                 )
         return values
+
+    @model_validator(mode="after")
+    def _newcomers_leave_reserved_slots(self) -> SwarmConfig:
+        if self.handoff_reserved_slots >= self.max_concurrent_handoffs:
+            raise ValueError(
+                f"handoff_reserved_slots ({self.handoff_reserved_slots}) must be below "
+                f"max_concurrent_handoffs ({self.max_concurrent_handoffs}): newcomers may use the rest"
+            )
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_outlives_interval(self) -> SwarmConfig:

@@ -35,3 +35,7 @@ class HandoffBusy(HandoffError):
         super().__init__(f"the validator is busy: {reason}")
         self.reason = reason
         self.retry_after_s = retry_after_s  # the validator's hint; 0 when it gave none
+
+
+class HandoffTooSlow(HandoffError):
+    """The sender's body arrived below the receiver's rate floor or past its deadline: the stream was cut."""

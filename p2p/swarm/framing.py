@@ -1,14 +1,16 @@
-"""Length-prefixed JSON frames on libp2p streams, with a size bound and a timeout on every read."""
+"""Length-prefixed JSON frames on libp2p streams, with a size bound and a timeout on every read; raw bodies
+read at a rate floor and within a deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import struct
+import time
 from typing import Any
 
 from ..signing import canonical_json
-from .errors import HandoffError
+from .errors import HandoffError, HandoffTooSlow
 
 _LEN = struct.Struct(">I")
 
@@ -36,13 +38,54 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int, timeout: floa
         raise HandoffError("peer sent a frame that is not JSON") from None
 
 
-async def read_exactly(reader: asyncio.StreamReader, size: int, timeout: float) -> bytes:
-    try:
-        return await asyncio.wait_for(reader.readexactly(size), timeout)
-    except asyncio.TimeoutError:
-        raise HandoffError(f"peer stalled for {timeout:.0f} s") from None
-    except asyncio.IncompleteReadError as exc:
-        raise HandoffError(f"peer closed the stream after {len(exc.partial)} of {size} bytes") from None
+async def read_at_rate(
+    reader: asyncio.StreamReader,
+    size: int,
+    *,
+    chunk: int,
+    min_bytes_per_s: float,
+    window_s: float,
+    deadline_s: float,
+) -> bytes:
+    """Exactly `size` bytes, while they keep coming at `min_bytes_per_s` and all arrive within `deadline_s`.
+
+    The floor is kept per window: after each `min_bytes_per_s * window_s` bytes (or the rest of the file,
+    if less) the next such quota must arrive within `window_s`. A per-read timeout is not enough: a sender
+    that trickles one byte just before each read's timeout would hold the reader for ever. HandoffTooSlow
+    when the sender falls below the floor or passes the deadline; HandoffError when it closes early.
+    """
+    start = time.monotonic()
+    deadline = start + deadline_s
+    quota = max(1, int(min_bytes_per_s * window_s))
+    buffer = bytearray()
+    mark_time, mark_bytes = start, 0  # where the current window began, and what had arrived by then
+    while len(buffer) < size:
+        due = min(mark_time + window_s, deadline)
+        try:
+            piece = await asyncio.wait_for(
+                reader.read(min(chunk, size - len(buffer))), max(0.0, due - time.monotonic())
+            )
+        except asyncio.TimeoutError:
+            piece = None
+        if piece == b"":
+            raise HandoffError(f"peer closed the stream after {len(buffer)} of {size} bytes")
+        buffer += piece or b""
+        now = time.monotonic()
+        if len(buffer) >= size:
+            break
+        if len(buffer) - mark_bytes >= quota:
+            mark_time, mark_bytes = now, len(buffer)
+        elif now >= mark_time + window_s:
+            raise HandoffTooSlow(
+                f"sent {len(buffer) - mark_bytes} bytes in {now - mark_time:.1f} s, below the floor of "
+                f"{min_bytes_per_s:.0f} bytes/s over {window_s:g} s ({len(buffer)} of {size} bytes received)"
+            )
+        if now >= deadline:
+            raise HandoffTooSlow(
+                f"sent {len(buffer)} of {size} bytes in {now - start:.1f} s; the deadline for a file of this "
+                f"size is {deadline_s:.1f} s"
+            )
+    return bytes(buffer)
 
 
 def close_writer(writer: asyncio.StreamWriter) -> None:

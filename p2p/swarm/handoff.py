@@ -5,14 +5,17 @@ client mode). One exchange, every frame length-prefixed and size-bounded (docs/p
 
     sender -> header: the signature envelope {format, node_id, sha256, size, signature}
     receiver checks: size limit, envelope signature, sender not banned, the stream's libp2p
-                     peer id is the one the sender's signed heartbeat names; then waits for a free slot
+                     peer id is the one the sender's signed heartbeat names, sender not cooling down,
+                     admission; then waits (bounded) for a receive slot within the sender's shares
     receiver -> {"go": true} | {"refused": reason} | {"busy": reason, "retry_after_s": s}
                 | {"receipt": ...} (this sender's file is already held: no body needed)
-    sender -> exactly `size` raw bytes, in chunks, waiting on the stream's flow control
+    sender -> exactly `size` raw bytes, in chunks, waiting on the stream's flow control; the receiver cuts
+              a body that falls below its rate floor or passes its deadline (the sender then cools down)
     receiver: hash == header.sha256, store, acceptance callback; -> {"receipt": ...} | {"refused": reason}
 
-A refusal is final (the validator's verdict on this file); "busy" is back-pressure (rate limit, full queue):
-the sender keeps the file and tries again after `retry_after_s` (HandoffBusy is a transport-class error).
+A refusal is final (the validator's verdict on this file); "busy" is back-pressure (rate limit, full queue,
+no receive slot, a cooldown): the sender keeps the file and tries again after `retry_after_s` (HandoffBusy is
+a transport-class error). Who may hold the receive slots, and what a cut costs: p2p/swarm/slots.py.
 
 The file itself stays opaque bytes here: nothing in it is parsed before its signature and hash check.
 The envelope is the one proofs/rollout_file.py writes beside each file (FILE.parquet.sig). A received file is
@@ -37,9 +40,11 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from ..identity import Identity
 from ..signing import SignatureError, verify_document
-from .errors import HandoffBusy, HandoffError, HandoffRefused
-from .framing import close_writer, read_exactly, read_frame, write_frame
+from .config import SwarmConfig
+from .errors import HandoffBusy, HandoffError, HandoffRefused, HandoffTooSlow
+from .framing import close_writer, read_at_rate, read_frame, write_frame
 from .records import NodeId, Sha256Hex
+from .slots import Claim, Cooldowns, SlotTable, network_of
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +121,20 @@ class ReceivedRollout:
     size: int
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """What the validator's admission says of a header it let through."""
+
+    established: bool  # the sender has accepted work here: it may use the reserved receive slots
+    abandon: Callable[[], None] | None = None  # called when this hand-off ends without an accepted file
+
+
 AcceptCallback = Callable[[ReceivedRollout], Awaitable[None] | None]  # raise HandoffRefused to refuse
 PeerLookup = Callable[[str], Awaitable[str | None]]  # node id -> libp2p peer id of its live heartbeat
 BanCheck = Callable[[str], Awaitable[bool]]
-# raise HandoffRefused to refuse before the body, HandoffBusy to ask the sender to come back later
-AdmitCallback = Callable[[RolloutEnvelope], Awaitable[None]]
+# raise HandoffRefused to refuse before the body, HandoffBusy to ask the sender to come back later; None
+# (no admission at all) counts the sender as a newcomer
+AdmitCallback = Callable[[RolloutEnvelope], Awaitable[Admitted | None]]
 MAX_RETRY_AFTER_S = 3600.0
 
 
@@ -153,10 +167,7 @@ class RolloutReceiver:
         accept: AcceptCallback,
         peer_of: PeerLookup,
         is_banned: BanCheck,
-        *,
-        max_bytes: int,
-        timeout_s: float,
-        max_concurrent: int,
+        config: SwarmConfig,
         admit: AdmitCallback | None = None,
     ) -> None:
         self.identity = identity
@@ -164,8 +175,16 @@ class RolloutReceiver:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._accept, self._peer_of, self._is_banned = accept, peer_of, is_banned
-        self._max_bytes, self._timeout_s = max_bytes, timeout_s
-        self._slots = asyncio.Semaphore(max_concurrent)
+        self.config = config
+        self._max_bytes, self._timeout_s = config.max_rollout_bytes, config.handoff_timeout_s
+        self.slots = SlotTable(
+            config.max_concurrent_handoffs,
+            reserved=config.handoff_reserved_slots,
+            per_sender=config.handoff_slots_per_sender,
+            per_network=config.handoff_slots_per_network,
+        )
+        self.cooldowns = Cooldowns(config.handoff_cooldown_s, MAX_RETRY_AFTER_S)
+        self.cut_off = 0  # bodies cut for being too slow (tests and the benchmark read it)
         self._in_progress: set[tuple[str, str]] = set()  # (file hash, sender) being received
 
     def stored_path(self, sha256: str, node_id: str) -> Path:
@@ -174,26 +193,38 @@ class RolloutReceiver:
     def _envelope_path(self, sha256: str, node_id: str) -> Path:
         return self.directory / f"{stored_name(sha256, node_id)}{ENVELOPE_SUFFIX}"
 
+    def body_deadline_s(self, size: int) -> float:
+        """The longest a body of `size` bytes may hold a receive slot: grace plus its size at the floor."""
+        return self.config.handoff_deadline_grace_s + size / self.config.handoff_min_bytes_per_s
+
     async def handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
+        # The remote address p2pd saw for this stream (a relay's, for a relayed stream): the network's share.
+        network = network_of(getattr(info, "addr", None), group_loopback=self.config.handoff_group_loopback)
         try:
             try:
-                reply = await self._exchange(peer, reader, writer)
+                reply = await self._exchange(peer, network, reader, writer)
             except HandoffRefused as exc:
                 logger.info("refused a rollout hand-off from peer %s: %s", peer, exc.reason)
                 reply = {"refused": exc.reason}
             except HandoffBusy as exc:
                 logger.debug("asked peer %s to retry later: %s", peer, exc.reason)
                 reply = {"busy": exc.reason, "retry_after_s": exc.retry_after_s}
-            await write_frame(writer, reply)
+            # Bounded: a peer that never reads must not keep this handler (a stream) open for ever.
+            await asyncio.wait_for(write_frame(writer, reply), self._timeout_s)
         except HandoffError as exc:  # the peer broke the protocol or stalled: nothing to answer
             logger.info("rollout hand-off from peer %s failed: %s", peer, exc)
+        except asyncio.TimeoutError:
+            logger.info("rollout hand-off from peer %s: it did not take our answer within %.0f s", peer,
+                        self._timeout_s)
         except (OSError, ConnectionError) as exc:  # stream reset, or our disk refused the file
             logger.warning("rollout hand-off from peer %s aborted: %s", peer, exc)
         finally:
             close_writer(writer)
 
-    async def _exchange(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict:
+    async def _exchange(
+        self, peer: str, network: str | None, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> dict:
         raw = await read_frame(reader, MAX_CONTROL_FRAME, self._timeout_s)
         try:
             header = RolloutEnvelope.model_validate(raw, strict=True)
@@ -219,32 +250,60 @@ class RolloutReceiver:
             return {"receipt": self._receipt(header).model_dump(mode="json")}
         if delivery in self._in_progress:
             raise HandoffBusy("this file is being received on another stream", 1.0)
-        if self._admit is not None:
-            await self._admit(header)
+        self._check_cooldown(header.node_id, peer)  # after the identity checks: only its own cuts count
+        self._in_progress.add(delivery)  # claimed before any await: a second stream of it is busy
+        admitted: Admitted | None = None
+        accepted = False
         try:
-            await asyncio.wait_for(self._slots.acquire(), self._timeout_s)
-        except asyncio.TimeoutError:
-            raise HandoffBusy("every receiving slot stayed taken", self._timeout_s) from None
-        self._in_progress.add(delivery)
-        try:
-            await write_frame(writer, {"go": True})
-            data = await self._read_body(reader, header.size)
+            admitted = await self._admit(header) if self._admit is not None else None
+            claim = Claim(header.node_id, peer, network, admitted is not None and admitted.established)
+            why_not = await self.slots.acquire(claim, self.config.handoff_slot_wait_s)
+            if why_not is not None:
+                raise HandoffBusy(f"no receive slot: {why_not}", self.config.handoff_slot_wait_s)
+            try:
+                self._check_cooldown(header.node_id, peer)  # cut off while this stream waited for the slot
+                await asyncio.wait_for(write_frame(writer, {"go": True}), self._timeout_s)
+                data = await self._read_body(header, peer, network, reader)
+            finally:
+                await self.slots.release(claim)  # for the body only: hashing and accepting are ours
             digest = await asyncio.to_thread(_hash_and_store, data, self.directory, header)
             if digest != header.sha256:
                 raise HandoffRefused(f"the file's SHA-256 is {digest}, not the signed {header.sha256}")
             received = ReceivedRollout(header, self.stored_path(*delivery), peer, header.size)
             await self._run_accept(received)
+            accepted = True
+            self.cooldowns.completed(header.node_id, peer)
             return {"receipt": self._receipt(header).model_dump(mode="json")}
         finally:
             self._in_progress.discard(delivery)
-            self._slots.release()
+            if not accepted and admitted is not None and admitted.abandon is not None:
+                admitted.abandon()  # its admission place is free again at once, not when it would lapse
 
-    async def _read_body(self, reader: asyncio.StreamReader, size: int) -> bytes:
-        buffer = bytearray()
-        while len(buffer) < size:
-            # Reading chunk by chunk is the back-pressure: the sender's writes wait on the stream window.
-            buffer += await read_exactly(reader, min(CHUNK_BYTES, size - len(buffer)), self._timeout_s)
-        return bytes(buffer)
+    def _check_cooldown(self, node_id: str, peer: str) -> None:
+        wait = self.cooldowns.remaining(node_id, peer)
+        if wait > 0:
+            raise HandoffBusy(
+                f"cooling down after a hand-off cut off for being too slow; retry in {wait:.0f} s", wait
+            )
+
+    async def _read_body(
+        self, header: RolloutEnvelope, peer: str, network: str | None, reader: asyncio.StreamReader
+    ) -> bytes:
+        # Reading chunk by chunk is the back-pressure: the sender's writes wait on the stream window.
+        try:
+            return await read_at_rate(
+                reader, header.size, chunk=CHUNK_BYTES, min_bytes_per_s=self.config.handoff_min_bytes_per_s,
+                window_s=self.config.handoff_rate_window_s, deadline_s=self.body_deadline_s(header.size),
+            )
+        except HandoffTooSlow as exc:
+            self.cut_off += 1
+            cooldown = self.cooldowns.strike(header.node_id, peer)
+            logger.warning(
+                "cut off the hand-off of %s… from node %s… (peer %s, network %s): %s; "
+                "its next hand-off waits %.0f s",
+                header.sha256[:16], header.node_id[:16], peer, network or "not grouped", exc, cooldown,
+            )
+            raise HandoffBusy(f"cut off: {exc}; retry after the cooldown", cooldown) from None
 
     async def _run_accept(self, received: ReceivedRollout) -> None:
         try:

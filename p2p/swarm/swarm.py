@@ -42,7 +42,8 @@ class Swarm(SwarmDirectory):
     ) -> handoff.RolloutReceiver:
         """Receive rollout files into `directory`; `accept` sees each checked file and may refuse it.
 
-        `admit`, when given, sees each checked header before the body is read and may refuse it too.
+        `admit`, when given, sees each checked header before the body is read and may refuse it too; what it
+        returns says whether the sender may use the receive slots reserved for established nodes.
         """
         if self.client_mode:
             raise SwarmError(
@@ -64,10 +65,8 @@ class Swarm(SwarmDirectory):
             accept,
             peer_of,
             is_banned,
-            max_bytes=self.config.max_rollout_bytes,
-            timeout_s=self.config.handoff_timeout_s,
-            max_concurrent=self.config.max_concurrent_handoffs,
-            admit=admit,
+            self.config,
+            admit,
         )
         await self._add_handler(handoff.protocol_name(self.config.run_id), receiver.handle)
         return receiver
