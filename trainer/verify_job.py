@@ -1,8 +1,10 @@
 """One spooled rollout file through the proofs/ checks, in two phases around the checkpoint lookup.
 
-Phase 1 (signature, schema) needs no model and tells which checkpoint the file claims; phase 2 (every
-other check, cheapest first) runs against that checkpoint. When the validator does not hold it yet the
-outcome is `hold`, and the file is retried when the version arrives. Blocking (parquet decoding, torch):
+Phase 1 (signature, schema, limits) needs no model, decodes nothing in bulk (the footer, the page headers
+and the policy step column) and tells which checkpoint the file claims: a file over the run's limits is
+rejected here, whichever step it claims, and never waits for a checkpoint. Phase 2 (decoding the rows,
+then every other check, cheapest first) runs against that checkpoint. When the validator does not hold it
+yet the outcome is `hold`, and the file is retried when the version arrives. Blocking (parquet decoding, torch):
 run it in the verification thread. The rows the expensive checks cover are drawn here, after the file
 arrived, from the validator's own randomness (proofs/verifier.py).
 """
@@ -20,8 +22,8 @@ from ..node.validation import RunTasks
 from ..proofs.checks import default_checks
 from ..proofs.verifier import CheckResult, VerificationContext, VerifierSettings, run_checks
 
-# Checks that need neither the model nor the task rules; they must pass before the claimed step is known.
-MODEL_FREE_CHECKS = frozenset({"signature", "schema"})
+# Checks that need neither the model nor the task rules; they must pass before the claimed step is looked up.
+MODEL_FREE_CHECKS = frozenset({"signature", "schema", "limits"})
 
 ModelLookup = Callable[[int], "tuple[InferenceEngine, RunTasks] | None"]
 
@@ -72,7 +74,8 @@ def verify_spooled(
         failed, reason = _failure(first.checks)
         seconds = time.perf_counter() - start
         return Outcome(False, 0, False, failed, reason, checks=first.checks, seconds=seconds)
-    step = ctx.rows[0].policy_step
+    assert ctx.step is not None  # the limits check read it
+    step = ctx.step
     found = lookup(step)
     if found is None:
         return Outcome(True, step, seconds=time.perf_counter() - start)
