@@ -26,6 +26,9 @@ from .rollout_schema import COLUMNS, SCHEMA, RolloutFileError, RolloutLimits, Ro
 def _read(parquet: pq.ParquetFile, column: str) -> pa.ChunkedArray:
     try:
         table = parquet.read(columns=[column], use_threads=False)
+        # Decoded is not valid: strings must be UTF-8 and dictionary indices within their dictionary before
+        # Python objects are made of them.
+        table.validate(full=True)
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise RolloutFileError(f"column {column!r} cannot be decoded: {exc}", check="schema") from None
     return table.column(0)

@@ -4,10 +4,12 @@ A Parquet file is a few bytes that stand for many: run-length and bit-packed enc
 (one value, referenced by every row) and compression let a 5 kB file decode to gigabytes. Before any
 column is decoded, `read_layout` establishes what the decoder will actually hold to:
 
-1. the footer: at most MAX_FOOTER_BYTES, and no more than MAX_FOOTER_STRUCTS structs and list elements
-   (checked by our own Thrift reader before Arrow builds objects for them), at most MAX_ROW_GROUPS row
-   groups, the pinned Parquet columns (path, physical type, levels), no column chunk in another file;
-2. every page header of every column chunk (proofs/parquet_pages.py): the pages must exactly fill the
+1. the footer: at most MAX_FOOTER_BYTES, and no more than MAX_FOOTER_STRUCTS structs and list elements,
+   read by our own Thrift reader before Arrow builds objects for them (and the only source of the numbers
+   below: pyarrow's metadata accessors abort the process on values they cannot convert); at most
+   MAX_ROW_GROUPS row groups, the pinned Parquet columns (path, physical type, levels), no column chunk in
+   another file;
+2. every page header of every column chunk (proofs/parquet_meta.py): the pages must exactly fill the
    byte range the footer gives the chunk and their value counts must add up to the footer's, so the
    footer's counts are the decoder's; only the encodings and codecs named below are accepted.
 
@@ -27,7 +29,17 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .parquet_pages import DICTIONARY_PAGE, ENCODINGS, Page, check_footer_shape, walk_pages
+from .parquet_meta import (
+    CODECS as CODEC_NAMES,
+    DICTIONARY_PAGE,
+    ENCODINGS,
+    PHYSICAL_TYPES,
+    ChunkMeta,
+    FooterMeta,
+    Page,
+    read_footer,
+    walk_pages,
+)
 from .rollout_schema import SCHEMA, RolloutFileError, RolloutLimits, check_schema
 from .toploc import proof_size
 
@@ -104,39 +116,49 @@ def _schema_error(message: str) -> RolloutFileError:
     return RolloutFileError(message, check="schema")
 
 
-def _footer(data: bytes) -> None:
+def _footer(data: bytes) -> FooterMeta:
     if len(data) < 12 or data[:4] != b"PAR1" or data[-4:] != b"PAR1":
         raise _schema_error("not a readable Parquet file: no PAR1 magic at both ends")
     length = struct.unpack("<I", data[-8:-4])[0]
     if length > min(MAX_FOOTER_BYTES, len(data) - 12):
         raise _schema_error(f"the footer claims {length} bytes; at most {MAX_FOOTER_BYTES} are read, and the "
                             f"file has {len(data) - 12}")
-    check_footer_shape(data[-8 - length:-8], MAX_FOOTER_STRUCTS)
+    return read_footer(data[-8 - length:-8], MAX_FOOTER_STRUCTS)
 
 
-def open_parquet(data: bytes) -> pq.ParquetFile:
-    """The file, its footer checked before Arrow parses it, its Arrow schema exactly the pinned one; binary
+def open_parquet(data: bytes) -> tuple[pq.ParquetFile, FooterMeta]:
+    """The file and its footer, checked before Arrow parses it, its Arrow schema exactly the pinned one; binary
     columns are read as dictionaries (proofs/rollout_decode.py)."""
-    _footer(data)
+    footer = _footer(data)
     try:
         plain = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False, thrift_string_size_limit=MAX_FOOTER_BYTES,
                                thrift_container_size_limit=MAX_FOOTER_STRUCTS)
         check_schema(plain.schema_arrow)  # as written, before read_dictionary turns strings into dictionaries
+        leaves = tuple(_leaf(plain.schema.column(i)) for i in range(len(plain.schema)))
+        if leaves != _pinned_leaves():
+            raise _schema_error(f"Parquet columns {leaves} differ from the pinned {_pinned_leaves()}")
         return pq.ParquetFile(pa.BufferReader(data), metadata=plain.metadata, pre_buffer=False,
-                              read_dictionary=list(BINARY_COLUMNS))
+                              read_dictionary=list(BINARY_COLUMNS)), footer
     except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: pyarrow decoding a name as UTF-8
         raise _schema_error(f"not a readable Parquet file: {exc}") from None
 
 
-def _chunk(data: bytes, meta: pq.ColumnChunkMetaData, column: str, group: int, rows: int, pages_left: int) -> Chunk:
+def _chunk(data: bytes, meta: ChunkMeta, leaf: tuple[str, str, int, int], group: int, rows: int,
+           pages_left: int) -> Chunk:
+    column, physical_type = leaf[0].split(".")[0], leaf[1]
     where = f"column {column!r} of row group {group}"
-    if meta.file_path:
-        raise _schema_error(f"{where} lives in another file ({meta.file_path!r})")
-    if meta.compression not in CODECS:
-        raise _schema_error(f"{where} is compressed with {meta.compression}; accepted: {sorted(CODECS)}")
+    # Arrow decodes chunk j as the schema's leaf j: the chunk's own path and type must say the same.
+    declared = ".".join(meta.path), PHYSICAL_TYPES.get(meta.physical_type, str(meta.physical_type))
+    if declared != (leaf[0], physical_type):
+        raise _schema_error(f"{where} declares {declared}, not {(leaf[0], physical_type)}")
+    if meta.file_path is not None:
+        raise _schema_error(f"{where} lives in another file ({meta.file_path[:64]!r})")
+    codec = CODEC_NAMES.get(meta.codec, str(meta.codec))
+    if codec not in CODECS:
+        raise _schema_error(f"{where} is compressed with {codec}; accepted: {sorted(CODECS)}")
     # Where Arrow's page reader starts (parquet/file_reader.cc, ComputeColumnChunkRange).
     start = meta.data_page_offset
-    if meta.has_dictionary_page and 0 < meta.dictionary_page_offset < start:
+    if meta.dictionary_page_offset is not None and 0 < meta.dictionary_page_offset < start:
         start = meta.dictionary_page_offset
     pages = walk_pages(data, start, meta.total_compressed_size, pages_left)
     counted = sum(p.values for p in pages if p.kind != DICTIONARY_PAGE)
@@ -149,41 +171,37 @@ def _chunk(data: bytes, meta: pq.ColumnChunkMetaData, column: str, group: int, r
             named = [ENCODINGS.get(e, str(e)) for e in (page.encoding, *page.level_encodings)]
             raise _schema_error(f"{where}: page {i} is encoded {named}; values must be PLAIN or dictionary "
                                 "(RLE_DICTIONARY, PLAIN_DICTIONARY) and levels RLE")
-        if meta.compression == "UNCOMPRESSED" and page.compressed != page.uncompressed:
-            raise _schema_error(f"{where}: an uncompressed page of {page.compressed} bytes claims {page.uncompressed}")
-        if page.kind == DICTIONARY_PAGE and page.values * _WIDTH.get(meta.physical_type, 4) > page.uncompressed:
+        if codec == "UNCOMPRESSED" and page.compressed != page.uncompressed:
+            raise _schema_error(f"{where}: an uncompressed page of {page.compressed} bytes claims "
+                                f"{page.uncompressed}")
+        if page.kind == DICTIONARY_PAGE and page.values * _WIDTH.get(physical_type, 4) > page.uncompressed:
             raise _schema_error(f"{where}: a dictionary of {page.values} entries in {page.uncompressed} bytes")
-    return Chunk(column, group, rows, meta.num_values, meta.physical_type, tuple(pages))
+    return Chunk(column, group, rows, meta.num_values, physical_type, tuple(pages))
 
 
 def read_layout(data: bytes) -> tuple[pq.ParquetFile, Layout]:
     """The opened file and its verified layout; RolloutFileError (check `schema`) if it is malformed."""
-    parquet = open_parquet(data)
-    leaves = tuple(_leaf(parquet.schema.column(i)) for i in range(len(parquet.schema)))
-    if leaves != _pinned_leaves():
-        raise _schema_error(f"Parquet columns {leaves} differ from the pinned {_pinned_leaves()}")
-    meta = parquet.metadata
-    if meta.num_row_groups > MAX_ROW_GROUPS:
-        raise _schema_error(f"{meta.num_row_groups} row groups, at most {MAX_ROW_GROUPS}")
+    parquet, footer = open_parquet(data)
+    leaves = _pinned_leaves()
+    if len(footer.row_groups) > MAX_ROW_GROUPS:
+        raise _schema_error(f"{len(footer.row_groups)} row groups, at most {MAX_ROW_GROUPS}")
     chunks: list[Chunk] = []
     pages = 0
-    for g in range(meta.num_row_groups):
-        group = meta.row_group(g)
-        if group.num_columns != len(leaves) or group.num_rows < 0:
-            raise _schema_error(f"row group {g} has {group.num_columns} columns and {group.num_rows} rows")
-        for j in range(group.num_columns):
-            column = leaves[j][0].split(".")[0]
-            chunk = _chunk(data, group.column(j), column, g, group.num_rows, MAX_PAGES - pages)
+    for g, (rows, metas) in enumerate(footer.row_groups):
+        if len(metas) != len(leaves) or rows < 0:
+            raise _schema_error(f"row group {g} has {len(metas)} columns and {rows} rows")
+        for meta, leaf in zip(metas, leaves, strict=True):
+            chunk = _chunk(data, meta, leaf, g, rows, MAX_PAGES - pages)
             pages += len(chunk.pages)
             # One value a row, null or not; a list column a value per element, and one for an empty list.
-            if chunk.values < chunk.rows if column in TOKEN_COLUMNS else chunk.values != chunk.rows:
-                raise _schema_error(f"column {column!r} of row group {g} holds {chunk.values} values for "
+            if chunk.values < chunk.rows if chunk.column in TOKEN_COLUMNS else chunk.values != chunk.rows:
+                raise _schema_error(f"column {chunk.column!r} of row group {g} holds {chunk.values} values for "
                                     f"{chunk.rows} rows")
             chunks.append(chunk)
-    rows = sum(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
-    if rows != meta.num_rows:
-        raise _schema_error(f"the footer declares {meta.num_rows} rows, its row groups hold {rows}")
-    return parquet, Layout(rows, meta.num_row_groups, tuple(chunks))
+    rows = sum(rows for rows, _ in footer.row_groups)
+    if rows != footer.num_rows:
+        raise _schema_error(f"the footer declares {footer.num_rows} rows, its row groups hold {rows}")
+    return parquet, Layout(rows, len(footer.row_groups), tuple(chunks))
 
 
 def longest_value(column: str, limits: RolloutLimits) -> int:
