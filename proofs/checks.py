@@ -1,6 +1,8 @@
 """The checks a validator runs on a rollout file, cheapest first (see verifier.py for the framework).
 
-signature -> schema -> signer -> bounds -> run-parameters -> assignment -> prompts -> termination -> rewards
+signature -> schema -> limits   (the file's bytes, its footer and page headers, one small column: nothing is
+    decoded in bulk before the file's layout is verified and held to the run's limits)
+decode -> signer -> bounds -> run-parameters -> assignment -> prompts -> termination -> rewards
     (every row, cheap)
 toploc -> eos-probability -> sampling -> distribution   (selected rows: what one prefill each gives,
     reduced call by call so that memory does not grow with the file, proofs/evidence.py)
@@ -17,15 +19,16 @@ from itertools import groupby
 
 from .assignment import AssignmentError, check_assignment
 from .errors import ProofError
+from .rollout_decode import decode_layout, read_policy_step
 from .rollout_file import (
     MAX_SIG_BYTES,
     check_signer,
-    decode_rows,
     parse_envelope,
     read_bounded,
     signature_path,
     verify_envelope,
 )
+from .rollout_layout import TOKEN_COLUMNS, check_layout, read_layout
 from .rollout_schema import RolloutFileError, check_rows
 from .sampling import (
     distribution_failure,
@@ -61,12 +64,45 @@ class SignatureCheck:
 
 
 class SchemaCheck:
+    """The footer and every page header, verified against each other: what decoding will cost, before any of it."""
+
     name = "schema"
 
     def run(self, ctx: VerificationContext) -> str:
         with _rejects(RolloutFileError):
-            ctx.rows = decode_rows(ctx.data, ctx.settings.limits)
-        return f"{len(ctx.rows)} rows, schema exact"
+            ctx.parquet, ctx.layout = read_layout(ctx.data)
+        pages = sum(len(c.pages) for c in ctx.layout.chunks)
+        return f"{ctx.layout.rows} rows in {ctx.layout.row_groups} row groups and {pages} pages, schema exact"
+
+
+class LimitsCheck:
+    """The verified layout against the run's limits, then the policy step alone: a file over them is refused
+    before it is decoded, and the checkpoint it claims is known before the bulk of it is read."""
+
+    name = "limits"
+
+    def run(self, ctx: VerificationContext) -> str:
+        assert ctx.parquet is not None and ctx.layout is not None
+        with _rejects(RolloutFileError):
+            check_layout(ctx.layout, ctx.settings.file_limits())
+            ctx.step = read_policy_step(ctx.parquet)
+        tokens = sum(ctx.layout.values(c) for c in TOKEN_COLUMNS)
+        return (f"{tokens} token ids, {ctx.layout.uncompressed} bytes decompressed, within the run's limits; "
+                f"policy step {ctx.step}")
+
+
+class DecodeCheck:
+    """The rows, column by column within the bounds the limits check allowed (proofs/rollout_decode.py)."""
+
+    name = "decode"
+
+    def run(self, ctx: VerificationContext) -> str:
+        assert ctx.parquet is not None and ctx.layout is not None
+        with _rejects(RolloutFileError):
+            ctx.rows = decode_layout(ctx.parquet, ctx.layout, ctx.settings.file_limits())
+        # The file's bytes and Arrow's view of them are not read again: not held through the prefill.
+        ctx.parquet, ctx.data = None, b""
+        return f"{len(ctx.rows)} rows decoded"
 
 
 class SignerCheck:
@@ -239,6 +275,6 @@ class DistributionCheck:
 
 def default_checks() -> list[Check]:
     """Every check, cheapest first."""
-    return [SignatureCheck(), SchemaCheck(), SignerCheck(), BoundsCheck(), RunParametersCheck(), AssignmentCheck(),
-            PromptCheck(), TerminationCheck(), RewardCheck(), ToplocCheck(), EosProbabilityCheck(), SamplingCheck(),
-            DistributionCheck()]
+    return [SignatureCheck(), SchemaCheck(), LimitsCheck(), DecodeCheck(), SignerCheck(), BoundsCheck(),
+            RunParametersCheck(), AssignmentCheck(), PromptCheck(), TerminationCheck(), RewardCheck(), ToplocCheck(),
+            EosProbabilityCheck(), SamplingCheck(), DistributionCheck()]

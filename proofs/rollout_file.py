@@ -7,7 +7,8 @@
 where the signature is Ed25519 over canonical JSON of the other four fields. A reader trusts nothing
 before the signature verifies: it checks the file size against its limit, reads the bounded envelope,
 hashes the bytes, verifies the signature, and only then lets the Parquet parser near the data; then it
-checks the schema exactly (from the footer, before reading any column) and every value's bounds.
+checks the schema exactly and what decoding will cost (from the footer and every page header, before
+reading any column: proofs/rollout_layout.py), decodes within that bound, and checks every value's bounds.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import pyarrow.parquet as pq
 from ..p2p.errors import SignatureError
 from ..p2p.identity import Identity
 from ..p2p.signing import canonical_json, verify_signature
-from .rollout_schema import FORMAT, SCHEMA, RolloutFileError, RolloutLimits, RolloutRow, check_rows, check_schema
+from .rollout_decode import decode_file
+from .rollout_schema import SCHEMA, RolloutFileError, RolloutLimits, RolloutRow, check_rows
 
 SIG_FORMAT = "prime-node/rollout-sig/v1"
 SIG_SUFFIX = ".sig"
@@ -142,40 +144,14 @@ def read_bounded(path: Path, limit: int, what: str) -> bytes:
     return data
 
 
-def _check_footer_sizes(meta: pq.FileMetaData, limits: RolloutLimits) -> None:
-    """Refuse, before decoding anything, a small file that would inflate enormously: run-length and
-    dictionary encodings let a few bytes stand for millions of token ids."""
-    groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
-    decoded = sum(g.total_byte_size for g in groups)
-    if decoded > limits.max_decoded_bytes:
-        raise RolloutFileError(f"file declares {decoded} uncompressed bytes, over the limit "
-                               f"{limits.max_decoded_bytes}", check="bounds")
-    tokens = sum(g.column(j).num_values for g in groups for j in range(g.num_columns)
-                 if g.column(j).path_in_schema.split(".")[0] in ("prompt_ids", "output_ids"))
-    most = meta.num_rows * (limits.max_prompt_tokens + limits.max_new_tokens)
-    if tokens > most:
-        raise RolloutFileError(f"file declares {tokens} token ids, more than {meta.num_rows} rows may hold ({most})",
-                               check="bounds")
-
-
 def decode_rows(data: bytes, limits: RolloutLimits) -> list[RolloutRow]:
-    """Parse signed Parquet bytes: schema and row count from the footer first, then the rows.
+    """Parse signed Parquet bytes within `limits`: the footer and every page header verified and held to the
+    limits before any column is decoded, then the columns one by one (proofs/rollout_decode.py).
 
     Value bounds are the caller's next step (check_rows), kept apart so a verifier reports them as
     their own check.
     """
-    try:
-        parquet = pq.ParquetFile(pa.BufferReader(data))
-        check_schema(parquet.schema_arrow)
-        meta = parquet.metadata
-        if meta.num_rows > limits.max_rows:
-            raise RolloutFileError(f"{meta.num_rows} rows, over the limit {limits.max_rows}", check="bounds")
-        _check_footer_sizes(meta, limits)
-        table = parquet.read()
-    except (pa.ArrowException, OSError) as exc:
-        raise RolloutFileError(f"not a readable {FORMAT} Parquet file: {exc}") from None
-    check_schema(table.schema)
-    return [RolloutRow.from_record(record) for record in table.to_pylist()]
+    return decode_file(data, limits)
 
 
 def read_rollout_file(path: Path, limits: RolloutLimits | None = None,

@@ -66,7 +66,13 @@ class RolloutLimits(BaseModel):
 
     max_file_bytes: int = Field(64 * 2**20, ge=1024, description="Largest rollout file read (bytes).")
     max_rows: int = Field(4096, ge=1, description="Most rows (samples) in one file.")
-    max_decoded_bytes: int = Field(512 * 2**20, ge=1024, description="Largest uncompressed size the footer may declare.")
+    max_decoded_bytes: int = Field(
+        128 * 2**20, ge=1024, description="Most bytes a file's pages may decompress to, summed over its page headers."
+    )
+    max_file_tokens: int = Field(
+        4 * 2**20, ge=1, description="Most token ids (prompts and outputs, every row) in one file: what bounds "
+        "the decoded rows' memory (about 40 bytes a token as Python objects)."
+    )
     max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt, in tokens.")
     max_new_tokens: int = Field(8192, ge=1, description="Largest max_new_tokens a file may claim.")
     max_temperature: float = Field(10.0, gt=0, description="Highest sampling temperature accepted.")
@@ -181,5 +187,9 @@ def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits) -
 def check_rows(rows: Sequence[RolloutRow], limits: RolloutLimits) -> None:
     if not 1 <= len(rows) <= limits.max_rows:
         raise RolloutFileError(f"{len(rows)} rows, allowed 1..{limits.max_rows}", check="bounds")
+    tokens = sum(len(r.prompt_ids) + len(r.output_ids) for r in rows)
+    if tokens > limits.max_file_tokens:
+        raise RolloutFileError(f"{tokens} token ids, over the limit of {limits.max_file_tokens} per file",
+                               check="bounds")
     for i, row in enumerate(rows):
         check_row(i, row, rows[0], limits)

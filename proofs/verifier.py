@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ProofError
 from .evidence import Prefilled, RowEvidence, batch_evidence, first_read_position, prefill_batches
+from .rollout_layout import Layout
 from .rollout_schema import RolloutLimits, RolloutRow
 from .sampling import SamplingThresholds
 from .toploc import Precision, ToplocThresholds
@@ -92,6 +94,17 @@ class VerifierSettings(BaseModel):
         None, description="Sampling bounds; the fields set here replace node_precision's calibrated ones."
     )
 
+    def file_limits(self) -> RolloutLimits:
+        """What a file of this run may hold before it is decoded: `limits`, with the run's max_new_tokens as the
+        longest output and, when both the group size and the prompts per file are pinned, their product as
+        the most rows (proofs/rollout_layout.py holds a file to them before decoding it)."""
+        update: dict[str, int] = {}
+        if self.max_new_tokens is not None:
+            update["max_new_tokens"] = min(self.limits.max_new_tokens, self.max_new_tokens)
+        if self.samples_per_prompt is not None and self.prompts_per_batch is not None:
+            update["max_rows"] = min(self.limits.max_rows, self.samples_per_prompt * self.prompts_per_batch)
+        return self.limits.model_copy(update=update)
+
     def toploc_thresholds(self) -> ToplocThresholds:
         """The bounds the TOPLOC check applies: those calibrated for node_precision, with the explicitly set
         fields of `toploc` on top (a partial override must not fall back to another precision's defaults)."""
@@ -133,6 +146,10 @@ class VerificationContext:
     data: bytes = b""
     envelope: dict[str, Any] = field(default_factory=dict)
     signer: str = ""
+    # The opened file and what decoding it costs (proofs/rollout_layout.py), until its rows are decoded.
+    parquet: pq.ParquetFile | None = None
+    layout: Layout | None = None
+    step: int | None = None  # the policy step every row claims, read before the rest of the file
     rows: list[RolloutRow] = field(default_factory=list)
     selected: list[int] = field(default_factory=list)  # rows the expensive checks cover
     evidence: dict[int, RowEvidence] = field(default_factory=dict)  # per selected row, see row_evidence

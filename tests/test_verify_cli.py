@@ -41,7 +41,7 @@ def test_rollout_then_verify_accepts(produced, capsys):
                          "--json")
     report = json.loads(text)
     assert code == 0 and report["accepted"] is True and report["reasons"] == []
-    assert [c["name"] for c in report["checks"]][:3] == ["signature", "schema", "signer"]
+    assert [c["name"] for c in report["checks"]][:5] == ["signature", "schema", "limits", "decode", "signer"]
     assert all(c["status"] == "passed" for c in report["checks"])
     code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
                          "--sample-fraction", "0.5")

@@ -9,9 +9,9 @@ Every failed check falls in one of three classes:
   the named node's (anyone can claim a node id; the same holds for a file over the size limit, refused
   before its signature is read), and a checkpoint the validator never obtained is not
   the sender's fault. Slashing on these would let anyone frame an honest node.
-- fault: the file is malformed (schema, bounds), or repeats samples already accepted (duplicate: the same
-  work sent again in another encoding, order or file). Could be a bug; costs score, and repeated faults in
-  a window escalate to a ban.
+- fault: the file is malformed or over the run's limits (schema, limits, decode, bounds), or repeats samples
+  already accepted (duplicate: the same work sent again in another encoding, order or file). Could be a bug;
+  costs score, and repeated faults in a window escalate to a ban.
 - fraud: the file is well-formed but the work is false (proofs, sampling, rewards, work assignment,
   termination, sampling settings other than the run's). Costs score and bans at once.
 Ban lengths grow with every earlier ban and become permanent after a set number of them.
@@ -43,6 +43,10 @@ DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "banned": CheckClass.excused,  # already refused for the ban; no second penalty for the same offence
     "internal_error": CheckClass.excused,  # the validator failed (a checkpoint that will not load, a bug)
     "schema": CheckClass.fault,
+    # Over the run's limits (rows, tokens, bytes a value or a page may decode to), refused before decoding:
+    # the writer every honest node uses never produces such a file (proofs/rollout_file.py).
+    "limits": CheckClass.fault,
+    "decode": CheckClass.fault,
     "bounds": CheckClass.fault,
     # Samples accepted before (or repeated in the file): only their own node can sign them (the signer check
     # comes first), so it costs the sender; a fault, not fraud: a node that lost its batch counter (its data

@@ -26,7 +26,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ..node.errors import NodeError
 from ..node.run_config import verifier_for_run
 from ..node.tasks import TaskSet
 from ..p2p.identity import Identity
@@ -35,7 +34,6 @@ from ..p2p.swarm.handoff import RolloutReceiver
 from ..p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
 from ..p2p.weights.store import Store
 from .checkpoints import CheckpointKeeper
-from .errors import TrainerError
 from .intake import Tier, TieredQueue
 from .ledger import AsyncLedger, BanEntry, DuplicateWork, Ledger
 from .spool import Spool, SpooledFile, deliver
@@ -188,8 +186,10 @@ class ValidatorService:
                     verify_spooled, job.entry.path, self.keeper.model_for, self.verifier,
                     accepted=self.ledger.ledger.accepted_holder,
                 )
-            except (NodeError, TrainerError, OSError, RuntimeError, ValueError) as exc:
-                # Our failure (a checkpoint that will not load, a full disk, a bug): never the sender's.
+            except Exception as exc:  # noqa: BLE001 - one file's judgement must never end the worker
+                # Our failure (a checkpoint that will not load, a full disk, memory, a bug): never the sender's, so
+                # excused. Every fault a file can be blamed for is a failed check inside verify_spooled; what
+                # escapes it is the validator's, and stopping here would leave every later file unjudged.
                 logger.exception("could not verify %s", job.entry.path)
                 reason = f"the validator failed: {exc!r}"
                 outcome = Outcome(False, job.step or 0, False, INTERNAL_ERROR, reason)

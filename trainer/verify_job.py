@@ -1,13 +1,17 @@
-"""One spooled rollout file through the proofs/ checks, in two phases around the checkpoint lookup.
+"""One spooled rollout file through the proofs/ checks, in phases around the checkpoint lookup.
 
-Phase 1 (signature, schema, signer) needs no model and tells which checkpoint the file claims. Then the
-work is looked up by what it is (proofs/work_identity.py): a file whose rows repeat a sample, among
-themselves or one the ledger already accepted in any file, is rejected as `duplicate` before any costly
-check (the ledger checks again, atomically, when it records an acceptance). Phase 2 (every other check,
-cheapest first) runs against the claimed checkpoint. When the validator does not hold it yet the outcome is
-`hold`, and the file is retried when the version arrives. Blocking (parquet decoding, torch): run it in the
-verification thread. The rows the expensive checks cover are drawn here, after the file arrived, from the
-validator's own randomness (proofs/verifier.py).
+Phase 1 (signature, schema, limits) needs no model, decodes nothing in bulk (the footer, the page headers
+and the policy step column) and tells which checkpoint the file claims: a file over the run's limits is
+rejected here, whichever step it claims, and never waits for a checkpoint. When the validator does not hold
+the claimed checkpoint yet the outcome is `hold`, and the file is retried when the version arrives. Then the
+rows are decoded and the signer checked (a node that re-signs another's rows is named for that, fraud, not
+for repeating work the other node was credited for), and the work is looked up by what it is
+(proofs/work_identity.py): a file whose rows repeat a sample, among themselves or one the ledger already
+accepted in any file, is rejected as `duplicate` before any costly check (the ledger checks again,
+atomically, when it records an acceptance). Phase 2 (every other check, cheapest first) runs against the
+claimed checkpoint. Blocking (parquet decoding, torch): run it in the verification thread. The rows the
+expensive checks cover are drawn here, after the file arrived, from the validator's own randomness
+(proofs/verifier.py).
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ from ..proofs.checks import default_checks
 from ..proofs.verifier import CheckResult, VerificationContext, VerifierSettings, run_checks
 from ..proofs.work_identity import SampleId, first_repeat, sample_ids
 
-# Checks that need neither the model nor the task rules; they must pass before the claimed step is known.
-# The signer check is among them: a node that re-signs another's rows is named for that (fraud), not for
-# repeating work the other node was credited for.
-MODEL_FREE_CHECKS = frozenset({"signature", "schema", "signer"})
+# Checks that need neither the model nor the task rules; they must pass before the claimed step is looked up.
+MODEL_FREE_CHECKS = frozenset({"signature", "schema", "limits"})
+# The checks that say whose rows these are; the duplicate lookup runs right after the last of them.
+IDENTITY_CHECKS = frozenset({"decode", "signer"})
 DUPLICATE = "duplicate"  # the failed check of a file that repeats accepted (or its own) samples: a fault
 
 ModelLookup = Callable[[int], "tuple[InferenceEngine, RunTasks] | None"]
@@ -97,18 +101,26 @@ def verify_spooled(
         failed, reason = _failure(first.checks)
         seconds = time.perf_counter() - start
         return Outcome(False, 0, False, failed, reason, checks=first.checks, seconds=seconds)
-    step = ctx.rows[0].policy_step
-    ids = sample_ids(ctx.rows)
-    repeated = duplicate_reason(ids, accepted)
-    if repeated is not None:
-        return Outcome(False, step, False, DUPLICATE, repeated, checks=first.checks,
-                       seconds=time.perf_counter() - start)
+    assert ctx.step is not None  # the limits check read it
+    step = ctx.step
     found = lookup(step)
     if found is None:
         return Outcome(True, step, seconds=time.perf_counter() - start)
     ctx.model, ctx.tasks = found
-    second = run_checks(tail, ctx)
-    results = first.checks + second.checks
+    identity = [c for c in tail if c.name in IDENTITY_CHECKS]
+    rest = [c for c in tail if c.name not in IDENTITY_CHECKS]
+    whose = run_checks(identity, ctx)
+    if not whose.accepted:
+        failed, reason = _failure(whose.checks)
+        return Outcome(False, step, False, failed, reason, checks=first.checks + whose.checks,
+                       seconds=time.perf_counter() - start)
+    ids = sample_ids(ctx.rows)
+    repeated = duplicate_reason(ids, accepted)
+    if repeated is not None:
+        return Outcome(False, step, False, DUPLICATE, repeated, checks=first.checks + whose.checks,
+                       seconds=time.perf_counter() - start)
+    second = run_checks(rest, ctx)
+    results = first.checks + whose.checks + second.checks
     samples, tokens = len(ctx.rows), sum(len(r.output_ids) for r in ctx.rows)
     if second.accepted:
         rewards = sum(r.task_reward for r in ctx.rows)
