@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher
 from prime_node.p2p.weights.publish import publish
@@ -167,3 +168,30 @@ async def test_publish_refuses_links_and_special_files_and_keeps_modes(tmp_path:
     modes = {p.name: p.stat().st_mode & 0o777 for p in published.rglob("*") if p.is_file()}
     assert modes["private.json"] == 0o600 and modes["run.sh"] == 0o644 and modes["config.json"] == 0o644
 
+
+@pytest.mark.parametrize("bad_name", ["config.json\n", "config.json\r", "con\tfig.json", "config\x00.json",
+                                      "config.json\x7f", "config.json\u2028", "config.json\u2029"])
+async def test_fetch_refuses_a_signed_manifest_with_a_control_character_in_a_name(tmp_path: Path,
+                                                                               bad_name: str) -> None:
+    # The pinned key signs it (a compromised or buggy trainer): the names are still checked, and the fetch
+    # writes nothing. Before the fix, `re.match` with `$` let "config.json\n" through and the fetcher created it.
+    origin = tmp_path / "origin"
+    honest = make_checkpoint(tmp_path / "ckpt", megabytes=0.2)
+    publish(honest, step=2, identity=operator(), out_dir=origin, shard_size=65536)
+    document = json.loads(Store(origin).manifest_bytes(2))
+    body = document["body"]
+    body["files"] = [{**f, "path": bad_name} if f["path"] == "config.json" else f for f in body["files"]]
+    resigned = canonical_json({"body": body, "signature": operator().sign_document(body).hex()})
+    async with hostile(origin, 2, manifest_bytes=resigned) as source:
+        rc, out, err = await run_cli("weights", "fetch", "--source", source.url, "--trainer-key",
+                                     operator().node_id, "--out", str(tmp_path / "out"), "--json", timeout=60)
+    failure = json.loads(out)
+    assert rc == 1 and not failure["ok"], err
+    assert "files." in failure["error"] and "path" in failure["error"], failure["error"]
+    assert not [p for p in (tmp_path / "out").rglob("*") if "config" in p.name]
+    # The honest control: the same source serving the honest manifest is fetched.
+    async with hostile(origin, 2) as source:
+        rc, out, err = await run_cli("weights", "fetch", "--source", source.url, "--trainer-key",
+                                     operator().node_id, "--out", str(tmp_path / "out"), "--json", timeout=60)
+    assert rc == 0, err
+    assert same_tree(honest, Path(json.loads(out)["checkpoint_dir"]))

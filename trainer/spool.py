@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 FILE_SUFFIX = ".parquet"
 SIG_SUFFIX = ".parquet.sig"
-_NAME_RE = re.compile(r"^([0-9a-f]{64})\.parquet$")
+_NAME_RE = re.compile(r"([0-9a-f]{64})\.parquet")  # fullmatch only: $ would accept a final "\n"
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Spool:
             if path.name.startswith(".incoming-"):  # a reception that never finished: never acknowledged
                 path.unlink(missing_ok=True)
                 continue
-            match = _NAME_RE.match(path.name)
+            match = _NAME_RE.fullmatch(path.name)
             if match is None:
                 continue
             entry = SpooledFile(match.group(1), path)

@@ -26,6 +26,7 @@ from ..p2p.identity import Identity
 from ..p2p.swarm import HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
 from ..p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
 from ..p2p.weights.store import Store
+from ..p2p.wire import printable
 from .checkpoints import CheckpointKeeper
 from .errors import TrainerError
 from .intake import Tier, TieredQueue
@@ -214,7 +215,7 @@ class ValidatorService:
             tokens=outcome.tokens if outcome.accepted else 0,
             accepted=outcome.accepted,
             failed_check=outcome.failed_check,
-            reason=outcome.reason[:MAX_REASON_CHARS],
+            reason=printable(outcome.reason)[:MAX_REASON_CHARS],  # readers refuse control characters
             validator_id=self.identity.node_id,
             decided_at=time.time(),
         )

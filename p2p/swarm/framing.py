@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import struct
 from typing import Any
 
 from ..signing import canonical_json
+from ..wire import WireFormatError, loads_strict
 from .errors import HandoffError
 
 _LEN = struct.Struct(">I")
@@ -30,10 +30,15 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int, timeout: floa
         raise HandoffError(f"peer sent nothing for {timeout:.0f} s") from None
     except asyncio.IncompleteReadError:
         raise HandoffError("peer closed the stream mid-frame") from None
+    return decode_frame(payload)
+
+
+def decode_frame(payload: bytes) -> Any:
+    """A frame's JSON, strictly (p2p/wire.py loads_strict): NaN, infinities and duplicate keys are refused."""
     try:
-        return json.loads(payload)
-    except (ValueError, RecursionError):
-        raise HandoffError("peer sent a frame that is not JSON") from None
+        return loads_strict(payload, "frame")
+    except WireFormatError as exc:
+        raise HandoffError(f"peer sent a frame that is not strict JSON: {exc}") from None
 
 
 async def read_exactly(reader: asyncio.StreamReader, size: int, timeout: float) -> bytes:
