@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .errors import P2PError
 from .identity import Identity
 from .signing import SIGNATURE_BYTES, verify_document
+from .wire import Timestamp, WireFormatError, WireModel, describe, loads_strict
 
 HEX64 = r"^[0-9a-f]{64}$"
 CHECK_NAME = r"^[a-z][a-z0-9_]{0,47}$"
@@ -39,10 +40,10 @@ class DocumentError(P2PError):
     """A verdict or ban is malformed, oversized, signed by an untrusted key, or its signature fails."""
 
 
-class _Document(BaseModel):
-    """Base of the signed documents: immutable, unknown fields refused, no type coercion from JSON."""
+class _Document(WireModel):
+    """Base of the signed documents: a WireModel (immutable, unknown fields refused, no type coercion, finite
+    floats, printable strings)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
     signer_field: ClassVar[str]
 
     def signer(self) -> str:
@@ -76,7 +77,7 @@ class Verdict(_Document):
     validator_id: str = Field(
         pattern=HEX64, description="Public key of the validator that signs this verdict."
     )
-    decided_at: float = Field(ge=0, allow_inf_nan=False, description="Unix time the verdict was reached.")
+    decided_at: Timestamp = Field(description="Unix time the verdict was reached.")
 
     @model_validator(mode="after")
     def _check_consistent(self) -> Verdict:
@@ -98,10 +99,8 @@ class BanRecord(_Document):
     reason: str = Field(
         min_length=1, max_length=MAX_BAN_REASON_CHARS, description="Why, e.g. the failed check."
     )
-    issued_at: float = Field(ge=0, allow_inf_nan=False, description="Unix time the ban was decided.")
-    until: float | None = Field(
-        None, ge=0, allow_inf_nan=False, description="Unix end time; null is permanent."
-    )
+    issued_at: Timestamp = Field(description="Unix time the ban was decided.")
+    until: Timestamp | None = Field(None, description="Unix end time; null is permanent.")
     issuer_id: str = Field(pattern=HEX64, description="Public key of the operator that signs the ban.")
 
     @model_validator(mode="after")
@@ -165,7 +164,8 @@ def open_signed(
     signer = document.get(model.signer_field)
     if not isinstance(signer, str) or signer not in trusted:
         raise DocumentError(
-            f"{model.__name__} signed by {str(signer)[:16]}…, which is not a trusted key; "
+            f"{model.__name__} signed by {model.signer_field} {str(signer)[:16]!r}…, "
+            "which is not a trusted key; "
             "check the pinned operator key and the announced validators"
         )
     try:
@@ -181,7 +181,7 @@ def open_signed(
     try:
         parsed = model.model_validate(document)
     except ValidationError as exc:
-        raise DocumentError(f"{model.__name__} does not match its schema: {_first_error(exc)}") from None
+        raise DocumentError(f"{model.__name__} does not match its schema {describe(exc)}") from None
     return Signed[model](document=parsed, signature=signature)
 
 
@@ -202,15 +202,10 @@ def _load_envelope(raw: bytes | str | dict[str, Any]) -> dict[str, Any]:
         raise DocumentError(f"signed document is {size} bytes, over the {MAX_ENVELOPE_BYTES}-byte limit")
     if loaded is None:
         try:
-            loaded = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise DocumentError(f"signed document is not valid JSON: {exc}") from None
+            loaded = loads_strict(raw, "signed document")  # NaN and infinities refused here, by name
+        except WireFormatError as exc:
+            raise DocumentError(str(exc)) from None
     if not isinstance(loaded, dict):
         raise DocumentError("signed document must be a JSON object")
     return loaded
 
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "document"
-    return f"{where}: {err['msg']}"

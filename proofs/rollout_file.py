@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from ..p2p.errors import SignatureError
 from ..p2p.identity import Identity
 from ..p2p.signing import canonical_json, verify_signature
+from ..p2p.wire import WireFormatError, loads_strict
 from .rollout_decode import decode_file
 from .rollout_schema import SCHEMA, RolloutFileError, RolloutLimits, RolloutRow, check_rows
 
@@ -97,9 +98,9 @@ def write_rollout_file(path: Path, rows: list[RolloutRow], identity: Identity,
 def parse_envelope(raw: bytes) -> dict[str, Any]:
     """A signature envelope, strictly: exactly the expected fields with the expected types."""
     try:
-        envelope = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RolloutFileError(f"signature file is not JSON: {exc}", check="signature") from None
+        envelope = loads_strict(raw, "signature file")  # NaN, infinities and duplicate keys refused
+    except WireFormatError as exc:
+        raise RolloutFileError(str(exc), check="signature") from None
     if not isinstance(envelope, dict) or sorted(envelope) != sorted(_SIG_FIELDS):
         raise RolloutFileError(f"signature file must hold exactly the fields {_SIG_FIELDS}", check="signature")
     if envelope["format"] != SIG_FORMAT:

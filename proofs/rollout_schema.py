@@ -49,6 +49,8 @@ SCHEMA = pa.schema(
     metadata={FORMAT_KEY: FORMAT.encode()},
 )
 COLUMNS = tuple(SCHEMA.names)
+# Found from the schema, not listed: a float column added later is checked finite before anything else too.
+FLOAT_COLUMNS = tuple(f.name for f in SCHEMA if pa.types.is_floating(f.type))
 
 
 class RolloutFileError(ProofError):
@@ -139,7 +141,7 @@ def _bad(row: int, message: str) -> RolloutFileError:
 def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits) -> None:
     """Value bounds of one row; `first` carries the values every row of a file must share."""
     # Finiteness first: NaN differs from itself, so the shared-field comparison would misname the fault.
-    for name in ("temperature", "task_reward", "length_penalty", "reward"):
+    for name in FLOAT_COLUMNS:
         if not math.isfinite(getattr(r, name)):
             raise _bad(i, f"{name} is not a finite number ({getattr(r, name)})")
     for name in ("run_id", "node_id", "policy_step", "batch_counter", "temperature", "max_new_tokens"):

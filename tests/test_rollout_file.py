@@ -20,7 +20,7 @@ from prime_node.proofs.rollout_file import (
     signature_path,
     write_rollout_file,
 )
-from prime_node.proofs.rollout_schema import SCHEMA, RolloutFileError, RolloutLimits, RolloutRow
+from prime_node.proofs.rollout_schema import FLOAT_COLUMNS, SCHEMA, RolloutFileError, RolloutLimits, RolloutRow
 from prime_node.proofs.toploc import build_proof
 
 KEY = Identity.from_seed(b"\x01" * 32)
@@ -160,6 +160,16 @@ def test_schema_violations(tmp_path: Path, mutate, match: str):
 def test_value_bounds(tmp_path: Path, changes: dict, match: str):
     path = _write_raw(tmp_path / "f.parquet", encode_rows([_row(**changes)]))
     _rejects(path, match, "bounds", limits=RolloutLimits(vocab_size=288))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_every_float_column_must_be_finite(tmp_path: Path, value: float):
+    # The float columns come from the schema, so a float column added later is covered here too.
+    assert {"temperature", "task_reward", "length_penalty", "reward"} <= set(FLOAT_COLUMNS)
+    for column in FLOAT_COLUMNS:
+        rows = [_row(i, **{column: value}) for i in range(2)]
+        path = _write_raw(tmp_path / f"{column}.parquet", encode_rows(rows))
+        _rejects(path, rf"row 0: {column} is not a finite number \({value}\)", "bounds")
 
 
 def test_rows_must_share_the_batch_header(tmp_path: Path):

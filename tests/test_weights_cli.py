@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher
 from prime_node.p2p.weights.publish import publish
@@ -118,3 +119,79 @@ async def test_fetch_killed_with_sigkill_resumes_with_range_and_ends_byte_identi
         assert fast.ranges and all(r.startswith("bytes=") and not r.startswith("bytes=0-") for _, r in fast.ranges)
     assert same_tree(ckpt, Path(report["checkpoint_dir"]))
     assert Store(out).partial_versions() == []
+
+
+async def test_publish_refuses_links_and_special_files_and_keeps_modes(tmp_path: Path) -> None:
+    key_file = tmp_path / "operator.key"
+    operator().save(key_file)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "operator.key"  # a 0600 file outside the checkpoint: never to be published
+    secret.write_bytes(b"secret key material")
+    secret.chmod(0o600)
+    (outside / "more").mkdir()
+    (outside / "more" / "weights.bin").write_bytes(b"not the operator's checkpoint")
+
+    def checkpoint(name: str) -> Path:
+        return make_checkpoint(tmp_path / name, megabytes=0.1)
+
+    linked_file = checkpoint("linked-file")
+    (linked_file / "tokenizer" / "vocab.json").symlink_to(secret)
+    linked_dir = checkpoint("linked-dir")
+    (linked_dir / "extra").symlink_to(outside / "more", target_is_directory=True)
+    fifo = checkpoint("fifo")
+    os.mkfifo(fifo / "pipe")  # opening it would wait for a writer for ever
+    cases = {
+        linked_file: linked_file / "tokenizer" / "vocab.json",
+        linked_dir: linked_dir / "extra",
+        fifo: fifo / "pipe",
+    }
+    for step, (ckpt, culprit) in enumerate(cases.items(), start=1):
+        rc, out, err = await run_cli("weights", "publish", str(ckpt), "--step", str(step), "--key", str(key_file),
+                                     "--out", str(tmp_path / "origin"), timeout=60)
+        assert rc == 1 and out == "", err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and str(culprit) in lines[0] and "only regular files" in lines[0], err
+    assert Store(tmp_path / "origin").versions() == []
+    assert not list((tmp_path / "origin").rglob("*.bin")) and not list((tmp_path / "origin").rglob("vocab.json"))
+    # The honest control beside them: a plain directory publishes, a 0600 file the operator put there stays 0600.
+    honest = checkpoint("honest")
+    (honest / "private.json").write_text("{}")
+    (honest / "private.json").chmod(0o600)
+    (honest / "run.sh").write_text("echo hi")
+    (honest / "run.sh").chmod(0o775)
+    rc, out, err = await run_cli("weights", "publish", str(honest), "--step", "9", "--key", str(key_file),
+                                 "--out", str(tmp_path / "origin"), "--json", timeout=60)
+    assert rc == 0, err
+    published = Path(json.loads(out)["version_dir"]) / "checkpoint"
+    assert same_tree(honest, published)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in published.rglob("*") if p.is_file()}
+    assert modes["private.json"] == 0o600 and modes["run.sh"] == 0o644 and modes["config.json"] == 0o644
+
+
+@pytest.mark.parametrize("bad_name", ["config.json\n", "config.json\r", "con\tfig.json", "config\x00.json",
+                                      "config.json\x7f", "config.json\u2028", "config.json\u2029"])
+async def test_fetch_refuses_a_signed_manifest_with_a_control_character_in_a_name(tmp_path: Path,
+                                                                               bad_name: str) -> None:
+    # The pinned key signs it (a compromised or buggy trainer): the names are still checked, and the fetch
+    # writes nothing. Before the fix, `re.match` with `$` let "config.json\n" through and the fetcher created it.
+    origin = tmp_path / "origin"
+    honest = make_checkpoint(tmp_path / "ckpt", megabytes=0.2)
+    publish(honest, step=2, identity=operator(), out_dir=origin, shard_size=65536)
+    document = json.loads(Store(origin).manifest_bytes(2))
+    body = document["body"]
+    body["files"] = [{**f, "path": bad_name} if f["path"] == "config.json" else f for f in body["files"]]
+    resigned = canonical_json({"body": body, "signature": operator().sign_document(body).hex()})
+    async with hostile(origin, 2, manifest_bytes=resigned) as source:
+        rc, out, err = await run_cli("weights", "fetch", "--source", source.url, "--trainer-key",
+                                     operator().node_id, "--out", str(tmp_path / "out"), "--json", timeout=60)
+    failure = json.loads(out)
+    assert rc == 1 and not failure["ok"], err
+    assert "files." in failure["error"] and "path" in failure["error"], failure["error"]
+    assert not [p for p in (tmp_path / "out").rglob("*") if "config" in p.name]
+    # The honest control: the same source serving the honest manifest is fetched.
+    async with hostile(origin, 2) as source:
+        rc, out, err = await run_cli("weights", "fetch", "--source", source.url, "--trainer-key",
+                                     operator().node_id, "--out", str(tmp_path / "out"), "--json", timeout=60)
+    assert rc == 0, err
+    assert same_tree(honest, Path(json.loads(out)["checkpoint_dir"]))

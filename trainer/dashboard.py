@@ -149,7 +149,7 @@ async def _headers_middleware(
 
 async def _leaderboard(request: web.Request) -> web.Response:
     raw = request.query.get("top", "100")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_TOP:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_TOP:  # "²".isdigit() is True
         raise NodeLookupError(f"top must be an integer between 1 and {MAX_TOP}, got {raw[:20]!r}", 400)
     ledger = request.app[LEDGER_KEY]
     rows = await asyncio.to_thread(leaderboard, ledger, top=int(raw))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..p2p.verdicts import HEX64, BanRecord, Signed, Verdict
+from ..p2p.wire import printable
 from ..proofs.work_identity import SampleId
 from .ledger_db import LedgerError
 from .slashing import Action
@@ -40,7 +41,7 @@ class BanEntry:
         """The document the operator signs to publish this ban."""
         return BanRecord(
             node_id=self.node_id,
-            reason=self.reason,
+            reason=printable(self.reason),  # readers refuse control characters; the ledger keeps the original
             issued_at=self.created_at,
             until=self.until,
             issuer_id=issuer_id,

@@ -25,7 +25,7 @@ from ..node.durable import fsync_path, fsync_tree
 from .errors import TrainerError
 
 STATE_VERSION = 1
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_STEP_DIR = re.compile(r"step-([0-9]{8})")  # fullmatch: $ and \d would take "\n" and "١"
 _META = "trainer_state.json"
 _OPTIM = "optimizer.pt"
 
@@ -73,7 +73,7 @@ def list_train_states(root: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
+        m = _STEP_DIR.fullmatch(child.name)
         if m and (child / _META).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)

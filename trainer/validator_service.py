@@ -33,6 +33,7 @@ from ..p2p.swarm import Admitted, HandoffBusy, HandoffRefused, ReceivedRollout, 
 from ..p2p.swarm.handoff import RolloutReceiver
 from ..p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
 from ..p2p.weights.store import Store
+from ..p2p.wire import printable
 from .checkpoints import CheckpointKeeper
 from .intake import Tier, TieredQueue
 from .ledger import AsyncLedger, BanEntry, DuplicateWork, Ledger
@@ -241,7 +242,7 @@ class ValidatorService:
             tokens=outcome.tokens if outcome.accepted else 0,
             accepted=outcome.accepted,
             failed_check=outcome.failed_check,
-            reason=outcome.reason[:MAX_REASON_CHARS],
+            reason=printable(outcome.reason)[:MAX_REASON_CHARS],  # readers refuse control characters
             validator_id=self.identity.node_id,
             decided_at=time.time(),
         )

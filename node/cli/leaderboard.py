@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
+from ...p2p.wire import WireFormatError, loads_strict
 from ..config import CommonSettings
 from ..errors import NodeError
 from .common import common_flags, load_settings, print_json
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _top(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= MAX_TOP:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_TOP:  # "²".isdigit() is True
         raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_TOP}")
     return int(text)
 
@@ -90,10 +91,10 @@ def fetch_json(url: str, timeout_s: float) -> Any:
     if len(body) > MAX_RESPONSE_BYTES:
         raise LeaderboardUnavailable(f"{url} sent more than {MAX_RESPONSE_BYTES} bytes")
     try:
-        return json.loads(body)
-    except ValueError:
+        return loads_strict(body, "the leaderboard")  # NaN or infinity would reach the table's formatting
+    except WireFormatError as exc:
         raise LeaderboardUnavailable(
-            f"{url} did not answer with JSON; is that a prime-node validator?"
+            f"{url} did not answer with strict JSON ({exc}); is that a prime-node validator?"
         ) from None
 
 

@@ -45,7 +45,7 @@ class WeightsSettings(CommonSettings):
 def _step(text: str) -> int | None:
     if text == "latest":
         return None
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # "²".isdigit() is True; int() refuses it
         raise argparse.ArgumentTypeError("--step takes a non-negative integer or 'latest'")
     return int(text)
 

@@ -20,7 +20,7 @@ from ..engine import EngineSettings
 from ..run_config import MOVED_TO_RUN, RunSettings
 
 KEY_FILE_NAME = "node.key"
-_HEX_KEY = re.compile(r"^[0-9a-f]{64}$")
+_HEX_KEY = re.compile(r"[0-9a-f]{64}")  # fullmatch only: $ would accept a final "\n"
 
 
 class StartSettings(CommonSettings):
@@ -75,7 +75,7 @@ class StartSettings(CommonSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> StartSettings:
-        if self.operator_key is not None and not _HEX_KEY.match(self.operator_key):
+        if self.operator_key is not None and not _HEX_KEY.fullmatch(self.operator_key):
             raise ValueError(f"operator_key {self.operator_key[:80]!r} is not 64 lowercase hex digits")
         if self.fetch_retry_s > self.max_retry_s or self.handoff_retry_s > self.max_retry_s:
             raise ValueError("fetch_retry_s and handoff_retry_s must not exceed max_retry_s")

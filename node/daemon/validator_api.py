@@ -13,10 +13,11 @@ import logging
 from dataclasses import dataclass
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict, ValidationError
 
 from ...p2p.swarm import Swarm, SwarmError, ValidatorAnnouncement
 from ...p2p.verdicts import MAX_ENVELOPE_BYTES, DocumentError, Signed, Verdict, open_signed
+from ...p2p.wire import WireModel, describe
 from ..errors import NodeError
 from .urls import routable_url
 
@@ -33,9 +34,11 @@ class VerdictNotReady(ValidatorApiError):
     """The validator has no verdict for the file yet (404): ask again later."""
 
 
-class NodeRow(BaseModel):
+class NodeRow(WireModel):
     """The fields of the validator's leaderboard row (trainer/leaderboard.py LeaderboardRow) a node shows."""
 
+    # The row has more fields than a node shows; a newer validator may add some. Everything else of a
+    # WireModel holds: strict types, finite numbers.
     model_config = ConfigDict(extra="ignore")
 
     rank: int
@@ -136,12 +139,19 @@ class ValidatorApi:
         if status != 200:
             raise ValidatorApiError(f"{url} answered HTTP {status}")
         try:
-            return _NodeDetail.model_validate_json(body).node
+            return parse_node_detail(body)
         except ValidationError as exc:
-            raise ValidatorApiError(f"{url} sent a malformed node entry: {exc.errors()[0]['msg']}") from None
+            raise ValidatorApiError(f"{url} sent a malformed node entry {describe(exc)}") from None
 
 
-class _NodeDetail(BaseModel):
+class NodeDetail(WireModel):
+    """The part of the validator's /api/node/{id} answer (trainer/leaderboard.py NodeDetail) a node reads."""
+
     model_config = ConfigDict(extra="ignore")
 
     node: NodeRow
+
+
+def parse_node_detail(body: bytes) -> NodeRow:
+    """The node's row from a /api/node/{id} body; ValidationError naming the field when malformed."""
+    return NodeDetail.model_validate_json(body).node

@@ -16,6 +16,7 @@ from typing import Any
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from ..identity import Identity
+from ..wire import printable
 from .config import SwarmConfig
 from .errors import RecordError, SwarmError
 from .hardware import local_hardware, software_version
@@ -29,6 +30,7 @@ from .records import (
     RolloutAnnouncement,
     RunParameters,
     ValidatorAnnouncement,
+    check_expiration,
     dht_key,
     key_id,
     open_record,
@@ -114,7 +116,8 @@ class SwarmDirectory(DHTPeer):
         records: dict[str, Any] = {}
         for subkey, item in found.value.items():
             try:
-                if item.expiration_time < now:
+                # Finite first: a NaN expiration is not "< now", so it would never count as expired.
+                if check_expiration(kind, item.expiration_time, now) < now:
                     continue
                 body = open_record(
                     kind,
@@ -195,7 +198,7 @@ class SwarmDirectory(DHTPeer):
     async def publish_ban(self, node_id: str, reason: str, ttl_s: float | None = None) -> bool:
         """Publish a ban record for `ttl_s` seconds (at most ban_ttl_s); republish to extend it."""
         self._require_operator("a ban")
-        body = Ban(node_id=node_id, reason=reason[:256], banned_at=time.time())
+        body = Ban(node_id=node_id, reason=printable(reason)[:256], banned_at=time.time())
         ttl = self.config.ban_ttl_s if ttl_s is None else min(ttl_s, self.config.ban_ttl_s)
         return await self._publish(RecordKind.BAN, node_id, body, ttl)
 

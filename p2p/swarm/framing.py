@@ -4,12 +4,12 @@ read at a rate floor and within a deadline."""
 from __future__ import annotations
 
 import asyncio
-import json
 import struct
 import time
 from typing import Any
 
 from ..signing import canonical_json
+from ..wire import WireFormatError, loads_strict
 from .errors import HandoffError, HandoffTooSlow
 
 _LEN = struct.Struct(">I")
@@ -32,10 +32,15 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int, timeout: floa
         raise HandoffError(f"peer sent nothing for {timeout:.0f} s") from None
     except asyncio.IncompleteReadError:
         raise HandoffError("peer closed the stream mid-frame") from None
+    return decode_frame(payload)
+
+
+def decode_frame(payload: bytes) -> Any:
+    """A frame's JSON, strictly (p2p/wire.py loads_strict): NaN, infinities and duplicate keys are refused."""
     try:
-        return json.loads(payload)
-    except (ValueError, RecursionError):
-        raise HandoffError("peer sent a frame that is not JSON") from None
+        return loads_strict(payload, "frame")
+    except WireFormatError as exc:
+        raise HandoffError(f"peer sent a frame that is not strict JSON: {exc}") from None
 
 
 async def read_at_rate(

@@ -36,10 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import Field, StringConstraints, ValidationError
 
 from ..identity import Identity
 from ..signing import SignatureError, verify_document
+from ..wire import Timestamp, WireModel, describe
 from .config import SwarmConfig
 from .errors import HandoffBusy, HandoffError, HandoffRefused, HandoffTooSlow
 from .framing import close_writer, read_at_rate, read_frame, write_frame
@@ -60,11 +61,7 @@ def protocol_name(run_id: str) -> str:
     return f"/prime-node/{run_id}/rollout/1"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-
-class RolloutEnvelope(_Strict):
+class RolloutEnvelope(WireModel):
     """The detached signature envelope of a rollout file, exactly as proofs/rollout_file.py writes it."""
 
     format: Literal["prime-node/rollout-sig/v1"] = SIG_FORMAT
@@ -87,16 +84,16 @@ class RolloutEnvelope(_Strict):
         verify_document(self.node_id, self.signed_body(), bytes.fromhex(self.signature))
 
 
-class ReceiptBody(_Strict):
+class ReceiptBody(WireModel):
     kind: str = Field("rollout-receipt", pattern=r"^rollout-receipt$")  # no other signed document can pass
     sha256: Sha256Hex
     sender: NodeId
     receiver: NodeId  # the validator that signs this receipt
     size: int = Field(ge=0)
-    received_at: float
+    received_at: Timestamp  # the sender's give-up clock starts here (node/daemon/verdicts.py)
 
 
-class Receipt(_Strict):
+class Receipt(WireModel):
     """The validator's signed acknowledgement that it holds the file; the sender keeps it."""
 
     body: ReceiptBody
@@ -109,6 +106,22 @@ class Receipt(_Strict):
             verify_document(receiver, self.body.model_dump(mode="json"), bytes.fromhex(self.signature))
         except SignatureError as exc:
             raise HandoffError(f"the receipt's signature does not verify: {exc}") from None
+
+
+def parse_header(frame: Any) -> RolloutEnvelope:
+    """The receiver's parse of a decoded header frame (framing.read_frame); HandoffRefused naming the field."""
+    try:
+        return RolloutEnvelope.model_validate(frame)
+    except ValidationError as exc:
+        raise HandoffRefused(f"malformed header {describe(exc)}") from None
+
+
+def parse_receipt(document: Any) -> Receipt:
+    """The sender's parse of the receipt in a decoded answer frame, before its signature is checked."""
+    try:
+        return Receipt.model_validate(document)
+    except ValidationError as exc:
+        raise HandoffError(f"malformed receipt {describe(exc)}") from None
 
 
 @dataclass(frozen=True)
@@ -225,11 +238,7 @@ class RolloutReceiver:
     async def _exchange(
         self, peer: str, network: str | None, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> dict:
-        raw = await read_frame(reader, MAX_CONTROL_FRAME, self._timeout_s)
-        try:
-            header = RolloutEnvelope.model_validate(raw, strict=True)
-        except ValidationError as exc:
-            raise HandoffRefused(f"malformed header: {exc.errors()[0]['msg']}") from None
+        header = parse_header(await read_frame(reader, MAX_CONTROL_FRAME, self._timeout_s))
         if header.size > self._max_bytes:
             raise HandoffRefused(f"file of {header.size} bytes exceeds the limit of {self._max_bytes}")
         try:
@@ -362,9 +371,6 @@ async def send(
         raise HandoffBusy(answer["busy"][:500], float(hint) if valid else 0.0)
     if not isinstance(answer, dict) or "receipt" not in answer:
         raise HandoffError("the validator answered neither a receipt nor a refusal")
-    try:
-        receipt = Receipt.model_validate(answer["receipt"], strict=True)
-    except ValidationError as exc:
-        raise HandoffError(f"malformed receipt: {exc.errors()[0]['msg']}") from None
+    receipt = parse_receipt(answer["receipt"])
     receipt.verify(receiver, envelope.sha256, envelope.node_id)
     return receipt

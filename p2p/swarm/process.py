@@ -17,6 +17,12 @@ its framing, and the child logs garbage or dies, never answering. Its caller's f
 once the pipe is full the parent blocks in the next send. SwarmDHT reads the pipe in blocking mode again:
 the reader callback only fires once the first byte is there, and the rest of a message follows at once.
 
+SwarmDHT also takes a table's expiration time from its entries, never from the number a peer sends beside it
+in a find response: hivemind stops a lookup at the first answer whose expiration is at least the one sought,
+which for a `latest` read is +inf, so one peer answering "+inf" (and an empty table) ended every lookup it
+took part in before the honest peers were asked. The entries' own times are checked finite and bounded by
+the record validator (records.check_expiration), so the table's time is too.
+
 SwarmDHT also makes the child judge a table (a key's subkey entries, as a peer returns or replicates it)
 entry by entry: stock hivemind drops a peer's whole table when one entry fails validation, so one record
 that its storer accepted and a reader refuses (an operator key one of them does not pin yet, an expiry
@@ -37,6 +43,7 @@ import hivemind
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from ..processes import child_pids, end_pids
 from .config import SwarmConfig
@@ -99,9 +106,28 @@ def _keep_valid_entries(self: DHTProtocol, key_bytes: bytes, dictionary: Diction
     return bool(dictionary) or not refused
 
 
+_stock_call_find = DHTProtocol.call_find
+
+
+async def _find_with_own_expirations(self: DHTProtocol, peer: Any, keys: Any) -> Any:
+    """DHTProtocol.call_find, with each returned table's expiration replaced by the latest of its entries
+    (which _keep_valid_entries has validated by then), and an empty table by nothing found."""
+    found = await _stock_call_find(self, peer, keys)
+    if found is None:
+        return None
+    for key, (item, nearest) in found.items():
+        if item is not None and isinstance(item.value, DictionaryDHTValue):
+            with item.value.freeze():  # no expiry sweep while we read
+                latest = max((entry.expiration_time for _, entry in item.value.items()), default=None)
+            if latest is not None:
+                item.value.latest_expiration_time = latest  # also a peer's number (DictionaryDHTValue.unpackb)
+            found[key] = (None if latest is None else ValueWithExpiration(item.value, latest), nearest)
+    return found
+
+
 class SwarmDHT(hivemind.DHT):
-    """hivemind.DHT whose child reads its command pipe whole, judges tables entry by entry, and dies with
-    its process group; otherwise identical (same arguments)."""
+    """hivemind.DHT whose child reads its command pipe whole, judges tables entry by entry, dates them by
+    their entries, and dies with its process group; otherwise identical (same arguments)."""
 
     def run(self) -> None:  # runs in the child process only
         # The fork copies the parent's asyncio signal handling: a no-op Python handler for SIGTERM and
@@ -116,6 +142,7 @@ class SwarmDHT(hivemind.DHT):
         self._inner_pipe = _BlockingCommandPipe(self._inner_pipe)  # type: ignore[assignment]
         # Patched on the class, in this child only: its one DHTProtocol is built inside super().run().
         DHTProtocol._validate_dictionary = _keep_valid_entries  # type: ignore[method-assign]
+        DHTProtocol.call_find = _find_with_own_expirations  # type: ignore[method-assign]
         super().run()
 
 

@@ -7,13 +7,16 @@ Every record lives under the key `<run_id>/<kind>` with a subkey that names its 
 
 The signature covers a domain tag, the 20-byte DHT key id, the serialized subkey, the expiration time
 and the payload, so a record cannot be moved to another key, another owner's subkey, another run, or
-given a longer life. Who may sign is fixed by the kind: the subkey's owner for heartbeats and rollout
-announcements, a pinned operator key for policy, validator and ban records. The signer is checked and
-the signature verified before the payload is parsed (docs/protocol.md, "Swarm").
+given a longer life. The expiration must be a finite number within the kind's lifetime (MAX_TTL_S): it is
+checked first, since a NaN would pass every later comparison. Who may sign is fixed by the kind: the
+subkey's owner for heartbeats and rollout announcements, a pinned operator key for policy, validator and
+ban records. The signer is checked and the signature verified before the payload is parsed, and bodies
+are WireModels (p2p/wire.py: finite floats, printable strings) (docs/protocol.md, "Swarm").
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -21,11 +24,12 @@ from typing import Annotated, Any, Literal
 import msgpack
 from hivemind.dht.routing import DHTID
 from hivemind.utils import MSGPackSerializer
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import Field, StringConstraints, ValidationError
 
 from ..identity import Identity
 from ..names import MAX_LENGTH_TARGET, RUN_ID_PATTERN
 from ..signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, canonical_json, is_valid_signature
+from ..wire import Timestamp, WireModel, describe
 from .errors import RecordError
 
 DOMAIN = b"prime-node/swarm-record/v1\x00"
@@ -70,12 +74,7 @@ MAX_PAYLOAD_BYTES: dict[RecordKind, int] = {
 MAX_VALUE_BYTES = PUBLIC_KEY_BYTES + SIGNATURE_BYTES + max(MAX_PAYLOAD_BYTES.values())
 
 
-class _Wire(BaseModel):
-    # strict: no coercion ("3" is not 3); forbid: unknown fields are an error, not silently dropped.
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-
-class Hardware(_Wire):
+class Hardware(WireModel):
     gpu_model: ShortText | None = None  # e.g. "NVIDIA H100 80GB HBM3"; None on CPU-only nodes
     gpu_memory_mb: int = Field(0, ge=0, le=1 << 24)
     cpu: ShortText = ""
@@ -83,7 +82,7 @@ class Hardware(_Wire):
     ram_mb: int = Field(0, ge=0, le=1 << 32)
 
 
-class Heartbeat(_Wire):
+class Heartbeat(WireModel):
     node_id: NodeId  # must equal the subkey and the signer
     peer_id: PeerIdB58  # the libp2p peer id this node currently uses: binds streams to the node id
     version: ShortText  # prime-node software version
@@ -93,11 +92,11 @@ class Heartbeat(_Wire):
     client_mode: bool  # True when the node could not be dialled and runs as a DHT client
     policy_step: int | None = Field(None, ge=0)  # the policy step it works on
     serves_steps: list[Annotated[int, Field(ge=0)]] = Field(max_length=16)  # checkpoints it can serve
-    sent_at: float
+    sent_at: Timestamp
     weights_url: HttpUrlText | None = None  # its weights server (p2p/weights) when serves_steps is not empty
 
 
-class RunParameters(_Wire):
+class RunParameters(WireModel):
     """The run's parameters every contributor and validator must share (node/run_config.RunSettings).
 
     The operator announces them with every policy, so a party configured otherwise finds out at once, with
@@ -109,46 +108,46 @@ class RunParameters(_Wire):
     run_seed: int = Field(ge=0, lt=1 << 64)
     tasks: Annotated[str, StringConstraints(min_length=1, max_length=256)]  # the task set's identity
     samples: int = Field(ge=1, le=1024)
-    temperature: float = Field(gt=0, le=10, allow_inf_nan=False)
+    temperature: float = Field(gt=0, le=10)
     max_new_tokens: int = Field(ge=1, le=8192)
     compute_dtype: Literal["float32", "bfloat16"]
     length_targets: list[Annotated[int, Field(ge=1, le=MAX_LENGTH_TARGET)]] = Field(max_length=32)
-    length_alpha: float = Field(ge=0, le=1, allow_inf_nan=False)
+    length_alpha: float = Field(ge=0, le=1)
 
 
-class PolicyAnnouncement(_Wire):
+class PolicyAnnouncement(WireModel):
     step: int = Field(ge=0)
     manifest_sha256: Sha256Hex  # hash of the signed shard manifest of this checkpoint
     sources: list[Annotated[str, StringConstraints(min_length=1, max_length=512)]] = Field(max_length=32)
-    published_at: float
+    published_at: Timestamp
     run: RunParameters  # what every rollout for this policy must be produced with
 
 
-class ValidatorAnnouncement(_Wire):
+class ValidatorAnnouncement(WireModel):
     node_id: NodeId  # must equal the subkey; the key that signs hand-off receipts
     peer_id: PeerIdB58  # where rollout files are streamed to
     addresses: list[Maddr] = Field(max_length=8)
     max_rollout_bytes: int = Field(ge=0, le=1 << 31)
-    published_at: float
+    published_at: Timestamp
     api_url: HttpUrlText | None = None  # its HTTP API (verdicts, leaderboard: docs/validator.md), if reachable
 
 
-class Ban(_Wire):
+class Ban(WireModel):
     node_id: NodeId  # the banned node; must equal the subkey
     reason: Annotated[str, StringConstraints(max_length=256)]
-    banned_at: float
+    banned_at: Timestamp
 
 
-class RolloutAnnouncement(_Wire):
+class RolloutAnnouncement(WireModel):
     node_id: NodeId  # author; subkey is "<node_id>:<sha256>"
     sha256: Sha256Hex
     size_bytes: int = Field(ge=0, le=1 << 31)
     step: int = Field(ge=0)
     samples: int = Field(ge=0, le=1 << 24)
-    announced_at: float
+    announced_at: Timestamp
 
 
-BODY_TYPES: dict[RecordKind, type[_Wire]] = {
+BODY_TYPES: dict[RecordKind, type[WireModel]] = {
     RecordKind.HEARTBEAT: Heartbeat,
     RecordKind.POLICY: PolicyAnnouncement,
     RecordKind.VALIDATOR: ValidatorAnnouncement,
@@ -191,7 +190,7 @@ def _signed_message(kid: bytes, subkey_bytes: bytes, expiration: float, payload:
 
 
 def seal(
-    identity: Identity, run_id: str, kind: RecordKind, subkey: str, body: _Wire, expiration: float
+    identity: Identity, run_id: str, kind: RecordKind, subkey: str, body: WireModel, expiration: float
 ) -> bytes:
     """Sign `body` for storage under (`run_id`/`kind`, `subkey`) until `expiration`: the DHT value bytes."""
     if not isinstance(body, BODY_TYPES[kind]):
@@ -201,7 +200,7 @@ def seal(
     return seal_payload(identity, run_id, kind, subkey, payload_of(kind, body), expiration)
 
 
-def payload_of(kind: RecordKind, body: _Wire) -> bytes:
+def payload_of(kind: RecordKind, body: WireModel) -> bytes:
     """`body`'s payload bytes; RecordError when they exceed the kind's limit (peers would refuse the record)."""
     payload = canonical_json(body.model_dump(mode="json"))
     if len(payload) > MAX_PAYLOAD_BYTES[kind]:
@@ -246,6 +245,23 @@ def decode_subkey(subkey_bytes: bytes) -> str:
     return unpack_scalar(subkey_bytes, str, MAX_SUBKEY_BYTES, "subkey")
 
 
+def check_expiration(kind: RecordKind, expiration: object, now: float) -> float:
+    """The record's DHT expiration time if it is finite and within the kind's lifetime; RecordError otherwise.
+
+    The first check on every record, before any comparison: hivemind keeps a NaN expiration for ever (every
+    `expiration < now` is false), never replaces it (`old < new` is false too) and, once it reaches the top of
+    a table's expiry heap, stops expiring the table's other entries; an infinite one outlives every bound.
+    """
+    if isinstance(expiration, bool) or not isinstance(expiration, (int, float)) or not math.isfinite(expiration):
+        raise RecordError(f"{kind.value} record's expiration {expiration!r} is not a finite number")
+    if expiration > now + MAX_TTL_S[kind] + CLOCK_SKEW_S:
+        raise RecordError(
+            f"{kind.value} record's expiration is {expiration - now:.0f} s from now; "
+            f"limit {MAX_TTL_S[kind]:.0f} s"
+        )
+    return float(expiration)
+
+
 def open_record(
     kind: RecordKind,
     kid: bytes,
@@ -254,14 +270,11 @@ def open_record(
     expiration: float,
     operator_keys: frozenset[str],
     now: float,
-) -> _Wire:
+) -> WireModel:
     """Check and parse one record: size, expiry, subkey, signer, signature, and only then the payload."""
     if not isinstance(value, bytes) or len(value) > MAX_VALUE_BYTES:
         raise RecordError(f"{kind.value} value is not bytes of at most {MAX_VALUE_BYTES}")
-    if expiration > now + MAX_TTL_S[kind] + CLOCK_SKEW_S:
-        raise RecordError(
-            f"{kind.value} record expires {expiration - now:.0f} s from now; limit {MAX_TTL_S[kind]:.0f} s"
-        )
+    check_expiration(kind, expiration, now)
     subkey = decode_subkey(subkey_bytes)
     owner = subkey_owner(kind, subkey)
     head = PUBLIC_KEY_BYTES + SIGNATURE_BYTES
@@ -287,17 +300,13 @@ def open_record(
         raise RecordError(f"{kind.value} record under subkey {subkey[:24]}… has a bad signature")
     try:
         body = BODY_TYPES[kind].model_validate_json(payload, strict=True)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(map(str, first["loc"]))  # which field: e.g. an old peer's policy lacks `run`
-        raise RecordError(
-            f"{kind.value} payload does not match its schema" + (f" at {where}" if where else "") + f": {first['msg']}"
-        ) from None
+    except ValidationError as exc:  # names the field: e.g. an old peer's policy lacks `run`
+        raise RecordError(f"{kind.value} payload does not match its schema {describe(exc)}") from None
     _check_binding(kind, subkey, owner, body)
     return body
 
 
-def _check_binding(kind: RecordKind, subkey: str, owner: str, body: _Wire) -> None:
+def _check_binding(kind: RecordKind, subkey: str, owner: str, body: WireModel) -> None:
     # The body repeats the owner so that a record read on its own (logs, ledgers) still names it.
     node_id = getattr(body, "node_id", owner)
     if node_id != owner:

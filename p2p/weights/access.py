@@ -30,13 +30,15 @@ from .errors import WeightsError
 
 logger = logging.getLogger(__name__)
 
-_NODE_ID = re.compile(r"^[0-9a-f]{64}$")
+_NODE_ID = re.compile(r"[0-9a-f]{64}")  # fullmatch only: $ would accept a final "\n"
 MAX_TRACKED_CLIENTS = 10_000  # bound the limiter's memory under a flood of distinct addresses
 
 AUTH_HEADER = "X-Prime-Node-Auth"
 TOKEN_LIFETIME_S = 300
 _TOKEN_DOMAIN = b"prime-node/weights-access/v1\x00"
 _MAX_TOKEN_CHARS = 64 + 1 + 12 + 1 + 128  # node id . time . signature: anything longer is refused unread
+# ASCII digits only: str.isdigit() also takes "²" and "١", which int() then refuses or reads as another number.
+_UNIX_TIME = re.compile(r"[0-9]{1,12}")
 
 
 class AccessDenied(WeightsError):
@@ -86,7 +88,8 @@ def verify_access_token(token: str, audience: str, now: float | None = None) -> 
     if len(token) > _MAX_TOKEN_CHARS:
         raise AccessDenied(f"access token is {len(token)} characters, more than {_MAX_TOKEN_CHARS}")
     parts = token.split(".")
-    if len(parts) != 3 or not _NODE_ID.match(parts[0]) or not parts[1].isdigit() or len(parts[2]) != 128:
+    if (len(parts) != 3 or not _NODE_ID.fullmatch(parts[0]) or not _UNIX_TIME.fullmatch(parts[1])
+            or len(parts[2]) != 128):
         raise AccessDenied("access token must be <node id hex>.<unix time>.<signature hex>")
     node_id, issued = parts[0], int(parts[1])
     try:
@@ -134,7 +137,7 @@ class BanList:
 
     def set_dynamic(self, node_ids: set[str]) -> None:
         """Node ids banned from elsewhere (the operator's signed bans in the DHT), replacing the previous set."""
-        self._dynamic = {n.lower() for n in node_ids if _NODE_ID.match(n.lower())}
+        self._dynamic = {n.lower() for n in node_ids if _NODE_ID.fullmatch(n.lower())}
 
     def _apply(self, entries: list[str]) -> None:
         node_ids, networks = set(), []
@@ -142,7 +145,7 @@ class BanList:
             entry = raw.split("#", 1)[0].strip().lower()
             if not entry:
                 continue
-            if _NODE_ID.match(entry):
+            if _NODE_ID.fullmatch(entry):
                 node_ids.add(entry)
                 continue
             try:

@@ -14,7 +14,6 @@ and only then validates the body's schema and consistency. docs/protocol.md (## 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from functools import cached_property
 from typing import Any, Literal, NamedTuple
@@ -24,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import SignatureError
 from ..names import RUN_ID_PATTERN
 from ..signing import canonical_json, parse_public_key, verify_document
+from ..wire import WireFormatError, WireModel, check_printable, describe, loads_strict
 from .errors import ManifestError
 
 FORMAT = "prime-node-weights"
@@ -37,8 +37,9 @@ MAX_TOTAL_SIZE = 4 << 40  # 4 TiB: larger than any checkpoint we expect, small e
 MAX_PATH_CHARS = 1024
 MAX_COMPONENT_CHARS = 255
 MAX_STEP = 2**53  # exact in every JSON implementation
-_HEX64 = r"^[0-9a-f]{64}$"
-_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=@,-]*$")
+_HEX64 = r"^[0-9a-f]{64}$"  # a pydantic pattern: Rust regex, whose $ is the end of the text (no trailing \n)
+# Matched with fullmatch, never match: Python's $ also matches before a final newline ("config.json\n").
+_COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@,-]*")
 
 
 def check_relative_path(path: str) -> str:
@@ -47,20 +48,19 @@ def check_relative_path(path: str) -> str:
         raise ValueError("file path must be a non-empty string")
     if len(path) > MAX_PATH_CHARS:
         raise ValueError(f"file path longer than {MAX_PATH_CHARS} characters")
+    check_printable(path, f"file path {path[:80]!r}")
     if path.startswith("/") or "\\" in path or ":" in path:
         raise ValueError(f"file path {path[:80]!r} is absolute or not a POSIX path")
     for part in path.split("/"):
         if part in ("", ".", ".."):
             raise ValueError(f"file path {path[:80]!r} has an empty, '.' or '..' component")
-        if len(part) > MAX_COMPONENT_CHARS or not _COMPONENT.match(part):
+        if len(part) > MAX_COMPONENT_CHARS or not _COMPONENT.fullmatch(part):
             raise ValueError(f"file path {path[:80]!r} has a component with characters outside [A-Za-z0-9._+=@,-]")
     return path
 
 
-class FileEntry(BaseModel):
+class FileEntry(WireModel):
     """One file of the checkpoint, in concatenation order."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     path: str = Field(description="Relative POSIX path inside the checkpoint directory.")
     size: int = Field(ge=0, le=MAX_TOTAL_SIZE, description="File size in bytes.")
@@ -72,19 +72,15 @@ class FileEntry(BaseModel):
         return check_relative_path(value)
 
 
-class ShardEntry(BaseModel):
+class ShardEntry(WireModel):
     """One fixed-size slice of the concatenated files (the last one may be shorter)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     size: int = Field(ge=1, le=MAX_SHARD_SIZE, description="Shard size in bytes.")
     sha256: str = Field(pattern=_HEX64, description="SHA-256 of the shard's bytes.")
 
 
-class ManifestBody(BaseModel):
+class ManifestBody(WireModel):
     """The signed part of a manifest."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     format: Literal["prime-node-weights"] = Field(description="Document type tag.")
     format_version: Literal[1] = Field(description="Manifest format version.")
@@ -185,28 +181,15 @@ class SignedManifest(BaseModel):
         return out
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"JSON constant {name} is not allowed")
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate JSON key {key!r}")
-        out[key] = value
-    return out
-
-
 def parse_signed(raw: bytes, trusted_key: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> SignedManifest:
     """Parse and verify a manifest from untrusted bytes; raises ManifestError naming what was wrong."""
     parse_public_key(trusted_key)  # a malformed pinned key is the operator's error, reported as such
     if len(raw) > max_bytes:
         raise ManifestError(f"manifest is {len(raw)} bytes, over the {max_bytes}-byte limit")
     try:
-        doc = json.loads(raw, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise ManifestError(f"manifest is not valid JSON: {str(exc)[:200]}") from None
+        doc = loads_strict(raw, "manifest")  # duplicate keys, NaN and infinities refused, by name
+    except WireFormatError as exc:
+        raise ManifestError(f"manifest is not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or set(doc) != {"body", "signature"}:
         raise ManifestError("manifest must be a JSON object with exactly the keys 'body' and 'signature'")
     body, signature = doc["body"], doc["signature"]
@@ -226,9 +209,7 @@ def parse_signed(raw: bytes, trusted_key: str, *, max_bytes: int = MAX_MANIFEST_
     try:
         parsed = ManifestBody.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise ManifestError(f"signed manifest is invalid at {where}: {first['msg']}") from None
+        raise ManifestError(f"signed manifest is invalid {describe(exc)}") from None
     if parsed.signer != trusted_key:
         raise ManifestError(f"manifest names signer {parsed.signer[:16]}… but was signed by {trusted_key[:16]}…")
     return SignedManifest(body=parsed, signature=signature)

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,21 +40,57 @@ DEFAULT_SHARD_SIZE = 16 << 20
 CHUNK = 4 << 20
 
 
+def _kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _refuse(path: Path, kind: str) -> PublishError:
+    return PublishError(
+        f"{path} is {kind}; only regular files inside the checkpoint directory are published "
+        "(copy the file itself in, e.g. with cp -L, or move it out of the directory)"
+    )
+
+
+def _walk_error(exc: OSError) -> None:
+    # os.walk skips a directory it cannot read unless told otherwise: that would publish a partial checkpoint.
+    raise PublishError(f"cannot read {exc.filename}: {exc.strerror}") from None
+
+
 def list_checkpoint_files(ckpt_dir: Path) -> list[tuple[str, Path]]:
-    """(relative POSIX path, absolute path) of every regular file, sorted; hidden entries are skipped."""
+    """(relative POSIX path, absolute path) of every regular file, sorted; hidden entries are skipped.
+
+    Only what the operator put in the directory is published: a symbolic link (to a file or a directory,
+    inside or outside), a FIFO, a socket or a device anywhere below it is refused, naming it. The directory
+    itself may be given through a link (e.g. a `latest` link to the newest checkpoint).
+    """
     ckpt_dir = Path(ckpt_dir).expanduser().resolve()
     if not ckpt_dir.is_dir():
         raise PublishError(f"checkpoint directory {ckpt_dir} does not exist or is not a directory")
     found: list[tuple[str, Path]] = []
-    for dirpath, dirnames, filenames in os.walk(ckpt_dir, followlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    for dirpath, dirnames, filenames in os.walk(ckpt_dir, followlinks=False, onerror=_walk_error):
+        kept = []
+        for name in sorted(dirnames):  # os.walk lists a link to a directory here, and would skip it silently
+            if name.startswith("."):
+                continue
+            path = Path(dirpath) / name
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISDIR(mode):
+                raise _refuse(path, _kind_of(mode))
+            kept.append(name)
+        dirnames[:] = kept
         for name in filenames:
             if name.startswith("."):
                 continue
             path = Path(dirpath) / name
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISREG(mode):
+                raise _refuse(path, _kind_of(mode))
             rel = path.relative_to(ckpt_dir).as_posix()
-            if not path.is_file():
-                raise PublishError(f"{path} is not a regular file (or a link to one); only regular files are published")
             try:
                 check_relative_path(rel)
             except ValueError as exc:
@@ -64,6 +101,45 @@ def list_checkpoint_files(ckpt_dir: Path) -> list[tuple[str, Path]]:
     if len(found) > MAX_FILES:
         raise PublishError(f"checkpoint directory {ckpt_dir} holds {len(found)} files, over the {MAX_FILES} limit")
     return sorted(found)
+
+
+def _open_inside(root: Path, rel: str) -> tuple[int, os.stat_result]:
+    """Open root/rel for reading without following a link at any step; the fd and its stat.
+
+    Listing and opening are two moments: a file or a directory swapped for a link (or a FIFO) in between
+    is refused here rather than followed. O_NONBLOCK: opening a FIFO would otherwise wait for a writer.
+    """
+    parts = rel.split("/")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            try:
+                next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                raise _refuse(root / rel, f"under {part!r}, no longer a plain directory ({exc.strerror})") from None
+            os.close(fd)
+            fd = next_fd
+        try:
+            file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        except OSError as exc:
+            raise _refuse(root / rel, f"no longer a regular file ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    info = os.fstat(file_fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(file_fd)
+        raise _refuse(root / rel, _kind_of(info.st_mode))
+    return file_fd, info
+
+
+def published_mode(source_mode: int) -> int:
+    """Permissions of a published copy: the source's, less any execute or group/other write bit (at most 0644).
+
+    A copy is never more open than its source: a 0600 file stays 0600 (readable by the server, which runs as
+    the same user). Serving it still publishes its bytes to every fetcher: that is what putting it in the
+    checkpoint directory means, so keep secrets out of it.
+    """
+    return stat.S_IMODE(source_mode) & 0o644
 
 
 class _ShardHasher:
@@ -122,7 +198,8 @@ def publish(
             f"{store.root} already holds step {store.high_water()}; publish a newer step (steps only go forward)"
         )
     files = list_checkpoint_files(ckpt_dir)
-    total = sum(path.stat().st_size for _, path in files)
+    root = Path(ckpt_dir).expanduser().resolve()
+    total = sum(os.lstat(path).st_size for _, path in files)
     if total == 0:
         raise PublishError(f"checkpoint directory {ckpt_dir} holds only empty files")
     store.ensure_free_space(total)
@@ -133,17 +210,22 @@ def publish(
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="publish-hash") as pool:
             shards = _ShardHasher(shard_size, pool, max_in_flight=workers * 2)
-            for rel, src in files:
+            for rel, _ in files:
                 dest = staging / CHECKPOINT_NAME / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 file_hash, size = hashlib.sha256(), 0
-                with open(src, "rb") as fin, open(dest, "wb") as fout:
-                    while block := fin.read(CHUNK):
-                        view = memoryview(block)
-                        file_hash.update(view)
-                        shards.feed(view)
-                        fout.write(view)
-                        size += len(view)
+                src_fd, info = _open_inside(root, rel)
+                with open(src_fd, "rb") as fin:
+                    os.set_blocking(src_fd, True)
+                    dest_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                    with open(dest_fd, "wb") as fout:
+                        os.fchmod(dest_fd, published_mode(info.st_mode))  # explicit: not left to the umask
+                        while block := fin.read(CHUNK):
+                            view = memoryview(block)
+                            file_hash.update(view)
+                            shards.feed(view)
+                            fout.write(view)
+                            size += len(view)
                 entries.append(FileEntry(path=rel, size=size, sha256=file_hash.hexdigest()))
             shard_entries = shards.finish()
         body = _body(

@@ -33,7 +33,7 @@ MANIFEST_NAME = "manifest.json"
 PROGRESS_NAME = "progress.json"
 CHECKPOINT_NAME = "checkpoint"
 HIGH_WATER_NAME = "high-water.json"
-_VERSION_RE = re.compile(r"^step-(\d{12})$")
+_VERSION_RE = re.compile(r"step-([0-9]{12})")  # fullmatch: $ and \d would take "\n" and "١"
 FREE_DISK_MARGIN = 64 << 20  # keep some slack so that the store never fills the disk to the last byte
 
 
@@ -188,7 +188,7 @@ class Store:
             return []
         steps = []
         for entry in self.root.iterdir():
-            match = _VERSION_RE.match(entry.name)
+            match = _VERSION_RE.fullmatch(entry.name)
             if match and (entry / MANIFEST_NAME).is_file():
                 steps.append(int(match.group(1)))
         return sorted(steps)
@@ -197,7 +197,7 @@ class Store:
         base = self.root / PARTIAL
         if not base.is_dir():
             return []
-        return sorted(int(m.group(1)) for e in base.iterdir() if (m := _VERSION_RE.match(e.name)))
+        return sorted(int(m.group(1)) for e in base.iterdir() if (m := _VERSION_RE.fullmatch(e.name)))
 
     def manifest_bytes(self, step: int, *, partial: bool = False) -> bytes:
         directory = self.partial_dir(step) if partial else self.version_dir(step)

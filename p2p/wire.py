@@ -1,0 +1,151 @@
+"""The one base of every wire type, and strict JSON decoding of what peers send.
+
+Everything a peer can send (DHT records, hand-off frames and receipts, verdicts, bans, manifests, API
+payloads) is parsed into a `WireModel`. Its configuration is the rule for all of them at once, so a type or
+field added later inherits it without anyone remembering to: strict types (no "3" for 3), unknown fields
+refused, immutable, and **no NaN or infinity in any float field**, nested models, lists and unions included.
+A NaN compares false with everything, so one that reaches `expiration > limit` or `until <= issued_at`
+passes every bound it meets; infinities pass one side of each. They are refused at the parse instead.
+
+Every string of every wire type is also refused if it holds a character that is not printable
+(`str.isprintable`: control characters such as \\n, \\r, \\t, NUL and DEL, C1 controls, Unicode line and
+paragraph separators, bidi overrides and other format characters, surrogates). Names travel into paths,
+logs, terminals and dashboards; none of them has a use for these.
+
+`loads_strict` is the JSON decoder for peer bytes that are not parsed by a WireModel directly (frames, signed
+envelopes, manifests): it refuses NaN, Infinity, -Infinity and numbers that overflow to infinity (1e999)
+at the decoder, naming where they were, and refuses duplicate keys (two parsers that keep different copies
+of a key would read different documents under one signature).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from .errors import P2PError
+
+# Year 2242: a wire timestamp past this is a forgery or a broken clock, and far below where float seconds
+# lose sub-millisecond precision. Every timestamp on the wire is a Timestamp.
+MAX_UNIX_TIME = float(2**33)
+Timestamp = Annotated[float, Field(ge=0, le=MAX_UNIX_TIME)]
+
+
+class WireFormatError(P2PError, ValueError):
+    """Peer bytes that are not strict JSON: a NaN or infinite number, a duplicate key, bad UTF-8, too deep."""
+
+
+def unprintable(text: str) -> str | None:
+    """A description of the first character of `text` that is not printable, or None when all are."""
+    if text.isprintable():  # C speed: the common case costs one pass
+        return None
+    for position, char in enumerate(text):
+        if not char.isprintable():
+            return f"character U+{ord(char):04X} at position {position}"
+    return None  # not reached: isprintable() was False
+
+
+def check_printable(text: str, what: str = "text") -> str:
+    """`text` unchanged, or ValueError naming its first control (or other unprintable) character."""
+    found = unprintable(text)
+    if found is not None:
+        raise ValueError(f"{what} holds the unprintable {found}; control and format characters are refused")
+    return text
+
+
+def printable(text: str) -> str:
+    """`text` with every unprintable character replaced by a space: for free text we put on the wire
+    (reasons built from exception messages may hold newlines), so that honest peers never refuse it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else " " for c in text)
+
+
+def _check_strings(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        check_printable(value, where)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_strings(item, f"item {index}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, "a key")
+            _check_strings(item, f"item {str(key)[:40]!r}")
+    # Nested WireModels check their own fields; numbers and booleans have nothing to check.
+
+
+class WireModel(BaseModel):
+    """Base of every type parsed from peer bytes; see the module docstring for what it guarantees."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _printable_strings(cls, value: Any, info: ValidationInfo) -> Any:
+        _check_strings(value, "text")
+        return value
+
+
+def describe(exc: ValidationError) -> str:
+    """The first error of a wire type's validation with the field's dotted path: `at run.temperature: ...`."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "(the whole document)"
+    return f"at {where}: {first['msg']}"
+
+
+class _NonFinite:
+    """Placeholder the decoder puts where a NaN or infinite number was, so the path can be named after."""
+
+    __slots__ = ("literal",)
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+
+def _find_non_finite(value: Any, path: str) -> tuple[str, str] | None:
+    """(dotted path, literal) of the first non-finite number in a decoded document."""
+    if isinstance(value, _NonFinite):
+        return path, value.literal
+    children: Any = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    for key, item in children:
+        found = _find_non_finite(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def loads_strict(raw: bytes | str, what: str = "document") -> Any:
+    """Decode a peer's JSON; WireFormatError (naming the place) for NaN, infinities, duplicate keys, bad JSON."""
+    seen_non_finite = False
+
+    def constant(literal: str) -> _NonFinite:  # NaN, Infinity, -Infinity
+        nonlocal seen_non_finite
+        seen_non_finite = True
+        return _NonFinite(literal)
+
+    def number(text: str) -> float | _NonFinite:  # 1e999 is no literal, but decodes to infinity
+        value = float(text)
+        return value if math.isfinite(value) else constant(text)
+
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise WireFormatError(f"duplicate JSON key {key[:80]!r} in {what}")
+            out[key] = value
+        return out
+
+    try:
+        document = json.loads(raw, parse_constant=constant, parse_float=number, object_pairs_hook=unique_keys)
+    except WireFormatError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise WireFormatError(f"{what} is not valid JSON: {str(exc)[:200]}") from None
+    if seen_non_finite:  # only then walk the tree: the placeholder says where the number was
+        path, literal = _find_non_finite(document, "") or ("", "?")
+        where = f" at {path}" if path else ""
+        raise WireFormatError(f"{what}{where}: {literal} is not a finite number; only finite numbers are allowed")
+    return document

@@ -1,0 +1,378 @@
+"""Every wire type refuses non-finite numbers and unprintable text, found by walking the types themselves.
+
+Nothing here lists fields. The wire types are discovered: every pydantic model defined in prime_node.p2p
+(the wire package) must be a WireModel or one of the LOCAL_TYPES, and every WireModel anywhere must be
+reachable from a CARRIER: a top-level type, an honest sample of it, and the function production uses to
+parse a peer's bytes of it (the DHT record validator hivemind calls, open_signed, parse_signed, the hand-off
+frame decoder, the validator-API client). For every float field found by walking the carrier's type (nested
+models, lists, dicts, unions, optionals), the peer's bytes carry NaN, Infinity, -Infinity, 1e999 and, past a
+bound, +-1e308 in that place; for every string field, a control or format character. Each must be refused
+with a message that names the field, and the untouched sample must pass (the honest control). A wire type
+or field added later is fuzzed without editing this file; a new carrier needs one sample.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib
+import json
+import pkgutil
+from pathlib import Path
+import re
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import annotated_types
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+import prime_node.p2p
+from prime_node.node.daemon.validator_api import NodeDetail, parse_node_detail
+from prime_node.p2p.errors import SignatureError
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.names import RUN_ID_PATTERN
+from prime_node.p2p.signing import canonical_json
+from prime_node.p2p.swarm import SwarmConfig
+from prime_node.p2p.swarm.errors import HandoffError, RecordError
+from prime_node.p2p.swarm.framing import decode_frame
+from prime_node.p2p.swarm.handoff import Receipt, ReceiptBody, RolloutEnvelope, parse_header, parse_receipt
+from prime_node.p2p.swarm.records import (
+    Ban,
+    Hardware,
+    Heartbeat,
+    PolicyAnnouncement,
+    RecordKind,
+    RolloutAnnouncement,
+    RunParameters,
+    ValidatorAnnouncement,
+    key_id,
+    seal,
+    seal_payload,
+)
+from prime_node.p2p.swarm.validator import SwarmRecordValidator
+from prime_node.p2p.verdicts import BanRecord, DocumentError, Signed, Verdict, open_signed
+from prime_node.p2p.weights.errors import ManifestError
+from prime_node.p2p.weights.fetch import FetchSettings
+from prime_node.p2p.weights.manifest import (
+    FileEntry,
+    ManifestBody,
+    ShardEntry,
+    SignedManifest,
+    checkpoint_digest,
+    parse_signed,
+)
+from prime_node.p2p.weights.server import ServeSettings
+from prime_node.p2p.weights.sources import SelectionSettings
+from prime_node.p2p.wire import WireModel
+
+RUN = "fuzz"
+T = 1_800_000_000.0
+OPERATOR = Identity.from_seed(b"\x21" * 32)
+NODE = Identity.from_seed(b"\x22" * 32)
+VALIDATOR = Identity.from_seed(b"\x23" * 32)
+PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+SHA = "ab" * 32
+# Not wire types: settings the operator writes, and containers built only after a parse has succeeded.
+LOCAL_TYPES = (SwarmConfig, FetchSettings, ServeSettings, SelectionSettings, Signed, SignedManifest)
+# Control characters (C0, DEL, C1), Unicode line/paragraph separators, a bidi override, a zero-width space.
+BAD_CHARS = ["\n", "\r", "\t", "\x00", "\x1b", "\x7f", "\x85", "\u2028", "\u2029", "\u202e", "\u200b"]
+
+
+# ----- carriers: a top-level wire type, an honest sample, and production's parse of a peer's bytes ----------
+
+
+@dataclass(frozen=True)
+class Carrier:
+    model: type[WireModel]
+    sample: dict[str, Any]
+    parse: Callable[[bytes], Any]
+    error: type[Exception]
+
+
+def _record(kind: RecordKind, signer: Identity, subkey: str, body: WireModel) -> Carrier:
+    validator = SwarmRecordValidator(RUN, [OPERATOR.node_id])
+
+    def parse(payload: bytes) -> Any:  # what hivemind hands the validator for a record a peer stores or returns
+        expiration = get_dht_time() + 60
+        value = seal_payload(signer, RUN, kind, subkey, payload, expiration)
+        serialized = MSGPackSerializer.dumps(value)
+        record = DHTRecord(key_id(RUN, kind), MSGPackSerializer.dumps(subkey), serialized, expiration)
+        return validator.check(record)
+
+    return Carrier(type(body), body.model_dump(mode="json"), parse, RecordError)
+
+
+def _signed_document(model: type[Verdict] | type[BanRecord], signer: Identity, document: WireModel) -> Carrier:
+    def parse(raw: bytes) -> Any:  # the body of GET /api/verdict/<sha256>, or a ban envelope
+        try:  # the attacker signs whatever it can; canonical JSON has no NaN, so some are unsigned
+            signature = signer.sign_document(json.loads(raw))
+        except SignatureError:
+            signature = bytes(64)
+        envelope = b'{"document":' + raw + b',"signature":"' + signature.hex().encode() + b'"}'
+        return open_signed(envelope, model, {signer.node_id})
+
+    return Carrier(model, document.model_dump(mode="json"), parse, DocumentError)
+
+
+def _manifest() -> Carrier:
+    shard = "cd" * 32
+    body = ManifestBody(
+        format="prime-node-weights", format_version=1, run_id=RUN, step=3, created_at=int(T),
+        signer=OPERATOR.node_id, shard_size=1024, total_size=10, checkpoint_sha256=checkpoint_digest([shard]),
+        files=[FileEntry(path="config.json", size=10, sha256=SHA)], shards=[ShardEntry(size=10, sha256=shard)],
+    )
+
+    def parse(raw: bytes) -> Any:  # a manifest as a weights source serves it, signed by the pinned key
+        try:
+            signature = OPERATOR.sign_document(json.loads(raw)).hex()
+        except SignatureError:
+            signature = "00" * 64
+        return parse_signed(b'{"body":' + raw + b',"signature":"' + signature.encode() + b'"}', OPERATOR.node_id)
+
+    return Carrier(ManifestBody, body.model_dump(mode="json"), parse, ManifestError)
+
+
+def _receipt() -> Carrier:
+    body = ReceiptBody(sha256=SHA, sender=NODE.node_id, receiver=VALIDATOR.node_id, size=10, received_at=T)
+    receipt = Receipt(body=body, signature=VALIDATOR.sign_document(body.model_dump(mode="json")).hex())
+    return Carrier(Receipt, receipt.model_dump(mode="json"),
+                   lambda raw: parse_receipt(decode_frame(b'{"receipt":' + raw + b"}")["receipt"]), HandoffError)
+
+
+CARRIERS = [
+    _record(RecordKind.HEARTBEAT, NODE, NODE.node_id, Heartbeat(
+        node_id=NODE.node_id, peer_id=PEER_ID, version="0.1.0", roles=["contributor"],
+        hardware=Hardware(gpu_model="NVIDIA H100", gpu_memory_mb=1, cpu="x86", cpu_cores=2, ram_mb=4),
+        addresses=["/ip4/127.0.0.1/tcp/1"], client_mode=False, policy_step=1, serves_steps=[1], sent_at=T,
+        weights_url="http://127.0.0.1:1/w")),
+    _record(RecordKind.POLICY, OPERATOR, OPERATOR.node_id, PolicyAnnouncement(
+        step=1, manifest_sha256=SHA, sources=["http://127.0.0.1:1/"], published_at=T, run=RunParameters(
+            run_id=RUN, run_seed=0, tasks="builtin:arithmetic", samples=4, temperature=1.0, max_new_tokens=64,
+            compute_dtype="float32", length_targets=[10], length_alpha=0.001))),
+    _record(RecordKind.VALIDATOR, OPERATOR, VALIDATOR.node_id, ValidatorAnnouncement(
+        node_id=VALIDATOR.node_id, peer_id=PEER_ID, addresses=["/ip4/127.0.0.1/tcp/1"], max_rollout_bytes=1,
+        published_at=T, api_url="http://127.0.0.1:2")),
+    _record(RecordKind.BAN, OPERATOR, NODE.node_id, Ban(node_id=NODE.node_id, reason="fraud", banned_at=T)),
+    _record(RecordKind.ROLLOUT, NODE, f"{NODE.node_id}:{SHA}", RolloutAnnouncement(
+        node_id=NODE.node_id, sha256=SHA, size_bytes=10, step=1, samples=4, announced_at=T)),
+    _signed_document(Verdict, VALIDATOR, Verdict(
+        file_hash=SHA, node_id=NODE.node_id, step=1, samples=0, tokens=0, accepted=False, failed_check="bounds",
+        reason="row 0: reward is not a finite number", validator_id=VALIDATOR.node_id, decided_at=T)),
+    _signed_document(BanRecord, OPERATOR, BanRecord(
+        node_id=NODE.node_id, reason="fraud", issued_at=T, until=T + 60, issuer_id=OPERATOR.node_id)),
+    Carrier(RolloutEnvelope, RolloutEnvelope.sign(NODE, b"rollout bytes").model_dump(mode="json"),
+            lambda raw: parse_header(decode_frame(raw)), HandoffError),
+    _receipt(),
+    _manifest(),
+    Carrier(NodeDetail, {"node": {"rank": 1, "score": 2.5, "accepted_tokens": 3, "accepted_files": 1,
+                                  "rejected_files": 0, "banned": False}}, parse_node_detail, ValidationError),
+]
+IDS = [c.model.__name__ for c in CARRIERS]
+
+
+# ----- walking the types --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Leaf:
+    kind: str  # "float" or "str"
+    path: tuple[Any, ...]  # keys and list indices from the carrier's top; "*" is a dict's first key
+    bounded: tuple[bool, bool]  # (has a lower bound, has an upper bound)
+
+
+def _bounds(metadata: list[Any]) -> tuple[bool, bool]:
+    items = [m for x in metadata for m in (x.metadata if isinstance(x, FieldInfo) else [x])]
+    low = any(isinstance(m, (annotated_types.Ge, annotated_types.Gt)) for m in items)
+    high = any(isinstance(m, (annotated_types.Le, annotated_types.Lt)) for m in items)
+    return low, high
+
+
+def leaves(annotation: Any, path: tuple[Any, ...] = (), metadata: list[Any] | None = None) -> Iterator[Leaf]:
+    metadata = metadata or []
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        yield from leaves(args[0], path, metadata + list(args[1:]))
+    elif origin in (Union, types.UnionType):
+        for arg in args:
+            if arg is not type(None):
+                yield from leaves(arg, path, metadata)
+    elif origin in (list, tuple, set, frozenset):
+        yield from leaves(args[0], (*path, 0))
+    elif origin is dict:
+        yield from leaves(args[1], (*path, "*"))
+    elif origin is Literal:
+        if all(isinstance(a, str) for a in args):
+            yield Leaf("str", path, (False, False))
+    elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        for name, field in annotation.model_fields.items():
+            yield from leaves(field.annotation, (*path, name), list(field.metadata))
+    elif annotation is float:
+        yield Leaf("float", path, _bounds(metadata))
+    elif annotation is str:
+        yield Leaf("str", path, (False, False))
+
+
+def nested_models(annotation: Any) -> Iterator[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+        for field in annotation.model_fields.values():
+            yield from nested_models(field.annotation)
+    for arg in get_args(annotation):
+        yield from nested_models(arg)
+
+
+def _all_subclasses(cls: type) -> set[type]:
+    found = set(cls.__subclasses__())
+    for sub in list(found):
+        found |= _all_subclasses(sub)
+    return found
+
+
+def _place(document: Any, path: tuple[Any, ...], value: Any, model: type) -> Any:
+    document = copy.deepcopy(document)
+    holder = document
+    for step in path[:-1]:
+        holder = holder[next(iter(holder)) if step == "*" else step]
+    last = next(iter(holder)) if path[-1] == "*" else path[-1]
+    if isinstance(holder, dict) and last not in holder or isinstance(holder, list) and not holder:
+        pytest.fail(f"the {model.__name__} sample leaves {'.'.join(map(str, path))} unset: fill it in")
+    if holder[last] is None:
+        pytest.fail(f"the {model.__name__} sample leaves {'.'.join(map(str, path))} null: give it a value")
+    holder[last] = value
+    return document
+
+
+def _with_literal(document: dict[str, Any], path: tuple[Any, ...], literal: str, model: type) -> bytes:
+    marker = "\x01fuzz\x01"
+    return json.dumps(_place(document, path, marker, model)).replace(json.dumps(marker), literal).encode()
+
+
+def _dotted(path: tuple[Any, ...], document: dict[str, Any]) -> str:
+    parts, holder = [], document
+    for step in path:
+        key = next(iter(holder)) if step == "*" else step
+        parts.append(str(key))
+        holder = holder[key]
+    return ".".join(parts)
+
+
+def _names(message: str, where: str) -> bool:
+    """Whether `message` names the field at dotted path `where`: whole (`at addresses.0:`), or as the field
+    and its item (`at addresses: ... item 0 ...`, how a check of a whole list reports it)."""
+    if re.search(rf"\b{re.escape(where)}\b", message):
+        return True
+    field, _, index = where.rpartition(".")
+    return index.isdigit() and bool(re.search(rf"\b{re.escape(field)}\b", message)) and f"item {index}" in message
+
+
+# ----- the tests ----------------------------------------------------------------------------------------
+
+
+def test_every_wire_type_is_a_wire_model_reachable_from_a_carrier() -> None:
+    for info in pkgutil.walk_packages(prime_node.p2p.__path__, "prime_node.p2p."):
+        importlib.import_module(info.name)
+    defined = {
+        cls for module in list(importlib.sys.modules.values())
+        if getattr(module, "__name__", "").startswith("prime_node.p2p")
+        for cls in vars(module).values()
+        if isinstance(cls, type) and issubclass(cls, BaseModel) and cls.__module__ == module.__name__
+    }
+    stray = sorted(c.__qualname__ for c in defined
+                   if not issubclass(c, WireModel) and not issubclass(c, LOCAL_TYPES))
+    assert not stray, f"pydantic models in the wire package that are not WireModels: {stray}"
+    reachable = {m for carrier in CARRIERS for m in nested_models(carrier.model)}
+    # A type without fields (a base such as verdicts._Document) is never parsed on its own.
+    unreached = sorted(c.__qualname__ for c in _all_subclasses(WireModel) - reachable if c.model_fields)
+    assert not unreached, f"wire types no carrier reaches (add a Carrier with a sample): {unreached}"
+    floats = {(c.model.__name__, ".".join(map(str, leaf.path)))
+              for c in CARRIERS for leaf in leaves(c.model) if leaf.kind == "float"}
+    # The walk finds fields at every depth (a sanity check of the walker, not the list of what is fuzzed).
+    assert {("Heartbeat", "sent_at"), ("PolicyAnnouncement", "run.temperature"), ("Receipt", "body.received_at"),
+            ("BanRecord", "until"), ("NodeDetail", "node.score")} <= floats
+
+
+@pytest.mark.parametrize("carrier", CARRIERS, ids=IDS)
+def test_every_float_of_every_wire_type_must_be_finite(carrier: Carrier) -> None:
+    carrier.parse(json.dumps(carrier.sample).encode())  # the honest control: the sample itself passes
+    fuzzed = 0
+    for leaf in leaves(carrier.model):
+        if leaf.kind != "float":
+            continue
+        where = _dotted(leaf.path, carrier.sample)
+        literals = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"]
+        literals += ["-1e308"] * leaf.bounded[0] + ["1e308"] * leaf.bounded[1]
+        for literal in literals:
+            raw = _with_literal(carrier.sample, leaf.path, literal, carrier.model)
+            with pytest.raises(carrier.error) as refused:
+                carrier.parse(raw)
+            assert _names(str(refused.value), where), (literal, str(refused.value))
+            fuzzed += 1
+    assert fuzzed or not any(leaf.kind == "float" for leaf in leaves(carrier.model))
+
+
+@pytest.mark.parametrize("carrier", CARRIERS, ids=IDS)
+def test_every_string_of_every_wire_type_refuses_control_characters(carrier: Carrier) -> None:
+    carrier.parse(json.dumps(carrier.sample).encode())
+    for leaf in leaves(carrier.model):
+        if leaf.kind != "str":
+            continue
+        where = _dotted(leaf.path, carrier.sample)
+        holder = carrier.sample
+        for step in leaf.path:
+            holder = holder[next(iter(holder)) if step == "*" else step]
+        for char in BAD_CHARS:
+            for value in (holder + char, holder[:1] + char + holder[1:]):  # a trailing "\n" is the classic
+                raw = json.dumps(_place(carrier.sample, leaf.path, value, carrier.model)).encode()
+                with pytest.raises(carrier.error) as refused:
+                    carrier.parse(raw)
+                assert _names(str(refused.value), where), (value, str(refused.value))
+
+
+@pytest.mark.parametrize("expiration", [float("nan"), float("inf"), float("-inf"), 1e308])
+def test_dht_expiration_must_be_finite_and_bounded(expiration: float) -> None:
+    validator = SwarmRecordValidator(RUN, [OPERATOR.node_id])
+    body = Ban(node_id=NODE.node_id, reason="fraud", banned_at=T)
+    kid, subkey = key_id(RUN, RecordKind.BAN), MSGPackSerializer.dumps(NODE.node_id)
+
+    def record(when: float) -> DHTRecord:
+        value = seal(OPERATOR, RUN, RecordKind.BAN, NODE.node_id, body, when)
+        return DHTRecord(kid, subkey, MSGPackSerializer.dumps(value), when)
+
+    assert validator.validate(record(get_dht_time() + 60))  # the honest control, signed alike
+    with pytest.raises(RecordError, match="expiration"):
+        validator.check(record(expiration))
+    assert not validator.validate(record(expiration))
+
+
+def test_pydantic_patterns_end_at_the_end_of_the_text() -> None:
+    # pydantic matches `pattern` with Rust's regex crate, whose $ (without the m flag) is the very end of the
+    # text; Python's re would take "run\n" here. Pinned, since a pattern Rust cannot compile (a lookaround)
+    # silently falls back to Python's re.
+    run_id = TypeAdapter(Annotated[str, FieldInfo(pattern=RUN_ID_PATTERN)])
+    assert run_id.validate_python("run") == "run"
+    assert re.match(RUN_ID_PATTERN, "run\n")  # what Python's re.match would have accepted
+    for bad in ("run\n", "run\r\n", "run\x00"):
+        with pytest.raises(ValidationError):
+            run_id.validate_python(bad)
+
+
+def test_no_python_regex_relies_on_dollar() -> None:
+    # Python's `$` also matches before a final newline: re.match(r"^[a-z.]+$", "config.json\n") succeeds.
+    # Names are matched with fullmatch (or \Z); `$` in a Python regex literal is refused here, everywhere.
+    root = Path(prime_node.p2p.__file__).parent.parent
+    found = []
+    for package in ("p2p", "node", "proofs", "trainer"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "re" and node.args
+                        and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+                        and re.search(r"(?<!\\)\$", node.args[0].value)):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} re.{node.func.attr}({node.args[0].value!r})")
+    assert not found, f"use fullmatch (or \\Z) instead of $ in: {found}"
