@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
+import subprocess
+import sys
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -177,3 +180,26 @@ async def hostile(store_dir: Path, step: int, fault: str | None = None, **kwargs
         yield source
     finally:
         await source.stop()
+
+
+HOSTILE_SERVER = Path(__file__).with_name("hostile_http.py")
+
+
+@contextlib.contextmanager
+def hostile_process(store_dir: Path, *, interval: float = 0.2) -> Iterator[str]:
+    """Run tests/hostile_http.py in its own process over `store_dir`; yields its base URL (add `/<mode>`)."""
+    proc = subprocess.Popen([sys.executable, str(HOSTILE_SERVER), str(store_dir), "--interval", str(interval)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = select.select([proc.stdout], [], [], 30)[0]
+        line = proc.stdout.readline() if ready else ""
+        if not line.startswith("PORT "):
+            raise RuntimeError(f"the hostile server did not start (said {line!r})")
+        yield f"http://127.0.0.1:{int(line.split()[1])}"
+    finally:
+        proc.kill()  # by its pid: only the process this helper started
+        proc.wait(10)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()

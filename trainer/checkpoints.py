@@ -111,18 +111,18 @@ class CheckpointKeeper:
         fetcher = Fetcher(list(policy.sources), self.trusted_key, self.store, self.fetch_settings,
                           identity=self.identity)
         try:
-            manifest, serving, errors = await fetcher.resolve(policy.step)
-            if manifest.digest != policy.manifest_sha256:
-                # Signed by the operator but not the announced version: never verify files against it.
-                logger.warning("sources serve manifest %s… for step %d, not the announced %s…",
-                               manifest.digest[:16], policy.step, policy.manifest_sha256[:16])
-                return False
-            result = await fetcher.fetch_version(manifest, serving, errors)
+            # Pinned to the announced manifest: a source serving another one (even operator-signed) is not used.
+            resolution = await fetcher.resolve(policy.step, digest=policy.manifest_sha256)
+            result = await fetcher.fetch_version(resolution)
         except P2PError as exc:  # bad manifest or shard, or no source answered: the next policy retries
             logger.warning("could not fetch checkpoint step %d: %s", policy.step, exc)
             return False
+        except Exception:  # noqa: BLE001 - a bug reached through a source's answer must not stop the validator
+            logger.exception("could not fetch checkpoint step %d: unexpected error (a bug; please report it)",
+                             policy.step)
+            return False
         finally:
-            fetcher.connections.close()
+            fetcher.close()
         logger.info("checkpoint step %d held at %s", policy.step, result.version_dir)
         removed = await asyncio.to_thread(self.store.prune, self.keep) if self.keep else []
         with self._lock:

@@ -137,13 +137,12 @@ class CheckpointKeeper:
         try:
             result = await self.fetch(policy)
         except (CheckpointRefused, WeightsError, OSError) as exc:
-            _, delay = self._retry_at.get(policy.step, (0.0, self.retry_s / 2))
-            delay = min(self.max_retry_s, delay * 2)
-            self._retry_at[policy.step] = (time.monotonic() + delay, delay)
-            self.state.metrics.verification_failures.inc()
-            message = f"checkpoint step {policy.step} refused: {exc}"
-            self.state.error(message)
-            logger.warning("%s; keeping the previous checkpoint, retrying in %.0f s", message, delay)
+            self._refused(policy, str(exc))
+            return False
+        except Exception as exc:  # noqa: BLE001 - whatever a source sent, this task (and the node) goes on
+            logger.exception("checkpoint step %d: unexpected error while fetching (a bug; please report it)",
+                             policy.step)
+            self._refused(policy, f"unexpected error: {type(exc).__name__}: {exc}")
             return False
         self._retry_at.pop(policy.step, None)
         self._verified.add(policy.step)
@@ -158,6 +157,16 @@ class CheckpointKeeper:
         if self.on_verified is not None:
             self.on_verified(policy.step)
         return True
+
+    def _refused(self, policy: PolicyAnnouncement, reason: str) -> None:
+        """Count and show a failed fetch, and back off before the next try (a source may heal)."""
+        _, delay = self._retry_at.get(policy.step, (0.0, self.retry_s / 2))
+        delay = min(self.max_retry_s, delay * 2)
+        self._retry_at[policy.step] = (time.monotonic() + delay, delay)
+        self.state.metrics.verification_failures.inc()
+        message = f"checkpoint step {policy.step} refused: {reason}"
+        self.state.error(message)
+        logger.warning("%s; keeping the previous checkpoint, retrying in %.0f s", message, delay)
 
     async def fetch(self, policy: PolicyAnnouncement) -> FetchResult:
         if not policy.sources:
@@ -174,17 +183,12 @@ class CheckpointKeeper:
             on_bytes=self.state.metrics.download_bytes.inc,
         )
         try:
-            manifest, serving, errors = await fetcher.resolve(policy.step)
-            # The manifest is signed by the operator, but the announcement pins which one: a source that
-            # serves another (older, or a different build of the same step) is refused before any shard.
-            if manifest.digest != policy.manifest_sha256:
-                raise CheckpointRefused(
-                    f"the sources serve manifest {manifest.digest[:16]}… but the operator announced "
-                    f"{policy.manifest_sha256[:16]}…"
-                )
-            return await fetcher.fetch_version(manifest, serving, errors)
+            # The manifest is signed by the operator, but the announcement pins which one: a source that serves
+            # another (older, or a different build of the same step) is not used; none serving it is a refusal.
+            resolution = await fetcher.resolve(policy.step, digest=policy.manifest_sha256)
+            return await fetcher.fetch_version(resolution)
         finally:
-            fetcher.connections.close()
+            fetcher.close()
 
     async def prune(self) -> None:
         """Delete versions that fell out of the window (and never re-fetch them: the store's high water)."""

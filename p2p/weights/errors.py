@@ -25,6 +25,20 @@ class PublishError(WeightsError):
     """A checkpoint directory cannot be published (missing, empty, or holding files that cannot be shipped)."""
 
 
+class SourceError(WeightsError):
+    """One source's answer broke the protocol (a malformed header, a wrong length, a missed deadline): a failure
+    of that source alone, which the fetcher records against it before trying another; never the fetch's end."""
+
+    def __init__(self, reason: str, *, corrupt: bool = False, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        # The source sent wrong bytes or lied about them (penalised harder than sending nothing).
+        self.corrupt = corrupt
+        # Set when a relay answered 503: it has the version but has not verified this shard yet. That is not
+        # the source's fault; the fetcher comes back after this many seconds without penalising it.
+        self.retry_after = retry_after
+
+
 class FetchError(WeightsError):
     """A checkpoint could not be fetched and verified; the message names the shard and the sources to blame."""
 

@@ -1,11 +1,15 @@
 """Verified multi-source fetch of one checkpoint version into a store.
 
-Order of trust: manifests are fetched from every source (size-bounded) and verified against the pinned
-key before any shard is requested; a step older than one already held is refused. Shards are then drawn
-from the sources that serve the chosen manifest (sources.py), each verified on arrival (transfer.py,
-scheduled by shardrun.py); a bad shard is discarded, its source penalised and the shard fetched
-elsewhere. Progress is journaled so a rerun resumes with Range requests, and only a version whose every
-shard verified is moved into place.
+Order of trust: manifests are asked of every source at once (size-bounded, each under a wall-clock deadline)
+and verified against the pinned key before any shard is requested; a step older than one already held is
+refused. The fetch does not wait for the slowest source: once a valid manifest is in hand (the pinned one,
+when the caller pins a digest) and `manifest_grace_s` has passed, it chooses and starts; a source whose
+manifest arrives later joins if it serves the chosen one. Shards are then drawn from the sources that serve
+it (sources.py), scheduled and hedged by shardrun.py, each verified on arrival (transfer.py); a bad shard is
+discarded, its source penalised and the shard fetched elsewhere. A source's failure, whatever it sent, is
+charged to that source and never ends a fetch that another source can still serve; only our own failures
+(the disk, a bug) propagate. Progress is journaled so a rerun resumes with Range requests, and only a version
+whose every shard verified is moved into place.
 """
 
 from __future__ import annotations
@@ -14,33 +18,53 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..identity import Identity
 from .access import TokenSource
+from .connections import ConnectionPool
 from .errors import FetchError, ManifestError, StoreError
 from .manifest import MAX_MANIFEST_BYTES, SignedManifest, parse_signed
 from .sources import SelectionSettings, SourcePool
 from .shardrun import FetchResult, ShardRun
 from .store import Store
-from .transfer import ConnectionPool, fetch_document
+from .transfer import fetch_document
+from .wire import check_source_url
 
 logger = logging.getLogger(__name__)
 
 
 class FetchSettings(BaseModel):
-    """Timeouts, parallelism and retry bounds of a fetch."""
+    """Timeouts, parallelism, deadlines, hedging and retry bounds of a fetch."""
 
     model_config = ConfigDict(extra="forbid")
 
-    concurrency: int = Field(8, ge=1, le=256, description="Shards downloaded at once (over all sources).")
+    concurrency: int = Field(
+        8, ge=1, le=256, description="Shard transfers at once from proven sources (and as many probes of others).")
     connect_timeout_s: float = Field(5.0, gt=0, description="Time allowed to open a connection to a source.")
     stall_timeout_s: float = Field(15.0, gt=0, description="A source that sends no byte for this long has stalled.")
-    manifest_timeout_s: float = Field(15.0, gt=0, description="Total time allowed for one manifest request.")
-    max_attempts_per_shard: int = Field(8, ge=1, le=1000, description="Attempts (over all sources) before giving up.")
-    max_not_ready: int = Field(1000, ge=0, description="'Not verified yet' (503) answers from relays tolerated per shard.")
-    chunk_bytes: int = Field(1 << 20, ge=4096, description="Bytes per socket read; also the resume granularity.")
+    manifest_timeout_s: float = Field(
+        15.0, gt=0, description="Wall-clock deadline of one manifest request, however the source paces its bytes.")
+    manifest_grace_s: float = Field(
+        0.5, ge=0, le=60, description="After the first valid manifest, wait this long for others' before choosing.")
+    min_rate_bytes_s: int = Field(
+        32 << 10, ge=1, description="Throughput floor of a shard transfer: fewer bytes/s over a window cuts it.")
+    rate_window_s: float = Field(10.0, gt=0, le=600, description="Window over which the throughput floor is measured.")
+    hedge_ratio: float = Field(
+        4.0, ge=1, le=1000, description="A transfer projected to take this many times longer than the shard "
+        "would from the best other source is hedged (the shard is asked of that source too).")
+    hedge_after_s: float = Field(
+        0.5, ge=0, le=600, description="With no other source measured yet, a transfer under the floor rate is "
+        "hedged after this long.")
+    max_attempts_per_shard: int = Field(
+        8, ge=1, le=1000, description="Failures of one shard before giving up (once every source has failed it).")
+    max_not_ready: int = Field(
+        1000, ge=0, description="'Not verified yet' (503) answers from relays tolerated per shard.")
+    chunk_bytes: int = Field(
+        1 << 20, ge=4096, description="Bytes hashed and written at once; also the resume granularity.")
     save_interval_s: float = Field(1.0, gt=0, description="How often resume progress is journaled to disk.")
     durable: bool = Field(True, description="fsync the checkpoint before moving it into place.")
     keep: int = Field(0, ge=0, description="After success keep only this many versions (0: keep all).")
@@ -49,6 +73,17 @@ class FetchSettings(BaseModel):
 
 def manifest_path(step: int | None) -> str:
     return "/v1/weights/latest" if step is None else f"/v1/weights/{step}/manifest"
+
+
+@dataclass
+class Resolution:
+    """The manifest chosen for a fetch, who serves it, why the others are not used, and who may still join."""
+
+    manifest: SignedManifest
+    serving: list[str]
+    errors: dict[str, str] = field(default_factory=dict)
+    # Sources whose manifest had not arrived when the fetch chose: each joins if its manifest is this one.
+    pending: dict[str, asyncio.Task[SignedManifest]] = field(default_factory=dict)
 
 
 class Fetcher:
@@ -68,6 +103,8 @@ class Fetcher:
         if not sources:
             raise FetchError("no sources given; pass at least one --source URL")
         self.sources = list(dict.fromkeys(s.rstrip("/") for s in sources))
+        # A URL that cannot be a source (a bad port, a non-ASCII host) is refused here, before any connection.
+        self.invalid = {s: f"not usable as a source: {why}" for s in self.sources if (why := check_source_url(s))}
         self.trusted_key = trusted_key
         self.store = store
         self.settings = settings or FetchSettings()
@@ -79,65 +116,116 @@ class Fetcher:
         self.on_bytes = on_bytes  # called on the event loop with each chunk's size (progress bars)
         self.on_shard = on_shard  # called with each shard index once it verified (relays advertise it)
         self.on_manifest: Callable[[SignedManifest, int], None] | None = None  # (manifest, bytes resumed)
+        self._manifest_tasks: set[asyncio.Task[SignedManifest]] = set()
+        # Manifest requests get threads of their own: sources that stall must not queue behind each other (or
+        # behind anything else in the loop's default executor) while an honest one waits its turn.
+        self._manifest_threads: ThreadPoolExecutor | None = None
 
     async def fetch(self, step: int | None = None) -> FetchResult:
         """Fetch `step` (or the newest step any source serves) and return where it now lies, verified."""
         try:
-            manifest, serving, errors = await self.resolve(step)
-            return await self.fetch_version(manifest, serving, errors)
+            return await self.fetch_version(await self.resolve(step))
         finally:
-            self.connections.close()
+            self.close()
+
+    def close(self) -> None:
+        """Cancel manifest requests still running, cut every request in flight, close idle connections."""
+        for task in self._manifest_tasks:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a late source's failure is no longer anyone's concern
+            task.cancel()
+        self._manifest_tasks.clear()
+        self.connections.abort()
+        self.connections.close()
+        if self._manifest_threads is not None:
+            self._manifest_threads.shutdown(wait=False)  # each is cut by the abort above and ends at once
+            self._manifest_threads = None
+
+    def _spawn_manifest(self, source: str, step: int | None) -> asyncio.Task[SignedManifest]:
+        if self._manifest_threads is None:
+            self._manifest_threads = ThreadPoolExecutor(max_workers=min(64, len(self.sources) * 2),
+                                                        thread_name_prefix="weights-manifest")
+        task = asyncio.create_task(self._get_manifest(source, step), name="weights-manifest")
+        self._manifest_tasks.add(task)
+        return task
 
     async def _get_manifest(self, source: str, step: int | None) -> SignedManifest:
-        s = self.settings
-        raw = await asyncio.to_thread(
-            fetch_document, self.connections, source, manifest_path(step), MAX_MANIFEST_BYTES, s.manifest_timeout_s
-        )
-        manifest = await asyncio.to_thread(parse_signed, raw, self.trusted_key)
+        s, loop = self.settings, asyncio.get_running_loop()
+        raw = await loop.run_in_executor(
+            self._manifest_threads, fetch_document, self.connections, source, manifest_path(step), MAX_MANIFEST_BYTES,
+            s.manifest_timeout_s)
+        manifest = await loop.run_in_executor(self._manifest_threads, parse_signed, raw, self.trusted_key)
         if step is not None and manifest.step != step:
             raise ManifestError(f"answered a manifest for step {manifest.step} when asked for step {step}")
         return manifest
 
-    async def _gather_manifests(self, sources: list[str], step: int | None) -> tuple[dict[str, SignedManifest], dict[str, str]]:
-        results = await asyncio.gather(*(self._get_manifest(s, step) for s in sources), return_exceptions=True)
-        found: dict[str, SignedManifest] = {}
-        errors: dict[str, str] = {}
-        for source, result in zip(sources, results):
-            if isinstance(result, ManifestError):
-                errors[source] = str(result)
-                logger.warning("source %s: %s", source, result)
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                found[source] = result
-        return found, errors
+    async def resolve(self, step: int | None = None, *, digest: str | None = None) -> Resolution:
+        """Choose the manifest to fetch (of `step`, or the newest; the one whose id is `digest` when given).
 
-    async def resolve(self, step: int | None) -> tuple[SignedManifest, list[str], dict[str, str]]:
-        """Choose the manifest to fetch; returns it, the sources serving it and why the others are unused."""
-        found, errors = await self._gather_manifests(self.sources, step)
+        Returns as soon as the pinned manifest is in hand, or `manifest_grace_s` after the first valid one,
+        or when every source answered: a slow or silent source delays nobody. Sources still answering are
+        returned as pending; they join the fetch if they turn out to serve the chosen manifest."""
+        loop = asyncio.get_running_loop()
+        errors = dict(self.invalid)
+        pending = {src: self._spawn_manifest(src, step) for src in self.sources if src not in errors}
+        found: dict[str, SignedManifest] = {}
+        first_at: float | None = None
+        while pending:
+            if digest is not None and any(m.digest == digest for m in found.values()):
+                break  # the pinned manifest: nothing any other source says can change the choice
+            timeout = None
+            if first_at is not None and digest is None:
+                timeout = first_at + self.settings.manifest_grace_s - loop.time()
+            if timeout is not None and timeout <= 0:
+                break
+            done, _ = await asyncio.wait(pending.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for source in [src for src, task in pending.items() if task in done]:
+                try:
+                    found[source] = pending.pop(source).result()
+                except ManifestError as exc:  # anything else is not the source's doing: it propagates
+                    errors[source] = str(exc)
+                    logger.warning("source %s: %s", source, exc)
+            if found and first_at is None:
+                first_at = loop.time()
         if not found:
             detail = "; ".join(f"{s}: {e}" for s, e in errors.items())
             raise FetchError(f"no source served a valid manifest signed by {self.trusted_key[:16]}…: {detail}",
                              [{"shard": None, "source": s, "reason": e, "corrupt": False} for s, e in errors.items()])
+        chosen = self._choose(found, digest, errors)
+        serving = [s for s, m in found.items() if m.digest == chosen.digest]
+        for source, manifest in found.items():
+            if manifest.digest == chosen.digest:
+                continue
+            if step is None and digest is None and manifest.step < chosen.step:
+                # A source whose newest is older may still hold the chosen version: asked for it, it may join.
+                pending[source] = self._spawn_manifest(source, chosen.step)
+                errors[source] = (f"serves step {manifest.step}, not manifest {chosen.digest[:16]}… "
+                                  f"of step {chosen.step}")
+            else:
+                errors[source] = (f"serves manifest {manifest.digest[:16]}… of step {manifest.step}, not "
+                                  f"{chosen.digest[:16]}… of step {chosen.step}")
+        return Resolution(chosen, serving, errors, pending)
+
+    def _choose(self, found: dict[str, SignedManifest], digest: str | None, errors: dict[str, str]) -> SignedManifest:
+        if digest is not None:
+            pinned = next((m for m in found.values() if m.digest == digest), None)
+            if pinned is None:
+                served = ", ".join(sorted({f"{m.digest[:16]}… (step {m.step})" for m in found.values()}))
+                raise FetchError(f"the sources serve manifest {served} but the operator announced {digest[:16]}…",
+                                 [{"shard": None, "source": s, "reason": f"serves {m.digest[:16]}…", "corrupt": False}
+                                  for s, m in found.items()])
+            return pinned
         best_step = max(m.step for m in found.values())
         votes = collections.Counter(m.digest for m in found.values() if m.step == best_step)
-        digest = votes.most_common(1)[0][0]
+        chosen_digest = votes.most_common(1)[0][0]
         if len(votes) > 1:
             logger.warning("sources disagree on step %d (%d different signed manifests); using %s", best_step,
-                           len(votes), digest[:16])
-        chosen = next(m for m in found.values() if m.digest == digest)
-        serving = [s for s, m in found.items() if m.digest == digest]
-        laggards = [s for s, m in found.items() if m.digest != digest]
-        if laggards and step is None:  # a source whose newest is older may still hold the chosen version
-            again, _ = await self._gather_manifests(laggards, best_step)
-            serving += [s for s, m in again.items() if m.digest == digest]
-        for source in laggards:
-            if source not in serving:
-                errors[source] = f"serves step {found[source].step}, not manifest {digest[:16]}… of step {best_step}"
-        return chosen, serving, errors
+                           len(votes), chosen_digest[:16])
+        return next(m for m in found.values() if m.digest == chosen_digest)
 
-    async def fetch_version(self, manifest: SignedManifest, serving: list[str], errors: dict[str, str] | None = None) -> FetchResult:
-        """Fetch the shards of a verified manifest from `serving` and move the version into place."""
+    async def fetch_version(self, resolution: Resolution) -> FetchResult:
+        """Fetch the shards of a resolved manifest and move the version into place."""
+        manifest = resolution.manifest
         self.store.check_not_replayed(manifest)
         held = self.store.version_dir(manifest.step)
         if held.exists():
@@ -147,7 +235,10 @@ class Fetcher:
             return FetchResult(manifest=manifest, version_dir=held, already_held=True)
         pool = SourcePool(self.sources, self.settings.selection)
         for source in self.sources:
-            if source not in serving:
-                pool.exclude(source, (errors or {}).get(source, "does not serve this manifest"))
+            if source in resolution.pending:  # until it joins; the reason stays if it never does
+                why = resolution.errors.get(source, "its manifest had not arrived when the fetch started")
+                pool.exclude(source, why)
+            elif source not in resolution.serving:
+                pool.exclude(source, resolution.errors.get(source, "does not serve this manifest"))
         partial = await asyncio.to_thread(self.store.open_partial, manifest)
-        return await ShardRun(self, partial, pool).execute()
+        return await ShardRun(self, partial, pool, resolution.pending).execute()

@@ -206,6 +206,9 @@ def parse_signed(raw: bytes, trusted_key: str, *, max_bytes: int = MAX_MANIFEST_
             f"manifest signature does not verify against the pinned trainer key {trusted_key[:16]}… "
             f"(it claims signer {claimed_text}…): it was signed by another key or edited after signing"
         ) from None
+    except (UnicodeError, RecursionError) as exc:  # e.g. a lone surrogate escape: valid JSON, no UTF-8 form
+        raise ManifestError(
+            f"manifest body has no canonical UTF-8 form, so it cannot be signed: {str(exc)[:120]}") from None
     try:
         parsed = ManifestBody.model_validate(body)
     except ValidationError as exc:

@@ -63,17 +63,18 @@ class Relay:
         """Mirror the upstreams' newest version if it is newer than what is held; returns its step."""
         self.fetcher.on_shard = self._on_shard
         try:
-            manifest, serving, errors = await self.fetcher.resolve(None)
+            resolution = await self.fetcher.resolve(None)
+            manifest = resolution.manifest
             if manifest.step <= self.server.store.high_water():
                 return None
             try:
-                result = await self.fetcher.fetch_version(manifest, serving, errors)
+                result = await self.fetcher.fetch_version(resolution)
             except BaseException:
                 self.server.drop(manifest.step)
                 raise
         finally:
             self._step = None
-            self.fetcher.connections.close()
+            self.fetcher.close()
         self.server.mark_complete(result.manifest, result.checkpoint_dir)
         await self.server.rescan()
         logger.info("relay: mirrored step %d", manifest.step)

@@ -4,7 +4,10 @@ Each source's weight is EMA(bandwidth) x EMA(success) + a healing term. The heal
 the best bandwidth, plus a success score that recovers with time since the last failure) means a slow or
 failed source is tried again later instead of being shunned forever; an exponential cooldown after
 consecutive failures means it is not hammered meanwhile. A source that served corrupt data is penalised
-harder than one that merely failed, and a source whose manifest did not verify is excluded outright.
+harder than one that merely failed, and a source whose manifest did not verify is excluded outright (until
+the manifest it serves turns out to be the chosen one: a late source joins). A transfer that lost its shard
+to a faster copy (a hedge) feeds its measured rate into the bandwidth EMA, so a drip-feeding source that
+never completes a shard still ends up weighing next to nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class SourceState:
     shards_ok: int = 0
     shards_failed: int = 0
     shards_corrupt: int = 0
+    shards_lost: int = 0  # transfers cancelled because a faster copy of their shard verified first
+    not_ready: int = 0  # 503 answers (a relay still mirroring)
     bytes_ok: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -55,6 +60,8 @@ class SourceState:
             "shards_ok": self.shards_ok,
             "shards_failed": self.shards_failed,
             "shards_corrupt": self.shards_corrupt,
+            "shards_lost": self.shards_lost,
+            "not_ready": self.not_ready,
             "bytes_ok": self.bytes_ok,
             "excluded": self.excluded,
             "last_errors": self.errors[-3:],
@@ -89,10 +96,12 @@ class SourcePool:
         healed = min(1.0, source.success + self.settings.heal_per_second * max(0.0, now - source.last_failure))
         return bandwidth * healed + self.settings.heal_share * best
 
-    def pick(self, avoid: Collection[str] = ()) -> tuple[SourceState | None, float]:
-        """Draw a source; returns (None, seconds to wait) when every usable one is cooling down."""
+    def pick(self, avoid: Collection[str] = (), forbid: Collection[str] = ()) -> tuple[SourceState | None, float]:
+        """Draw a source, preferring those not in `avoid` and never one in `forbid`; returns (None, seconds to
+        wait) when every candidate is cooling down, (None, 0) when there is no candidate at all."""
         now = self.clock()
-        candidates = [s for s in self.usable() if s.url not in avoid] or self.usable()
+        allowed = [s for s in self.usable() if s.url not in forbid]
+        candidates = [s for s in allowed if s.url not in avoid] or allowed
         weights = [self.weight(s, now) for s in candidates]
         if not candidates:
             return None, 0.0
@@ -108,6 +117,22 @@ class SourcePool:
         source.failures_in_row = 0
         source.shards_ok += 1
         source.bytes_ok += nbytes
+
+    def best_bandwidth(self, exclude: str) -> float | None:
+        """The highest measured bandwidth among the usable sources other than `exclude` that are not cooling down."""
+        now = self.clock()
+        rates = [s.bandwidth for s in self.usable() if s.url != exclude and s.bandwidth and now >= s.cooldown_until]
+        return max(rates) if rates else None
+
+    def record_slow(self, source: SourceState, rate: float) -> None:
+        """A transfer lost its shard to a faster copy: its rate (bytes/s) counts as a bandwidth sample."""
+        a = self.settings.ema_alpha
+        source.bandwidth = rate if source.bandwidth is None else a * rate + (1 - a) * source.bandwidth
+        source.shards_lost += 1
+
+    def record_not_ready(self, source: SourceState) -> None:
+        """A relay has not verified a shard yet (503): counted, not penalised."""
+        source.not_ready += 1
 
     def record_failure(self, source: SourceState, reason: str, *, corrupt: bool = False) -> None:
         a = self.settings.ema_alpha
@@ -127,3 +152,8 @@ class SourcePool:
     def exclude(self, url: str, reason: str) -> None:
         self.sources[url].excluded = reason
         self.sources[url].errors.append(reason)
+        del self.sources[url].errors[:-10]
+
+    def include(self, url: str) -> None:
+        """Use a source excluded so far (its manifest arrived late and is the chosen one)."""
+        self.sources[url].excluded = None

@@ -1,15 +1,17 @@
-"""One shard from one source: an HTTP (Range) request whose bytes are hashed and written as they arrive.
+"""One request to one source: a shard (or part of one) hashed and written as it arrives, or a manifest.
 
-Each transfer runs on a worker thread with a blocking, keep-alive `http.client` connection: the socket is
-read with `readinto` straight into a reused buffer, and the same thread feeds that buffer to SHA-256 and
-`pwrite`s it into place. recv, hashing and pwrite all release the GIL, so shards in flight spread over all
-cores, with no per-chunk objects and no event-loop hop per chunk (measured: ~30% less CPU per byte than
-an asyncio client on loopback). The event loop only schedules shards (fetch.py).
+Each transfer runs on a worker thread with a blocking, keep-alive `http.client` connection (connections.py).
+The body is read straight into a reused buffer, one socket read at a time (`readinto1`), so the request's
+Watch sees every arrival (its deadline and throughput floor, watchdog.py), and the same thread feeds each
+filled buffer to SHA-256 and to its sink (the partial version's files, or a hedge's side file). recv, hashing
+and pwrite all release the GIL, so shards in flight spread over all cores with no event-loop hop per chunk.
 
-The response is hostile: status, content type and length are checked before the body is read, the body
-may not exceed the shard by a byte, reads time out after the stall timeout, redirects are not followed and
-nothing is decompressed. A transfer that breaks off keeps the bytes received (they are verified with the
-rest of the shard), so the next attempt asks for the remainder with Range.
+The response is hostile: status, content type and every number in the head are checked strictly (wire.py)
+before the body is read, the body is read to exactly its announced length (which must be the signed one),
+redirects are not followed and nothing is decompressed. What a source can make go wrong raises SourceError
+(charged to that source); only a failure to write our own disk raises StoreError. A transfer that breaks off
+keeps the bytes received (they are verified with the rest of the shard), so the next attempt asks for the
+remainder with Range.
 """
 
 from __future__ import annotations
@@ -22,31 +24,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-from .access import TokenSource, audience_of
-from .errors import ManifestError
-from .store import PartialVersion, ShardProgress
+from . import wire
+from .connections import NETWORK_ERRORS, ConnectionPool
+from .errors import ManifestError, SourceError, StoreError
+from .manifest import MAX_SHARD_SIZE
+from .store import PartialVersion
+from .watchdog import Watch
 
 SHARD_CONTENT_TYPE = "application/octet-stream"
-MAX_RETRY_AFTER_S = 5.0
-IDLE_CONNECTIONS_PER_SOURCE = 16
+MAX_RETRY_AFTER_S = wire.MAX_RETRY_AFTER_S
 
 
-class ShardFailure(Exception):
-    """A shard transfer failed; `corrupt` when the source sent wrong bytes rather than no bytes."""
-
-    def __init__(self, reason: str, *, corrupt: bool = False, retry_after: float | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.corrupt = corrupt
-        # Set when a relay answered 503: it has the version but has not verified this shard yet. That is
-        # not the source's fault; the fetcher retries after this many seconds without penalising it.
-        self.retry_after = retry_after
+class ShardFailure(SourceError):
+    """A shard transfer failed through its source; `corrupt` when it sent wrong bytes rather than no bytes."""
 
 
 class TransferCancelled(Exception):
-    """The fetch was cancelled while this transfer ran; the thread stopped at a chunk boundary."""
+    """The transfer was cancelled (a lost hedge, a cancelled fetch); its thread stopped at a chunk boundary."""
 
 
 @dataclass
@@ -56,98 +51,12 @@ class ShardResult:
     seconds: float
 
 
-class ConnectionPool:
-    """Keep-alive HTTP connections per source, shared by the transfer threads of one fetch."""
-
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, auth: TokenSource | None = None) -> None:
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
-        self.auth = auth  # signs an access token per server (p2p/weights/access.py); None: anonymous
-        self._idle: dict[str, list[http.client.HTTPConnection]] = {}
-        self._active: set[http.client.HTTPConnection] = set()
-        self._lock = threading.Lock()
-
-    def _new(self, source: str) -> tuple[http.client.HTTPConnection, str]:
-        parts = urlsplit(source)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ShardFailure(f"source {source[:80]!r} is not an http(s) URL")
-        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = cls(parts.hostname, parts.port, timeout=self.connect_timeout_s)
-        conn.connect()
-        assert conn.sock is not None
-        conn.sock.settimeout(self.read_timeout_s)  # from now on a silent peer is a stalled peer
-        return conn, parts.path.rstrip("/")
-
-    def request(self, source: str, path: str, headers: dict[str, str]) -> tuple[http.client.HTTPResponse, Any]:
-        """Send GET `path` to `source`; returns the response and a token to give back with `release`."""
-        with self._lock:
-            idle = self._idle.get(source, [])
-            conn = idle.pop() if idle else None
-        parts = urlsplit(source)
-        prefix = parts.path.rstrip("/")
-        if self.auth is not None:
-            headers = {**self.auth.headers(audience_of(parts.hostname, parts.port, parts.scheme)), **headers}
-        for fresh in ((False, True) if conn is not None else (True,)):
-            if fresh:
-                conn, prefix = self._new(source)
-            assert conn is not None
-            with self._lock:
-                self._active.add(conn)
-            try:
-                conn.request("GET", prefix + path, headers=headers)
-                return conn.getresponse(), (source, conn)
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                with self._lock:
-                    self._active.discard(conn)
-                conn.close()
-                if fresh:
-                    raise
-            except BaseException:
-                with self._lock:
-                    self._active.discard(conn)
-                conn.close()
-                raise
-        raise AssertionError("unreachable")
-
-    def release(self, token: Any, reusable: bool) -> None:
-        source, conn = token
-        with self._lock:
-            self._active.discard(conn)
-        if not reusable:
-            conn.close()
-            return
-        with self._lock:
-            idle = self._idle.setdefault(source, [])
-            if len(idle) < IDLE_CONNECTIONS_PER_SOURCE:
-                idle.append(conn)
-                return
-        conn.close()
-
-    def abort(self) -> None:
-        """Cut every connection in use, so that threads blocked in a read return at once (cancellation)."""
-        with self._lock:
-            active = list(self._active)
-        for conn in active:
-            if conn.sock is not None:
-                try:
-                    conn.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        with self._lock:
-            for idle in self._idle.values():
-                for conn in idle:
-                    conn.close()
-            self._idle.clear()
-
-
 def shard_path(step: int, index: int) -> str:
     return f"/v1/weights/{step}/shards/{index}"
 
 
-def _rehash(partial: PartialVersion, index: int, length: int) -> Any:
-    """Rebuild the hash state of the first `length` bytes already on disk (a resumed shard)."""
+def rehash(partial: PartialVersion, index: int, length: int) -> Any:
+    """The hash state of the first `length` bytes of shard `index` already on disk (a resumed shard)."""
     h = hashlib.sha256()
     pos = 0
     while pos < length:
@@ -159,122 +68,139 @@ def _rehash(partial: PartialVersion, index: int, length: int) -> Any:
     return h
 
 
-def download_shard(
-    pool: ConnectionPool,
-    source: str,
-    partial: PartialVersion,
-    index: int,
-    progress: ShardProgress,
-    *,
-    chunk_bytes: int,
-    cancelled: threading.Event,
-    on_bytes: Callable[[int], None] | None = None,
-) -> ShardResult:
-    """Blocking: fetch shard `index` from `source` into `partial`, resuming after `progress.done_bytes`."""
-    entry = partial.manifest.body.shards[index]
-    start = progress.done_bytes
-    hasher = _rehash(partial, index, start) if start else hashlib.sha256()
-    headers = {"Range": f"bytes={start}-"} if start else {}
-    began = time.monotonic()
-    received = 0
-    token: Any = None
-    reusable = False
+def _fill(resp: http.client.HTTPResponse, view: memoryview, watch: Watch) -> tuple[int, BaseException | None]:
+    """Read into `view` one socket read at a time; returns the bytes read and the error that stopped it, if any."""
+    fp = resp.fp
+    filled = 0
     try:
-        resp, token = pool.request(source, shard_path(partial.manifest.step, index), headers)
-        _check_response(resp, start, entry.size)
-        announced = resp.getheader("Content-Length") is not None
-        buf = memoryview(bytearray(min(chunk_bytes, entry.size - start + 1)))
-        offset = start
-        while True:
-            if cancelled.is_set():
-                raise TransferCancelled()
-            # Ask for one byte more than the shard can still hold, so that an oversized body is seen.
-            n = resp.readinto(buf[: min(len(buf), entry.size - offset + 1)])
+        while filled < len(view) and fp is not None:
+            # readinto1: at most one recv per call, so a drip-feeding source shows as the trickle it is.
+            n = fp.readinto1(view[filled:])
             if not n:
                 break
-            if offset + n > entry.size:
-                raise ShardFailure(f"shard {index}: source sent more than the {entry.size} bytes signed", corrupt=True)
-            piece = buf[:n]
-            hasher.update(piece)
-            partial.write(index, offset, piece)
-            offset += n
-            received += n
-            progress.done_bytes = offset  # only after the bytes are written: the journal never runs ahead
-            if on_bytes is not None:
-                on_bytes(n)
-        reusable = offset == entry.size and not resp.will_close
-    except socket.timeout:
-        raise ShardFailure(f"shard {index}: source stalled (no data within the stall timeout)") from None
-    except (http.client.HTTPException, OSError) as exc:
-        raise ShardFailure(f"shard {index}: transfer failed: {type(exc).__name__}: {str(exc)[:120]}") from None
-    finally:
-        if token is not None:
-            pool.release(token, reusable)
-    if progress.done_bytes != entry.size:
-        # The body ended early. Short of its Content-Length it is a cut connection (resumable); a chunked body
-        # that ended cleanly is the source claiming a complete shard of the wrong length.
-        raise ShardFailure(f"shard {index}: source ended after {progress.done_bytes} of {entry.size} bytes",
-                           corrupt=not announced and bool(resp.chunked))
-    digest = hasher.hexdigest()
-    if digest != entry.sha256:
-        raise ShardFailure(f"shard {index}: SHA-256 mismatch (got {digest[:16]}…, signed {entry.sha256[:16]}…)", corrupt=True)
-    return ShardResult(digest=digest, received=received, seconds=time.monotonic() - began)
+            filled += n
+            watch.received += n
+    except NETWORK_ERRORS as exc:
+        return filled, exc
+    return filled, None
 
 
-def _check_response(resp: http.client.HTTPResponse, start: int, size: int) -> None:
-    expected_status = 206 if start else 200
+def _reason(watch: Watch, error: BaseException | None) -> str:
+    """Why a request broke: the watchdog's reason first (its cut caused the error), else the error's."""
+    if watch.reason is not None:
+        return watch.reason
+    if isinstance(error, socket.timeout):
+        return "source stalled (no data within the stall timeout)"
+    if error is None:
+        return "source closed the connection before the end of the body"
+    return f"request failed: {type(error).__name__}: {str(error)[:120]}"
+
+
+def _failure(watch: Watch, error: BaseException | None, cancelled: threading.Event) -> Exception:
+    if cancelled.is_set() or watch.cancelled:
+        return TransferCancelled()
+    return ShardFailure(_reason(watch, error))
+
+
+def _check_head(resp: http.client.HTTPResponse, start: int, size: int) -> None:
     if resp.status == 503:
-        try:
-            retry_after = min(MAX_RETRY_AFTER_S, max(0.0, float(resp.getheader("Retry-After", "1") or "1")))
-        except ValueError:
-            retry_after = 1.0
-        raise ShardFailure("source has not verified this shard yet (503)", retry_after=retry_after)
-    if resp.status != expected_status:
-        raise ShardFailure(f"source answered HTTP {resp.status} (expected {expected_status})")
+        raise ShardFailure("source has not verified this shard yet (503)", retry_after=wire.retry_after(resp))
+    expected = 206 if start else 200
+    if resp.status != expected:
+        raise ShardFailure(f"source answered HTTP {resp.status} (expected {expected})")
     ctype = resp.getheader("Content-Type", "") or ""
     if ctype.split(";")[0].strip() != SHARD_CONTENT_TYPE:
         raise ShardFailure(f"source answered content type {ctype[:60]!r}, not {SHARD_CONTENT_TYPE}")
     if resp.getheader("Content-Encoding", "identity") not in ("identity", ""):
         raise ShardFailure("source answered an encoded (compressed) body; shards are sent as they are", corrupt=True)
     if start:
-        content_range = resp.getheader("Content-Range", "") or ""
-        if content_range != f"bytes {start}-{size - 1}/{size}":
-            raise ShardFailure(f"source answered Content-Range {content_range[:60]!r} for bytes {start}-", corrupt=True)
-    length = resp.getheader("Content-Length")
-    if length is not None and length.strip() != str(size - start):
-        raise ShardFailure(f"source announced {length[:20]} bytes, the signed shard has {size - start}", corrupt=True)
+        wire.content_range(resp, start, size)
+    length = wire.content_length(resp, MAX_SHARD_SIZE, "shard")
+    if length != size - start:
+        raise ShardFailure(f"source announced {length} bytes, the signed shard has {size - start} from byte {start}",
+                           corrupt=True)
+
+
+def download_shard(
+    pool: ConnectionPool,
+    source: str,
+    path: str,
+    *,
+    size: int,
+    sha256: str,
+    start: int,
+    hasher: Any,
+    sink: Callable[[int, memoryview], None],
+    watch: Watch,
+    cancelled: threading.Event,
+    chunk_bytes: int,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> ShardResult:
+    """Blocking: fetch bytes `start`.. of a `size`-byte shard from `source` into `sink(offset, bytes)`, hashing
+    them after `hasher`'s state (the bytes before `start`); `on_chunk(new_offset, n)` follows each write."""
+    began = time.monotonic()
+    token: Any = None
+    reusable = False
+    offset = start
+    try:
+        try:
+            resp, token = pool.request(source, path, {"Range": f"bytes={start}-"} if start else {}, watch)
+            _check_head(resp, start, size)
+        except SourceError:
+            raise
+        except NETWORK_ERRORS as exc:
+            raise _failure(watch, exc, cancelled) from None
+        buf = memoryview(bytearray(min(chunk_bytes, size - start)))
+        while offset < size:
+            want = min(len(buf), size - offset)
+            filled, error = _fill(resp, buf[:want], watch)
+            if cancelled.is_set() or watch.cancelled:
+                raise TransferCancelled()  # at a chunk boundary: nothing more is written
+            if filled:
+                piece = buf[:filled]
+                hasher.update(piece)
+                try:
+                    sink(offset, piece)
+                except OSError as exc:  # our disk, not the source: the fetch stops with this
+                    raise StoreError(f"cannot write the checkpoint to disk: {exc}") from exc
+                offset += filled
+                if on_chunk is not None:
+                    on_chunk(offset, filled)
+            if error is not None or filled < want:
+                if error is None and watch.reason is None and not cancelled.is_set():
+                    raise ShardFailure(f"source ended after {offset} of {size} bytes")
+                raise _failure(watch, error, cancelled)
+        resp.close()  # read to exactly its announced end: the connection can carry the next request
+        reusable = not resp.will_close
+    finally:
+        pool.finish(token, watch, reusable)
+    digest = hasher.hexdigest()
+    if digest != sha256:
+        raise ShardFailure(f"SHA-256 mismatch (got {digest[:16]}…, signed {sha256[:16]}…)", corrupt=True)
+    return ShardResult(digest=digest, received=offset - start, seconds=time.monotonic() - began)
 
 
 def fetch_document(pool: ConnectionPool, source: str, path: str, limit: int, timeout_s: float) -> bytes:
-    """Blocking GET of a small JSON document (a manifest): at most `limit` bytes within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+    """Blocking GET of a small JSON document (a manifest): at most `limit` bytes, all of it within `timeout_s`
+    of wall-clock time however the source paces it."""
+    watch = Watch(deadline_s=timeout_s)
     token: Any = None
     reusable = False
     try:
-        resp, token = pool.request(source, path, {})
+        resp, token = pool.request(source, path, {}, watch)
         if resp.status != 200:
             raise ManifestError(f"answered HTTP {resp.status} for the manifest")
-        length = resp.getheader("Content-Length")
-        if length is not None and (not length.strip().isdigit() or int(length) > limit):
-            raise ManifestError(f"manifest is {length[:20]} bytes, over the {limit}-byte limit")
-        body = bytearray()
-        while True:
-            if time.monotonic() > deadline:
-                raise ManifestError(f"timed out serving the manifest (over {timeout_s:g} s)")
-            block = resp.read(min(1 << 16, limit + 1 - len(body)))
-            if not block:
-                break
-            body += block
-            if len(body) > limit:
-                raise ManifestError(f"manifest is over the {limit}-byte limit")
+        length = wire.content_length(resp, limit, "manifest")
+        body = bytearray(length)
+        filled, error = _fill(resp, memoryview(body), watch)
+        if error is not None or filled < length:
+            raise ManifestError(f"{_reason(watch, error)} (after {filled} of {length} manifest bytes)")
+        resp.close()
         reusable = not resp.will_close
         return bytes(body)
-    except ShardFailure as exc:
+    except SourceError as exc:
         raise ManifestError(exc.reason) from None
-    except socket.timeout:
-        raise ManifestError("timed out serving the manifest") from None
-    except (http.client.HTTPException, OSError) as exc:
-        raise ManifestError(f"unreachable: {type(exc).__name__}: {str(exc)[:120]}") from None
+    except NETWORK_ERRORS as exc:
+        raise ManifestError(_reason(watch, exc)) from None
     finally:
-        if token is not None:
-            pool.release(token, reusable)
+        pool.finish(token, watch, reusable)

@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""One honest weight source among hostile ones: how much longer does a node's fetch take? (target <= 2x)
+
+Measured in one run, on loopback, each figure a fresh fetch into an empty store through the node's own path
+(`Fetcher.resolve(step, digest=...)` pinned to the announced manifest, then `fetch_version`, default
+FetchSettings):
+
+  honest only   `prime-node weights serve` (a separate process) alone
+  + N <kind>    the same honest server plus N hostile sources of one kind, served by tests/hostile_http.py
+                (a separate process writing raw HTTP): drip (shard bodies one byte per --interval s),
+                wrong-bytes (every shard with a flipped byte, at full speed), bad-headers (every shard answered
+                with `Content-Length: ²`), stall (half a shard, then silence)
+  + all kinds   N of every kind at once
+
+The hostile sources serve the genuine signed manifest (so they are chosen to serve shards) and misbehave on
+every shard. The ratio is each time over the mean of the honest-only fetches taken before and after.
+The checkpoint (config.json + random safetensors, --size-mib, --shard-mib shards) lives in a temporary
+directory (on /dev/shm when it has room) deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
+from prime_node.p2p.weights.publish import publish
+from prime_node.p2p.weights.store import Store
+
+MIB = 1 << 20
+HOSTILE_SERVER = Path(__file__).resolve().parent.parent / "tests" / "hostile_http.py"
+KINDS = {"drip": "s-drip", "wrong-bytes": "s-wrong-bytes", "bad-headers": "s-unicode-length", "stall": "s-stall"}
+
+
+def make_checkpoint(directory: Path, size: int) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen2", "benchmark": True}))
+    header = json.dumps({"w": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(directory / "model.safetensors", "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header + np.random.default_rng(0).bytes(size))
+    return directory
+
+
+def start(argv: list[str], ready: str) -> tuple[subprocess.Popen[str], str]:
+    """Start a server process; returns it and the last word of its first line (its URL or port)."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith(ready):
+        proc.kill()
+        raise RuntimeError(f"{argv[1]} did not start: {line!r}")
+    return proc, line.strip().rsplit(" ", 1)[-1]
+
+
+async def fetch_once(urls: list[str], key: str, step: int, digest: str, out: Path) -> tuple[float, dict[str, object]]:
+    shutil.rmtree(out, ignore_errors=True)
+    fetcher = Fetcher(urls, key, Store(out), FetchSettings())
+    began = time.perf_counter()
+    try:
+        result = await fetcher.fetch_version(await fetcher.resolve(step, digest=digest))
+    finally:
+        fetcher.close()
+    seconds = time.perf_counter() - began
+    honest = next(s for s in result.sources if s["url"] == urls[0])
+    shutil.rmtree(out)
+    return seconds, {"hedges": result.hedges, "hedges_won": result.hedges_won, "honest_shards": honest["shards_ok"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=32, help="checkpoint size")
+    parser.add_argument("--shard-mib", type=float, default=1.0, help="shard size")
+    parser.add_argument("--hostile", type=int, default=4, help="hostile sources of each kind (N)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between dripped bytes")
+    args = parser.parse_args()
+    logging.getLogger("prime_node").setLevel(logging.ERROR)  # each hostile source's refusal is expected here
+
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 4 * args.size_mib * MIB else None
+    work = Path(tempfile.mkdtemp(prefix="hostile-fetch-", dir=base))
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        key = Identity.generate()
+        manifest, _ = publish(make_checkpoint(work / "ckpt", args.size_mib * MIB), step=1, identity=key,
+                              out_dir=work / "origin", shard_size=int(args.shard_mib * MIB), run_id="bench")
+        cli = Path(sys.executable).parent / "prime-node"
+        honest_proc, honest = start([str(cli), "weights", "serve", str(work / "origin"), "--port", "0",
+                                     "--rate-limit", "0"], "serving")
+        hostile_proc, port = start([sys.executable, str(HOSTILE_SERVER), str(work / "origin"),
+                                    "--interval", str(args.interval)], "PORT")
+        procs += [honest_proc, hostile_proc]
+        bad = {kind: [f"http://127.0.0.1:{port}/{mode}~{i}" for i in range(args.hostile)]
+               for kind, mode in KINDS.items()}
+        scenarios = [("honest only", [])] + [(f"+ {args.hostile} {kind}", urls) for kind, urls in bad.items()]
+        everyone = [u for urls in bad.values() for u in urls]
+        scenarios += [(f"+ {args.hostile} of all kinds", everyone), ("honest only", [])]
+        print(f"checkpoint {args.size_mib} MiB in {len(manifest.body.shards)} shards; {os.cpu_count()} cores, "
+              f"load average {os.getloadavg()[0]:.1f}; one fetch per line")
+        rows = []
+        for name, hostile in scenarios:
+            seconds, info = asyncio.run(fetch_once([honest, *hostile], key.node_id, 1, manifest.digest, work / "out"))
+            rows.append((name, seconds, info))
+        baseline = (rows[0][1] + rows[-1][1]) / 2
+        print(f"{'sources':24s} {'seconds':>8s} {'x honest':>9s} {'hedged':>7s} {'won':>4s} {'honest shards':>14s}")
+        for name, seconds, info in rows:
+            print(f"{name:24s} {seconds:8.3f} {seconds / baseline:9.2f} {info['hedges']:7d} {info['hedges_won']:4d} "
+                  f"{info['honest_shards']:14d}")
+        worst = max(seconds for _, seconds, _ in rows) / baseline
+        print(f"worst ratio to honest-only: {worst:.2f}x (target <= 2x)")
+    finally:
+        for proc in procs:
+            proc.kill()  # by pid: only the servers this script started
+            proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
