@@ -39,8 +39,8 @@ from attack_support import NODE, make_checkpoint, run_tasks  # noqa: E402
 from proofs_support import float64_copy, perturbed_copy, quantized_copy  # noqa: E402
 
 from prime_node.node.engine import HFEngine, load_engine  # noqa: E402
-from prime_node.node.producer import BatchSpec, produce_rows  # noqa: E402
-from prime_node.node.validation import verify_rollout_file  # noqa: E402
+from prime_node.node.run.producer import BatchSpec, produce_rows  # noqa: E402
+from prime_node.node.run.validation import verify_rollout_file  # noqa: E402
 from prime_node.proofs.rollout_file import write_rollout_file  # noqa: E402
 from prime_node.proofs.sampling import SamplingThresholds, replay_sampling  # noqa: E402
 from prime_node.proofs.toploc import (  # noqa: E402

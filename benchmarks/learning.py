@@ -4,7 +4,7 @@ rollouts produced by the real engine and accepted by the real verifier; held-out
 Each step: load the engine from the newest published checkpoint, produce `--files` signed rollout files
 exactly as contributors do (assigned tasks, Gumbel sampling, TOPLOC proofs), verify each with the validator's
 checks, read them back through the trainer's inbox reader, train one GRPO rollout step with the Learner
-(trainer/learner.py) and publish the next checkpoint. Held-out accuracy is greedy exact match on problems
+(trainer/service/learner.py) and publish the next checkpoint. Held-out accuracy is greedy exact match on problems
 never trained on (class HeldOut): the warm start's own evaluation set (`mix`), and with --heldout-filter the
 unseen problems of the run's filtered distribution (`band`); with --filter, also the held-out problems whose
 prompt text is absent from the training set (`mix-new`, `band-new`). With --heldout-fraction the split is by
@@ -40,20 +40,20 @@ from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
 from prime_node.node.models.warmstart import RUN_INFO_FILE, WarmStartConfig, greedy_accuracy, heldout_tasks, init_model_dir
-from prime_node.node.producer import BatchSpec, produce_rollout_file
+from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.tasks import open_task_set
 from prime_node.node.tasks.split import ContentSplit
 from prime_node.node.tasks.types import Task
-from prime_node.node.validation import RunTasks, verify_rollout_file
+from prime_node.node.run.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
 from prime_node.proofs.verifier import VerifierSettings
-from prime_node.trainer.batch_buffer import BatchBuffer, RolloutRecord
-from prime_node.trainer.config import TrainerSettings
-from prime_node.trainer.consumed import ConsumedLedger
-from prime_node.trainer.inbox import Inbox
+from prime_node.trainer.service.batch_buffer import BatchBuffer, RolloutRecord
+from prime_node.trainer.grpo.config import TrainerSettings
+from prime_node.trainer.service.consumed import ConsumedLedger
+from prime_node.trainer.service.inbox import Inbox
 from prime_node.trainer.devnet.tasks import TaskFilter, filtered_tasks
-from prime_node.trainer.learner import Learner
+from prime_node.trainer.service.learner import Learner
 
 RUN_ID = "learning-bench"
 

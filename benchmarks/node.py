@@ -39,9 +39,9 @@ import pyarrow.parquet as pq
 
 from prime_node.node.engine import InferenceEngine, SampleRequest, SamplingParams, load_engine
 from prime_node.node.models.tiny import TinyModelShape, build_tiny_model, save_model_dir
-from prime_node.node.run_announcement import run_parameters
-from prime_node.node.run_config import RunSettings, load_run_tasks
-from prime_node.node.validation import RunTasks
+from prime_node.node.run.announcement import run_parameters
+from prime_node.node.run.settings import RunSettings, load_run_tasks
+from prime_node.node.run.validation import RunTasks
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import ReceivedRollout, Swarm, SwarmConfig
 from prime_node.p2p.weights.publish import publish

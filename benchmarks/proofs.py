@@ -102,7 +102,7 @@ def measure(engine: InferenceEngine, verifier: InferenceEngine, requests: list[S
         seconds, completions = best(lambda: engine.generate(requests, params), 1)
         gen.append(seconds)
         states = [c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))] for c in completions]
-        # As the producer does (node/producer.py): one batched call for the whole batch's completions.
+        # As the producer does (node/run/producer.py): one batched call for the whole batch's completions.
         seconds, proofs = best(lambda: build_proofs(states), 1)
         build.append(seconds)
         check.append(best(lambda: verify(verifier, completions, proofs, parts), 1)[0])

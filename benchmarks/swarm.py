@@ -97,8 +97,8 @@ def _emit(event: str, **fields: Any) -> None:
 
 
 async def _worker(args: argparse.Namespace) -> None:
-    from prime_node.node.run_announcement import run_parameters
-    from prime_node.node.run_config import RunSettings
+    from prime_node.node.run.announcement import run_parameters
+    from prime_node.node.run.settings import RunSettings
     from prime_node.p2p.identity import Identity
     from prime_node.p2p.swarm import Swarm  # noqa: F401  (imported here so that "ready" includes it)
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from prime_node.node.models.tiny import build_tiny_model
-from prime_node.trainer.packing import PackedRows, TrainSample, pack_samples, token_logprobs
+from prime_node.trainer.grpo.packing import PackedRows, TrainSample, pack_samples, token_logprobs
 
 
 def make_samples(n: int, seed: int) -> list[TrainSample]:

@@ -26,14 +26,14 @@ import torch
 
 from prime_node.node.engine import load_engine
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
-from prime_node.node.producer import BatchSpec, produce_rollout_file
-from prime_node.node.run_config import RunSettings, load_run_tasks
+from prime_node.node.run.producer import BatchSpec, produce_rollout_file
+from prime_node.node.run.settings import RunSettings, load_run_tasks
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.ledger import Ledger
-from prime_node.trainer.spool import Spool, deliver
+from prime_node.trainer.validator.spool import Spool, deliver
 from prime_node.p2p.verdicts import Verdict, sign
-from prime_node.trainer.verify_job import verify_spooled
+from prime_node.trainer.validator.verify_job import verify_spooled
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""The contributor side: config, CLI, inference engines, the embedded model and tasks, the daemon."""
+"""What every role shares (configuration, errors, the run, inference engines, tasks, the embedded model,
+the process runtime), the contributor daemon (contributor/) and the `prime-node` command (cli/)."""
 
 from importlib.metadata import PackageNotFoundError, version
 

@@ -5,6 +5,12 @@ class NodeError(Exception):
     """Base class of errors raised by prime_node.node."""
 
 
+class OperatorActionNeeded(Exception):
+    """Base mixed into errors a task raises for a condition the operator must fix, not a bug (settings that
+    disagree with the run's): the process stops, the supervisor's `wait()` raises the error itself so the
+    command prints its message, and the log gets that message without a traceback."""
+
+
 class ConfigError(NodeError):
     """A configuration value is missing, unknown or out of range; the message names the field and its source."""
 

@@ -172,7 +172,7 @@ def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits) -
         raise _bad(i, f"finish reason {r.finish_reason!r} is not one of {FINISH_REASONS}")
     if not 0.0 <= r.task_reward <= 1.0:
         raise _bad(i, f"task reward {r.task_reward} outside [0, 1]")
-    # alpha <= 1 per token (trainer/config.py), so the penalty never exceeds the largest possible distance.
+    # alpha <= 1 per token (trainer/grpo/config.py), so the penalty never exceeds the largest possible distance.
     penalty_cap = max(r.max_new_tokens, r.target_length or 0)
     if not 0.0 <= r.length_penalty <= penalty_cap:
         raise _bad(i, f"length penalty {r.length_penalty} outside [0, {penalty_cap}]")

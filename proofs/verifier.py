@@ -8,7 +8,7 @@ look at a random subset of rows (`sample_fraction`), chosen with the verifier's 
 cannot predict which rows are checked; any single failing row rejects the whole file.
 
 What the verifier needs from the model and the task set is passed in as two small protocols, so this
-package stays free of engines, tokenizers and task code (node/validation.py provides them).
+package stays free of engines, tokenizers and task code (node/run/validation.py provides them).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ problem, and the seed names the completion, since the G completions of one probl
 has its own assigned seed. A validator's assignment check pins index and seed to the batch, so an accepted row
 can only ever carry the identity of the work it really is; the bytes of the file do not enter it. Another
 Parquet encoding of the same rows, a prefix of the batch, the rows reordered, or the rows mixed with new ones
-all repeat the same identities: that is how the validator's ledger (trainer/ledger.py, table
-`accepted_samples`) and the trainer's consumed record (trainer/consumed.py) recognise work already taken.
+all repeat the same identities: that is how the validator's ledger (trainer/ledger/ledger.py, table
+`accepted_samples`) and the trainer's consumed record (trainer/service/consumed.py) recognise work already taken.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from prime_node.node.run_announcement import run_parameters
-from prime_node.node.run_config import RunSettings
+from prime_node.node.run.announcement import run_parameters
+from prime_node.node.run.settings import RunSettings
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import RunParameters, Swarm
 from prime_node.p2p.weights.publish import publish

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from prime_node.trainer.advantages import (
+from prime_node.trainer.grpo.advantages import (
     combined_reward,
     draw_target_length,
     filter_informative,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_node.trainer.batch_buffer import BatchBuffer, RolloutRecord, RolloutSample
-from prime_node.trainer.consumed import ConsumedLedger
+from prime_node.trainer.service.batch_buffer import BatchBuffer, RolloutRecord, RolloutSample
+from prime_node.trainer.service.consumed import ConsumedLedger
 from prime_node.trainer.errors import TrainerError
 
 
@@ -141,7 +141,7 @@ def test_commit_survives_sigkill(tmp_path: Path) -> None:
     child = textwrap.dedent(
         f"""
         import os, signal
-        from prime_node.trainer.consumed import ConsumedLedger
+        from prime_node.trainer.service.consumed import ConsumedLedger
         db = ConsumedLedger({str(path)!r})
         db.reserve(7, [("file-a", "p0"), ("file-a", "p1")])
         db.commit(7)

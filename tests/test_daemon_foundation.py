@@ -8,8 +8,8 @@ import os
 import aiohttp
 import pytest
 
-from prime_node.node.daemon.metrics import NodeMetrics
-from prime_node.node.daemon.preflight import (
+from prime_node.node.contributor.metrics import NodeMetrics
+from prime_node.node.contributor.preflight import (
     PreflightError,
     check_data_dir,
     check_disk,
@@ -17,8 +17,8 @@ from prime_node.node.daemon.preflight import (
     check_memory,
     run_checks,
 )
-from prime_node.node.daemon.status import STATUS_FILE, DaemonNotRunning, NodeStatus, StatusServer, fetch_status
-from prime_node.node.daemon.supervisor import Supervisor, TaskCrashed
+from prime_node.node.contributor.status import STATUS_FILE, DaemonNotRunning, NodeStatus, StatusServer, fetch_status
+from prime_node.node.runtime.supervisor import Supervisor, TaskCrashed
 from prime_node.p2p.identity import Identity
 
 

@@ -24,9 +24,9 @@ import pytest
 from devnet_support import SMALL, assert_all_gone, run_devnet, tiny_model
 from prime_node.node.cli.devnet import succeeded
 from prime_node.node.engine import load_engine
-from prime_node.node.producer import BatchSpec
-from prime_node.node.run_config import RunSettings, load_run_tasks, verifier_for_run
-from prime_node.node.validation import verify_rollout_file
+from prime_node.node.run.producer import BatchSpec
+from prime_node.node.run.settings import RunSettings, load_run_tasks, verifier_for_run
+from prime_node.node.run.validation import verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.devnet.attacks import EXPECTED_CHECKS, attack_producer

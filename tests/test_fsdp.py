@@ -16,12 +16,12 @@ from prime_node.node.cli.main import main
 from prime_node.node.engine.hf import load_hf_model
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.p2p.identity import Identity
-from prime_node.trainer.config import TrainerSettings
-from prime_node.trainer.distributed import World
-from prime_node.trainer.fsdp import ShardedPolicy, deal_rows
-from prime_node.trainer.packing import TrainSample, pack_samples
-from prime_node.trainer.schedule import build_optimizer, build_scheduler
-from prime_node.trainer.step import train_rollout_step
+from prime_node.trainer.grpo.config import TrainerSettings
+from prime_node.trainer.grpo.distributed import World
+from prime_node.trainer.grpo.fsdp import ShardedPolicy, deal_rows
+from prime_node.trainer.grpo.packing import TrainSample, pack_samples
+from prime_node.trainer.grpo.schedule import build_optimizer, build_scheduler
+from prime_node.trainer.grpo.step import train_rollout_step
 from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 
 SETTINGS = TrainerSettings(micro_batch_tokens=24, warmup_steps=3, batch_size=8, kl_coef=0.01, lr=1e-3,

@@ -9,8 +9,8 @@ import torch
 
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.trainer.errors import TrainerError
-from prime_node.trainer.grpo import LossParams, grpo_loss, k3_kl
-from prime_node.trainer.packing import TrainSample, pack_samples, token_logprobs
+from prime_node.trainer.grpo.loss import LossParams, grpo_loss, k3_kl
+from prime_node.trainer.grpo.packing import TrainSample, pack_samples, token_logprobs
 
 from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from ledger_support import T0, node_id, signed_verdict
 from prime_node.node.cli.main import main
-from prime_node.trainer.dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
-from prime_node.trainer.leaderboard import NodeLookupError, leaderboard, node_detail
+from prime_node.trainer.validator.dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
+from prime_node.trainer.ledger.leaderboard import NodeLookupError, leaderboard, node_detail
 from prime_node.trainer.ledger import Ledger
 
 C, B, A, D, E = (node_id(20 + i) for i in range(5))

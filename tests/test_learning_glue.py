@@ -14,17 +14,17 @@ import pytest
 
 from prime_node.node.engine import HFEngine, SampleRequest, SamplingParams
 from prime_node.node.models.tiny import build_tiny_model
-from prime_node.node.producer import BatchSpec, produce_rollout_file
+from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.tasks import open_task_set
-from prime_node.node.validation import RunTasks, verify_rollout_file
+from prime_node.node.run.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import read_rollout_file
 from prime_node.proofs.verifier import VerifierSettings
-from prime_node.trainer.advantages import group_advantages
-from prime_node.trainer.batch_buffer import BatchBuffer
-from prime_node.trainer.consumed import ConsumedLedger
-from prime_node.trainer.inbox import Inbox
-from prime_node.trainer.packing import TrainSample, pack_samples, token_logprobs
+from prime_node.trainer.grpo.advantages import group_advantages
+from prime_node.trainer.service.batch_buffer import BatchBuffer
+from prime_node.trainer.service.consumed import ConsumedLedger
+from prime_node.trainer.service.inbox import Inbox
+from prime_node.trainer.grpo.packing import TrainSample, pack_samples, token_logprobs
 from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -20,12 +20,12 @@ from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.models.warmstart import WarmStartConfig, warm_start
 from prime_node.node.tasks import open_task_set
 from prime_node.node.tasks.difficulty import estimate_pass_rates, in_band, write_task_file
-from prime_node.node.validation import RunTasks
-from prime_node.trainer.advantages import group_advantages
-from prime_node.trainer.config import TrainerSettings
-from prime_node.trainer.packing import TrainSample
-from prime_node.trainer.schedule import build_optimizer, build_scheduler
-from prime_node.trainer.step import train_rollout_step
+from prime_node.node.run.validation import RunTasks
+from prime_node.trainer.grpo.advantages import group_advantages
+from prime_node.trainer.grpo.config import TrainerSettings
+from prime_node.trainer.grpo.packing import TrainSample
+from prime_node.trainer.grpo.schedule import build_optimizer, build_scheduler
+from prime_node.trainer.grpo.step import train_rollout_step
 from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]

@@ -9,8 +9,8 @@ import pytest
 from ledger_support import T0, VALIDATOR, node_id, signed_verdict
 from prime_node.proofs.work_identity import SampleId
 from prime_node.trainer.ledger import AsyncLedger, DuplicateWork, Ledger, LedgerError
-from prime_node.trainer.ledger_schema import CREATE_MIGRATIONS_TABLE, LATEST_VERSION, MIGRATIONS
-from prime_node.trainer.slashing import Ban, Credit, Slash, SlashingPolicy
+from prime_node.trainer.ledger.schema import CREATE_MIGRATIONS_TABLE, LATEST_VERSION, MIGRATIONS
+from prime_node.trainer.ledger.slashing import Ban, Credit, Slash, SlashingPolicy
 from prime_node.p2p.verdicts import sign
 
 A, B = node_id(10), node_id(11)

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from ledger_support import T0, node_id, signed_verdict
 
-from prime_node.trainer.dashboard import create_app, ledger_rewards, serve
+from prime_node.trainer.validator.dashboard import create_app, ledger_rewards, serve
 from prime_node.trainer.ledger import Ledger, LedgerError
-from prime_node.trainer.ledger_schema import LATEST_VERSION, CREATE_MIGRATIONS_TABLE, MIGRATIONS
+from prime_node.trainer.ledger.schema import LATEST_VERSION, CREATE_MIGRATIONS_TABLE, MIGRATIONS
 
 A, B = node_id(50), node_id(51)
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from prime_node.node.daemon.checkpoints import CheckpointKeeper
-from prime_node.node.daemon.delivery import Delivery
-from prime_node.node.daemon.outbox import Outbox
-from prime_node.node.daemon.settings import StartSettings
-from prime_node.node.daemon.state import NodeState
+from prime_node.node.contributor.checkpoints import CheckpointKeeper
+from prime_node.node.contributor.delivery import Delivery
+from prime_node.node.contributor.outbox import Outbox
+from prime_node.node.contributor.settings import StartSettings
+from prime_node.node.contributor.state import NodeState
 from prime_node.node.errors import ConfigError
 from prime_node.node.cli.main import main
 from prime_node.node.config import load_config

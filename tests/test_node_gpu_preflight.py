@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prime_node.node.cli.main import main
-from prime_node.node.daemon.preflight import check_cuda_for_model, model_gpu_bytes
+from prime_node.node.contributor.preflight import check_cuda_for_model, model_gpu_bytes
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.p2p.identity import Identity
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from node_daemon_support import NODE_ENV, NODE_RUN, node_argv, node_status, operator_fleet, policy_steps, poll
-from prime_node.node.daemon.checkpoints import CheckpointKeeper
-from prime_node.node.daemon.state import NodeState
+from prime_node.node.contributor.checkpoints import CheckpointKeeper
+from prime_node.node.contributor.state import NodeState
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import PolicyAnnouncement

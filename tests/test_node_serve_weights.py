@@ -17,11 +17,11 @@ import pytest
 
 from node_daemon_support import NODE_ENV, NODE_RUN, RUN_ID, node_argv, operator_fleet
 from prime_node.node.cli.main import main
-from prime_node.node.daemon.checkpoints import CheckpointKeeper
-from prime_node.node.daemon.serving import WeightsSharing
-from prime_node.node.daemon.settings import StartSettings
-from prime_node.node.daemon.state import NodeState
-from prime_node.node.daemon.status import DaemonNotRunning, NodeStatus, fetch_status
+from prime_node.node.contributor.checkpoints import CheckpointKeeper
+from prime_node.node.contributor.serving import WeightsSharing
+from prime_node.node.contributor.settings import StartSettings
+from prime_node.node.contributor.state import NodeState
+from prime_node.node.contributor.status import DaemonNotRunning, NodeStatus, fetch_status
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import PolicyAnnouncement

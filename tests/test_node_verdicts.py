@@ -17,13 +17,13 @@ import pytest
 from aiohttp import web
 
 from prime_node.node.cli.main import main
-from prime_node.node.daemon.delivery import Delivery
-from prime_node.node.daemon.leaderboard import refresh_leaderboard
-from prime_node.node.daemon.outbox import Outbox
-from prime_node.node.daemon.state import NodeState
-from prime_node.node.daemon.status import StatusServer
-from prime_node.node.daemon.validator_api import ValidatorApi, ValidatorApiError, ValidatorEndpoint
-from prime_node.node.daemon.verdicts import VerdictWatcher
+from prime_node.node.contributor.delivery import Delivery
+from prime_node.node.contributor.leaderboard import refresh_leaderboard
+from prime_node.node.contributor.outbox import Outbox
+from prime_node.node.contributor.state import NodeState
+from prime_node.node.contributor.status import StatusServer
+from prime_node.node.contributor.validator_api import ValidatorApi, ValidatorApiError, ValidatorEndpoint
+from prime_node.node.contributor.verdicts import VerdictWatcher
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import signature_path, write_rollout_file
 from prime_node.p2p.verdicts import Verdict, sign
@@ -175,7 +175,7 @@ async def _status_cli(data_dir: Path, state: NodeState, capsys: pytest.CaptureFi
 
 
 def test_an_announced_url_with_an_unspecified_host_is_made_routable() -> None:
-    from prime_node.node.daemon.validator_api import api_base
+    from prime_node.node.contributor.validator_api import api_base
     from prime_node.p2p.swarm import ValidatorAnnouncement
 
     def announced(api_url: str | None, addresses: list[str]) -> ValidatorAnnouncement:

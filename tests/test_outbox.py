@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from prime_node.node.daemon.outbox import Outbox, OutboxError
-from prime_node.node.daemon.policy_window import steps_to_delete, usable_step
+from prime_node.node.contributor.outbox import Outbox, OutboxError
+from prime_node.node.contributor.policy_window import steps_to_delete, usable_step
 
 
 def _stage(outbox: Outbox, payload: bytes):
@@ -49,7 +49,7 @@ def test_survives_sigkill_between_writes(tmp_path):
     script = textwrap.dedent(
         f"""
         import hashlib, os, signal
-        from prime_node.node.daemon.outbox import Outbox
+        from prime_node.node.contributor.outbox import Outbox
         box = Outbox({str(tmp_path)!r})
         done = b"complete"
         sha = hashlib.sha256(done).hexdigest()
@@ -87,8 +87,8 @@ def test_async_window():
 async def test_unsent_files_outside_the_async_window_are_dropped_not_sent(tmp_path):
     import asyncio
 
-    from prime_node.node.daemon.delivery import Delivery
-    from prime_node.node.daemon.state import NodeState
+    from prime_node.node.contributor.delivery import Delivery
+    from prime_node.node.contributor.state import NodeState
     from prime_node.p2p.identity import Identity
     from prime_node.p2p.swarm import RolloutEnvelope, SwarmError
 

@@ -35,25 +35,3 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = "bash scripts/setup.sh && .venv/bin/python -m pytest"
     assert command in readme and command in ci
-
-
-# Lower layers never import higher ones: p2p (identity, signing, wire formats) < proofs < node < trainer.
-# node/cli is the composition root that wires every command, so it alone may import trainer/.
-LAYERS = {"p2p": 0, "proofs": 1, "node": 2, "trainer": 3}
-_RELATIVE_IMPORT = re.compile(r"^\s*from (\.+)(\w+)", re.M)
-_ABSOLUTE_IMPORT = re.compile(r"^\s*(?:from|import) prime_node\.(\w+)", re.M)
-
-
-def test_no_package_imports_a_higher_layer():
-    upward = []
-    for folder, rank in LAYERS.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            rel = path.relative_to(ROOT)
-            if rel.parts[:2] == ("node", "cli"):
-                continue
-            text = path.read_text()
-            depth = len(rel.parts) - 1  # how many dots reach the namespace root from this module
-            targets = [m.group(2) for m in _RELATIVE_IMPORT.finditer(text) if len(m.group(1)) > depth]
-            targets += [m.group(1) for m in _ABSOLUTE_IMPORT.finditer(text)]
-            upward += [f"{rel} imports {t}" for t in targets if LAYERS.get(t, -1) > rank]
-    assert not upward, upward

@@ -14,7 +14,7 @@ import pytest
 
 from attack_support import SPEC, build_world, honest_rows, rejected_by, write_honest, write_signed
 from prime_node.node.engine import HFEngine, PrefillResult
-from prime_node.node.validation import verify_rollout_file
+from prime_node.node.run.validation import verify_rollout_file
 from prime_node.proofs.checks import default_checks
 from prime_node.proofs.evidence import LOGIT_BYTES, prefill_batches
 from prime_node.proofs.sampling import eos_logprob, replay_samplings

@@ -19,7 +19,7 @@ from prime_node.node.engine import HFEngine, load_engine
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.node.models.warmstart import deterministic_torch, train
 from prime_node.node.models.warmstart_config import WarmStartConfig
-from prime_node.node.producer import BatchSpec, produce_rows
+from prime_node.node.run.producer import BatchSpec, produce_rows
 from prime_node.proofs.toploc import ToplocThresholds
 from proofs_support import perturbed_copy, quantized_copy
 

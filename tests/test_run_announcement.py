@@ -14,9 +14,9 @@ import pytest
 
 from node_daemon_support import NODE_ENV, node_argv, operator_fleet
 from prime_node.node.config import load_config
-from prime_node.node.daemon.supervisor import Supervisor
+from prime_node.node.runtime.supervisor import Supervisor
 from prime_node.node.errors import ConfigError
-from prime_node.node.run_announcement import (
+from prime_node.node.run.announcement import (
     _SETTING_OF,
     RunMismatchError,
     agreed_policies,
@@ -24,19 +24,19 @@ from prime_node.node.run_announcement import (
     run_parameters,
 )
 from prime_node.node.engine import EngineSettings
-from prime_node.node.run_config import RunSettings, open_run_task_set
+from prime_node.node.run.settings import RunSettings, open_run_task_set
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import PolicyAnnouncement, RunParameters
 from prime_node.p2p.weights.store import Store
-from prime_node.trainer.checkpoints import CheckpointKeeper
+from prime_node.trainer.validator.checkpoints import CheckpointKeeper
 from prime_node.trainer.devnet.processes import ProcessGroup
 from prime_node.trainer.errors import TrainerError
-from prime_node.trainer.service import check_policy_fits
-from prime_node.trainer.service_config import TrainerCommandSettings
-from prime_node.trainer.validator_run import start_validator
+from prime_node.trainer.service.service import check_policy_fits
+from prime_node.trainer.service.config import TrainerCommandSettings
+from prime_node.trainer.validator.run import start_validator
 from prime_node.p2p.processes import end_pids
 from prime_node.trainer.devnet.layout import DevnetLayout, Sizing
-from prime_node.trainer.run_confirmation import RunConfirmation
+from prime_node.trainer.validator.run_confirmation import RunConfirmation
 from swarm_support import RUN_PARAMETERS, fleet, wait_until
 from validator_support import (
     sees_a_validator,
@@ -242,8 +242,8 @@ def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) ->
     from prime_node.node.cli import start as start_cli, trainer as trainer_cli, validator as validator_cli
     from prime_node.node.cli.common import load_settings
     from prime_node.node.cli.main import build_parser
-    from prime_node.node.daemon.settings import StartSettings
-    from prime_node.trainer.validator_config import ValidatorSettings
+    from prime_node.node.contributor.settings import StartSettings
+    from prime_node.trainer.validator.config import ValidatorSettings
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"prompt": "1+1=", "answer": "2"}\n')

@@ -10,13 +10,13 @@ import pytest
 
 from attack_support import SPEC, build_world, honest_rows, rejected_by, verify, write_honest
 from prime_node.node.config import load_config
-from prime_node.node.daemon.settings import StartSettings
+from prime_node.node.contributor.settings import StartSettings
 from prime_node.node.errors import ConfigError
-from prime_node.node.run_config import RolloutSettings, RunSettings, VerifySettings, verifier_for_run
+from prime_node.node.run.settings import RolloutSettings, RunSettings, VerifySettings, verifier_for_run
 from prime_node.proofs.sampling import SamplingThresholds
 from prime_node.proofs.toploc import ToplocThresholds
 from prime_node.proofs.verifier import VerifierSettings
-from prime_node.trainer.validator_config import ValidatorSettings
+from prime_node.trainer.validator.config import ValidatorSettings
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from ledger_support import T0, make_verdict, node_id
-from prime_node.trainer.slashing import (
+from prime_node.trainer.ledger.slashing import (
     Ban,
     DEFAULT_CHECK_CLASSES,
     CheckClass,
@@ -140,7 +140,7 @@ def test_policy_fields_are_bounded_and_documented():
 def test_every_check_of_the_verifier_has_a_class_of_its_own():
     # A new check must be classed on purpose, not fall into unknown_check_class by omission.
     from prime_node.proofs.checks import default_checks
-    from prime_node.trainer.verify_job import check_name
+    from prime_node.trainer.validator.verify_job import check_name
 
     names = {check_name(check.name) for check in default_checks()}
     assert names <= set(DEFAULT_CHECK_CLASSES), names - set(DEFAULT_CHECK_CLASSES)

@@ -10,12 +10,12 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from prime_node.node.models.tiny import build_tiny_model
-from prime_node.trainer.config import TrainerSettings
+from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.errors import TrainerError
-from prime_node.trainer.packing import TrainSample
-from prime_node.trainer.schedule import build_optimizer, build_scheduler
-from prime_node.trainer.step import train_rollout_step
-from prime_node.trainer.train_state import (
+from prime_node.trainer.grpo.packing import TrainSample
+from prime_node.trainer.grpo.schedule import build_optimizer, build_scheduler
+from prime_node.trainer.grpo.step import train_rollout_step
+from prime_node.trainer.service.train_state import (
     latest_train_state,
     list_train_states,
     load_optimizer_state,

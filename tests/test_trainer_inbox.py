@@ -10,9 +10,9 @@ import pytest
 
 from attack_support import make_checkpoint
 from prime_node.proofs.rollout_file import read_rollout_file
-from prime_node.trainer.batch_buffer import BatchBuffer
-from prime_node.trainer.consumed import ConsumedLedger
-from prime_node.trainer.inbox import Inbox
+from prime_node.trainer.service.batch_buffer import BatchBuffer
+from prime_node.trainer.service.consumed import ConsumedLedger
+from prime_node.trainer.service.inbox import Inbox
 from trainer_service_support import RUN_ID, deliver, make_accepted_files
 from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 

@@ -10,9 +10,9 @@ from pydantic import Field, ValidationError
 
 from prime_node.node.config import CommonSettings, load_config
 from prime_node.node.errors import ConfigError
-from prime_node.trainer.config import TrainerSettings
+from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.errors import TrainerError
-from prime_node.trainer.schedule import (
+from prime_node.trainer.grpo.schedule import (
     apply_step,
     build_optimizer,
     build_scheduler,

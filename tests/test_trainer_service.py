@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 
 from attack_support import make_checkpoint
-from prime_node.node.run_announcement import run_parameters
-from prime_node.node.run_config import RunSettings
+from prime_node.node.run.announcement import run_parameters
+from prime_node.node.run.settings import RunSettings
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.processes import end_pids
 from prime_node.p2p.swarm import Swarm
 from prime_node.p2p.weights.fetch import Fetcher
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
 from prime_node.proofs.rollout_file import read_rollout_file
-from prime_node.trainer.consumed import ConsumedLedger
+from prime_node.trainer.service.consumed import ConsumedLedger
 from swarm_support import config as swarm_config
 from trainer_service_support import (
     RUN_ID,

@@ -8,9 +8,9 @@ import itertools
 import pytest
 from pydantic import ValidationError
 
-from prime_node.trainer.intake import Tier, TieredQueue
-from prime_node.trainer.validator_admission import Admission
-from prime_node.trainer.validator_config import IntakeSettings
+from prime_node.trainer.validator.intake import Tier, TieredQueue
+from prime_node.trainer.validator.admission import Admission
+from prime_node.trainer.validator.config import IntakeSettings
 
 _n = itertools.count()
 

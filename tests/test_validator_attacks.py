@@ -23,12 +23,12 @@ import pytest
 
 from prime_node.node.engine import HFEngine
 from prime_node.node.models.tiny import build_tiny_model
-from prime_node.node.validation import RunTasks
+from prime_node.node.run.validation import RunTasks
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffRefused, RolloutEnvelope, Swarm
 from prime_node.proofs.rollout_file import encode_rows
 from prime_node.proofs.rollout_schema import SCHEMA, RolloutRow
-from prime_node.trainer.slashing import SlashingPolicy
+from prime_node.trainer.ledger.slashing import SlashingPolicy
 
 from attack_support import MODEL_SEED, engine_from, quantized_engine
 from swarm_support import fleet, wait_until

@@ -11,7 +11,7 @@ import pytest
 
 from prime_node.p2p.identity import Identity
 from prime_node.trainer.ledger import AsyncLedger, BanEntry, Ledger
-from prime_node.trainer.validator_bans import BanPublisher
+from prime_node.trainer.validator.bans import BanPublisher
 
 from swarm_support import fleet, wait_until
 

@@ -18,7 +18,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import RolloutEnvelope, Swarm
 from prime_node.proofs.rollout_file import encode_rows
 from prime_node.proofs.rollout_schema import RolloutRow
-from prime_node.trainer.slashing import CheckClass
+from prime_node.trainer.ledger.slashing import CheckClass
 
 import bomb_support as bombs
 from swarm_support import fleet, wait_until

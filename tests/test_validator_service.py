@@ -13,7 +13,7 @@ import pytest
 
 from prime_node.node.engine import HFEngine
 from prime_node.node.models.tiny import build_tiny_model
-from prime_node.node.validation import RunTasks
+from prime_node.node.run.validation import RunTasks
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffRefused, RolloutEnvelope, ValidatorAnnouncement
 from prime_node.p2p.verdicts import Verdict, open_signed

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from prime_node.node.run_announcement import run_parameters
+from prime_node.node.run.announcement import run_parameters
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffBusy, HandoffRefused, RolloutEnvelope
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
 from prime_node.p2p.weights.store import Store
-from prime_node.trainer.intake import FairQueue, RateLimiter
+from prime_node.trainer.validator.intake import FairQueue, RateLimiter
 
 from swarm_support import fleet, wait_until
 from validator_support import (

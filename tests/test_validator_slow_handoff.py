@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from prime_node.p2p.identity import Identity
-from prime_node.trainer.intake import Tier
+from prime_node.trainer.validator.intake import Tier
 
 from slow_sender_support import drip, signed_blob
 from swarm_support import fleet, wait_until

@@ -12,7 +12,7 @@ import pytest
 
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffBusy, HandoffRefused, RolloutEnvelope
-from prime_node.trainer.intake import Tier
+from prime_node.trainer.validator.intake import Tier
 
 from swarm_support import fleet, wait_until
 from validator_support import (

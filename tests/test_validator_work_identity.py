@@ -1,6 +1,6 @@
 """Work is what it is, not its bytes; a verdict is the sender's, not the hash's. Through live validators.
 
-Every file is made by the project's producer (node/producer.py) with the tiny model, handed off over the real
+Every file is made by the project's producer (node/run/producer.py) with the tiny model, handed off over the real
 swarm, verified, recorded and delivered by a validator running in this process:
 - copies of accepted work in another form (another Parquet compression, a prefix of the batch, the rows
   reordered, the rows with a new prompt appended) and a file repeating its own rows, each signed by the node
@@ -32,22 +32,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from prime_node.node.daemon.validator_api import ValidatorApi
+from prime_node.node.contributor.validator_api import ValidatorApi
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import RolloutEnvelope, Swarm
 from prime_node.p2p.verdicts import Verdict, sign
 from prime_node.proofs.rollout_file import encode_rows, read_rollout_file
 from prime_node.proofs.rollout_schema import SCHEMA, RolloutRow
 from prime_node.proofs.work_identity import sample_ids
-from prime_node.trainer.batch_buffer import BatchBuffer
-from prime_node.trainer.consumed import ConsumedLedger
-from prime_node.trainer.inbox import Inbox
+from prime_node.trainer.service.batch_buffer import BatchBuffer
+from prime_node.trainer.service.consumed import ConsumedLedger
+from prime_node.trainer.service.inbox import Inbox
 from prime_node.trainer.ledger import Ledger
-from prime_node.trainer.ledger_records import load_verdict
-from prime_node.trainer.slashing import SlashingPolicy
-from prime_node.trainer.validator_config import ValidatorSettings
-from prime_node.trainer.validator_service import Job
-from prime_node.trainer.verify_job import Outcome
+from prime_node.trainer.ledger.records import load_verdict
+from prime_node.trainer.ledger.slashing import SlashingPolicy
+from prime_node.trainer.validator.config import ValidatorSettings
+from prime_node.trainer.validator.service import Job
+from prime_node.trainer.validator.verify_job import Outcome
 
 from swarm_support import fleet, wait_until
 from validator_support import (

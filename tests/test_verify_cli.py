@@ -90,7 +90,7 @@ def test_the_runs_compute_dtype_binds_the_node_engine_and_the_proof_bounds(tmp_p
     float32 run's (the strict bounds see the rounding), and a node whose engine disagrees is stopped early."""
     from prime_node.node.engine import EngineSettings
     from prime_node.node.errors import NodeError
-    from prime_node.node.run_config import RunSettings, engine_for_run, validator_engine, verifier_for_run
+    from prime_node.node.run.settings import RunSettings, engine_for_run, validator_engine, verifier_for_run
     from prime_node.proofs.verifier import VerifierSettings
 
     run = RunSettings(compute_dtype="bfloat16", run_id="r", run_seed=3, samples=2)

@@ -33,7 +33,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 import prime_node.p2p
-from prime_node.node.daemon.validator_api import NodeDetail, parse_node_detail
+from prime_node.node.contributor.validator_api import NodeDetail, parse_node_detail
 from prime_node.p2p.errors import SignatureError
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.names import RUN_ID_PATTERN

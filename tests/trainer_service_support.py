@@ -13,14 +13,14 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
-from prime_node.node.producer import BatchSpec, produce_rollout_file
+from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.tasks import open_task_set
-from prime_node.node.validation import RunTasks, verify_rollout_file
+from prime_node.node.run.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import read_rollout_file, signature_path
 from prime_node.proofs.verifier import VerifierSettings
-from prime_node.trainer.advantages import group_advantages
-from prime_node.trainer.inbox import record_from_rows
+from prime_node.trainer.grpo.advantages import group_advantages
+from prime_node.trainer.service.inbox import record_from_rows
 
 RUN_ID = "svc-test"
 # Length targets give completions of one prompt different rewards even when none is correct (the untrained

@@ -14,13 +14,13 @@ import pytest
 
 from hivemind.utils import get_dht_time
 
-from prime_node.node.daemon.supervisor import Supervisor
+from prime_node.node.runtime.supervisor import Supervisor
 from prime_node.node.engine import EngineSettings, HFEngine
 from prime_node.node.models.tiny import build_tiny_model
-from prime_node.node.producer import BatchSpec, produce_rows
-from prime_node.node.run_announcement import run_parameters
-from prime_node.node.run_config import RunSettings
-from prime_node.node.validation import RunTasks
+from prime_node.node.run.producer import BatchSpec, produce_rows
+from prime_node.node.run.announcement import run_parameters
+from prime_node.node.run.settings import RunSettings
+from prime_node.node.run.validation import RunTasks
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import RolloutEnvelope, Swarm
 from prime_node.p2p.swarm.records import RecordKind, dht_key, seal
@@ -28,9 +28,9 @@ from prime_node.p2p.swarm.process import end_pids
 from prime_node.p2p.weights.publish import publish
 from prime_node.proofs.rollout_file import signature_path, write_rollout_file
 from prime_node.proofs.rollout_schema import RolloutRow
-from prime_node.trainer.dashboard import DashboardSettings
-from prime_node.trainer.validator_config import IntakeSettings, ValidatorServiceSettings, ValidatorSettings
-from prime_node.trainer.validator_run import RunningValidator, start_validator
+from prime_node.trainer.validator.dashboard import DashboardSettings
+from prime_node.trainer.validator.config import IntakeSettings, ValidatorServiceSettings, ValidatorSettings
+from prime_node.trainer.validator.run import RunningValidator, start_validator
 from prime_node.p2p.verdicts import Signed, Verdict
 
 from attack_support import engine_from, make_checkpoint, run_tasks
@@ -82,7 +82,7 @@ def publish_checkpoint(checkpoint: Path, store_dir: Path, step: int) -> None:
 @contextlib.asynccontextmanager
 async def running_validator(settings: ValidatorSettings, announce: bool = True) -> AsyncIterator[RunningValidator]:
     """A validator in this process; with `announce`, the operator (the validator's own key) announces a policy
-    with the validator's run parameters, which it waits for before verifying (trainer/run_confirmation.py)."""
+    with the validator's run parameters, which it waits for before verifying (trainer/validator/run_confirmation.py)."""
     supervisor = Supervisor("test-validator")
     pids: list[int] = []
     try:

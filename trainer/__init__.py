@@ -1,1 +1,2 @@
-"""The operator side: GRPO trainer, checkpoint publishing, the validator, the ledger and the devnet."""
+"""The operator's roles: the trainer service, the validator and the devnet, with the GRPO recipe and the
+ledger they are built on. Each role is a sub-package; trainer/errors.py holds the package's exception base."""

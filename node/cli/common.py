@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from ..config import CommonSettings, load_config
-from ..daemon.supervisor import Supervisor
-from ..logs import configure_logging
+from ..runtime.supervisor import Supervisor
+from ..runtime.logs import configure_logging
 
 Settings = TypeVar("Settings", bound=BaseModel)
 

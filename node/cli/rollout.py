@@ -30,8 +30,8 @@ def rollout(args: argparse.Namespace) -> int:
     # Heavy imports (torch, transformers) only when the command runs, so `--help` stays fast.
     from ...p2p.identity import Identity
     from ..engine import load_engine
-    from ..producer import BatchSpec, produce_rollout_file
-    from ..run_config import RolloutSettings, engine_for_run, load_run_tasks
+    from ..run.producer import BatchSpec, produce_rollout_file
+    from ..run.settings import RolloutSettings, engine_for_run, load_run_tasks
 
     flags = {**RUN_FLAGS, "engine.threads": "threads", "prompts": "prompts"}
     settings = load_settings(args, RolloutSettings, flags)

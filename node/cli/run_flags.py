@@ -1,7 +1,7 @@
 """The run's parameters as flags: the same set on every command that takes part in a run.
 
 `start`, `rollout`, `verify`, `validator` and `trainer` all load the `run` section (node/run_config.RunSettings),
-and the trainer announces it with every policy (node/run_announcement.py), so each of them accepts the same
+and the trainer announces it with every policy (node/run/announcement.py), so each of them accepts the same
 flags for it, with the same names and defaults.
 """
 

@@ -40,14 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def start(args: argparse.Namespace) -> int:
     # Heavy imports (torch, hivemind) only when the command runs, so `--help` stays fast.
-    from ..daemon.contributor import ContributorNode
-    from ..daemon.settings import StartSettings
+    from ..contributor.daemon import ContributorNode
+    from ..contributor.settings import StartSettings
 
     settings = load_settings(args, StartSettings, FLAGS)
     if args.gpu:
         settings.engine.device = "cuda"
     if settings.log_level != "DEBUG":
         # The node logs one line per batch itself; the producer's own per-batch line would double it.
-        logging.getLogger("prime_node.node.producer").setLevel(logging.WARNING)
+        logging.getLogger("prime_node.node.run.producer").setLevel(logging.WARNING)
     node = ContributorNode(settings, gpu=bool(args.gpu))
     return asyncio.run(node.run())

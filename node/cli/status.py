@@ -20,7 +20,7 @@ def _step(step: int | None) -> str:
 
 
 def status(args: argparse.Namespace) -> int:
-    from ..daemon.status import fetch_status
+    from ..contributor.status import fetch_status
 
     settings = load_settings(args, CommonSettings)
     report = asyncio.run(fetch_status(settings.resolved_data_dir()))  # DaemonNotRunning: one line, exit 1

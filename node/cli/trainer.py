@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def trainer(args: argparse.Namespace) -> int:
     # Heavy imports (torch, hivemind) only when the command runs, so `--help` stays fast.
     from ...p2p.identity import Identity
-    from ...trainer.service_config import TrainerCommandSettings
+    from ...trainer.service.config import TrainerCommandSettings
 
     settings = load_settings(args, TrainerCommandSettings, FLAGS)
     if args.no_dht:
@@ -66,9 +66,9 @@ def trainer(args: argparse.Namespace) -> int:
         # The trainer signs policies, so its own key is an operator key of the run.
         settings.swarm.operator_keys = [*settings.swarm.operator_keys, identity.node_id]
     if args.fsdp:
-        from ...trainer.fsdp_learner import run_under_torchrun
+        from ...trainer.service.fsdp_learner import run_under_torchrun
 
-        # Every rank runs this command; rank 0 serves, the others follow it (trainer/fsdp_learner.py).
+        # Every rank runs this command; rank 0 serves, the others follow it (trainer/service/fsdp_learner.py).
         return run_under_torchrun(settings, args.model, lambda factory: asyncio.run(
             _serve(settings, identity, args.model, quiet=args.quiet, learner_factory=factory)))
     return asyncio.run(_serve(settings, identity, args.model, quiet=args.quiet))
@@ -76,9 +76,9 @@ def trainer(args: argparse.Namespace) -> int:
 
 async def _serve(settings: object, identity: object, model_dir: Path, *, quiet: bool,
                  learner_factory: Callable[..., object] | None = None) -> int:
-    from ...trainer.metrics import StepRecord, progress_line
-    from ...trainer.service import SHUTDOWN_S, TrainerService
-    from ..daemon.supervisor import Supervisor
+    from ...trainer.service.metrics import StepRecord, progress_line
+    from ...trainer.service.service import SHUTDOWN_S, TrainerService
+    from ..runtime.supervisor import Supervisor
 
     def show(record: StepRecord) -> None:
         if not quiet:

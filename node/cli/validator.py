@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def validator(args: argparse.Namespace) -> int:
     # Heavy imports (torch, hivemind) only when the command runs, so `--help` stays fast.
     from ...p2p.identity import Identity
-    from ...trainer.validator_config import ValidatorSettings
+    from ...trainer.validator.config import ValidatorSettings
 
     settings = load_settings(args, ValidatorSettings, FLAGS)
     if settings.engine.threads is None and (os.cpu_count() or 1) <= 4:
@@ -64,8 +64,8 @@ def validator(args: argparse.Namespace) -> int:
 
 
 async def _serve(settings: object, identity: object) -> int:
-    from ..daemon.supervisor import Supervisor
-    from ...trainer.validator_run import start_validator
+    from ..runtime.supervisor import Supervisor
+    from ...trainer.validator.run import start_validator
 
     async def start(supervisor: Supervisor) -> str:
         running = await start_validator(settings, identity, supervisor)  # type: ignore[arg-type]

@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def verify(args: argparse.Namespace) -> int:
     # Heavy imports (torch, transformers) only when the command runs, so `--help` stays fast.
     from ..engine import load_engine
-    from ..run_config import VerifySettings, load_run_tasks, validator_engine, verifier_for_run
-    from ..validation import verify_rollout_file
+    from ..run.settings import VerifySettings, load_run_tasks, validator_engine, verifier_for_run
+    from ..run.validation import verify_rollout_file
 
     flags = {**RUN_FLAGS, "engine.threads": "threads", "verifier.sample_fraction": "sample_fraction"}
     try:

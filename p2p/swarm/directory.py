@@ -236,7 +236,7 @@ class SwarmDirectory(DHTPeer):
     async def watch_policy(self) -> AsyncIterator[PolicyAnnouncement]:
         """Yield each newer policy as it appears (polling every policy_poll_s), and the current step again when
         it is re-announced with other run parameters (an operator who restarted the trainer with a changed
-        [run] section): readers check those on every policy they get (node/run_announcement.py)."""
+        [run] section): readers check those on every policy they get (node/run/announcement.py)."""
         last: PolicyAnnouncement | None = None
         while True:
             try:

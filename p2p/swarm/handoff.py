@@ -90,7 +90,7 @@ class ReceiptBody(WireModel):
     sender: NodeId
     receiver: NodeId  # the validator that signs this receipt
     size: int = Field(ge=0)
-    received_at: Timestamp  # the sender's give-up clock starts here (node/daemon/verdicts.py)
+    received_at: Timestamp  # the sender's give-up clock starts here (node/contributor/verdicts.py)
 
 
 class Receipt(WireModel):

@@ -19,8 +19,8 @@ import torch
 
 from ...node.engine import HFEngine, InferenceEngine
 from ...node.models.tiny import TinyModelShape, build_tiny_model
-from ...node.producer import BatchSpec, ProducedBatch, produce_rows
-from ...node.validation import RunTasks
+from ...node.run.producer import BatchSpec, ProducedBatch, produce_rows
+from ...node.run.validation import RunTasks
 from ...p2p.identity import Identity
 from ...proofs.rollout_file import encode_rows, sign_bytes, signature_path
 from ...proofs.rollout_schema import RolloutRow

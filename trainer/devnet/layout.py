@@ -18,7 +18,7 @@ from pathlib import Path
 from ...p2p.identity import Identity
 
 CLI = (sys.executable, "-m", "prime_node.node.cli.main")
-ADVERSARY = (sys.executable, "-m", "prime_node.trainer.devnet.adversary")
+ADVERSARY = (sys.executable, "-m", "prime_node.node.cli.adversary")
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 # Responsiveness on loopback: find policies, validators and bans within a second or two, not a minute.

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..ledger import Ledger
-from ..leaderboard import leaderboard
-from ..slashing import DEFAULT_CHECK_CLASSES, CheckClass
+from ..ledger.leaderboard import leaderboard
+from ..ledger.slashing import DEFAULT_CHECK_CLASSES, CheckClass
 from .layout import DevnetLayout
 from .monitor import Monitor
 from .plot import PALETTE, Series, line_plot

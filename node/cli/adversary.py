@@ -1,0 +1,87 @@
+"""A cheating contributor as a real process: `python -m prime_node.node.cli.adversary --attack KIND ...`.
+
+It is the contributor daemon (`prime-node start`: same flags, own key and data directory, DHT membership,
+verified checkpoint fetch, outbox and hand-off to a validator) with the rollout producer swapped for one
+of trainer/devnet/attacks.py. Once the operator's ban of it shows up in the DHT it stops generating (its
+files would be refused at the door anyway) and idles until stopped, so it does not steal CPU from the
+honest nodes of a one-machine devnet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import start as start_cli
+from .common import load_settings
+from ..contributor.daemon import ContributorNode
+from ..contributor.rollout_loop import RolloutLoop
+from ..contributor.settings import StartSettings
+from ..errors import NodeError
+from ...trainer.errors import TrainerError
+from ...trainer.devnet.attacks import ATTACKS, attack_producer
+
+logger = logging.getLogger(__name__)
+
+BANNED_IDLE_S = 1.0
+
+
+class AttackLoop(RolloutLoop):
+    """The honest rollout loop with a cheating producer; gives up once banned."""
+
+    attack = "perturbed"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.produce = attack_producer(self.attack)  # type: ignore[assignment]
+
+    banned = False
+
+    async def produce_one(self, step: int) -> None:
+        # The peers watcher reports our ban as the last error; later errors may replace it, so remember it.
+        self.banned = self.banned or "banned" in (self.state.last_error or "")
+        if self.banned:
+            self.state.state = f"banned by the operator ({self.attack}); idle"
+            await asyncio.sleep(BANNED_IDLE_S)
+            return
+        await super().produce_one(step)
+
+
+def adversary_node(attack: str, settings: StartSettings) -> ContributorNode:
+    """A ContributorNode whose rollout loop cheats with `attack`."""
+    loop_class = type(f"AttackLoop[{attack}]", (AttackLoop,), {"attack": attack})
+    node_class = type("AdversaryNode", (ContributorNode,), {"rollout_loop": loop_class})
+    return node_class(settings)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m prime_node.node.cli.adversary",
+        description="A devnet contributor that cheats in one way (for demos and tests). Any other argument is "
+        "a `prime-node start` flag.",
+    )
+    parser.add_argument("--attack", required=True, choices=sorted(ATTACKS), help="how to cheat")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, rest = build_parser().parse_known_args(argv)
+    start_parser = argparse.ArgumentParser(prog="adversary")
+    start_cli.register(start_parser.add_subparsers(dest="command"))
+    start_args = start_parser.parse_args(["start", *rest])
+    try:
+        settings = load_settings(start_args, StartSettings, start_cli.FLAGS)
+        logging.getLogger("prime_node.node.run.producer").setLevel(logging.WARNING)
+        logger.warning("adversary %s: this node cheats on purpose (devnet harness)", args.attack)
+        return asyncio.run(adversary_node(args.attack, settings).run())
+    except (NodeError, TrainerError) as exc:
+        print(f"adversary: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Hand-off of committed rollout files to a validator, with a signed receipt for each.
+
+Everything in the outbox's pending/ is sent oldest first, so files written before a crash go out after
+the restart before anything new. A receipt moves the entry to sent/; a refusal (the validator's verdict)
+moves it to rejected/ and is never retried; a transport failure (no validator yet, a broken stream) is
+retried with exponential backoff, and so is the validator's "busy" answer (HandoffBusy: rate limit, full
+queue), waiting at least the `retry_after_s` it asks for. The validator credits a
+file hash once, so a resend after an ambiguous failure is harmless. Each receipt is passed on to the
+verdict watcher (node/contributor/verdicts.py), which learns later whether the file was accepted.
+
+A file still unsent when its checkpoint falls out of the async window (announced step - async_level) is
+dropped, not sent: the trainer would discard it, and the validator's time is the swarm's scarcest resource.
+The rollout loop's back-pressure (settings.max_pending_files) keeps such a backlog from building up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from ...p2p.swarm import HandoffBusy, HandoffError, HandoffRefused, RolloutEnvelope, Swarm, SwarmError
+from .outbox import Outbox, OutboxEntry
+from .state import NodeState
+
+logger = logging.getLogger(__name__)
+
+_IDLE_RECHECK_S = 30.0  # look at pending/ now and then even without a wake-up (e.g. files put back by hand)
+
+
+class Delivery:
+    def __init__(
+        self,
+        swarm: Swarm,
+        outbox: Outbox,
+        state: NodeState,
+        *,
+        retry_s: float,
+        max_retry_s: float,
+        on_receipt: Callable[[dict[str, Any]], None] | None = None,
+        async_level: int | None = None,
+    ) -> None:
+        self.async_level = async_level  # None: never drop a file as stale
+        self.swarm = swarm
+        self.on_receipt = on_receipt  # the verdict watcher's `receipted`
+        self.outbox = outbox
+        self.state = state
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
+        self._wake = asyncio.Event()
+        self._summaries: dict[str, str] = {}  # sha256 -> what the batch was, for its one log line
+        self._last_failure: str | None = None
+
+    def committed(self, sha256: str, summary: str) -> None:
+        """Called by the rollout loop after each commit."""
+        self._summaries[sha256] = summary
+        self._wake.set()
+
+    async def run(self) -> None:
+        delay = self.retry_s
+        while True:
+            self._wake.clear()
+            entries = await asyncio.to_thread(self.outbox.pending_entries)
+            try:
+                for entry in entries:
+                    if self._stale(entry):
+                        await asyncio.to_thread(self.outbox.drop_stale, entry)
+                        self.state.count_rollout("stale")
+                        logger.info("dropped unsent rollout file %s…: its checkpoint step %s is outside the "
+                                    "async window of announced step %s", entry.sha256[:16], entry.policy_step,
+                                    self.state.announced_step)
+                        continue
+                    await self.deliver(entry)
+            except (HandoffError, SwarmError, OSError) as exc:
+                self._note_failure(str(exc), delay)
+                hint = exc.retry_after_s if isinstance(exc, HandoffBusy) else 0.0  # back-pressure: the file stays
+                await asyncio.sleep(max(delay, min(hint, self.max_retry_s)))
+                delay = min(self.max_retry_s, delay * 2)
+                continue
+            delay = self.retry_s
+            if self._last_failure is not None:
+                logger.info("hand-offs work again")
+                self._last_failure = None
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=_IDLE_RECHECK_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def _stale(self, entry: OutboxEntry) -> bool:
+        announced = self.state.announced_step
+        if self.async_level is None or entry.policy_step is None or announced is None:
+            return False
+        return entry.policy_step < announced - self.async_level
+
+    async def deliver(self, entry: OutboxEntry) -> None:
+        """Send one entry; a refusal is recorded here, transport failures propagate to the retry loop."""
+        raw = await asyncio.to_thread(entry.sig_path.read_bytes)
+        try:
+            envelope = RolloutEnvelope.model_validate_json(raw, strict=True)
+        except ValidationError as exc:  # damaged on disk: no validator would take it, so do not retry it
+            await asyncio.to_thread(self.outbox.reject, entry, f"unreadable signature envelope: {exc}")
+            logger.error("outbox entry %s has an unreadable signature envelope; moved to rejected/", entry.sha256)
+            return
+        summary = self._summaries.pop(entry.sha256, f"rollout file {entry.sha256[:16]}… (written before a restart)")
+        try:
+            receipt = await self.swarm.send_rollout(entry.file_path, envelope)
+        except HandoffRefused as exc:
+            await asyncio.to_thread(self.outbox.reject, entry, exc.reason)
+            self.state.count_rollout("rejected")
+            self.state.error(f"rollout file {entry.sha256[:16]}… rejected: {exc.reason}")
+            logger.warning("%s -> REJECTED by the validator: %s", summary, exc.reason)
+            return
+        except BaseException:
+            self._summaries[entry.sha256] = summary
+            raise
+        receipt_doc = receipt.model_dump(mode="json")
+        await asyncio.to_thread(self.outbox.acknowledge, entry, receipt_doc)
+        self.state.count_rollout("handed_off")
+        if self.on_receipt is not None:
+            self.on_receipt(receipt_doc)
+        logger.info("%s -> handed off to validator %s…", summary, receipt.body.receiver[:16])
+
+    def _note_failure(self, message: str, delay: float) -> None:
+        # Logged once per distinct problem, so a node waiting for a validator does not flood its log.
+        self.state.error(f"hand-off failed: {message}")
+        if message != self._last_failure:
+            logger.warning("hand-off failed: %s; retrying (every %.0f s at most)", message, self.max_retry_s)
+            self._last_failure = message
+        else:
+            logger.debug("hand-off failed again: %s; next try in %.0f s", message, delay)

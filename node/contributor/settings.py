@@ -1,0 +1,90 @@
+"""Typed settings of `prime-node start` (flags > env PRIME_NODE_* > TOML --config > defaults).
+
+The run's shared parameters (`run`) are the same section `prime-node rollout` and `verify` use, so a node
+and a validator configured from one TOML file agree on the work assignment and the rewards. The swarm,
+weights fetch/serve and engine sections are the lower packages' own models, loaded here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from ...p2p.swarm.config import SwarmConfig
+from ...p2p.weights.fetch import FetchSettings
+from ...p2p.weights.server import ServeSettings
+from ..config import CommonSettings
+from ..engine import EngineSettings
+from ..run.settings import MOVED_TO_RUN, RunSettings
+
+KEY_FILE_NAME = "node.key"
+_HEX_KEY = re.compile(r"[0-9a-f]{64}")  # fullmatch only: $ would accept a final "\n"
+
+
+class StartSettings(CommonSettings):
+    """Everything a contributor node needs to join a run and work unattended."""
+
+    MOVED = MOVED_TO_RUN
+
+    key_file: Path | None = Field(None, description="The node's secret key; default <data-dir>/node.key.")
+    operator_key: str | None = Field(
+        None, description="The run operator's public key (64 hex): the only signer of policies and checkpoints."
+    )
+    run: RunSettings = Field(default_factory=RunSettings, description="Run parameters shared with validators.")
+    swarm: SwarmConfig = Field(default_factory=SwarmConfig, description="DHT membership and hand-off limits.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="Inference engine.")
+    fetch: FetchSettings = Field(default_factory=FetchSettings, description="Checkpoint download.")
+    serve_weights: bool = Field(False, description="Serve verified checkpoints to other peers over HTTP.")
+    weights_public_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/?#]+$",
+        description="URL peers use to reach this node's weights server; default: its bound address (an "
+        "unspecified one replaced by the node's first announced IP).",
+    )
+    serve: ServeSettings = Field(
+        default_factory=lambda: ServeSettings(port=0), description="The weights server (when serve_weights)."
+    )
+    async_level: int = Field(
+        2, ge=0, le=64, description="Use checkpoints at most this many steps behind the announced one."
+    )
+    prompts: int = Field(4, ge=1, le=4096, description="Prompts per rollout batch (one file per batch).")
+    max_batches: int | None = Field(None, ge=1, description="Stop cleanly after this many batches (benchmarks).")
+    max_pending_files: int = Field(
+        4, ge=1, le=100_000,
+        description="Generate no further while this many files wait for hand-off (the validator's back-pressure).",
+    )
+    status_host: str = Field("127.0.0.1", description="Address of the local status API (loopback by default).")
+    status_port: int = Field(0, ge=0, le=65535, description="Port of the status API; 0 picks a free one.")
+    shutdown_timeout_s: float = Field(30.0, gt=0, le=600, description="Bound on a graceful stop (SIGINT/SIGTERM).")
+    fetch_retry_s: float = Field(5.0, gt=0, le=3600, description="First wait before retrying a failed fetch.")
+    handoff_retry_s: float = Field(2.0, gt=0, le=3600, description="First wait before retrying a failed hand-off.")
+    max_retry_s: float = Field(120.0, gt=0, le=86400, description="Longest wait between retries (backoff cap).")
+    verdict_poll_s: float = Field(5.0, gt=0, le=3600, description="First wait before asking for a file's verdict.")
+    verdict_timeout_s: float = Field(
+        86400.0, gt=0, description="Stop asking for a file's verdict this long after its receipt."
+    )
+    leaderboard_refresh_s: float = Field(60.0, gt=0, le=86400, description="How often the rank and score are refreshed.")
+    validator_api_timeout_s: float = Field(10.0, gt=0, le=300, description="Bound on one request to a validator's API.")
+    checkpoint_disk_mb: int = Field(
+        256, ge=1, description="Disk reserved per checkpoint; async_level + 1 of them must fit at start."
+    )
+    min_ram_mb: int = Field(512, ge=0, description="Available RAM required at start.")
+    min_gpu_memory_mb: int = Field(2048, ge=0, description="Free GPU memory required with --gpu.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StartSettings:
+        if self.operator_key is not None and not _HEX_KEY.fullmatch(self.operator_key):
+            raise ValueError(f"operator_key {self.operator_key[:80]!r} is not 64 lowercase hex digits")
+        if self.fetch_retry_s > self.max_retry_s or self.handoff_retry_s > self.max_retry_s:
+            raise ValueError("fetch_retry_s and handoff_retry_s must not exceed max_retry_s")
+        return self
+
+    def key_path(self) -> Path:
+        return (self.key_file or self.resolved_data_dir() / KEY_FILE_NAME).expanduser()
+
+    def swarm_config(self) -> SwarmConfig:
+        """The swarm section with the run id and the pinned operator key filled in from the top level."""
+        keys = list(dict.fromkeys([*([self.operator_key] if self.operator_key else []), *self.swarm.operator_keys]))
+        return SwarmConfig.model_validate({**self.swarm.model_dump(), "run_id": self.run.run_id, "operator_keys": keys})

@@ -1,0 +1,79 @@
+"""The run's parameters as the operator announces them with every policy, and the check every party makes.
+
+A contributor or validator configured with other run parameters than the trainer's would waste the run: the
+contributor's files are rejected as not this run's work (`run-parameters`, `prompts` or `assignment`, all
+fraud), and a validator pinned to other values rejects every honest file and slashes its sender. Each
+policy record therefore carries the trainer's `RunParameters` (docs/protocol.md, "Swarm"); a node or
+validator whose own differ stops with the settings to change, before it produces or judges any work for
+that policy. Kept out of node/run/settings.py so that `prime-node rollout` and `verify` do not import hivemind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ...p2p.swarm.records import PolicyAnnouncement, RunParameters
+from ..errors import NodeError, OperatorActionNeeded
+from .settings import RunSettings, open_run_task_set
+from ..tasks import TaskSet
+
+# Announced field -> the setting that gives it (the task set's identity comes from two of them).
+_SETTING_OF = {
+    "run_id": "run.run_id",
+    "run_seed": "run.run_seed",
+    "tasks": "run.tasks (and run.task_seed for builtin:arithmetic)",
+    "samples": "run.samples",
+    "temperature": "run.temperature",
+    "max_new_tokens": "run.max_new_tokens",
+    "compute_dtype": "run.compute_dtype",
+    "length_targets": "run.length_targets",
+    "length_alpha": "run.length_alpha",
+}
+
+
+class RunMismatchError(NodeError, OperatorActionNeeded):
+    """This party's run parameters differ from those the run's operator announces: it stops, naming them."""
+
+
+def run_parameters(run: RunSettings, tasks: TaskSet | None = None) -> RunParameters:
+    """The wire form of `run` with `tasks` (the run's task set, opened with open_run_task_set; None opens it:
+    a file is read and hashed, so call it off the event loop)."""
+    tasks = tasks if tasks is not None else open_run_task_set(run)
+    return RunParameters(
+        run_id=run.run_id, run_seed=run.run_seed, tasks=tasks.identity, samples=run.samples,
+        temperature=float(run.temperature), max_new_tokens=run.max_new_tokens, compute_dtype=run.compute_dtype,
+        length_targets=list(run.length_targets), length_alpha=float(run.length_alpha),
+    )
+
+
+def differences(ours: RunParameters, announced: RunParameters) -> list[str]:
+    """One line per differing parameter: the setting, our value and the run's (empty when they agree)."""
+    lines = []
+    for name, setting in _SETTING_OF.items():
+        mine, theirs = getattr(ours, name), getattr(announced, name)
+        if mine != theirs:
+            lines.append(f"{setting}: {mine!r} here, {theirs!r} in the run")
+    return lines
+
+
+def check_announced_run(ours: RunParameters, announced: RunParameters, step: int, role: str) -> None:
+    """RunMismatchError naming every differing setting when `announced` (policy `step`) is not `ours`."""
+    found = differences(ours, announced)
+    if found:
+        raise RunMismatchError(
+            f"the run's operator announces policy step {step} with other run parameters than this {role}'s:\n  "
+            + "\n  ".join(found)
+            + f"\nSet them as the run does (under [run] in the config file, PRIME_NODE_RUN__<NAME> in the "
+            f"environment, or the flags) and start again: a {role} with other run parameters "
+            + ("produces files every validator rejects." if role == "node" else "rejects honest work.")
+        )
+
+
+async def agreed_policies(
+    policies: AsyncIterator[PolicyAnnouncement], ours: RunParameters, role: str
+) -> AsyncIterator[PolicyAnnouncement]:
+    """The policies of `policies` (Swarm.watch_policy()); RunMismatchError at the first one announced with
+    other run parameters than `ours`, before anything acts on it."""
+    async for policy in policies:
+        check_announced_run(ours, policy.run, policy.step, role)
+        yield policy

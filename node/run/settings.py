@@ -1,0 +1,133 @@
+"""Typed settings of `prime-node rollout` and `prime-node verify`, and the run's task rules they load.
+
+Kept apart from the CLI modules so that `prime-node --help` does not import transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
+from transformers import AutoTokenizer
+
+from ...p2p.names import MAX_LENGTH_TARGET, RUN_ID_PATTERN, RUN_ID_RULE
+from ...proofs.toploc import Precision
+from ...proofs.verifier import VerifierSettings
+from ..config import CommonSettings, Section
+from ..engine import EngineSettings
+from ..errors import NodeError
+from ..tasks import TaskSet, open_task_set
+from .validation import RunTasks
+
+
+class RunSettings(Section):
+    """The run's parameters that both the contributor and the validator must agree on."""
+
+    # The DHT keys and the checkpoint manifests of the run carry it (one rule: p2p/names.py), and nodes take
+    # their swarm's run id from it.
+    run_id: str = Field("local", pattern=RUN_ID_PATTERN, description=f"Name of the RL run: {RUN_ID_RULE}.")
+    run_seed: int = Field(0, ge=0, lt=2**64, description="Seed of the deterministic work assignment.")
+    tasks: str | None = Field(None, description="Task file (Parquet/JSONL) or builtin:arithmetic (default).")
+    task_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the built-in task family.")
+    samples: int = Field(4, ge=1, le=1024, description="Completions per prompt (G).")
+    length_targets: list[Annotated[int, Field(ge=1, le=MAX_LENGTH_TARGET)]] = Field(
+        default_factory=list, max_length=32, description="Thinking-length targets in tokens; empty: off."
+    )
+    length_alpha: float = Field(0.001, ge=0, le=1, description="Length penalty per token of distance to target.")
+    # Sampling is the run's, not each node's: a node free to pick them would sample cooler (higher rewards,
+    # proofs still honest) or shorter (cheaper work), and the trainer's log-probabilities assume one temperature.
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature every rollout must use.")
+    max_new_tokens: int = Field(64, ge=1, le=8192, description="Most tokens per sample; every rollout must use it.")
+    compute_dtype: Precision = Field(
+        "float32",
+        description="Dtype every contributor generates in; it picks the calibrated proof bounds (validators "
+        "prefill in float32 either way; docs/proofs.md). float32 catches far subtler cheats; bfloat16 suits GPU "
+        "fleets.",
+    )
+
+
+def engine_for_run(engine: EngineSettings, run: RunSettings) -> EngineSettings:
+    """The engine settings with the run's compute dtype: `auto` becomes it, anything else must equal it.
+
+    The validator's TOPLOC and sampling bounds are calibrated per precision and the file does not say
+    which one a node used (a cheater would claim the looser one), so the run fixes it for everyone: a
+    node in another dtype would have every file rejected, and is stopped at start-up instead.
+    """
+    if engine.dtype == "auto":
+        return engine.model_copy(update={"dtype": run.compute_dtype})
+    if engine.dtype != run.compute_dtype:
+        raise NodeError(
+            f"engine.dtype is {engine.dtype} but the run computes in {run.compute_dtype} "
+            f"(run.compute_dtype): validators would reject every rollout; leave engine.dtype at auto"
+        )
+    return engine
+
+
+def validator_engine(engine: EngineSettings) -> EngineSettings:
+    """The validator's prefill engine: float32 whatever the run's dtype.
+
+    Both sets of proof bounds were calibrated against a float32 prefill (bf16 nodes included: the bf16
+    bounds measure how far a bf16 node strays from float32); a bf16 prefill would add its own rounding on
+    top, which no bound was measured for.
+    """
+    if engine.dtype == "auto":
+        return engine.model_copy(update={"dtype": "float32"})
+    if engine.dtype != "float32":
+        raise NodeError(
+            f"engine.dtype is {engine.dtype}, but a validator prefills in float32: the proof bounds are "
+            "calibrated against a float32 prefill (docs/proofs.md); leave engine.dtype at auto"
+        )
+    return engine
+
+
+# The verifier's fields a command that loads a run takes from its [run] section (verifier field -> run field).
+VERIFIER_FIELDS_FROM_RUN = {
+    "run_id": "run_id", "run_seed": "run_seed", "samples_per_prompt": "samples", "temperature": "temperature",
+    "max_new_tokens": "max_new_tokens", "node_precision": "compute_dtype",
+}
+# For those commands' MOVED tables: a `[verifier] temperature` would otherwise be accepted and then silently
+# replaced by the run's, and the operator would believe their validator checks a value it does not.
+VERIFIER_SETTINGS_SET_BY_RUN = {f"verifier.{mine}": f"run.{theirs}" for mine, theirs in VERIFIER_FIELDS_FROM_RUN.items()}
+
+
+def verifier_for_run(verifier: VerifierSettings, run: RunSettings) -> VerifierSettings:
+    """The verifier settings bound to the run: its id, seed, group size, sampling and compute dtype."""
+    return verifier.model_copy(update={mine: getattr(run, theirs) for mine, theirs in VERIFIER_FIELDS_FROM_RUN.items()})
+
+
+# Node-level before the run fixed them for everyone (see RunSettings).
+MOVED_TO_RUN = {"temperature": "run.temperature", "max_new_tokens": "run.max_new_tokens"}
+
+
+class RolloutSettings(CommonSettings):
+    MOVED = MOVED_TO_RUN
+
+    run: RunSettings = Field(default_factory=RunSettings, description="Run parameters.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="Inference engine.")
+    prompts: int = Field(4, ge=1, le=4096, description="Prompts in the batch.")
+
+
+class VerifySettings(CommonSettings):
+    MOVED = VERIFIER_SETTINGS_SET_BY_RUN
+
+    run: RunSettings = Field(default_factory=RunSettings, description="Run parameters.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="Inference engine.")
+    verifier: VerifierSettings = Field(default_factory=VerifierSettings, description="Checks and thresholds.")
+
+
+def open_run_task_set(run: RunSettings) -> TaskSet:
+    """The run's task set (a file is read, checked and hashed: call it off the event loop)."""
+    return open_task_set(run.tasks, seed=run.task_seed)
+
+
+def load_run_tasks(run: RunSettings, checkpoint: Path, task_set: TaskSet | None = None) -> RunTasks:
+    """The run's task rules with the checkpoint's own tokenizer. Long-running processes pass the task set they
+    opened once at start (the one whose identity they compared with the run's), so that a task file edited
+    in place later cannot change the tasks under them; None opens it now."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise NodeError(f"cannot load the tokenizer of {checkpoint}: {exc}") from None
+    return RunTasks(task_set if task_set is not None else open_run_task_set(run), tokenizer,
+                    length_targets=run.length_targets, length_alpha=run.length_alpha)

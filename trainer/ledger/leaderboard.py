@@ -1,0 +1,196 @@
+"""The leaderboard: nodes ranked by accepted tokens, then accepted samples, read from the ledger.
+
+Ties fall to the higher score, then to the node id, so the order is total and the same on every read.
+Files that failed before their sender was authenticated (size, signature) are left out of a node's
+counts: anyone can put a node's id on a forged file.
+
+These functions block on SQLite; async callers run them with `asyncio.to_thread` (trainer/validator/dashboard.py
+does).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import TrainerError
+from .ledger import Ledger
+from .slashing import UNATTRIBUTED_CHECKS
+
+MAX_TOP = 1000
+MIN_PREFIX = 6  # hex digits of a node id prefix accepted by node lookups
+RECENT_LIMIT = 20
+
+
+class NodeLookupError(TrainerError):
+    """A node id given for lookup is malformed, unknown, or a prefix matching several nodes."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status the dashboard answers with
+
+
+class LeaderboardRow(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    rank: int = Field(description="1-based position over all nodes.")
+    node_id: str
+    accepted_tokens: int
+    accepted_samples: int
+    accepted_files: int
+    rejected_files: int
+    score: float
+    slashes: int = Field(description="Number of slashes.")
+    slashed: float = Field(description="Total score removed by slashes.")
+    banned: bool
+    ban_permanent: bool
+    banned_until: float | None = Field(description="End of the ban in force; null when none or permanent.")
+    last_step: int | None = Field(description="Latest policy step of an accepted file.")
+    first_seen: float
+    last_seen: float
+    hardware: dict[str, Any]
+
+
+class ContributionRow(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    file_hash: str
+    step: int
+    samples: int
+    tokens: int
+    accepted: bool
+    failed_check: str | None
+    reason: str
+    decided_at: float
+
+
+class NodeDetail(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    node: LeaderboardRow
+    ranked: int = Field(description="Nodes in the ranking: `node.rank` is out of this many.")
+    recent: list[ContributionRow] = Field(description=f"The last {RECENT_LIMIT} verdicts, newest first.")
+    slash_log: list[dict[str, Any]]
+    bans: list[dict[str, Any]]
+
+
+_UNATTRIBUTED = tuple(sorted(UNATTRIBUTED_CHECKS))
+_PLACEHOLDERS = ",".join("?" for _ in _UNATTRIBUTED)
+
+_RANKED = f"""
+WITH agg AS (
+    SELECT node_id,
+           SUM(CASE WHEN accepted = 1 THEN tokens ELSE 0 END) AS accepted_tokens,
+           SUM(CASE WHEN accepted = 1 THEN samples ELSE 0 END) AS accepted_samples,
+           SUM(accepted) AS accepted_files,
+           SUM(1 - accepted) AS rejected_files,
+           MAX(CASE WHEN accepted = 1 THEN step END) AS last_step
+    FROM contributions
+    WHERE failed_check IS NULL OR failed_check NOT IN ({_PLACEHOLDERS})
+    GROUP BY node_id
+), sl AS (
+    SELECT node_id, COUNT(*) AS slashes, SUM(amount) AS slashed FROM slashes GROUP BY node_id
+), ab AS (
+    SELECT node_id, MAX(until IS NULL) AS permanent, MAX(until) AS until
+    FROM bans WHERE lifted_at IS NULL AND (until IS NULL OR until > ?) GROUP BY node_id
+), ranked AS (
+    SELECT n.node_id, n.score, n.hardware, n.first_seen, n.last_seen,
+           COALESCE(agg.accepted_tokens, 0) AS accepted_tokens,
+           COALESCE(agg.accepted_samples, 0) AS accepted_samples,
+           COALESCE(agg.accepted_files, 0) AS accepted_files,
+           COALESCE(agg.rejected_files, 0) AS rejected_files,
+           agg.last_step,
+           COALESCE(sl.slashes, 0) AS slashes, COALESCE(sl.slashed, 0.0) AS slashed,
+           ab.node_id IS NOT NULL AS banned, COALESCE(ab.permanent, 0) AS ban_permanent, ab.until AS until,
+           ROW_NUMBER() OVER (
+               ORDER BY COALESCE(agg.accepted_tokens, 0) DESC, COALESCE(agg.accepted_samples, 0) DESC,
+                        n.score DESC, n.node_id
+           ) AS rank
+    FROM nodes n
+    LEFT JOIN agg ON agg.node_id = n.node_id
+    LEFT JOIN sl ON sl.node_id = n.node_id
+    LEFT JOIN ab ON ab.node_id = n.node_id
+)
+SELECT * FROM ranked
+"""
+
+
+def leaderboard(ledger: Ledger, *, top: int = 100, now: float | None = None) -> list[LeaderboardRow]:
+    """The first `top` nodes of the ranking."""
+    if not 1 <= top <= MAX_TOP:
+        raise NodeLookupError(f"top must be between 1 and {MAX_TOP}, got {top}", 400)
+    now = time.time() if now is None else now
+    rows = ledger.query(_RANKED + " ORDER BY rank LIMIT ?", (*_UNATTRIBUTED, now, top))
+    return [_row(r) for r in rows]
+
+
+def node_detail(ledger: Ledger, node_id: str, *, now: float | None = None) -> NodeDetail:
+    """One node's row (with its rank) and its recent verdicts, slashes and bans; `node_id` may be a prefix."""
+    prefix = node_id.lower()
+    if not MIN_PREFIX <= len(prefix) <= 64 or any(ch not in "0123456789abcdef" for ch in prefix):
+        raise NodeLookupError(f"node id must be {MIN_PREFIX} to 64 hex digits, got {node_id[:80]!r}", 400)
+    now = time.time() if now is None else now
+    rows = ledger.query(
+        _RANKED + " WHERE node_id >= ? AND node_id < ? ORDER BY rank LIMIT 2",
+        (*_UNATTRIBUTED, now, prefix, prefix + "g"),
+    )
+    if not rows:
+        raise NodeLookupError(f"no node {prefix} in the ledger", 404)
+    if len(rows) > 1:
+        raise NodeLookupError(f"node id prefix {prefix} matches several nodes; give more digits", 409)
+    row = _row(rows[0])
+    recent = ledger.query(
+        "SELECT file_hash, step, samples, tokens, accepted, failed_check, reason, decided_at"
+        " FROM contributions"
+        f" WHERE node_id = ? AND (failed_check IS NULL OR failed_check NOT IN ({_PLACEHOLDERS}))"
+        " ORDER BY decided_at DESC LIMIT ?",
+        (row.node_id, *_UNATTRIBUTED, RECENT_LIMIT),
+    )
+    slashes = ledger.query(
+        "SELECT file_hash, amount, check_class, failed_check, reason, created_at"
+        " FROM slashes WHERE node_id = ?"
+        " ORDER BY created_at DESC LIMIT ?",
+        (row.node_id, RECENT_LIMIT),
+    )
+    bans = ledger.query(
+        "SELECT id, reason, created_at, until, lifted_at, file_hash FROM bans"
+        " WHERE node_id = ? ORDER BY id DESC LIMIT ?",
+        (row.node_id, RECENT_LIMIT),
+    )
+    return NodeDetail(
+        node=row,
+        ranked=ranked_count(ledger),
+        recent=[ContributionRow(**{**dict(r), "accepted": bool(r["accepted"])}) for r in recent],
+        slash_log=[dict(r) for r in slashes],
+        bans=[dict(r) for r in bans],
+    )
+
+
+def ranked_count(ledger: Ledger) -> int:
+    """How many nodes the ranking has (every node in the ledger has a rank)."""
+    return int(ledger.query("SELECT COUNT(*) AS n FROM nodes")[0]["n"])
+
+
+def _row(r: sqlite3.Row) -> LeaderboardRow:
+    return LeaderboardRow(
+        rank=r["rank"],
+        node_id=r["node_id"],
+        accepted_tokens=r["accepted_tokens"],
+        accepted_samples=r["accepted_samples"],
+        accepted_files=r["accepted_files"],
+        rejected_files=r["rejected_files"],
+        score=r["score"],
+        slashes=r["slashes"],
+        slashed=r["slashed"],
+        banned=bool(r["banned"]),
+        ban_permanent=bool(r["ban_permanent"]),
+        banned_until=None if r["ban_permanent"] else r["until"],
+        last_step=r["last_step"],
+        first_seen=r["first_seen"],
+        last_seen=r["last_seen"],
+        hardware=json.loads(r["hardware"]),
+    )

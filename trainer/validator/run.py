@@ -1,0 +1,139 @@
+"""Start and stop a validator: the swarm, the service's supervised tasks, and the dashboard.
+
+Named tasks under one Supervisor (node/runtime/supervisor.py): verification worker, hold expiry, policy
+follower (fetches checkpoints), validator announcement, ban re-publication, peer bookkeeping, and a watch
+on the swarm's own heartbeat task. Cleanups run in reverse order: dashboard, swarm, ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from ...node.runtime.supervisor import Supervisor
+from ...node.run.announcement import run_parameters
+from ...node.run.settings import open_run_task_set
+from ...p2p.errors import P2PError
+from ...p2p.identity import Identity
+from ...p2p.swarm import Swarm
+from .dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
+from ..errors import TrainerError
+from .run_confirmation import RunConfirmation
+from .config import ValidatorSettings
+from .service import ValidatorService
+
+logger = logging.getLogger(__name__)
+
+PEER_SCAN_S = 30.0
+
+
+@dataclass(frozen=True)
+class RunningValidator:
+    service: ValidatorService
+    swarm: Swarm
+    dashboard_url: str
+    maddrs: list[str]
+
+
+def check_operator(settings: ValidatorSettings, identity: Identity) -> ValidatorSettings:
+    """Pin this key as the operator when none is given; refuse a key the pinned operators do not include."""
+    keys = settings.swarm.operator_keys
+    if not keys:
+        swarm = settings.swarm.model_copy(update={"operator_keys": [identity.node_id]})
+        return settings.model_copy(update={"swarm": swarm})
+    if identity.node_id not in keys:
+        raise TrainerError(
+            f"the validator's key {identity.node_id[:16]}… is not a pinned operator key; the validator "
+            "announcement and bans must be signed by one. Start it with the operator's key (--key), or add "
+            "this key to --operator-key / swarm.operator_keys"
+        )
+    return settings
+
+
+async def start_validator(
+    settings: ValidatorSettings, identity: Identity, supervisor: Supervisor
+) -> RunningValidator:
+    settings = check_operator(settings, identity)
+    # The run's task set, opened once (a file is read and hashed; an unreadable one stops the validator before
+    # it joins): its identity is what policies must announce, and the checks draw from this same object.
+    task_set = await asyncio.to_thread(open_run_task_set, settings.run)
+    ours = run_parameters(settings.run, task_set)
+    swarm = Swarm(settings.swarm, identity, roles=("validator",))
+    await swarm.join()
+    service = ValidatorService(settings, identity, swarm, task_set)
+    supervisor.on_shutdown("ledger", service.ledger.close)
+    supervisor.on_shutdown("swarm", swarm.leave)
+    # A validator pinned to other run parameters than the trainer's would reject (and slash) every honest file:
+    # it verifies nothing before a policy confirms its own, and stops at one that announces others.
+    confirmation = await asyncio.to_thread(RunConfirmation, settings.resolved_data_dir(), ours)
+    try:
+        current = await swarm.current_policy()
+    except (OSError, EOFError, P2PError) as exc:
+        logger.warning("policy lookup failed: %s; the policy watch will look again", exc)
+        current = None
+    if current is not None:
+        await confirmation.admit(current)  # a mismatch stops it here, before it accepts any file
+    await service.recover()
+    service.receiver = await swarm.serve_rollouts(service.spool.directory, service.accept, service.admit)
+    app = create_app(
+        service.ledger.ledger,
+        swarm=lambda: swarm_view(service),
+        rewards=ledger_rewards(service.ledger.ledger),
+    )
+    runner, url = await serve(app, settings.dashboard.host, settings.dashboard.port)
+    supervisor.on_shutdown("dashboard", runner.cleanup)
+    swarm.api_url = url  # announced, so that senders can fetch their verdicts and rank (node/contributor/verdicts.py)
+    await swarm.publish_validator()
+    supervisor.spawn("validator-verify", service.run_worker(confirmation.confirmed))
+    supervisor.spawn("validator-holds", service.run_holds())
+    supervisor.spawn("validator-policy", service.keeper.follow(confirmation.policies(swarm.watch_policy())))
+    supervisor.spawn("validator-announce", announce_forever(service))
+    supervisor.spawn("validator-bans", service.bans.run())
+    supervisor.spawn("validator-peers", note_peers(service))
+    supervisor.spawn("swarm-tasks", _watch(swarm))
+    logger.info("validator %s ready; dashboard at %s", identity.node_id[:16], url)
+    return RunningValidator(service, swarm, url, await swarm.maddrs())
+
+
+async def _watch(swarm: Swarm) -> None:
+    # The swarm spawns its own heartbeat task; a crash there must stop the validator, not vanish.
+    await asyncio.gather(*swarm.tasks.values())
+
+
+async def swarm_view(service: ValidatorService) -> SwarmView:
+    peers = await service.swarm.list_peers()
+    nodes = [
+        SwarmNode(node_id=hb.node_id, roles=list(hb.roles), hardware=hb.hardware.model_dump(),
+                  step=hb.policy_step, last_seen=hb.sent_at)
+        for hb in peers.values()
+    ]
+    return SwarmView(available=True, policy_step=service.keeper.latest_policy, nodes=nodes)
+
+
+async def announce_forever(service: ValidatorService) -> None:
+    while True:
+        await asyncio.sleep(service.settings.validator.announce_interval_s)
+        try:
+            await service.swarm.publish_validator()
+        except (P2PError, OSError, EOFError) as exc:
+            logger.warning("validator announcement not re-published: %s", exc)
+
+
+async def note_peers(service: ValidatorService) -> None:
+    """Record each live contributor's hardware and last-seen time for the leaderboard (the operator's own
+    trainer and validators heartbeat too, but they are not contributors and have nothing to rank)."""
+    while True:
+        try:
+            peers = await service.swarm.list_peers()
+        except (P2PError, OSError, EOFError) as exc:
+            logger.debug("peer scan failed: %s", exc)
+            peers = {}
+        now = time.time()
+        for hb in peers.values():
+            if "contributor" not in hb.roles:
+                continue
+            await service.ledger.touch_node(hb.node_id, seen_at=min(hb.sent_at, now),
+                                            hardware=hb.hardware.model_dump())
+        await asyncio.sleep(PEER_SCAN_S)

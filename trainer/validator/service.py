@@ -1,0 +1,285 @@
+"""The validator service: receive rollout files from the swarm, verify them, record and publish verdicts.
+
+Flow of one file (docs/validator.md):
+  hand-off header -> admit (not banned in the ledger; then trainer/validator/admission.py: the node's tier,
+  queue bounds, token bucket; "busy" here is the back-pressure and costs the sender nothing but a retry)
+  -> body stored by the hand-off ->
+  accept (fsync into the spool, queue) -> receipt to the sender -> fair queue -> verification thread
+  (proofs/ checks, cheapest first; samples already accepted are a `duplicate`) -> signed verdict in the
+  ledger (once per file hash and sender; an acceptance records its sample identities in the same
+  transaction, and loses to any earlier claim on them) with its slashes and bans -> bans published in the
+  DHT -> accepted files copied into the trainer's inbox -> spool entry removed. A file whose checkpoint the
+  validator does not hold waits (held) until it is fetched, or is rejected when `hold_timeout_s` passes.
+  After a crash every spooled file is recovered and gets exactly one verdict: the ledger is idempotent on
+  (file hash, sender) and every later step is idempotent too.
+
+A delivery is (file hash, sender) throughout (spool entry, queue place, hold, ledger row, inbox name): a node
+that re-signs another's file and delivers it first gets its own verdict (`signer`), and the other's delivery
+of the same bytes is judged on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from ...node.run.settings import verifier_for_run
+from ...node.tasks import TaskSet
+from ...p2p.identity import Identity
+from ...p2p.swarm import Admitted, HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
+from ...p2p.swarm.handoff import RolloutReceiver
+from ...p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
+from ...p2p.weights.store import Store
+from ...p2p.wire import printable
+from .checkpoints import CheckpointKeeper
+from .intake import Tier, TieredQueue
+from ..ledger import AsyncLedger, BanEntry, DuplicateWork, Ledger
+from .spool import Spool, SpooledFile, deliver
+from .admission import Admission
+from .bans import BanPublisher
+from .config import ValidatorSettings
+from .verify_job import DUPLICATE, Outcome, verify_spooled
+
+logger = logging.getLogger(__name__)
+
+INTERNAL_ERROR = "internal_error"  # the validator failed, not the file: excused by the slashing policy
+MAX_SIG_READ = 4096
+
+
+@dataclass
+class Job:
+    entry: SpooledFile
+    node_id: str  # the sender (the envelope's signer): with the file hash, what the verdict belongs to
+    received_at: float
+    tier: Tier = Tier.NEWCOMER  # the queue tier it was admitted to (trainer/validator/intake.py)
+    step: int | None = None  # known once verification found the file's checkpoint missing
+    hold_until: float = 0.0
+
+
+class ValidatorService:
+    """Owns the ledger, spool, queue and checkpoint keeper; the swarm is joined by the caller."""
+
+    def __init__(
+        self, settings: ValidatorSettings, identity: Identity, swarm: Swarm, task_set: TaskSet | None = None
+    ) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.swarm = swarm
+        data = settings.resolved_data_dir()
+        ledger_path = settings.ledger.path
+        if not ledger_path.is_absolute():
+            ledger_path = data / ledger_path
+        self.ledger = AsyncLedger(Ledger(ledger_path, settings.slashing, settings=settings.ledger))
+        self.spool = Spool(settings.path(settings.validator.spool_dir, "spool"))
+        self.accepted_dir = settings.path(settings.validator.accepted_dir, "accepted")
+        operators = settings.swarm.operator_keys
+        self.keeper = CheckpointKeeper(
+            Store(settings.path(settings.validator.weights_dir, "validator-weights")),
+            settings.validator.weights_key or operators[0],
+            settings.run,
+            settings.engine,
+            keep=settings.validator.keep_checkpoints,
+            fetch=settings.fetch.model_copy(update={"keep": settings.validator.keep_checkpoints}),
+            identity=identity,
+            task_set=task_set,
+        )
+        self.keeper.on_version(self._release)
+        self.verifier = verifier_for_run(settings.verifier, settings.run)
+        # A hand-off may wait for a receive slot, then stream its body at the rate floor: its reservation
+        # outlives the longest it may take. One that ends without a file frees its place at once (admit's
+        # `abandon`); the lapse only covers a handler that vanished without that.
+        sw = settings.swarm
+        longest_body_s = sw.handoff_deadline_grace_s + sw.max_rollout_bytes / sw.handoff_min_bytes_per_s
+        self.admission = Admission(
+            settings.intake, reservation_s=2 * sw.handoff_timeout_s + sw.handoff_slot_wait_s + longest_body_s
+        )
+        self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
+        self.held: dict[tuple[str, str], Job] = {}  # (file hash, sender) -> job waiting for its checkpoint
+        self.bans = BanPublisher(
+            self.ledger, swarm, identity,
+            record_ttl_s=settings.swarm.ban_ttl_s, republish_s=settings.validator.ban_republish_s,
+        )
+        self.verdicts = 0  # decided by this process (tests and the benchmark read it)
+        self.receiver: RolloutReceiver | None = None  # set once the swarm serves hand-offs (validator_run.py)
+
+    # ----- intake ----------------------------------------------------------------------------------------
+
+    async def admit(self, header: RolloutEnvelope) -> Admitted:
+        """Before the body is read: refuse banned nodes; ask nodes over their bounds or rate to come back.
+
+        The answer's tier decides which receive slots the body may use (p2p/swarm/slots.py); a hand-off that
+        ends without a file (cut off, broken, wrong hash) frees its queue place at once.
+        """
+        if await self.ledger.active_ban(header.node_id) is not None:
+            raise HandoffRefused("the sending node is banned by this validator")
+        busy = self.admission.admit(header.node_id, header.sha256)
+        if busy is not None:
+            raise HandoffBusy(busy.reason, busy.retry_after_s)
+        established = self.admission.tier_of(header.node_id) is Tier.ESTABLISHED
+        return Admitted(established, abandon=lambda: self.admission.cancel(header.node_id, header.sha256))
+
+    async def load_tiers(self) -> None:
+        """Which nodes are established, from the ledger's accepted files (at start)."""
+        rows = await self.ledger.query(
+            "SELECT node_id, COUNT(*) AS n FROM contributions WHERE accepted = 1 GROUP BY node_id"
+        )
+        self.admission.load_accepted((r["node_id"], r["n"]) for r in rows)
+
+    async def accept(self, received: ReceivedRollout) -> None:
+        """The file is stored and its hash checked: make it durable before the receipt goes out."""
+        sha, node = received.envelope.sha256, received.envelope.node_id
+        # A resend by the same sender: acknowledged, credited once. Another sender's verdict on the same bytes
+        # says nothing about this delivery.
+        if await self.ledger.verdict_for(sha, node) is not None:
+            self.admission.cancel(node, sha)
+            await asyncio.to_thread(self.spool.remove, self.spool.entry(sha, node))
+            return
+        entry = await asyncio.to_thread(self.spool.make_durable, sha, node)
+        self._enqueue(Job(entry, node, time.time()))
+
+    def _enqueue(self, job: Job) -> None:
+        job.tier = self.admission.enqueued(job.node_id, job.entry.sha256)
+        self.queue.put(job.tier, job.node_id, job)
+
+    async def recover(self) -> int:
+        """Queue every spooled file left by an earlier run; finish those already decided."""
+        await self.load_tiers()  # recovered files join their node's tier
+        entries = await asyncio.to_thread(self.spool.recover)
+        for entry in entries:
+            try:
+                raw = await asyncio.to_thread(entry.sig_path.read_bytes)
+                envelope = RolloutEnvelope.model_validate_json(raw[:MAX_SIG_READ])
+                if envelope.sha256 != entry.sha256 or entry.node_id not in (None, envelope.node_id):
+                    raise ValueError("it names another file or sender than the spool entry")
+            except (OSError, ValueError) as exc:
+                logger.warning("spooled file %s has an unreadable signature (%s); removing it",
+                               entry.path, exc)
+                await asyncio.to_thread(self.spool.remove, entry)
+                continue
+            entry = dataclasses.replace(entry, node_id=envelope.node_id)  # a legacy entry learns its sender
+            signed = await self.ledger.verdict_for(entry.sha256, envelope.node_id)
+            if signed is not None:  # decided before the crash: only delivery and removal may be missing
+                await self._finish(entry, signed)
+                continue
+            self._enqueue(Job(entry, envelope.node_id, entry.path.stat().st_mtime))
+        if entries:
+            logger.info("recovered %d spooled files", len(entries))
+        return len(entries)
+
+    # ----- verification ---------------------------------------------------------------------------------
+
+    async def run_worker(self, run_confirmed: asyncio.Event | None = None) -> None:
+        """Verify queued files one at a time, in a worker thread (torch and parquet block), once
+        `run_confirmed` is set (trainer/validator/run_confirmation.py: files wait until then)."""
+        if run_confirmed is not None:
+            await run_confirmed.wait()
+        while True:
+            job = await self.queue.get()
+            if await self.ledger.active_ban(job.node_id) is not None:
+                await self._decide(job, Outcome(False, job.step or 0, False, "banned",
+                                                "the sending node was banned before this file was verified"))
+                continue
+            try:
+                outcome = await asyncio.to_thread(
+                    verify_spooled, job.entry.path, self.keeper.model_for, self.verifier,
+                    accepted=self.ledger.ledger.accepted_holder,
+                )
+            except Exception as exc:  # noqa: BLE001 - one file's judgement must never end the worker
+                # Our failure (a checkpoint that will not load, a full disk, memory, a bug): never the sender's, so
+                # excused. Every fault a file can be blamed for is a failed check inside verify_spooled; what
+                # escapes it is the validator's, and stopping here would leave every later file unjudged.
+                logger.exception("could not verify %s", job.entry.path)
+                reason = f"the validator failed: {exc!r}"
+                outcome = Outcome(False, job.step or 0, False, INTERNAL_ERROR, reason)
+            if outcome.hold:
+                await self._hold(job, outcome.step)
+            else:
+                await self._decide(job, outcome)
+
+    async def _hold(self, job: Job, step: int) -> None:
+        if self.keeper.gone(step):
+            held = self.keeper.held()
+            await self._decide(job, Outcome(False, max(0, step), False, "checkpoint_unavailable",
+                                            f"checkpoint step {step} is no longer kept (held: {held})"))
+            return
+        job.step = step
+        job.hold_until = job.received_at + self.settings.intake.hold_timeout_s
+        self.held[(job.entry.sha256, job.node_id)] = job
+        logger.info("holding %s until checkpoint step %d arrives", job.entry.sha256[:16], step)
+
+    def _release(self, step: int) -> None:
+        for key, job in list(self.held.items()):
+            if job.step == step:
+                del self.held[key]
+                self.queue.put(job.tier, job.node_id, job, front=True)
+
+    async def run_holds(self) -> None:
+        """Reject held files whose checkpoint did not arrive within hold_timeout_s."""
+        timeout = self.settings.intake.hold_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.time()
+            for key, job in list(self.held.items()):
+                if job.hold_until <= now and self.held.pop(key, None) is not None:
+                    assert job.step is not None
+                    await self._decide(job, Outcome(
+                        False, max(0, job.step), False, "checkpoint_unavailable",
+                        f"no checkpoint for step {job.step} arrived within {timeout:g} s "
+                        f"(held steps: {self.keeper.held()}); the file expired unverified",
+                    ))
+
+    # ----- verdicts ---------------------------------------------------------------------------------------
+
+    def _verdict(self, job: Job, outcome: Outcome) -> Signed[Verdict]:
+        verdict = Verdict(
+            file_hash=job.entry.sha256,
+            node_id=job.node_id,
+            step=max(0, min(outcome.step, 2**62)),
+            samples=outcome.samples if outcome.accepted else 0,
+            tokens=outcome.tokens if outcome.accepted else 0,
+            accepted=outcome.accepted,
+            failed_check=outcome.failed_check,
+            reason=printable(outcome.reason)[:MAX_REASON_CHARS],  # readers refuse control characters
+            validator_id=self.identity.node_id,
+            decided_at=time.time(),
+        )
+        return sign(verdict, self.identity)
+
+    async def _decide(self, job: Job, outcome: Outcome) -> None:
+        try:
+            result = await self.ledger.record(
+                self._verdict(job, outcome), received_at=job.received_at,
+                task_reward_sum=outcome.task_reward_sum if outcome.accepted else None,
+                samples=outcome.sample_ids if outcome.accepted else (),
+            )
+        except DuplicateWork as exc:
+            # Another file claimed one of these samples after this one's early check (a race the ledger's key
+            # settles): the acceptance was not written; the file is a duplicate after all.
+            outcome = dataclasses.replace(outcome, accepted=False, failed_check=DUPLICATE,
+                                          reason=f"{DUPLICATE}: {exc}", sample_ids=())
+            result = await self.ledger.record(self._verdict(job, outcome), received_at=job.received_at)
+        self.verdicts += 0 if result.duplicate else 1
+        if outcome.accepted and not result.duplicate:
+            self.admission.note_accepted(job.node_id)  # its next file may count as established
+        level = logging.INFO if outcome.accepted else logging.WARNING
+        logger.log(level, "file %s from %s: %s", job.entry.sha256[:16], job.node_id[:16],
+                   "accepted" if outcome.accepted else f"rejected ({outcome.reason[:200]})")
+        for ban in result.new_bans:
+            await self.publish_ban(ban)
+        await self._finish(job.entry, result.verdict)
+        self.admission.finished(job.node_id, job.entry.sha256)
+
+    async def _finish(self, entry: SpooledFile, signed: Signed[Verdict]) -> None:
+        if signed.document.accepted:
+            await asyncio.to_thread(deliver, entry, self.accepted_dir)
+        await asyncio.to_thread(self.spool.remove, entry)
+
+    async def publish_ban(self, ban: BanEntry) -> None:
+        """Publish a new ban in the DHT now (operator-signed, its TTL following the ban's length).
+
+        The publisher's loop (`bans.run`, trainer/validator/bans.py) keeps it there while it is in force.
+        """
+        await self.bans.publish(ban)
