@@ -35,9 +35,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from attack_support import NODE, make_checkpoint, run_tasks  # noqa: E402
-from proofs_support import float64_copy, perturbed_copy, quantized_copy  # noqa: E402
-
 from prime_node.node.engine import HFEngine, load_engine  # noqa: E402
 from prime_node.node.run.producer import BatchSpec, produce_rows  # noqa: E402
 from prime_node.node.run.validation import verify_rollout_file  # noqa: E402
@@ -54,11 +51,22 @@ from prime_node.proofs.toploc import (  # noqa: E402
 from prime_node.proofs.verifier import VerifierSettings  # noqa: E402
 from prime_node.trainer.devnet.plot import Series, line_plot  # noqa: E402
 
+from support.attack import NODE, make_checkpoint, run_tasks  # noqa: E402
+from support.proofs import float64_copy, perturbed_copy, quantized_copy  # noqa: E402
+
 # The bounds before the warm-start recalibration (session 2), kept to show what they missed.
-PREVIOUS = ToplocThresholds(max_exp_mismatches=16, max_mant_err_mean=8.0, max_mant_err_median=4.0,
-                            max_typical_mant_err_mean=1.5, min_typical_chunks=1)
-JUDGES = {"previous": PREVIOUS, "float32": ToplocThresholds.for_precision("float32"),
-          "bfloat16": ToplocThresholds.for_precision("bfloat16")}
+PREVIOUS = ToplocThresholds(
+    max_exp_mismatches=16,
+    max_mant_err_mean=8.0,
+    max_mant_err_median=4.0,
+    max_typical_mant_err_mean=1.5,
+    min_typical_chunks=1,
+)
+JUDGES = {
+    "previous": PREVIOUS,
+    "float32": ToplocThresholds.for_precision("float32"),
+    "bfloat16": ToplocThresholds.for_precision("bfloat16"),
+}
 NOISES = (1e-1, 7e-2, 5e-2, 2e-2, 1e-2, 5e-3, 2e-3, 1e-3)
 QUANT_BITS = (12, 10, 8, 6, 4)
 SWEEP_NOISES = tuple(m * 10.0**e for e in (-4, -3, -2) for m in (1, 2, 3, 5, 7)) + (1e-1,)  # 1e-4 .. 1e-1
@@ -74,14 +82,24 @@ def file_stats(verifier: HFEngine, rows) -> tuple[list[ChunkStats], int, float]:
     for row, result in zip(rows, verifier.prefill([r.prompt_ids + r.output_ids for r in rows]), strict=True):
         span = committed_rows(len(row.prompt_ids), len(row.output_ids))
         chunks.extend(check_proof(row.proof, result.hidden_states[span]))
-        replay = replay_sampling(result.logits[span], row.output_ids, row.temperature, row.sample_seed, margin)
+        replay = replay_sampling(
+            result.logits[span], row.output_ids, row.temperature, row.sample_seed, margin
+        )
         mismatches += replay.mismatches
         gap = max(gap, replay.max_gap)
     return chunks, mismatches, gap
 
 
-def run_config(name: str, kind: str, make: EngineFactory, threads: int, verifier: HFEngine, tasks,
-               spec: BatchSpec, batches: int) -> dict:
+def run_config(
+    name: str,
+    kind: str,
+    make: EngineFactory,
+    threads: int,
+    verifier: HFEngine,
+    tasks,
+    spec: BatchSpec,
+    batches: int,
+) -> dict:
     chunks: list[ChunkStats] = []
     typical, rejected, mismatches, rollouts, gap = [], dict.fromkeys(JUDGES, 0), 0, 0, 0.0
     start = time.perf_counter()
@@ -102,12 +120,23 @@ def run_config(name: str, kind: str, make: EngineFactory, threads: int, verifier
     exp = [c.exp_mismatches for c in chunks]
     mean = [c.mant_err_mean for c in chunks]
     median = [c.mant_err_median for c in chunks]
-    return {"kind": kind, "config": name, "rollouts": rollouts, "files": batches, "chunks": len(chunks),
-            "exp": [min(exp), max(exp)], "mean": [min(mean), max(mean)], "median": [min(median), max(median)],
-            "typical": [min(typical), max(typical)], "mean_p99": sorted(mean)[int(0.99 * (len(mean) - 1))],
-            "nonzero_chunks": sum(m > 0 or e > 0 for m, e in zip(mean, exp, strict=True)),
-            "rejected_files": rejected, "sampling_mismatches": mismatches, "max_gap": gap,
-            "seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "kind": kind,
+        "config": name,
+        "rollouts": rollouts,
+        "files": batches,
+        "chunks": len(chunks),
+        "exp": [min(exp), max(exp)],
+        "mean": [min(mean), max(mean)],
+        "median": [min(median), max(median)],
+        "typical": [min(typical), max(typical)],
+        "mean_p99": sorted(mean)[int(0.99 * (len(mean) - 1))],
+        "nonzero_chunks": sum(m > 0 or e > 0 for m, e in zip(mean, exp, strict=True)),
+        "rejected_files": rejected,
+        "sampling_mismatches": mismatches,
+        "max_gap": gap,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
 
 
 Config = tuple[str, str, EngineFactory, int]  # kind, name, engine factory, torch threads while generating
@@ -124,8 +153,14 @@ def configurations(checkpoint: Path, verifier: HFEngine, others: list[Path]) -> 
     wide = float64_copy(verifier)
     configs.append(("honest", "float64 batch 16 (other float32 hardware)", lambda c: wide, 1))
     for noise in NOISES:
-        configs.append(("attack", f"middle layer noise {noise:g}",
-                        lambda c, n=noise: perturbed_copy(verifier, n, seed=c), 1))
+        configs.append(
+            (
+                "attack",
+                f"middle layer noise {noise:g}",
+                lambda c, n=noise: perturbed_copy(verifier, n, seed=c),
+                1,
+            )
+        )
     for bits in QUANT_BITS:
         engine = quantized_copy(verifier, bits)
         configs.append(("attack", f"int{bits} weights (per-channel symmetric)", lambda c, e=engine: e, 1))
@@ -139,18 +174,32 @@ def honest_run(checkpoint: Path, tasks, total: int, new_tokens: int, out_dir: Pa
     """`total` honest rollouts through the full verifier, cycling batch size, threads and dtype; each file
     is verified under the thresholds of the precision its producer computed in."""
     verifier = load_engine(checkpoint, max_batch_size=16)
-    engines = [("float32", "batch 16", load_engine(checkpoint, max_batch_size=16, threads=2)),
-               ("float32", "batch 64", load_engine(checkpoint, max_batch_size=64, threads=2)),
-               ("float32", "batch 8, 1 thread", load_engine(checkpoint, max_batch_size=8, threads=1)),
-               ("float32", "batch 1, 1 thread", load_engine(checkpoint, max_batch_size=1, threads=1)),
-               ("bfloat16", "batch 32", load_engine(checkpoint, max_batch_size=32, dtype="bfloat16", threads=2)),
-               ("bfloat16", "batch 4, 1 thread", load_engine(checkpoint, max_batch_size=4, dtype="bfloat16", threads=1))]
+    engines = [
+        ("float32", "batch 16", load_engine(checkpoint, max_batch_size=16, threads=2)),
+        ("float32", "batch 64", load_engine(checkpoint, max_batch_size=64, threads=2)),
+        ("float32", "batch 8, 1 thread", load_engine(checkpoint, max_batch_size=8, threads=1)),
+        ("float32", "batch 1, 1 thread", load_engine(checkpoint, max_batch_size=1, threads=1)),
+        ("bfloat16", "batch 32", load_engine(checkpoint, max_batch_size=32, dtype="bfloat16", threads=2)),
+        (
+            "bfloat16",
+            "batch 4, 1 thread",
+            load_engine(checkpoint, max_batch_size=4, dtype="bfloat16", threads=1),
+        ),
+    ]
     done, rejected, counter = 0, [], 0
     worst: dict[str, dict[str, float]] = {}
     while done < total:
         precision, name, engine = engines[counter % len(engines)]
-        spec = BatchSpec(run_id="honest", run_seed=run_seed, policy_step=0, batch_counter=counter, prompts=16,
-                         samples=2, temperature=1.0, max_new_tokens=new_tokens)
+        spec = BatchSpec(
+            run_id="honest",
+            run_seed=run_seed,
+            policy_step=0,
+            batch_counter=counter,
+            prompts=16,
+            samples=2,
+            temperature=1.0,
+            max_new_tokens=new_tokens,
+        )
         rows = produce_rows(engine, tasks, NODE.node_id, spec).rows
         torch.set_num_threads(1)
         path = out_dir / f"honest-{counter}.parquet"
@@ -160,15 +209,22 @@ def honest_run(checkpoint: Path, tasks, total: int, new_tokens: int, out_dir: Pa
         if not report.accepted:
             rejected.append((precision, name, report.reasons))
         stats, _, gap = file_stats(verifier, rows)
-        w = worst.setdefault(precision, {"exp": 0, "mean": 0.0, "median": 0.0, "typical": 0.0, "gumbel_gap": 0.0})
-        w.update(exp=max(w["exp"], *(c.exp_mismatches for c in stats)),
-                 mean=max(w["mean"], *(c.mant_err_mean for c in stats)),
-                 median=max(w["median"], *(c.mant_err_median for c in stats)),
-                 typical=max(w["typical"], typical_mant_err_mean(stats)), gumbel_gap=max(w["gumbel_gap"], gap))
+        w = worst.setdefault(
+            precision, {"exp": 0, "mean": 0.0, "median": 0.0, "typical": 0.0, "gumbel_gap": 0.0}
+        )
+        w.update(
+            exp=max(w["exp"], *(c.exp_mismatches for c in stats)),
+            mean=max(w["mean"], *(c.mant_err_mean for c in stats)),
+            median=max(w["median"], *(c.mant_err_median for c in stats)),
+            typical=max(w["typical"], typical_mant_err_mean(stats)),
+            gumbel_gap=max(w["gumbel_gap"], gap),
+        )
         done += len(rows)
         counter += 1
-        print(f"{done:5d} rollouts, {len(rejected)} rejected; file {counter} ({precision} {name}) worst {worst}",
-              flush=True)
+        print(
+            f"{done:5d} rollouts, {len(rejected)} rejected; file {counter} ({precision} {name}) worst {worst}",
+            flush=True,
+        )
     return {"rollouts": done, "files": counter, "rejected": rejected, "worst": worst}
 
 
@@ -179,19 +235,26 @@ def sweep(checkpoint: Path, tasks, spec: BatchSpec, batches: int, plot_dir: Path
         ("honest", dtype, lambda c, e=load_engine(checkpoint, max_batch_size=16, dtype=dtype, threads=1): e)
         for dtype in ("float32", "bfloat16")
     ]
-    configs += [("noise", f"{noise:g}", lambda c, n=noise: perturbed_copy(verifier, n, seed=c))
-                for noise in SWEEP_NOISES]
+    configs += [
+        ("noise", f"{noise:g}", lambda c, n=noise: perturbed_copy(verifier, n, seed=c))
+        for noise in SWEEP_NOISES
+    ]
     configs += [("quant", f"int{bits}", lambda c, e=quantized_copy(verifier, bits): e) for bits in SWEEP_BITS]
     results = []
-    print("| cheat | strength | file typical (min .. max) | worst chunk: exp / mean | files caught: float32 bounds "
-          "/ bfloat16 bounds | Gumbel mismatches |")
+    print(
+        "| cheat | strength | file typical (min .. max) | worst chunk: exp / mean | files caught: float32 bounds "
+        "/ bfloat16 bounds | Gumbel mismatches |"
+    )
     print("|---|---|---|---|---|---|")
     for kind, name, make in configs:
         r = run_config(name, kind, make, 1, verifier, tasks, spec, batches)
         results.append(r)
         rej = r["rejected_files"]
-        print(f"| {kind} | {name} | {_span(r['typical'], 3)} | {r['exp'][1]} / {r['mean'][1]:.2f} | "
-              f"{rej['float32']} / {rej['bfloat16']} of {r['files']} | {r['sampling_mismatches']} |", flush=True)
+        print(
+            f"| {kind} | {name} | {_span(r['typical'], 3)} | {r['exp'][1]} / {r['mean'][1]:.2f} | "
+            f"{rej['float32']} / {rej['bfloat16']} of {r['files']} | {r['sampling_mismatches']} |",
+            flush=True,
+        )
     for judge in ("float32", "bfloat16"):
         for kind, label in (("noise", "relative noise"), ("quant", "quantization")):
             # Grids run from weakest to strongest (noise) and finest to coarsest (bits): walk back from the
@@ -214,13 +277,16 @@ def plot_sweep(results: list[dict], plot_dir: Path) -> list[Path]:
     over files for each strength (blue, light blue), the float32 and bfloat16 bounds (green, red) and the
     honest float32 and bfloat16 maxima (grey, orange) as horizontal lines. x: log10(relative noise) in one,
     bits in the other."""
+
     def level(value: float) -> float:
         return math.log10(max(value, 1e-2))
 
     honest = {r["config"]: level(r["typical"][1]) for r in results if r["kind"] == "honest"}
     paths = []
-    for kind, name, x_of in (("noise", "noise", lambda c: math.log10(float(c))),
-                             ("quant", "quantization", lambda c: float(c.removeprefix("int")))):
+    for kind, name, x_of in (
+        ("noise", "noise", lambda c: math.log10(float(c))),
+        ("quant", "quantization", lambda c: float(c.removeprefix("int"))),
+    ):
         points = [r for r in results if r["kind"] == kind]
         xs = [x_of(r["config"]) for r in points]
         span = (min(xs), max(xs))
@@ -228,16 +294,20 @@ def plot_sweep(results: list[dict], plot_dir: Path) -> list[Path]:
         def flat(y: float, color: tuple[int, int, int], s: tuple[float, float] = span) -> Series:
             return Series([(s[0], y), (s[1], y)], color)
 
-        series = [flat(level(JUDGES["float32"].max_typical_mant_err_mean), (40, 150, 60)),
-                  flat(level(JUDGES["bfloat16"].max_typical_mant_err_mean), (200, 60, 30)),
-                  flat(honest["float32"], (150, 150, 150)), flat(honest["bfloat16"], (240, 160, 40)),
-                  Series([(x, level(r["typical"][1])) for x, r in zip(xs, points, strict=True)],
-                         (150, 190, 240)),
-                  Series([(x, level(r["typical"][0])) for x, r in zip(xs, points, strict=True)],
-                         (30, 90, 200))]
+        series = [
+            flat(level(JUDGES["float32"].max_typical_mant_err_mean), (40, 150, 60)),
+            flat(level(JUDGES["bfloat16"].max_typical_mant_err_mean), (200, 60, 30)),
+            flat(honest["float32"], (150, 150, 150)),
+            flat(honest["bfloat16"], (240, 160, 40)),
+            Series([(x, level(r["typical"][1])) for x, r in zip(xs, points, strict=True)], (150, 190, 240)),
+            Series([(x, level(r["typical"][0])) for x, r in zip(xs, points, strict=True)], (30, 90, 200)),
+        ]
         # Grid lines every half decade of y (and of noise) and every 2 bits.
-        paths.append(line_plot(plot_dir / f"proofs_sensitivity_{name}.png", series, x_range=span,
-                               y_range=(-2.0, 1.0), grid=6))
+        paths.append(
+            line_plot(
+                plot_dir / f"proofs_sensitivity_{name}.png", series, x_range=span, y_range=(-2.0, 1.0), grid=6
+            )
+        )
     return paths
 
 
@@ -246,31 +316,49 @@ def _span(pair: list[float], digits: int = 2) -> str:
 
 
 def print_table(results: list[dict]) -> None:
-    print("| configuration | rollouts (chunks) | exponent mismatches | chunk mean | chunk median | file typical "
-          "| files rejected: previous / float32 / bfloat16 bounds | Gumbel mismatches (largest gap) |")
+    print(
+        "| configuration | rollouts (chunks) | exponent mismatches | chunk mean | chunk median | file typical "
+        "| files rejected: previous / float32 / bfloat16 bounds | Gumbel mismatches (largest gap) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         rej = r["rejected_files"]
-        print(f"| {r['kind']}: {r['config']} | {r['rollouts']} ({r['chunks']}) | {_span(r['exp'], 0)} | "
-              f"{_span(r['mean'])} | {_span(r['median'], 0)} | {_span(r['typical'], 3)} | "
-              f"{rej['previous']} / {rej['float32']} / {rej['bfloat16']} of {r['files']} | {r['sampling_mismatches']} ({r['max_gap']:.2f}) |")
+        print(
+            f"| {r['kind']}: {r['config']} | {r['rollouts']} ({r['chunks']}) | {_span(r['exp'], 0)} | "
+            f"{_span(r['mean'])} | {_span(r['median'], 0)} | {_span(r['typical'], 3)} | "
+            f"{rej['previous']} / {rej['float32']} / {rej['bfloat16']} of {r['files']} | {r['sampling_mismatches']} ({r['max_gap']:.2f}) |"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: the untrained tiny model)")
-    parser.add_argument("--other-model", type=Path, action="append", default=[],
-                        help="another checkpoint a cheater might run (another seed, an older step); repeatable")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="checkpoint (default: the untrained tiny model)"
+    )
+    parser.add_argument(
+        "--other-model",
+        type=Path,
+        action="append",
+        default=[],
+        help="another checkpoint a cheater might run (another seed, an older step); repeatable",
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--batches", type=int, default=2, help="files per configuration")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--run-seed", type=int, default=1, help="--honest: the run seed (another seed, other batches)")
-    parser.add_argument("--honest", type=int, default=0,
-                        help="instead: run this many honest rollouts through the full verifier and count rejections")
-    parser.add_argument("--sweep", action="store_true",
-                        help="instead: the sensitivity sweep (noise and quantization)")
+    parser.add_argument(
+        "--run-seed", type=int, default=1, help="--honest: the run seed (another seed, other batches)"
+    )
+    parser.add_argument(
+        "--honest",
+        type=int,
+        default=0,
+        help="instead: run this many honest rollouts through the full verifier and count rejections",
+    )
+    parser.add_argument(
+        "--sweep", action="store_true", help="instead: the sensitivity sweep (noise and quantization)"
+    )
     parser.add_argument("--plot-dir", type=Path, default=None, help="--sweep: write the curves as PNGs here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -283,8 +371,16 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(summary, indent=2))
         return
-    spec = BatchSpec(run_id="calibrate", run_seed=1, policy_step=0, batch_counter=0, prompts=args.prompts,
-                     samples=args.samples, temperature=1.0, max_new_tokens=args.new_tokens)
+    spec = BatchSpec(
+        run_id="calibrate",
+        run_seed=1,
+        policy_step=0,
+        batch_counter=0,
+        prompts=args.prompts,
+        samples=args.samples,
+        temperature=1.0,
+        max_new_tokens=args.new_tokens,
+    )
     if args.sweep:
         results = sweep(checkpoint, tasks, spec, args.batches, args.plot_dir)
         if args.out:
@@ -295,8 +391,11 @@ def main() -> None:
     for kind, name, make, threads in configurations(checkpoint, verifier, args.other_model):
         results.append(run_config(name, kind, make, threads, verifier, tasks, spec, args.batches))
         r = results[-1]
-        print(f"{kind:6} {name:44} exp {r['exp']} mean {_span(r['mean'])} median {r['median']} typical "
-              f"{_span(r['typical'], 3)} rejected {r['rejected_files']} of {r['files']} ({r['seconds']} s)", flush=True)
+        print(
+            f"{kind:6} {name:44} exp {r['exp']} mean {_span(r['mean'])} median {r['median']} typical "
+            f"{_span(r['typical'], 3)} rejected {r['rejected_files']} of {r['files']} ({r['seconds']} s)",
+            flush=True,
+        )
     print_table(results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))

@@ -76,13 +76,23 @@ def main() -> int:
     if args.untrained:
         model = args.out / "model"
         save_model_dir(*build_tiny_model(0), model)
-        sizing = Sizing(batch_size=args.batch_size or 8 * args.nodes, **{
-            k: getattr(UNTRAINED_SIZING, k) for k in ("prompts", "samples", "max_new_tokens", "length_targets")})
+        sizing = Sizing(
+            batch_size=args.batch_size or 8 * args.nodes,
+            **{
+                k: getattr(UNTRAINED_SIZING, k)
+                for k in ("prompts", "samples", "max_new_tokens", "length_targets")
+            },
+        )
     from prime_node.trainer.devnet.attacks import ATTACKS
 
-    options = DevnetOptions(root=args.out / "run", model_dir=model, nodes=args.nodes,
-                            attacks=[list(ATTACKS)[i % len(ATTACKS)] for i in range(args.adversaries)],
-                            steps=args.steps, sizing=sizing)
+    options = DevnetOptions(
+        root=args.out / "run",
+        model_dir=model,
+        nodes=args.nodes,
+        attacks=[list(ATTACKS)[i % len(ATTACKS)] for i in range(args.adversaries)],
+        steps=args.steps,
+        sizing=sizing,
+    )
     devnet = Devnet(options, LiveView(args.steps, stream=sys.stderr, tty=False))
     sampler = Sampler(devnet)
     devnet.on_snapshot = sampler
@@ -90,20 +100,28 @@ def main() -> int:
     print(format_report(report))
     print()
     run_h = report["run_s"] / 3600
-    print(f"contributors            {args.nodes} honest + {args.adversaries} adversaries, {os.cpu_count()} cores, "
-          f"load {os.getloadavg()[0]:.1f}")
-    print(f"steps per hour          {report['steps'] / run_h:.1f}  ({report['steps']} steps in {report['run_s']:.0f} s "
-          f"after {report['setup_s']:.0f} s of set-up)")
+    print(
+        f"contributors            {args.nodes} honest + {args.adversaries} adversaries, {os.cpu_count()} cores, "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"steps per hour          {report['steps'] / run_h:.1f}  ({report['steps']} steps in {report['run_s']:.0f} s "
+        f"after {report['setup_s']:.0f} s of set-up)"
+    )
     if sampler.queue:
-        print(f"validator queue depth   mean {statistics.fmean(sampler.queue):.1f}, max {max(sampler.queue)} files "
-              f"({len(sampler.queue)} samples)")
+        print(
+            f"validator queue depth   mean {statistics.fmean(sampler.queue):.1f}, max {max(sampler.queue)} files "
+            f"({len(sampler.queue)} samples)"
+        )
     members = [v for k, v in sampler.pss.items() if k not in ("trainer", "validator")]
     mib = 1024
     if members:
-        print(f"PSS per process tree    trainer {sampler.pss.get('trainer', 0) / mib:.0f} MiB, validator "
-              f"{sampler.pss.get('validator', 0) / mib:.0f} MiB, contributor median "
-              f"{statistics.median(members) / mib:.0f} MiB (max {max(members) / mib:.0f}), "
-              f"all {sum(sampler.pss.values()) / mib:.0f} MiB")
+        print(
+            f"PSS per process tree    trainer {sampler.pss.get('trainer', 0) / mib:.0f} MiB, validator "
+            f"{sampler.pss.get('validator', 0) / mib:.0f} MiB, contributor median "
+            f"{statistics.median(members) / mib:.0f} MiB (max {max(members) / mib:.0f}), "
+            f"all {sum(sampler.pss.values()) / mib:.0f} MiB"
+        )
     return 0 if report["error"] is None else 1
 
 

@@ -58,7 +58,11 @@ def main() -> None:
             model_dir = Path(tmp) / "tiny"
             save_model_dir(*build_tiny_model(seed=0), model_dir)
         engine = load_engine(
-            model_dir, device=args.device, dtype=args.dtype, max_batch_size=max(BATCH_SIZES), threads=args.threads
+            model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=max(BATCH_SIZES),
+            threads=args.threads,
         )
         assert isinstance(engine, HFEngine)
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0)

@@ -6,7 +6,7 @@ Measured in one run, on loopback, each figure a fresh fetch into an empty store 
 FetchSettings):
 
   honest only   `prime-node weights serve` (a separate process) alone
-  + N <kind>    the same honest server plus N hostile sources of one kind, served by tests/hostile_http.py
+  + N <kind>    the same honest server plus N hostile sources of one kind, served by tests/support/hostile_http.py
                 (a separate process writing raw HTTP): drip (shard bodies one byte per --interval s),
                 wrong-bytes (every shard with a flipped byte, at full speed), bad-headers (every shard answered
                 with `Content-Length: ²`), stall (half a shard, then silence)
@@ -40,8 +40,13 @@ from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.store import Store
 
 MIB = 1 << 20
-HOSTILE_SERVER = Path(__file__).resolve().parent.parent / "tests" / "hostile_http.py"
-KINDS = {"drip": "s-drip", "wrong-bytes": "s-wrong-bytes", "bad-headers": "s-unicode-length", "stall": "s-stall"}
+HOSTILE_SERVER = Path(__file__).resolve().parent.parent / "tests" / "support" / "hostile_http.py"
+KINDS = {
+    "drip": "s-drip",
+    "wrong-bytes": "s-wrong-bytes",
+    "bad-headers": "s-unicode-length",
+    "stall": "s-stall",
+}
 
 
 def make_checkpoint(directory: Path, size: int) -> Path:
@@ -56,7 +61,9 @@ def make_checkpoint(directory: Path, size: int) -> Path:
 
 def start(argv: list[str], ready: str) -> tuple[subprocess.Popen[str], str]:
     """Start a server process; returns it and the last word of its first line (its URL or port)."""
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith(ready):
@@ -65,7 +72,9 @@ def start(argv: list[str], ready: str) -> tuple[subprocess.Popen[str], str]:
     return proc, line.strip().rsplit(" ", 1)[-1]
 
 
-async def fetch_once(urls: list[str], key: str, step: int, digest: str, out: Path) -> tuple[float, dict[str, object]]:
+async def fetch_once(
+    urls: list[str], key: str, step: int, digest: str, out: Path
+) -> tuple[float, dict[str, object]]:
     shutil.rmtree(out, ignore_errors=True)
     fetcher = Fetcher(urls, key, Store(out), FetchSettings())
     began = time.perf_counter()
@@ -76,7 +85,11 @@ async def fetch_once(urls: list[str], key: str, step: int, digest: str, out: Pat
     seconds = time.perf_counter() - began
     honest = next(s for s in result.sources if s["url"] == urls[0])
     shutil.rmtree(out)
-    return seconds, {"hedges": result.hedges, "hedges_won": result.hedges_won, "honest_shards": honest["shards_ok"]}
+    return seconds, {
+        "hedges": result.hedges,
+        "hedges_won": result.hedges_won,
+        "honest_shards": honest["shards_ok"],
+    }
 
 
 def main() -> None:
@@ -94,30 +107,50 @@ def main() -> None:
     procs: list[subprocess.Popen[str]] = []
     try:
         key = Identity.generate()
-        manifest, _ = publish(make_checkpoint(work / "ckpt", args.size_mib * MIB), step=1, identity=key,
-                              out_dir=work / "origin", shard_size=int(args.shard_mib * MIB), run_id="bench")
+        manifest, _ = publish(
+            make_checkpoint(work / "ckpt", args.size_mib * MIB),
+            step=1,
+            identity=key,
+            out_dir=work / "origin",
+            shard_size=int(args.shard_mib * MIB),
+            run_id="bench",
+        )
         cli = Path(sys.executable).parent / "prime-node"
-        honest_proc, honest = start([str(cli), "weights", "serve", str(work / "origin"), "--port", "0",
-                                     "--rate-limit", "0"], "serving")
-        hostile_proc, port = start([sys.executable, str(HOSTILE_SERVER), str(work / "origin"),
-                                    "--interval", str(args.interval)], "PORT")
+        honest_proc, honest = start(
+            [str(cli), "weights", "serve", str(work / "origin"), "--port", "0", "--rate-limit", "0"],
+            "serving",
+        )
+        hostile_proc, port = start(
+            [sys.executable, str(HOSTILE_SERVER), str(work / "origin"), "--interval", str(args.interval)],
+            "PORT",
+        )
         procs += [honest_proc, hostile_proc]
-        bad = {kind: [f"http://127.0.0.1:{port}/{mode}~{i}" for i in range(args.hostile)]
-               for kind, mode in KINDS.items()}
+        bad = {
+            kind: [f"http://127.0.0.1:{port}/{mode}~{i}" for i in range(args.hostile)]
+            for kind, mode in KINDS.items()
+        }
         scenarios = [("honest only", [])] + [(f"+ {args.hostile} {kind}", urls) for kind, urls in bad.items()]
         everyone = [u for urls in bad.values() for u in urls]
         scenarios += [(f"+ {args.hostile} of all kinds", everyone), ("honest only", [])]
-        print(f"checkpoint {args.size_mib} MiB in {len(manifest.body.shards)} shards; {os.cpu_count()} cores, "
-              f"load average {os.getloadavg()[0]:.1f}; one fetch per line")
+        print(
+            f"checkpoint {args.size_mib} MiB in {len(manifest.body.shards)} shards; {os.cpu_count()} cores, "
+            f"load average {os.getloadavg()[0]:.1f}; one fetch per line"
+        )
         rows = []
         for name, hostile in scenarios:
-            seconds, info = asyncio.run(fetch_once([honest, *hostile], key.node_id, 1, manifest.digest, work / "out"))
+            seconds, info = asyncio.run(
+                fetch_once([honest, *hostile], key.node_id, 1, manifest.digest, work / "out")
+            )
             rows.append((name, seconds, info))
         baseline = (rows[0][1] + rows[-1][1]) / 2
-        print(f"{'sources':24s} {'seconds':>8s} {'x honest':>9s} {'hedged':>7s} {'won':>4s} {'honest shards':>14s}")
+        print(
+            f"{'sources':24s} {'seconds':>8s} {'x honest':>9s} {'hedged':>7s} {'won':>4s} {'honest shards':>14s}"
+        )
         for name, seconds, info in rows:
-            print(f"{name:24s} {seconds:8.3f} {seconds / baseline:9.2f} {info['hedges']:7d} {info['hedges_won']:4d} "
-                  f"{info['honest_shards']:14d}")
+            print(
+                f"{name:24s} {seconds:8.3f} {seconds / baseline:9.2f} {info['hedges']:7d} {info['hedges_won']:4d} "
+                f"{info['honest_shards']:14d}"
+            )
         worst = max(seconds for _, seconds, _ in rows) / baseline
         print(f"worst ratio to honest-only: {worst:.2f}x (target <= 2x)")
     finally:

@@ -39,27 +39,38 @@ import torch
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
-from prime_node.node.models.warmstart import RUN_INFO_FILE, WarmStartConfig, greedy_accuracy, heldout_tasks, init_model_dir
+from prime_node.node.models.warmstart import (
+    RUN_INFO_FILE,
+    WarmStartConfig,
+    greedy_accuracy,
+    heldout_tasks,
+    init_model_dir,
+)
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
+from prime_node.node.run.validation import RunTasks, verify_rollout_file
 from prime_node.node.tasks import open_task_set
 from prime_node.node.tasks.split import ContentSplit
 from prime_node.node.tasks.types import Task
-from prime_node.node.run.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
 from prime_node.proofs.verifier import VerifierSettings
-from prime_node.trainer.service.batch_buffer import BatchBuffer, RolloutRecord
+from prime_node.trainer.devnet.tasks import TaskFilter, filtered_tasks
 from prime_node.trainer.grpo.config import TrainerSettings
+from prime_node.trainer.service.batch_buffer import BatchBuffer, RolloutRecord
 from prime_node.trainer.service.consumed import ConsumedLedger
 from prime_node.trainer.service.inbox import Inbox
-from prime_node.trainer.devnet.tasks import TaskFilter, filtered_tasks
 from prime_node.trainer.service.learner import Learner
 
 RUN_ID = "learning-bench"
 
 
-def write_png(path: Path, series: list[tuple[list[tuple[float, float]], tuple[int, int, int]]], x_max: float,
-              width: int = 480, height: int = 240) -> None:
+def write_png(
+    path: Path,
+    series: list[tuple[list[tuple[float, float]], tuple[int, int, int]]],
+    x_max: float,
+    width: int = 480,
+    height: int = 240,
+) -> None:
     """Line plot of each series of (x, y) points, x in [0, x_max] and y in [0, 1], on white in a grey frame."""
     pixels = [[(255, 255, 255)] * width for _ in range(height)]
     for x in range(width):
@@ -69,8 +80,13 @@ def write_png(path: Path, series: list[tuple[list[tuple[float, float]], tuple[in
     for values, color in series:
         if not values:
             continue
-        pts = [(round((width - 1) * min(max(x / max(x_max, 1e-9), 0.0), 1.0)),
-                round((height - 1) * (1 - min(max(y, 0.0), 1.0)))) for x, y in values]
+        pts = [
+            (
+                round((width - 1) * min(max(x / max(x_max, 1e-9), 0.0), 1.0)),
+                round((height - 1) * (1 - min(max(y, 0.0), 1.0))),
+            )
+            for x, y in values
+        ]
         for (x0, y0), (x1, y1) in zip(pts, pts[1:] or pts):
             steps = max(abs(x1 - x0), abs(y1 - y0), 1)
             for s in range(steps + 1):
@@ -81,7 +97,12 @@ def write_png(path: Path, series: list[tuple[list[tuple[float, float]], tuple[in
     raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in pixels)
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
 
     png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
     path.write_bytes(png + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
@@ -107,8 +128,9 @@ class HeldOut:
     prompt text is not in it: what the policy never saw, hence the measure of learning that generalises.
     """
 
-    def __init__(self, eval_size: int, band: list[Task], training_prompts: set[str] | None,
-                 heldout_fraction: float) -> None:
+    def __init__(
+        self, eval_size: int, band: list[Task], training_prompts: set[str] | None, heldout_fraction: float
+    ) -> None:
         config = WarmStartConfig(eval_size=eval_size, heldout_fraction=heldout_fraction)
         self.max_new_tokens = config.eval_max_new_tokens
         self.sets = {"mix": heldout_tasks(config)}
@@ -120,7 +142,9 @@ class HeldOut:
         if heldout_fraction and training_prompts is not None:
             seen = sum(t.prompt in training_prompts for tasks in self.sets.values() for t in tasks)
             if seen:  # the split guarantees none; a bug here would inflate every number printed
-                raise SystemExit(f"{seen} held-out prompts occur in the training set: the content split is broken")
+                raise SystemExit(
+                    f"{seen} held-out prompts occur in the training set: the content split is broken"
+                )
         elif training_prompts is not None:
             for name in list(self.sets):
                 new = [t for t in self.sets[name] if t.prompt not in training_prompts]
@@ -130,12 +154,16 @@ class HeldOut:
     def evaluate(self, checkpoint: Path) -> dict[str, tuple[float, dict[int, float]]]:
         model = load_engine(checkpoint, threads=1).model  # type: ignore[attr-defined]
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-        return {name: greedy_accuracy(model, tokenizer, tasks, self.max_new_tokens)
-                for name, tasks in self.sets.items()}
+        return {
+            name: greedy_accuracy(model, tokenizer, tasks, self.max_new_tokens)
+            for name, tasks in self.sets.items()
+        }
 
     def line(self, step: int, results: dict[str, tuple[float, dict[int, float]]]) -> str:
         return f"step {step} held-out " + "; ".join(
-            f"{name} ({len(self.sets[name])}) {acc:.3f} [{fmt_levels(levels)}]" for name, (acc, levels) in results.items())
+            f"{name} ({len(self.sets[name])}) {acc:.3f} [{fmt_levels(levels)}]"
+            for name, (acc, levels) in results.items()
+        )
 
 
 def task_file_column(path: Path, column: str) -> list[str]:
@@ -153,7 +181,9 @@ def band_heldout(model_dir: Path, filter_spec: TaskFilter) -> list[Task]:
     return [family.get(int(index)) for index in task_file_column(path, "source_index")]
 
 
-def without_heldout(record: RolloutRecord, first_heldout: int, tasks: RunTasks, split: ContentSplit) -> RolloutRecord:
+def without_heldout(
+    record: RolloutRecord, first_heldout: int, tasks: RunTasks, split: ContentSplit
+) -> RolloutRecord:
     """The record minus samples of held-out problems, so the evaluation stays honest (never trained on).
 
     Assignment draws from the whole set, so a held-out index is assigned with probability eval_size / 2^24
@@ -161,8 +191,12 @@ def without_heldout(record: RolloutRecord, first_heldout: int, tasks: RunTasks, 
     content split, a prompt on the held-out side is dropped whatever its index (the whole family's prompts
     are assigned when there is no filtered task file).
     """
-    kept = tuple(s for s in record.samples if int(s.prompt_key) < first_heldout
-                 and not split.is_heldout(tasks.task_set.get(int(s.prompt_key)).prompt))
+    kept = tuple(
+        s
+        for s in record.samples
+        if int(s.prompt_key) < first_heldout
+        and not split.is_heldout(tasks.task_set.get(int(s.prompt_key)).prompt)
+    )
     return record if len(kept) == len(record.samples) else replace(record, samples=kept)
 
 
@@ -172,12 +206,17 @@ def check_warm_start_split(model_dir: Path, heldout_fraction: float) -> None:
     if not heldout_fraction:
         return
     info_path = model_dir / RUN_INFO_FILE
-    used = json.loads(info_path.read_text()).get("warm_start", {}).get("heldout_fraction", 0.0) \
-        if info_path.is_file() else None
+    used = (
+        json.loads(info_path.read_text()).get("warm_start", {}).get("heldout_fraction", 0.0)
+        if info_path.is_file()
+        else None
+    )
     if used != heldout_fraction:
-        raise SystemExit(f"{model_dir} was warm-started with heldout_fraction {used} (from {RUN_INFO_FILE}), not "
-                         f"{heldout_fraction}: its warm start may have trained on held-out prompts; warm-start "
-                         "anew (omit --model)")
+        raise SystemExit(
+            f"{model_dir} was warm-started with heldout_fraction {used} (from {RUN_INFO_FILE}), not "
+            f"{heldout_fraction}: its warm start may have trained on held-out prompts; warm-start "
+            "anew (omit --model)"
+        )
 
 
 def fmt_levels(by_level: dict[int, float]) -> str:
@@ -186,38 +225,69 @@ def fmt_levels(by_level: dict[int, float]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=None, help="warm-started model dir (default: warm-start one)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="warm-started model dir (default: warm-start one)"
+    )
     p.add_argument("--steps", type=int, default=30, help="rollout steps")
     p.add_argument("--files", type=int, default=2, help="rollout files per step")
     p.add_argument("--prompts", type=int, default=8, help="prompts per file")
     p.add_argument("--samples", type=int, default=8, help="completions per prompt")
     p.add_argument("--lr", type=float, default=TrainerSettings().lr)
-    p.add_argument("--batch-size", type=int, default=None, help="samples per step (default: prompts x samples)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="samples per step (default: prompts x samples)"
+    )
     p.add_argument("--optimizer-steps", type=int, default=TrainerSettings().optimizer_steps_per_batch)
     p.add_argument("--warmup", type=int, default=TrainerSettings().warmup_steps)
-    p.add_argument("--decay", action="store_true",
-                   help="decay the lr linearly to --min-lr-ratio over the run's optimizer steps (trainer decay_steps)")
+    p.add_argument(
+        "--decay",
+        action="store_true",
+        help="decay the lr linearly to --min-lr-ratio over the run's optimizer steps (trainer decay_steps)",
+    )
     p.add_argument("--min-lr-ratio", type=float, default=TrainerSettings().min_lr_ratio)
-    p.add_argument("--negative-weight", type=float, default=TrainerSettings().negative_weight,
-                   help="weight of negative advantages (trainer negative_weight)")
+    p.add_argument(
+        "--negative-weight",
+        type=float,
+        default=TrainerSettings().negative_weight,
+        help="weight of negative advantages (trainer negative_weight)",
+    )
     p.add_argument("--temperature", type=float, default=TrainerSettings().temperature)
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--sft-steps", type=int, default=WarmStartConfig().steps, help="warm start without --model")
-    p.add_argument("--filter", type=int, default=0,
-                   help="train on the problems among the first N whose pass@8 estimate lies in the band (0: all)")
+    p.add_argument(
+        "--sft-steps", type=int, default=WarmStartConfig().steps, help="warm start without --model"
+    )
+    p.add_argument(
+        "--filter",
+        type=int,
+        default=0,
+        help="train on the problems among the first N whose pass@8 estimate lies in the band (0: all)",
+    )
     p.add_argument("--band", type=float, nargs=2, default=(0.125, 0.875), metavar=("MIN", "MAX"))
     p.add_argument("--eval-size", type=int, default=WarmStartConfig().eval_size)
-    p.add_argument("--heldout-filter", type=int, default=0,
-                   help="also evaluate on those of the family's last N problems that lie in the training band")
-    p.add_argument("--heldout-fraction", type=float, default=0.0,
-                   help="hold out this share of prompt texts by content: never trained on (warm start and RL), "
-                        "the only ones evaluated (0: held out by index)")
+    p.add_argument(
+        "--heldout-filter",
+        type=int,
+        default=0,
+        help="also evaluate on those of the family's last N problems that lie in the training band",
+    )
+    p.add_argument(
+        "--heldout-fraction",
+        type=float,
+        default=0.0,
+        help="hold out this share of prompt texts by content: never trained on (warm start and RL), "
+        "the only ones evaluated (0: held out by index)",
+    )
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--minutes", type=float, default=20.0, help="stop after this much wall time")
-    p.add_argument("--seed", type=int, default=0, help="seeds the node and operator keys (hence the task assignment)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the node and operator keys (hence the task assignment)"
+    )
     p.add_argument("--out", type=Path, default=Path("learning.png"))
-    p.add_argument("--summary", type=Path, default=None,
-                   help="also write the figures printed at the end as JSON (tests/test_learning_record.py reads it)")
+    p.add_argument(
+        "--summary",
+        type=Path,
+        default=None,
+        help="also write the figures printed at the end as JSON (tests/test_learning_record.py reads it)",
+    )
     args = p.parse_args()
     begun = time.perf_counter()  # the whole run: warm start and offline filtering included
     torch.set_num_threads(1)
@@ -226,19 +296,29 @@ def main() -> int:
     cpu0 = time.process_time()
     if model_dir is None:
         model_dir = work / "warm"
-        init_model_dir(model_dir, 0, WarmStartConfig(steps=args.sft_steps, heldout_fraction=args.heldout_fraction))
+        init_model_dir(
+            model_dir, 0, WarmStartConfig(steps=args.sft_steps, heldout_fraction=args.heldout_fraction)
+        )
         print(f"warm start: {args.sft_steps} steps, {time.process_time() - cpu0:.0f} s CPU", flush=True)
     check_warm_start_split(model_dir, args.heldout_fraction)
     # Seeded identities: the node id seeds the task assignment, so a random key would make every run differ.
-    operator, node = (Identity.from_seed(hashlib.sha256(f"learning-bench/{who}/{args.seed}".encode()).digest())
-                      for who in ("operator", "node"))
-    settings = TrainerSettings(lr=args.lr, warmup_steps=args.warmup,
-                               batch_size=args.batch_size or args.prompts * args.samples,
-                               optimizer_steps_per_batch=args.optimizer_steps, temperature=args.temperature,
-                               micro_batch_tokens=256, async_level=1, kl_coef=0.0,
-                               negative_weight=args.negative_weight,
-                               decay_steps=args.steps * args.optimizer_steps if args.decay else 0,
-                               min_lr_ratio=args.min_lr_ratio)
+    operator, node = (
+        Identity.from_seed(hashlib.sha256(f"learning-bench/{who}/{args.seed}".encode()).digest())
+        for who in ("operator", "node")
+    )
+    settings = TrainerSettings(
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        batch_size=args.batch_size or args.prompts * args.samples,
+        optimizer_steps_per_batch=args.optimizer_steps,
+        temperature=args.temperature,
+        micro_batch_tokens=256,
+        async_level=1,
+        kl_coef=0.0,
+        negative_weight=args.negative_weight,
+        decay_steps=args.steps * args.optimizer_steps if args.decay else 0,
+        min_lr_ratio=args.min_lr_ratio,
+    )
     store = Store(work / "weights")
     ledger = ConsumedLedger(work / "consumed.sqlite")
     learner = Learner(settings, model_dir, work / "states", store, ledger, operator, RUN_ID)
@@ -248,9 +328,16 @@ def main() -> int:
     task_source = None
     if args.filter:  # offline difficulty filtering, as the devnet does (cached beside the model)
         low, high = args.band
-        task_source, summary = filtered_tasks(model_dir, TaskFilter(count=args.filter, low=low, high=high,
-                                                                    max_new_tokens=args.max_new_tokens,
-                                                                    heldout_fraction=args.heldout_fraction))
+        task_source, summary = filtered_tasks(
+            model_dir,
+            TaskFilter(
+                count=args.filter,
+                low=low,
+                high=high,
+                max_new_tokens=args.max_new_tokens,
+                heldout_fraction=args.heldout_fraction,
+            ),
+        )
         print(f"offline filter: {summary}", flush=True)
     tasks = RunTasks(open_task_set(task_source), learner.tokenizer)
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=args.seed, samples_per_prompt=args.samples)
@@ -261,12 +348,22 @@ def main() -> int:
     if args.heldout_filter:
         family_size = len(open_task_set(None))
         if args.filter and args.filter > family_size - args.heldout_filter:
-            raise SystemExit("--filter and --heldout-filter overlap: the held-out band must lie past the training one")
+            raise SystemExit(
+                "--filter and --heldout-filter overlap: the held-out band must lie past the training one"
+            )
         low, high = args.band
-        band = band_heldout(model_dir, TaskFilter(count=args.heldout_filter, low=low, high=high,
-                                                  max_new_tokens=args.max_new_tokens,
-                                                  offset=family_size - args.heldout_filter,
-                                                  heldout_fraction=args.heldout_fraction, heldout=True))
+        band = band_heldout(
+            model_dir,
+            TaskFilter(
+                count=args.heldout_filter,
+                low=low,
+                high=high,
+                max_new_tokens=args.max_new_tokens,
+                offset=family_size - args.heldout_filter,
+                heldout_fraction=args.heldout_fraction,
+                heldout=True,
+            ),
+        )
     training_prompts = set(task_file_column(task_source, "prompt")) if task_source else None
     held_out = HeldOut(args.eval_size, band, training_prompts, args.heldout_fraction)
     split = ContentSplit(args.heldout_fraction)
@@ -282,9 +379,16 @@ def main() -> int:
         engine = load_engine(ckpt, threads=1)
         for f in range(args.files):
             counter += 1
-            spec = BatchSpec(run_id=RUN_ID, run_seed=args.seed, policy_step=learner.step, batch_counter=counter,
-                             prompts=args.prompts, samples=args.samples, temperature=args.temperature,
-                             max_new_tokens=args.max_new_tokens)
+            spec = BatchSpec(
+                run_id=RUN_ID,
+                run_seed=args.seed,
+                policy_step=learner.step,
+                batch_counter=counter,
+                prompts=args.prompts,
+                samples=args.samples,
+                temperature=args.temperature,
+                max_new_tokens=args.max_new_tokens,
+            )
             path = inbox.directory / f"s{learner.step}-b{counter}.parquet"
             produce_rollout_file(engine, tasks, node, spec, path)
             report = verify_rollout_file(path, engine, tasks, verifier)
@@ -298,7 +402,9 @@ def main() -> int:
                 inbox.mark_done(path)
         batch = buffer.take(learner.step)
         if batch is None:  # groups with all-equal rewards were filtered: generate more before a step
-            print(f"step {learner.step}: {buffer.buffered_samples} samples waiting for a full batch", flush=True)
+            print(
+                f"step {learner.step}: {buffer.buffered_samples} samples waiting for a full batch", flush=True
+            )
             continue
         metrics = batch.reward_metrics()
         summary = learner.train(batch).summary()
@@ -307,10 +413,13 @@ def main() -> int:
         raw_reward = sum(raw) / max(len(raw), 1)
         raw.clear()
         rewards.append((learner.step, raw_reward))
-        print(f"step {learner.step} rollout reward {raw_reward:.3f} batch reward {metrics['task_reward']:.3f} "
-              f"groups {metrics['groups']:.0f} clip {summary['clip_fraction']:.3f} |g| {summary['grad_norm']:.3f} "
-              f"H {summary['entropy']:.3f} ({time.perf_counter() - started:.0f} s, "
-              f"{time.process_time() - cpu_start:.0f} s CPU)", flush=True)
+        print(
+            f"step {learner.step} rollout reward {raw_reward:.3f} batch reward {metrics['task_reward']:.3f} "
+            f"groups {metrics['groups']:.0f} clip {summary['clip_fraction']:.3f} |g| {summary['grad_norm']:.3f} "
+            f"H {summary['entropy']:.3f} ({time.perf_counter() - started:.0f} s, "
+            f"{time.process_time() - cpu_start:.0f} s CPU)",
+            flush=True,
+        )
         out_of_time = time.perf_counter() - started > 60 * args.minutes
         if learner.step % args.eval_every == 0 or step == args.steps - 1 or out_of_time:
             results = held_out.evaluate(store.version_dir(learner.step) / CHECKPOINT_NAME)
@@ -320,29 +429,59 @@ def main() -> int:
         if out_of_time:
             break
     ledger.close()
-    colors = {"mix": (200, 60, 30), "band": (40, 150, 60), "mix-new": (230, 150, 40), "band-new": (120, 60, 160),
-              "mix-distinct": (230, 150, 40), "band-distinct": (120, 60, 160)}
-    write_png(args.out, [(rewards, (30, 90, 200))] + [(points, colors[name]) for name, points in accuracy.items()],
-              x_max=max(learner.step, 1))
+    colors = {
+        "mix": (200, 60, 30),
+        "band": (40, 150, 60),
+        "mix-new": (230, 150, 40),
+        "band-new": (120, 60, 160),
+        "mix-distinct": (230, 150, 40),
+        "band-distinct": (120, 60, 160),
+    }
+    write_png(
+        args.out,
+        [(rewards, (30, 90, 200))] + [(points, colors[name]) for name, points in accuracy.items()],
+        x_max=max(learner.step, 1),
+    )
     for name, points in accuracy.items():
         first, last = points[0][1], points[-1][1]
-        print(f"held-out {name} ({len(held_out.sets[name])} problems) accuracy {first:.3f} -> {last:.3f} "
-              f"({100 * (last - first):+.1f} points, best {max(a for _, a in points):.3f})")
+        print(
+            f"held-out {name} ({len(held_out.sets[name])} problems) accuracy {first:.3f} -> {last:.3f} "
+            f"({100 * (last - first):+.1f} points, best {max(a for _, a in points):.3f})"
+        )
     if args.summary:
         window = max(1, min(40, len(rewards) // 2))
-        args.summary.write_text(json.dumps({
-            "steps": learner.step, "rl_wall_s": time.perf_counter() - started, "total_wall_s": time.perf_counter() - begun,
-            "rl_cpu_s": time.process_time() - cpu_start,
-            "rollout_reward": {"first": sum(r for _, r in rewards[:window]) / window if rewards else None,
-                               "last": sum(r for _, r in rewards[-window:]) / window if rewards else None,
-                               "window": window},
-            "heldout": {name: {"problems": len(held_out.sets[name]), "first": points[0][1], "last": points[-1][1],
-                               "best": max(a for _, a in points)} for name, points in accuracy.items()},
-        }, indent=2) + "\n")
-    print(f"{learner.step} steps, {time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_start:.0f} s "
-          f"CPU (1 thread); {time.perf_counter() - begun:.0f} s wall in all (warm start included); reward curve "
-          f"(blue: rollout reward before filtering; held-out red: mix, green: band, orange: mix-new or "
-          f"mix-distinct, purple: band-new or band-distinct) -> {args.out}")
+        args.summary.write_text(
+            json.dumps(
+                {
+                    "steps": learner.step,
+                    "rl_wall_s": time.perf_counter() - started,
+                    "total_wall_s": time.perf_counter() - begun,
+                    "rl_cpu_s": time.process_time() - cpu_start,
+                    "rollout_reward": {
+                        "first": sum(r for _, r in rewards[:window]) / window if rewards else None,
+                        "last": sum(r for _, r in rewards[-window:]) / window if rewards else None,
+                        "window": window,
+                    },
+                    "heldout": {
+                        name: {
+                            "problems": len(held_out.sets[name]),
+                            "first": points[0][1],
+                            "last": points[-1][1],
+                            "best": max(a for _, a in points),
+                        }
+                        for name, points in accuracy.items()
+                    },
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    print(
+        f"{learner.step} steps, {time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_start:.0f} s "
+        f"CPU (1 thread); {time.perf_counter() - begun:.0f} s wall in all (warm start included); reward curve "
+        f"(blue: rollout reward before filtering; held-out red: mix, green: band, orange: mix-new or "
+        f"mix-distinct, purple: band-new or band-distinct) -> {args.out}"
+    )
     return 0
 
 

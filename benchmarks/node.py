@@ -66,12 +66,22 @@ class Bare:
 
     def __init__(self, args: argparse.Namespace, ckpt: Path, node_id: str) -> None:
         self.args, self.node_id = args, node_id
-        self.engine: InferenceEngine = load_engine(ckpt, device="cuda" if args.gpu else "cpu", threads=args.threads)
+        self.engine: InferenceEngine = load_engine(
+            ckpt, device="cuda" if args.gpu else "cpu", threads=args.threads
+        )
         self.tasks: RunTasks = load_run_tasks(RunSettings(run_id=RUN_ID, samples=args.samples), ckpt)
 
     def batch(self, counter: int) -> Side:
         a = self.args
-        pairs = assign(0, self.node_id, 0, counter, task_count=self.tasks.task_count, prompts=a.prompts, samples=a.samples)
+        pairs = assign(
+            0,
+            self.node_id,
+            0,
+            counter,
+            task_count=self.tasks.task_count,
+            prompts=a.prompts,
+            samples=a.samples,
+        )
         requests = [SampleRequest(prompt_ids=self.tasks.prompt_ids(i, s), seed=s) for i, s in pairs.rows()]
         cpu, wall = time.thread_time(), time.perf_counter()
         out = self.engine.generate(requests, SamplingParams(a.new_tokens, 1.0))
@@ -100,7 +110,9 @@ def tree_cpu(pid: int) -> tuple[float, float]:
 
 
 def file_tokens(path: Path) -> int:
-    return sum(len(ids) for ids in pq.read_table(path, columns=["output_ids"]).column("output_ids").to_pylist())
+    return sum(
+        len(ids) for ids in pq.read_table(path, columns=["output_ids"]).column("output_ids").to_pylist()
+    )
 
 
 class Commits:
@@ -114,7 +126,9 @@ class Commits:
         self.marks: list[tuple[float, tuple[float, float]]] = []
 
     def poll(self) -> None:
-        names = {e.name[:-8] for d in self.dirs if d.is_dir() for e in os.scandir(d) if e.name.endswith(".parquet")}
+        names = {
+            e.name[:-8] for d in self.dirs if d.is_dir() for e in os.scandir(d) if e.name.endswith(".parquet")
+        }
         new = names.difference(self.seen)
         if len(new) > 1:
             raise SystemExit("two files committed between polls: cannot attribute CPU time to batches")
@@ -133,33 +147,74 @@ class Commits:
             self.poll()
 
 
-async def run_pairs(args: argparse.Namespace, ckpt: Path, node_key: Path, work: Path, bare: Bare) -> list[tuple[Side, Side]]:
+async def run_pairs(
+    args: argparse.Namespace, ckpt: Path, node_key: Path, work: Path, bare: Bare
+) -> list[tuple[Side, Side]]:
     operator = Identity.generate()
     # Long hand-off timeouts on both sides: a pause may fall in the middle of a hand-off stream.
-    config = SwarmConfig(run_id=RUN_ID, operator_keys=[operator.node_id], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                         policy_poll_s=0.3, handoff_timeout_s=PAUSE_SAFE_TIMEOUT_S)
+    config = SwarmConfig(
+        run_id=RUN_ID,
+        operator_keys=[operator.node_id],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        policy_poll_s=0.3,
+        handoff_timeout_s=PAUSE_SAFE_TIMEOUT_S,
+    )
     swarm = Swarm(config, operator, roles=("trainer", "validator"))
     server = WeightsServer(Store(work / "origin"), ServeSettings(port=0), operator.node_id)
     arrived: dict[str, ReceivedRollout] = {}
     await swarm.join()
     proc: subprocess.Popen[bytes] | None = None
     try:
-        manifest, _ = await asyncio.to_thread(publish, ckpt, step=0, identity=operator, out_dir=work / "origin",
-                                              run_id=RUN_ID)
+        manifest, _ = await asyncio.to_thread(
+            publish, ckpt, step=0, identity=operator, out_dir=work / "origin", run_id=RUN_ID
+        )
         url = await server.start()
         await swarm.serve_rollouts(work / "incoming", lambda r: arrived.__setitem__(r.envelope.sha256, r))
         await swarm.publish_validator()
         # The run parameters the node is started with below: it stops on any other announcement.
-        run = RunSettings(run_id=RUN_ID, samples=args.samples, temperature=1.0, max_new_tokens=args.new_tokens)
+        run = RunSettings(
+            run_id=RUN_ID, samples=args.samples, temperature=1.0, max_new_tokens=args.new_tokens
+        )
         await swarm.publish_policy(0, manifest.digest, [url], run_parameters(run))
-        argv = [sys.executable, "-m", "prime_node.node.cli.main", "start", "--data-dir", str(work / "node"),
-                "--key", str(node_key), "--operator-key", operator.node_id, "--peers", (await swarm.maddrs())[0],
-                "--run-id", RUN_ID, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--reachability", "public",
-                "--prompts", str(args.prompts), "--samples", str(args.samples), "--temperature", "1.0",
-                "--max-new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-                "--log-level", os.environ.get("BENCH_NODE_LOG", "WARNING"), *(["--gpu"] if args.gpu else [])]
-        env = {**os.environ, "PRIME_NODE_HANDOFF_RETRY_S": "0.2", "PRIME_NODE_VERDICT_POLL_S": "3600",
-               "PRIME_NODE_SWARM__HANDOFF_TIMEOUT_S": str(PAUSE_SAFE_TIMEOUT_S)}
+        argv = [
+            sys.executable,
+            "-m",
+            "prime_node.node.cli.main",
+            "start",
+            "--data-dir",
+            str(work / "node"),
+            "--key",
+            str(node_key),
+            "--operator-key",
+            operator.node_id,
+            "--peers",
+            (await swarm.maddrs())[0],
+            "--run-id",
+            RUN_ID,
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--reachability",
+            "public",
+            "--prompts",
+            str(args.prompts),
+            "--samples",
+            str(args.samples),
+            "--temperature",
+            "1.0",
+            "--max-new-tokens",
+            str(args.new_tokens),
+            "--threads",
+            str(args.threads),
+            "--log-level",
+            os.environ.get("BENCH_NODE_LOG", "WARNING"),
+            *(["--gpu"] if args.gpu else []),
+        ]
+        env = {
+            **os.environ,
+            "PRIME_NODE_HANDOFF_RETRY_S": "0.2",
+            "PRIME_NODE_VERDICT_POLL_S": "3600",
+            "PRIME_NODE_SWARM__HANDOFF_TIMEOUT_S": str(PAUSE_SAFE_TIMEOUT_S),
+        }
         proc = subprocess.Popen(argv, env=env, start_new_session=True)
         commits = Commits(work / "node" / "rollouts", proc.pid)
         await commits.wait(1, proc, timeout=600)  # start-up, model load, warm-up batch: not measured
@@ -169,7 +224,9 @@ async def run_pairs(args: argparse.Namespace, ckpt: Path, node_key: Path, work: 
             # proves and writes; the hand-off of the previous file runs beside it). The node is paused while
             # the bare side runs its next batch; the pause is not counted.
             paused = time.perf_counter()
-            os.killpg(proc.pid, signal.SIGSTOP)  # the node's whole tree: nothing of it runs beside the bare batch
+            os.killpg(
+                proc.pid, signal.SIGSTOP
+            )  # the node's whole tree: nothing of it runs beside the bare batch
             try:
                 bare_sides.append(await asyncio.to_thread(bare.batch, index))
             finally:
@@ -184,8 +241,12 @@ async def run_pairs(args: argparse.Namespace, ckpt: Path, node_key: Path, work: 
         pairs = []
         for index, (bare_side, pause) in enumerate(zip(bare_sides, pauses), start=1):
             (wall0, cpu0), (wall1, cpu1) = commits.marks[index - 1], commits.marks[index]
-            node_side = Side(file_tokens(arrived[commits.seen[index]].path), cpu1[0] - cpu0[0], wall1 - wall0 - pause,
-                             cpu1[1] - cpu0[1])
+            node_side = Side(
+                file_tokens(arrived[commits.seen[index]].path),
+                cpu1[0] - cpu0[0],
+                wall1 - wall0 - pause,
+                cpu1[1] - cpu0[1],
+            )
             pairs.append((bare_side, node_side))
         return pairs
     finally:
@@ -201,22 +262,30 @@ async def run_pairs(args: argparse.Namespace, ckpt: Path, node_key: Path, work: 
 def describe_model(ckpt: Path) -> str:
     config = json.loads((ckpt / "config.json").read_text())
     params = sum(p.numel() for p in load_engine(ckpt, threads=1).model.parameters())  # type: ignore[attr-defined]
-    return (f"{ckpt.name}: hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
-            f"{params / 1e6:.1f} M parameters")
+    return (
+        f"{ckpt.name}: hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+        f"{params / 1e6:.1f} M parameters"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="HF model directory (default: embedded tiny model)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="HF model directory (default: embedded tiny model)"
+    )
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--pairs", type=int, default=7, help="interleaved bare/node batch pairs")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gpu", action="store_true")
-    parser.add_argument("--hidden-size", type=int, default=TinyModelShape().hidden_size,
-                        help="without --model: width of the generated model (the embedded tiny model's by default; "
-                        "wider shows how the overhead shrinks as generation grows); MLP 3x, heads of 32")
+    parser.add_argument(
+        "--hidden-size",
+        type=int,
+        default=TinyModelShape().hidden_size,
+        help="without --model: width of the generated model (the embedded tiny model's by default; "
+        "wider shows how the overhead shrinks as generation grows); MLP 3x, heads of 32",
+    )
     parser.add_argument("--layers", type=int, default=TinyModelShape().num_hidden_layers)
     args = parser.parse_args()
     if args.pairs < 1:
@@ -228,9 +297,13 @@ def main() -> None:
         if ckpt is None:
             ckpt = work / "ckpt"
             heads = max(args.hidden_size // 32, 1)
-            shape = TinyModelShape(hidden_size=args.hidden_size, intermediate_size=3 * args.hidden_size,
-                                   num_hidden_layers=args.layers, num_attention_heads=heads,
-                                   num_key_value_heads=max(heads // 2, 1))
+            shape = TinyModelShape(
+                hidden_size=args.hidden_size,
+                intermediate_size=3 * args.hidden_size,
+                num_hidden_layers=args.layers,
+                num_attention_heads=heads,
+                num_key_value_heads=max(heads // 2, 1),
+            )
             save_model_dir(*build_tiny_model(seed=0, shape=shape), ckpt)
         ckpt_label = describe_model(ckpt)
         key = Identity.generate()
@@ -240,25 +313,39 @@ def main() -> None:
         pairs = asyncio.run(run_pairs(args, ckpt, work / "node.key", work, bare))
     for bare_side, node_side in pairs:
         if bare_side.tokens != node_side.tokens:
-            raise SystemExit(f"the node generated {node_side.tokens} tokens, the bare engine {bare_side.tokens}: "
-                             "not the same work")
+            raise SystemExit(
+                f"the node generated {node_side.tokens} tokens, the bare engine {bare_side.tokens}: "
+                "not the same work"
+            )
     cpu = [b.cpu_s / n.cpu_s for b, n in pairs]  # node throughput / bare throughput, per pair (same tokens)
     wall = [b.wall_s / n.wall_s for b, n in pairs]
     tokens = sum(n.tokens for _, n in pairs)
     print(f"model: {ckpt_label}")
-    print(f"{len(pairs)} pairs of {args.prompts} prompts x {args.samples} samples, <= {args.new_tokens} new tokens "
-          f"({tokens} tokens per side), {'cuda' if args.gpu else f'cpu, {args.threads} torch thread(s)'}; "
-          f"load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"bare engine: {tokens / sum(b.cpu_s for b, _ in pairs):.1f} tokens per CPU-second, "
-          f"{tokens / sum(b.wall_s for b, _ in pairs):.1f} tokens/s wall (generation only)")
-    print(f"node:        {tokens / sum(n.cpu_s for _, n in pairs):.1f} tokens per CPU-second, "
-          f"{tokens / sum(n.wall_s for _, n in pairs):.1f} tokens/s wall (whole process tree: generation, proofs, "
-          "file, outbox, hand-off, DHT)")
-    print(f"node / bare, CPU time:  median {statistics.median(cpu):.3f} (pairs {min(cpu):.3f} .. {max(cpu):.3f}; "
-          "target >= 0.9)")
-    print("pairs (bare CPU s / node CPU s, of which the daemon process): "
-          + ", ".join(f"{b.cpu_s:.2f}/{n.cpu_s:.2f} ({n.main_cpu_s:.2f})" for b, n in pairs))
-    print(f"node / bare, wall time: median {statistics.median(wall):.3f} (pairs {min(wall):.3f} .. {max(wall):.3f})")
+    print(
+        f"{len(pairs)} pairs of {args.prompts} prompts x {args.samples} samples, <= {args.new_tokens} new tokens "
+        f"({tokens} tokens per side), {'cuda' if args.gpu else f'cpu, {args.threads} torch thread(s)'}; "
+        f"load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    print(
+        f"bare engine: {tokens / sum(b.cpu_s for b, _ in pairs):.1f} tokens per CPU-second, "
+        f"{tokens / sum(b.wall_s for b, _ in pairs):.1f} tokens/s wall (generation only)"
+    )
+    print(
+        f"node:        {tokens / sum(n.cpu_s for _, n in pairs):.1f} tokens per CPU-second, "
+        f"{tokens / sum(n.wall_s for _, n in pairs):.1f} tokens/s wall (whole process tree: generation, proofs, "
+        "file, outbox, hand-off, DHT)"
+    )
+    print(
+        f"node / bare, CPU time:  median {statistics.median(cpu):.3f} (pairs {min(cpu):.3f} .. {max(cpu):.3f}; "
+        "target >= 0.9)"
+    )
+    print(
+        "pairs (bare CPU s / node CPU s, of which the daemon process): "
+        + ", ".join(f"{b.cpu_s:.2f}/{n.cpu_s:.2f} ({n.main_cpu_s:.2f})" for b, n in pairs)
+    )
+    print(
+        f"node / bare, wall time: median {statistics.median(wall):.3f} (pairs {min(wall):.3f} .. {max(wall):.3f})"
+    )
 
 
 if __name__ == "__main__":

@@ -27,24 +27,36 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from attack_support import engine_from, make_checkpoint, run_tasks  # noqa: E402
-from slow_sender_support import drip, signed_blob  # noqa: E402
-from swarm_support import fleet, wait_until  # noqa: E402
-from validator_support import (  # noqa: E402
-    OPERATOR, RUN, publish_checkpoint, rows_for, running_validator, sees_a_validator, validator_settings,
-    wait_verdict, write_file,
-)
-
 from prime_node.node.models.tiny import build_tiny_model  # noqa: E402
 from prime_node.p2p.identity import Identity  # noqa: E402
 from prime_node.p2p.swarm import HandoffBusy, HandoffError, RolloutEnvelope, Swarm  # noqa: E402
+
+from support.attack import engine_from, make_checkpoint, run_tasks  # noqa: E402
+from support.slow_sender import drip, signed_blob  # noqa: E402
+from support.swarm import fleet, wait_until  # noqa: E402
+from support.validator import (  # noqa: E402
+    OPERATOR,
+    RUN,
+    publish_checkpoint,
+    rows_for,
+    running_validator,
+    sees_a_validator,
+    validator_settings,
+    wait_verdict,
+    write_file,
+)
 
 DRIP_FILE_BYTES = 8 << 20
 DEFAULT_TIMEOUT_S = 60.0  # the swarm's default handoff_timeout_s (the tests' helpers use 10 s)
 
 
-async def honest_sender(peer: Swarm, files: list[tuple[Path, RolloutEnvelope]], interval_s: float,
-                        until: float, receipts: dict[str, float]) -> None:
+async def honest_sender(
+    peer: Swarm,
+    files: list[tuple[Path, RolloutEnvelope]],
+    interval_s: float,
+    until: float,
+    receipts: dict[str, float],
+) -> None:
     """One file becomes ready every `interval_s`; send them in order, as an outbox would, until `until`."""
     start = time.monotonic()
     for k, (path, envelope) in enumerate(files):
@@ -72,8 +84,16 @@ async def attacker_stream(peer: Swarm, target: str, rate: float, held: list[floa
             tries[0] += 1
             went_at.clear()
             try:
-                await drip(peer, target, data, envelope, bytes_per_s=rate, piece=4096, limit_s=3600,
-                           on_go=lambda: went_at.append(time.monotonic()))
+                await drip(
+                    peer,
+                    target,
+                    data,
+                    envelope,
+                    bytes_per_s=rate,
+                    piece=4096,
+                    limit_s=3600,
+                    on_go=lambda: went_at.append(time.monotonic()),
+                )
             except (HandoffError, OSError, ConnectionError):
                 pass
             if went_at:
@@ -90,8 +110,9 @@ async def phase(label: str, running, peers, files, args, attack) -> tuple[float,
     if attack_tasks:
         await asyncio.sleep(3.0)  # the slow streams are in place before the honest files start
     until = time.monotonic() + args.phase_s
-    await asyncio.gather(*(honest_sender(p, mine, args.interval_s, until, receipts)
-                           for p, mine in zip(peers, files)))
+    await asyncio.gather(
+        *(honest_sender(p, mine, args.interval_s, until, receipts) for p, mine in zip(peers, files))
+    )
     for task in attack_tasks:
         task.cancel()
     await asyncio.gather(*attack_tasks, return_exceptions=True)
@@ -99,8 +120,11 @@ async def phase(label: str, running, peers, files, args, attack) -> tuple[float,
     for sha in receipts:
         accepted += (await wait_verdict(running, sha, 120)).document.accepted
     minutes = args.phase_s / 60
-    print(f"{label}: {len(receipts) / minutes:.1f} honest files received/min, {accepted / minutes:.1f} "
-          f"accepted/min ({accepted} in {args.phase_s:g} s)", flush=True)
+    print(
+        f"{label}: {len(receipts) / minutes:.1f} honest files received/min, {accepted / minutes:.1f} "
+        f"accepted/min ({accepted} in {args.phase_s:g} s)",
+        flush=True,
+    )
     return accepted / minutes, len(receipts) / minutes
 
 
@@ -111,14 +135,21 @@ async def main(args: argparse.Namespace) -> None:
         engine, tasks = engine_from(build_tiny_model(0)[0]), run_tasks(checkpoint)
         honest = [Identity.generate() for _ in range(args.honest)]
         per_phase = int(args.phase_s / args.interval_s) + 2
-        files = [[write_file(root / f"h{i}-{k}.parquet", rows_for(engine, tasks, node, batch_counter=k), node)
-                  for k in range(1 + 2 * per_phase)] for i, node in enumerate(honest)]
-        settings = validator_settings(root / "validator", swarm={"handoff_timeout_s": DEFAULT_TIMEOUT_S},
-                                      hold_timeout_s=60.0)
+        files = [
+            [
+                write_file(root / f"h{i}-{k}.parquet", rows_for(engine, tasks, node, batch_counter=k), node)
+                for k in range(1 + 2 * per_phase)
+            ]
+            for i, node in enumerate(honest)
+        ]
+        settings = validator_settings(
+            root / "validator", swarm={"handoff_timeout_s": DEFAULT_TIMEOUT_S}, hold_timeout_s=60.0
+        )
         publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
         async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
-            join = dict(bootstrap=running.maddrs[:1], reachability="public",
-                        handoff_timeout_s=DEFAULT_TIMEOUT_S)
+            join = dict(
+                bootstrap=running.maddrs[:1], reachability="public", handoff_timeout_s=DEFAULT_TIMEOUT_S
+            )
             peers = [await group.add(node, **join) for node in honest]
             attackers = [await group.add(**join) for _ in range(args.attackers)]
             for peer in [*peers, *attackers]:
@@ -133,23 +164,34 @@ async def main(args: argparse.Namespace) -> None:
             tries = [0]
 
             def attack() -> list[asyncio.Task]:
-                streams = (attacker_stream(attackers[i % len(attackers)], target, args.drip_bytes_per_s, held,
-                                           tries) for i in range(args.streams))
+                streams = (
+                    attacker_stream(attackers[i % len(attackers)], target, args.drip_bytes_per_s, held, tries)
+                    for i in range(args.streams)
+                )
                 return [asyncio.create_task(s, name=f"slow-{i}") for i, s in enumerate(streams)]
 
-            first = [f[1:1 + per_phase] for f in files]
+            first = [f[1 : 1 + per_phase] for f in files]
             clean, clean_rx = await phase("unattacked", running, peers, first, args, None)
             attacked, attacked_rx = await phase(
                 f"under attack ({args.streams} slow streams from {args.attackers} newcomer(s) at "
-                f"{args.drip_bytes_per_s / 1024:.1f} KiB/s)", running, peers,
-                [f[1 + per_phase:] for f in files], args, attack)
+                f"{args.drip_bytes_per_s / 1024:.1f} KiB/s)",
+                running,
+                peers,
+                [f[1 + per_phase :] for f in files],
+                args,
+                attack,
+            )
             receiver = getattr(running.service, "receiver", None)  # absent before the slots had shares
             cut = getattr(receiver, "cut_off", "n/a")
             slot_s = sum(held) + 0.0
-            print(f"attack: {tries[0]} slow hand-offs tried, {len(held)} got a receive slot, {cut} cut off at "
-                  f"the floor, {slot_s:.0f} slot-seconds held in a {args.phase_s:g} s phase")
-            print(f"honest intake under attack / unattacked: accepted {attacked / clean:.2f} "
-                  f"(received {attacked_rx / clean_rx:.2f}); target >= 0.80")
+            print(
+                f"attack: {tries[0]} slow hand-offs tried, {len(held)} got a receive slot, {cut} cut off at "
+                f"the floor, {slot_s:.0f} slot-seconds held in a {args.phase_s:g} s phase"
+            )
+            print(
+                f"honest intake under attack / unattacked: accepted {attacked / clean:.2f} "
+                f"(received {attacked_rx / clean_rx:.2f}); target >= 0.80"
+            )
 
 
 if __name__ == "__main__":

@@ -328,9 +328,7 @@ def main() -> None:
     parser.add_argument(
         "--hosts-at-once", type=int, default=1, help="host processes starting their peers at the same time"
     )
-    parser.add_argument(
-        "--beam-size", type=int, default=0, help="SwarmConfig.beam_size (0: its default)"
-    )
+    parser.add_argument("--beam-size", type=int, default=0, help="SwarmConfig.beam_size (0: its default)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--operator-seed", default="", help=argparse.SUPPRESS)

@@ -29,16 +29,18 @@ from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.run.settings import RunSettings, load_run_tasks
 from prime_node.p2p.identity import Identity
+from prime_node.p2p.verdicts import Verdict, sign
 from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.ledger import Ledger
 from prime_node.trainer.validator.spool import Spool, deliver
-from prime_node.p2p.verdicts import Verdict, sign
 from prime_node.trainer.validator.verify_job import verify_spooled
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="HF model directory (default: embedded tiny model)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="HF model directory (default: embedded tiny model)"
+    )
     parser.add_argument("--files", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=4)
@@ -58,35 +60,65 @@ def main() -> None:
         tasks = load_run_tasks(run, model_dir)
         node, validator = Identity.generate(), Identity.generate()
         spool = Spool(root / "spool")
-        spec = BatchSpec(run_id="bench", run_seed=0, policy_step=0, batch_counter=0, prompts=args.prompts,
-                         samples=args.samples, temperature=1.0, max_new_tokens=args.new_tokens)
+        spec = BatchSpec(
+            run_id="bench",
+            run_seed=0,
+            policy_step=0,
+            batch_counter=0,
+            prompts=args.prompts,
+            samples=args.samples,
+            temperature=1.0,
+            max_new_tokens=args.new_tokens,
+        )
         start, tokens = time.perf_counter(), 0
         for counter in range(args.files):
             # Files are named as the hand-off spools them, so that verification reads them in place.
             scratch = root / f"out-{counter}.parquet"
-            batch = produce_rollout_file(engine, tasks, node, dataclasses.replace(spec, batch_counter=counter), scratch)
+            batch = produce_rollout_file(
+                engine, tasks, node, dataclasses.replace(spec, batch_counter=counter), scratch
+            )
             tokens += sum(len(r.output_ids) for r in batch.rows)
             sha = hashlib.sha256(scratch.read_bytes()).hexdigest()
             scratch.rename(spool.entry(sha, node.node_id).path)
             Path(f"{scratch}.sig").rename(spool.entry(sha, node.node_id).sig_path)
         gen_s = time.perf_counter() - start
         gen_rate = tokens / gen_s
-        print(f"contributor: {args.files} files, {tokens} tokens in {gen_s:.2f} s = {gen_rate:.1f} tokens/s "
-              f"({args.threads} torch thread(s))")
+        print(
+            f"contributor: {args.files} files, {tokens} tokens in {gen_s:.2f} s = {gen_rate:.1f} tokens/s "
+            f"({args.threads} torch thread(s))"
+        )
         entries = spool.recover()
         for fraction in (1.0, args.sample_fraction):
-            settings = VerifierSettings(run_id="bench", run_seed=0, samples_per_prompt=args.samples,
-                                        temperature=spec.temperature, max_new_tokens=spec.max_new_tokens,
-                                        sample_fraction=fraction)
+            settings = VerifierSettings(
+                run_id="bench",
+                run_seed=0,
+                samples_per_prompt=args.samples,
+                temperature=spec.temperature,
+                max_new_tokens=spec.max_new_tokens,
+                sample_fraction=fraction,
+            )
             with Ledger(root / f"ledger-{fraction}.sqlite") as ledger:
                 start, verified, accepted, rollouts = time.perf_counter(), 0, 0, 0
                 for entry in entries:
-                    outcome = verify_spooled(entry.path, lambda step: (engine, tasks), settings,
-                                             random.Random(1), accepted=ledger.accepted_holder)
-                    verdict = Verdict(file_hash=entry.sha256, node_id=node.node_id, step=outcome.step,
-                                      samples=outcome.samples, tokens=outcome.tokens, accepted=outcome.accepted,
-                                      failed_check=outcome.failed_check, reason=outcome.reason,
-                                      validator_id=validator.node_id, decided_at=time.time())
+                    outcome = verify_spooled(
+                        entry.path,
+                        lambda step: (engine, tasks),
+                        settings,
+                        random.Random(1),
+                        accepted=ledger.accepted_holder,
+                    )
+                    verdict = Verdict(
+                        file_hash=entry.sha256,
+                        node_id=node.node_id,
+                        step=outcome.step,
+                        samples=outcome.samples,
+                        tokens=outcome.tokens,
+                        accepted=outcome.accepted,
+                        failed_check=outcome.failed_check,
+                        reason=outcome.reason,
+                        validator_id=validator.node_id,
+                        decided_at=time.time(),
+                    )
                     ledger.record(sign(verdict, validator), samples=outcome.sample_ids)
                     if outcome.accepted:
                         deliver(entry, root / f"inbox-{fraction}")
@@ -95,10 +127,12 @@ def main() -> None:
                     accepted += outcome.accepted
                 seconds = time.perf_counter() - start
             rate = verified / seconds
-            print(f"validator, sample fraction {fraction:g}: {accepted}/{len(entries)} accepted, "
-                  f"{rollouts / seconds:.1f} rollouts/s ({len(entries) / seconds:.2f} files/s), {rate:.1f} tokens/s "
-                  f"verified "
-                  f"-> one validator serves {rate / gen_rate:.1f} contributors like this one")
+            print(
+                f"validator, sample fraction {fraction:g}: {accepted}/{len(entries)} accepted, "
+                f"{rollouts / seconds:.1f} rollouts/s ({len(entries) / seconds:.2f} files/s), {rate:.1f} tokens/s "
+                f"verified "
+                f"-> one validator serves {rate / gen_rate:.1f} contributors like this one"
+            )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.validator.verify_job import verify_spooled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import bomb_support as bombs  # noqa: E402
+from support import bomb as bombs  # noqa: E402
 
 RUN = "bench"
 MiB = 1 << 20
@@ -75,9 +75,18 @@ def child(model: Path, warm: Path, path: Path, max_new_tokens: int) -> None:
     idle = _reset_peak()
     start = time.perf_counter()
     outcome = verify_spooled(path, lookup, settings)
-    print(json.dumps({"accepted": outcome.accepted, "hold": outcome.hold, "check": outcome.failed_check,
-                      "reason": outcome.reason, "seconds": time.perf_counter() - start,
-                      "peak_mib": (_peak_kib() - idle) / 1024}))
+    print(
+        json.dumps(
+            {
+                "accepted": outcome.accepted,
+                "hold": outcome.hold,
+                "check": outcome.failed_check,
+                "reason": outcome.reason,
+                "seconds": time.perf_counter() - start,
+                "peak_mib": (_peak_kib() - idle) / 1024,
+            }
+        )
+    )
 
 
 # ----- the files ------------------------------------------------------------------------------------------
@@ -96,18 +105,24 @@ def _random_binary(rows: int, each: int, seed: int) -> pa.BinaryArray:
 def _token_lists(rows: int, each: int, seed: int, vocab: int) -> pa.ListArray:
     offsets = np.arange(rows + 1, dtype=np.int32) * np.int32(each)
     values = np.random.default_rng(seed).integers(2, vocab, rows * each, dtype=np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values),
-                                    type=bombs.SCHEMA.field("prompt_ids").type)
+    return pa.ListArray.from_arrays(
+        pa.array(offsets), pa.array(values), type=bombs.SCHEMA.field("prompt_ids").type
+    )
 
 
 def largest_legal(row: RolloutRow, vocab: int) -> bytes:
     """4,096 rows of 1 prompt + 1,023 output tokens (the 4 Mi token budget, outputs as long as a proof makes them
     cost most), random tokens and proofs of the right size: passes the limits, decoding and the value bounds."""
     rows, output = 4096, 1023
-    columns = {"prompt_ids": _token_lists(rows, 1, 1, vocab), "output_ids": _token_lists(rows, output, 2, vocab),
-               "proof": _random_binary(rows, proof_size(output), 3),
-               "finish_reason": pa.array(["length"] * rows), "target_length": pa.nulls(rows, pa.int32()),
-               "length_penalty": pa.array([0.0] * rows), "reward": pa.array([row.task_reward] * rows)}
+    columns = {
+        "prompt_ids": _token_lists(rows, 1, 1, vocab),
+        "output_ids": _token_lists(rows, output, 2, vocab),
+        "proof": _random_binary(rows, proof_size(output), 3),
+        "finish_reason": pa.array(["length"] * rows),
+        "target_length": pa.nulls(rows, pa.int32()),
+        "length_penalty": pa.array([0.0] * rows),
+        "reward": pa.array([row.task_reward] * rows),
+    }
     return bombs.parquet(bombs.table(_wide(row), rows, **columns))
 
 
@@ -115,31 +130,51 @@ def shared_legal(row: RolloutRow) -> bytes:
     """The largest legal file's decoded size from one repeated token and one dictionary proof: a few kB."""
     rows, output = 4096, 1023
     proof = pa.array([b"\x07" * proof_size(output)] * rows, pa.binary())
-    return bombs.parquet(bombs.table(_wide(row), rows, prompt_ids=bombs._constant_lists(rows, 1),
-                                     output_ids=bombs._constant_lists(rows, output), proof=proof,
-                                     finish_reason=pa.array(["length"] * rows),
-                                     target_length=pa.nulls(rows, pa.int32()),
-                                     length_penalty=pa.array([0.0] * rows), reward=pa.array([row.task_reward] * rows)))
+    return bombs.parquet(
+        bombs.table(
+            _wide(row),
+            rows,
+            prompt_ids=bombs._constant_lists(rows, 1),
+            output_ids=bombs._constant_lists(rows, output),
+            proof=proof,
+            finish_reason=pa.array(["length"] * rows),
+            target_length=pa.nulls(rows, pa.int32()),
+            length_penalty=pa.array([0.0] * rows),
+            reward=pa.array([row.task_reward] * rows),
+        )
+    )
 
 
 def _compressed(codec: str) -> Callable[[RolloutRow], bytes]:
     def build(row: RolloutRow) -> bytes:
         proof = bombs._zero_values(4096, 32 * 1024)  # 128 MiB of zeros in one PLAIN page
-        return bombs.parquet(bombs.table(_wide(row), 4096, proof=proof), compression=codec, use_dictionary=False,
-                             data_page_size=1 << 30, max_rows_per_page=1 << 30)
+        return bombs.parquet(
+            bombs.table(_wide(row), 4096, proof=proof),
+            compression=codec,
+            use_dictionary=False,
+            data_page_size=1 << 30,
+            max_rows_per_page=1 << 30,
+        )
+
     return build
 
 
 # name -> (builder from a row, what the file decodes to in MiB as the old reader expanded it)
 BOMBS: dict[str, tuple[Callable[[RolloutRow], bytes], float]] = {
-    "constant tokens (4,096 x 16,384)": (lambda r: bombs.constant_tokens(_wide(r), 4096, 8192, 8192),
-                                         4096 * 16384 * 44 / MiB),
-    "  the same, unknown step": (lambda r: bombs.unknown_step(_wide(r), 4096, 8192, 8192, step=9),
-                                 4096 * 16384 * 44 / MiB),
+    "constant tokens (4,096 x 16,384)": (
+        lambda r: bombs.constant_tokens(_wide(r), 4096, 8192, 8192),
+        4096 * 16384 * 44 / MiB,
+    ),
+    "  the same, unknown step": (
+        lambda r: bombs.unknown_step(_wide(r), 4096, 8192, 8192, step=9),
+        4096 * 16384 * 44 / MiB,
+    ),
     # Within the file's token budget (its prompts take at most 64 tokens a row), all in one row: decoded by
     # Arrow, refused on the row's length before any token becomes a Python object.
-    "one row of 3.75 Mi tokens": (lambda r: bombs.one_long_row(_wide(r), 4096, 4 * MiB - 4096 * 65),
-                                  3.75 * MiB * 44 / MiB),
+    "one row of 3.75 Mi tokens": (
+        lambda r: bombs.one_long_row(_wide(r), 4096, 4 * MiB - 4096 * 65),
+        3.75 * MiB * 44 / MiB,
+    ),
     "dictionary proof (256 x 4 MiB)": (lambda r: bombs.dictionary_proof(_wide(r), 256, 4 * MiB), 2 * 1024.0),
     "prefix-encoded proof (256 x 4 MiB)": (lambda r: bombs.prefix_proof(_wide(r), 256, 4 * MiB), 2 * 1024.0),
     "zstd page (4,096 x 32 KiB zeros)": (_compressed("zstd"), 2 * 128.0),
@@ -147,10 +182,15 @@ BOMBS: dict[str, tuple[Callable[[RolloutRow], bytes], float]] = {
     "brotli page (4,096 x 32 KiB zeros)": (_compressed("brotli"), 2 * 128.0),
     "snappy page (4,096 x 32 KiB zeros)": (_compressed("snappy"), 2 * 128.0),
     "lying footer (1,024 x 32,768 claim 1,024)": (
-        lambda r: bombs.lie_in_footer(bombs.single_page_tokens(_wide(r), 1024, 16384),
-                                      {"prompt_ids": 1024, "output_ids": 1024}), 1024 * 32768 * 44 / MiB),
+        lambda r: bombs.lie_in_footer(
+            bombs.single_page_tokens(_wide(r), 1024, 16384), {"prompt_ids": 1024, "output_ids": 1024}
+        ),
+        1024 * 32768 * 44 / MiB,
+    ),
     "lying dictionary header (2^28 entries)": (
-        lambda r: bombs.lie_in_dictionary_header(encode_rows([_wide(r)] * 8), "proof", 1 << 28), (1 << 28) * 16 / MiB),
+        lambda r: bombs.lie_in_dictionary_header(encode_rows([_wide(r)] * 8), "proof", 1 << 28),
+        (1 << 28) * 16 / MiB,
+    ),
     "4,096 row groups (footer)": (lambda r: bombs.many_row_groups(_wide(r), 4096), float("nan")),
     "within the limits, one shared value": (shared_legal, 4 * MiB * 44 / MiB + 4096 * proof_size(1023) / MiB),
 }
@@ -164,10 +204,18 @@ def _signed(path: Path, data: bytes) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--honest-prompts", type=int, default=512, help="prompts (x 2 samples) of the honest file")
-    parser.add_argument("--bound-mib", type=float, default=512.0, help="the documented bound (peak above idle)")
-    parser.add_argument("--only", nargs="*", default=None, help="judge only the files whose names contain these")
-    parser.add_argument("--child", nargs=4, metavar=("MODEL", "WARM", "FILE", "MAX_NEW"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--honest-prompts", type=int, default=512, help="prompts (x 2 samples) of the honest file"
+    )
+    parser.add_argument(
+        "--bound-mib", type=float, default=512.0, help="the documented bound (peak above idle)"
+    )
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="judge only the files whose names contain these"
+    )
+    parser.add_argument(
+        "--child", nargs=4, metavar=("MODEL", "WARM", "FILE", "MAX_NEW"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.child:
         child(Path(args.child[0]), Path(args.child[1]), Path(args.child[2]), int(args.child[3]))
@@ -178,16 +226,31 @@ def main() -> None:
         save_model_dir(*build_tiny_model(0), model)
         engine = load_engine(model, threads=1)
         tasks = load_run_tasks(RunSettings(run_id=RUN, samples=2), model)
-        spec = BatchSpec(run_id=RUN, run_seed=0, policy_step=0, batch_counter=0, prompts=2, samples=2,
-                         temperature=1.0, max_new_tokens=64)
+        spec = BatchSpec(
+            run_id=RUN,
+            run_seed=0,
+            policy_step=0,
+            batch_counter=0,
+            prompts=2,
+            samples=2,
+            temperature=1.0,
+            max_new_tokens=64,
+        )
         warm = Path(tmp) / "warm.parquet"
         produce_rollout_file(engine, tasks, NODE, spec, warm)
         honest = Path(tmp) / "honest.parquet"
         started = time.perf_counter()
-        batch = produce_rollout_file(engine, tasks, NODE, dataclasses.replace(spec, prompts=args.honest_prompts,
-                                                                              batch_counter=1), honest)
-        print(f"honest file: {len(batch.rows)} rows produced by the tiny model in "
-              f"{time.perf_counter() - started:.0f} s")
+        batch = produce_rollout_file(
+            engine,
+            tasks,
+            NODE,
+            dataclasses.replace(spec, prompts=args.honest_prompts, batch_counter=1),
+            honest,
+        )
+        print(
+            f"honest file: {len(batch.rows)} rows produced by the tiny model in "
+            f"{time.perf_counter() - started:.0f} s"
+        )
         template = batch.rows[0]
         files: list[tuple[str, Path, int, float]] = []
         for i, (name, (build, decoded)) in enumerate(BOMBS.items()):
@@ -195,16 +258,28 @@ def main() -> None:
                 continue
             files.append((name, _signed(Path(tmp) / f"bomb{i}.parquet", build(template)), WIDE, decoded))
         tokens = 4 * MiB
-        files.append(("largest legal file (random)", _signed(Path(tmp) / "legal.parquet",
-                                                             largest_legal(template, engine.vocab_size)), WIDE,
-                      tokens * 44 / MiB + 4096 * proof_size(1023) / MiB))
+        files.append(
+            (
+                "largest legal file (random)",
+                _signed(Path(tmp) / "legal.parquet", largest_legal(template, engine.vocab_size)),
+                WIDE,
+                tokens * 44 / MiB + 4096 * proof_size(1023) / MiB,
+            )
+        )
         honest_tokens = sum(len(r.prompt_ids) + len(r.output_ids) for r in batch.rows)
-        files.append((f"honest file ({len(batch.rows)} rows, accepted)", honest, 64, honest_tokens * 44 / MiB))
-        print(f"{'file':<44} {'on disk':>9} {'expands to':>11} {'verdict':<16} {'time':>7} {'peak above idle':>16}")
+        files.append(
+            (f"honest file ({len(batch.rows)} rows, accepted)", honest, 64, honest_tokens * 44 / MiB)
+        )
+        print(
+            f"{'file':<44} {'on disk':>9} {'expands to':>11} {'verdict':<16} {'time':>7} {'peak above idle':>16}"
+        )
         worst_bomb = 0.0
         for name, path, max_new, decoded in files:
-            out = subprocess.run([sys.executable, __file__, "--child", str(model), str(warm), str(path), str(max_new)],
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", str(model), str(warm), str(path), str(max_new)],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 print(f"{name:<44} child failed: {out.stderr.strip().splitlines()[-1:]}")
                 continue
@@ -213,12 +288,16 @@ def main() -> None:
             size = path.stat().st_size
             shown = f"{size / 1024:.1f} kB" if size < MiB else f"{size / MiB:.1f} MiB"
             expands = "-" if decoded != decoded else f"{decoded:.1f}"  # NaN: not a decoding bomb
-            print(f"{name:<44} {shown:>9} {expands:>7} MiB {verdict:<16} {result['seconds']:>6.2f}s "
-                  f"{result['peak_mib']:>11.1f} MiB")
+            print(
+                f"{name:<44} {shown:>9} {expands:>7} MiB {verdict:<16} {result['seconds']:>6.2f}s "
+                f"{result['peak_mib']:>11.1f} MiB"
+            )
             if not name.startswith("honest"):
                 worst_bomb = max(worst_bomb, result["peak_mib"])
-        print(f"worst peak above idle over the bombs and the largest legal file: {worst_bomb:.1f} MiB, "
-              f"{worst_bomb / args.bound_mib:.2f} x the {args.bound_mib:.0f} MiB bound")
+        print(
+            f"worst peak above idle over the bombs and the largest legal file: {worst_bomb:.1f} MiB, "
+            f"{worst_bomb / args.bound_mib:.2f} x the {args.bound_mib:.0f} MiB bound"
+        )
 
 
 if __name__ == "__main__":

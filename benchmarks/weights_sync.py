@@ -73,8 +73,10 @@ def make_checkpoint(directory: Path, size: int) -> Path:
     (directory / "config.json").write_text(json.dumps({"model_type": "qwen2", "benchmark": True}))
     piece = 64 * MIB
     count = max(1, size // piece)
-    header = {f"layer{i}.weight": {"dtype": "U8", "shape": [piece], "data_offsets": [i * piece, (i + 1) * piece]}
-              for i in range(count)}
+    header = {
+        f"layer{i}.weight": {"dtype": "U8", "shape": [piece], "data_offsets": [i * piece, (i + 1) * piece]}
+        for i in range(count)
+    }
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     rng = np.random.default_rng(0)
@@ -133,8 +135,12 @@ def measure_sha256(path: Path) -> float:
 
 def start_our_server(origin: Path) -> tuple[subprocess.Popen[str], str]:
     cli = Path(sys.executable).parent / "prime-node"
-    proc = subprocess.Popen([str(cli), "weights", "serve", str(origin), "--port", "0", "--rate-limit", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [str(cli), "weights", "serve", str(origin), "--port", "0", "--rate-limit", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("serving"):
@@ -168,7 +174,9 @@ def ensure_shardcast(venv: Path) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, text=True)
     probe = subprocess.run([str(python), "-c", "import shardcast"], capture_output=True, text=True)
     if probe.returncode != 0:
-        install = subprocess.run([str(python), "-m", "pip", "install", "-q", "shardcast"], capture_output=True, text=True)
+        install = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "shardcast"], capture_output=True, text=True
+        )
         if install.returncode != 0:
             raise RuntimeError(f"pip install shardcast failed: {install.stderr.strip()[-400:]}")
     if shutil.which("wget") is None:
@@ -181,11 +189,20 @@ class Shardcast:
 
     def __init__(self, python: Path, ckpt_file: Path, work: Path) -> None:
         self.python, self.ckpt_file = python, ckpt_file
-        self.data_dir, self.out_dir, self.port = work / "shardcast-origin", work / "shardcast-out", free_port()
+        self.data_dir, self.out_dir, self.port = (
+            work / "shardcast-origin",
+            work / "shardcast-out",
+            free_port(),
+        )
         self.env = {**os.environ, "SHARDCAST_LOG_LEVEL": "WARNING"}
         self.origin = subprocess.Popen(
             [str(python), "-c", SHARDCAST_ORIGIN, str(self.data_dir), str(ckpt_file), str(self.port)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self.env)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=self.env,
+        )
         assert self.origin.stdout is not None
         self.version = self.origin.stdout.readline().strip()
         if not self.version:
@@ -194,8 +211,20 @@ class Shardcast:
 
     def fetch_once(self) -> float:
         shutil.rmtree(self.out_dir, ignore_errors=True)
-        done = subprocess.run([str(self.python), "-c", SHARDCAST_CLIENT, f"http://127.0.0.1:{self.port}",
-                               str(self.out_dir), self.version], capture_output=True, text=True, env=self.env, timeout=600)
+        done = subprocess.run(
+            [
+                str(self.python),
+                "-c",
+                SHARDCAST_CLIENT,
+                f"http://127.0.0.1:{self.port}",
+                str(self.out_dir),
+                self.version,
+            ],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=600,
+        )
         lines = done.stdout.strip().splitlines()
         if done.returncode != 0 or not lines:
             raise RuntimeError(f"shardcast client failed: {done.stderr.strip()[-400:]}")
@@ -213,16 +242,22 @@ class Shardcast:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size-gib", type=float, default=1.0, help="checkpoint size (default 1 GiB)")
-    parser.add_argument("--shard-size", type=int, default=16 * MIB, help="our shard size (shardcast keeps its default)")
+    parser.add_argument(
+        "--shard-size", type=int, default=16 * MIB, help="our shard size (shardcast keeps its default)"
+    )
     parser.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is kept")
     parser.add_argument("--tmp", type=Path, default=None, help="where the temporary files go")
     parser.add_argument("--shardcast-venv", type=Path, default=Path("/tmp/shardcast-venv"))
     parser.add_argument("--skip-shardcast", action="store_true")
     args = parser.parse_args()
     size = int(args.size_gib * GIB)
-    base = args.tmp or (Path("/dev/shm") if shutil.disk_usage("/dev/shm").free > 4 * size else Path(tempfile.gettempdir()))
+    base = args.tmp or (
+        Path("/dev/shm") if shutil.disk_usage("/dev/shm").free > 4 * size else Path(tempfile.gettempdir())
+    )
     work = Path(tempfile.mkdtemp(prefix="weights-bench-", dir=base))
     servers: list[subprocess.Popen[str]] = []
     shardcast: Shardcast | None = None
@@ -230,10 +265,14 @@ def main() -> int:
         ckpt = make_checkpoint(work / "ckpt", size)
         model = ckpt / "model.safetensors"
         total = sum(p.stat().st_size for p in ckpt.iterdir())
-        print(f"checkpoint: {total / GIB:.3f} GiB in {work}; {os.cpu_count()} cores, load average "
-              f"{os.getloadavg()[0]:.1f}; every measurement runs {args.repeat}x, interleaved, best kept")
+        print(
+            f"checkpoint: {total / GIB:.3f} GiB in {work}; {os.cpu_count()} cores, load average "
+            f"{os.getloadavg()[0]:.1f}; every measurement runs {args.repeat}x, interleaved, best kept"
+        )
         key = Identity.generate()
-        publish(ckpt, step=1, identity=key, out_dir=work / "origin", shard_size=args.shard_size, run_id="bench")
+        publish(
+            ckpt, step=1, identity=key, out_dir=work / "origin", shard_size=args.shard_size, run_id="bench"
+        )
         urls = []
         for _ in range(3):
             proc, url = start_our_server(work / "origin")
@@ -273,12 +312,16 @@ def main() -> int:
         ours = min(one, three)
         print(f"raw loopback      {loopback / MIB:8.0f} MiB/s")
         print(f"SHA-256 all cores {sha / MIB:8.0f} MiB/s   -> limit {limit / MIB:.0f} MiB/s")
-        print(f"ours, 1 source    {total / one / MIB:8.0f} MiB/s   ({one:.2f} s, verified, fsync'ed, in place)")
+        print(
+            f"ours, 1 source    {total / one / MIB:8.0f} MiB/s   ({one:.2f} s, verified, fsync'ed, in place)"
+        )
         print(f"ours, 3 sources   {total / three / MIB:8.0f} MiB/s   ({three:.2f} s)")
         shardcast_s = best.get("shardcast")
         if shardcast_s is not None and shardcast is not None:
-            print(f"shardcast         {model.stat().st_size / shardcast_s / MIB:8.0f} MiB/s   ({shardcast_s:.2f} s, "
-                  "model file only, blake3-checked)")
+            print(
+                f"shardcast         {model.stat().st_size / shardcast_s / MIB:8.0f} MiB/s   ({shardcast_s:.2f} s, "
+                "model file only, blake3-checked)"
+            )
         else:
             shardcast_s = None
             print(f"shardcast         {shardcast_error}")

@@ -28,13 +28,22 @@ def _run(path: Path, files: int, rows: int, synchronous: str, with_ids: bool) ->
     with Ledger(path, settings=LedgerSettings(path=path, synchronous=synchronous)) as ledger:
         start = time.perf_counter()
         for batch in range(files):
-            ids = [SampleId("bench", node, 7, batch, 1000 + i // 4, 10**15 + batch * 10_000 + i)
-                   for i in range(rows)]
+            ids = [
+                SampleId("bench", node, 7, batch, 1000 + i // 4, 10**15 + batch * 10_000 + i)
+                for i in range(rows)
+            ]
             if with_ids:
                 assert ledger.accepted_holder(ids) is None
-            verdict = Verdict(file_hash=hashlib.sha256(str(batch).encode()).hexdigest(), node_id=node, step=7,
-                              samples=rows, tokens=rows * 64, accepted=True, validator_id=validator.node_id,
-                              decided_at=time.time())
+            verdict = Verdict(
+                file_hash=hashlib.sha256(str(batch).encode()).hexdigest(),
+                node_id=node,
+                step=7,
+                samples=rows,
+                tokens=rows * 64,
+                accepted=True,
+                validator_id=validator.node_id,
+                decided_at=time.time(),
+            )
             ledger.record(sign(verdict, validator), samples=ids if with_ids else ())
         seconds = time.perf_counter() - start
         ledger.query("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -48,8 +57,10 @@ def main() -> None:
     parser.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [_run(Path(tmp) / f"{name}.sqlite", args.files, args.rows, args.synchronous, with_ids)
-                for name, with_ids in (("before", False), ("after", True))]
+        runs = [
+            _run(Path(tmp) / f"{name}.sqlite", args.files, args.rows, args.synchronous, with_ids)
+            for name, with_ids in (("before", False), ("after", True))
+        ]
     (before, size_before), (after, size_after) = runs
     print(f"{args.files} accepted files x {args.rows} rows, synchronous={args.synchronous}:")
     print(f"  verdict only:                     {before * 1e3:.2f} ms per file")

@@ -38,9 +38,13 @@ class Section(BaseModel):
 class CommonSettings(Section):
     """Settings shared by every command."""
 
-    data_dir: Path = Field(DEFAULT_DATA_DIR, description="Directory for keys, checkpoints, rollouts and state.")
+    data_dir: Path = Field(
+        DEFAULT_DATA_DIR, description="Directory for keys, checkpoints, rollouts and state."
+    )
     log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="Logging threshold.")
-    log_json: bool = Field(False, description="Emit one JSON object per log line instead of human-readable text.")
+    log_json: bool = Field(
+        False, description="Emit one JSON object per log line instead of human-readable text."
+    )
 
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()
@@ -65,7 +69,9 @@ def _env_value(raw: str) -> Any:
     return raw
 
 
-def _env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, tuple[tuple[str, ...], Any, str]]:
+def _env_overrides(
+    model: type[BaseModel], env: Mapping[str, str]
+) -> dict[str, tuple[tuple[str, ...], Any, str]]:
     found: dict[str, tuple[tuple[str, ...], Any, str]] = {}
     moved_roots = {old.split(".")[0] for old in getattr(model, "MOVED", {})}
     for name, raw in env.items():

@@ -80,7 +80,9 @@ class Identity:
         try:
             st = path.stat()
         except FileNotFoundError:
-            raise KeyFileError(f"key file {path} does not exist; create one with `prime-node keygen --out {path}`")
+            raise KeyFileError(
+                f"key file {path} does not exist; create one with `prime-node keygen --out {path}`"
+            )
         if not stat.S_ISREG(st.st_mode):
             raise KeyFileError(f"key file {path} is not a regular file")
         if st.st_mode & 0o077:

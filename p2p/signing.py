@@ -22,7 +22,9 @@ SIGNATURE_BYTES = 64
 def canonical_json(document: Any) -> bytes:
     """Encode `document` as canonical JSON bytes (sorted keys, compact, UTF-8, finite numbers only)."""
     try:
-        text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(
+            document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
     except ValueError as exc:  # NaN or Infinity: not representable in canonical JSON
         raise SignatureError(f"document cannot be signed: {exc}") from exc
     return text.encode("utf-8")
@@ -37,7 +39,9 @@ def parse_public_key(public_key_hex: str) -> nacl.signing.VerifyKey:
     except ValueError as exc:
         raise SignatureError(f"public key is not hex: {public_key_hex[:80]!r}") from exc
     if len(raw) != PUBLIC_KEY_BYTES:
-        raise SignatureError(f"public key must be {PUBLIC_KEY_BYTES} bytes (64 hex digits), got {len(raw)} bytes")
+        raise SignatureError(
+            f"public key must be {PUBLIC_KEY_BYTES} bytes (64 hex digits), got {len(raw)} bytes"
+        )
     return nacl.signing.VerifyKey(raw)
 
 

@@ -208,4 +208,3 @@ def _load_envelope(raw: bytes | str | dict[str, Any]) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise DocumentError("signed document must be a JSON object")
     return loaded
-

@@ -109,7 +109,9 @@ def _find_non_finite(value: Any, path: str) -> tuple[str, str] | None:
     """(dotted path, literal) of the first non-finite number in a decoded document."""
     if isinstance(value, _NonFinite):
         return path, value.literal
-    children: Any = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    children: Any = (
+        value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    )
     for key, item in children:
         found = _find_non_finite(item, f"{path}.{key}" if path else str(key))
         if found is not None:
@@ -147,5 +149,7 @@ def loads_strict(raw: bytes | str, what: str = "document") -> Any:
     if seen_non_finite:  # only then walk the tree: the placeholder says where the number was
         path, literal = _find_non_finite(document, "") or ("", "?")
         where = f" at {path}" if path else ""
-        raise WireFormatError(f"{what}{where}: {literal} is not a finite number; only finite numbers are allowed")
+        raise WireFormatError(
+            f"{what}{where}: {literal} is not a finite number; only finite numbers are allowed"
+        )
     return document

@@ -47,11 +47,20 @@ def _key(run_seed: int, node_id: str, policy_step: int, batch_counter: int) -> b
         node = bytes.fromhex(node_id)
     except ValueError:
         raise AssignmentError(f"node id must be hex (an Ed25519 public key), got {node_id[:80]!r}") from None
-    for name, value in (("run seed", run_seed), ("policy step", policy_step), ("batch counter", batch_counter)):
+    for name, value in (
+        ("run seed", run_seed),
+        ("policy step", policy_step),
+        ("batch counter", batch_counter),
+    ):
         if not 0 <= value < _U64:
             raise AssignmentError(f"{name} {value} is outside [0, 2^64)")
-    return hashlib.sha256(_DOMAIN + struct.pack(">Q", run_seed) + struct.pack(">H", len(node)) + node
-                          + struct.pack(">QQ", policy_step, batch_counter)).digest()
+    return hashlib.sha256(
+        _DOMAIN
+        + struct.pack(">Q", run_seed)
+        + struct.pack(">H", len(node))
+        + node
+        + struct.pack(">QQ", policy_step, batch_counter)
+    ).digest()
 
 
 def _stream(key: bytes, purpose: bytes) -> Iterator[int]:
@@ -64,7 +73,14 @@ def _stream(key: bytes, purpose: bytes) -> Iterator[int]:
 
 
 def assign(
-    run_seed: int, node_id: str, policy_step: int, batch_counter: int, *, task_count: int, prompts: int, samples: int
+    run_seed: int,
+    node_id: str,
+    policy_step: int,
+    batch_counter: int,
+    *,
+    task_count: int,
+    prompts: int,
+    samples: int,
 ) -> Assignment:
     """The assignment of one batch: `prompts` distinct problems of [0, task_count), `samples` seeds each."""
     if task_count < 1 or not 1 <= prompts <= task_count or samples < 1:
@@ -110,8 +126,17 @@ def check_assignment(
     expected_prompts = prompts if prompts is not None else len(rows) // samples
     if len(rows) != expected_prompts * samples:
         raise AssignmentError(f"{len(rows)} rows, expected {expected_prompts} prompts x {samples} samples")
-    expected = list(assign(run_seed, node_id, policy_step, batch_counter, task_count=task_count,
-                           prompts=expected_prompts, samples=samples).rows())
+    expected = list(
+        assign(
+            run_seed,
+            node_id,
+            policy_step,
+            batch_counter,
+            task_count=task_count,
+            prompts=expected_prompts,
+            samples=samples,
+        ).rows()
+    )
     for row, (got, want) in enumerate(zip(rows, expected, strict=True)):
         if got[0] != want[0]:
             raise AssignmentError(f"row {row}: sample index {got[0]} was not assigned (expected {want[0]})")

@@ -57,7 +57,9 @@ class SignatureCheck:
 
     def run(self, ctx: VerificationContext) -> str:
         with _rejects(RolloutFileError):
-            ctx.envelope = parse_envelope(read_bounded(signature_path(ctx.path), MAX_SIG_BYTES, "signature file"))
+            ctx.envelope = parse_envelope(
+                read_bounded(signature_path(ctx.path), MAX_SIG_BYTES, "signature file")
+            )
             ctx.data = read_bounded(ctx.path, ctx.settings.limits.max_file_bytes, "rollout file")
             ctx.signer = verify_envelope(ctx.data, ctx.envelope)
         return f"{len(ctx.data)} bytes signed by {ctx.signer[:16]}…"
@@ -87,8 +89,10 @@ class LimitsCheck:
             check_layout(ctx.layout, ctx.settings.file_limits())
             ctx.step = read_policy_step(ctx.parquet)
         tokens = sum(ctx.layout.values(c) for c in TOKEN_COLUMNS)
-        return (f"{tokens} token ids, {ctx.layout.uncompressed} bytes decompressed, within the run's limits; "
-                f"policy step {ctx.step}")
+        return (
+            f"{tokens} token ids, {ctx.layout.uncompressed} bytes decompressed, within the run's limits; "
+            f"policy step {ctx.step}"
+        )
 
 
 class DecodeCheck:
@@ -134,14 +138,19 @@ class RunParametersCheck:
         pinned = ctx.settings
         for i, row in enumerate(ctx.rows):
             if pinned.temperature is not None and row.temperature != pinned.temperature:
-                raise CheckFailed(f"sampled at temperature {row.temperature!r}; the run samples at "
-                                  f"{pinned.temperature!r}", i)
+                raise CheckFailed(
+                    f"sampled at temperature {row.temperature!r}; the run samples at {pinned.temperature!r}",
+                    i,
+                )
             if pinned.max_new_tokens is not None and row.max_new_tokens != pinned.max_new_tokens:
-                raise CheckFailed(f"max_new_tokens {row.max_new_tokens}; the run's is {pinned.max_new_tokens}", i)
+                raise CheckFailed(
+                    f"max_new_tokens {row.max_new_tokens}; the run's is {pinned.max_new_tokens}", i
+                )
         first = ctx.rows[0]
         loose = [name for name in ("temperature", "max_new_tokens") if getattr(pinned, name) is None]
-        return (f"temperature {first.temperature!r}, max_new_tokens {first.max_new_tokens}"
-                + (f" ({' and '.join(loose)} not pinned)" if loose else ""))
+        return f"temperature {first.temperature!r}, max_new_tokens {first.max_new_tokens}" + (
+            f" ({' and '.join(loose)} not pinned)" if loose else ""
+        )
 
 
 class AssignmentCheck:
@@ -156,8 +165,13 @@ class AssignmentCheck:
             samples = len(list(next(groupby(ctx.rows, key=lambda r: r.sample_index))[1]))
         with _rejects(AssignmentError):
             check_assignment(
-                [(r.sample_index, r.sample_seed) for r in ctx.rows], ctx.settings.run_seed, first.node_id,
-                first.policy_step, first.batch_counter, task_count=ctx.tasks.task_count, samples=samples,
+                [(r.sample_index, r.sample_seed) for r in ctx.rows],
+                ctx.settings.run_seed,
+                first.node_id,
+                first.policy_step,
+                first.batch_counter,
+                task_count=ctx.tasks.task_count,
+                samples=samples,
                 prompts=ctx.settings.prompts_per_batch,
             )
         return f"{len(ctx.rows) // samples} prompts x {samples} samples as assigned"
@@ -178,8 +192,9 @@ class TerminationCheck:
 
     def run(self, ctx: VerificationContext) -> str:
         for i, row in enumerate(ctx.rows):
-            reason = termination_failure(row.output_ids, row.finish_reason, row.max_new_tokens,
-                                         ctx.model.eos_token_id)
+            reason = termination_failure(
+                row.output_ids, row.finish_reason, row.max_new_tokens, ctx.model.eos_token_id
+            )
             if reason:
                 raise CheckFailed(reason, i)
         return "finish reasons consistent"
@@ -228,8 +243,10 @@ class ToplocCheck:
         if reason:  # the per-chunk caps passed above, so this is the file-level typical error
             raise CheckFailed(reason)
         worst = max(s.exp_mismatches for s in all_chunks)
-        return (f"{len(ctx.selected)} rows by prefill, typical mantissa error {typical_mant_err_mean(all_chunks):.2f}, "
-                f"worst chunk {worst} exponent mismatches")
+        return (
+            f"{len(ctx.selected)} rows by prefill, typical mantissa error {typical_mant_err_mean(all_chunks):.2f}, "
+            f"worst chunk {worst} exponent mismatches"
+        )
 
 
 class SamplingCheck:
@@ -275,6 +292,20 @@ class DistributionCheck:
 
 def default_checks() -> list[Check]:
     """Every check, cheapest first."""
-    return [SignatureCheck(), SchemaCheck(), LimitsCheck(), DecodeCheck(), SignerCheck(), BoundsCheck(),
-            RunParametersCheck(), AssignmentCheck(), PromptCheck(), TerminationCheck(), RewardCheck(), ToplocCheck(),
-            EosProbabilityCheck(), SamplingCheck(), DistributionCheck()]
+    return [
+        SignatureCheck(),
+        SchemaCheck(),
+        LimitsCheck(),
+        DecodeCheck(),
+        SignerCheck(),
+        BoundsCheck(),
+        RunParametersCheck(),
+        AssignmentCheck(),
+        PromptCheck(),
+        TerminationCheck(),
+        RewardCheck(),
+        ToplocCheck(),
+        EosProbabilityCheck(),
+        SamplingCheck(),
+        DistributionCheck(),
+    ]

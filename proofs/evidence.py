@@ -50,7 +50,10 @@ class RowEvidence:
 
 
 def prefill_batches(
-    lengths: Sequence[int], vocab_size: int, max_rows: int, max_logit_bytes: int,
+    lengths: Sequence[int],
+    vocab_size: int,
+    max_rows: int,
+    max_logit_bytes: int,
     logit_rows: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Row indices cut into prefill calls, longest first (similar lengths pad little): each call holds at most
@@ -79,19 +82,33 @@ def batch_evidence(
     if len(temperatures) != 1:  # the bounds check refuses such files before any prefill
         raise ProofError(f"rows of one file disagree on the temperature: {sorted(temperatures)}")
     # The committed rows, counted from each result's first returned position.
-    spans = [_shifted(committed_rows(len(r.prompt_ids), len(r.output_ids)), res.first_position)
-             for r, res in zip(rows, results, strict=True)]
-    chunk_stats = check_proofs([r.proof for r in rows],
-                               [res.hidden_states[span] for res, span in zip(results, spans, strict=True)])
+    spans = [
+        _shifted(committed_rows(len(r.prompt_ids), len(r.output_ids)), res.first_position)
+        for r, res in zip(rows, results, strict=True)
+    ]
+    chunk_stats = check_proofs(
+        [r.proof for r in rows], [res.hidden_states[span] for res, span in zip(results, spans, strict=True)]
+    )
     temperature = temperatures.pop()
-    replays = replay_samplings([res.logits[span] for res, span in zip(results, spans, strict=True)],
-                               [r.output_ids for r in rows], [r.sample_seed for r in rows], temperature, margin)
-    eos = [eos_logprob(res.logits[span.stop - 1], eos_token_id, temperature) if r.finish_reason == "eos" else None
-           for r, res, span in zip(rows, results, spans, strict=True)]
+    replays = replay_samplings(
+        [res.logits[span] for res, span in zip(results, spans, strict=True)],
+        [r.output_ids for r in rows],
+        [r.sample_seed for r in rows],
+        temperature,
+        margin,
+    )
+    eos = [
+        eos_logprob(res.logits[span.stop - 1], eos_token_id, temperature)
+        if r.finish_reason == "eos"
+        else None
+        for r, res, span in zip(rows, results, spans, strict=True)
+    ]
     return [RowEvidence(t, s, e) for t, s, e in zip(chunk_stats, replays, eos, strict=True)]
 
 
 def _shifted(span: slice, first_position: int) -> slice:
     if span.start < first_position:  # the model oracle's bug, never the file's: no rejection (no ProofError)
-        raise RuntimeError(f"the prefill returned positions from {first_position}; the checks read from {span.start}")
+        raise RuntimeError(
+            f"the prefill returned positions from {first_position}; the checks read from {span.start}"
+        )
     return slice(span.start - first_position, span.stop - first_position)

@@ -125,8 +125,13 @@ def _lagrange_basis(points: int) -> np.ndarray:
     factorials = [1]
     for v in range(1, points):
         factorials.append(factorials[-1] * v % PRIME)
-    derivative = np.array([factorials[i] * factorials[points - 1 - i] * (-1) ** (points - 1 - i) % PRIME
-                           for i in range(points)], dtype=np.int64)
+    derivative = np.array(
+        [
+            factorials[i] * factorials[points - 1 - i] * (-1) ** (points - 1 - i) % PRIME
+            for i in range(points)
+        ],
+        dtype=np.int64,
+    )
     basis = reduce(quotients * inverse(derivative)[None, :]).astype(np.float64)
     basis.setflags(write=False)
     return basis

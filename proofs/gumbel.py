@@ -73,7 +73,9 @@ def _uniform_noise_numpy(seeds: torch.Tensor, positions: torch.Tensor, vocab_siz
         return _uniform_noise_numpy_unchecked(seeds, positions, vocab_size)
 
 
-def _uniform_noise_numpy_unchecked(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _uniform_noise_numpy_unchecked(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
     s = seeds.to(torch.int64).numpy().astype(np.uint64)
     seed_lo = (s & np.uint64(_MASK32)).astype(np.uint32)
     seed_hi = ((s >> np.uint64(32)) & np.uint64(_MASK32)).astype(np.uint32)

@@ -30,11 +30,28 @@ DATA_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 2, 3
 PAGE_TYPES = {DATA_PAGE: "data", DICTIONARY_PAGE: "dictionary", DATA_PAGE_V2: "data-v2"}
 
 # Enumerations of parquet.thrift by name, for messages and for comparing with pyarrow's schema.
-PHYSICAL_TYPES = {0: "BOOLEAN", 1: "INT32", 2: "INT64", 3: "INT96", 4: "FLOAT", 5: "DOUBLE", 6: "BYTE_ARRAY",
-                  7: "FIXED_LEN_BYTE_ARRAY"}
+PHYSICAL_TYPES = {
+    0: "BOOLEAN",
+    1: "INT32",
+    2: "INT64",
+    3: "INT96",
+    4: "FLOAT",
+    5: "DOUBLE",
+    6: "BYTE_ARRAY",
+    7: "FIXED_LEN_BYTE_ARRAY",
+}
 CODECS = {0: "UNCOMPRESSED", 1: "SNAPPY", 2: "GZIP", 3: "LZO", 4: "BROTLI", 5: "LZ4", 6: "ZSTD", 7: "LZ4_RAW"}
-ENCODINGS = {0: "PLAIN", 2: "PLAIN_DICTIONARY", 3: "RLE", 4: "BIT_PACKED", 5: "DELTA_BINARY_PACKED",
-             6: "DELTA_LENGTH_BYTE_ARRAY", 7: "DELTA_BYTE_ARRAY", 8: "RLE_DICTIONARY", 9: "BYTE_STREAM_SPLIT"}
+ENCODINGS = {
+    0: "PLAIN",
+    2: "PLAIN_DICTIONARY",
+    3: "RLE",
+    4: "BIT_PACKED",
+    5: "DELTA_BINARY_PACKED",
+    6: "DELTA_LENGTH_BYTE_ARRAY",
+    7: "DELTA_BYTE_ARRAY",
+    8: "RLE_DICTIONARY",
+    9: "BYTE_STREAM_SPLIT",
+}
 
 MAX_HEADER_BYTES = 4096  # an honest page header is tens of bytes (statistics of one binary value at most)
 _MAX_DEPTH = 8  # FileMetaData > row groups > RowGroup > columns > ColumnChunk > ... > Statistics, at most
@@ -50,11 +67,28 @@ _I32_FIELD, _I64_FIELD, _BINARY_FIELD = (_I32, None), (_I64, None), (_BINARY, No
 _DATA_V1: _Fields = {1: _I32_FIELD, 2: _I32_FIELD, 3: _I32_FIELD, 4: _I32_FIELD}
 _DICTIONARY: _Fields = {1: _I32_FIELD, 2: _I32_FIELD}
 _DATA_V2: _Fields = {1: _I32_FIELD, 2: _I32_FIELD, 3: _I32_FIELD, 4: _I32_FIELD, 5: _I32_FIELD, 6: _I32_FIELD}
-_PAGE_HEADER: _Fields = {1: _I32_FIELD, 2: _I32_FIELD, 3: _I32_FIELD, 4: _I32_FIELD, 5: (_STRUCT, _DATA_V1),
-                         6: (_STRUCT, {}), 7: (_STRUCT, _DICTIONARY), 8: (_STRUCT, _DATA_V2)}
+_PAGE_HEADER: _Fields = {
+    1: _I32_FIELD,
+    2: _I32_FIELD,
+    3: _I32_FIELD,
+    4: _I32_FIELD,
+    5: (_STRUCT, _DATA_V1),
+    6: (_STRUCT, {}),
+    7: (_STRUCT, _DICTIONARY),
+    8: (_STRUCT, _DATA_V2),
+}
 # ColumnMetaData: type, path_in_schema, codec, num_values, total_compressed_size, data and dictionary page offsets.
-_COLUMN_META: _Fields = {1: _I32_FIELD, 2: (_LIST, (_I32, None)), 3: (_LIST, (_BINARY, None)), 4: _I32_FIELD,
-                         5: _I64_FIELD, 6: _I64_FIELD, 7: _I64_FIELD, 9: _I64_FIELD, 11: _I64_FIELD}
+_COLUMN_META: _Fields = {
+    1: _I32_FIELD,
+    2: (_LIST, (_I32, None)),
+    3: (_LIST, (_BINARY, None)),
+    4: _I32_FIELD,
+    5: _I64_FIELD,
+    6: _I64_FIELD,
+    7: _I64_FIELD,
+    9: _I64_FIELD,
+    11: _I64_FIELD,
+}
 _COLUMN_CHUNK: _Fields = {1: _BINARY_FIELD, 2: _I64_FIELD, 3: (_STRUCT, _COLUMN_META)}
 _ROW_GROUP: _Fields = {1: (_LIST, (_STRUCT, _COLUMN_CHUNK)), 3: _I64_FIELD}
 _FILE_META: _Fields = {3: _I64_FIELD, 4: (_LIST, (_STRUCT, _ROW_GROUP))}
@@ -124,7 +158,7 @@ class _Reader:
         if ctype == _BINARY:
             n = self.varint()
             self.skip(n)
-            return bytes(self.data[self.pos - n:self.pos])
+            return bytes(self.data[self.pos - n : self.pos])
         if depth >= _MAX_DEPTH:
             raise self.fail("values nested too deep")
         if ctype == _STRUCT:
@@ -139,8 +173,10 @@ class _Reader:
             if want is not None and size and etype != want:
                 raise self.fail(f"a list of compact type {etype}, expected {want}")
             # Every element takes a byte at least: `size` cannot outrun the bytes.
-            items = [self.byte() == _TRUE if etype in (_TRUE, _FALSE) else self.value(etype, depth + 1, fields)
-                     for _ in range(size)]
+            items = [
+                self.byte() == _TRUE if etype in (_TRUE, _FALSE) else self.value(etype, depth + 1, fields)
+                for _ in range(size)
+            ]
             return items if want is not None else None
         if ctype == _MAP:
             size = self.varint()
@@ -219,15 +255,28 @@ def read_footer(footer: bytes, max_structs: int) -> FooterMeta:
             _required(chunk, 2, "file_offset", reader)
             column = _required(chunk, 3, "a column chunk's metadata", reader)
             assert isinstance(column, dict)
-            names = ("type", "encodings", "path_in_schema", "codec", "num_values", "total_uncompressed_size",
-                     "total_compressed_size", "data_page_offset")
-            values = [_required(column, fid, name, reader) for fid, name in zip((1, 2, 3, 4, 5, 6, 7, 9), names)]
+            names = (
+                "type",
+                "encodings",
+                "path_in_schema",
+                "codec",
+                "num_values",
+                "total_uncompressed_size",
+                "total_compressed_size",
+                "data_page_offset",
+            )
+            values = [
+                _required(column, fid, name, reader) for fid, name in zip((1, 2, 3, 4, 5, 6, 7, 9), names)
+            ]
             try:
                 path = tuple(bytes(p).decode() for p in values[2])
             except UnicodeDecodeError:
                 raise reader.fail("a column path that is not UTF-8") from None
-            chunks.append(ChunkMeta(path, values[0], values[3], values[4], values[6], values[7], column.get(11),
-                                    chunk.get(1)))
+            chunks.append(
+                ChunkMeta(
+                    path, values[0], values[3], values[4], values[6], values[7], column.get(11), chunk.get(1)
+                )
+            )
         groups.append((_required(group, 3, "a row group's num_rows", reader), tuple(chunks)))
     return FooterMeta(_required(meta, 3, "num_rows", reader), tuple(groups))
 

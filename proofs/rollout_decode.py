@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from .rollout_layout import BINARY_COLUMNS, TOKEN_COLUMNS, Layout, check_layout, longest_value, read_layout
 from .rollout_schema import COLUMNS, SCHEMA, RolloutFileError, RolloutLimits, RolloutRow
 
+
 def _read(parquet: pq.ParquetFile, column: str) -> pa.ChunkedArray:
     try:
         table = parquet.read(columns=[column], use_threads=False)
@@ -38,8 +39,9 @@ def read_policy_step(parquet: pq.ParquetFile) -> int:
     """The one policy step every row claims (RolloutFileError, check `bounds`, if rows disagree)."""
     steps = pc.unique(_read(parquet, "policy_step")).to_pylist()
     if len(steps) != 1:
-        raise RolloutFileError(f"rows claim {len(steps)} policy steps ({sorted(steps)[:4]}…); a file holds one",
-                               check="bounds")
+        raise RolloutFileError(
+            f"rows claim {len(steps)} policy steps ({sorted(steps)[:4]}…); a file holds one", check="bounds"
+        )
     if steps[0] < 0:
         raise RolloutFileError(f"policy step {steps[0]} is negative", check="bounds")
     return steps[0]
@@ -52,10 +54,12 @@ def _tokens(column: str, array: pa.ChunkedArray, most: int, name: str) -> Iterat
         longest = pc.max(lengths).as_py()
         if longest is not None and longest > most:
             at = row + pc.index(lengths, longest).as_py()
-            raise RolloutFileError(f"row {at}: {column} holds {longest} tokens, over {name} {most}", check="limits")
+            raise RolloutFileError(
+                f"row {at}: {column} holds {longest} tokens, over {name} {most}", check="limits"
+            )
         offsets, values = chunk.offsets.to_numpy(), chunk.values.to_numpy()
         for i in range(len(chunk)):
-            yield tuple(values[offsets[i]:offsets[i + 1]].tolist())
+            yield tuple(values[offsets[i] : offsets[i + 1]].tolist())
         row += len(chunk)
 
 
@@ -66,8 +70,10 @@ def _entries(column: str, array: pa.ChunkedArray, most: int | None) -> Iterator[
             lengths = pc.binary_length(chunk.dictionary)
             longest = pc.max(lengths).as_py()
             if longest is not None and longest > most:
-                raise RolloutFileError(f"column {column!r} holds a value of {longest} bytes, over its limit {most}",
-                                       check="limits")
+                raise RolloutFileError(
+                    f"column {column!r} holds a value of {longest} bytes, over its limit {most}",
+                    check="limits",
+                )
         entries = chunk.dictionary.to_pylist()
         for index in chunk.indices.to_numpy(zero_copy_only=False):
             yield entries[index]
@@ -76,8 +82,10 @@ def _entries(column: str, array: pa.ChunkedArray, most: int | None) -> Iterator[
 def decode_layout(parquet: pq.ParquetFile, layout: Layout, limits: RolloutLimits) -> list[RolloutRow]:
     """The rows of a file whose layout passed check_layout(layout, limits)."""
     values: dict[str, list[Any]] = {}
-    per_row = {"prompt_ids": ("max_prompt_tokens", limits.max_prompt_tokens),
-               "output_ids": ("max_new_tokens", limits.max_new_tokens)}
+    per_row = {
+        "prompt_ids": ("max_prompt_tokens", limits.max_prompt_tokens),
+        "output_ids": ("max_new_tokens", limits.max_new_tokens),
+    }
     for column in COLUMNS:
         array = _read(parquet, column)
         if column in TOKEN_COLUMNS:
@@ -94,8 +102,12 @@ def decode_layout(parquet: pq.ParquetFile, layout: Layout, limits: RolloutLimits
             values[column] = array.to_pylist()
         del array  # its Arrow buffers go before the next column is decoded
         if len(values[column]) != layout.rows:
-            raise RolloutFileError(f"column {column!r} decodes to {len(values[column])} rows, not {layout.rows}")
-    return [RolloutRow(**dict(zip(COLUMNS, fields, strict=True))) for fields in zip(*values.values(), strict=True)]
+            raise RolloutFileError(
+                f"column {column!r} decodes to {len(values[column])} rows, not {layout.rows}"
+            )
+    return [
+        RolloutRow(**dict(zip(COLUMNS, fields, strict=True))) for fields in zip(*values.values(), strict=True)
+    ]
 
 
 def decode_file(data: bytes, limits: RolloutLimits) -> list[RolloutRow]:

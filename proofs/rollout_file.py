@@ -61,8 +61,12 @@ def encode_rows(rows: list[RolloutRow]) -> bytes:
 
 def sign_bytes(data: bytes, identity: Identity) -> dict[str, Any]:
     """The signature envelope of `data` (a JSON object)."""
-    body = {"format": SIG_FORMAT, "node_id": identity.node_id, "sha256": hashlib.sha256(data).hexdigest(),
-            "size": len(data)}
+    body = {
+        "format": SIG_FORMAT,
+        "node_id": identity.node_id,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "size": len(data),
+    }
     return {**body, "signature": identity.sign(canonical_json(body)).hex()}
 
 
@@ -76,8 +80,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def write_rollout_file(path: Path, rows: list[RolloutRow], identity: Identity,
-                       limits: RolloutLimits | None = None) -> Path:
+def write_rollout_file(
+    path: Path, rows: list[RolloutRow], identity: Identity, limits: RolloutLimits | None = None
+) -> Path:
     """Write `rows` to `path` and the signature envelope beside it; returns the envelope's path.
 
     The rows are checked with the readers' own bounds first, so a node never publishes a file that
@@ -102,12 +107,18 @@ def parse_envelope(raw: bytes) -> dict[str, Any]:
     except WireFormatError as exc:
         raise RolloutFileError(str(exc), check="signature") from None
     if not isinstance(envelope, dict) or sorted(envelope) != sorted(_SIG_FIELDS):
-        raise RolloutFileError(f"signature file must hold exactly the fields {_SIG_FIELDS}", check="signature")
+        raise RolloutFileError(
+            f"signature file must hold exactly the fields {_SIG_FIELDS}", check="signature"
+        )
     if envelope["format"] != SIG_FORMAT:
-        raise RolloutFileError(f"signature format {envelope['format']!r}, expected {SIG_FORMAT}", check="signature")
-    if not all(isinstance(envelope[k], str) for k in ("node_id", "sha256", "signature")) or not isinstance(
-        envelope["size"], int
-    ) or isinstance(envelope["size"], bool):
+        raise RolloutFileError(
+            f"signature format {envelope['format']!r}, expected {SIG_FORMAT}", check="signature"
+        )
+    if (
+        not all(isinstance(envelope[k], str) for k in ("node_id", "sha256", "signature"))
+        or not isinstance(envelope["size"], int)
+        or isinstance(envelope["size"], bool)
+    ):
         raise RolloutFileError("signature file has fields of the wrong type", check="signature")
     return envelope
 
@@ -116,11 +127,13 @@ def verify_envelope(data: bytes, envelope: dict[str, Any], expected_signer: str 
     """Check that `envelope` signs exactly `data`; returns the signer's node id."""
     signer = envelope["node_id"]
     if expected_signer is not None and signer != expected_signer:
-        raise RolloutFileError(f"file is signed by {signer[:16]}…, expected {expected_signer[:16]}…",
-                               check="signature")
+        raise RolloutFileError(
+            f"file is signed by {signer[:16]}…, expected {expected_signer[:16]}…", check="signature"
+        )
     if envelope["size"] != len(data) or envelope["sha256"] != hashlib.sha256(data).hexdigest():
-        raise RolloutFileError("file content does not match its signed SHA-256 (altered after signing?)",
-                               check="signature")
+        raise RolloutFileError(
+            "file content does not match its signed SHA-256 (altered after signing?)", check="signature"
+        )
     body = {k: envelope[k] for k in _SIG_FIELDS if k != "signature"}
     try:
         signature = bytes.fromhex(envelope["signature"])
@@ -135,8 +148,9 @@ def read_bounded(path: Path, limit: int, what: str) -> bytes:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > limit:
-                raise RolloutFileError(f"{what} {path} is {size} bytes, over the {limit}-byte limit",
-                                       check="signature")
+                raise RolloutFileError(
+                    f"{what} {path} is {size} bytes, over the {limit}-byte limit", check="signature"
+                )
             data = f.read(limit + 1)
     except FileNotFoundError:
         raise RolloutFileError(f"{what} {path} does not exist", check="signature") from None
@@ -155,8 +169,9 @@ def decode_rows(data: bytes, limits: RolloutLimits) -> list[RolloutRow]:
     return decode_file(data, limits)
 
 
-def read_rollout_file(path: Path, limits: RolloutLimits | None = None,
-                      expected_signer: str | None = None) -> RolloutFile:
+def read_rollout_file(
+    path: Path, limits: RolloutLimits | None = None, expected_signer: str | None = None
+) -> RolloutFile:
     """Read and fully check a rollout file and its signature; raises RolloutFileError naming the check."""
     limits = limits or RolloutLimits()
     path = Path(path)
@@ -172,5 +187,7 @@ def read_rollout_file(path: Path, limits: RolloutLimits | None = None,
 def check_signer(rows: list[RolloutRow], signer: str) -> None:
     """Every row must name the node that signed the file (a node cannot pass off another's work)."""
     if any(r.node_id != signer for r in rows):
-        raise RolloutFileError(f"rows claim node {rows[0].node_id[:16]}… but the file is signed by {signer[:16]}…",
-                               check="signature")
+        raise RolloutFileError(
+            f"rows claim node {rows[0].node_id[:16]}… but the file is signed by {signer[:16]}…",
+            check="signature",
+        )

@@ -31,6 +31,8 @@ import pyarrow.parquet as pq
 
 from .parquet_meta import (
     CODECS as CODEC_NAMES,
+)
+from .parquet_meta import (
     DICTIONARY_PAGE,
     ENCODINGS,
     PHYSICAL_TYPES,
@@ -65,7 +67,10 @@ PAGE_SLACK = 1024
 
 TOKEN_COLUMNS = ("prompt_ids", "output_ids")
 STRING_COLUMNS = ("run_id", "node_id", "finish_reason")
-BINARY_COLUMNS = (*STRING_COLUMNS, "proof")  # read as dictionaries: checked before their values are copied out
+BINARY_COLUMNS = (
+    *STRING_COLUMNS,
+    "proof",
+)  # read as dictionaries: checked before their values are copied out
 _WIDTH = {"INT32": 4, "INT64": 8, "DOUBLE": 8}
 
 
@@ -121,9 +126,11 @@ def _footer(data: bytes) -> FooterMeta:
         raise _schema_error("not a readable Parquet file: no PAR1 magic at both ends")
     length = struct.unpack("<I", data[-8:-4])[0]
     if length > min(MAX_FOOTER_BYTES, len(data) - 12):
-        raise _schema_error(f"the footer claims {length} bytes; at most {MAX_FOOTER_BYTES} are read, and the "
-                            f"file has {len(data) - 12}")
-    return read_footer(data[-8 - length:-8], MAX_FOOTER_STRUCTS)
+        raise _schema_error(
+            f"the footer claims {length} bytes; at most {MAX_FOOTER_BYTES} are read, and the "
+            f"file has {len(data) - 12}"
+        )
+    return read_footer(data[-8 - length : -8], MAX_FOOTER_STRUCTS)
 
 
 def open_parquet(data: bytes) -> tuple[pq.ParquetFile, FooterMeta]:
@@ -131,20 +138,29 @@ def open_parquet(data: bytes) -> tuple[pq.ParquetFile, FooterMeta]:
     columns are read as dictionaries (proofs/rollout_decode.py)."""
     footer = _footer(data)
     try:
-        plain = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False, thrift_string_size_limit=MAX_FOOTER_BYTES,
-                               thrift_container_size_limit=MAX_FOOTER_STRUCTS)
+        plain = pq.ParquetFile(
+            pa.BufferReader(data),
+            pre_buffer=False,
+            thrift_string_size_limit=MAX_FOOTER_BYTES,
+            thrift_container_size_limit=MAX_FOOTER_STRUCTS,
+        )
         check_schema(plain.schema_arrow)  # as written, before read_dictionary turns strings into dictionaries
         leaves = tuple(_leaf(plain.schema.column(i)) for i in range(len(plain.schema)))
         if leaves != _pinned_leaves():
             raise _schema_error(f"Parquet columns {leaves} differ from the pinned {_pinned_leaves()}")
-        return pq.ParquetFile(pa.BufferReader(data), metadata=plain.metadata, pre_buffer=False,
-                              read_dictionary=list(BINARY_COLUMNS)), footer
+        return pq.ParquetFile(
+            pa.BufferReader(data),
+            metadata=plain.metadata,
+            pre_buffer=False,
+            read_dictionary=list(BINARY_COLUMNS),
+        ), footer
     except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: pyarrow decoding a name as UTF-8
         raise _schema_error(f"not a readable Parquet file: {exc}") from None
 
 
-def _chunk(data: bytes, meta: ChunkMeta, leaf: tuple[str, str, int, int], group: int, rows: int,
-           pages_left: int) -> Chunk:
+def _chunk(
+    data: bytes, meta: ChunkMeta, leaf: tuple[str, str, int, int], group: int, rows: int, pages_left: int
+) -> Chunk:
     column, physical_type = leaf[0].split(".")[0], leaf[1]
     where = f"column {column!r} of row group {group}"
     # Arrow decodes chunk j as the schema's leaf j: the chunk's own path and type must say the same.
@@ -163,19 +179,26 @@ def _chunk(data: bytes, meta: ChunkMeta, leaf: tuple[str, str, int, int], group:
     pages = walk_pages(data, start, meta.total_compressed_size, pages_left)
     counted = sum(p.values for p in pages if p.kind != DICTIONARY_PAGE)
     if counted != meta.num_values:
-        raise _schema_error(f"{where}: the footer declares {meta.num_values} values, its pages hold {counted}")
+        raise _schema_error(
+            f"{where}: the footer declares {meta.num_values} values, its pages hold {counted}"
+        )
     for i, page in enumerate(pages):
         if page.kind == DICTIONARY_PAGE and i != 0:
             raise _schema_error(f"{where}: a dictionary page after the first page")
         if page.encoding not in VALUE_ENCODINGS or not set(page.level_encodings) <= LEVEL_ENCODINGS:
             named = [ENCODINGS.get(e, str(e)) for e in (page.encoding, *page.level_encodings)]
-            raise _schema_error(f"{where}: page {i} is encoded {named}; values must be PLAIN or dictionary "
-                                "(RLE_DICTIONARY, PLAIN_DICTIONARY) and levels RLE")
+            raise _schema_error(
+                f"{where}: page {i} is encoded {named}; values must be PLAIN or dictionary "
+                "(RLE_DICTIONARY, PLAIN_DICTIONARY) and levels RLE"
+            )
         if codec == "UNCOMPRESSED" and page.compressed != page.uncompressed:
-            raise _schema_error(f"{where}: an uncompressed page of {page.compressed} bytes claims "
-                                f"{page.uncompressed}")
+            raise _schema_error(
+                f"{where}: an uncompressed page of {page.compressed} bytes claims {page.uncompressed}"
+            )
         if page.kind == DICTIONARY_PAGE and page.values * _WIDTH.get(physical_type, 4) > page.uncompressed:
-            raise _schema_error(f"{where}: a dictionary of {page.values} entries in {page.uncompressed} bytes")
+            raise _schema_error(
+                f"{where}: a dictionary of {page.values} entries in {page.uncompressed} bytes"
+            )
     return Chunk(column, group, rows, meta.num_values, physical_type, tuple(pages))
 
 
@@ -195,8 +218,10 @@ def read_layout(data: bytes) -> tuple[pq.ParquetFile, Layout]:
             pages += len(chunk.pages)
             # One value a row, null or not; a list column a value per element, and one for an empty list.
             if chunk.values < chunk.rows if chunk.column in TOKEN_COLUMNS else chunk.values != chunk.rows:
-                raise _schema_error(f"column {chunk.column!r} of row group {g} holds {chunk.values} values for "
-                                    f"{chunk.rows} rows")
+                raise _schema_error(
+                    f"column {chunk.column!r} of row group {g} holds {chunk.values} values for "
+                    f"{chunk.rows} rows"
+                )
             chunks.append(chunk)
     rows = sum(rows for rows, _ in footer.row_groups)
     if rows != footer.num_rows:
@@ -206,8 +231,12 @@ def read_layout(data: bytes) -> tuple[pq.ParquetFile, Layout]:
 
 def longest_value(column: str, limits: RolloutLimits) -> int:
     """Bytes of the longest value a binary column may hold (UTF-8: four a character at most)."""
-    return {"run_id": 4 * limits.max_id_chars, "node_id": 64, "finish_reason": len("length"),
-            "proof": proof_size(limits.max_new_tokens)}[column]
+    return {
+        "run_id": 4 * limits.max_id_chars,
+        "node_id": 64,
+        "finish_reason": len("length"),
+        "proof": proof_size(limits.max_new_tokens),
+    }[column]
 
 
 def value_bytes(column: str, physical_type: str, limits: RolloutLimits) -> int:
@@ -230,19 +259,26 @@ def check_layout(layout: Layout, limits: RolloutLimits) -> None:
     what honest files of those limits need (docs/protocol.md, "Rollout files (the validator's judgement)")."""
     if not 1 <= layout.rows <= limits.max_rows:
         raise _limit_error(f"{layout.rows} rows, allowed 1..{limits.max_rows}")
-    per_row = {"prompt_ids": ("max_prompt_tokens", limits.max_prompt_tokens),
-               "output_ids": ("max_new_tokens", limits.max_new_tokens)}
+    per_row = {
+        "prompt_ids": ("max_prompt_tokens", limits.max_prompt_tokens),
+        "output_ids": ("max_new_tokens", limits.max_new_tokens),
+    }
     for column, (name, most) in per_row.items():
         held = layout.values(column)
         if held > layout.rows * most:
-            raise _limit_error(f"column {column!r} holds {held} token ids: more than {layout.rows} rows x "
-                               f"{name} {most} allow")
+            raise _limit_error(
+                f"column {column!r} holds {held} token ids: more than {layout.rows} rows x "
+                f"{name} {most} allow"
+            )
     tokens = sum(layout.values(c) for c in TOKEN_COLUMNS)
     if tokens > limits.max_file_tokens:
-        raise _limit_error(f"the file holds {tokens} token ids, over the limit of {limits.max_file_tokens} per file")
+        raise _limit_error(
+            f"the file holds {tokens} token ids, over the limit of {limits.max_file_tokens} per file"
+        )
     if layout.uncompressed > limits.max_decoded_bytes:
-        raise _limit_error(f"the pages decompress to {layout.uncompressed} bytes, over the limit "
-                           f"{limits.max_decoded_bytes}")
+        raise _limit_error(
+            f"the pages decompress to {layout.uncompressed} bytes, over the limit {limits.max_decoded_bytes}"
+        )
     for chunk in layout.chunks:
         widest = value_bytes(chunk.column, chunk.physical_type, limits) + PAGE_SLACK_PER_VALUE
         for i, page in enumerate(chunk.pages):
@@ -252,14 +288,21 @@ def check_layout(layout: Layout, limits: RolloutLimits) -> None:
                 raise _limit_error(
                     f"column {chunk.column!r}, row group {chunk.row_group}, {kind} {i} decompresses to "
                     f"{page.uncompressed} bytes for {page.values} values of at most "
-                    f"{widest - PAGE_SLACK_PER_VALUE} bytes each (allowed: {most})")
+                    f"{widest - PAGE_SLACK_PER_VALUE} bytes each (allowed: {most})"
+                )
         if chunk.column == "proof":
-            outputs = next(c for c in layout.chunks if c.column == "output_ids" and c.row_group == chunk.row_group)
+            outputs = next(
+                c for c in layout.chunks if c.column == "output_ids" and c.row_group == chunk.row_group
+            )
             most = proof_bytes(outputs.values, chunk.rows) + PAGE_SLACK * len(chunk.pages)
             if chunk.uncompressed > most:
-                raise _limit_error(f"column 'proof', row group {chunk.row_group}: {chunk.uncompressed} bytes for "
-                                   f"{outputs.values} output tokens in {chunk.rows} rows, which need at most {most}")
+                raise _limit_error(
+                    f"column 'proof', row group {chunk.row_group}: {chunk.uncompressed} bytes for "
+                    f"{outputs.values} output tokens in {chunk.rows} rows, which need at most {most}"
+                )
         dictionary = chunk.pages[0] if chunk.pages and chunk.pages[0].kind == DICTIONARY_PAGE else None
         if dictionary is not None and dictionary.values > chunk.values:
-            raise _limit_error(f"column {chunk.column!r}, row group {chunk.row_group}: a dictionary of "
-                               f"{dictionary.values} entries for {chunk.values} values")
+            raise _limit_error(
+                f"column {chunk.column!r}, row group {chunk.row_group}: a dictionary of "
+                f"{dictionary.values} entries for {chunk.values} values"
+            )

@@ -41,7 +41,9 @@ SCHEMA = pa.schema(
         pa.field("output_ids", _tokens(), nullable=False),  # EOS included when finish_reason == "eos"
         pa.field("finish_reason", pa.string(), nullable=False),  # "eos" or "length"
         pa.field("task_reward", pa.float64(), nullable=False),  # the task verifier's score in [0, 1]
-        pa.field("length_penalty", pa.float64(), nullable=False),  # alpha * |length - target|; 0 without target
+        pa.field(
+            "length_penalty", pa.float64(), nullable=False
+        ),  # alpha * |length - target|; 0 without target
         pa.field("reward", pa.float64(), nullable=False),  # task_reward - length_penalty
         pa.field("target_length", pa.int32(), nullable=True),  # length the penalty aims at, if any
         pa.field("proof", pa.binary(), nullable=False),  # TOPLOC commitment, 258 bytes per 32 tokens
@@ -69,11 +71,15 @@ class RolloutLimits(BaseModel):
     max_file_bytes: int = Field(64 * 2**20, ge=1024, description="Largest rollout file read (bytes).")
     max_rows: int = Field(4096, ge=1, description="Most rows (samples) in one file.")
     max_decoded_bytes: int = Field(
-        128 * 2**20, ge=1024, description="Most bytes a file's pages may decompress to, summed over its page headers."
+        128 * 2**20,
+        ge=1024,
+        description="Most bytes a file's pages may decompress to, summed over its page headers.",
     )
     max_file_tokens: int = Field(
-        4 * 2**20, ge=1, description="Most token ids (prompts and outputs, every row) in one file: what bounds "
-        "the decoded rows' memory (about 40 bytes a token as Python objects)."
+        4 * 2**20,
+        ge=1,
+        description="Most token ids (prompts and outputs, every row) in one file: what bounds "
+        "the decoded rows' memory (about 40 bytes a token as Python objects).",
     )
     max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt, in tokens.")
     max_new_tokens: int = Field(8192, ge=1, description="Largest max_new_tokens a file may claim.")
@@ -183,7 +189,9 @@ def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits) -
     if r.target_length is not None and not 1 <= r.target_length <= limits.max_new_tokens:
         raise _bad(i, f"target length {r.target_length} outside [1, {limits.max_new_tokens}]")
     if len(r.proof) != proof_size(len(r.output_ids)):
-        raise _bad(i, f"proof is {len(r.proof)} bytes, expected {proof_size(len(r.output_ids))} (258 per 32 tokens)")
+        raise _bad(
+            i, f"proof is {len(r.proof)} bytes, expected {proof_size(len(r.output_ids))} (258 per 32 tokens)"
+        )
 
 
 def check_rows(rows: Sequence[RolloutRow], limits: RolloutLimits) -> None:
@@ -191,7 +199,8 @@ def check_rows(rows: Sequence[RolloutRow], limits: RolloutLimits) -> None:
         raise RolloutFileError(f"{len(rows)} rows, allowed 1..{limits.max_rows}", check="bounds")
     tokens = sum(len(r.prompt_ids) + len(r.output_ids) for r in rows)
     if tokens > limits.max_file_tokens:
-        raise RolloutFileError(f"{tokens} token ids, over the limit of {limits.max_file_tokens} per file",
-                               check="bounds")
+        raise RolloutFileError(
+            f"{tokens} token ids, over the limit of {limits.max_file_tokens} per file", check="bounds"
+        )
     for i, row in enumerate(rows):
         check_row(i, row, rows[0], limits)

@@ -39,10 +39,18 @@ class SamplingThresholds(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    margin: float = Field(0.05, ge=0, description="Largest tolerated score gap at a near-tie (logits/T units).")
-    max_near_tie_fraction: float = Field(0.02, ge=0, le=1, description="Tolerated near-ties per output token.")
-    near_tie_slack: int = Field(2, ge=0, description="Near-ties always tolerated per sample, on top of the fraction.")
-    min_eos_logprob: float = Field(-20.0, le=0, description="Lowest log p(EOS) accepted where a sample ends on EOS.")
+    margin: float = Field(
+        0.05, ge=0, description="Largest tolerated score gap at a near-tie (logits/T units)."
+    )
+    max_near_tie_fraction: float = Field(
+        0.02, ge=0, le=1, description="Tolerated near-ties per output token."
+    )
+    near_tie_slack: int = Field(
+        2, ge=0, description="Near-ties always tolerated per sample, on top of the fraction."
+    )
+    min_eos_logprob: float = Field(
+        -20.0, le=0, description="Lowest log p(EOS) accepted where a sample ends on EOS."
+    )
     max_abs_z: float = Field(6.0, gt=0, description="Largest |z| of the chosen tokens' log-probability sum.")
     min_z_tokens: int = Field(64, ge=1, description="Tokens needed before the distribution check applies.")
 
@@ -173,7 +181,9 @@ def sampling_failure(stats: SamplingStats, thresholds: SamplingThresholds) -> st
         )
     allowed = math.floor(thresholds.max_near_tie_fraction * stats.tokens) + thresholds.near_tie_slack
     if stats.near_ties > allowed:
-        return f"{stats.near_ties} near-tie tokens, more than the {allowed} tolerated for {stats.tokens} tokens"
+        return (
+            f"{stats.near_ties} near-tie tokens, more than the {allowed} tolerated for {stats.tokens} tokens"
+        )
     return None
 
 
@@ -190,12 +200,16 @@ def distribution_z(stats: Sequence[SamplingStats]) -> tuple[float, int]:
 def distribution_failure(stats: Sequence[SamplingStats], thresholds: SamplingThresholds) -> str | None:
     z, tokens = distribution_z(stats)
     if tokens >= thresholds.min_z_tokens and abs(z) > thresholds.max_abs_z:
-        direction = "too likely (greedy or colder sampling?)" if z > 0 else "too unlikely (another model or sampler?)"
+        direction = (
+            "too likely (greedy or colder sampling?)" if z > 0 else "too unlikely (another model or sampler?)"
+        )
         return f"chosen tokens are {direction}: log-probability z-score {z:.1f}, bound {thresholds.max_abs_z}"
     return None
 
 
-def termination_failure(output_ids: Sequence[int], finish_reason: str, max_new_tokens: int, eos_token_id: int) -> str | None:
+def termination_failure(
+    output_ids: Sequence[int], finish_reason: str, max_new_tokens: int, eos_token_id: int
+) -> str | None:
     """Why the sample did not end the way its finish reason claims (structure only), or None."""
     ids = list(output_ids)
     if not ids:

@@ -56,14 +56,22 @@ class ToplocThresholds(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_exp_mismatches: int = Field(40, ge=0, le=TOPK, description="Per chunk: top-k entries whose exponent differs.")
-    max_mant_err_mean: float = Field(16.0, ge=0, description="Per chunk: mean |mantissa diff| where exponents agree.")
-    max_mant_err_median: float = Field(8.0, ge=0, description="Per chunk: median |mantissa diff| where exponents agree.")
+    max_exp_mismatches: int = Field(
+        40, ge=0, le=TOPK, description="Per chunk: top-k entries whose exponent differs."
+    )
+    max_mant_err_mean: float = Field(
+        16.0, ge=0, description="Per chunk: mean |mantissa diff| where exponents agree."
+    )
+    max_mant_err_median: float = Field(
+        8.0, ge=0, description="Per chunk: median |mantissa diff| where exponents agree."
+    )
     max_typical_mant_err_mean: float = Field(
         1.1, ge=0, description="Per file: lower median over checked chunks of the chunk mean mantissa error."
     )
     min_typical_chunks: int = Field(
-        8, ge=1, description="Fewest checked chunks the per-file bound applies to (fewer: per-chunk caps only)."
+        8,
+        ge=1,
+        description="Fewest checked chunks the per-file bound applies to (fewer: per-chunk caps only).",
     )
 
     @classmethod
@@ -76,8 +84,13 @@ class ToplocThresholds(BaseModel):
 # reproduce a float32 validator almost exactly, so their bounds are tight; bfloat16 ones differ by
 # rounding in every layer and need the loose set.
 CALIBRATED: dict[str, ToplocThresholds] = {
-    "float32": ToplocThresholds(max_exp_mismatches=8, max_mant_err_mean=1.0, max_mant_err_median=1.0,
-                                max_typical_mant_err_mean=0.04, min_typical_chunks=1),
+    "float32": ToplocThresholds(
+        max_exp_mismatches=8,
+        max_mant_err_mean=1.0,
+        max_mant_err_median=1.0,
+        max_typical_mant_err_mean=0.04,
+        min_typical_chunks=1,
+    ),
     "bfloat16": ToplocThresholds(),
 }
 
@@ -121,7 +134,9 @@ def proof_size(rows: int, chunk_rows: int = CHUNK_ROWS, topk: int = TOPK) -> int
 
 def _as_bf16(hidden: torch.Tensor, topk: int, chunk_rows: int) -> torch.Tensor:
     if hidden.dim() != 2 or hidden.shape[0] == 0:
-        raise ProofError(f"hidden states must be a non-empty (rows, hidden) matrix, got shape {tuple(hidden.shape)}")
+        raise ProofError(
+            f"hidden states must be a non-empty (rows, hidden) matrix, got shape {tuple(hidden.shape)}"
+        )
     if hidden.shape[1] < topk:
         raise ProofError(f"hidden size {hidden.shape[1]} is smaller than top-k {topk}; use a wider model")
     if chunk_rows * hidden.shape[1] >= 2**31:
@@ -228,7 +243,9 @@ def parse_proof(proof: bytes, chunks: int, topk: int = TOPK) -> tuple[np.ndarray
     """Moduli (chunks,) and coefficients (chunks, k) of a proof, refusing any malformed encoding."""
     expected = chunks * (2 + 2 * topk)
     if len(proof) != expected:
-        raise ProofError(f"proof is {len(proof)} bytes, expected {expected} ({chunks} chunks x {2 + 2 * topk})")
+        raise ProofError(
+            f"proof is {len(proof)} bytes, expected {expected} ({chunks} chunks x {2 + 2 * topk})"
+        )
     words = np.frombuffer(proof, dtype=">u2").reshape(chunks, 1 + topk).astype(np.int64)
     moduli, coefficients = words[:, 0], words[:, 1:]
     if not chunks or (moduli.min() >= topk and moduli.max() <= MAX_MODULUS and coefficients.max() < gf.PRIME):
@@ -251,7 +268,11 @@ def check_proof(
 
 
 def check_proofs(
-    proofs: Sequence[bytes], hiddens: Sequence[torch.Tensor], *, topk: int = TOPK, chunk_rows: int = CHUNK_ROWS
+    proofs: Sequence[bytes],
+    hiddens: Sequence[torch.Tensor],
+    *,
+    topk: int = TOPK,
+    chunk_rows: int = CHUNK_ROWS,
 ) -> list[list[ChunkStats] | ProofError]:
     """check_proof for many sequences, with one batched polynomial evaluation over all their chunks.
 
@@ -271,7 +292,9 @@ def check_proofs(
             results[n] = exc
     indices, bits, finite = _chunks_topk(matrices, topk, chunk_rows)
     bounds = np.cumsum([0] + [chunk_count(m.shape[0], chunk_rows) for m in matrices])
-    checked: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # sequence, chunks, moduli, coefficients
+    checked: list[
+        tuple[int, np.ndarray, np.ndarray, np.ndarray]
+    ] = []  # sequence, chunks, moduli, coefficients
     for n, start, end in zip(members, bounds[:-1], bounds[1:], strict=True):
         try:
             if not finite[start:end].all():
@@ -318,6 +341,8 @@ def worst_failure(stats: list[ChunkStats], thresholds: ToplocThresholds) -> str 
             return f"chunk {i}: {reason}"
     typical = typical_mant_err_mean(stats)
     if len(stats) >= thresholds.min_typical_chunks and typical > thresholds.max_typical_mant_err_mean:
-        return (f"typical chunk mean mantissa error {typical:.3g} > {thresholds.max_typical_mant_err_mean} "
-                f"over {len(stats)} chunks (systematically different weights or precision)")
+        return (
+            f"typical chunk mean mantissa error {typical:.3g} > {thresholds.max_typical_mant_err_mean} "
+            f"over {len(stats)} chunks (systematically different weights or precision)"
+        )
     return None

@@ -40,8 +40,9 @@ class ModelOracle(Protocol):
     eos_token_id: int
     vocab_size: int
 
-    def prefill(self, sequences: Sequence[Sequence[int]], keep_from: Sequence[int] | None = None) -> Sequence[Prefilled]:
-        ...
+    def prefill(
+        self, sequences: Sequence[Sequence[int]], keep_from: Sequence[int] | None = None
+    ) -> Sequence[Prefilled]: ...
 
 
 class TaskOracle(Protocol):
@@ -63,22 +64,34 @@ class VerifierSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    run_id: str | None = Field(None, description="The run's name; files of another run are rejected. None: any.")
+    run_id: str | None = Field(
+        None, description="The run's name; files of another run are rejected. None: any."
+    )
     run_seed: int = Field(0, ge=0, lt=2**64, description="The run's seed for work assignment.")
-    samples_per_prompt: int | None = Field(None, ge=1, description="Completions per prompt; None: from the file.")
+    samples_per_prompt: int | None = Field(
+        None, ge=1, description="Completions per prompt; None: from the file."
+    )
     prompts_per_batch: int | None = Field(None, ge=1, description="Prompts per file; None: any prefix.")
     temperature: float | None = Field(
-        None, gt=0, le=10, description="The run's sampling temperature every row must carry; None: any (checked as "
-        "declared). Set from run.temperature by the commands that load a run."
+        None,
+        gt=0,
+        le=10,
+        description="The run's sampling temperature every row must carry; None: any (checked as "
+        "declared). Set from run.temperature by the commands that load a run.",
     )
     max_new_tokens: int | None = Field(
-        None, ge=1, le=8192, description="The run's max_new_tokens every row must carry; None: any. Set from "
-        "run.max_new_tokens by the commands that load a run."
+        None,
+        ge=1,
+        le=8192,
+        description="The run's max_new_tokens every row must carry; None: any. Set from "
+        "run.max_new_tokens by the commands that load a run.",
     )
     sample_fraction: float = Field(1.0, gt=0, le=1, description="Share of rows the expensive checks verify.")
     prefill_batch_size: int = Field(16, ge=1, description="Most sequences per prefill call.")
     prefill_max_logits_mib: int = Field(
-        1024, ge=1, description="Most float32 logits one prefill call may return (MiB); calls are cut to fit, "
+        1024,
+        ge=1,
+        description="Most float32 logits one prefill call may return (MiB); calls are cut to fit, "
         "one sequence at least. Bounds the validator's memory whatever the number of rows.",
     )
     limits: RolloutLimits = Field(default_factory=RolloutLimits, description="Size and value bounds.")
@@ -175,12 +188,18 @@ class VerificationContext:
         lengths = [len(self.rows[i].prompt_ids) + len(self.rows[i].output_ids) for i in missing]
         starts = [first_read_position(self.rows[i]) for i in missing]
         margin = self.settings.sampling_thresholds().margin
-        for batch in prefill_batches(lengths, self.model.vocab_size, self.settings.prefill_batch_size,
-                                     self.settings.prefill_max_logits_mib << 20,
-                                     logit_rows=[lengths[k] - starts[k] for k in range(len(missing))]):
+        for batch in prefill_batches(
+            lengths,
+            self.model.vocab_size,
+            self.settings.prefill_batch_size,
+            self.settings.prefill_max_logits_mib << 20,
+            logit_rows=[lengths[k] - starts[k] for k in range(len(missing))],
+        ):
             members = [missing[k] for k in batch]
             rows = [self.rows[i] for i in members]
-            results = self.model.prefill([r.prompt_ids + r.output_ids for r in rows], [starts[k] for k in batch])
+            results = self.model.prefill(
+                [r.prompt_ids + r.output_ids for r in rows], [starts[k] for k in batch]
+            )
             try:
                 found = batch_evidence(rows, results, margin, self.model.eos_token_id)
             except ProofError as exc:
@@ -207,8 +226,13 @@ class CheckResult:
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "detail": self.detail, "row": self.row,
-                "seconds": round(self.seconds, 4)}
+        return {
+            "name": self.name,
+            "status": self.status,
+            "detail": self.detail,
+            "row": self.row,
+            "seconds": round(self.seconds, 4),
+        }
 
 
 @dataclass(frozen=True)
@@ -220,11 +244,16 @@ class VerificationReport:
     def reasons(self) -> list[str]:
         return [
             f"{c.name}: " + (f"row {c.row}: " if c.row is not None else "") + c.detail
-            for c in self.checks if c.status == "failed"
+            for c in self.checks
+            if c.status == "failed"
         ]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"accepted": self.accepted, "checks": [c.as_dict() for c in self.checks], "reasons": self.reasons}
+        return {
+            "accepted": self.accepted,
+            "checks": [c.as_dict() for c in self.checks],
+            "reasons": self.reasons,
+        }
 
 
 def run_checks(checks: Sequence[Check], ctx: VerificationContext) -> VerificationReport:
@@ -240,7 +269,9 @@ def run_checks(checks: Sequence[Check], ctx: VerificationContext) -> Verificatio
             summary = check.run(ctx)
         except CheckFailed as exc:
             failed = True
-            results.append(CheckResult(check.name, "failed", exc.reason, exc.row, time.perf_counter() - start))
+            results.append(
+                CheckResult(check.name, "failed", exc.reason, exc.row, time.perf_counter() - start)
+            )
             logger.info("rollout file %s rejected by %s: %s", ctx.path, check.name, exc.reason)
         else:
             results.append(CheckResult(check.name, "passed", summary, None, time.perf_counter() - start))

@@ -34,17 +34,22 @@ class SampleId(NamedTuple):
     def key(self) -> str:
         """One string per identity, for stores keyed by text. The run id comes first with its length, so no
         choice of run id can make two identities spell the same key; the other fields hold no '/'."""
-        return (f"{len(self.run_id)}:{self.run_id}/{self.node_id}/{self.policy_step}/{self.batch_counter}/"
-                f"{self.sample_index}/{self.sample_seed}")
+        return (
+            f"{len(self.run_id)}:{self.run_id}/{self.node_id}/{self.policy_step}/{self.batch_counter}/"
+            f"{self.sample_index}/{self.sample_seed}"
+        )
 
     def describe(self) -> str:
-        return (f"run {self.run_id!r}, node {self.node_id[:16]}…, policy step {self.policy_step}, "
-                f"batch {self.batch_counter}, sample index {self.sample_index}, seed {self.sample_seed}")
+        return (
+            f"run {self.run_id!r}, node {self.node_id[:16]}…, policy step {self.policy_step}, "
+            f"batch {self.batch_counter}, sample index {self.sample_index}, seed {self.sample_seed}"
+        )
 
 
 def sample_id(row: RolloutRow) -> SampleId:
-    return SampleId(row.run_id, row.node_id, row.policy_step, row.batch_counter, row.sample_index,
-                    row.sample_seed)
+    return SampleId(
+        row.run_id, row.node_id, row.policy_step, row.batch_counter, row.sample_index, row.sample_seed
+    )
 
 
 def sample_ids(rows: Iterable[RolloutRow]) -> tuple[SampleId, ...]:

@@ -14,10 +14,19 @@ OTHER = "cd" * 32
 
 
 def _rows(**kw) -> list[tuple[int, int]]:
-    args = dict(run_seed=1, node_id=NODE, policy_step=3, batch_counter=0, task_count=1000, prompts=4, samples=2)
+    args = dict(
+        run_seed=1, node_id=NODE, policy_step=3, batch_counter=0, task_count=1000, prompts=4, samples=2
+    )
     args.update(kw)
-    return list(assign(args.pop("run_seed"), args.pop("node_id"), args.pop("policy_step"),
-                       args.pop("batch_counter"), **args).rows())
+    return list(
+        assign(
+            args.pop("run_seed"),
+            args.pop("node_id"),
+            args.pop("policy_step"),
+            args.pop("batch_counter"),
+            **args,
+        ).rows()
+    )
 
 
 def test_assignment_is_deterministic_across_processes():
@@ -42,9 +51,10 @@ def test_indices_distinct_in_range_and_seeds_valid():
     seeds = [s for group in a.sample_seeds for s in group]
     assert len(set(seeds)) == len(seeds) and all(0 <= s <= MAX_SEED for s in seeds)
     # more prompts keep the earlier ones: the stream is a prefix
-    assert assign(0, NODE, 0, 0, task_count=10**6, prompts=8, samples=2).sample_indices[:4] == assign(
-        0, NODE, 0, 0, task_count=10**6, prompts=4, samples=2
-    ).sample_indices
+    assert (
+        assign(0, NODE, 0, 0, task_count=10**6, prompts=8, samples=2).sample_indices[:4]
+        == assign(0, NODE, 0, 0, task_count=10**6, prompts=4, samples=2).sample_indices
+    )
 
 
 def test_indices_are_spread_uniformly():

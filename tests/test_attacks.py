@@ -18,7 +18,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import sign_bytes, signature_path
 from prime_node.proofs.rollout_schema import SCHEMA
 
-from attack_support import (
+from support.attack import (
     NODE,
     build_world,
     rejected_by,
@@ -51,7 +51,9 @@ def test_honest_batch_is_accepted(world, tmp_path: Path):
     assert [c.status for c in report.checks] == ["passed"] * len(report.checks)
     # a subset of rows for the expensive checks is still a full verdict on the cheap ones
     report = verify(write_honest(tmp_path / "honest.parquet", rows), engine, tasks, sample_fraction=0.25)
-    assert report.accepted and "1 rows by prefill" in next(c.detail for c in report.checks if c.name == "toploc")
+    assert report.accepted and "1 rows by prefill" in next(
+        c.detail for c in report.checks if c.name == "toploc"
+    )
 
 
 def test_prompt_token_changed(world, tmp_path: Path):
@@ -81,15 +83,21 @@ def test_truncated_and_appended_after_eos(world, tmp_path: Path):
     truncated = reprove(engine, dataclasses.replace(row, output_ids=row.output_ids[:20]))
     assert "expected exactly 40" in _check(world, tmp_path, [truncated] + list(rows[1:]), "termination")
     eos = engine.eos_token_id
-    appended = reprove(engine, dataclasses.replace(row, output_ids=row.output_ids[:10] + (eos,) + row.output_ids[11:]))
+    appended = reprove(
+        engine, dataclasses.replace(row, output_ids=row.output_ids[:10] + (eos,) + row.output_ids[11:])
+    )
     assert "followed by more tokens" in _check(world, tmp_path, [appended] + list(rows[1:]), "termination")
 
 
 def test_forced_eos(world, tmp_path: Path):
     engine, _, rows = world
     row = rows[0]
-    forced = reprove(engine, dataclasses.replace(row, output_ids=row.output_ids[:12] + (engine.eos_token_id,),
-                                                 finish_reason="eos"))
+    forced = reprove(
+        engine,
+        dataclasses.replace(
+            row, output_ids=row.output_ids[:12] + (engine.eos_token_id,), finish_reason="eos"
+        ),
+    )
     reason = _check(world, tmp_path, [forced] + list(rows[1:]), {"eos-probability", "sampling"})
     assert "improbable" in reason or "output position 12" in reason
 
@@ -124,7 +132,9 @@ def test_inflated_rewards(world, tmp_path: Path):
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_values(world, tmp_path: Path, value: float):
     _, _, rows = world
-    assert "not a finite number" in _check(world, tmp_path, [dataclasses.replace(rows[0], reward=value)] + list(rows[1:]), "bounds")
+    assert "not a finite number" in _check(
+        world, tmp_path, [dataclasses.replace(rows[0], reward=value)] + list(rows[1:]), "bounds"
+    )
     _check(world, tmp_path, [dataclasses.replace(rows[0], temperature=value)] + list(rows[1:]), "bounds")
 
 
@@ -139,8 +149,12 @@ def test_schema_violation(world, tmp_path: Path):
     # The proof column as large_binary: same bytes, another type. Signed by the node, so only the
     # schema check stands between this file and the parser's consumers.
     table = pa.Table.from_pylist([r.to_record() for r in rows], schema=SCHEMA)
-    table = table.cast(pa.schema([f.with_type(pa.large_binary()) if f.name == "proof" else f for f in SCHEMA],
-                                 metadata=SCHEMA.metadata))
+    table = table.cast(
+        pa.schema(
+            [f.with_type(pa.large_binary()) if f.name == "proof" else f for f in SCHEMA],
+            metadata=SCHEMA.metadata,
+        )
+    )
     path = tmp_path / "schema.parquet"
     pq.write_table(table, path)
     signature_path(path).write_text(json.dumps(sign_bytes(path.read_bytes(), NODE)))

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from attack_support import (
+from prime_node.node.models.tiny import TinyModelShape, build_tiny_model
+
+from support.attack import (
     SPEC,
     build_world,
     engine_from,
@@ -25,7 +27,6 @@ from attack_support import (
     verify,
     write_signed,
 )
-from prime_node.node.models.tiny import TinyModelShape, build_tiny_model
 
 pytestmark = pytest.mark.slow
 

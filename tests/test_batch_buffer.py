@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from prime_node.trainer.errors import TrainerError
 from prime_node.trainer.service.batch_buffer import BatchBuffer, RolloutRecord, RolloutSample
 from prime_node.trainer.service.consumed import ConsumedLedger
-from prime_node.trainer.errors import TrainerError
 
 
 def _record(file_id: str, step: int, rewards_by_prompt: dict[str, list[float]]) -> RolloutRecord:
@@ -171,8 +171,9 @@ def _copy(file_id: str, step: int, rewards_by_prompt: dict[str, list[float]]) ->
     """A record whose samples carry identities that depend on prompt and position only, not on the file: two
     copies of the same work under two file ids (as two validators' copies in two encodings would be)."""
     record = _record(file_id, step, rewards_by_prompt)
-    samples = tuple(dataclasses.replace(s, sample_id=f"work/{s.prompt_key}/{s.completion_ids[0]}")
-                    for s in record.samples)
+    samples = tuple(
+        dataclasses.replace(s, sample_id=f"work/{s.prompt_key}/{s.completion_ids[0]}") for s in record.samples
+    )
     return dataclasses.replace(record, samples=samples)
 
 
@@ -183,7 +184,10 @@ def test_a_sample_is_used_once_whichever_file_carries_it(tmp_path: Path) -> None
         first = buf.add(_copy("enc-1", 0, {"a": [0, 1], "b": [1, 0], "z": [1, 1]}), current_step=0)
         assert (first.kept, first.filtered) == (2, 1)
         # Buffered (a, b), dropped for zero advantage (z): the copy brings nothing new.
-        assert buf.add(_copy("enc-2", 0, {"a": [0, 1], "b": [1, 0], "z": [1, 1]}), current_step=0).already_known == 3
+        assert (
+            buf.add(_copy("enc-2", 0, {"a": [0, 1], "b": [1, 0], "z": [1, 1]}), current_step=0).already_known
+            == 3
+        )
         batch = buf.take(current_step=0)
         assert [g.file_id for g in batch.groups] == ["enc-1"]
         # Reserved (in a batch) or buffered: a third copy, with one new prompt, brings only that prompt.
@@ -202,10 +206,15 @@ def test_a_sample_is_used_once_whichever_file_carries_it(tmp_path: Path) -> None
     with ConsumedLedger(path) as db:
         assert db.recover(resume_step=0) == (0, len(pending.groups))  # released: their samples are free again
         buf = BatchBuffer(db, batch_size=2, async_level=2)
-        again = buf.add(_copy("enc-5", 0, {"a": [0, 1], "b": [1, 0], "c": [0, 1], "z": [1, 1]}), current_step=0)
+        again = buf.add(
+            _copy("enc-5", 0, {"a": [0, 1], "b": [1, 0], "c": [0, 1], "z": [1, 1]}), current_step=0
+        )
         # a: consumed; z: dropped; b: released by the crash; c: was only buffered, never recorded.
         assert [g.prompt_key for g in pending.groups] == ["b"]
-        assert (again.kept, again.already_known) == (2, 2) and sorted(k for _, k in buf.pending_keys()) == ["b", "c"]
+        assert (again.kept, again.already_known) == (2, 2) and sorted(k for _, k in buf.pending_keys()) == [
+            "b",
+            "c",
+        ]
 
 
 def test_a_version_1_record_is_upgraded_and_keeps_what_it_recorded(tmp_path: Path) -> None:

@@ -45,7 +45,9 @@ def test_errors_are_one_clear_line_with_nonzero_exit(tmp_path):
     assert _run("keygen", "--out", str(out)).returncode == 0
     again = _run("keygen", "--out", str(out))
     assert again.returncode == 1
-    assert again.stderr.strip().splitlines() == [f"prime-node keygen: error: {out} already exists; pass --force to overwrite it (the old key is lost)"]
+    assert again.stderr.strip().splitlines() == [
+        f"prime-node keygen: error: {out} already exists; pass --force to overwrite it (the old key is lost)"
+    ]
     out.chmod(0o644)
     unsafe = _run("identity", "--key", str(out))
     assert unsafe.returncode == 1 and "chmod 600" in unsafe.stderr and "Traceback" not in unsafe.stderr

@@ -29,8 +29,9 @@ def _option(action: argparse.Action) -> dict[str, Any]:
         "kind": type(action).__name__,
         "nargs": action.nargs,
         "metavar": action.metavar,
-        "choices": sorted(map(str, action.choices)) if action.choices and not isinstance(
-            action, argparse._SubParsersAction) else None,
+        "choices": sorted(map(str, action.choices))
+        if action.choices and not isinstance(action, argparse._SubParsersAction)
+        else None,
         "default": default,
         "required": action.required,
         "type": getattr(action.type, "__name__", None) if action.type else None,

@@ -39,7 +39,9 @@ def test_precedence_flag_over_env_over_toml(tmp_path):
     env = {"PRIME_NODE_ENGINE__THREADS": "5", "PRIME_NODE_PEERS": '["/ip4/127.0.0.1/tcp/2"]'}
     s = load_config(_Settings, toml_path=toml, env=env)
     assert (s.engine.threads, s.log_level, s.peers) == (5, "DEBUG", ["/ip4/127.0.0.1/tcp/2"])
-    s = load_config(_Settings, toml_path=toml, env=env, cli_overrides={"engine.threads": 7, "log_level": None})
+    s = load_config(
+        _Settings, toml_path=toml, env=env, cli_overrides={"engine.threads": 7, "log_level": None}
+    )
     assert (s.engine.threads, s.log_level) == (7, "DEBUG")  # None means "flag not given"
 
 

@@ -17,7 +17,13 @@ from prime_node.node.contributor.preflight import (
     check_memory,
     run_checks,
 )
-from prime_node.node.contributor.status import STATUS_FILE, DaemonNotRunning, NodeStatus, StatusServer, fetch_status
+from prime_node.node.contributor.status import (
+    STATUS_FILE,
+    DaemonNotRunning,
+    NodeStatus,
+    StatusServer,
+    fetch_status,
+)
 from prime_node.node.runtime.supervisor import Supervisor, TaskCrashed
 from prime_node.p2p.identity import Identity
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from devnet_support import SMALL, assert_all_gone, run_devnet, tiny_model
 from prime_node.node.cli.devnet import succeeded
 from prime_node.node.engine import load_engine
 from prime_node.node.run.producer import BatchSpec
@@ -35,6 +34,8 @@ from prime_node.trainer.devnet.plot import Series, line_plot
 from prime_node.trainer.devnet.processes import descendants, still_running
 from prime_node.trainer.devnet.report import format_report
 from prime_node.trainer.devnet.view import LiveView
+
+from support.devnet import SMALL, assert_all_gone, run_devnet, tiny_model
 
 
 @pytest.mark.slow
@@ -77,12 +78,39 @@ def test_devnet_two_honest_nodes_and_a_cheater(tmp_path: Path) -> None:
 def test_a_sigterm_stops_the_devnet_and_everything_below_it(tmp_path: Path) -> None:
     # A service manager or `kill` sends SIGTERM, a closed terminal SIGHUP: the children live in their own
     # sessions, so unless the devnet stops them itself they run on with no one left to stop them.
-    command = [sys.executable, "-m", "prime_node.node.cli.main", "devnet", "--data-dir", str(tmp_path / "data"),
-               "--model", str(tiny_model(tmp_path / "model")), "--nodes", "1", "--adversaries", "0", "--steps", "50",
-               "--all-tasks", "--batch-size", "8", "--prompts", "2", "--samples", "2", "--max-new-tokens", "16",
-               "--json"]
-    devnet = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "prime_node.node.cli.main",
+        "devnet",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--model",
+        str(tiny_model(tmp_path / "model")),
+        "--nodes",
+        "1",
+        "--adversaries",
+        "0",
+        "--steps",
+        "50",
+        "--all-tasks",
+        "--batch-size",
+        "8",
+        "--prompts",
+        "2",
+        "--samples",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--json",
+    ]
+    devnet = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     seen: dict[int, int] = {}
     out = err = ""
     try:
@@ -110,7 +138,9 @@ def test_a_sigterm_stops_the_devnet_and_everything_below_it(tmp_path: Path) -> N
     assert out, err[-3000:]
     report = json.loads(out)
     assert report["stopped_by"] == "terminated (SIGTERM)", err[-3000:]
-    assert not report["processes"]["alive"] and set(report["processes"]["exit_codes"].values()) == {0}, report["processes"]
+    assert not report["processes"]["alive"] and set(report["processes"]["exit_codes"].values()) == {0}, (
+        report["processes"]
+    )
     assert devnet.returncode == 0, err[-3000:]
     alive = [pid for pid, started in seen.items() if still_running(pid, started)]
     assert not alive, f"still running after the devnet stopped: {alive}"
@@ -126,8 +156,9 @@ def _cmdline(pid: int) -> bytes:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory):
     checkpoint = tiny_model(tmp_path_factory.mktemp("devnet") / "model")
-    run = RunSettings(run_id="devnet-unit", samples=2, max_new_tokens=16,
-                      length_targets=list(SMALL.length_targets or ()))
+    run = RunSettings(
+        run_id="devnet-unit", samples=2, max_new_tokens=16, length_targets=list(SMALL.length_targets or ())
+    )
     return checkpoint, load_engine(checkpoint, threads=1), load_run_tasks(run, checkpoint), run
 
 
@@ -136,8 +167,16 @@ def test_each_attack_file_is_rejected_by_the_expected_check(world, tmp_path: Pat
     """The adversaries' producers write files the real verifier rejects, for the reason the attack targets."""
     _, engine, tasks, run = world
     identity = Identity.generate()
-    spec = BatchSpec(run_id=run.run_id, run_seed=0, policy_step=0, batch_counter=0, prompts=2, samples=2,
-                     temperature=run.temperature, max_new_tokens=run.max_new_tokens)
+    spec = BatchSpec(
+        run_id=run.run_id,
+        run_seed=0,
+        policy_step=0,
+        batch_counter=0,
+        prompts=2,
+        samples=2,
+        temperature=run.temperature,
+        max_new_tokens=run.max_new_tokens,
+    )
     out = tmp_path / f"{kind}.parquet"
     attack_producer(kind)(engine, tasks, identity, spec, out)
     verifier = verifier_for_run(VerifierSettings(), run)  # as a validator of this run checks
@@ -154,7 +193,7 @@ def test_line_plot_writes_a_valid_png(tmp_path: Path) -> None:
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (120, 80)
     idat_len = struct.unpack(">I", data[33:37])[0]
-    raw = zlib.decompress(data[41:41 + idat_len])
+    raw = zlib.decompress(data[41 : 41 + idat_len])
     assert len(raw) == 80 * (1 + 3 * 120)
     assert raw.count(bytes((30, 90, 200))) > 10  # the series colour was drawn
 
@@ -165,8 +204,16 @@ def test_live_view_prints_one_line_per_change() -> None:
     out = io.StringIO()
     view = LiveView(5, stream=out, tty=False)
     member = MemberView("node-1", "ab" * 32, None, state="generating batch 0", local_step=0)
-    snap = Snapshot(at=0, step=0, task_reward=None, rollout_reward=None, members=[member], queue_depth=0,
-                    accepted_files=0, rejected_files=0)
+    snap = Snapshot(
+        at=0,
+        step=0,
+        task_reward=None,
+        rollout_reward=None,
+        members=[member],
+        queue_depth=0,
+        accepted_files=0,
+        rejected_files=0,
+    )
     view.update(snap)
     view.update(snap)  # nothing changed: nothing printed
     member.state = "generating batch 1"  # a new batch alone is not a change worth a line
@@ -178,7 +225,11 @@ def test_live_view_prints_one_line_per_change() -> None:
     tty = io.StringIO()
     LiveView(5, stream=tty, tty=True).update(snap)
     assert tty.getvalue().startswith("\x1b[H\x1b[J") and "step 0/5" in tty.getvalue()
-    snap.step, snap.task_reward, snap.rollout_reward = 1, 0.5, 0.25  # a step: one header line with both rewards
+    snap.step, snap.task_reward, snap.rollout_reward = (
+        1,
+        0.5,
+        0.25,
+    )  # a step: one header line with both rewards
     view.update(snap)
     assert "step 1/5  reward: rollouts 0.250 batch 0.500" in out.getvalue().splitlines()[-1]
 
@@ -203,8 +254,9 @@ def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tm
     everything = TaskFilter(count=16, low=0.0, high=1.0, max_new_tokens=4)
     path, summary = filtered_tasks(model, everything)
     assert path is not None and path.parent == tmp_path and "kept 16 of the first 16" in summary
-    assert [open_task_set(path).get(i).prompt for i in range(16)] == [open_task_set(None).get(i).prompt
-                                                                        for i in range(16)]
+    assert [open_task_set(path).get(i).prompt for i in range(16)] == [
+        open_task_set(None).get(i).prompt for i in range(16)
+    ]
     again, summary = filtered_tasks(model, everything)
     assert again == path and "cached" in summary
     assert filtered_tasks(model, TaskFilter(count=8, low=0.0, high=1.0, max_new_tokens=4))[0] != path
@@ -212,5 +264,6 @@ def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tm
     later = TaskFilter(count=4, low=0.0, high=1.0, max_new_tokens=4, offset=100)
     other, summary = filtered_tasks(model, later)
     assert other not in (None, path) and "kept 4 of the 4 built-in problems from index 100" in summary
-    assert [open_task_set(other).get(i).prompt for i in range(4)] == [open_task_set(None).get(i).prompt
-                                                                       for i in range(100, 104)]
+    assert [open_task_set(other).get(i).prompt for i in range(4)] == [
+        open_task_set(None).get(i).prompt for i in range(100, 104)
+    ]

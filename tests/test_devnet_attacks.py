@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from devnet_support import assert_all_gone, run_devnet
 from prime_node.trainer.devnet.attacks import ATTACKS, EXPECTED_CHECKS
 from prime_node.trainer.devnet.report import format_report
+
+from support.devnet import assert_all_gone, run_devnet
 
 
 @pytest.mark.slow

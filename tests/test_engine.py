@@ -59,7 +59,9 @@ def _restore_threads() -> None:
 def mixed_requests(count: int, seed_base: int = 1000) -> list[SampleRequest]:
     """Prompts of 2..40 tokens (different lengths force left padding), printable ids, distinct seeds."""
     return [
-        SampleRequest(prompt_ids=tuple(3 + 33 + (7 * i + j) % 90 for j in range(2 + (11 * i) % 39)), seed=seed_base + i)
+        SampleRequest(
+            prompt_ids=tuple(3 + 33 + (7 * i + j) % 90 for j in range(2 + (11 * i) % 39)), seed=seed_base + i
+        )
         for i in range(count)
     ]
 
@@ -103,7 +105,11 @@ def count_near_tie_divergences(
 
 
 def assert_same_samples(
-    engine: HFEngine, reference: list[Completion], other: list[Completion], temperature: float, what: str,
+    engine: HFEngine,
+    reference: list[Completion],
+    other: list[Completion],
+    temperature: float,
+    what: str,
     hidden_atol: float,
 ) -> int:
     """Same tokens except counted near-ties, and the same captured states wherever the tokens agree."""
@@ -134,7 +140,9 @@ def logit_bound(engine: HFEngine) -> float:
     return float((rows * norm_weight).norm(dim=-1).max()) * math.sqrt(rows.shape[1])
 
 
-def noise_decided_seeds(engine: HFEngine, temperature: float, max_new: int, candidates: int) -> tuple[dict[int, int], list[int]]:
+def noise_decided_seeds(
+    engine: HFEngine, temperature: float, max_new: int, candidates: int
+) -> tuple[dict[int, int], list[int]]:
     """Seeds whose Gumbel noise alone decides EOS whatever the logits are.
 
     EOS wins at position t for any model whose logits lie in [-B, B] when g[eos] exceeds every other
@@ -213,7 +221,11 @@ def test_bad_requests_are_refused(engine: HFEngine) -> None:
             engine.generate(requests, p)
     with pytest.raises(EngineError, match="empty"):
         engine.prefill([[]])
-    for keep_from, message in [([3], "outside its 3 positions"), ([-1], "outside"), ([0, 0], "2 entries for 1")]:
+    for keep_from, message in [
+        ([3], "outside its 3 positions"),
+        ([-1], "outside"),
+        ([0, 0], "2 entries for 1"),
+    ]:
         with pytest.raises(EngineError, match=message):
             engine.prefill([[40, 41, 42]], keep_from)
 
@@ -292,7 +304,9 @@ def test_same_seed_same_tokens_alone_or_in_a_batch_of_16(engine: HFEngine) -> No
         assert_well_formed(completion, params, engine.eos_token_id)
     # Padding and batch-mates leave every captured state unchanged, not only the tokens.
     assert_same_samples(engine, alone, batch, params.temperature, "alone vs batch of 16", hidden_atol=1e-5)
-    assert_same_samples(engine, alone, micro, params.temperature, "alone vs micro-batches of 5", hidden_atol=1e-5)
+    assert_same_samples(
+        engine, alone, micro, params.temperature, "alone vs micro-batches of 5", hidden_atol=1e-5
+    )
     # The seed decides: different seeds for the same prompts give different samples.
     reseeded = engine.generate([SampleRequest(r.prompt_ids, r.seed + 10**6) for r in requests], params)
     assert sum(a.output_ids != b.output_ids for a, b in zip(batch, reseeded)) >= 12

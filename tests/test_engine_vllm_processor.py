@@ -96,7 +96,9 @@ def test_processor_rows_follow_the_batch_and_sample_like_the_engine(gumbel_modul
     torch.manual_seed(0)
     logits = torch.randn(4, VOCAB)
     processed = processor.apply(logits.clone())
-    want = expected_tokens(logits, {0: (11, 0.7, outputs["a"]), 1: (22, 1.0, outputs["b"]), 2: (33, 1.3, outputs["c"])})
+    want = expected_tokens(
+        logits, {0: (11, 0.7, outputs["a"]), 1: (22, 1.0, outputs["b"]), 2: (33, 1.3, outputs["c"])}
+    )
     assert {row: int(processed[row].argmax()) for row in want} == want
     assert torch.equal(processed[3], logits[3])
 
@@ -121,7 +123,10 @@ def test_processor_refuses_bad_request_arguments(gumbel_module: types.ModuleType
         (opted_in(-1, 1.0), "gumbel_seed"),
         (opted_in(2**63, 1.0), "gumbel_seed"),
         (opted_in(5, 0.0), "gumbel_temperature"),
-        (StandInSamplingParams(temperature=1.0, extra_args={"gumbel_seed": 5, "gumbel_temperature": 1.0}), "greedy"),
+        (
+            StandInSamplingParams(temperature=1.0, extra_args={"gumbel_seed": 5, "gumbel_temperature": 1.0}),
+            "greedy",
+        ),
     ]:
         with pytest.raises(ValueError, match=message):
             validate(bad)

@@ -22,17 +22,20 @@ from prime_node.trainer.grpo.fsdp import ShardedPolicy, deal_rows
 from prime_node.trainer.grpo.packing import TrainSample, pack_samples
 from prime_node.trainer.grpo.schedule import build_optimizer, build_scheduler
 from prime_node.trainer.grpo.step import train_rollout_step
-from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 
-SETTINGS = TrainerSettings(micro_batch_tokens=24, warmup_steps=3, batch_size=8, kl_coef=0.01, lr=1e-3,
-                           optimizer_steps_per_batch=2)
+SETTINGS = TrainerSettings(
+    micro_batch_tokens=24, warmup_steps=3, batch_size=8, kl_coef=0.01, lr=1e-3, optimizer_steps_per_batch=2
+)
 
 
 def _samples(seed: int, count: int = 8) -> list[TrainSample]:
     rng = random.Random(seed)
     return [
-        TrainSample(tuple(rng.randrange(3, 60) for _ in range(rng.randrange(2, 8))),
-                    tuple(rng.randrange(3, 60) for _ in range(rng.randrange(2, 12))), rng.uniform(-1.5, 1.5))
+        TrainSample(
+            tuple(rng.randrange(3, 60) for _ in range(rng.randrange(2, 8))),
+            tuple(rng.randrange(3, 60) for _ in range(rng.randrange(2, 12))),
+            rng.uniform(-1.5, 1.5),
+        )
         for _ in range(count)
     ]
 
@@ -71,8 +74,14 @@ def test_sharded_policy_resumes_trains_and_gathers_like_one_process(one_rank: Wo
     train_rollout_step(model, optimizer, scheduler, _samples(2), SETTINGS, 0, reference)  # moments exist
 
     # Resume a sharded policy from that state (weights + single-process optimizer state), then both train on.
-    policy = ShardedPolicy(copy.deepcopy(model), SETTINGS, one_rank, copy.deepcopy(optimizer.state_dict()),
-                           scheduler.state_dict(), copy.deepcopy(reference))
+    policy = ShardedPolicy(
+        copy.deepcopy(model),
+        SETTINGS,
+        one_rank,
+        copy.deepcopy(optimizer.state_dict()),
+        scheduler.state_dict(),
+        copy.deepcopy(reference),
+    )
     want = train_rollout_step(model, optimizer, scheduler, _samples(3), SETTINGS, 0, reference)
     got = policy.train(_samples(3), 0)
     assert got.loss.tokens == want.loss.tokens
@@ -89,8 +98,9 @@ def test_sharded_policy_resumes_trains_and_gathers_like_one_process(one_rank: Wo
     plain.load_state_dict(saved)
     for index, moments in optimizer.state_dict()["state"].items():
         assert float(saved["state"][index]["step"]) == float(moments["step"]) == 4.0
-        torch.testing.assert_close(saved["state"][index]["exp_avg"], moments["exp_avg"],
-                                   rtol=1e-5, atol=1e-10)
+        torch.testing.assert_close(
+            saved["state"][index]["exp_avg"], moments["exp_avg"], rtol=1e-5, atol=1e-10
+        )
 
     # The exported model is an ordinary HF checkpoint with the gathered weights (tied head included).
     policy.export(weights).save_pretrained(tmp_path / "out")
@@ -104,8 +114,19 @@ def test_fsdp_flag_outside_torchrun_fails_with_a_clear_message(tmp_path: Path, m
         monkeypatch.delenv(name, raising=False)
     key = tmp_path / "op.key"
     Identity.generate().save(key)
-    code = main(["trainer", "--model", str(tmp_path / "model"), "--key", str(key), "--data-dir",
-                 str(tmp_path / "data"), "--no-dht", "--fsdp"])
+    code = main(
+        [
+            "trainer",
+            "--model",
+            str(tmp_path / "model"),
+            "--key",
+            str(key),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--no-dht",
+            "--fsdp",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "torchrun" in err and "RANK" in err and "Traceback" not in err

@@ -21,13 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from attack_support import make_checkpoint
 from prime_node.node.engine.hf import load_hf_model
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.processes import end_pids
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
 from prime_node.proofs.rollout_file import signature_path
-from trainer_service_support import RUN_ID, make_accepted_files, trainer_env
+
+from support.attack import make_checkpoint
+from support.trainer_service import RUN_ID, make_accepted_files, trainer_env
 
 pytestmark = pytest.mark.slow
 
@@ -37,21 +38,49 @@ pytestmark = pytest.mark.slow
 # samples; a sample (60-70 tokens) fills an 80-token row alone, so each optimizer step has 3 micro-batches:
 # rank 0 trains two, rank 1 one plus a padding one (FSDP needs the same number of forwards on every rank).
 BATCH = "12"
-ENV = {"PRIME_NODE_TRAINER__MICRO_BATCH_TOKENS": "80", "PRIME_NODE_TRAINER__OPTIMIZER_STEPS_PER_BATCH": "4",
-       "PRIME_NODE_TRAINER__KL_COEF": "0.01", "PRIME_NODE_TRAINER__LR": "0.001"}
+ENV = {
+    "PRIME_NODE_TRAINER__MICRO_BATCH_TOKENS": "80",
+    "PRIME_NODE_TRAINER__OPTIMIZER_STEPS_PER_BATCH": "4",
+    "PRIME_NODE_TRAINER__KL_COEF": "0.01",
+    "PRIME_NODE_TRAINER__LR": "0.001",
+}
 
 
 def _argv(model: Path, key: Path, data: Path, max_steps: int, *extra: str) -> list[str]:
-    return ["-m", "prime_node.node.cli.main", "trainer", "--model", str(model), "--key", str(key),
-            "--data-dir", str(data), "--run-id", RUN_ID, "--threads", "1", "--http-port", "0", "--no-dht",
-            "--batch-size", BATCH, "--async-level", "8", "--max-steps", str(max_steps), "--quiet", *extra]
+    return [
+        "-m",
+        "prime_node.node.cli.main",
+        "trainer",
+        "--model",
+        str(model),
+        "--key",
+        str(key),
+        "--data-dir",
+        str(data),
+        "--run-id",
+        RUN_ID,
+        "--threads",
+        "1",
+        "--http-port",
+        "0",
+        "--no-dht",
+        "--batch-size",
+        BATCH,
+        "--async-level",
+        "8",
+        "--max-steps",
+        str(max_steps),
+        "--quiet",
+        *extra,
+    ]
 
 
 def _run(argv: list[str], log: Path, timeout: float = 150.0) -> None:
     """Run a trainer (or torchrun and its ranks, one process group) to its end; kill the group if it hangs."""
     with open(log, "ab") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env={**trainer_env(), **ENV},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=err, env={**trainer_env(), **ENV}, start_new_session=True
+        )
     try:
         code = proc.wait(timeout)
     finally:
@@ -89,8 +118,9 @@ def _assert_same_state(single: Path, sharded: Path, step: int) -> None:
     for index, moments in state.items():
         assert float(got_state[index]["step"]) == float(moments["step"])
         torch.testing.assert_close(got_state[index]["exp_avg"], moments["exp_avg"], rtol=1e-4, atol=1e-9)
-        torch.testing.assert_close(got_state[index]["exp_avg_sq"], moments["exp_avg_sq"],
-                                   rtol=1e-4, atol=1e-12)
+        torch.testing.assert_close(
+            got_state[index]["exp_avg_sq"], moments["exp_avg_sq"], rtol=1e-4, atol=1e-12
+        )
     groups, got_groups = blob["optimizer"]["param_groups"], got_blob["optimizer"]["param_groups"]
     assert [g["params"] for g in got_groups] == [g["params"] for g in groups]
 

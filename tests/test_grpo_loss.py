@@ -12,8 +12,6 @@ from prime_node.trainer.errors import TrainerError
 from prime_node.trainer.grpo.loss import LossParams, grpo_loss, k3_kl
 from prime_node.trainer.grpo.packing import TrainSample, pack_samples, token_logprobs
 
-from trainer_support import one_torch_thread  # noqa: F401  (fixture)
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PARAMS = LossParams(eps_low=0.2, eps_high=0.28, delta=4.0)
@@ -192,8 +190,13 @@ def test_negative_weight_scales_only_negative_advantages() -> None:
     assert logp_new.grad.tolist() == pytest.approx([0.11 / 2, -2.2 / 2], abs=1e-12)
     # Weight 0: negative samples carry no gradient at all (filtered behaviour cloning of the positives).
     logp_new, logp_old, adv = _tensors([(-0.5, 2.0, 0, 0, None), (+2.0, 1.1, 0, 0, None)])
-    out = grpo_loss(logp_new, logp_old, adv, torch.ones(2, dtype=torch.bool),
-                    LossParams(eps_low=0.2, eps_high=0.28, delta=4.0, negative_weight=0.0))
+    out = grpo_loss(
+        logp_new,
+        logp_old,
+        adv,
+        torch.ones(2, dtype=torch.bool),
+        LossParams(eps_low=0.2, eps_high=0.28, delta=4.0, negative_weight=0.0),
+    )
     out.loss.backward()
     assert logp_new.grad.tolist() == pytest.approx([0.0, -2.2 / 2], abs=1e-12)
     with pytest.raises(TrainerError, match="negative_weight"):

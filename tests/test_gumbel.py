@@ -60,7 +60,9 @@ def test_gumbel_argmax_samples_from_softmax():
     n = 100_000
     logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
     for temperature in (1.0, 0.5):
-        tokens = gumbel_argmax(logits.expand(n, 4), temperature, torch.arange(n), torch.zeros(n, dtype=torch.int64))
+        tokens = gumbel_argmax(
+            logits.expand(n, 4), temperature, torch.arange(n), torch.zeros(n, dtype=torch.int64)
+        )
         freq = torch.bincount(tokens, minlength=4).double() / n
         expected = torch.softmax(logits.double() / temperature, 0)
         assert torch.allclose(freq, expected, atol=0.006), (temperature, freq, expected)
@@ -70,8 +72,12 @@ def test_cpu_fast_path_is_bit_identical_to_the_portable_path():
     from prime_node.proofs.gumbel import _uniform_noise_torch
 
     g = torch.Generator().manual_seed(5)
-    seeds = torch.cat([torch.randint(0, 2**62, (300,), generator=g), torch.tensor([0, 1, 2**63 - 1, 2**32, 2**32 - 1])])
-    positions = torch.cat([torch.randint(0, 2**31, (300,), generator=g), torch.tensor([0, 2**32 - 1, 7, 2**32, 3])])
+    seeds = torch.cat(
+        [torch.randint(0, 2**62, (300,), generator=g), torch.tensor([0, 1, 2**63 - 1, 2**32, 2**32 - 1])]
+    )
+    positions = torch.cat(
+        [torch.randint(0, 2**31, (300,), generator=g), torch.tensor([0, 2**32 - 1, 7, 2**32, 3])]
+    )
     fast = uniform_noise(seeds, positions, 1000)
     assert fast.dtype == torch.float64 and fast.shape == (305, 1000)
     assert torch.equal(fast, _uniform_noise_torch(seeds, positions, 1000))

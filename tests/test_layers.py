@@ -12,8 +12,12 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"node": "prime_node.node", "p2p": "prime_node.p2p", "proofs": "prime_node.proofs",
-            "trainer": "prime_node.trainer"}
+PACKAGES = {
+    "node": "prime_node.node",
+    "p2p": "prime_node.p2p",
+    "proofs": "prime_node.proofs",
+    "trainer": "prime_node.trainer",
+}
 
 # Units, most specific first: a module belongs to the first unit its dotted name starts with.
 SHARED = ("node.runtime", "node.engine", "node.tasks", "node.models", "node.run", "node")

@@ -15,18 +15,33 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from ledger_support import T0, node_id, signed_verdict
+
 from prime_node.node.cli.main import main
-from prime_node.trainer.validator.dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
-from prime_node.trainer.ledger.leaderboard import NodeLookupError, leaderboard, node_detail
 from prime_node.trainer.ledger import Ledger
+from prime_node.trainer.ledger.leaderboard import NodeLookupError, leaderboard, node_detail
+from prime_node.trainer.validator.dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
+
+from support.ledger import T0, node_id, signed_verdict
 
 C, B, A, D, E = (node_id(20 + i) for i in range(5))
 EXPECTED_ORDER = [C, B, A, D, E]
 # Every leaderboard row (and `--node ID --json`'s "node") has exactly these fields (docs/validator.md).
 LEADERBOARD_FIELDS = {
-    "rank", "node_id", "accepted_tokens", "accepted_samples", "accepted_files", "rejected_files", "score",
-    "slashes", "slashed", "banned", "ban_permanent", "banned_until", "last_step", "first_seen", "last_seen",
+    "rank",
+    "node_id",
+    "accepted_tokens",
+    "accepted_samples",
+    "accepted_files",
+    "rejected_files",
+    "score",
+    "slashes",
+    "slashed",
+    "banned",
+    "ban_permanent",
+    "banned_until",
+    "last_step",
+    "first_seen",
+    "last_seen",
     "hardware",
 }
 

@@ -15,17 +15,16 @@ import pytest
 from prime_node.node.engine import HFEngine, SampleRequest, SamplingParams
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
-from prime_node.node.tasks import open_task_set
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
+from prime_node.node.tasks import open_task_set
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import read_rollout_file
 from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.grpo.advantages import group_advantages
+from prime_node.trainer.grpo.packing import TrainSample, pack_samples, token_logprobs
 from prime_node.trainer.service.batch_buffer import BatchBuffer
 from prime_node.trainer.service.consumed import ConsumedLedger
 from prime_node.trainer.service.inbox import Inbox
-from prime_node.trainer.grpo.packing import TrainSample, pack_samples, token_logprobs
-from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 RUN_ID = "glue"
@@ -58,8 +57,16 @@ def test_batch_samples_are_the_verified_rows_with_their_own_advantages(tmp_path:
     node = Identity.generate()
     inbox = Inbox(tmp_path / "accepted", RUN_ID)
     inbox.directory.mkdir(parents=True)
-    spec = BatchSpec(run_id=RUN_ID, run_seed=0, policy_step=0, batch_counter=1, prompts=4, samples=4,
-                     temperature=1.0, max_new_tokens=10)
+    spec = BatchSpec(
+        run_id=RUN_ID,
+        run_seed=0,
+        policy_step=0,
+        batch_counter=1,
+        prompts=4,
+        samples=4,
+        temperature=1.0,
+        max_new_tokens=10,
+    )
     path = inbox.directory / "file.parquet"
     produce_rollout_file(engine, tasks, node, spec, path)
     report = verify_rollout_file(path, engine, tasks, VerifierSettings(run_id=RUN_ID, samples_per_prompt=4))
@@ -80,7 +87,11 @@ def test_batch_samples_are_the_verified_rows_with_their_own_advantages(tmp_path:
         group_rows = by_index[int(group.prompt_key)]
         expected = group_advantages([r.task_reward - r.length_penalty for r in group_rows]).advantages
         for row, sample, advantage in zip(group_rows, group.train_samples(), expected, strict=True):
-            assert sample.prompt_ids == tuple(row.prompt_ids) == tasks.prompt_ids(row.sample_index, row.sample_seed)
+            assert (
+                sample.prompt_ids
+                == tuple(row.prompt_ids)
+                == tasks.prompt_ids(row.sample_index, row.sample_seed)
+            )
             assert sample.completion_ids == tuple(row.output_ids)
             assert sample.advantage == pytest.approx(advantage)
             trained += 1

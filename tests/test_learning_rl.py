@@ -18,15 +18,14 @@ import pytest
 from prime_node.node.engine import HFEngine, SampleRequest, SamplingParams
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.models.warmstart import WarmStartConfig, warm_start
+from prime_node.node.run.validation import RunTasks
 from prime_node.node.tasks import open_task_set
 from prime_node.node.tasks.difficulty import estimate_pass_rates, in_band, write_task_file
-from prime_node.node.run.validation import RunTasks
 from prime_node.trainer.grpo.advantages import group_advantages
 from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.grpo.packing import TrainSample
 from prime_node.trainer.grpo.schedule import build_optimizer, build_scheduler
 from prime_node.trainer.grpo.step import train_rollout_step
-from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -39,19 +38,39 @@ def test_grpo_raises_the_sampled_reward_of_a_briefly_warm_started_model(tmp_path
     model, tokenizer = build_tiny_model(0)
     warm_start(model, tokenizer, WarmStartConfig(steps=150, eval_size=50))
     engine = HFEngine(model, max_batch_size=128)
-    band = in_band(estimate_pass_rates(engine, tokenizer, open_task_set(None), list(range(600)), k=8,
-                                       max_new_tokens=MAX_NEW, tasks_per_batch=16), 0.125, 0.875)
+    band = in_band(
+        estimate_pass_rates(
+            engine,
+            tokenizer,
+            open_task_set(None),
+            list(range(600)),
+            k=8,
+            max_new_tokens=MAX_NEW,
+            tasks_per_batch=16,
+        ),
+        0.125,
+        0.875,
+    )
     assert len(band) >= 60, f"only {len(band)} of 600 tasks in the band: the warm start changed"
     write_task_file(tmp_path / "band.jsonl", band)
     tasks = RunTasks(open_task_set(tmp_path / "band.jsonl"), tokenizer)
-    settings = TrainerSettings(lr=3e-4, warmup_steps=5, batch_size=PROMPTS * SAMPLES, micro_batch_tokens=256,
-                               kl_coef=0.0, optimizer_steps_per_batch=1)
+    settings = TrainerSettings(
+        lr=3e-4,
+        warmup_steps=5,
+        batch_size=PROMPTS * SAMPLES,
+        micro_batch_tokens=256,
+        kl_coef=0.0,
+        optimizer_steps_per_batch=1,
+    )
     optimizer, rng = build_optimizer(model, settings), random.Random(0)
     scheduler = build_scheduler(optimizer, settings)
     rewards: list[float] = []
     for step in range(STEPS):
-        pairs = [(i, step * 100_003 + 8 * i + g) for i in rng.sample(range(tasks.task_count), PROMPTS)
-                 for g in range(SAMPLES)]
+        pairs = [
+            (i, step * 100_003 + 8 * i + g)
+            for i in rng.sample(range(tasks.task_count), PROMPTS)
+            for g in range(SAMPLES)
+        ]
         requests = [SampleRequest(prompt_ids=tasks.prompt_ids(i, seed), seed=seed) for i, seed in pairs]
         completions = engine.generate(requests, SamplingParams(MAX_NEW, 1.0), capture_hidden=False)
         scored = [tasks.rewards_for(i, seed, c.output_ids)[0] for (i, seed), c in zip(pairs, completions)]
@@ -61,8 +80,10 @@ def test_grpo_raises_the_sampled_reward_of_a_briefly_warm_started_model(tmp_path
             group = slice(g * SAMPLES, (g + 1) * SAMPLES)
             stats = group_advantages(scored[group])
             if stats.informative:
-                batch += [TrainSample(c.prompt_ids, c.output_ids, a)
-                          for c, a in zip(completions[group], stats.advantages, strict=True)]
+                batch += [
+                    TrainSample(c.prompt_ids, c.output_ids, a)
+                    for c, a in zip(completions[group], stats.advantages, strict=True)
+                ]
         if batch:
             train_rollout_step(model, optimizer, scheduler, batch, settings, 0)
         model.eval()  # the engine samples in eval mode; the step leaves the model in train mode
@@ -70,4 +91,6 @@ def test_grpo_raises_the_sampled_reward_of_a_briefly_warm_started_model(tmp_path
     # Measured +0.094 (0.269 -> 0.363) on the 2-core CI-class machine (+0.058 with negative_weight 0). Each
     # window averages 3,200 samples (standard error of the difference about 0.012), so 0.03 is a real rise,
     # with room for another CPU's floating-point rounding to take the run along a slightly different path.
-    assert last >= first + 0.03, f"sampled reward {first:.3f} over the first {WINDOW} steps, {last:.3f} over the last"
+    assert last >= first + 0.03, (
+        f"sampled reward {first:.3f} over the first {WINDOW} steps, {last:.3f} over the last"
+    )

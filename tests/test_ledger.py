@@ -6,12 +6,14 @@ import sqlite3
 import threading
 
 import pytest
-from ledger_support import T0, VALIDATOR, node_id, signed_verdict
+
+from prime_node.p2p.verdicts import sign
 from prime_node.proofs.work_identity import SampleId
 from prime_node.trainer.ledger import AsyncLedger, DuplicateWork, Ledger, LedgerError
 from prime_node.trainer.ledger.schema import CREATE_MIGRATIONS_TABLE, LATEST_VERSION, MIGRATIONS
 from prime_node.trainer.ledger.slashing import Ban, Credit, Slash, SlashingPolicy
-from prime_node.p2p.verdicts import sign
+
+from support.ledger import T0, VALIDATOR, node_id, signed_verdict
 
 A, B = node_id(10), node_id(11)
 
@@ -217,7 +219,10 @@ def test_a_sample_is_accepted_once_whatever_file_carries_it(tmp_path):
         with pytest.raises(DuplicateWork, match="repeated row"):  # a file repeating its own rows
             ledger.record(signed_verdict(A, samples=2), samples=_ids(A, 1, 1) * 2)
         assert _totals(ledger, A) == (256, 4, 1.0)  # credited once
-        assert ledger.accepted_holder(_ids(A, 1, 2) + _ids(A, 0, 1)) == (_ids(A, 0, 1)[0], first.document.file_hash)
+        assert ledger.accepted_holder(_ids(A, 1, 2) + _ids(A, 0, 1)) == (
+            _ids(A, 0, 1)[0],
+            first.document.file_hash,
+        )
         ledger.record(signed_verdict(A, samples=2), samples=_ids(A, 1, 2))  # new work is accepted
         with pytest.raises(LedgerError, match="another node"):  # identities are the sender's own
             ledger.record(signed_verdict(B, samples=2), samples=_ids(A, 2, 2))
@@ -257,7 +262,10 @@ def test_a_verdict_belongs_to_the_file_and_its_sender(ledger):
     own = signed_verdict(A, file_hash=stolen.document.file_hash, samples=2)
     assert not ledger.record(stolen).duplicate
     assert not ledger.record(own, samples=_ids(A, 0, 2)).duplicate  # judged on its own, not a resend
-    assert ledger.verdict_for(own.document.file_hash, A) == own and ledger.verdict_for(own.document.file_hash, B) == stolen
+    assert (
+        ledger.verdict_for(own.document.file_hash, A) == own
+        and ledger.verdict_for(own.document.file_hash, B) == stolen
+    )
     assert ledger.verdicts_for(own.document.file_hash) == [stolen, own]
     assert _totals(ledger, A)[2] == 1.0 and ledger.history(B).banned
 
@@ -269,19 +277,44 @@ def test_a_version_2_ledger_is_rebuilt_keyed_by_file_and_sender(tmp_path):
     for migration in MIGRATIONS[:2]:
         for statement in migration.statements:
             conn.execute(statement)
-        conn.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (migration.version, migration.name, T0))
+        conn.execute(
+            "INSERT INTO schema_migrations VALUES (?, ?, ?)", (migration.version, migration.name, T0)
+        )
     old = signed_verdict(A, accepted=False, failed_check="toploc", at=T0)
-    conn.execute("INSERT INTO nodes (node_id, first_seen, last_seen, score) VALUES (?, ?, ?, -100)", (A, T0, T0))
+    conn.execute(
+        "INSERT INTO nodes (node_id, first_seen, last_seen, score) VALUES (?, ?, ?, -100)", (A, T0, T0)
+    )
     conn.execute(
         "INSERT INTO contributions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,NULL)",
-        (old.document.file_hash, A, 3, 0, 0, 0, "toploc", "x", VALIDATOR.node_id, T0, T0, T0, old.to_json().decode()),
+        (
+            old.document.file_hash,
+            A,
+            3,
+            0,
+            0,
+            0,
+            "toploc",
+            "x",
+            VALIDATOR.node_id,
+            T0,
+            T0,
+            T0,
+            old.to_json().decode(),
+        ),
     )
-    conn.execute("INSERT INTO slashes (node_id, file_hash, amount, check_class, failed_check, reason, created_at)"
-                 " VALUES (?, ?, 100, 'fraud', 'toploc', 'x', ?)", (A, old.document.file_hash, T0))
-    conn.execute("INSERT INTO bans (node_id, file_hash, reason, created_at, until) VALUES (?, ?, 'fraud', ?, ?)",
-                 (A, old.document.file_hash, T0, T0 + 60))
-    conn.execute("INSERT INTO bans (node_id, file_hash, reason, created_at, until) VALUES (?, NULL, 'manual', ?, NULL)",
-                 (A, T0))
+    conn.execute(
+        "INSERT INTO slashes (node_id, file_hash, amount, check_class, failed_check, reason, created_at)"
+        " VALUES (?, ?, 100, 'fraud', 'toploc', 'x', ?)",
+        (A, old.document.file_hash, T0),
+    )
+    conn.execute(
+        "INSERT INTO bans (node_id, file_hash, reason, created_at, until) VALUES (?, ?, 'fraud', ?, ?)",
+        (A, old.document.file_hash, T0, T0 + 60),
+    )
+    conn.execute(
+        "INSERT INTO bans (node_id, file_hash, reason, created_at, until) VALUES (?, NULL, 'manual', ?, NULL)",
+        (A, T0),
+    )
     conn.commit()
     conn.close()
     with Ledger(path) as ledger:
@@ -289,7 +322,9 @@ def test_a_version_2_ledger_is_rebuilt_keyed_by_file_and_sender(tmp_path):
         assert ledger.verdict_for(old.document.file_hash, A) == old  # old records stay readable
         assert [b.reason for b in ledger.active_bans(now=T0 + 1)] == ["fraud", "manual"]
         assert ledger.query("SELECT COUNT(*) FROM slashes")[0][0] == 1
-        assert ledger.query("PRAGMA foreign_key_check") == [] and ledger.query("PRAGMA foreign_keys")[0][0] == 1
+        assert (
+            ledger.query("PRAGMA foreign_key_check") == [] and ledger.query("PRAGMA foreign_keys")[0][0] == 1
+        )
         # The same bytes from another sender now get their own row.
         ledger.record(signed_verdict(B, file_hash=old.document.file_hash, samples=2), samples=_ids(B, 0, 2))
         assert len(ledger.verdicts_for(old.document.file_hash)) == 2

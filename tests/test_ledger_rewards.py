@@ -7,11 +7,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from ledger_support import T0, node_id, signed_verdict
 
-from prime_node.trainer.validator.dashboard import create_app, ledger_rewards, serve
 from prime_node.trainer.ledger import Ledger, LedgerError
-from prime_node.trainer.ledger.schema import LATEST_VERSION, CREATE_MIGRATIONS_TABLE, MIGRATIONS
+from prime_node.trainer.ledger.schema import CREATE_MIGRATIONS_TABLE, LATEST_VERSION, MIGRATIONS
+from prime_node.trainer.validator.dashboard import create_app, ledger_rewards, serve
+
+from support.ledger import T0, node_id, signed_verdict
 
 A, B = node_id(50), node_id(51)
 

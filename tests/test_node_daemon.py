@@ -11,32 +11,41 @@ from pathlib import Path
 
 import pytest
 
+from prime_node.node.cli.main import main
+from prime_node.node.config import load_config
 from prime_node.node.contributor.checkpoints import CheckpointKeeper
 from prime_node.node.contributor.delivery import Delivery
 from prime_node.node.contributor.outbox import Outbox
 from prime_node.node.contributor.settings import StartSettings
 from prime_node.node.contributor.state import NodeState
 from prime_node.node.errors import ConfigError
-from prime_node.node.cli.main import main
-from prime_node.node.config import load_config
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffRefused, PolicyAnnouncement, ReceivedRollout
 from prime_node.p2p.weights.fetch import FetchSettings
 from prime_node.p2p.weights.store import Store
 from prime_node.proofs.rollout_file import sign_bytes
-from swarm_support import RUN_PARAMETERS, fleet
-from weights_support import operator, publish_steps, serving
+
+from support.swarm import RUN_PARAMETERS, fleet
+from support.weights import operator, publish_steps, serving
 
 
 def policy(step: int, digest: str, url: str) -> PolicyAnnouncement:
-    return PolicyAnnouncement(step=step, manifest_sha256=digest, sources=[url], published_at=time.time(),
-                              run=RUN_PARAMETERS)
+    return PolicyAnnouncement(
+        step=step, manifest_sha256=digest, sources=[url], published_at=time.time(), run=RUN_PARAMETERS
+    )
 
 
 def keeper_for(tmp_path: Path, key: str, state: NodeState) -> CheckpointKeeper:
     fetch = FetchSettings(max_attempts_per_shard=2, durable=False)
-    return CheckpointKeeper(Store(tmp_path / "node"), key, state, async_level=2, fetch_settings=fetch,
-                            retry_s=60.0, max_retry_s=120.0)
+    return CheckpointKeeper(
+        Store(tmp_path / "node"),
+        key,
+        state,
+        async_level=2,
+        fetch_settings=fetch,
+        retry_s=60.0,
+        max_retry_s=120.0,
+    )
 
 
 async def test_checkpoints_verified_refused_and_kept_within_the_window(tmp_path: Path) -> None:
@@ -63,7 +72,11 @@ async def test_checkpoints_verified_refused_and_kept_within_the_window(tmp_path:
         keeper.announce(policy(3, manifests[3].digest, server.url))
         assert keeper.usable_step() is None
         assert await keeper.try_fetch(keeper.announced)
-        assert (keeper.usable_step(), keeper.verified_steps(), Store(tmp_path / "node").versions()) == (3, [3], [3])
+        assert (keeper.usable_step(), keeper.verified_steps(), Store(tmp_path / "node").versions()) == (
+            3,
+            [3],
+            [3],
+        )
         keeper.discard(3, "cannot load it: not a model")  # e.g. the engine refused the verified files
         assert keeper.usable_step() is None and "step 3 unusable" in (state.last_error or "")
 
@@ -71,7 +84,9 @@ async def test_checkpoints_verified_refused_and_kept_within_the_window(tmp_path:
     again = keeper_for(tmp_path, key.node_id, NodeState(node_id=state.node_id, operator_key=key.node_id))
     await again.load_local()
     assert again.verified_steps() == [3]
-    stranger = keeper_for(tmp_path, Identity.generate().node_id, NodeState(node_id=state.node_id, operator_key=None))
+    stranger = keeper_for(
+        tmp_path, Identity.generate().node_id, NodeState(node_id=state.node_id, operator_key=None)
+    )
     await stranger.load_local()
     assert stranger.verified_steps() == []
 
@@ -87,7 +102,9 @@ def test_start_settings_pin_the_operator_and_run_in_the_swarm_section() -> None:
         load_config(StartSettings, cli_overrides={"run.run_id": "has space"}, env={})
 
 
-def test_start_refuses_clearly_and_status_says_no_node_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_start_refuses_clearly_and_status_says_no_node_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     key_path = tmp_path / "node.key"
     Identity.generate().save(key_path)
     os.chmod(key_path, 0o644)  # readable by others: a leaked key

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon_support import (
+from prime_node.node.models.tiny import build_tiny_model, save_model_dir
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.swarm import ReceivedRollout
+from prime_node.p2p.weights.store import Store
+from prime_node.trainer.devnet.processes import ProcessGroup, pid_alive
+
+from support.node_daemon import (
     NODE_ENV,
     RUN_ID,
     TestOperator,
@@ -28,12 +34,7 @@ from node_daemon_support import (
     policy_steps,
     poll,
 )
-from prime_node.node.models.tiny import build_tiny_model, save_model_dir
-from prime_node.p2p.identity import Identity
-from prime_node.p2p.swarm import ReceivedRollout
-from prime_node.p2p.weights.store import Store
-from prime_node.trainer.devnet.processes import ProcessGroup, pid_alive
-from swarm_support import fleet
+from support.swarm import fleet
 
 SHUTDOWN_BOUND_S = 30.0
 
@@ -78,7 +79,9 @@ async def test_contributor_daemon_end_to_end(tmp_path: Path) -> None:
             with ProcessGroup(tmp_path / "logs") as procs:
                 # 1. No validator yet: files pile up in the outbox; SIGKILL the whole node mid-work.
                 first = procs.start("node-1", argv, env=NODE_ENV)
-                await poll(lambda: len(pending_shas(data_dir)) >= 2, 120, "rollout files in the outbox", first)
+                await poll(
+                    lambda: len(pending_shas(data_dir)) >= 2, 120, "rollout files in the outbox", first
+                )
                 os.killpg(first.pid, signal.SIGKILL)
                 first.process.wait(10)
                 unacknowledged = pending_shas(data_dir)
@@ -88,22 +91,48 @@ async def test_contributor_daemon_end_to_end(tmp_path: Path) -> None:
                 await op_swarm.serve_rollouts(incoming, received.append)
                 await op_swarm.publish_validator()
                 node = procs.start("node-2", argv, env=NODE_ENV)
-                await poll(lambda: unacknowledged <= {r.envelope.sha256 for r in received}, 90, "the resend", node)
+                await poll(
+                    lambda: unacknowledged <= {r.envelope.sha256 for r in received}, 90, "the resend", node
+                )
                 assert {r.envelope.node_id for r in received} == {node_id.node_id}
                 # The validator holds the body before the node has its receipt: the outbox entry moves to
                 # sent/ a moment later.
                 await poll(lambda: not pending_shas(data_dir) & unacknowledged, 30, "the receipts", node)
 
-                status = await poll(lambda: (s := node_status(data_dir)) and s["rollouts"]["handed_off"] >= 1
-                                    and s["rollouts"]["generated"] >= 1 and s,
-                                    30, "status reporting hand-offs", node)
+                status = await poll(
+                    lambda: (
+                        (s := node_status(data_dir))
+                        and s["rollouts"]["handed_off"] >= 1
+                        and s["rollouts"]["generated"] >= 1
+                        and s
+                    ),
+                    30,
+                    "status reporting hand-offs",
+                    node,
+                )
                 assert status["node_id"] == node_id.node_id and status["operator_key"] == operator_id.node_id
-                assert (status["announced_step"], status["local_step"], status["local_verified"]) == (0, 0, True)
+                assert (status["announced_step"], status["local_step"], status["local_verified"]) == (
+                    0,
+                    0,
+                    True,
+                )
                 assert status["peers_seen"] >= 1 and status["tokens_per_second"] > 0
 
                 # 3. A received file passes the validator's full verification against the step-0 checkpoint.
-                verdict = cli("verify", str(received[0].path), "--checkpoint", str(ckpt), "--run-id", RUN_ID,
-                              "--samples", "2", "--max-new-tokens", "16", "--threads", "1")
+                verdict = cli(
+                    "verify",
+                    str(received[0].path),
+                    "--checkpoint",
+                    str(ckpt),
+                    "--run-id",
+                    RUN_ID,
+                    "--samples",
+                    "2",
+                    "--max-new-tokens",
+                    "16",
+                    "--threads",
+                    "1",
+                )
                 assert verdict.returncode == 0, verdict.stdout + verdict.stderr
 
                 # 4. A policy signed by a key that is not pinned is ignored (step 9 never shows up).
@@ -118,8 +147,16 @@ async def test_contributor_daemon_end_to_end(tmp_path: Path) -> None:
                 raw[len(raw) // 2] ^= 0xFF
                 served.write_bytes(bytes(raw))
                 await operator.announce(1, digest1)
-                await poll(lambda: (s := node_status(data_dir)) and s["announced_step"] == 1
-                           and "step 1 refused" in (s["last_error"] or ""), 60, "the refusal of step 1", node)
+                await poll(
+                    lambda: (
+                        (s := node_status(data_dir))
+                        and s["announced_step"] == 1
+                        and "step 1 refused" in (s["last_error"] or "")
+                    ),
+                    60,
+                    "the refusal of step 1",
+                    node,
+                )
                 seen = len(received)
                 await poll(lambda: len(received) > seen + 1, 60, "more rollouts after the refusal", node)
                 assert all(policy_steps(r.path) == {0} for r in received)
@@ -128,16 +165,25 @@ async def test_contributor_daemon_end_to_end(tmp_path: Path) -> None:
 
                 # 6. Step 3 (valid) makes step 0 too old (async window 2): the node moves on and deletes it.
                 await operator.announce(3, await operator.publish(ckpt, 3))
-                first_new = await poll(lambda: next((i for i, r in enumerate(received) if 3 in policy_steps(r.path)),
-                                                    None), 90, "a rollout of step 3", node)
+                first_new = await poll(
+                    lambda: next((i for i, r in enumerate(received) if 3 in policy_steps(r.path)), None),
+                    90,
+                    "a rollout of step 3",
+                    node,
+                )
                 later = received[first_new:]
                 assert all(policy_steps(r.path) == {3} for r in later)
-                assert Store(data_dir / "checkpoints").versions() == [3]  # 0 left the window; 1 never verified
+                assert Store(data_dir / "checkpoints").versions() == [
+                    3
+                ]  # 0 left the window; 1 never verified
                 status = node_status(data_dir)
                 assert (status["announced_step"], status["local_step"]) == (3, 3)
                 text = cli("status", "--data-dir", str(data_dir)).stdout
                 assert "announced 3, local 3 (verified)" in text, text
-                assert metric(data_dir, "prime_node_rollout_files_total", 'outcome="handed_off"') >= len(received) - 1
+                assert (
+                    metric(data_dir, "prime_node_rollout_files_total", 'outcome="handed_off"')
+                    >= len(received) - 1
+                )
 
                 # 7. SIGTERM: a clean stop within the bound, exit code 0, no child left, status file gone.
                 started = time.monotonic()

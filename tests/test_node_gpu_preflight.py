@@ -23,8 +23,20 @@ def test_gpu_start_without_cuda_fails_at_once_with_one_clear_message(
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # what the check sets; restored after the test
     Identity.generate().save(tmp_path / "node.key")
     started = time.monotonic()
-    code = main(["start", "--gpu", "--data-dir", str(tmp_path), "--operator-key", Identity.generate().node_id,
-                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--reachability", "public"])
+    code = main(
+        [
+            "start",
+            "--gpu",
+            "--data-dir",
+            str(tmp_path),
+            "--operator-key",
+            Identity.generate().node_id,
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--reachability",
+            "public",
+        ]
+    )
     elapsed = time.monotonic() - started
     out, err = capsys.readouterr()
     assert code == 1 and out == ""

@@ -1,7 +1,7 @@
 """No weight source can stop a contributor node (issue 18, class 1): hostile sources beside honest ones.
 
 A peer's signed heartbeat may advertise any `weights_url` on its own address, and every node then fetches
-from it. Here that URL is tests/hostile_http.py in its own process, answering a manifest with
+from it. Here that URL is tests/support/hostile_http.py in its own process, answering a manifest with
 `Content-Length: ²` (what crashed the node before: exit 1) or a body with a lone surrogate, or dripping
 shards. The node's checkpoint task must log, back off and retry, fetch the checkpoint from the honest
 source, and go on working.
@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from node_daemon_support import NODE_ENV, NODE_RUN, node_argv, node_status, operator_fleet, policy_steps, poll
 from prime_node.node.contributor.checkpoints import CheckpointKeeper
 from prime_node.node.contributor.state import NodeState
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
@@ -26,12 +25,21 @@ from prime_node.p2p.weights.fetch import FetchSettings
 from prime_node.p2p.weights.sources import SelectionSettings
 from prime_node.p2p.weights.store import Store
 from prime_node.trainer.devnet.processes import ProcessGroup
-from swarm_support import RUN_PARAMETERS
-from weights_support import hostile_process, operator, publish_steps, same_tree, serving
 
-SHORT = FetchSettings(stall_timeout_s=0.5, connect_timeout_s=1.0, manifest_timeout_s=1.0, rate_window_s=1.0,
-                      hedge_after_s=0.3, durable=False, max_attempts_per_shard=2,
-                      selection=SelectionSettings(backoff_base_s=0.02, backoff_max_s=0.2))
+from support.node_daemon import NODE_ENV, NODE_RUN, node_argv, node_status, operator_fleet, policy_steps, poll
+from support.swarm import RUN_PARAMETERS
+from support.weights import hostile_process, operator, publish_steps, same_tree, serving
+
+SHORT = FetchSettings(
+    stall_timeout_s=0.5,
+    connect_timeout_s=1.0,
+    manifest_timeout_s=1.0,
+    rate_window_s=1.0,
+    hedge_after_s=0.3,
+    durable=False,
+    max_attempts_per_shard=2,
+    selection=SelectionSettings(backoff_base_s=0.02, backoff_max_s=0.2),
+)
 
 
 async def until(check: Callable[[], bool], timeout: float) -> None:
@@ -42,8 +50,9 @@ async def until(check: Callable[[], bool], timeout: float) -> None:
 
 
 def policy(step: int, digest: str, sources: list[str]) -> PolicyAnnouncement:
-    return PolicyAnnouncement(step=step, manifest_sha256=digest, sources=sources, published_at=time.time(),
-                              run=RUN_PARAMETERS)
+    return PolicyAnnouncement(
+        step=step, manifest_sha256=digest, sources=sources, published_at=time.time(), run=RUN_PARAMETERS
+    )
 
 
 async def test_the_checkpoint_task_survives_hostile_sources_and_gets_the_checkpoint(tmp_path: Path) -> None:
@@ -51,8 +60,15 @@ async def test_the_checkpoint_task_survives_hostile_sources_and_gets_the_checkpo
     manifests = publish_steps(tmp_path, key, [0, 1], megabytes=0.3)
     origin = tmp_path / "origin"
     state = NodeState(node_id=Identity.generate().node_id, operator_key=key.node_id)
-    keeper = CheckpointKeeper(Store(tmp_path / "node"), key.node_id, state, async_level=2, fetch_settings=SHORT,
-                              retry_s=0.2, max_retry_s=0.4)
+    keeper = CheckpointKeeper(
+        Store(tmp_path / "node"),
+        key.node_id,
+        state,
+        async_level=2,
+        fetch_settings=SHORT,
+        retry_s=0.2,
+        max_retry_s=0.4,
+    )
     with hostile_process(origin) as base:
         crashers = [f"{base}/m-unicode-length", f"{base}/m-surrogate-json"]
         async with serving(origin, key.node_id) as good:
@@ -87,25 +103,50 @@ async def test_a_live_node_fed_a_hostile_weights_url_by_a_peer_stays_up_and_move
         await operator.announce(0, await operator.publish(tmp_path / "ckpt", 0))
         with hostile_process(operator.store.root) as base:
             # A peer whose signed heartbeat says it serves steps 0 and 1 at a URL on its own address.
-            liar = await group.add(Identity.generate(), roles=("contributor", "relay"), reachability="public",
-                                   heartbeat_interval_s=0.5)
+            liar = await group.add(
+                Identity.generate(),
+                roles=("contributor", "relay"),
+                reachability="public",
+                heartbeat_interval_s=0.5,
+            )
             liar.weights_url = f"{base}/m-unicode-length"
             liar.serves_steps = [0, 1]
-            argv = node_argv(data_dir, operator_id.node_id, (await operator.swarm.maddrs())[:1],
-                             "--prompts", "1", "--samples", "1", "--max-new-tokens", "4")
+            argv = node_argv(
+                data_dir,
+                operator_id.node_id,
+                (await operator.swarm.maddrs())[:1],
+                "--prompts",
+                "1",
+                "--samples",
+                "1",
+                "--max-new-tokens",
+                "4",
+            )
             with ProcessGroup(tmp_path / "logs") as procs:
                 node = procs.start("node", argv, env=env)
-                await poll(lambda: (s := node_status(data_dir)) and s["local_step"] == 0 and s["peers_seen"] >= 2,
-                           150, "step 0 and the hostile peer seen", node)
+                await poll(
+                    lambda: (s := node_status(data_dir)) and s["local_step"] == 0 and s["peers_seen"] >= 2,
+                    150,
+                    "step 0 and the hostile peer seen",
+                    node,
+                )
 
                 # Step 1: the node's sources are the operator's server and the liar's URL (from its heartbeat).
                 await operator.announce(1, await operator.publish(tmp_path / "ckpt", 1))
-                await poll(lambda: (s := node_status(data_dir)) and s["local_step"] == 1, 90, "step 1 fetched", node)
+                await poll(
+                    lambda: (s := node_status(data_dir)) and s["local_step"] == 1, 90, "step 1 fetched", node
+                )
                 pending = data_dir / "rollouts" / "pending"
-                await poll(lambda: any(1 in policy_steps(p) for p in pending.glob("*.parquet")), 90,
-                           "a rollout of step 1", node)
+                await poll(
+                    lambda: any(1 in policy_steps(p) for p in pending.glob("*.parquet")),
+                    90,
+                    "a rollout of step 1",
+                    node,
+                )
                 log = node.log_tail(2000)
-                assert "is not a number in ASCII digits" in log, log[-3000:]  # the liar was asked, and refused
+                assert "is not a number in ASCII digits" in log, log[
+                    -3000:
+                ]  # the liar was asked, and refused
                 assert "Traceback" not in log
 
                 os.kill(node.pid, signal.SIGTERM)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon_support import NODE_ENV, NODE_RUN, RUN_ID, node_argv, operator_fleet
 from prime_node.node.cli.main import main
 from prime_node.node.contributor.checkpoints import CheckpointKeeper
 from prime_node.node.contributor.serving import WeightsSharing
@@ -28,7 +27,9 @@ from prime_node.p2p.swarm import PolicyAnnouncement
 from prime_node.p2p.weights.fetch import FetchSettings
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
 from prime_node.trainer.devnet.processes import ProcessGroup
-from swarm_support import RUN_PARAMETERS, wait_until
+
+from support.node_daemon import NODE_ENV, NODE_RUN, RUN_ID, node_argv, operator_fleet
+from support.swarm import RUN_PARAMETERS, wait_until
 
 
 async def serving_status(data_dir: Path, node, timeout: float) -> NodeStatus:  # noqa: ANN001
@@ -49,7 +50,9 @@ async def serving_status(data_dir: Path, node, timeout: float) -> NodeStatus:  #
 
 def same_files(a: Path, b: Path) -> bool:
     names = sorted(p.name for p in a.iterdir())
-    return names == sorted(p.name for p in b.iterdir()) and all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+    return names == sorted(p.name for p in b.iterdir()) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names
+    )
 
 
 @pytest.mark.slow
@@ -68,8 +71,18 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
         op_swarm = operator.swarm
         digest = await operator.publish(tmp_path / "ckpt", 0)
         await operator.announce(0, digest)
-        argv = node_argv(data_dir, operator_id.node_id, (await op_swarm.maddrs())[:1], "--serve-weights",
-                         "--prompts", "1", "--samples", "1", "--max-new-tokens", "4")
+        argv = node_argv(
+            data_dir,
+            operator_id.node_id,
+            (await op_swarm.maddrs())[:1],
+            "--serve-weights",
+            "--prompts",
+            "1",
+            "--samples",
+            "1",
+            "--max-new-tokens",
+            "4",
+        )
         with ProcessGroup(tmp_path / "logs") as procs:
             node = procs.start("node", argv, env=NODE_ENV)
             status = await serving_status(data_dir, node, 150)
@@ -79,6 +92,7 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
             async def advertised() -> bool:
                 beat = (await op_swarm.list_peers()).get(status.node_id)
                 return beat is not None and beat.serves_steps == [0] and beat.weights_url == url
+
             await wait_until(advertised, 30)
 
             # The CLI commands run in this process (on a thread: each runs its own event loop).
@@ -89,9 +103,22 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
             assert "leaderboard:    validator unreachable" in text, text  # no validator announces an API
 
             # A plain `weights fetch` from the node alone downloads and verifies step 0.
-            fetched = await asyncio.to_thread(main, ["weights", "fetch", "--source", url, "--trainer-key",
-                                                     operator_id.node_id, "--out", str(tmp_path / "plain"),
-                                                     "--step", "0", "--json"])
+            fetched = await asyncio.to_thread(
+                main,
+                [
+                    "weights",
+                    "fetch",
+                    "--source",
+                    url,
+                    "--trainer-key",
+                    operator_id.node_id,
+                    "--out",
+                    str(tmp_path / "plain"),
+                    "--step",
+                    "0",
+                    "--json",
+                ],
+            )
             assert fetched == 0, capsys.readouterr()
             plain = Store(tmp_path / "plain").version_dir(0) / CHECKPOINT_NAME
             assert same_files(plain, operator.store.version_dir(0) / CHECKPOINT_NAME)
@@ -106,12 +133,24 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
             sharing.note_peers(await second.list_peers(), set())
             assert sharing.sources_for(0) == [url] and sharing.sources_for(1) == []
             keeper = CheckpointKeeper(
-                Store(tmp_path / "second"), operator_id.node_id, state, async_level=2,
-                fetch_settings=FetchSettings(max_attempts_per_shard=2, durable=False), retry_s=60.0,
-                max_retry_s=120.0, peer_sources=sharing.sources_for,
+                Store(tmp_path / "second"),
+                operator_id.node_id,
+                state,
+                async_level=2,
+                fetch_settings=FetchSettings(max_attempts_per_shard=2, durable=False),
+                retry_s=60.0,
+                max_retry_s=120.0,
+                peer_sources=sharing.sources_for,
             )
-            keeper.announce(PolicyAnnouncement(step=0, manifest_sha256=digest, sources=[operator.url],
-                                               published_at=time.time(), run=RUN_PARAMETERS))
+            keeper.announce(
+                PolicyAnnouncement(
+                    step=0,
+                    manifest_sha256=digest,
+                    sources=[operator.url],
+                    published_at=time.time(),
+                    run=RUN_PARAMETERS,
+                )
+            )
             assert await keeper.try_fetch(keeper.announced), state.last_error
             assert same_files(keeper.checkpoint_dir(0), operator.store.version_dir(0) / CHECKPOINT_NAME)
 
@@ -121,26 +160,46 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
 
 def test_peer_sources_skip_banned_unreachable_and_foreign_urls(tmp_path: Path) -> None:
     from prime_node.p2p.swarm import Hardware, Heartbeat, Swarm
-    from swarm_support import config
+
+    from support.swarm import config
 
     operator_id, me = Identity.generate(), Identity.generate()
     swarm = Swarm(config(RUN_ID, operator_id), me)  # not joined: only its node id is used here
-    sharing = WeightsSharing(Store(tmp_path), StartSettings(operator_key=operator_id.node_id, data_dir=tmp_path),
-                             operator_id.node_id, swarm, NodeState(me.node_id, operator_id.node_id))
+    sharing = WeightsSharing(
+        Store(tmp_path),
+        StartSettings(operator_key=operator_id.node_id, data_dir=tmp_path),
+        operator_id.node_id,
+        swarm,
+        NodeState(me.node_id, operator_id.node_id),
+    )
 
-    def beat(ident: Identity, url: str, ip: str = "10.0.0.7", client: bool = False, steps: tuple = (3,)) -> Heartbeat:
-        return Heartbeat(node_id=ident.node_id, peer_id="12D3KooW" + "x" * 44, version="t", roles=["contributor"],
-                         hardware=Hardware(), addresses=[] if client else [f"/ip4/{ip}/tcp/1"], client_mode=client,
-                         serves_steps=list(steps), sent_at=time.time(), weights_url=url)
+    def beat(
+        ident: Identity, url: str, ip: str = "10.0.0.7", client: bool = False, steps: tuple = (3,)
+    ) -> Heartbeat:
+        return Heartbeat(
+            node_id=ident.node_id,
+            peer_id="12D3KooW" + "x" * 44,
+            version="t",
+            roles=["contributor"],
+            hardware=Hardware(),
+            addresses=[] if client else [f"/ip4/{ip}/tcp/1"],
+            client_mode=client,
+            serves_steps=list(steps),
+            sent_at=time.time(),
+            weights_url=url,
+        )
 
     good, banned, hidden, liar, other = (Identity.generate() for _ in range(5))
-    sharing.note_peers({
-        good.node_id: beat(good, "http://10.0.0.7:8470"),
-        banned.node_id: beat(banned, "http://10.0.0.7:8471"),
-        hidden.node_id: beat(hidden, "http://10.0.0.7:8472", client=True),
-        liar.node_id: beat(liar, "http://192.0.2.1:80"),  # not its own address: someone else's server
-        other.node_id: beat(other, "http://10.0.0.8:8470", ip="10.0.0.8", steps=(4,)),
-        me.node_id: beat(me, "http://10.0.0.9:8470", ip="10.0.0.9"),
-    }, banned={banned.node_id})
+    sharing.note_peers(
+        {
+            good.node_id: beat(good, "http://10.0.0.7:8470"),
+            banned.node_id: beat(banned, "http://10.0.0.7:8471"),
+            hidden.node_id: beat(hidden, "http://10.0.0.7:8472", client=True),
+            liar.node_id: beat(liar, "http://192.0.2.1:80"),  # not its own address: someone else's server
+            other.node_id: beat(other, "http://10.0.0.8:8470", ip="10.0.0.8", steps=(4,)),
+            me.node_id: beat(me, "http://10.0.0.9:8470", ip="10.0.0.9"),
+        },
+        banned={banned.node_id},
+    )
     assert sharing.sources_for(3) == ["http://10.0.0.7:8470"]
     assert sharing.sources_for(4) == ["http://10.0.0.8:8470"] and sharing.sources_for(5) == []

@@ -25,13 +25,18 @@ from prime_node.node.contributor.status import StatusServer
 from prime_node.node.contributor.validator_api import ValidatorApi, ValidatorApiError, ValidatorEndpoint
 from prime_node.node.contributor.verdicts import VerdictWatcher
 from prime_node.p2p.identity import Identity
-from prime_node.proofs.rollout_file import signature_path, write_rollout_file
 from prime_node.p2p.verdicts import Verdict, sign
+from prime_node.proofs.rollout_file import signature_path, write_rollout_file
 
-from swarm_support import fleet, wait_until
-from validator_support import OPERATOR, RUN, publish_checkpoint, rows_for, running_validator, validator_settings, world
-
-__all__ = ["world"]  # the module-scoped fixture (tiny checkpoint, engine, tasks)
+from support.swarm import fleet, wait_until
+from support.validator import (
+    OPERATOR,
+    RUN,
+    publish_checkpoint,
+    rows_for,
+    running_validator,
+    validator_settings,
+)
 
 
 def commit(outbox: Outbox, rows: list, node: Identity, name: str) -> str:  # noqa: ANN001
@@ -53,6 +58,7 @@ async def serve_json(routes: dict[str, bytes]) -> tuple[web.AppRunner, str]:
     def handler(body: bytes):  # noqa: ANN202
         async def answer(_request: web.Request) -> web.Response:
             return web.Response(body=body, content_type="application/json")
+
         return answer
 
     for path, body in routes.items():
@@ -65,14 +71,22 @@ async def serve_json(routes: dict[str, bytes]) -> tuple[web.AppRunner, str]:
 
 
 async def test_verdicts_and_rank_are_learned_checked_persisted_and_shown(
-    tmp_path: Path, world, capsys: pytest.CaptureFixture[str]  # noqa: ANN001
+    tmp_path: Path,
+    world,
+    capsys: pytest.CaptureFixture[str],  # noqa: ANN001
 ) -> None:
     checkpoint, engine, tasks = world
     node = Identity.generate()
     honest = rows_for(engine, tasks, node)
     other = rows_for(engine, tasks, node, batch_counter=1)  # other work: the honest file's samples are taken
-    cheat = [dataclasses.replace(other[0], task_reward=1.0 - other[0].task_reward,
-                                 reward=1.0 - other[0].task_reward - other[0].length_penalty), *other[1:]]
+    cheat = [
+        dataclasses.replace(
+            other[0],
+            task_reward=1.0 - other[0].task_reward,
+            reward=1.0 - other[0].task_reward - other[0].length_penalty,
+        ),
+        *other[1:],
+    ]
     outbox = Outbox(tmp_path / "node" / "rollouts")
     good = commit(outbox, honest, node, "honest.parquet")
     time.sleep(0.01)  # pending/ is sent oldest first: the honest file goes first
@@ -87,7 +101,9 @@ async def test_verdicts_and_rank_are_learned_checked_persisted_and_shown(
         try:
             await wait_until(lambda: _api_announced(api), 15)
             watcher = VerdictWatcher(api, outbox, state, poll_s=0.2, max_poll_s=0.5, timeout_s=600)
-            delivery = Delivery(sender, outbox, state, retry_s=0.2, max_retry_s=1.0, on_receipt=watcher.receipted)
+            delivery = Delivery(
+                sender, outbox, state, retry_s=0.2, max_retry_s=1.0, on_receipt=watcher.receipted
+            )
             for entry in outbox.pending_entries():
                 await delivery.deliver(entry)
             assert (state.rollouts.handed_off, state.awaiting_verdicts) == (2, 2)
@@ -99,17 +115,30 @@ async def test_verdicts_and_rank_are_learned_checked_persisted_and_shown(
                 task.cancel()
             assert (state.rollouts.accepted, state.rollouts.rejected, state.awaiting_verdicts) == (1, 1, 0)
             assert (metric(state, "accepted"), metric(state, "rejected")) == (1, 1)
-            assert "rejected by the validator (rewards)" in (state.last_error or "") and bad[:16] in state.last_error
+            assert (
+                "rejected by the validator (rewards)" in (state.last_error or "")
+                and bad[:16] in state.last_error
+            )
             stored = json.loads((outbox.sent / f"{good}.verdict.json").read_text())
-            assert stored["document"]["accepted"] is True and stored["document"]["validator_id"] == OPERATOR.node_id
-            assert not (outbox.sent / f"{good}.parquet").exists()  # the validator holds it; receipt and verdict stay
+            assert (
+                stored["document"]["accepted"] is True
+                and stored["document"]["validator_id"] == OPERATOR.node_id
+            )
+            assert not (
+                outbox.sent / f"{good}.parquet"
+            ).exists()  # the validator holds it; receipt and verdict stay
             assert (outbox.sent / f"{good}.receipt.json").exists()
 
             # The leaderboard row is read from the validator's API and shown by `prime-node status`.
             await refresh_leaderboard(api, state)
             assert state.leaderboard_status == "ok", state.leaderboard_status
             board = state.leaderboard
-            assert board is not None and board.rank == 1 and board.accepted_files == 1 and board.rejected_files == 1
+            assert (
+                board is not None
+                and board.rank == 1
+                and board.accepted_files == 1
+                and board.rejected_files == 1
+            )
             assert board.validator_url == running.dashboard_url
             text, as_json = await _status_cli(tmp_path / "node", state, capsys)
             assert f"rank 1, score {board.score:.3f}" in text and "1 accepted, 1 rejected" in text, text
@@ -118,10 +147,25 @@ async def test_verdicts_and_rank_are_learned_checked_persisted_and_shown(
             # Hostile answers: a verdict signed by a key that is not the receipt's, and a replayed verdict
             # about another file (signed by the right key) are both refused.
             rogue = Identity.generate()
-            forged = sign(Verdict(file_hash=bad, node_id=node.node_id, step=0, samples=2, tokens=10, accepted=True,
-                                  validator_id=rogue.node_id, decided_at=time.time()), rogue).to_json()
-            runner, url = await serve_json({f"/api/verdict/{bad}/{node.node_id}": forged,
-                                            f"/api/verdict/{'0' * 64}/{node.node_id}": json.dumps(stored).encode()})
+            forged = sign(
+                Verdict(
+                    file_hash=bad,
+                    node_id=node.node_id,
+                    step=0,
+                    samples=2,
+                    tokens=10,
+                    accepted=True,
+                    validator_id=rogue.node_id,
+                    decided_at=time.time(),
+                ),
+                rogue,
+            ).to_json()
+            runner, url = await serve_json(
+                {
+                    f"/api/verdict/{bad}/{node.node_id}": forged,
+                    f"/api/verdict/{'0' * 64}/{node.node_id}": json.dumps(stored).encode(),
+                }
+            )
             try:
                 for sha in (bad, "0" * 64):
                     try:
@@ -156,7 +200,9 @@ async def _settled(state: NodeState) -> bool:
     return state.rollouts.accepted + state.rollouts.rejected == 2
 
 
-async def _status_cli(data_dir: Path, state: NodeState, capsys: pytest.CaptureFixture[str]) -> tuple[str, dict]:
+async def _status_cli(
+    data_dir: Path, state: NodeState, capsys: pytest.CaptureFixture[str]
+) -> tuple[str, dict]:
     """`prime-node status` (text and --json) against a status API serving `state` (the CLI runs its own
     event loop, so it runs on a thread here)."""
     server = StatusServer(data_dir, state.to_status, state.metrics)
@@ -179,8 +225,14 @@ def test_an_announced_url_with_an_unspecified_host_is_made_routable() -> None:
     from prime_node.p2p.swarm import ValidatorAnnouncement
 
     def announced(api_url: str | None, addresses: list[str]) -> ValidatorAnnouncement:
-        return ValidatorAnnouncement(node_id="a" * 64, peer_id="12D3KooW" + "x" * 44, addresses=addresses,
-                                     max_rollout_bytes=1 << 20, published_at=time.time(), api_url=api_url)
+        return ValidatorAnnouncement(
+            node_id="a" * 64,
+            peer_id="12D3KooW" + "x" * 44,
+            addresses=addresses,
+            max_rollout_bytes=1 << 20,
+            published_at=time.time(),
+            api_url=api_url,
+        )
 
     maddrs = ["/ip4/203.0.113.9/tcp/31337/p2p/12D3KooWabc"]
     assert api_base(announced("http://0.0.0.0:8471", maddrs)) == "http://203.0.113.9:8471"

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = {"node": "prime_node.node", "p2p": "prime_node.p2p", "proofs": "prime_node.proofs", "trainer": "prime_node.trainer"}
+PACKAGE_DIRS = {
+    "node": "prime_node.node",
+    "p2p": "prime_node.p2p",
+    "proofs": "prime_node.proofs",
+    "trainer": "prime_node.trainer",
+}
 
 
 def test_all_subpackages_are_declared():
@@ -26,8 +30,9 @@ def test_all_subpackages_are_declared():
         assert folder.is_dir() and any(folder.iterdir()) and not (folder / "__init__.py").exists(), name
         # package-data's "*" does not recurse: a subfolder would be left out of the wheel without a word.
         assert not [f for f in folder.iterdir() if f.is_dir() and f.name != "__pycache__"], name
-    assert on_disk | data_only == declared, \
+    assert on_disk | data_only == declared, (
         f"missing from pyproject: {(on_disk | data_only) - declared}; stale: {declared - on_disk - data_only}"
+    )
 
 
 def test_ci_runs_the_readme_test_command():

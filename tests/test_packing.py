@@ -9,13 +9,11 @@ import pytest
 import torch
 
 from prime_node.node.models.tiny import build_tiny_model
-from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.errors import TrainerError
+from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.grpo.packing import TrainSample, check_packing_isolation, pack_samples, token_logprobs
 from prime_node.trainer.grpo.schedule import build_optimizer, build_scheduler
 from prime_node.trainer.grpo.step import PreparedPart, part_loss, prepare_parts, train_rollout_step
-
-from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

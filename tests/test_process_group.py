@@ -30,7 +30,9 @@ def test_graceful_and_stubborn_children_are_all_gone(tmp_path):
     group = ProcessGroup(tmp_path)
     good = group.start("good", [sys.executable, "-c", GRACEFUL])
     bad = group.start("bad", [sys.executable, "-c", STUBBORN])
-    assert group.wait_until(lambda: "ready" in good.log_tail() and bad.log_tail().strip().isdigit(), timeout=30)
+    assert group.wait_until(
+        lambda: "ready" in good.log_tail() and bad.log_tail().strip().isdigit(), timeout=30
+    )
     grandchild = int(bad.log_tail().strip())
     result = group.stop_all(grace=1.0)
     assert result.exit_codes["good"] == 0

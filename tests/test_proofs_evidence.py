@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from attack_support import SPEC, build_world, honest_rows, rejected_by, write_honest, write_signed
 from prime_node.node.engine import HFEngine, PrefillResult
 from prime_node.node.run.validation import verify_rollout_file
 from prime_node.proofs.checks import default_checks
@@ -21,10 +20,16 @@ from prime_node.proofs.sampling import eos_logprob, replay_samplings
 from prime_node.proofs.toploc import check_proofs, committed_rows
 from prime_node.proofs.verifier import VerificationContext, VerificationReport, VerifierSettings, run_checks
 
+from support.attack import SPEC, build_world, honest_rows, rejected_by, write_honest, write_signed
+
 
 def test_prefill_batches_bound_rows_and_bytes_longest_first():
     lengths = [10, 50, 30, 20, 40]
-    assert prefill_batches(lengths, vocab_size=1, max_rows=2, max_logit_bytes=1 << 30) == [[1, 4], [2, 3], [0]]
+    assert prefill_batches(lengths, vocab_size=1, max_rows=2, max_logit_bytes=1 << 30) == [
+        [1, 4],
+        [2, 3],
+        [0],
+    ]
     # 70 positions of logits per call: 50 alone (50 + 40 > 70), then 40 + 30, then 20 + 10.
     assert prefill_batches(lengths, 1, 16, 70 * LOGIT_BYTES) == [[1], [4, 2], [3, 0]]
     # A sequence over the budget still gets a call of its own; nothing is dropped or repeated.
@@ -40,7 +45,9 @@ class RecordingModel:
         self.engine, self.calls, self.alive_at_call, self._earlier = engine, [], [], []
         self.eos_token_id, self.vocab_size = engine.eos_token_id, engine.vocab_size
 
-    def prefill(self, sequences: Sequence[Sequence[int]], keep_from: Sequence[int] | None = None) -> list[PrefillResult]:
+    def prefill(
+        self, sequences: Sequence[Sequence[int]], keep_from: Sequence[int] | None = None
+    ) -> list[PrefillResult]:
         gc.collect()
         self.alive_at_call.append(sum(ref() is not None for ref in self._earlier))
         results = self.engine.prefill(sequences, keep_from)
@@ -78,21 +85,28 @@ def test_the_verdict_does_not_depend_on_how_prefill_calls_are_cut(world, tmp_pat
     assert [rows for rows, _ in model.calls] == [5, 5, 5, 5, 4]
     assert model.alive_at_call == [0] * 5  # each call's logits are gone before the next call runs
     for report in (by_bytes, by_rows):  # the same statistics, to the digit, whatever the cut
-        assert [(c.name, c.status, c.detail) for c in report.checks] == \
-            [(c.name, c.status, c.detail) for c in whole.checks]
+        assert [(c.name, c.status, c.detail) for c in report.checks] == [
+            (c.name, c.status, c.detail) for c in whole.checks
+        ]
 
 
 def test_evidence_keeps_no_tensor_of_a_call(world, tmp_path: Path):
     engine, tasks, rows = world
 
-    ctx = VerificationContext(write_honest(tmp_path / "f.parquet", rows), _settings(), engine, tasks, random.Random(0))
+    ctx = VerificationContext(
+        write_honest(tmp_path / "f.parquet", rows), _settings(), engine, tasks, random.Random(0)
+    )
     assert run_checks(default_checks(), ctx).accepted
     assert len(ctx.evidence) == len(rows) and any(e.eos_logprob is not None for e in ctx.evidence.values())
     # Numbers only: no tensor or array (no view of a prefill, nothing the size of the vocabulary) outlives its
     # call. Each leaf is read as stored (dataclasses.asdict would turn a nested tensor into a list first).
     for e in ctx.evidence.values():
         assert isinstance(e.toploc, list), e.toploc
-        leaves = [e.eos_logprob, *vars(e.sampling).values(), *(v for chunk in e.toploc for v in vars(chunk).values())]
+        leaves = [
+            e.eos_logprob,
+            *vars(e.sampling).values(),
+            *(v for chunk in e.toploc for v in vars(chunk).values()),
+        ]
         assert all(v is None or isinstance(v, (int, float)) for v in leaves), [type(v) for v in leaves]
 
 
@@ -101,7 +115,9 @@ def test_evidence_reads_the_positions_a_full_prefill_gives_for_each_check(world,
     # prefill gives at the absolute positions: TOPLOC and the replay at committed_rows, p(EOS) at the
     # position that drew the final token. (An off-by-one at p(EOS) would stay inside its loose bound.)
     engine, tasks, rows = world
-    ctx = VerificationContext(write_honest(tmp_path / "f.parquet", rows), _settings(), engine, tasks, random.Random(0))
+    ctx = VerificationContext(
+        write_honest(tmp_path / "f.parquet", rows), _settings(), engine, tasks, random.Random(0)
+    )
     assert run_checks(default_checks(), ctx).accepted
     full = engine.prefill([r.prompt_ids + r.output_ids for r in rows])
     margin = ctx.settings.sampling_thresholds().margin
@@ -110,14 +126,22 @@ def test_evidence_reads_the_positions_a_full_prefill_gives_for_each_check(world,
         span = committed_rows(len(row.prompt_ids), len(row.output_ids))
         evidence = ctx.evidence[i]
         assert evidence.toploc == check_proofs([row.proof], [whole.hidden_states[span]])[0]
-        replay = replay_samplings([whole.logits[span]], [row.output_ids], [row.sample_seed], row.temperature, margin)[0]
+        replay = replay_samplings(
+            [whole.logits[span]], [row.output_ids], [row.sample_seed], row.temperature, margin
+        )[0]
         assert evidence.sampling.logprob_sum == pytest.approx(replay.logprob_sum, abs=1e-4)
-        assert (evidence.sampling.near_ties, evidence.sampling.mismatches) == (replay.near_ties, replay.mismatches)
+        assert (evidence.sampling.near_ties, evidence.sampling.mismatches) == (
+            replay.near_ties,
+            replay.mismatches,
+        )
         if row.finish_reason == "eos":
             drew_last = len(row.prompt_ids) + len(row.output_ids) - 2
             expected = eos_logprob(whole.logits[drew_last], engine.eos_token_id, row.temperature)
             assert evidence.eos_logprob == pytest.approx(expected, abs=1e-5)
-            assert abs(eos_logprob(whole.logits[drew_last + 1], engine.eos_token_id, row.temperature) - expected) > 1e-3
+            assert (
+                abs(eos_logprob(whole.logits[drew_last + 1], engine.eos_token_id, row.temperature) - expected)
+                > 1e-3
+            )
         else:
             assert evidence.eos_logprob is None
 

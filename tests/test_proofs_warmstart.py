@@ -14,22 +14,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from attack_support import NODE, SPEC, rejected_by, run_tasks, verify, write_signed
 from prime_node.node.engine import HFEngine, load_engine
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.node.models.warmstart import deterministic_torch, train
 from prime_node.node.models.warmstart_config import WarmStartConfig
 from prime_node.node.run.producer import BatchSpec, produce_rows
 from prime_node.proofs.toploc import ToplocThresholds
-from proofs_support import perturbed_copy, quantized_copy
+
+from support.attack import NODE, SPEC, rejected_by, run_tasks, verify, write_signed
+from support.proofs import perturbed_copy, quantized_copy
 
 pytestmark = pytest.mark.slow
 
 WARM_STEPS = 60  # loss ~1.6; 5e-2 noise already slips past the previous bounds (asserted below)
 WARM_BATCH = 32
 BATCH = BatchSpec(**{**SPEC.__dict__, "prompts": 8})
-PREVIOUS = ToplocThresholds(max_exp_mismatches=16, max_mant_err_mean=8.0, max_mant_err_median=4.0,
-                            max_typical_mant_err_mean=1.5, min_typical_chunks=1)
+PREVIOUS = ToplocThresholds(
+    max_exp_mismatches=16,
+    max_mant_err_mean=8.0,
+    max_mant_err_median=4.0,
+    max_typical_mant_err_mean=1.5,
+    min_typical_chunks=1,
+)
 
 
 def _warm_model(seed: int, directory: Path) -> Path:

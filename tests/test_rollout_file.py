@@ -20,7 +20,13 @@ from prime_node.proofs.rollout_file import (
     signature_path,
     write_rollout_file,
 )
-from prime_node.proofs.rollout_schema import FLOAT_COLUMNS, SCHEMA, RolloutFileError, RolloutLimits, RolloutRow
+from prime_node.proofs.rollout_schema import (
+    FLOAT_COLUMNS,
+    SCHEMA,
+    RolloutFileError,
+    RolloutLimits,
+    RolloutRow,
+)
 from prime_node.proofs.toploc import build_proof
 
 KEY = Identity.from_seed(b"\x01" * 32)
@@ -30,10 +36,22 @@ OTHER = Identity.from_seed(b"\x02" * 32)
 def _row(index: int = 0, output_len: int = 40, **changes) -> RolloutRow:
     hidden = torch.randn(output_len, 128, generator=torch.Generator().manual_seed(index))
     row = RolloutRow(
-        run_id="run-a", node_id=KEY.node_id, policy_step=3, batch_counter=1, sample_index=17 + index,
-        sample_seed=2**62 + index, temperature=1.0, max_new_tokens=64, prompt_ids=(5, 6, 7),
-        output_ids=tuple([9] * (output_len - 1) + [1]), finish_reason="eos", task_reward=1.0,
-        length_penalty=0.25, reward=0.75, target_length=20, proof=build_proof(hidden),
+        run_id="run-a",
+        node_id=KEY.node_id,
+        policy_step=3,
+        batch_counter=1,
+        sample_index=17 + index,
+        sample_seed=2**62 + index,
+        temperature=1.0,
+        max_new_tokens=64,
+        prompt_ids=(5, 6, 7),
+        output_ids=tuple([9] * (output_len - 1) + [1]),
+        finish_reason="eos",
+        task_reward=1.0,
+        length_penalty=0.25,
+        reward=0.75,
+        target_length=20,
+        proof=build_proof(hidden),
     )
     return dataclasses.replace(row, **changes)
 
@@ -57,8 +75,19 @@ def _rejects(path: Path, match: str, check: str, **kw) -> None:
 
 
 def test_round_trip(tmp_path: Path):
-    rows = [_row(0), _row(1, output_len=64, finish_reason="length", output_ids=(9,) * 64, target_length=None,
-                           length_penalty=0.0, reward=1.0, proof=build_proof(torch.ones(64, 128)))]
+    rows = [
+        _row(0),
+        _row(
+            1,
+            output_len=64,
+            finish_reason="length",
+            output_ids=(9,) * 64,
+            target_length=None,
+            length_penalty=0.0,
+            reward=1.0,
+            proof=build_proof(torch.ones(64, 128)),
+        ),
+    ]
     path = tmp_path / "batch.parquet"
     sig = write_rollout_file(path, rows, KEY)
     assert sig == tmp_path / "batch.parquet.sig"
@@ -104,9 +133,14 @@ def test_size_limit_and_envelope_checked_before_parsing(tmp_path: Path):
     _rejects(path, "over the 2048-byte limit", "signature", limits=RolloutLimits(max_file_bytes=2048))
     signature_path(path).unlink()
     _rejects(path, "does not exist", "signature")
-    for bad in (b"not json", b"[]", json.dumps({"format": "x"}).encode(),
-                json.dumps({**sign_bytes(b"", KEY), "size": "5"}).encode(),
-                json.dumps({**sign_bytes(b"", KEY), "extra": 1}).encode(), b"{" + b" " * 5000 + b"}"):
+    for bad in (
+        b"not json",
+        b"[]",
+        json.dumps({"format": "x"}).encode(),
+        json.dumps({**sign_bytes(b"", KEY), "size": "5"}).encode(),
+        json.dumps({**sign_bytes(b"", KEY), "extra": 1}).encode(),
+        b"{" + b" " * 5000 + b"}",
+    ):
         signature_path(path).write_bytes(bad)
         _rejects(path, "signature", "signature")
     _write_raw(path, b"\x00" * 5000)
@@ -122,10 +156,20 @@ def _valid_table() -> pa.Table:
     [
         (lambda t: t.drop_columns(["proof"]), r"missing \['proof'\]"),
         (lambda t: t.append_column("bonus", pa.array([1.0])), r"unexpected \['bonus'\]"),
-        (lambda t: t.set_column(t.schema.get_field_index("reward"), "reward", pa.array(["1"])), "'reward' is string"),
-        (lambda t: t.set_column(t.schema.get_field_index("policy_step"), "policy_step",
-                                pa.array([3], pa.int32())), "'policy_step' is int32"),
-        (lambda t: t.cast(pa.schema([f.with_nullable(True) for f in SCHEMA], metadata=SCHEMA.metadata)), "nullable"),
+        (
+            lambda t: t.set_column(t.schema.get_field_index("reward"), "reward", pa.array(["1"])),
+            "'reward' is string",
+        ),
+        (
+            lambda t: t.set_column(
+                t.schema.get_field_index("policy_step"), "policy_step", pa.array([3], pa.int32())
+            ),
+            "'policy_step' is int32",
+        ),
+        (
+            lambda t: t.cast(pa.schema([f.with_nullable(True) for f in SCHEMA], metadata=SCHEMA.metadata)),
+            "nullable",
+        ),
         (lambda t: t.select(list(reversed(SCHEMA.names))), "out of order"),
         (lambda t: t.replace_schema_metadata({}), "metadata"),
     ],
@@ -176,7 +220,9 @@ def test_rows_must_share_the_batch_header(tmp_path: Path):
     path = _write_raw(tmp_path / "g.parquet", encode_rows([_row(0), _row(1, policy_step=4)]))
     _rejects(path, "row 1: policy_step 4 differs", "bounds")
     # NaN differs from itself: a NaN temperature on every row is named as non-finite, not as a header mismatch.
-    path = _write_raw(tmp_path / "n.parquet", encode_rows([_row(i, temperature=float("nan")) for i in range(2)]))
+    path = _write_raw(
+        tmp_path / "n.parquet", encode_rows([_row(i, temperature=float("nan")) for i in range(2)])
+    )
     _rejects(path, r"row 0: temperature is not a finite number \(nan\)", "bounds")
     path = _write_raw(tmp_path / "h.parquet", encode_rows([_row(i) for i in range(3)]))
     _rejects(path, "3 rows, allowed 1..2", "limits", limits=RolloutLimits(max_rows=2))

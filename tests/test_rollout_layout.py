@@ -20,7 +20,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import encode_rows, read_rollout_file, sign_bytes, signature_path
 from prime_node.proofs.rollout_schema import RolloutFileError, RolloutLimits
 
-import bomb_support as bombs
+from support import bomb as bombs
 
 KEY = Identity.from_seed(b"\x03" * 32)
 ROW = bombs.honest_row(KEY.node_id)
@@ -50,22 +50,41 @@ def _signed(tmp_path: Path, data: bytes, name: str = "f.parquet") -> Path:
 
 # (builder, the check that refuses it, a fragment of the reason); each would decode to 256 MiB or more.
 BOMBS: dict[str, tuple[Callable[[], bytes], str, str]] = {
-    "constant-tokens": (lambda: bombs.constant_tokens(ROW, 4096, 8192, 8192), "limits",
-                        "column 'output_ids' holds 33554432 token ids: more than 4096 rows x max_new_tokens 64"),
-    "outputs-over-the-run": (lambda: bombs.constant_tokens(ROW, 4096, 16, 8192), "limits",
-                             "more than 4096 rows x max_new_tokens 64 allow"),
+    "constant-tokens": (
+        lambda: bombs.constant_tokens(ROW, 4096, 8192, 8192),
+        "limits",
+        "column 'output_ids' holds 33554432 token ids: more than 4096 rows x max_new_tokens 64",
+    ),
+    "outputs-over-the-run": (
+        lambda: bombs.constant_tokens(ROW, 4096, 16, 8192),
+        "limits",
+        "more than 4096 rows x max_new_tokens 64 allow",
+    ),
     "one-long-row": (lambda: bombs.one_long_row(ROW, 4096, 1 << 24), "limits", "column 'output_ids' holds"),
-    "dictionary-value": (lambda: bombs.dictionary_proof(ROW, 256, 4 * MiB), "limits",
-                         "dictionary page 0 decompresses to 4194308 bytes for 1 values of at most 520 bytes"),
+    "dictionary-value": (
+        lambda: bombs.dictionary_proof(ROW, 256, 4 * MiB),
+        "limits",
+        "dictionary page 0 decompresses to 4194308 bytes for 1 values of at most 520 bytes",
+    ),
     "prefix-encoded-value": (lambda: bombs.prefix_proof(ROW, 256, 4 * MiB), "schema", "DELTA_BYTE_ARRAY"),
     "compressed-page": (lambda: bombs.compressed_page(ROW, 64, 4 * MiB), "limits", "decompress to"),
-    "row-groups": (lambda: bombs.many_row_groups(ROW, 600), "schema",
-                   "malformed Parquet footer: too many structs or collection elements"),
-    "lying-footer": (lambda: bombs.lie_in_footer(bombs.single_page_tokens(ROW, 1024, 16384),
-                                                 {"prompt_ids": 1024, "output_ids": 1024}),
-                     "schema", "the footer declares 1024 values, its pages hold 16777216"),
-    "lying-dictionary-header": (lambda: bombs.lie_in_dictionary_header(encode_rows([ROW] * 8), "proof", 1 << 28),
-                                "schema", "a dictionary of 268435456 entries in"),
+    "row-groups": (
+        lambda: bombs.many_row_groups(ROW, 600),
+        "schema",
+        "malformed Parquet footer: too many structs or collection elements",
+    ),
+    "lying-footer": (
+        lambda: bombs.lie_in_footer(
+            bombs.single_page_tokens(ROW, 1024, 16384), {"prompt_ids": 1024, "output_ids": 1024}
+        ),
+        "schema",
+        "the footer declares 1024 values, its pages hold 16777216",
+    ),
+    "lying-dictionary-header": (
+        lambda: bombs.lie_in_dictionary_header(encode_rows([ROW] * 8), "proof", 1 << 28),
+        "schema",
+        "a dictionary of 268435456 entries in",
+    ),
 }
 
 
@@ -85,8 +104,12 @@ def test_a_row_longer_than_the_run_allows_is_refused_before_its_tokens_become_ob
     # Within the file's total (4,096 rows x 64 tokens) but all in one row: the layout allows it, the decoder
     # checks every row's length on the Arrow array, before a Python tuple is built.
     path = _signed(tmp_path, bombs.one_long_row(ROW, 4096, 4096 * 64 - 4095))
-    with arrow_peak() as pool, pytest.raises(RolloutFileError, match="row 0: output_ids holds 258049 tokens, "
-                                                                     "over max_new_tokens 64") as info:
+    with (
+        arrow_peak() as pool,
+        pytest.raises(
+            RolloutFileError, match="row 0: output_ids holds 258049 tokens, over max_new_tokens 64"
+        ) as info,
+    ):
         read_rollout_file(path, LIMITS)
     assert info.value.check == "limits"
     assert pool.max_memory() < 8 * MiB, pool.max_memory()
@@ -99,7 +122,9 @@ def test_a_string_longer_than_its_column_allows_is_refused_from_the_dictionary(t
     path = _signed(tmp_path, bombs.parquet(tab))
     with pytest.raises(RolloutFileError) as info:
         read_rollout_file(path, LIMITS)
-    assert info.value.check == "limits" and "'run_id' holds a value of 600 bytes, over its limit 512" in str(info.value)
+    assert info.value.check == "limits" and "'run_id' holds a value of 600 bytes, over its limit 512" in str(
+        info.value
+    )
 
 
 def test_a_file_at_the_limits_decodes_within_its_budget(tmp_path: Path):
@@ -113,16 +138,29 @@ def test_a_file_at_the_limits_decodes_within_its_budget(tmp_path: Path):
     assert pool.max_memory() < 36 * MiB, pool.max_memory()
 
 
-@pytest.mark.parametrize("options", [
-    {}, {"compression": "snappy"}, {"compression": "gzip"}, {"compression": "none"}, {"compression": "lz4"},
-    {"compression": "brotli"},
-    {"data_page_version": "2.0"}, {"use_dictionary": False}, {"row_group_size": 3},
-    {"data_page_size": 64, "write_batch_size": 8},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"compression": "snappy"},
+        {"compression": "gzip"},
+        {"compression": "none"},
+        {"compression": "lz4"},
+        {"compression": "brotli"},
+        {"data_page_version": "2.0"},
+        {"use_dictionary": False},
+        {"row_group_size": 3},
+        {"data_page_size": 64, "write_batch_size": 8},
+    ],
+)
 def test_honest_files_in_default_encodings_are_read_back(tmp_path: Path, options: dict):
     rows = [bombs.honest_row(KEY.node_id, i, output_len=20 + i) for i in range(10)]
-    path = _signed(tmp_path, bombs.parquet(bombs.table(ROW, 0).from_pylist([r.to_record() for r in rows],
-                                                                          schema=bombs.SCHEMA), **options))
+    path = _signed(
+        tmp_path,
+        bombs.parquet(
+            bombs.table(ROW, 0).from_pylist([r.to_record() for r in rows], schema=bombs.SCHEMA), **options
+        ),
+    )
     assert read_rollout_file(path, LIMITS).rows == tuple(rows)
 
 
@@ -131,16 +169,22 @@ def test_no_mutation_raises_anything_but_a_rollout_file_error(tmp_path: Path):
     # they cannot convert (an unknown codec), so the reader must never reach them with one.
     rows = [bombs.honest_row(KEY.node_id, i) for i in range(6)]
     tab = bombs.table(ROW, 0).from_pylist([r.to_record() for r in rows], schema=bombs.SCHEMA)
-    bases = [encode_rows(rows), bombs.parquet(tab, compression="snappy", data_page_version="2.0"),
-             bombs.parquet(tab, compression="none", use_dictionary=False)]
+    bases = [
+        encode_rows(rows),
+        bombs.parquet(tab, compression="snappy", data_page_version="2.0"),
+        bombs.parquet(tab, compression="none", use_dictionary=False),
+    ]
     rng = random.Random(0)
     outcomes = {"read": 0, "refused": 0}
     for trial in range(600):
         mutated = bytearray(rng.choice(bases))
         footer = int.from_bytes(mutated[-8:-4], "little")
         for _ in range(rng.choice((1, 1, 2, 4))):
-            at = rng.randrange(len(mutated) - 8 - footer, len(mutated) - 8) if rng.random() < 0.5 else \
-                rng.randrange(len(mutated))
+            at = (
+                rng.randrange(len(mutated) - 8 - footer, len(mutated) - 8)
+                if rng.random() < 0.5
+                else rng.randrange(len(mutated))
+            )
             mutated[at] = rng.randrange(256) if rng.random() < 0.7 else mutated[at] ^ (1 << rng.randrange(8))
         path = _signed(tmp_path, bytes(mutated), f"m{trial % 4}.parquet")
         try:

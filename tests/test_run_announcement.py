@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from node_daemon_support import NODE_ENV, node_argv, operator_fleet
 from prime_node.node.config import load_config
-from prime_node.node.runtime.supervisor import Supervisor
+from prime_node.node.engine import EngineSettings
 from prime_node.node.errors import ConfigError
 from prime_node.node.run.announcement import (
     _SETTING_OF,
@@ -23,47 +22,59 @@ from prime_node.node.run.announcement import (
     differences,
     run_parameters,
 )
-from prime_node.node.engine import EngineSettings
 from prime_node.node.run.settings import RunSettings, open_run_task_set
+from prime_node.node.runtime.supervisor import Supervisor
 from prime_node.p2p.identity import Identity
+from prime_node.p2p.processes import end_pids
 from prime_node.p2p.swarm import PolicyAnnouncement, RunParameters
 from prime_node.p2p.weights.store import Store
-from prime_node.trainer.validator.checkpoints import CheckpointKeeper
+from prime_node.trainer.devnet.layout import DevnetLayout, Sizing
 from prime_node.trainer.devnet.processes import ProcessGroup
 from prime_node.trainer.errors import TrainerError
-from prime_node.trainer.service.service import check_policy_fits
 from prime_node.trainer.service.config import TrainerCommandSettings
+from prime_node.trainer.service.service import check_policy_fits
+from prime_node.trainer.validator.checkpoints import CheckpointKeeper
 from prime_node.trainer.validator.run import start_validator
-from prime_node.p2p.processes import end_pids
-from prime_node.trainer.devnet.layout import DevnetLayout, Sizing
 from prime_node.trainer.validator.run_confirmation import RunConfirmation
-from swarm_support import RUN_PARAMETERS, fleet, wait_until
-from validator_support import (
-    sees_a_validator,
+
+from support.node_daemon import NODE_ENV, node_argv, operator_fleet
+from support.swarm import RUN_PARAMETERS, fleet, wait_until
+from support.validator import (
     OPERATOR,
     RUN,
     announce_run,
     publish_checkpoint,
     rows_for,
     running_validator,
+    sees_a_validator,
     validator_settings,
     wait_verdict,
-    world,  # noqa: F401  (module fixture: a tiny checkpoint, an engine and the run's tasks)
     write_file,
 )
 
 
 def _policy(step: int, run: RunParameters) -> PolicyAnnouncement:
-    return PolicyAnnouncement(step=step, manifest_sha256="ab" * 32, sources=[], published_at=time.time(), run=run)
+    return PolicyAnnouncement(
+        step=step, manifest_sha256="ab" * 32, sources=[], published_at=time.time(), run=run
+    )
 
 
 def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
     ours = run_parameters(RunSettings())
     assert differences(ours, run_parameters(RunSettings())) == []
-    other = run_parameters(RunSettings(
-        run_id="other", run_seed=1, task_seed=9, samples=8, temperature=0.7, max_new_tokens=128,
-        compute_dtype="bfloat16", length_targets=[16], length_alpha=0.01,
-    ))
+    other = run_parameters(
+        RunSettings(
+            run_id="other",
+            run_seed=1,
+            task_seed=9,
+            samples=8,
+            temperature=0.7,
+            max_new_tokens=128,
+            compute_dtype="bfloat16",
+            length_targets=[16],
+            length_alpha=0.01,
+        )
+    )
     assert differences(ours, other) == [
         "run.run_id: 'local' here, 'other' in the run",
         "run.run_seed: 0 here, 1 in the run",
@@ -77,8 +88,17 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         "run.length_targets: [] here, [16] in the run",
         "run.length_alpha: 0.001 here, 0.01 in the run",
     ]
-    assert set(RunParameters.model_fields) == {"run_id", "run_seed", "tasks", "samples", "temperature",
-                                               "max_new_tokens", "compute_dtype", "length_targets", "length_alpha"}
+    assert set(RunParameters.model_fields) == {
+        "run_id",
+        "run_seed",
+        "tasks",
+        "samples",
+        "temperature",
+        "max_new_tokens",
+        "compute_dtype",
+        "length_targets",
+        "length_alpha",
+    }
     assert set(_SETTING_OF) == set(RunParameters.model_fields)  # a new field is compared, not skipped
 
 
@@ -104,8 +124,9 @@ async def test_agreed_policies_stop_at_the_first_other_run() -> None:
     other = run_parameters(RunSettings(max_new_tokens=32))
     seen = []
     with pytest.raises(RunMismatchError) as caught:
-        async for policy in agreed_policies(_feed([_policy(1, ours), _policy(2, other), _policy(3, ours)]), ours,
-                                            "validator"):
+        async for policy in agreed_policies(
+            _feed([_policy(1, ours), _policy(2, other), _policy(3, ours)]), ours, "validator"
+        ):
             seen.append(policy.step)
     assert seen == [1]  # step 2 is never acted on
     message = str(caught.value)
@@ -118,8 +139,9 @@ async def test_the_supervisor_raises_the_operators_error_itself_without_a_traceb
     ours = run_parameters(RunSettings())
 
     async def watch() -> None:
-        async for _ in agreed_policies(_feed([_policy(4, run_parameters(RunSettings(temperature=2.0)))]), ours,
-                                       "node"):
+        async for _ in agreed_policies(
+            _feed([_policy(4, run_parameters(RunSettings(temperature=2.0)))]), ours, "node"
+        ):
             pass
 
     with caplog.at_level(logging.ERROR):
@@ -147,8 +169,11 @@ def test_the_trainer_takes_its_temperature_and_run_from_the_run_section(tmp_path
         toml.write_text(old)
         with pytest.raises(ConfigError, match=rf"is now '{new}'.*{env_name}"):
             load_config(TrainerCommandSettings, toml_path=toml)
-    with pytest.raises(ConfigError, match=r"'trainer.temperature' \(from environment variable "
-                                          r"PRIME_NODE_TRAINER__TEMPERATURE\) is now 'run.temperature'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'trainer.temperature' \(from environment variable "
+        r"PRIME_NODE_TRAINER__TEMPERATURE\) is now 'run.temperature'",
+    ):
         load_config(TrainerCommandSettings, env={"PRIME_NODE_TRAINER__TEMPERATURE": "0.7"})
 
 
@@ -159,13 +184,17 @@ async def test_a_node_with_another_temperature_stops_before_any_work(tmp_path: P
     Identity.generate().save(data_dir / "node.key")
     async with operator_fleet(tmp_path / "operator-store", operator_id) as (_, operator):
         await operator.announce(0, "ab" * 32)  # no checkpoint needed: the node must stop before fetching
-        argv = node_argv(data_dir, operator_id.node_id, (await operator.swarm.maddrs())[:1], "--temperature", "0.7")
+        argv = node_argv(
+            data_dir, operator_id.node_id, (await operator.swarm.maddrs())[:1], "--temperature", "0.7"
+        )
         with ProcessGroup(tmp_path / "logs") as procs:
             node = procs.start("node", argv, env=NODE_ENV)
             code = await asyncio.to_thread(node.process.wait, 120)
             log = node.log_path.read_text()
     assert code == 1, log
-    assert "prime-node start: error: the run's operator announces policy step 0 with other run parameters" in log
+    assert (
+        "prime-node start: error: the run's operator announces policy step 0 with other run parameters" in log
+    )
     assert "run.temperature: 0.7 here, 1.0 in the run" in log and "Traceback" not in log
     # The check comes before the checkpoint keeper hears of the policy: no fetch of it was even tried (one
     # would fail on the made-up digest and log "checkpoint step 0 refused").
@@ -190,7 +219,8 @@ async def test_a_validator_pinned_to_other_parameters_stops_instead_of_slashing(
 
 
 async def test_a_validator_verifies_nothing_before_a_policy_confirms_its_parameters(
-    tmp_path: Path, world  # noqa: ANN001, F811
+    tmp_path: Path,
+    world,  # noqa: ANN001, F811
 ) -> None:
     checkpoint, engine, tasks = world
     node = Identity.generate()
@@ -230,7 +260,9 @@ async def test_a_step_re_announced_with_other_run_parameters_is_seen_again() -> 
         try:
             await trainer.publish_policy(3, "ab" * 32, [], RUN_PARAMETERS)
             assert (await asyncio.wait_for(anext(watcher), 20)).run == RUN_PARAMETERS
-            await trainer.publish_policy(3, "ab" * 32, [], RUN_PARAMETERS)  # a plain re-announcement: nothing new
+            await trainer.publish_policy(
+                3, "ab" * 32, [], RUN_PARAMETERS
+            )  # a plain re-announcement: nothing new
             await trainer.publish_policy(3, "ab" * 32, [], changed)  # a restarted trainer with another [run]
             again = await asyncio.wait_for(anext(watcher), 20)
             assert (again.step, again.run) == (3, changed)
@@ -239,7 +271,9 @@ async def test_a_step_re_announced_with_other_run_parameters_is_seen_again() -> 
 
 
 def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) -> None:
-    from prime_node.node.cli import start as start_cli, trainer as trainer_cli, validator as validator_cli
+    from prime_node.node.cli import start as start_cli
+    from prime_node.node.cli import trainer as trainer_cli
+    from prime_node.node.cli import validator as validator_cli
     from prime_node.node.cli.common import load_settings
     from prime_node.node.cli.main import build_parser
     from prime_node.node.contributor.settings import StartSettings
@@ -247,8 +281,13 @@ def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) ->
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    layout = DevnetLayout(tmp_path / "run", "devnet", tmp_path / "model",
-                          sizing=Sizing(samples=2, max_new_tokens=16, length_targets=(3, 9, 17)), tasks=tasks)
+    layout = DevnetLayout(
+        tmp_path / "run",
+        "devnet",
+        tmp_path / "model",
+        sizing=Sizing(samples=2, max_new_tokens=16, length_targets=(3, 9, 17)),
+        tasks=tasks,
+    )
     honest, cheater = layout.add_member("node-1"), layout.add_member("adv-1", attack="inflated-rewards")
     peers = ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWF4NCf4BuFF35ra6sCoMwfpNBVSQppG7VzU6yC98XsiB7"]
     parser = build_parser()
@@ -263,7 +302,10 @@ def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) ->
     assert announced(layout.validator_argv(peers)[3:], ValidatorSettings, validator_cli.FLAGS) == trainer
     assert announced(layout.member_argv(honest, peers)[3:], StartSettings, start_cli.FLAGS) == trainer
     # The adversary harness parses its `--attack NAME` and hands the rest to `start`.
-    assert announced(["start", *layout.member_argv(cheater, peers)[5:]], StartSettings, start_cli.FLAGS) == trainer
+    assert (
+        announced(["start", *layout.member_argv(cheater, peers)[5:]], StartSettings, start_cli.FLAGS)
+        == trainer
+    )
 
 
 async def test_a_validator_stops_at_start_up_when_the_current_policy_runs_otherwise(tmp_path: Path) -> None:
@@ -273,7 +315,9 @@ async def test_a_validator_stops_at_start_up_when_the_current_policy_runs_otherw
     async with fleet(RUN, OPERATOR) as group:
         trainer = await group.add(trainer_id, roles=("trainer",), operator_keys=operators)
         await announce_run(trainer, settings.run.model_copy(update={"temperature": 0.9}))
-        swarm = settings.swarm.model_copy(update={"initial_peers": await trainer.maddrs(), "operator_keys": operators})
+        swarm = settings.swarm.model_copy(
+            update={"initial_peers": await trainer.maddrs(), "operator_keys": operators}
+        )
         settings = settings.model_copy(update={"swarm": swarm})
         supervisor = Supervisor("test-validator")
         with pytest.raises(RunMismatchError, match=r"run.temperature: 1.0 here, 0.9 in the run"):
@@ -285,7 +329,8 @@ async def test_a_validator_stops_at_start_up_when_the_current_policy_runs_otherw
 
 
 def test_the_validator_checks_the_task_set_it_compared_with_the_run(
-    tmp_path: Path, world  # noqa: ANN001, F811
+    tmp_path: Path,
+    world,  # noqa: ANN001, F811
 ) -> None:
     checkpoint, _, _ = world
     task_file = tmp_path / "tasks.jsonl"
@@ -295,7 +340,9 @@ def test_the_validator_checks_the_task_set_it_compared_with_the_run(
     identity = run_parameters(run, opened).tasks
     store = Store(tmp_path / "weights")
     publish_checkpoint(checkpoint, store.root, 0)
-    keeper = CheckpointKeeper(store, OPERATOR.node_id, run, EngineSettings(threads=1), keep=2, task_set=opened)
+    keeper = CheckpointKeeper(
+        store, OPERATOR.node_id, run, EngineSettings(threads=1), keep=2, task_set=opened
+    )
     task_file.write_text('{"prompt": "1+1=", "answer": "3"}\n')  # edited in place after the comparison
     found = keeper.model_for(0)
     assert found is not None
@@ -305,8 +352,11 @@ def test_the_validator_checks_the_task_set_it_compared_with_the_run(
 
 def test_policy_sources_too_large_for_the_dht_are_refused_before_any_announcement() -> None:
     sources = [f"http://198.51.100.{i}:8470/" + "x" * 480 for i in range(32)]
-    with pytest.raises(TrainerError, match=r"policy record is \d+ bytes; the limit is 8192: announce fewer or "
-                                           r"shorter service.public_sources \(32 now\)"):
+    with pytest.raises(
+        TrainerError,
+        match=r"policy record is \d+ bytes; the limit is 8192: announce fewer or "
+        r"shorter service.public_sources \(32 now\)",
+    ):
         check_policy_fits(sources, RUN_PARAMETERS)
     check_policy_fits(sources[:4], RUN_PARAMETERS)  # fits, whatever the step grows to
     with pytest.raises(ConfigError, match=r"service.public_sources.0.*ftp://mirror"):

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from attack_support import SPEC, build_world, honest_rows, rejected_by, verify, write_honest
 from prime_node.node.config import load_config
 from prime_node.node.contributor.settings import StartSettings
 from prime_node.node.errors import ConfigError
@@ -18,16 +17,24 @@ from prime_node.proofs.toploc import ToplocThresholds
 from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.validator.config import ValidatorSettings
 
+from support.attack import SPEC, build_world, honest_rows, rejected_by, verify, write_honest
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return build_world(tmp_path_factory.mktemp("ckpt"))
 
 
-@pytest.mark.parametrize(("change", "reason"), [
-    ({"temperature": 0.3}, "row 0: sampled at temperature 0.3; the run samples at 1.0"),  # cooler: higher rewards
-    ({"max_new_tokens": 4}, "row 0: max_new_tokens 4; the run's is 40"),  # shorter: cheaper work
-])
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (
+            {"temperature": 0.3},
+            "row 0: sampled at temperature 0.3; the run samples at 1.0",
+        ),  # cooler: higher rewards
+        ({"max_new_tokens": 4}, "row 0: max_new_tokens 4; the run's is 40"),  # shorter: cheaper work
+    ],
+)
 def test_declared_sampling_other_than_the_runs_is_rejected(world, tmp_path: Path, change, reason):
     engine, tasks, _ = world
     rows = honest_rows(engine, tasks, dataclasses.replace(SPEC, **change))  # generated and proven honestly
@@ -38,7 +45,8 @@ def test_declared_sampling_other_than_the_runs_is_rejected(world, tmp_path: Path
     unpinned = verify(path, engine, tasks, temperature=None, max_new_tokens=None)
     assert unpinned.accepted, unpinned.reasons
     assert "(temperature and max_new_tokens not pinned)" in next(
-        c.detail for c in unpinned.checks if c.name == "run-parameters")
+        c.detail for c in unpinned.checks if c.name == "run-parameters"
+    )
 
 
 def test_verifier_for_run_pins_the_runs_sampling():
@@ -51,13 +59,20 @@ def test_verifier_for_run_pins_the_runs_sampling():
 def test_verifier_settings_the_run_sets_are_refused_with_their_place(model, tmp_path: Path):
     # verifier_for_run replaces them: accepted, they would be ignored while the operator believes them in force.
     config = tmp_path / "validator.toml"
-    for key, value, new in [("temperature", "0.7", "run.temperature"), ("max_new_tokens", "16", "run.max_new_tokens"),
-                            ("samples_per_prompt", "4", "run.samples"), ("node_precision", '"bfloat16"',
-                            "run.compute_dtype"), ("run_id", '"r"', "run.run_id"), ("run_seed", "3", "run.run_seed")]:
+    for key, value, new in [
+        ("temperature", "0.7", "run.temperature"),
+        ("max_new_tokens", "16", "run.max_new_tokens"),
+        ("samples_per_prompt", "4", "run.samples"),
+        ("node_precision", '"bfloat16"', "run.compute_dtype"),
+        ("run_id", '"r"', "run.run_id"),
+        ("run_seed", "3", "run.run_seed"),
+    ]:
         config.write_text(f"[verifier]\n{key} = {value}\n")
         with pytest.raises(ConfigError, match=rf"'verifier.{key}' \(from config file .*\) is now '{new}'"):
             load_config(model, toml_path=config, env={})
-    with pytest.raises(ConfigError, match="'verifier.temperature' .*environment variable.* PRIME_NODE_RUN__TEMPERATURE"):
+    with pytest.raises(
+        ConfigError, match="'verifier.temperature' .*environment variable.* PRIME_NODE_RUN__TEMPERATURE"
+    ):
         load_config(model, env={"PRIME_NODE_VERIFIER__TEMPERATURE": "0.7"})
     # The verifier's own settings stay where they are.
     config.write_text("[verifier]\nsample_fraction = 0.5\n[run]\ntemperature = 0.7\n")
@@ -70,8 +85,11 @@ def test_verifier_settings_the_run_sets_are_refused_with_their_place(model, tmp_
 def test_sampling_settings_of_the_old_layout_say_where_they_moved(model, tmp_path: Path):
     config = tmp_path / "old.toml"
     config.write_text("temperature = 0.7\n")
-    with pytest.raises(ConfigError, match=r"'temperature' \(from config file .*\) is now 'run.temperature': "
-                                          r"in a config file write `temperature = ...` under \[run\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'temperature' \(from config file .*\) is now 'run.temperature': "
+        r"in a config file write `temperature = ...` under \[run\]",
+    ):
         load_config(model, toml_path=config, env={})
     with pytest.raises(ConfigError, match="PRIME_NODE_RUN__MAX_NEW_TOKENS"):
         load_config(model, env={"PRIME_NODE_MAX_NEW_TOKENS": "16"})
@@ -82,14 +100,22 @@ def test_sampling_settings_of_the_old_layout_say_where_they_moved(model, tmp_pat
 
 def test_partial_threshold_overrides_keep_the_declared_precisions_calibration():
     # Setting one TOPLOC bound for a float32 run must not silently loosen the others to the bf16 set.
-    settings = VerifierSettings(toploc=ToplocThresholds(max_exp_mismatches=5), sampling=SamplingThresholds(max_abs_z=7))
+    settings = VerifierSettings(
+        toploc=ToplocThresholds(max_exp_mismatches=5), sampling=SamplingThresholds(max_abs_z=7)
+    )
     calibrated = ToplocThresholds.for_precision("float32")
     assert settings.toploc_thresholds() == calibrated.model_copy(update={"max_exp_mismatches": 5})
-    assert settings.toploc_thresholds().max_typical_mant_err_mean == calibrated.max_typical_mant_err_mean != \
-        ToplocThresholds().max_typical_mant_err_mean
+    assert (
+        settings.toploc_thresholds().max_typical_mant_err_mean
+        == calibrated.max_typical_mant_err_mean
+        != ToplocThresholds().max_typical_mant_err_mean
+    )
     assert settings.sampling_thresholds() == SamplingThresholds.for_precision("float32").model_copy(
-        update={"max_abs_z": 7})
-    bf16 = VerifierSettings(node_precision="bfloat16", sampling=SamplingThresholds(max_abs_z=7)).sampling_thresholds()
+        update={"max_abs_z": 7}
+    )
+    bf16 = VerifierSettings(
+        node_precision="bfloat16", sampling=SamplingThresholds(max_abs_z=7)
+    ).sampling_thresholds()
     assert bf16.margin == SamplingThresholds.for_precision("bfloat16").margin and bf16.max_abs_z == 7
 
 

@@ -123,7 +123,9 @@ def test_distribution_z_is_standard_normal_over_honest_samples():
     zs = []
     for seed in range(120):
         logits = _logits(40, 1000 + seed, scale=1.5)
-        zs.append(distribution_z([replay_sampling(logits, _sample(logits, 1.0, seed), 1.0, seed, T.margin)])[0])
+        zs.append(
+            distribution_z([replay_sampling(logits, _sample(logits, 1.0, seed), 1.0, seed, T.margin)])[0]
+        )
     mean = sum(zs) / len(zs)
     std = math.sqrt(sum((z - mean) ** 2 for z in zs) / len(zs))
     assert abs(mean) < 0.3 and 0.75 < std < 1.25
@@ -152,7 +154,12 @@ def test_replay_of_many_samples_matches_one_at_a_time(monkeypatch: pytest.Monkey
         together = replay_samplings(logits, outputs, seeds, 0.9, T.margin)
         for a, b in zip(alone, together, strict=True):
             assert (a.tokens, a.near_ties, a.mismatches, a.first_mismatch, a.max_gap) == (
-                b.tokens, b.near_ties, b.mismatches, b.first_mismatch, b.max_gap)
+                b.tokens,
+                b.near_ties,
+                b.mismatches,
+                b.first_mismatch,
+                b.max_gap,
+            )
             for field in ("logprob_sum", "expected_logprob_sum", "logprob_variance"):
                 assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-12, abs=1e-12)
     with pytest.raises(ValueError):

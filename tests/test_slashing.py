@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from ledger_support import T0, make_verdict, node_id
+from pydantic import ValidationError
+
 from prime_node.trainer.ledger.slashing import (
-    Ban,
     DEFAULT_CHECK_CLASSES,
+    Ban,
     CheckClass,
     Credit,
     NodeHistory,
@@ -15,7 +16,8 @@ from prime_node.trainer.ledger.slashing import (
     SlashingPolicy,
     decide,
 )
-from pydantic import ValidationError
+
+from support.ledger import T0, make_verdict, node_id
 
 NODE = node_id(0)
 POLICY = SlashingPolicy()
@@ -43,7 +45,18 @@ def test_a_fault_slashes_the_score_without_a_ban(check):
 
 
 @pytest.mark.parametrize(
-    "check", ["toploc", "sampling", "termination", "rewards", "assignment", "prompts", "signer", "eos_probability", "distribution"]
+    "check",
+    [
+        "toploc",
+        "sampling",
+        "termination",
+        "rewards",
+        "assignment",
+        "prompts",
+        "signer",
+        "eos_probability",
+        "distribution",
+    ],
 )
 def test_fraud_slashes_and_bans_at_once(check):
     slash, ban = decide(NodeHistory(score=10.0), _rejected(check), POLICY)

@@ -13,13 +13,14 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from prime_node.p2p.identity import Identity
+from prime_node.p2p.processes import child_pids, end_pids
 from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.swarm import PolicyAnnouncement, SwarmError
-from prime_node.p2p.processes import child_pids, end_pids
 from prime_node.p2p.swarm.mp_locks import SHARED_LOCKS, replace_locks_held_by_the_dead
 from prime_node.p2p.swarm.process import SwarmDHT, wait_until_started
 from prime_node.p2p.swarm.records import RecordKind, dht_key, seal, seal_payload
-from swarm_support import LOOPBACK, RUN_PARAMETERS, fleet, local_subkeys, wait_until
+
+from support.swarm import LOOPBACK, RUN_PARAMETERS, fleet, local_subkeys, wait_until
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
 from prime_node.p2p.swarm.handoff import ENVELOPE_SUFFIX, FILE_SUFFIX, stored_name
 from prime_node.proofs.rollout_file import parse_envelope, sign_bytes, verify_envelope
-from swarm_support import fleet, wait_until
+
+from support.swarm import fleet, wait_until
 
 # A port nothing listens on: announcing it makes the dial-back self-test fail, as behind a NAT.
 CLOSED_PORT_MADDR = "/ip4/127.0.0.1/tcp/9"
@@ -101,7 +102,9 @@ async def test_bad_hand_offs_are_refused_without_being_stored(tmp_path: Path) ->
         await sender.send_rollout(data, signed)
         assert [r.envelope for r in accepted] == [signed]
         name = stored_name(signed.sha256, sender.node_id)
-        assert sorted(p.name for p in incoming.iterdir()) == sorted([f"{name}{FILE_SUFFIX}", f"{name}{ENVELOPE_SUFFIX}"])
+        assert sorted(p.name for p in incoming.iterdir()) == sorted(
+            [f"{name}{FILE_SUFFIX}", f"{name}{ENVELOPE_SUFFIX}"]
+        )
         (incoming / f"{name}{FILE_SUFFIX}").unlink()
         (incoming / f"{name}{ENVELOPE_SUFFIX}").unlink()
 

@@ -24,7 +24,8 @@ from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.swarm.process import SwarmDHT
 from prime_node.p2p.swarm.records import RecordKind, dht_key, key_id, open_record, seal, seal_payload
 from prime_node.p2p.swarm.validator import SwarmRecordValidator
-from swarm_support import LOOPBACK, RUN_PARAMETERS, fleet, local_subkeys, wait_until
+
+from support.swarm import LOOPBACK, RUN_PARAMETERS, fleet, local_subkeys, wait_until
 
 
 async def test_records_with_non_finite_numbers_are_refused_and_pin_nothing() -> None:
@@ -45,7 +46,9 @@ async def test_records_with_non_finite_numbers_are_refused_and_pin_nothing() -> 
                 # canonical JSON cannot carry NaN: the attacker writes the literal itself, and signs the bytes
                 document = heartbeat(identity).model_dump(mode="json") | {"sent_at": "\x01"}
                 payload = canonical_json(document).replace(json.dumps("\x01").encode(), b"NaN")
-                return seal_payload(identity, run, RecordKind.HEARTBEAT, identity.node_id, payload, expiration)
+                return seal_payload(
+                    identity, run, RecordKind.HEARTBEAT, identity.node_id, payload, expiration
+                )
 
             soon = get_dht_time() + 60
             nan_expiry, inf_expiry, minus_inf_expiry, nan_value, pinner, control = (
@@ -53,19 +56,36 @@ async def test_records_with_non_finite_numbers_are_refused_and_pin_nothing() -> 
             )
             hb = RecordKind.HEARTBEAT
             hostile = {  # identity: (value, expiration)
-                nan_expiry: (seal(nan_expiry, run, hb, nan_expiry.node_id, heartbeat(nan_expiry), float("nan")),
-                             float("nan")),
-                inf_expiry: (seal(inf_expiry, run, hb, inf_expiry.node_id, heartbeat(inf_expiry), float("inf")),
-                             float("inf")),
-                minus_inf_expiry: (seal(minus_inf_expiry, run, hb, minus_inf_expiry.node_id,
-                                        heartbeat(minus_inf_expiry), float("-inf")), float("-inf")),
+                nan_expiry: (
+                    seal(nan_expiry, run, hb, nan_expiry.node_id, heartbeat(nan_expiry), float("nan")),
+                    float("nan"),
+                ),
+                inf_expiry: (
+                    seal(inf_expiry, run, hb, inf_expiry.node_id, heartbeat(inf_expiry), float("inf")),
+                    float("inf"),
+                ),
+                minus_inf_expiry: (
+                    seal(
+                        minus_inf_expiry,
+                        run,
+                        hb,
+                        minus_inf_expiry.node_id,
+                        heartbeat(minus_inf_expiry),
+                        float("-inf"),
+                    ),
+                    float("-inf"),
+                ),
                 nan_value: (nan_sent_at(nan_value, soon), soon),
                 # Tries to pin its subkey: a NaN-dated record first, a correct one (policy step 1) after it.
-                pinner: (seal(pinner, run, hb, pinner.node_id, heartbeat(pinner), float("nan")), float("nan")),
+                pinner: (
+                    seal(pinner, run, hb, pinner.node_id, heartbeat(pinner), float("nan")),
+                    float("nan"),
+                ),
             }
             for identity, (value, expiration) in hostile.items():
-                await asyncio.wait_for(attacker.store(key, value, expiration, subkey=identity.node_id,
-                                                      return_future=True), 30)
+                await asyncio.wait_for(
+                    attacker.store(key, value, expiration, subkey=identity.node_id, return_future=True), 30
+                )
             later = seal(pinner, run, hb, pinner.node_id, heartbeat(pinner, policy_step=1), soon)
             await asyncio.wait_for(
                 attacker.store(key, later, soon, subkey=pinner.node_id, return_future=True), 30
@@ -133,20 +153,38 @@ async def test_a_reply_dated_infinity_does_not_end_a_lookup() -> None:
     async with fleet(run, operator) as group:
         owner = await group.add(operator)
         liar = _InfinitelyFreshDHT(
-            kid, initial_peers=await owner.maddrs(), start=True, host_maddrs=LOOPBACK,
+            kid,
+            initial_peers=await owner.maddrs(),
+            start=True,
+            host_maddrs=LOOPBACK,
             node_id=DHTID(int.from_bytes(kid, "big") ^ 1),
         )
-        reader = SwarmDHT(initial_peers=await owner.maddrs(), start=True, host_maddrs=LOOPBACK, client_mode=True,
-                          num_workers=1, record_validators=[SwarmRecordValidator(run, [operator.node_id])])
+        reader = SwarmDHT(
+            initial_peers=await owner.maddrs(),
+            start=True,
+            host_maddrs=LOOPBACK,
+            client_mode=True,
+            num_workers=1,
+            record_validators=[SwarmRecordValidator(run, [operator.node_id])],
+        )
         try:
             assert await owner.publish_policy(4, "04" * 32, [], RUN_PARAMETERS)
             found = await asyncio.wait_for(
                 reader.get(dht_key(run, RecordKind.POLICY), latest=True, return_future=True), 30
             )
-            assert found is not None and operator.node_id in found.value, "the lookup ended at the hostile reply"
+            assert found is not None and operator.node_id in found.value, (
+                "the lookup ended at the hostile reply"
+            )
             item = found.value[operator.node_id]
-            body = open_record(RecordKind.POLICY, kid, MSGPackSerializer.dumps(operator.node_id), item.value,
-                               item.expiration_time, frozenset({operator.node_id}), get_dht_time())
+            body = open_record(
+                RecordKind.POLICY,
+                kid,
+                MSGPackSerializer.dumps(operator.node_id),
+                item.value,
+                item.expiration_time,
+                frozenset({operator.node_id}),
+                get_dht_time(),
+            )
             assert body.step == 4 and found.expiration_time == item.expiration_time < float("inf")
             # The honest control: a swarm peer reads the same policy the ordinary way.
             assert (await owner.current_policy()).step == 4

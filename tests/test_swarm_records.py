@@ -21,7 +21,8 @@ from prime_node.p2p.swarm import (
 )
 from prime_node.p2p.swarm.records import RecordKind, dht_key, key_id, open_record, seal, seal_payload
 from prime_node.p2p.swarm.validator import SwarmRecordValidator
-from swarm_support import RUN_PARAMETERS
+
+from support.swarm import RUN_PARAMETERS
 
 RUN = "unit-run"
 OPERATOR = Identity.from_seed(bytes(range(32)))
@@ -48,7 +49,10 @@ def heartbeat(node: Identity, **changes: object) -> Heartbeat:
 
 def policy(step: int = 7) -> PolicyAnnouncement:
     return PolicyAnnouncement(
-        step=step, manifest_sha256="ab" * 32, sources=["http://127.0.0.1:1/"], published_at=1.0,
+        step=step,
+        manifest_sha256="ab" * 32,
+        sources=["http://127.0.0.1:1/"],
+        published_at=1.0,
         run=RUN_PARAMETERS,
     )
 
@@ -164,17 +168,32 @@ def forgeries() -> dict[str, DHTRecord]:
         "policy without run parameters": as_record(
             RecordKind.POLICY,
             OPERATOR.node_id,
-            seal_payload(OPERATOR, RUN, RecordKind.POLICY, OPERATOR.node_id,
-                         canonical_json(policy().model_dump(mode="json", exclude={"run"})), exp),
+            seal_payload(
+                OPERATOR,
+                RUN,
+                RecordKind.POLICY,
+                OPERATOR.node_id,
+                canonical_json(policy().model_dump(mode="json", exclude={"run"})),
+                exp,
+            ),
             exp,
         ),
         "policy with a zero temperature": as_record(
             RecordKind.POLICY,
             OPERATOR.node_id,
-            seal_payload(OPERATOR, RUN, RecordKind.POLICY, OPERATOR.node_id, canonical_json({
-                **policy().model_dump(mode="json"),
-                "run": {**RUN_PARAMETERS.model_dump(mode="json"), "temperature": 0.0},
-            }), exp),
+            seal_payload(
+                OPERATOR,
+                RUN,
+                RecordKind.POLICY,
+                OPERATOR.node_id,
+                canonical_json(
+                    {
+                        **policy().model_dump(mode="json"),
+                        "run": {**RUN_PARAMETERS.model_dump(mode="json"), "temperature": 0.0},
+                    }
+                ),
+                exp,
+            ),
             exp,
         ),
         "ban not signed by the operator": as_record(
@@ -309,17 +328,25 @@ def test_a_table_is_judged_entry_by_entry_up_to_a_cap_of_refusals() -> None:
     assert sorted(subkey for subkey, _ in few.items()) == ["good-0", "good-1", "good-2"]
     assert not _keep_valid_entries(protocol, b"key", table(0, 1))  # nothing valid left: refused
     checked.clear()
-    assert not _keep_valid_entries(protocol, b"key", table(3, 50))  # junk: refused, and not checked to the end
+    assert not _keep_valid_entries(
+        protocol, b"key", table(3, 50)
+    )  # junk: refused, and not checked to the end
     assert checked.count(b"bad") == MAX_REFUSED_ENTRIES + 1
-
 
 
 def _open_policy_payload(payload: bytes) -> PolicyAnnouncement:
     """The reader's whole check (open_record) of an operator-signed policy made of `payload`."""
     exp = get_dht_time() + 30
     value = seal_payload(OPERATOR, RUN, RecordKind.POLICY, OPERATOR.node_id, payload, exp)
-    return open_record(RecordKind.POLICY, key_id(RUN, RecordKind.POLICY), MSGPackSerializer.dumps(OPERATOR.node_id),
-                       value, exp, frozenset([OPERATOR.node_id]), get_dht_time())
+    return open_record(
+        RecordKind.POLICY,
+        key_id(RUN, RecordKind.POLICY),
+        MSGPackSerializer.dumps(OPERATOR.node_id),
+        value,
+        exp,
+        frozenset([OPERATOR.node_id]),
+        get_dht_time(),
+    )
 
 
 def _open_policy(run: dict) -> PolicyAnnouncement:
@@ -327,11 +354,19 @@ def _open_policy(run: dict) -> PolicyAnnouncement:
 
 
 EDGES = [  # (field, accepted at the edge, refused past it)
-    ("run_id", "a" * 64, "-leading-dash"), ("run_seed", 2**64 - 1, 2**64), ("tasks", "t" * 256, "t" * 257),
-    ("samples", 1024, 0), ("temperature", 10.0, 0.0), ("max_new_tokens", 8192, 8193),
-    ("compute_dtype", "bfloat16", "float16"), ("length_targets", [1_000_000] * 32, [1] * 33),
-    ("length_targets", [1], [0]), ("length_targets", [1_000_000], [1_000_001]), ("length_alpha", 1.0, 1.5),
-    ("length_alpha", 0.0, -0.1), ("run_seed", 0, "0"),
+    ("run_id", "a" * 64, "-leading-dash"),
+    ("run_seed", 2**64 - 1, 2**64),
+    ("tasks", "t" * 256, "t" * 257),
+    ("samples", 1024, 0),
+    ("temperature", 10.0, 0.0),
+    ("max_new_tokens", 8192, 8193),
+    ("compute_dtype", "bfloat16", "float16"),
+    ("length_targets", [1_000_000] * 32, [1] * 33),
+    ("length_targets", [1], [0]),
+    ("length_targets", [1_000_000], [1_000_001]),
+    ("length_alpha", 1.0, 1.5),
+    ("length_alpha", 0.0, -0.1),
+    ("run_seed", 0, "0"),
 ]
 
 

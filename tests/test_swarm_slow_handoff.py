@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from hivemind.utils.multiaddr import Multiaddr
 
 from prime_node.p2p.identity import Identity
@@ -18,8 +17,8 @@ from prime_node.p2p.swarm import Admitted, HandoffError, HandoffTooSlow, Receive
 from prime_node.p2p.swarm.framing import read_at_rate
 from prime_node.p2p.swarm.slots import Claim, Cooldowns, SlotTable, network_of
 
-from slow_sender_support import drip, signed_blob
-from swarm_support import fleet, wait_until
+from support.slow_sender import drip, signed_blob
+from support.swarm import fleet, wait_until
 
 FLOOR = 64 * 1024  # bytes/s
 WINDOW_S = 4.0
@@ -27,10 +26,16 @@ DRIP_RATE = 32 * 1024  # half the floor, but 256 KiB in 8 s: the old per-read ti
 COOLDOWN_S = 30.0
 SLOT_WAIT_S = 0.5
 LIMITS = dict(
-    max_concurrent_handoffs=6, handoff_reserved_slots=2, handoff_slots_per_sender=1,
+    max_concurrent_handoffs=6,
+    handoff_reserved_slots=2,
+    handoff_slots_per_sender=1,
     handoff_slots_per_network=2,
-    handoff_group_loopback=True, handoff_min_bytes_per_s=FLOOR, handoff_rate_window_s=WINDOW_S,
-    handoff_deadline_grace_s=3.0, handoff_slot_wait_s=SLOT_WAIT_S, handoff_cooldown_s=COOLDOWN_S,
+    handoff_group_loopback=True,
+    handoff_min_bytes_per_s=FLOOR,
+    handoff_rate_window_s=WINDOW_S,
+    handoff_deadline_grace_s=3.0,
+    handoff_slot_wait_s=SLOT_WAIT_S,
+    handoff_cooldown_s=COOLDOWN_S,
 )
 
 

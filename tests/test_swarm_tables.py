@@ -10,7 +10,8 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import Hardware, PolicyAnnouncement
 from prime_node.p2p.swarm.hardware import software_version
 from prime_node.p2p.swarm.records import RecordKind, dht_key, seal
-from swarm_support import RUN_PARAMETERS, fleet, wait_until
+
+from support.swarm import RUN_PARAMETERS, fleet, wait_until
 
 
 async def test_heartbeat_carries_every_field_the_node_sets() -> None:

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from attack_support import make_checkpoint
 from prime_node.node.cli.main import main
 from prime_node.node.engine import load_engine
 from prime_node.node.tasks import VERIFIERS, load_task_file, open_task_set, register_verifier
 from prime_node.node.tasks.difficulty import estimate_pass_rates, sample_seed
-from trainer_support import one_torch_thread  # noqa: F401  (fixture)
+
+from support.attack import make_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,13 +38,25 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 
 def test_filter_builtin_keeps_all_in_full_band_and_is_deterministic(checkpoint, capsys, tmp_path):
     out_a, out_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    common = ["--model", str(checkpoint), "--limit", "5", "--offset", "3", "--k", "3", "--max-new-tokens", "12"]
+    common = [
+        "--model",
+        str(checkpoint),
+        "--limit",
+        "5",
+        "--offset",
+        "3",
+        "--k",
+        "3",
+        "--max-new-tokens",
+        "12",
+    ]
     summary = _run(capsys, *common, "--min", "0", "--max", "1", "--out", str(out_a))
     assert summary["estimated"] == summary["kept"] == 5
     assert sum(summary["histogram"].values()) == 5
     _run(capsys, *common, "--min", "0", "--max", "1", "--out", str(out_b))
     assert out_a.read_bytes() == out_b.read_bytes()  # seeded sampling: same estimates every time
     loaded, source = load_task_file(out_a), open_task_set(None)
+
     # The file loader knows no difficulty levels, so compare what a run uses.
     def triple(t):
         return (t.prompt, t.answer, t.task_type)
@@ -65,19 +77,39 @@ def even_length_verifier() -> Iterator[None]:
 
 def test_filter_band_matches_direct_estimates(checkpoint, capsys, tmp_path, even_length_verifier):
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(
-        json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "task_type": "even_length_test"}) + "\n"
-        for a in range(8)
-    ))
+    tasks.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "task_type": "even_length_test"}) + "\n"
+            for a in range(8)
+        )
+    )
     out = tmp_path / "kept.parquet"
-    summary = _run(capsys, "--model", str(checkpoint), "--tasks", str(tasks), "--k", "4", "--min", "0.25",
-                   "--max", "0.5", "--max-new-tokens", "10", "--seed", "5", "--out", str(out))
+    summary = _run(
+        capsys,
+        "--model",
+        str(checkpoint),
+        "--tasks",
+        str(tasks),
+        "--k",
+        "4",
+        "--min",
+        "0.25",
+        "--max",
+        "0.5",
+        "--max-new-tokens",
+        "10",
+        "--seed",
+        "5",
+        "--out",
+        str(out),
+    )
     # The same estimates, computed here without the CLI, one task per engine call (batching must not matter).
     engine = load_engine(checkpoint, threads=1)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     task_set = load_task_file(tasks)
-    direct = estimate_pass_rates(engine, tokenizer, task_set, list(range(8)), k=4, max_new_tokens=10, seed=5,
-                                 tasks_per_batch=1)
+    direct = estimate_pass_rates(
+        engine, tokenizer, task_set, list(range(8)), k=4, max_new_tokens=10, seed=5, tasks_per_batch=1
+    )
     expected = [e.task for e in direct if 0.25 <= e.pass_rate <= 0.5]
     assert summary["estimated"] == 8 and summary["kept"] == len(expected)
     assert summary["histogram"] == {f"{c}/4": sum(e.passes == c for e in direct) for c in range(5)}
@@ -88,10 +120,21 @@ def test_filter_band_matches_direct_estimates(checkpoint, capsys, tmp_path, even
 
 
 def test_filter_refuses_empty_band_and_unbounded_builtin(checkpoint, capsys, tmp_path):
-    base = ["tasks", "filter", "--model", str(checkpoint), "--out", str(tmp_path / "x.jsonl"), "--threads", "1"]
+    base = [
+        "tasks",
+        "filter",
+        "--model",
+        str(checkpoint),
+        "--out",
+        str(tmp_path / "x.jsonl"),
+        "--threads",
+        "1",
+    ]
     assert main([*base]) == 1  # the built-in set has 2^24 tasks: --limit is needed
     assert "--limit" in capsys.readouterr().err
     # An untrained model solves no arithmetic, so a band above 0 keeps nothing: refused, no file written.
-    assert main([*base, "--limit", "2", "--k", "2", "--min", "0.5", "--max", "1", "--max-new-tokens", "4"]) == 1
+    assert (
+        main([*base, "--limit", "2", "--k", "2", "--min", "0.5", "--max", "1", "--max-new-tokens", "4"]) == 1
+    )
     assert "widen" in capsys.readouterr().err
     assert not (tmp_path / "x.jsonl").exists()

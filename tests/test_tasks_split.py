@@ -26,7 +26,9 @@ def test_split_is_a_function_of_the_prompt_with_about_the_asked_share() -> None:
     held = {p for p in prompts if split.is_heldout(p)}
     assert held == {p for p in prompts if ContentSplit(0.2).is_heldout(p)}  # no hidden state
     assert 25 <= len(held) <= 55  # 200 prompts, expected 40 (binomial sd 5.7)
-    assert held < {p for p in prompts if ContentSplit(0.5).is_heldout(p)}  # nested: a larger share adds prompts
+    assert held < {
+        p for p in prompts if ContentSplit(0.5).is_heldout(p)
+    }  # nested: a larger share adds prompts
     assert not any(ContentSplit(0.0).is_heldout(p) for p in prompts)
 
 

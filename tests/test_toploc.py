@@ -15,9 +15,9 @@ from prime_node.proofs.toploc import (
     ChunkStats,
     ToplocThresholds,
     build_proof,
-    check_proofs,
     build_proofs,
     check_proof,
+    check_proofs,
     committed_rows,
     injective_moduli,
     parse_proof,
@@ -115,8 +115,12 @@ def test_float_rounding_noise_passes_but_other_states_fail():
     # A 5% rescale keeps most exponents but moves every mantissa.
     scaled = check_proof(proof, hidden * 1.05)
     assert all(s.mant_err_median >= 4 for s in scaled)
-    reason = worst_failure(scaled, ToplocThresholds(max_exp_mismatches=128, max_mant_err_mean=128,
-                                                    max_mant_err_median=128, min_typical_chunks=1))
+    reason = worst_failure(
+        scaled,
+        ToplocThresholds(
+            max_exp_mismatches=128, max_mant_err_mean=128, max_mant_err_median=128, min_typical_chunks=1
+        ),
+    )
     assert reason is not None and reason.startswith("typical chunk mean mantissa error")
 
 
@@ -131,7 +135,9 @@ def test_one_outlier_chunk_is_tolerated_a_systematic_shift_is_not():
     assert "typical" in worst_failure([shifted] * 8, bf16)  # enough of them: caught
     assert worst_failure([ok] * 30 + [outlier] * 2, bf16) is None
     assert "typical" in worst_failure([shifted] * 8 + [ok] * 7, bf16)
-    assert "exponent mismatches" in worst_failure([ok, ChunkStats(41, 0.5, 0.0)], bf16)  # another model: >= 42
+    assert "exponent mismatches" in worst_failure(
+        [ok, ChunkStats(41, 0.5, 0.0)], bf16
+    )  # another model: >= 42
     assert worst_failure([], bf16) is None
 
 
@@ -239,8 +245,13 @@ def _reference_stats(proof: bytes, hidden: torch.Tensor) -> list[tuple[int, floa
                 errors.append(abs((committed & 0x7F) - (y & 0x7F)))
         errors.sort()
         no_match = float(2**64)
-        out.append((mismatches, sum(errors) / len(errors) if errors else no_match,
-                    float(errors[len(errors) // 2]) if errors else no_match))
+        out.append(
+            (
+                mismatches,
+                sum(errors) / len(errors) if errors else no_match,
+                float(errors[len(errors) // 2]) if errors else no_match,
+            )
+        )
     return out
 
 
@@ -260,7 +271,8 @@ def test_batched_build_and_check_equal_a_chunk_at_a_time_scalar_reference(kind: 
     other = [h * (1 + 0.02 * torch.randn(h.shape, generator=generator)) for h in hiddens]
     checked = check_proofs(proofs, other)
     assert [[(s.exp_mismatches, s.mant_err_mean, s.mant_err_median) for s in stats] for stats in checked] == [
-        _reference_stats(p, h) for p, h in zip(proofs, other)]
+        _reference_stats(p, h) for p, h in zip(proofs, other)
+    ]
     assert any(s.exp_mismatches or s.mant_err_mean for stats in checked for s in stats)
 
 

@@ -42,12 +42,14 @@ def test_smaller_modulus_chunks_match():
 
 def test_cross_verification_both_ways():
     hidden = torch.randn(80, 128, generator=torch.Generator().manual_seed(3)) * 2
-    noisy = (hidden * (1 + 5e-3 * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(4))))
+    noisy = hidden * (1 + 5e-3 * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(4)))
     noisy16 = noisy.to(torch.bfloat16)
     ours = build_proof(hidden)
     theirs = _theirs(hidden)
     # their verifier on our proof, our verifier on theirs: identical statistics
-    their_stats = toploc.verify_proofs_bytes(noisy16, _split(ours), decode_batching_size=32, topk=128, skip_prefill=True)
+    their_stats = toploc.verify_proofs_bytes(
+        noisy16, _split(ours), decode_batching_size=32, topk=128, skip_prefill=True
+    )
     our_stats = check_proof(theirs, noisy)
     assert [(r.exp_mismatches, r.mant_err_mean, r.mant_err_median) for r in their_stats] == [
         (s.exp_mismatches, s.mant_err_mean, s.mant_err_median) for s in our_stats

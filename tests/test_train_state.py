@@ -10,8 +10,8 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from prime_node.node.models.tiny import build_tiny_model
-from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.errors import TrainerError
+from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.grpo.packing import TrainSample
 from prime_node.trainer.grpo.schedule import build_optimizer, build_scheduler
 from prime_node.trainer.grpo.step import train_rollout_step
@@ -22,7 +22,6 @@ from prime_node.trainer.service.train_state import (
     prune_train_states,
     save_train_state,
 )
-from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -13,13 +13,11 @@ import pytest
 import torch
 
 from prime_node.node.models.tiny import build_tiny_model
-from prime_node.trainer.service.batch_buffer import BatchBuffer, RolloutRecord, RolloutSample
 from prime_node.trainer.grpo.config import TrainerSettings
-from prime_node.trainer.service.consumed import ConsumedLedger
 from prime_node.trainer.grpo.schedule import build_optimizer, build_scheduler
 from prime_node.trainer.grpo.step import train_rollout_step
-
-from trainer_support import one_torch_thread  # noqa: F401  (fixture)
+from prime_node.trainer.service.batch_buffer import BatchBuffer, RolloutRecord, RolloutSample
+from prime_node.trainer.service.consumed import ConsumedLedger
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

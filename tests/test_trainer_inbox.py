@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from attack_support import make_checkpoint
 from prime_node.proofs.rollout_file import read_rollout_file
 from prime_node.trainer.service.batch_buffer import BatchBuffer
 from prime_node.trainer.service.consumed import ConsumedLedger
 from prime_node.trainer.service.inbox import Inbox
-from trainer_service_support import RUN_ID, deliver, make_accepted_files
-from trainer_support import one_torch_thread  # noqa: F401  (fixture)
+
+from support.attack import make_checkpoint
+from support.trainer_service import RUN_ID, deliver, make_accepted_files
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

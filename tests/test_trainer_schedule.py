@@ -10,14 +10,14 @@ from pydantic import Field, ValidationError
 
 from prime_node.node.config import CommonSettings, load_config
 from prime_node.node.errors import ConfigError
-from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.errors import TrainerError
+from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.grpo.schedule import (
     apply_step,
     build_optimizer,
     build_scheduler,
-    split_evenly,
     lr_factor,
+    split_evenly,
     warmup_factor,
 )
 

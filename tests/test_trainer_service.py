@@ -1,7 +1,7 @@
 """`prime-node trainer` as a real subprocess on 127.0.0.1: crash safety and what it publishes.
 
 The rollout files are produced by the real engine from the tiny model and accepted by the real verifier
-(tests/trainer_service_support.py), then dropped into the trainer's inbox as the validator does.
+(tests/support/trainer_service.py), then dropped into the trainer's inbox as the validator does.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from attack_support import make_checkpoint
 from prime_node.node.run.announcement import run_parameters
 from prime_node.node.run.settings import RunSettings
 from prime_node.p2p.identity import Identity
@@ -28,8 +27,10 @@ from prime_node.p2p.weights.fetch import Fetcher
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
 from prime_node.proofs.rollout_file import read_rollout_file
 from prime_node.trainer.service.consumed import ConsumedLedger
-from swarm_support import config as swarm_config
-from trainer_service_support import (
+
+from support.attack import make_checkpoint
+from support.swarm import config as swarm_config
+from support.trainer_service import (
     RUN_ID,
     deliver,
     make_accepted_files,
@@ -37,7 +38,6 @@ from trainer_service_support import (
     start_trainer,
     trainer_argv,
 )
-from trainer_support import one_torch_thread  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -74,7 +74,9 @@ def test_sigkill_mid_run_resumes_without_reusing_a_rollout(tmp_path: Path, proce
     key, data, log = tmp_path / "op.key", tmp_path / "data", tmp_path / "trainer.log"
     Identity.generate().save(key)
     staged = make_accepted_files(model, 0, 6, tmp_path / "stage")
-    groups = {f"{read_rollout_file(p).sha256}:{r.sample_index}" for p in staged for r in read_rollout_file(p).rows}
+    groups = {
+        f"{read_rollout_file(p).sha256}:{r.sample_index}" for p in staged for r in read_rollout_file(p).rows
+    }
     for path in staged:
         deliver(path, data / "accepted")
     argv = trainer_argv(model, key, data, "--no-dht", "--async-level", "8")
@@ -114,8 +116,12 @@ def test_sigkill_mid_run_resumes_without_reusing_a_rollout(tmp_path: Path, proce
     used = [g for r in lines for g in r["groups_used"]]
     assert len(used) == len(set(used)), "a rollout group was trained on twice"
     with ConsumedLedger(data / "trainer" / "consumed.sqlite") as ledger:
-        consumed = {f"{f}:{k}" for f, k in ledger._db.execute(
-            "SELECT file_id, group_key FROM groups WHERE state = 'consumed'").fetchall()}
+        consumed = {
+            f"{f}:{k}"
+            for f, k in ledger._db.execute(
+                "SELECT file_id, group_key FROM groups WHERE state = 'consumed'"
+            ).fetchall()
+        }
     assert set(used) <= consumed <= groups
     # Only the step that was durable but unlogged at the kill may have consumed groups the log does not show.
     unlogged = consumed - set(used)
@@ -139,7 +145,9 @@ async def _policy(swarm: Swarm, step: int, log: Path, timeout: float = 60.0):
     raise AssertionError(f"no policy for step {step} in the DHT; trainer log:\n{log.read_text()[-4000:]}")
 
 
-async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(tmp_path: Path, processes) -> None:
+async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(
+    tmp_path: Path, processes
+) -> None:
     model = make_checkpoint(tmp_path / "model")
     key, data, log = tmp_path / "op.key", tmp_path / "data", tmp_path / "trainer.log"
     operator = Identity.generate()
@@ -162,21 +170,28 @@ async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(tmp
         assert fetched.manifest.digest == genesis.manifest_sha256
         names = {p.name for p in (fetched.version_dir / CHECKPOINT_NAME).iterdir()}
         assert "model.safetensors" in names and "optimizer.pt" not in names
-        assert ((fetched.version_dir / CHECKPOINT_NAME) / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
+        assert ((fetched.version_dir / CHECKPOINT_NAME) / "model.safetensors").read_bytes() == (
+            model / "model.safetensors"
+        ).read_bytes()
 
         # One accepted file whose two groups both carry signal makes one batch (6 samples): the trainer trains,
         # publishes and announces step 1.
-        staged = await asyncio.to_thread(make_accepted_files, model, 0, 1, tmp_path / "stage",
-                                          informative=True)
+        staged = await asyncio.to_thread(
+            make_accepted_files, model, 0, 1, tmp_path / "stage", informative=True
+        )
         deliver(staged[0], data / "accepted")
         policy = await _policy(reader, 1, log)
         assert policy.step == 1
         step1 = await Fetcher(policy.sources, operator.node_id, Store(tmp_path / "node")).fetch(1)
         assert step1.manifest.digest == policy.manifest_sha256
-        assert ((step1.version_dir / CHECKPOINT_NAME) / "model.safetensors").read_bytes() != (model / "model.safetensors").read_bytes()
+        assert ((step1.version_dir / CHECKPOINT_NAME) / "model.safetensors").read_bytes() != (
+            model / "model.safetensors"
+        ).read_bytes()
         # Prometheus gauges follow the steps.
         deadline = time.monotonic() + 20
-        while "prime_trainer_policy_step 1.0" not in (text := await asyncio.to_thread(_get, ready["metrics"])):
+        while "prime_trainer_policy_step 1.0" not in (
+            text := await asyncio.to_thread(_get, ready["metrics"])
+        ):
             assert time.monotonic() < deadline, text
             await asyncio.sleep(0.2)
         assert "prime_trainer_grad_norm" in text and "prime_trainer_task_reward" in text
@@ -190,5 +205,13 @@ async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(tmp
     assert await asyncio.to_thread(proc.wait, 40) == 0, log.read_text()[-3000:]
     metrics = _log_lines(data)
     assert [r["step"] for r in metrics] == [1]
-    for name in ("task_reward", "length_penalty", "entropy", "clip_fraction", "grad_norm", "kl", "tokens_per_s"):
+    for name in (
+        "task_reward",
+        "length_penalty",
+        "entropy",
+        "clip_fraction",
+        "grad_norm",
+        "kl",
+        "tokens_per_s",
+    ):
         assert name in metrics[0]

@@ -8,9 +8,9 @@ import itertools
 import pytest
 from pydantic import ValidationError
 
-from prime_node.trainer.validator.intake import Tier, TieredQueue
 from prime_node.trainer.validator.admission import Admission
 from prime_node.trainer.validator.config import IntakeSettings
+from prime_node.trainer.validator.intake import Tier, TieredQueue
 
 _n = itertools.count()
 
@@ -28,8 +28,9 @@ SYBILS = [node(100 + i) for i in range(50)]
 
 
 def make(clock: list[float], **intake: object) -> Admission:
-    fields: dict[str, object] = dict(queue_size=40, newcomer_queue=8, newcomer_per_node=2, per_node_queue=4,
-                                     rate_per_minute=60, burst=4)
+    fields: dict[str, object] = dict(
+        queue_size=40, newcomer_queue=8, newcomer_per_node=2, per_node_queue=4, rate_per_minute=60, burst=4
+    )
     fields.update(intake)
     admission = Admission(IntakeSettings(**fields), reservation_s=30.0, clock=lambda: clock[0])
     admission.load_accepted([(HONEST, 3)])

@@ -30,19 +30,18 @@ from prime_node.proofs.rollout_file import encode_rows
 from prime_node.proofs.rollout_schema import SCHEMA, RolloutRow
 from prime_node.trainer.ledger.slashing import SlashingPolicy
 
-from attack_support import MODEL_SEED, engine_from, quantized_engine
-from swarm_support import fleet, wait_until
-from validator_support import (
-    sees_a_validator,
+from support.attack import MODEL_SEED, engine_from, quantized_engine
+from support.swarm import fleet, wait_until
+from support.validator import (
     OPERATOR,
     RUN,
     bind_node_ids,
     publish_checkpoint,
     rows_for,
     running_validator,
+    sees_a_validator,
     validator_settings,
     wait_verdict,
-    world,
 )
 
 Blob = tuple[bytes, RolloutEnvelope]
@@ -139,18 +138,30 @@ def _cheats(
     other = build_tiny_model(MODEL_SEED + 1)[0]  # the same architecture from another seed
     someone = Identity.generate()
     return {
-        "int4": (_signed(encode_rows(rows_for(int4, tasks, nodes["int4"])), nodes["int4"]),
-                 "toploc", "toploc: row"),
-        "other-seed": (_signed(encode_rows(rows_for(engine_from(other), tasks, nodes["other-seed"])),
-                               nodes["other-seed"]), "toploc", "toploc: row"),
+        "int4": (
+            _signed(encode_rows(rows_for(int4, tasks, nodes["int4"])), nodes["int4"]),
+            "toploc",
+            "toploc: row",
+        ),
+        "other-seed": (
+            _signed(
+                encode_rows(rows_for(engine_from(other), tasks, nodes["other-seed"])), nodes["other-seed"]
+            ),
+            "toploc",
+            "toploc: row",
+        ),
         # Honest work of another node, signed by this one: claiming someone else's samples.
-        "another-signer": (_signed(encode_rows(rows_for(engine, tasks, someone)), nodes["another-signer"]),
-                           "signer", "but the file is signed by"),
+        "another-signer": (
+            _signed(encode_rows(rows_for(engine, tasks, someone)), nodes["another-signer"]),
+            "signer",
+            "but the file is signed by",
+        ),
     }
 
 
 async def test_malformed_cheating_and_unattributable_files_through_the_handoff(
-    tmp_path: Path, world  # noqa: ANN001
+    tmp_path: Path,
+    world,  # noqa: ANN001
 ) -> None:
     checkpoint, engine, tasks = world
     malformed = {name: Identity.generate() for name in MALFORMED}
@@ -173,8 +184,12 @@ async def test_malformed_cheating_and_unattributable_files_through_the_handoff(
             failed, reason = await _send_and_judge(running, host, blob)
             assert failed == check and reason.startswith(f"{check}: ") and fragment in reason, (name, reason)
             record = await _node_record(running, node.node_id)
-            assert record == {"score": -policy.fault_penalty, "slashes": [("fault", policy.fault_penalty)],
-                              "banned": False, "files": 1}, (name, record)
+            assert record == {
+                "score": -policy.fault_penalty,
+                "slashes": [("fault", policy.fault_penalty)],
+                "banned": False,
+                "files": 1,
+            }, (name, record)
 
         # Repeated faults escalate: the second one within the window bans the node, and the ban is in the DHT.
         rows = rows_for(engine, tasks, repeat)
@@ -210,10 +225,17 @@ async def test_malformed_cheating_and_unattributable_files_through_the_handoff(
             # No score, or the 0 a new node starts at: the validator's peer scan (every 30 s) registers every
             # contributor it sees in the DHT, and `honest` has a contributor heartbeat.
             assert record["score"] in (None, 0.0), record
-            assert {k: v for k, v in record.items() if k != "score"} == {"slashes": [], "banned": False, "files": 0}
+            assert {k: v for k, v in record.items() if k != "score"} == {
+                "slashes": [],
+                "banned": False,
+                "files": 0,
+            }
         # The untouched file still goes through: the refusals held nothing against the honest node.
         await host.send_rollout(data, signed)
         verdict = (await wait_verdict(running, signed.sha256, 60)).document
         assert verdict.accepted, verdict.reason
-        assert not (await running.service.ledger.query(
-            "SELECT 1 FROM contributions WHERE accepted = 1 AND node_id != ?", (honest.node_id,)))
+        assert not (
+            await running.service.ledger.query(
+                "SELECT 1 FROM contributions WHERE accepted = 1 AND node_id != ?", (honest.node_id,)
+            )
+        )

@@ -13,7 +13,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.trainer.ledger import AsyncLedger, BanEntry, Ledger
 from prime_node.trainer.validator.bans import BanPublisher
 
-from swarm_support import fleet, wait_until
+from support.swarm import fleet, wait_until
 
 RUN = "validator-bans"
 RECORD_TTL = 2.0  # one DHT record lives 2 s ...
@@ -27,7 +27,11 @@ def _ban(node: str, until: float | None, ban_id: int = 1) -> BanEntry:
 
 def test_record_lifetime_follows_the_ban() -> None:
     publisher = BanPublisher(
-        None, None, Identity.generate(), record_ttl_s=100.0, republish_s=10.0  # type: ignore[arg-type]
+        None,
+        None,
+        Identity.generate(),
+        record_ttl_s=100.0,
+        republish_s=10.0,  # type: ignore[arg-type]
     )
     node = "ab" * 32
     assert publisher.record_ttl(_ban(node, None), 1000.0) == 100.0  # permanent: one full record at a time
@@ -36,7 +40,11 @@ def test_record_lifetime_follows_the_ban() -> None:
     assert publisher.due(_ban(node, None), 1000.0)  # never stored by this process
     with pytest.raises(ValueError, match="before their records expire"):
         BanPublisher(
-            None, None, Identity.generate(), record_ttl_s=10.0, republish_s=10.0  # type: ignore[arg-type]
+            None,
+            None,
+            Identity.generate(),
+            record_ttl_s=10.0,
+            republish_s=10.0,  # type: ignore[arg-type]
         )
 
 

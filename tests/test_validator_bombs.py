@@ -1,7 +1,7 @@
 """Parquet bombs through a running validator's hand-off, and a worker that outlives any failure of its own.
 
 One validator (real swarm, spool, ledger, a run of 24 new tokens) and one sending host that speaks for
-many node ids. Each bomb is a real Parquet file built with pyarrow (tests/bomb_support.py), a few kB on
+many node ids. Each bomb is a real Parquet file built with pyarrow (tests/support/bomb.py), a few kB on
 disk and 0.25 to 1 GB decoded, validly signed by the node it names. Each must be rejected for a fault of
 its sender (schema or limits: score docked) with the validator's peak RSS growing by less than BOUND while
 it judges the file; the one claiming a checkpoint the validator does not hold too (it used to be decoded,
@@ -20,9 +20,9 @@ from prime_node.proofs.rollout_file import encode_rows
 from prime_node.proofs.rollout_schema import RolloutRow
 from prime_node.trainer.ledger.slashing import CheckClass
 
-import bomb_support as bombs
-from swarm_support import fleet, wait_until
-from validator_support import (
+from support import bomb as bombs
+from support.swarm import fleet, wait_until
+from support.validator import (
     OPERATOR,
     RUN,
     bind_node_ids,
@@ -32,31 +32,48 @@ from validator_support import (
     sees_a_validator,
     validator_settings,
     wait_verdict,
-    world,
 )
 
 MiB = 1 << 20
 # The test process's peak RSS above idle while a bomb is judged: about 1 MiB now, 0.25 to 1.5 GB before.
 BOUND = 64 * MiB
-HOLD_S = 5.0  # how long a file may wait for its checkpoint: short, so the old reader's excuse shows up in time
+HOLD_S = (
+    5.0  # how long a file may wait for its checkpoint: short, so the old reader's excuse shows up in time
+)
 
 # (the bomb, built from an honest row of its node; the failed check; a fragment of the reason)
 BOMBS: dict[str, tuple[Callable[[RolloutRow], bytes], str, str]] = {
     # 16.8 M token ids in one RLE run: within the old footer check (rows x 16,384), 0.7 GB decoded.
-    "constant-tokens": (lambda row: bombs.constant_tokens(row, 4096, 2048, 2048), "limits",
-                        "more than 4096 rows x max_new_tokens 24 allow"),
-    "unknown-step": (lambda row: bombs.unknown_step(row, 4096, 2048, 2048, step=7), "limits",
-                     "more than 4096 rows x max_new_tokens 24 allow"),
-    "one-long-row": (lambda row: bombs.one_long_row(row, 1024, 1024 * (16384 - 64)), "limits",
-                     "column 'output_ids' holds"),
-    "dictionary-value": (lambda row: bombs.dictionary_proof(row, 256, 2 * MiB), "limits",
-                         "dictionary page 0 decompresses to 2097156 bytes for 1 values"),
+    "constant-tokens": (
+        lambda row: bombs.constant_tokens(row, 4096, 2048, 2048),
+        "limits",
+        "more than 4096 rows x max_new_tokens 24 allow",
+    ),
+    "unknown-step": (
+        lambda row: bombs.unknown_step(row, 4096, 2048, 2048, step=7),
+        "limits",
+        "more than 4096 rows x max_new_tokens 24 allow",
+    ),
+    "one-long-row": (
+        lambda row: bombs.one_long_row(row, 1024, 1024 * (16384 - 64)),
+        "limits",
+        "column 'output_ids' holds",
+    ),
+    "dictionary-value": (
+        lambda row: bombs.dictionary_proof(row, 256, 2 * MiB),
+        "limits",
+        "dictionary page 0 decompresses to 2097156 bytes for 1 values",
+    ),
     "prefix-encoded-value": (lambda row: bombs.prefix_proof(row, 256, 2 * MiB), "schema", "DELTA_BYTE_ARRAY"),
     "compressed-page": (lambda row: bombs.compressed_page(row, 64, 2 * MiB), "limits", "decompress"),
     # The footer declares one token a row; the pages hold 16,384 (what the old reader trusted was the footer).
-    "lying-footer": (lambda row: bombs.lie_in_footer(bombs.single_page_tokens(row, 512, 16384),
-                                                     {"prompt_ids": 512, "output_ids": 512}),
-                     "schema", "the footer declares 512 values, its pages hold 8388608"),
+    "lying-footer": (
+        lambda row: bombs.lie_in_footer(
+            bombs.single_page_tokens(row, 512, 16384), {"prompt_ids": 512, "output_ids": 512}
+        ),
+        "schema",
+        "the footer declares 512 values, its pages hold 8388608",
+    ),
 }
 
 
@@ -73,8 +90,9 @@ def _reset_peak_rss() -> int:
 
 
 async def _slashes(running, node_id: str) -> list[tuple[str, float]]:  # noqa: ANN001
-    found = await running.service.ledger.query("SELECT check_class, amount FROM slashes WHERE node_id = ?",
-                                               (node_id,))
+    found = await running.service.ledger.query(
+        "SELECT check_class, amount FROM slashes WHERE node_id = ?", (node_id,)
+    )
     return [(s["check_class"], s["amount"]) for s in found]
 
 
@@ -121,7 +139,8 @@ async def test_parquet_bombs_are_refused_as_faults_within_a_memory_bound(tmp_pat
 
 
 async def test_a_failure_of_the_validator_is_excused_and_the_worker_judges_the_next_file(
-    tmp_path: Path, world  # noqa: ANN001
+    tmp_path: Path,
+    world,  # noqa: ANN001
 ) -> None:
     # Step 1's checkpoint is on the validator's disk but its config.json is broken (a hidden size that is not
     # a number): loading it raises transformers' own validation error, which no check anticipates.
@@ -138,13 +157,17 @@ async def test_a_failure_of_the_validator_is_excused_and_the_worker_judges_the_n
     store = settings.resolved_data_dir() / "validator-weights"
     publish_checkpoint(checkpoint, store, 0)
     publish_checkpoint(broken, store, 1)
-    on_step_1 = [dataclasses.replace(r, policy_step=1) for r in rows_for(engine, tasks, victim, policy_step=1)]
+    on_step_1 = [
+        dataclasses.replace(r, policy_step=1) for r in rows_for(engine, tasks, victim, policy_step=1)
+    ]
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
         host = await group.add(bootstrap=running.maddrs[:1], reachability="public")
         await bind_node_ids(host, [victim, honest])
         await wait_until(lambda: sees_a_validator(host), 15)
         verdict = await _judge(running, host, encode_rows(on_step_1), victim)
-        assert verdict.failed_check == "internal_error" and "the validator failed" in verdict.reason, verdict.reason
+        assert verdict.failed_check == "internal_error" and "the validator failed" in verdict.reason, (
+            verdict.reason
+        )
         assert await _slashes(running, victim.node_id) == []  # excused: our failure, not the sender's
         verdict = await _judge(running, host, encode_rows(rows_for(engine, tasks, honest)), honest)
         assert verdict.accepted, verdict.reason

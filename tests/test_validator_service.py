@@ -18,18 +18,17 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffRefused, RolloutEnvelope, ValidatorAnnouncement
 from prime_node.p2p.verdicts import Verdict, open_signed
 
-from attack_support import engine_from
-from swarm_support import fleet, wait_until
-from validator_support import (
-    sees_a_validator,
+from support.attack import engine_from
+from support.swarm import fleet, wait_until
+from support.validator import (
     OPERATOR,
     RUN,
     publish_checkpoint,
     rows_for,
     running_validator,
+    sees_a_validator,
     validator_settings,
     wait_verdict,
-    world,
     write_file,
 )
 
@@ -87,11 +86,19 @@ async def _spool_empty(running) -> bool:  # noqa: ANN001
 def _attacks(engine: HFEngine, tasks: RunTasks, nodes: list[Identity]) -> dict[str, list]:
     """Three cheats, each by its own node: tampered reward, another checkpoint, unassigned samples."""
     honest = rows_for(engine, tasks, nodes[0])
-    tampered = [dataclasses.replace(honest[0], task_reward=1.0 - honest[0].task_reward,
-                                    reward=1.0 - honest[0].task_reward - honest[0].length_penalty), *honest[1:]]
+    tampered = [
+        dataclasses.replace(
+            honest[0],
+            task_reward=1.0 - honest[0].task_reward,
+            reward=1.0 - honest[0].task_reward - honest[0].length_penalty,
+        ),
+        *honest[1:],
+    ]
     other_model = rows_for(engine_from(build_tiny_model(1)[0]), tasks, nodes[1])
-    shifted = [dataclasses.replace(r, sample_index=(r.sample_index + 1) % tasks.task_count)
-               for r in rows_for(engine, tasks, nodes[2])]
+    shifted = [
+        dataclasses.replace(r, sample_index=(r.sample_index + 1) % tasks.task_count)
+        for r in rows_for(engine, tasks, nodes[2])
+    ]
     return {"rewards": tampered, "toploc": other_model, "assignment": shifted}
 
 
@@ -118,13 +125,19 @@ async def test_attacks_are_rejected_slashed_and_banned_through_the_dht(tmp_path:
             raw = await asyncio.to_thread(lambda u=url: urllib.request.urlopen(u, timeout=5).read())
             assert open_signed(raw, Verdict, {OPERATOR.node_id}).document == verdict
             assert (await running.service.ledger.active_ban(cheat.node_id)) is not None
-            score = running.service.ledger.ledger.query("SELECT score FROM nodes WHERE node_id = ?", (cheat.node_id,))
+            score = running.service.ledger.ledger.query(
+                "SELECT score FROM nodes WHERE node_id = ?", (cheat.node_id,)
+            )
             assert score[0]["score"] < 0  # slashed
             # Another peer sees the operator-signed ban in the DHT and refuses the cheat's hand-off.
             await wait_until(lambda c=cheat: _banned_in_dht(witness, c.node_id), 15)
-            target = ValidatorAnnouncement(node_id=witness.node_id, peer_id=witness.peer_id,
-                                           addresses=(await witness.maddrs())[:8], max_rollout_bytes=1 << 20,
-                                           published_at=time.time())
+            target = ValidatorAnnouncement(
+                node_id=witness.node_id,
+                peer_id=witness.peer_id,
+                addresses=(await witness.maddrs())[:8],
+                max_rollout_bytes=1 << 20,
+                published_at=time.time(),
+            )
             with pytest.raises(HandoffRefused, match="banned"):
                 await sender.send_rollout(path, envelope, validator=target)
             with pytest.raises(HandoffRefused, match="banned"):  # and the validator refuses it too

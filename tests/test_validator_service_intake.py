@@ -16,17 +16,16 @@ from prime_node.p2p.weights.server import ServeSettings, WeightsServer
 from prime_node.p2p.weights.store import Store
 from prime_node.trainer.validator.intake import FairQueue, RateLimiter
 
-from swarm_support import fleet, wait_until
-from validator_support import (
-    sees_a_validator,
+from support.swarm import fleet, wait_until
+from support.validator import (
     OPERATOR,
     RUN,
     publish_checkpoint,
     rows_for,
     running_validator,
+    sees_a_validator,
     validator_settings,
     wait_verdict,
-    world,
     write_file,
 )
 
@@ -80,7 +79,9 @@ async def test_flooding_peer_is_rate_limited_while_an_honest_file_is_verified(tm
     checkpoint, engine, tasks = world
     honest, flooder = Identity.generate(), Identity.generate()
     path, envelope = write_file(tmp_path / "honest.parquet", rows_for(engine, tasks, honest), honest)
-    junk = [os.urandom(2048) for _ in range(40)]  # 40 signed files of garbage, sent as fast as the stream goes
+    junk = [
+        os.urandom(2048) for _ in range(40)
+    ]  # 40 signed files of garbage, sent as fast as the stream goes
     blobs = [(data, RolloutEnvelope.sign(flooder, data)) for data in junk]
     settings = validator_settings(tmp_path / "validator", rate_per_minute=60, burst=4, per_node_queue=8)
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
@@ -115,12 +116,15 @@ async def test_flooding_peer_is_rate_limited_while_an_honest_file_is_verified(tm
         # The junk that got in was verified and rejected as malformed, never credited.
         await wait_until(lambda: _decided(running, flooder.node_id, receipts), 30)
         rows = running.service.ledger.ledger.query(
-            "SELECT accepted, failed_check FROM contributions WHERE node_id = ?", (flooder.node_id,))
+            "SELECT accepted, failed_check FROM contributions WHERE node_id = ?", (flooder.node_id,)
+        )
         assert {(r["accepted"], r["failed_check"]) for r in rows} <= {(0, "schema"), (0, "banned")}
 
 
 async def _decided(running, node_id: str, count: int) -> bool:  # noqa: ANN001
-    rows = await running.service.ledger.query("SELECT COUNT(*) AS n FROM contributions WHERE node_id = ?", (node_id,))
+    rows = await running.service.ledger.query(
+        "SELECT COUNT(*) AS n FROM contributions WHERE node_id = ?", (node_id,)
+    )
     return rows[0]["n"] >= count
 
 
@@ -128,8 +132,12 @@ async def _decided(running, node_id: str, count: int) -> bool:  # noqa: ANN001
 async def test_files_wait_for_their_checkpoint_then_are_verified_or_expire(tmp_path: Path, world) -> None:  # noqa: ANN001
     checkpoint, engine, tasks = world
     node = Identity.generate()
-    early, early_env = write_file(tmp_path / "step1.parquet", rows_for(engine, tasks, node, policy_step=1), node)
-    never, never_env = write_file(tmp_path / "step5.parquet", rows_for(engine, tasks, node, policy_step=5), node)
+    early, early_env = write_file(
+        tmp_path / "step1.parquet", rows_for(engine, tasks, node, policy_step=1), node
+    )
+    never, never_env = write_file(
+        tmp_path / "step5.parquet", rows_for(engine, tasks, node, policy_step=5), node
+    )
     settings = validator_settings(tmp_path / "validator", hold_timeout_s=10.0)
     origin = tmp_path / "origin"
     publish_checkpoint(checkpoint, origin, 1)
@@ -153,7 +161,9 @@ async def test_files_wait_for_their_checkpoint_then_are_verified_or_expire(tmp_p
             assert not expired.accepted and expired.failed_check == "checkpoint_unavailable"
             assert "no checkpoint for step 5 arrived within 10 s" in expired.reason
             assert await running.service.ledger.active_ban(node.node_id) is None  # not the sender's fault
-            score = running.service.ledger.ledger.query("SELECT score FROM nodes WHERE node_id = ?", (node.node_id,))
+            score = running.service.ledger.ledger.query(
+                "SELECT score FROM nodes WHERE node_id = ?", (node.node_id,)
+            )
             assert score[0]["score"] > 0
     finally:
         await server.stop()

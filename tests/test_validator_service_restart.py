@@ -15,10 +15,9 @@ from prime_node.p2p.identity import Identity
 from prime_node.trainer.devnet.processes import Child, ProcessGroup
 from prime_node.trainer.ledger import Ledger
 
-from attack_support import engine_from, make_checkpoint, run_tasks
-from swarm_support import fleet, wait_until
-from validator_support import (
-    sees_a_validator,
+from support.attack import engine_from, make_checkpoint, run_tasks
+from support.swarm import fleet, wait_until
+from support.validator import (
     OPERATOR,
     RUN,
     SPEC,
@@ -26,6 +25,7 @@ from validator_support import (
     announce_run,
     publish_checkpoint,
     rows_for,
+    sees_a_validator,
     write_file,
 )
 
@@ -57,8 +57,18 @@ port = 0
 
 
 def _start(group: ProcessGroup, name: str, key: Path, data: Path, config: Path) -> tuple[Child, dict]:
-    argv = [sys.executable, "-m", "prime_node.node.cli.main", "validator", "--key", str(key),
-            "--data-dir", str(data), "--config", str(config)]
+    argv = [
+        sys.executable,
+        "-m",
+        "prime_node.node.cli.main",
+        "validator",
+        "--key",
+        str(key),
+        "--data-dir",
+        str(data),
+        "--config",
+        str(config),
+    ]
     child = group.start(name, argv)
     ready: dict = {}
 
@@ -77,7 +87,9 @@ def _start(group: ProcessGroup, name: str, key: Path, data: Path, config: Path) 
 def _verdicts(data: Path) -> dict[str, tuple[int, float]]:
     with Ledger(data / "ledger.sqlite") as ledger:
         rows = ledger.query("SELECT file_hash, node_id, accepted, decided_at FROM contributions")
-    assert len({(r["file_hash"], r["node_id"]) for r in rows}) == len({r["file_hash"] for r in rows})  # one sender
+    assert len({(r["file_hash"], r["node_id"]) for r in rows}) == len(
+        {r["file_hash"] for r in rows}
+    )  # one sender
     return {r["file_hash"]: (r["accepted"], r["decided_at"]) for r in rows}
 
 
@@ -86,9 +98,14 @@ async def test_sigkilled_validator_gives_each_spooled_file_one_verdict_after_res
     checkpoint = make_checkpoint(tmp_path / "model")
     engine, tasks = engine_from(build_tiny_model(0)[0]), run_tasks(checkpoint)
     node = Identity.generate()
-    files = [write_file(tmp_path / f"r{step}-{counter}.parquet",
-                        rows_for(engine, tasks, node, policy_step=step, batch_counter=counter), node)
-             for step, counter in ((0, 0), (1, 0), (1, 1))]
+    files = [
+        write_file(
+            tmp_path / f"r{step}-{counter}.parquet",
+            rows_for(engine, tasks, node, policy_step=step, batch_counter=counter),
+            node,
+        )
+        for step, counter in ((0, 0), (1, 0), (1, 1))
+    ]
     key, data, config = tmp_path / "operator.key", tmp_path / "validator", tmp_path / "validator.toml"
     OPERATOR.save(key)
     config.write_text(CONFIG)
@@ -96,8 +113,12 @@ async def test_sigkilled_validator_gives_each_spooled_file_one_verdict_after_res
     with ProcessGroup(tmp_path / "logs") as group:
         first, ready = _start(group, "validator-1", key, data, config)
         async with fleet(RUN, OPERATOR) as peers:
-            trainer = await peers.add(TRAINER, roles=("trainer",), bootstrap=ready["maddrs"][:1],
-                                      operator_keys=[OPERATOR.node_id, TRAINER.node_id])
+            trainer = await peers.add(
+                TRAINER,
+                roles=("trainer",),
+                bootstrap=ready["maddrs"][:1],
+                operator_keys=[OPERATOR.node_id, TRAINER.node_id],
+            )
             await announce_run(trainer, VALIDATOR_RUN)  # the validator verifies nothing before it
             sender = await peers.add(node, bootstrap=ready["maddrs"][:1], reachability="public")
             await wait_until(lambda: sees_a_validator(sender), 20)
@@ -124,7 +145,8 @@ async def test_sigkilled_validator_gives_each_spooled_file_one_verdict_after_res
         assert after[files[0][1].sha256] == before[files[0][1].sha256]  # decided once, never again
         await wait_until(lambda: _async(not list((data / "spool").glob("*.parquet"))), 10)
         assert sorted(p.name for p in (data / "accepted").glob("*.parquet")) == sorted(
-            f"{h}-{node.node_id}.parquet" for h in hashes)
+            f"{h}-{node.node_id}.parquet" for h in hashes
+        )
         code, killed = group.stop(second, grace=30)  # SIGTERM: graceful
         assert code == 0 and not killed, second.log_tail()
 

@@ -14,9 +14,9 @@ import pytest
 from prime_node.p2p.identity import Identity
 from prime_node.trainer.validator.intake import Tier
 
-from slow_sender_support import drip, signed_blob
-from swarm_support import fleet, wait_until
-from validator_support import (
+from support.slow_sender import drip, signed_blob
+from support.swarm import fleet, wait_until
+from support.validator import (
     OPERATOR,
     RUN,
     publish_checkpoint,
@@ -25,7 +25,6 @@ from validator_support import (
     sees_a_validator,
     validator_settings,
     wait_verdict,
-    world,
     write_file,
 )
 
@@ -34,16 +33,23 @@ WINDOW_S = 4.0
 DRIP_RATE = 32 * 1024  # below the floor; 256 KiB in 8 s kept the old receiver (10 s a read) waiting for ever
 DRIP_SIZE = 2 << 20
 SWARM = dict(
-    max_concurrent_handoffs=4, handoff_reserved_slots=2, handoff_slots_per_sender=1,
+    max_concurrent_handoffs=4,
+    handoff_reserved_slots=2,
+    handoff_slots_per_sender=1,
     handoff_slots_per_network=2,
     handoff_group_loopback=True,  # every peer here is on 127.0.0.1: one network, as a /24 of Sybils would be
-    handoff_min_bytes_per_s=FLOOR, handoff_rate_window_s=WINDOW_S, handoff_deadline_grace_s=3.0,
-    handoff_slot_wait_s=0.5, handoff_cooldown_s=30.0,
+    handoff_min_bytes_per_s=FLOOR,
+    handoff_rate_window_s=WINDOW_S,
+    handoff_deadline_grace_s=3.0,
+    handoff_slot_wait_s=0.5,
+    handoff_cooldown_s=30.0,
 )
 
 
 async def test_drip_fed_newcomers_cannot_starve_an_established_node(
-    tmp_path: Path, world, caplog: pytest.LogCaptureFixture  # noqa: ANN001
+    tmp_path: Path,
+    world,
+    caplog: pytest.LogCaptureFixture,  # noqa: ANN001
 ) -> None:
     caplog.set_level(logging.WARNING, logger="prime_node.p2p.swarm.handoff")  # the cuts' log lines
     checkpoint, engine, tasks = world
@@ -100,7 +106,9 @@ async def test_drip_fed_newcomers_cannot_starve_an_established_node(
         # One newcomer held one slot with four streams; the three newcomers of one network held at most two.
         assert sum(d.went for d in drips[:4]) == 1, [d.answer for d in drips[:4]]
         assert len(went) <= 2 + 1, drips  # two at once, and at most one more after a cut freed a slot
-        told = " | ".join(d.busy_reason() for d in drips[4:])  # here the newcomer and network shares are equal
+        told = " | ".join(
+            d.busy_reason() for d in drips[4:]
+        )  # here the newcomer and network shares are equal
         assert "newcomers hold their 2 receive slots" in told or "network 127.0.0.0/24 hold 2" in told, told
         # Nothing of theirs was stored or judged, and their admission places were freed when they were cut,
         # not left to lapse.

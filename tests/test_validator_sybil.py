@@ -14,18 +14,17 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffBusy, HandoffRefused, RolloutEnvelope
 from prime_node.trainer.validator.intake import Tier
 
-from swarm_support import fleet, wait_until
-from validator_support import (
-    sees_a_validator,
+from support.swarm import fleet, wait_until
+from support.validator import (
     OPERATOR,
     RUN,
     bind_node_ids,
     publish_checkpoint,
     rows_for,
     running_validator,
+    sees_a_validator,
     validator_settings,
     wait_verdict,
-    world,
     write_file,
 )
 
@@ -53,8 +52,14 @@ async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) 
             path, envelope = write_file(tmp_path / f"sybil-{i}-{k}.parquet", rows, sybil)
             blobs.append((path.read_bytes(), envelope))
     settings = validator_settings(
-        tmp_path / "validator", queue_size=24, newcomer_queue=NEWCOMER_QUEUE, newcomer_per_node=1,
-        per_node_queue=4, rate_per_minute=600, burst=10, hold_timeout_s=HOLD_S,
+        tmp_path / "validator",
+        queue_size=24,
+        newcomer_queue=NEWCOMER_QUEUE,
+        newcomer_per_node=1,
+        per_node_queue=4,
+        rate_per_minute=600,
+        burst=10,
+        hold_timeout_s=HOLD_S,
     )
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
@@ -100,7 +105,9 @@ async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) 
         assert len(receipts) <= NEWCOMER_QUEUE * rounds, (len(receipts), flood_seconds)
         assert len(receipts) + len(busy) == len(blobs)
         assert busy and all("newcomer" in reason for reason, _ in busy), busy[:3]
-        assert {hint for _, hint in busy} == {settings.intake.busy_retry_s}  # the hint travels with the answer
+        assert {hint for _, hint in busy} == {
+            settings.intake.busy_retry_s
+        }  # the hint travels with the answer
         assert honest_seconds < 20, honest_seconds
         # Nothing acknowledged is lost: every received Sybil file gets exactly one verdict (its checkpoint
         # never came), and the places are free again.

@@ -39,18 +39,18 @@ from prime_node.p2p.verdicts import Verdict, sign
 from prime_node.proofs.rollout_file import encode_rows, read_rollout_file
 from prime_node.proofs.rollout_schema import SCHEMA, RolloutRow
 from prime_node.proofs.work_identity import sample_ids
-from prime_node.trainer.service.batch_buffer import BatchBuffer
-from prime_node.trainer.service.consumed import ConsumedLedger
-from prime_node.trainer.service.inbox import Inbox
 from prime_node.trainer.ledger import Ledger
 from prime_node.trainer.ledger.records import load_verdict
 from prime_node.trainer.ledger.slashing import SlashingPolicy
+from prime_node.trainer.service.batch_buffer import BatchBuffer
+from prime_node.trainer.service.consumed import ConsumedLedger
+from prime_node.trainer.service.inbox import Inbox
 from prime_node.trainer.validator.config import ValidatorSettings
 from prime_node.trainer.validator.service import Job
 from prime_node.trainer.validator.verify_job import Outcome
 
-from swarm_support import fleet, wait_until
-from validator_support import (
+from support.swarm import fleet, wait_until
+from support.validator import (
     OPERATOR,
     RUN,
     bind_node_ids,
@@ -59,10 +59,7 @@ from validator_support import (
     running_validator,
     sees_a_validator,
     validator_settings,
-    world,
 )
-
-__all__ = ["world"]  # the module-scoped fixture (tiny checkpoint, engine, tasks)
 
 POLICY = SlashingPolicy(fault_ban_after=50)  # every duplicate is slashed; none of these few bans the node
 
@@ -79,7 +76,8 @@ def _settings(data_dir: Path, inbox: Path | None = None) -> ValidatorSettings:
     settings = validator_settings(data_dir).model_copy(update={"slashing": POLICY})
     if inbox is not None:
         settings = settings.model_copy(
-            update={"validator": settings.validator.model_copy(update={"accepted_dir": inbox})})
+            update={"validator": settings.validator.model_copy(update={"accepted_dir": inbox})}
+        )
     return settings
 
 
@@ -88,7 +86,8 @@ async def _verdict(running, sha256: str, node_id: str, timeout: float = 60.0) ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rows = await running.service.ledger.query(
-            "SELECT verdict FROM contributions WHERE file_hash = ? AND node_id = ?", (sha256, node_id))
+            "SELECT verdict FROM contributions WHERE file_hash = ? AND node_id = ?", (sha256, node_id)
+        )
         if rows:
             return load_verdict(rows[0]["verdict"]).document
         await asyncio.sleep(0.1)
@@ -105,18 +104,25 @@ async def _record(running, node_id: str) -> dict:  # noqa: ANN001
     ledger = running.service.ledger
     score = await ledger.query("SELECT score FROM nodes WHERE node_id = ?", (node_id,))
     slashes = await ledger.query(
-        "SELECT check_class, failed_check FROM slashes WHERE node_id = ?", (node_id,))
+        "SELECT check_class, failed_check FROM slashes WHERE node_id = ?", (node_id,)
+    )
     files = await ledger.query(
         "SELECT COALESCE(SUM(accepted), 0) AS accepted, COALESCE(SUM(samples * accepted), 0) AS samples"
-        " FROM contributions WHERE node_id = ?", (node_id,))
-    return {"score": score[0]["score"] if score else None,
-            "slashes": sorted((s["check_class"], s["failed_check"]) for s in slashes),
-            "accepted": files[0]["accepted"], "samples": files[0]["samples"],
-            "banned": await ledger.active_ban(node_id) is not None}
+        " FROM contributions WHERE node_id = ?",
+        (node_id,),
+    )
+    return {
+        "score": score[0]["score"] if score else None,
+        "slashes": sorted((s["check_class"], s["failed_check"]) for s in slashes),
+        "accepted": files[0]["accepted"],
+        "samples": files[0]["samples"],
+        "banned": await ledger.active_ban(node_id) is not None,
+    }
 
 
 async def test_copies_of_accepted_work_are_duplicates_credited_once_also_after_a_restart(
-    tmp_path: Path, world  # noqa: ANN001
+    tmp_path: Path,
+    world,  # noqa: ANN001
 ) -> None:
     checkpoint, engine, tasks = world
     node = Identity.generate()
@@ -152,9 +158,13 @@ async def test_copies_of_accepted_work_are_duplicates_credited_once_also_after_a
         assert control.accepted, control.reason
         record = await _record(running, node.node_id)
         faults = len(copies)
-        assert record == {"score": 2 * POLICY.accept_credit - faults * POLICY.fault_penalty,
-                          "slashes": [("fault", "duplicate")] * faults,
-                          "accepted": 2, "samples": len(rows) + len(later), "banned": False}, record
+        assert record == {
+            "score": 2 * POLICY.accept_credit - faults * POLICY.fault_penalty,
+            "slashes": [("fault", "duplicate")] * faults,
+            "accepted": 2,
+            "samples": len(rows) + len(later),
+            "banned": False,
+        }, record
 
     # A file acknowledged by a validator of the version before, still in its spool under the hash alone.
     legacy = encode_rows(rows_for(engine, tasks, node, batch_counter=2))
@@ -165,7 +175,9 @@ async def test_copies_of_accepted_work_are_duplicates_credited_once_also_after_a
 
     # The ledger remembers the accepted samples across a restart of the validator.
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
-        recovered = await _verdict(running, envelope.sha256, node.node_id)  # its sender read from its signature
+        recovered = await _verdict(
+            running, envelope.sha256, node.node_id
+        )  # its sender read from its signature
         assert recovered.accepted, recovered.reason
         sender = await group.add(node, bootstrap=running.maddrs[:1], reachability="public")
         await wait_until(lambda: sees_a_validator(sender), 15)
@@ -183,7 +195,8 @@ async def test_copies_of_accepted_work_are_duplicates_credited_once_also_after_a
 
 
 async def test_an_acceptance_that_loses_the_race_for_its_samples_is_recorded_as_a_duplicate(
-    tmp_path: Path, world  # noqa: ANN001
+    tmp_path: Path,
+    world,  # noqa: ANN001
 ) -> None:
     """The early check reads the ledger before the costly checks; a claim can land after it (another validator
     process on the same ledger, or any race). The validator's own record then turns the acceptance into a
@@ -193,13 +206,25 @@ async def test_an_acceptance_that_loses_the_race_for_its_samples_is_recorded_as_
     rows = rows_for(engine, tasks, node)
     settings = _settings(tmp_path / "validator")
     async with running_validator(settings) as running:
-        winner = sign(Verdict(file_hash="a" * 64, node_id=node.node_id, step=0, samples=len(rows), tokens=9,
-                              accepted=True, validator_id=OPERATOR.node_id, decided_at=time.time()), OPERATOR)
+        winner = sign(
+            Verdict(
+                file_hash="a" * 64,
+                node_id=node.node_id,
+                step=0,
+                samples=len(rows),
+                tokens=9,
+                accepted=True,
+                validator_id=OPERATOR.node_id,
+                decided_at=time.time(),
+            ),
+            OPERATOR,
+        )
         with Ledger(running.service.ledger.ledger.path) as other:  # a second connection, as another process
             other.record(winner, samples=sample_ids(rows))
         late = Job(running.service.spool.entry("b" * 64, node.node_id), node.node_id, time.time())
-        await running.service._decide(late, Outcome(False, 0, True, None, "", len(rows), 9,
-                                                    sample_ids=sample_ids(rows)))
+        await running.service._decide(
+            late, Outcome(False, 0, True, None, "", len(rows), 9, sample_ids=sample_ids(rows))
+        )
         verdict = await _verdict(running, "b" * 64, node.node_id)
         assert not verdict.accepted and verdict.failed_check == "duplicate", verdict
         assert verdict.reason.startswith("duplicate: sample (") and f"file {'a' * 16}" in verdict.reason
@@ -208,7 +233,8 @@ async def test_an_acceptance_that_loses_the_race_for_its_samples_is_recorded_as_
 
 
 async def test_the_trainer_uses_each_sample_once_when_two_validators_accept_copies(
-    tmp_path: Path, world  # noqa: ANN001
+    tmp_path: Path,
+    world,  # noqa: ANN001
 ) -> None:
     checkpoint, engine, tasks = world
     node = Identity.generate()
@@ -224,8 +250,11 @@ async def test_the_trainer_uses_each_sample_once_when_two_validators_accept_copi
         to_v2 = await group.add(node, bootstrap=v2.maddrs[:1], reachability="public")
         await wait_until(lambda: sees_a_validator(to_v1), 15)
         await wait_until(lambda: sees_a_validator(to_v2), 15)
-        for running, sender, data in ((v1, to_v1, encode_rows(rows)), (v2, to_v2, _parquet(rows, "gzip")),
-                                      (v1, to_v1, encode_rows(control))):
+        for running, sender, data in (
+            (v1, to_v1, encode_rows(rows)),
+            (v2, to_v2, _parquet(rows, "gzip")),
+            (v1, to_v1, encode_rows(control)),
+        ):
             verdict = await _judge(running, sender, data, node)
             assert verdict.accepted, verdict.reason
         await wait_until(lambda: _count(inbox, 3), 15)  # each verdict is recorded, then the file delivered
@@ -250,8 +279,11 @@ async def test_the_trainer_uses_each_sample_once_when_two_validators_accept_copi
         for path in sorted(reader.pending(), reverse=True):
             report = buffer.add(reader.read(path), 0)
             assert (report.kept, report.filtered, report.already_known) == (0, 0, 2), (path.name, report)
-    assert {(r.policy_step, r.batch_counter, r.sample_index, r.sample_seed)
-            for p in inbox.glob("*.parquet") for r in read_rollout_file(p).rows} == expected
+    assert {
+        (r.policy_step, r.batch_counter, r.sample_index, r.sample_seed)
+        for p in inbox.glob("*.parquet")
+        for r in read_rollout_file(p).rows
+    } == expected
 
 
 async def _count(directory: Path, n: int) -> bool:
@@ -259,7 +291,8 @@ async def _count(directory: Path, n: int) -> bool:
 
 
 async def test_a_front_runner_is_rejected_and_the_authors_own_delivery_is_accepted_and_credited(
-    tmp_path: Path, world  # noqa: ANN001
+    tmp_path: Path,
+    world,  # noqa: ANN001
 ) -> None:
     checkpoint, engine, tasks = world
     victim, thief, racer = Identity.generate(), Identity.generate(), Identity.generate()
@@ -292,7 +325,12 @@ async def test_a_front_runner_is_rejected_and_the_authors_own_delivery_is_accept
         assert receipt.body.sha256 == own.file_hash and receipt.body.sender == victim.node_id
         await asyncio.sleep(1.0)
         assert await _record(running, victim.node_id) == {
-            "score": 2 * POLICY.accept_credit, "slashes": [], "accepted": 2, "samples": 4, "banned": False}
+            "score": 2 * POLICY.accept_credit,
+            "slashes": [],
+            "accepted": 2,
+            "samples": 4,
+            "banned": False,
+        }
         for cheat in (thief, racer):  # fraud: slashed and banned at once
             record = await _record(running, cheat.node_id)
             assert record["slashes"] == [("fraud", "signer")] and record["banned"] and record["accepted"] == 0

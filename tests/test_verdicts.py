@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from ledger_support import T0, VALIDATOR, make_verdict, node_id
+from pydantic import ValidationError
+
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.verdicts import (
     MAX_ENVELOPE_BYTES,
@@ -16,7 +17,8 @@ from prime_node.p2p.verdicts import (
     sign,
     verify_signed,
 )
-from pydantic import ValidationError
+
+from support.ledger import T0, VALIDATOR, make_verdict, node_id
 
 TRUSTED = {VALIDATOR.node_id}
 OPERATOR = Identity.from_seed(b"\x07" * 32)

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from attack_support import make_checkpoint
 from prime_node.node.cli.main import main
 from prime_node.p2p.identity import Identity
+
+from support.attack import make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +20,30 @@ def produced(tmp_path_factory):
     key = root / "node.key"
     Identity.from_seed(b"\x33" * 32).save(key)
     out = root / "batch.parquet"
-    argv = ["rollout", "--checkpoint", str(checkpoint), "--key", str(key), "--step", "5", "--out", str(out),
-            "--batch-counter", "2", "--prompts", "2", "--samples", "2", "--run-seed", "9",
-            "--max-new-tokens", "36", "--json", "--log-level", "WARNING"]
+    argv = [
+        "rollout",
+        "--checkpoint",
+        str(checkpoint),
+        "--key",
+        str(key),
+        "--step",
+        "5",
+        "--out",
+        str(out),
+        "--batch-counter",
+        "2",
+        "--prompts",
+        "2",
+        "--samples",
+        "2",
+        "--run-seed",
+        "9",
+        "--max-new-tokens",
+        "36",
+        "--json",
+        "--log-level",
+        "WARNING",
+    ]
     assert main(argv) == 0
     return checkpoint, out
 
@@ -37,35 +59,78 @@ def _verify(capsys, *argv: str, max_new_tokens: str | None = "36") -> tuple[int,
 def test_rollout_then_verify_accepts(produced, capsys):
     checkpoint, out = produced
     assert out.exists() and Path(f"{out}.sig").exists()
-    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
-                         "--json")
+    code, text = _verify(
+        capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2", "--json"
+    )
     report = json.loads(text)
     assert code == 0 and report["accepted"] is True and report["reasons"] == []
     assert [c["name"] for c in report["checks"]][:5] == ["signature", "schema", "limits", "decode", "signer"]
     assert all(c["status"] == "passed" for c in report["checks"])
-    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
-                         "--sample-fraction", "0.5")
+    code, text = _verify(
+        capsys,
+        str(out),
+        "--checkpoint",
+        str(checkpoint),
+        "--run-seed",
+        "9",
+        "--samples",
+        "2",
+        "--sample-fraction",
+        "0.5",
+    )
     assert code == 0 and "ACCEPTED" in text
 
 
 def test_verify_rejects_with_reason(produced, capsys, tmp_path: Path):
     checkpoint, out = produced
     # the wrong run seed: the node's sample indices no longer match its assignment
-    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "8", "--samples", "2",
-                         "--json")
+    code, text = _verify(
+        capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "8", "--samples", "2", "--json"
+    )
     report = json.loads(text)
     assert code == 1 and report["accepted"] is False
     assert report["reasons"][0].startswith("assignment: ")
-    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
-                         "--run-id", "another")
+    code, text = _verify(
+        capsys,
+        str(out),
+        "--checkpoint",
+        str(checkpoint),
+        "--run-seed",
+        "9",
+        "--samples",
+        "2",
+        "--run-id",
+        "another",
+    )
     assert code == 1 and "belongs to run 'local'" in text
     # The run's sampling binds the file: another max_new_tokens or temperature than the run's is refused.
-    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
-                         max_new_tokens=None)
+    code, text = _verify(
+        capsys,
+        str(out),
+        "--checkpoint",
+        str(checkpoint),
+        "--run-seed",
+        "9",
+        "--samples",
+        "2",
+        max_new_tokens=None,
+    )
     assert code == 1 and "REJECTED: run-parameters: row 0: max_new_tokens 36; the run's is 64" in text, text
-    code, text = _verify(capsys, str(out), "--checkpoint", str(checkpoint), "--run-seed", "9", "--samples", "2",
-                         "--temperature", "0.7")
-    assert code == 1 and "run-parameters: row 0: sampled at temperature 1.0; the run samples at 0.7" in text, text
+    code, text = _verify(
+        capsys,
+        str(out),
+        "--checkpoint",
+        str(checkpoint),
+        "--run-seed",
+        "9",
+        "--samples",
+        "2",
+        "--temperature",
+        "0.7",
+    )
+    assert (
+        code == 1 and "run-parameters: row 0: sampled at temperature 1.0; the run samples at 0.7" in text
+    ), text
     tampered = tmp_path / "t.parquet"
     data = bytearray(out.read_bytes())
     data[-40] ^= 1
@@ -107,9 +172,32 @@ def test_the_runs_compute_dtype_binds_the_node_engine_and_the_proof_bounds(tmp_p
     key = tmp_path / "node.key"
     Identity.from_seed(b"\x34" * 32).save(key)
     out = tmp_path / "bf16.parquet"
-    assert main(["rollout", "--checkpoint", str(checkpoint), "--key", str(key), "--step", "0", "--out", str(out),
-                 "--prompts", "4", "--samples", "2", "--max-new-tokens", "36", "--compute-dtype", "bfloat16",
-                 "--log-level", "WARNING"]) == 0
+    assert (
+        main(
+            [
+                "rollout",
+                "--checkpoint",
+                str(checkpoint),
+                "--key",
+                str(key),
+                "--step",
+                "0",
+                "--out",
+                str(out),
+                "--prompts",
+                "4",
+                "--samples",
+                "2",
+                "--max-new-tokens",
+                "36",
+                "--compute-dtype",
+                "bfloat16",
+                "--log-level",
+                "WARNING",
+            ]
+        )
+        == 0
+    )
     common = [str(out), "--checkpoint", str(checkpoint), "--samples", "2", "--json"]
     code, text = _verify(capsys, *common, "--compute-dtype", "bfloat16")
     assert code == 0, text

@@ -16,15 +16,19 @@ from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher
 from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.store import PROGRESS_NAME, Store
-from weights_support import hostile, make_checkpoint, operator, same_tree
+
+from support.weights import hostile, make_checkpoint, operator, same_tree
 
 _SCRIPT = Path(sys.executable).parent / "prime-node"  # the installed console script, as a user runs it
 CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "prime_node.node.cli.main"]
 
 
-async def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(*CLI, *args, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE, env=env)
+async def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 180
+) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except BaseException:
@@ -39,40 +43,93 @@ async def test_publish_serve_fetch_round_trip_and_json_blame(tmp_path: Path) -> 
     key_file = tmp_path / "operator.key"
     operator().save(key_file)
     ckpt = make_checkpoint(tmp_path / "ckpt")
-    rc, out, err = await run_cli("weights", "publish", str(ckpt), "--step", "4", "--key", str(key_file),
-                                 "--out", str(tmp_path / "origin"), "--shard-size", "65536", "--json")
+    rc, out, err = await run_cli(
+        "weights",
+        "publish",
+        str(ckpt),
+        "--step",
+        "4",
+        "--key",
+        str(key_file),
+        "--out",
+        str(tmp_path / "origin"),
+        "--shard-size",
+        "65536",
+        "--json",
+    )
     assert rc == 0, err
     published = json.loads(out)
     assert published["step"] == 4 and published["shards"] > 10
-    server = await asyncio.create_subprocess_exec(*CLI, "weights", "serve", str(tmp_path / "origin"), "--port", "0",
-                                                  stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    server = await asyncio.create_subprocess_exec(
+        *CLI,
+        "weights",
+        "serve",
+        str(tmp_path / "origin"),
+        "--port",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     try:
         assert server.stdout is not None
         line = (await asyncio.wait_for(server.stdout.readline(), 180)).decode()
         url = line.strip().rsplit(" ", 1)[-1]
         assert url.startswith("http://127.0.0.1:")
-        rc, out, err = await run_cli("weights", "fetch", "--source", url, "--trainer-key", operator().node_id,
-                                     "--out", str(tmp_path / "out"), "--json")
+        rc, out, err = await run_cli(
+            "weights",
+            "fetch",
+            "--source",
+            url,
+            "--trainer-key",
+            operator().node_id,
+            "--out",
+            str(tmp_path / "out"),
+            "--json",
+        )
         assert rc == 0, err
         report = json.loads(out)
         assert report["ok"] and report["manifest_sha256"] == published["manifest_sha256"]
         assert same_tree(ckpt, Path(report["checkpoint_dir"]))
-        rc, out, err = await run_cli("weights", "fetch", "--source", url, "--trainer-key", operator(8).node_id,
-                                     "--out", str(tmp_path / "out8"), "--json")
+        rc, out, err = await run_cli(
+            "weights",
+            "fetch",
+            "--source",
+            url,
+            "--trainer-key",
+            operator(8).node_id,
+            "--out",
+            str(tmp_path / "out8"),
+            "--json",
+        )
         failure = json.loads(out)
         assert rc == 1 and not failure["ok"] and "another key" in failure["error"]
         assert failure["blame"][0]["source"] == url
         # A relay process follows the server and serves what it mirrored.
         relay = await asyncio.create_subprocess_exec(
-            *CLI, "weights", "serve", str(tmp_path / "relay"), "--port", "0", "--upstream", url,
-            "--trainer-key", operator().node_id, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+            *CLI,
+            "weights",
+            "serve",
+            str(tmp_path / "relay"),
+            "--port",
+            "0",
+            "--upstream",
+            url,
+            "--trainer-key",
+            operator().node_id,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
         try:
             assert relay.stdout is not None
-            relay_url = (await asyncio.wait_for(relay.stdout.readline(), 180)).decode().strip().rsplit(" ", 1)[-1]
+            relay_url = (
+                (await asyncio.wait_for(relay.stdout.readline(), 180)).decode().strip().rsplit(" ", 1)[-1]
+            )
             fetched = None
             for _ in range(150):  # the relay polls its upstream every 2 s
                 try:
-                    fetched = await Fetcher([relay_url], operator().node_id, Store(tmp_path / "via-relay")).fetch()
+                    fetched = await Fetcher(
+                        [relay_url], operator().node_id, Store(tmp_path / "via-relay")
+                    ).fetch()
                     break
                 except FetchError:
                     await asyncio.sleep(0.2)
@@ -94,8 +151,22 @@ async def test_fetch_killed_with_sigkill_resumes_with_range_and_ends_byte_identi
     env = {**os.environ, "PRIME_NODE_FETCH__CHUNK_BYTES": "8192", "PRIME_NODE_FETCH__SAVE_INTERVAL_S": "0.1"}
     async with hostile(tmp_path / "origin", 2, chunk_delay_s=0.05) as slow:
         fetch = await asyncio.create_subprocess_exec(
-            *CLI, "weights", "fetch", "--source", slow.url, "--trainer-key", operator().node_id, "--out", str(out),
-            "--concurrency", "2", "--json", env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            *CLI,
+            "weights",
+            "fetch",
+            "--source",
+            slow.url,
+            "--trainer-key",
+            operator().node_id,
+            "--out",
+            str(out),
+            "--concurrency",
+            "2",
+            "--json",
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
         try:
             deadline = asyncio.get_running_loop().time() + 120  # generous: CI machines are slow when busy
             while True:
@@ -111,12 +182,27 @@ async def test_fetch_killed_with_sigkill_resumes_with_range_and_ends_byte_identi
     assert fetch.returncode == -signal.SIGKILL
     assert Store(out).versions() == []  # nothing visible at the final path after the kill
     async with hostile(tmp_path / "origin", 2) as fast:
-        rc, stdout, err = await run_cli("weights", "fetch", "--source", fast.url, "--trainer-key", operator().node_id,
-                                        "--out", str(out), "--json", env=env)
+        rc, stdout, err = await run_cli(
+            "weights",
+            "fetch",
+            "--source",
+            fast.url,
+            "--trainer-key",
+            operator().node_id,
+            "--out",
+            str(out),
+            "--json",
+            env=env,
+        )
         assert rc == 0, err
         report = json.loads(stdout)
-        assert report["resumed_bytes"] > 0 and report["fetched_bytes"] == report["total_bytes"] - report["resumed_bytes"]
-        assert fast.ranges and all(r.startswith("bytes=") and not r.startswith("bytes=0-") for _, r in fast.ranges)
+        assert (
+            report["resumed_bytes"] > 0
+            and report["fetched_bytes"] == report["total_bytes"] - report["resumed_bytes"]
+        )
+        assert fast.ranges and all(
+            r.startswith("bytes=") and not r.startswith("bytes=0-") for _, r in fast.ranges
+        )
     assert same_tree(ckpt, Path(report["checkpoint_dir"]))
     assert Store(out).partial_versions() == []
 
@@ -147,21 +233,44 @@ async def test_publish_refuses_links_and_special_files_and_keeps_modes(tmp_path:
         fifo: fifo / "pipe",
     }
     for step, (ckpt, culprit) in enumerate(cases.items(), start=1):
-        rc, out, err = await run_cli("weights", "publish", str(ckpt), "--step", str(step), "--key", str(key_file),
-                                     "--out", str(tmp_path / "origin"), timeout=60)
+        rc, out, err = await run_cli(
+            "weights",
+            "publish",
+            str(ckpt),
+            "--step",
+            str(step),
+            "--key",
+            str(key_file),
+            "--out",
+            str(tmp_path / "origin"),
+            timeout=60,
+        )
         assert rc == 1 and out == "", err
         lines = err.strip().splitlines()
         assert len(lines) == 1 and str(culprit) in lines[0] and "only regular files" in lines[0], err
     assert Store(tmp_path / "origin").versions() == []
-    assert not list((tmp_path / "origin").rglob("*.bin")) and not list((tmp_path / "origin").rglob("vocab.json"))
+    assert not list((tmp_path / "origin").rglob("*.bin")) and not list(
+        (tmp_path / "origin").rglob("vocab.json")
+    )
     # The honest control beside them: a plain directory publishes, a 0600 file the operator put there stays 0600.
     honest = checkpoint("honest")
     (honest / "private.json").write_text("{}")
     (honest / "private.json").chmod(0o600)
     (honest / "run.sh").write_text("echo hi")
     (honest / "run.sh").chmod(0o775)
-    rc, out, err = await run_cli("weights", "publish", str(honest), "--step", "9", "--key", str(key_file),
-                                 "--out", str(tmp_path / "origin"), "--json", timeout=60)
+    rc, out, err = await run_cli(
+        "weights",
+        "publish",
+        str(honest),
+        "--step",
+        "9",
+        "--key",
+        str(key_file),
+        "--out",
+        str(tmp_path / "origin"),
+        "--json",
+        timeout=60,
+    )
     assert rc == 0, err
     published = Path(json.loads(out)["version_dir"]) / "checkpoint"
     assert same_tree(honest, published)
@@ -169,10 +278,21 @@ async def test_publish_refuses_links_and_special_files_and_keeps_modes(tmp_path:
     assert modes["private.json"] == 0o600 and modes["run.sh"] == 0o644 and modes["config.json"] == 0o644
 
 
-@pytest.mark.parametrize("bad_name", ["config.json\n", "config.json\r", "con\tfig.json", "config\x00.json",
-                                      "config.json\x7f", "config.json\u2028", "config.json\u2029"])
-async def test_fetch_refuses_a_signed_manifest_with_a_control_character_in_a_name(tmp_path: Path,
-                                                                               bad_name: str) -> None:
+@pytest.mark.parametrize(
+    "bad_name",
+    [
+        "config.json\n",
+        "config.json\r",
+        "con\tfig.json",
+        "config\x00.json",
+        "config.json\x7f",
+        "config.json\u2028",
+        "config.json\u2029",
+    ],
+)
+async def test_fetch_refuses_a_signed_manifest_with_a_control_character_in_a_name(
+    tmp_path: Path, bad_name: str
+) -> None:
     # The pinned key signs it (a compromised or buggy trainer): the names are still checked, and the fetch
     # writes nothing. Before the fix, `re.match` with `$` let "config.json\n" through and the fetcher created it.
     origin = tmp_path / "origin"
@@ -183,15 +303,35 @@ async def test_fetch_refuses_a_signed_manifest_with_a_control_character_in_a_nam
     body["files"] = [{**f, "path": bad_name} if f["path"] == "config.json" else f for f in body["files"]]
     resigned = canonical_json({"body": body, "signature": operator().sign_document(body).hex()})
     async with hostile(origin, 2, manifest_bytes=resigned) as source:
-        rc, out, err = await run_cli("weights", "fetch", "--source", source.url, "--trainer-key",
-                                     operator().node_id, "--out", str(tmp_path / "out"), "--json", timeout=60)
+        rc, out, err = await run_cli(
+            "weights",
+            "fetch",
+            "--source",
+            source.url,
+            "--trainer-key",
+            operator().node_id,
+            "--out",
+            str(tmp_path / "out"),
+            "--json",
+            timeout=60,
+        )
     failure = json.loads(out)
     assert rc == 1 and not failure["ok"], err
     assert "files." in failure["error"] and "path" in failure["error"], failure["error"]
     assert not [p for p in (tmp_path / "out").rglob("*") if "config" in p.name]
     # The honest control: the same source serving the honest manifest is fetched.
     async with hostile(origin, 2) as source:
-        rc, out, err = await run_cli("weights", "fetch", "--source", source.url, "--trainer-key",
-                                     operator().node_id, "--out", str(tmp_path / "out"), "--json", timeout=60)
+        rc, out, err = await run_cli(
+            "weights",
+            "fetch",
+            "--source",
+            source.url,
+            "--trainer-key",
+            operator().node_id,
+            "--out",
+            str(tmp_path / "out"),
+            "--json",
+            timeout=60,
+        )
     assert rc == 0, err
     assert same_tree(honest, Path(json.loads(out)["checkpoint_dir"]))

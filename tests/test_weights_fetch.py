@@ -14,10 +14,16 @@ from prime_node.p2p.weights.errors import FetchError, ReplayError, StoreError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.sources import SelectionSettings
 from prime_node.p2p.weights.store import Store
-from weights_support import hostile, operator, publish_steps, same_tree, serving
 
-FAST = dict(stall_timeout_s=0.5, connect_timeout_s=1.0, manifest_timeout_s=2.0, durable=False,
-            selection=SelectionSettings(backoff_base_s=0.02, backoff_max_s=0.2))
+from support.weights import hostile, operator, publish_steps, same_tree, serving
+
+FAST = dict(
+    stall_timeout_s=0.5,
+    connect_timeout_s=1.0,
+    manifest_timeout_s=2.0,
+    durable=False,
+    selection=SelectionSettings(backoff_base_s=0.02, backoff_max_s=0.2),
+)
 
 
 def fetcher(sources: list[str], out: Path, **overrides: object) -> Fetcher:
@@ -49,7 +55,9 @@ async def test_fetch_from_three_sources_is_byte_identical_and_atomic(origin: Pat
     assert sum(1 for s in result.sources if s["shards_ok"]) >= 2  # the load was spread over sources
 
 
-async def test_flipped_bit_on_one_source_is_refetched_elsewhere_and_penalised(origin: Path, tmp_path: Path) -> None:
+async def test_flipped_bit_on_one_source_is_refetched_elsewhere_and_penalised(
+    origin: Path, tmp_path: Path
+) -> None:
     async with serving(origin) as good, hostile(origin, 3, "flip") as bad:
         result = await fetcher([bad.url, good.url], tmp_path / "out").fetch()
     assert same_tree(checkpoint(origin), result.checkpoint_dir)
@@ -97,7 +105,10 @@ async def test_source_serving_an_older_step_is_not_used(tmp_path: Path) -> None:
 async def test_source_answering_with_another_steps_manifest_is_refused(tmp_path: Path) -> None:
     publish_steps(tmp_path, operator(), [1, 2])
     wrong = Store(tmp_path / "origin").manifest_bytes(1)
-    async with serving(tmp_path / "origin") as good, hostile(tmp_path / "origin", 2, manifest_bytes=wrong) as liar:
+    async with (
+        serving(tmp_path / "origin") as good,
+        hostile(tmp_path / "origin", 2, manifest_bytes=wrong) as liar,
+    ):
         result = await fetcher([liar.url, good.url], tmp_path / "out").fetch(step=2)
     assert "step 1 when asked for step 2" in by_url(result, liar.url)["excluded"]
 
@@ -117,14 +128,20 @@ async def test_stalling_source_times_out_and_fetch_switches(origin: Path, tmp_pa
         result = await fetcher([staller.url, good.url], tmp_path / "out", stall_timeout_s=0.3).fetch()
         # With a long stall timeout the stalled shards are not waited for: they are hedged on the good source.
         hedged = await fetcher([staller.url, good.url], tmp_path / "out2", stall_timeout_s=30).fetch()
-    assert same_tree(checkpoint(origin), result.checkpoint_dir) and same_tree(checkpoint(origin), hedged.checkpoint_dir)
+    assert same_tree(checkpoint(origin), result.checkpoint_dir) and same_tree(
+        checkpoint(origin), hedged.checkpoint_dir
+    )
     report = by_url(result, staller.url)
-    assert report["shards_ok"] == 0 and ("stalled" in " ".join(report["last_errors"]) or report["shards_lost"] >= 1)
+    assert report["shards_ok"] == 0 and (
+        "stalled" in " ".join(report["last_errors"]) or report["shards_lost"] >= 1
+    )
     assert hedged.seconds < 10 and by_url(hedged, staller.url)["shards_ok"] == 0
     assert hedged.hedges >= 1 and hedged.hedges_won >= 1
 
 
-async def test_source_dying_mid_transfer_is_resumed_elsewhere_with_range(origin: Path, tmp_path: Path) -> None:
+async def test_source_dying_mid_transfer_is_resumed_elsewhere_with_range(
+    origin: Path, tmp_path: Path
+) -> None:
     async with hostile(origin, 3) as good, hostile(origin, 3, "die") as dying:
         result = await fetcher([dying.url, good.url], tmp_path / "out").fetch()
     assert same_tree(checkpoint(origin), result.checkpoint_dir)
@@ -142,8 +159,11 @@ async def test_unreachable_sources_and_no_sources(origin: Path, tmp_path: Path) 
 
 async def test_free_disk_is_checked_before_downloading(origin: Path, tmp_path: Path, monkeypatch) -> None:
     real = shutil.disk_usage
-    monkeypatch.setattr(store_module.shutil, "disk_usage",
-                        lambda p: real(p)._replace(free=store_module.FREE_DISK_MARGIN + 1000))
+    monkeypatch.setattr(
+        store_module.shutil,
+        "disk_usage",
+        lambda p: real(p)._replace(free=store_module.FREE_DISK_MARGIN + 1000),
+    )
     async with serving(origin) as good:
         with pytest.raises(StoreError, match="not enough free disk"):
             await fetcher([good.url], tmp_path / "out").fetch()
@@ -182,9 +202,18 @@ def _oversized(origin: Path) -> bytes:
     return Store(origin).manifest_bytes(3)[:-1] + b" " * (9 << 20) + b"}"
 
 
-@pytest.mark.parametrize("make,reason", [(_foreign, "another key"), (_edited, "another key or edited"),
-                                         (_traversal, "files.0.path"), (_oversized, "over the")])
-async def test_source_with_a_bad_manifest_is_excluded_before_any_shard(origin: Path, tmp_path: Path, make, reason) -> None:
+@pytest.mark.parametrize(
+    "make,reason",
+    [
+        (_foreign, "another key"),
+        (_edited, "another key or edited"),
+        (_traversal, "files.0.path"),
+        (_oversized, "over the"),
+    ],
+)
+async def test_source_with_a_bad_manifest_is_excluded_before_any_shard(
+    origin: Path, tmp_path: Path, make, reason
+) -> None:
     async with serving(origin) as good, hostile(origin, 3, manifest_bytes=make(origin)) as bad:
         result = await fetcher([bad.url, good.url], tmp_path / "out").fetch()
         with pytest.raises(FetchError, match=reason):
@@ -192,14 +221,18 @@ async def test_source_with_a_bad_manifest_is_excluded_before_any_shard(origin: P
     assert same_tree(checkpoint(origin), result.checkpoint_dir)
     assert reason in by_url(result, bad.url)["excluded"]
     assert sum(bad.requests.values()) == 0  # not one shard was asked of it
-    assert not (tmp_path / "alone" / ".partial").exists() or not list((tmp_path / "alone" / ".partial").iterdir())
+    assert not (tmp_path / "alone" / ".partial").exists() or not list(
+        (tmp_path / "alone" / ".partial").iterdir()
+    )
 
 
 async def test_cancelled_fetch_stops_at_once_and_a_rerun_resumes(origin: Path, tmp_path: Path) -> None:
     loop = asyncio.get_running_loop()
     async with hostile(origin, 3, "stall") as stalling, hostile(origin, 3) as fast:
         # Every transfer sends half a shard and then blocks its thread in a read for up to the stall timeout.
-        task = asyncio.create_task(fetcher([stalling.url], tmp_path / "out", stall_timeout_s=60, chunk_bytes=8192).fetch())
+        task = asyncio.create_task(
+            fetcher([stalling.url], tmp_path / "out", stall_timeout_s=60, chunk_bytes=8192).fetch()
+        )
         await asyncio.sleep(1.0)
         began = loop.time()
         task.cancel()
@@ -208,5 +241,8 @@ async def test_cancelled_fetch_stops_at_once_and_a_rerun_resumes(origin: Path, t
         assert loop.time() - began < 10  # transfer threads were cut loose, not left to a 60 s stall timeout
         assert Store(tmp_path / "out").versions() == []
         result = await fetcher([fast.url], tmp_path / "out").fetch()
-    assert result.resumed_bytes > 0 and result.fetched_bytes == result.manifest.body.total_size - result.resumed_bytes
+    assert (
+        result.resumed_bytes > 0
+        and result.fetched_bytes == result.manifest.body.total_size - result.resumed_bytes
+    )
     assert same_tree(checkpoint(origin), result.checkpoint_dir)

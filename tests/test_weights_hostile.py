@@ -1,6 +1,6 @@
 """Hostile weight sources (issue 18, classes 1 and 2): a real misbehaving HTTP server in its own process.
 
-tests/hostile_http.py writes raw bytes to its sockets, so it can send what no HTTP library would: a
+tests/support/hostile_http.py writes raw bytes to its sockets, so it can send what no HTTP library would: a
 Content-Length of '²', headers or bodies dripped one byte at a time, endless '100 Continue'. Each mode is
 a source beside an honest one (the project's weights server): the real Fetcher must get the honest
 checkpoint quickly, charge the hostile source with a reason that names what it did, and raise nothing
@@ -16,20 +16,31 @@ from pathlib import Path
 
 import pytest
 
-from hostile_http import MODES
 from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.sources import SelectionSettings
 from prime_node.p2p.weights.store import Store
-from weights_support import hostile_process, operator, publish_steps, same_tree, serving
+
+from support.hostile_http import MODES
+from support.weights import hostile_process, operator, publish_steps, same_tree, serving
 
 # Short deadlines so that every test stays small: a manifest within 1 s, a body at >= 32 KiB/s over each 1 s
 # window. The stall timeout is long on purpose: a stalled source must lose its shards to the honest one
 # (hedging), not be waited for.
-SETTINGS = dict(stall_timeout_s=8.0, connect_timeout_s=1.0, manifest_timeout_s=1.0, manifest_grace_s=0.2,
-                rate_window_s=1.0, hedge_after_s=0.3, durable=False, max_attempts_per_shard=2,
-                selection=SelectionSettings(backoff_base_s=0.02, backoff_max_s=0.2))
-BOUND_S = 5.0  # a fetch with an honest source beside a hostile one finishes well within this (~0.1-0.5 s here)
+SETTINGS = dict(
+    stall_timeout_s=8.0,
+    connect_timeout_s=1.0,
+    manifest_timeout_s=1.0,
+    manifest_grace_s=0.2,
+    rate_window_s=1.0,
+    hedge_after_s=0.3,
+    durable=False,
+    max_attempts_per_shard=2,
+    selection=SelectionSettings(backoff_base_s=0.02, backoff_max_s=0.2),
+)
+BOUND_S = (
+    5.0  # a fetch with an honest source beside a hostile one finishes well within this (~0.1-0.5 s here)
+)
 
 # What the hostile source's report must say (one of these), per mode; None: only that it served nothing.
 REASONS: dict[str, tuple[str, ...] | None] = {
@@ -76,7 +87,9 @@ def origin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hostile(origin: Path) -> Iterator[str]:
-    with hostile_process(origin, interval=0.2) as base:  # dripping: one byte per 0.2 s, under the stall timeout
+    with hostile_process(
+        origin, interval=0.2
+    ) as base:  # dripping: one byte per 0.2 s, under the stall timeout
         yield base
 
 
@@ -114,17 +127,25 @@ async def test_a_hostile_source_beside_an_honest_one_costs_the_fetch_nothing(
         assert any(e in said for e in expected), f"{mode}: {said!r} names none of {expected}"
 
 
-@pytest.mark.parametrize("mode,reason", [
-    ("m-drip-body", "deadline"), ("m-drip-headers", "deadline"), ("m-endless-continue", "deadline"),
-    ("s-drip", "below the floor"), ("s-drip-headers", "no complete response head"),
-    ("s-endless-continue", "no complete response head"),
-])
+@pytest.mark.parametrize(
+    "mode,reason",
+    [
+        ("m-drip-body", "deadline"),
+        ("m-drip-headers", "deadline"),
+        ("m-endless-continue", "deadline"),
+        ("s-drip", "below the floor"),
+        ("s-drip-headers", "no complete response head"),
+        ("s-endless-continue", "no complete response head"),
+    ],
+)
 async def test_a_dripping_source_alone_fails_within_its_deadline(
     origin: Path, hostile: str, tmp_path: Path, mode: str, reason: str
 ) -> None:
     began = time.monotonic()
     with pytest.raises(FetchError) as info:
-        await asyncio.wait_for(fetcher([f"{hostile}/{mode}"], tmp_path / "out", stall_timeout_s=0.5).fetch(), 30)
+        await asyncio.wait_for(
+            fetcher([f"{hostile}/{mode}"], tmp_path / "out", stall_timeout_s=0.5).fetch(), 30
+        )
     elapsed = time.monotonic() - began
     # Manifest: one 1 s deadline. Shard: two attempts (max_attempts_per_shard), each cut at 1-1.5 s (the floor's
     # window, or connect + stall timeout for the response head), although every byte beats the stall timeout.
@@ -133,7 +154,9 @@ async def test_a_dripping_source_alone_fails_within_its_deadline(
     assert Store(tmp_path / "out").versions() == []
 
 
-async def test_many_hostile_sources_of_every_kind_and_one_honest(origin: Path, hostile: str, tmp_path: Path) -> None:
+async def test_many_hostile_sources_of_every_kind_and_one_honest(
+    origin: Path, hostile: str, tmp_path: Path
+) -> None:
     async with serving(origin) as good:
         honest = await fetcher([good.url], tmp_path / "alone").fetch()
         sources = [f"{hostile}/{m}" for m in sorted(MODES)] + [good.url]
@@ -145,10 +168,18 @@ async def test_many_hostile_sources_of_every_kind_and_one_honest(origin: Path, h
     assert report_of(result.sources, good.url)["shards_ok"] >= 1
 
 
-async def test_a_source_url_that_cannot_be_one_is_refused_before_any_connection(origin: Path, tmp_path: Path) -> None:
+async def test_a_source_url_that_cannot_be_one_is_refused_before_any_connection(
+    origin: Path, tmp_path: Path
+) -> None:
     # A heartbeat's weights_url only has to look like http://<its own address>...: a port out of range or a
     # non-ASCII host made the connection code raise ValueError or UnicodeError out of the fetch.
-    bad = ["http://127.0.0.1:99999", "http://127.0.0.1:8x", "http://[::1", "http://\u00e9xample.test:80", "ftp://127.0.0.1"]
+    bad = [
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:8x",
+        "http://[::1",
+        "http://\u00e9xample.test:80",
+        "ftp://127.0.0.1",
+    ]
     async with serving(origin) as good:
         result = await asyncio.wait_for(fetcher([*bad, good.url], tmp_path / "out").fetch(), 30)
         with pytest.raises(FetchError, match="not usable as a source"):

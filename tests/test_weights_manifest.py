@@ -11,7 +11,8 @@ from prime_node.p2p.weights.errors import ManifestError, PublishError, ReplayErr
 from prime_node.p2p.weights.manifest import MAX_MANIFEST_BYTES, checkpoint_digest, parse_signed
 from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.store import Store
-from weights_support import SHARD, make_checkpoint, operator, publish_steps
+
+from support.weights import SHARD, make_checkpoint, operator, publish_steps
 
 
 @pytest.fixture
@@ -70,8 +71,20 @@ def test_manifest_edited_after_signing_is_refused(published, edit: str) -> None:
         parse_signed(json.dumps(doc).encode(), operator().node_id)
 
 
-@pytest.mark.parametrize("path", ["../evil.py", "/etc/passwd", "a/../../b", "sub//x", "./config.json",
-                                  "C:\\model.bin", "a\\..\\b", ".hidden", "x\x00y"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../evil.py",
+        "/etc/passwd",
+        "a/../../b",
+        "sub//x",
+        "./config.json",
+        "C:\\model.bin",
+        "a\\..\\b",
+        ".hidden",
+        "x\x00y",
+    ],
+)
 def test_signed_manifest_with_unsafe_path_is_refused(published, path: str) -> None:
     origin, _ = published
     body = json.loads(Store(origin).manifest_bytes(3))["body"]
@@ -89,8 +102,17 @@ def test_signed_manifest_with_duplicate_or_nested_paths_is_refused(published, se
         parse_signed(resign(body), operator().node_id)
 
 
-@pytest.mark.parametrize("field,value", [("total_size", 10**18), ("shard_size", 1), ("step", -1),
-                                         ("format_version", 2), ("created_at", 1.5), ("extra", 1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("total_size", 10**18),
+        ("shard_size", 1),
+        ("step", -1),
+        ("format_version", 2),
+        ("created_at", 1.5),
+        ("extra", 1),
+    ],
+)
 def test_signed_manifest_with_bad_fields_is_refused(published, field: str, value: object) -> None:
     origin, _ = published
     body = json.loads(Store(origin).manifest_bytes(3))["body"]
@@ -115,10 +137,14 @@ def test_oversized_and_malformed_manifests_are_refused_before_parsing() -> None:
     key = operator().node_id
     with pytest.raises(ManifestError, match="over the"):
         parse_signed(b"{" + b" " * MAX_MANIFEST_BYTES + b"}", key)
-    for raw, match in [(b"<html>hello</html>", "not valid JSON"), (b"[]", "exactly the keys"),
-                       (b'{"body": {}, "signature": "zz"}', "128 lowercase hex"),
-                       (b'{"body": {}, "body": {}, "signature": ""}', "duplicate JSON key"),
-                       (b'{"body": NaN, "signature": ""}', "not valid JSON"), (b"[" * 100000, "not valid JSON")]:
+    for raw, match in [
+        (b"<html>hello</html>", "not valid JSON"),
+        (b"[]", "exactly the keys"),
+        (b'{"body": {}, "signature": "zz"}', "128 lowercase hex"),
+        (b'{"body": {}, "body": {}, "signature": ""}', "duplicate JSON key"),
+        (b'{"body": NaN, "signature": ""}', "not valid JSON"),
+        (b"[" * 100000, "not valid JSON"),
+    ]:
         with pytest.raises(ManifestError, match=match):
             parse_signed(raw, key)
 

@@ -18,10 +18,16 @@ from prime_node.p2p.weights.relay import Relay
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
 from prime_node.p2p.weights.sources import SelectionSettings
 from prime_node.p2p.weights.store import Store
-from weights_support import hostile, operator, publish_steps, same_tree, serving
 
-FAST = FetchSettings(stall_timeout_s=1.0, connect_timeout_s=1.0, durable=False, max_attempts_per_shard=3,
-                     selection=SelectionSettings(backoff_base_s=0.02, backoff_max_s=0.1))
+from support.weights import hostile, operator, publish_steps, same_tree, serving
+
+FAST = FetchSettings(
+    stall_timeout_s=1.0,
+    connect_timeout_s=1.0,
+    durable=False,
+    max_attempts_per_shard=3,
+    selection=SelectionSettings(backoff_base_s=0.02, backoff_max_s=0.1),
+)
 
 
 async def get(url: str, **headers: str) -> tuple[int, bytes, dict[str, str]]:
@@ -39,7 +45,11 @@ async def test_shards_honour_range_requests(tmp_path: Path) -> None:
         assert status == 200 and len(whole) == manifest.body.shards[0].size and whole.startswith(first)
         assert headers["Content-Type"] == "application/octet-stream" and headers["Accept-Ranges"] == "bytes"
         status, part, headers = await get(base, Range="bytes=10-99")
-        assert status == 206 and part == whole[10:100] and headers["Content-Range"] == f"bytes 10-99/{len(whole)}"
+        assert (
+            status == 206
+            and part == whole[10:100]
+            and headers["Content-Range"] == f"bytes 10-99/{len(whole)}"
+        )
         assert (await get(base, Range="bytes=100-"))[1] == whole[100:]
         assert (await get(base, Range="bytes=-5"))[1] == whole[-5:]
         assert (await get(base, Range=f"bytes={len(whole)}-"))[0] == 416
@@ -92,9 +102,17 @@ async def test_node_bans_cannot_be_dodged_by_dropping_or_forging_the_token(tmp_p
         assert (await get(latest, **token_for(honest, "http://127.0.0.1:1")))[0] == 401
         status, body, _ = await get(latest, Host="127.0.0.1:1", **token_for(honest, "http://127.0.0.1:1"))
         assert status == 401 and b"not this server" in body
-        assert (await get(latest, Host=f"localhost:{server.port}", **token_for(honest, f"http://localhost:{server.port}")))[0] == 200
+        assert (
+            await get(
+                latest,
+                Host=f"localhost:{server.port}",
+                **token_for(honest, f"http://localhost:{server.port}"),
+            )
+        )[0] == 200
         server.accept_audience("http://weights.example.org")  # a public name in front of it (NAT, DNS)
-        assert (await get(latest, Host="weights.example.org", **token_for(honest, "http://weights.example.org")))[0] == 200
+        assert (
+            await get(latest, Host="weights.example.org", **token_for(honest, "http://weights.example.org"))
+        )[0] == 200
         stale = token_for(honest, server.url, now=time.time() - TOKEN_LIFETIME_S - 5)
         status, body, _ = await get(latest, **stale)
         assert status == 401 and b"check the clock" in body
@@ -103,9 +121,13 @@ async def test_node_bans_cannot_be_dodged_by_dropping_or_forging_the_token(tmp_p
         assert (await get(latest, **token_for(banned, server.url)))[0] == 200
         # The library fetcher signs its requests: a node with a key downloads, the banned one is refused.
         server.bans.set_dynamic({banned.node_id})
-        await Fetcher([server.url], operator().node_id, Store(tmp_path / "honest"), FAST, identity=honest).fetch()
+        await Fetcher(
+            [server.url], operator().node_id, Store(tmp_path / "honest"), FAST, identity=honest
+        ).fetch()
         with pytest.raises(FetchError):
-            await Fetcher([server.url], operator().node_id, Store(tmp_path / "banned"), FAST, identity=banned).fetch()
+            await Fetcher(
+                [server.url], operator().node_id, Store(tmp_path / "banned"), FAST, identity=banned
+            ).fetch()
 
 
 async def test_clients_over_their_rate_get_429(tmp_path: Path) -> None:
@@ -135,11 +157,15 @@ async def test_relay_serves_shards_before_the_whole_version_has_arrived(tmp_path
     publish_steps(tmp_path, operator(), [3])
     origin = tmp_path / "origin"
     relay_server = WeightsServer(
-        Store(tmp_path / "relay"), ServeSettings(port=0, shard_wait_s=15.0), operator().node_id  # generous: CI cores are shared
+        Store(tmp_path / "relay"),
+        ServeSettings(port=0, shard_wait_s=15.0),
+        operator().node_id,  # generous: CI cores are shared
     )
     relay_url = await relay_server.start()
     async with hostile(origin, 3, chunk_delay_s=0.02) as slow_upstream:
-        relay = Relay(relay_server, [slow_upstream.url], operator().node_id, FAST.model_copy(update={"concurrency": 2}))
+        relay = Relay(
+            relay_server, [slow_upstream.url], operator().node_id, FAST.model_copy(update={"concurrency": 2})
+        )
         mirroring = asyncio.create_task(relay.follow_once(), name="test-relay")
         try:
             deadline = asyncio.get_running_loop().time() + 60
@@ -159,12 +185,17 @@ async def test_relay_serves_shards_before_the_whole_version_has_arrived(tmp_path
             mirroring.cancel()
             await relay_server.stop()
     assert same_tree(origin / "step-000000000003" / "checkpoint", result.checkpoint_dir)
-    assert same_tree(origin / "step-000000000003" / "checkpoint", tmp_path / "relay" / "step-000000000003" / "checkpoint")
+    assert same_tree(
+        origin / "step-000000000003" / "checkpoint", tmp_path / "relay" / "step-000000000003" / "checkpoint"
+    )
 
 
 async def test_relay_never_serves_a_version_signed_by_another_key(tmp_path: Path) -> None:
     publish_steps(tmp_path, operator(8), [3], megabytes=0.2)
-    async with serving(tmp_path / "origin") as upstream, serving(tmp_path / "relay", operator().node_id) as relay_server:
+    async with (
+        serving(tmp_path / "origin") as upstream,
+        serving(tmp_path / "relay", operator().node_id) as relay_server,
+    ):
         relay = Relay(relay_server, [upstream.url], operator().node_id, FAST)
         with pytest.raises(FetchError, match="no source served a valid manifest"):
             await relay.follow_once()

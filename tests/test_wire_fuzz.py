@@ -18,11 +18,11 @@ import copy
 import importlib
 import json
 import pkgutil
-from pathlib import Path
 import re
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
@@ -37,7 +37,6 @@ from prime_node.node.contributor.validator_api import NodeDetail, parse_node_det
 from prime_node.p2p.errors import SignatureError
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.names import RUN_ID_PATTERN
-from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.swarm import SwarmConfig
 from prime_node.p2p.swarm.errors import HandoffError, RecordError
 from prime_node.p2p.swarm.framing import decode_frame
@@ -98,7 +97,9 @@ class Carrier:
 def _record(kind: RecordKind, signer: Identity, subkey: str, body: WireModel) -> Carrier:
     validator = SwarmRecordValidator(RUN, [OPERATOR.node_id])
 
-    def parse(payload: bytes) -> Any:  # what hivemind hands the validator for a record a peer stores or returns
+    def parse(
+        payload: bytes,
+    ) -> Any:  # what hivemind hands the validator for a record a peer stores or returns
         expiration = get_dht_time() + 60
         value = seal_payload(signer, RUN, kind, subkey, payload, expiration)
         serialized = MSGPackSerializer.dumps(value)
@@ -108,7 +109,9 @@ def _record(kind: RecordKind, signer: Identity, subkey: str, body: WireModel) ->
     return Carrier(type(body), body.model_dump(mode="json"), parse, RecordError)
 
 
-def _signed_document(model: type[Verdict] | type[BanRecord], signer: Identity, document: WireModel) -> Carrier:
+def _signed_document(
+    model: type[Verdict] | type[BanRecord], signer: Identity, document: WireModel
+) -> Carrier:
     def parse(raw: bytes) -> Any:  # the body of GET /api/verdict/<sha256>, or a ban envelope
         try:  # the attacker signs whatever it can; canonical JSON has no NaN, so some are unsigned
             signature = signer.sign_document(json.loads(raw))
@@ -123,9 +126,17 @@ def _signed_document(model: type[Verdict] | type[BanRecord], signer: Identity, d
 def _manifest() -> Carrier:
     shard = "cd" * 32
     body = ManifestBody(
-        format="prime-node-weights", format_version=1, run_id=RUN, step=3, created_at=int(T),
-        signer=OPERATOR.node_id, shard_size=1024, total_size=10, checkpoint_sha256=checkpoint_digest([shard]),
-        files=[FileEntry(path="config.json", size=10, sha256=SHA)], shards=[ShardEntry(size=10, sha256=shard)],
+        format="prime-node-weights",
+        format_version=1,
+        run_id=RUN,
+        step=3,
+        created_at=int(T),
+        signer=OPERATOR.node_id,
+        shard_size=1024,
+        total_size=10,
+        checkpoint_sha256=checkpoint_digest([shard]),
+        files=[FileEntry(path="config.json", size=10, sha256=SHA)],
+        shards=[ShardEntry(size=10, sha256=shard)],
     )
 
     def parse(raw: bytes) -> Any:  # a manifest as a weights source serves it, signed by the pinned key
@@ -133,7 +144,9 @@ def _manifest() -> Carrier:
             signature = OPERATOR.sign_document(json.loads(raw)).hex()
         except SignatureError:
             signature = "00" * 64
-        return parse_signed(b'{"body":' + raw + b',"signature":"' + signature.encode() + b'"}', OPERATOR.node_id)
+        return parse_signed(
+            b'{"body":' + raw + b',"signature":"' + signature.encode() + b'"}', OPERATOR.node_id
+        )
 
     return Carrier(ManifestBody, body.model_dump(mode="json"), parse, ManifestError)
 
@@ -141,37 +154,123 @@ def _manifest() -> Carrier:
 def _receipt() -> Carrier:
     body = ReceiptBody(sha256=SHA, sender=NODE.node_id, receiver=VALIDATOR.node_id, size=10, received_at=T)
     receipt = Receipt(body=body, signature=VALIDATOR.sign_document(body.model_dump(mode="json")).hex())
-    return Carrier(Receipt, receipt.model_dump(mode="json"),
-                   lambda raw: parse_receipt(decode_frame(b'{"receipt":' + raw + b"}")["receipt"]), HandoffError)
+    return Carrier(
+        Receipt,
+        receipt.model_dump(mode="json"),
+        lambda raw: parse_receipt(decode_frame(b'{"receipt":' + raw + b"}")["receipt"]),
+        HandoffError,
+    )
 
 
 CARRIERS = [
-    _record(RecordKind.HEARTBEAT, NODE, NODE.node_id, Heartbeat(
-        node_id=NODE.node_id, peer_id=PEER_ID, version="0.1.0", roles=["contributor"],
-        hardware=Hardware(gpu_model="NVIDIA H100", gpu_memory_mb=1, cpu="x86", cpu_cores=2, ram_mb=4),
-        addresses=["/ip4/127.0.0.1/tcp/1"], client_mode=False, policy_step=1, serves_steps=[1], sent_at=T,
-        weights_url="http://127.0.0.1:1/w")),
-    _record(RecordKind.POLICY, OPERATOR, OPERATOR.node_id, PolicyAnnouncement(
-        step=1, manifest_sha256=SHA, sources=["http://127.0.0.1:1/"], published_at=T, run=RunParameters(
-            run_id=RUN, run_seed=0, tasks="builtin:arithmetic", samples=4, temperature=1.0, max_new_tokens=64,
-            compute_dtype="float32", length_targets=[10], length_alpha=0.001))),
-    _record(RecordKind.VALIDATOR, OPERATOR, VALIDATOR.node_id, ValidatorAnnouncement(
-        node_id=VALIDATOR.node_id, peer_id=PEER_ID, addresses=["/ip4/127.0.0.1/tcp/1"], max_rollout_bytes=1,
-        published_at=T, api_url="http://127.0.0.1:2")),
+    _record(
+        RecordKind.HEARTBEAT,
+        NODE,
+        NODE.node_id,
+        Heartbeat(
+            node_id=NODE.node_id,
+            peer_id=PEER_ID,
+            version="0.1.0",
+            roles=["contributor"],
+            hardware=Hardware(gpu_model="NVIDIA H100", gpu_memory_mb=1, cpu="x86", cpu_cores=2, ram_mb=4),
+            addresses=["/ip4/127.0.0.1/tcp/1"],
+            client_mode=False,
+            policy_step=1,
+            serves_steps=[1],
+            sent_at=T,
+            weights_url="http://127.0.0.1:1/w",
+        ),
+    ),
+    _record(
+        RecordKind.POLICY,
+        OPERATOR,
+        OPERATOR.node_id,
+        PolicyAnnouncement(
+            step=1,
+            manifest_sha256=SHA,
+            sources=["http://127.0.0.1:1/"],
+            published_at=T,
+            run=RunParameters(
+                run_id=RUN,
+                run_seed=0,
+                tasks="builtin:arithmetic",
+                samples=4,
+                temperature=1.0,
+                max_new_tokens=64,
+                compute_dtype="float32",
+                length_targets=[10],
+                length_alpha=0.001,
+            ),
+        ),
+    ),
+    _record(
+        RecordKind.VALIDATOR,
+        OPERATOR,
+        VALIDATOR.node_id,
+        ValidatorAnnouncement(
+            node_id=VALIDATOR.node_id,
+            peer_id=PEER_ID,
+            addresses=["/ip4/127.0.0.1/tcp/1"],
+            max_rollout_bytes=1,
+            published_at=T,
+            api_url="http://127.0.0.1:2",
+        ),
+    ),
     _record(RecordKind.BAN, OPERATOR, NODE.node_id, Ban(node_id=NODE.node_id, reason="fraud", banned_at=T)),
-    _record(RecordKind.ROLLOUT, NODE, f"{NODE.node_id}:{SHA}", RolloutAnnouncement(
-        node_id=NODE.node_id, sha256=SHA, size_bytes=10, step=1, samples=4, announced_at=T)),
-    _signed_document(Verdict, VALIDATOR, Verdict(
-        file_hash=SHA, node_id=NODE.node_id, step=1, samples=0, tokens=0, accepted=False, failed_check="bounds",
-        reason="row 0: reward is not a finite number", validator_id=VALIDATOR.node_id, decided_at=T)),
-    _signed_document(BanRecord, OPERATOR, BanRecord(
-        node_id=NODE.node_id, reason="fraud", issued_at=T, until=T + 60, issuer_id=OPERATOR.node_id)),
-    Carrier(RolloutEnvelope, RolloutEnvelope.sign(NODE, b"rollout bytes").model_dump(mode="json"),
-            lambda raw: parse_header(decode_frame(raw)), HandoffError),
+    _record(
+        RecordKind.ROLLOUT,
+        NODE,
+        f"{NODE.node_id}:{SHA}",
+        RolloutAnnouncement(
+            node_id=NODE.node_id, sha256=SHA, size_bytes=10, step=1, samples=4, announced_at=T
+        ),
+    ),
+    _signed_document(
+        Verdict,
+        VALIDATOR,
+        Verdict(
+            file_hash=SHA,
+            node_id=NODE.node_id,
+            step=1,
+            samples=0,
+            tokens=0,
+            accepted=False,
+            failed_check="bounds",
+            reason="row 0: reward is not a finite number",
+            validator_id=VALIDATOR.node_id,
+            decided_at=T,
+        ),
+    ),
+    _signed_document(
+        BanRecord,
+        OPERATOR,
+        BanRecord(
+            node_id=NODE.node_id, reason="fraud", issued_at=T, until=T + 60, issuer_id=OPERATOR.node_id
+        ),
+    ),
+    Carrier(
+        RolloutEnvelope,
+        RolloutEnvelope.sign(NODE, b"rollout bytes").model_dump(mode="json"),
+        lambda raw: parse_header(decode_frame(raw)),
+        HandoffError,
+    ),
     _receipt(),
     _manifest(),
-    Carrier(NodeDetail, {"node": {"rank": 1, "score": 2.5, "accepted_tokens": 3, "accepted_files": 1,
-                                  "rejected_files": 0, "banned": False}}, parse_node_detail, ValidationError),
+    Carrier(
+        NodeDetail,
+        {
+            "node": {
+                "rank": 1,
+                "score": 2.5,
+                "accepted_tokens": 3,
+                "accepted_files": 1,
+                "rejected_files": 0,
+                "banned": False,
+            }
+        },
+        parse_node_detail,
+        ValidationError,
+    ),
 ]
 IDS = [c.model.__name__ for c in CARRIERS]
 
@@ -268,7 +367,11 @@ def _names(message: str, where: str) -> bool:
     if re.search(rf"\b{re.escape(where)}\b", message):
         return True
     field, _, index = where.rpartition(".")
-    return index.isdigit() and bool(re.search(rf"\b{re.escape(field)}\b", message)) and f"item {index}" in message
+    return (
+        index.isdigit()
+        and bool(re.search(rf"\b{re.escape(field)}\b", message))
+        and f"item {index}" in message
+    )
 
 
 # ----- the tests ----------------------------------------------------------------------------------------
@@ -278,23 +381,34 @@ def test_every_wire_type_is_a_wire_model_reachable_from_a_carrier() -> None:
     for info in pkgutil.walk_packages(prime_node.p2p.__path__, "prime_node.p2p."):
         importlib.import_module(info.name)
     defined = {
-        cls for module in list(importlib.sys.modules.values())
+        cls
+        for module in list(importlib.sys.modules.values())
         if getattr(module, "__name__", "").startswith("prime_node.p2p")
         for cls in vars(module).values()
         if isinstance(cls, type) and issubclass(cls, BaseModel) and cls.__module__ == module.__name__
     }
-    stray = sorted(c.__qualname__ for c in defined
-                   if not issubclass(c, WireModel) and not issubclass(c, LOCAL_TYPES))
+    stray = sorted(
+        c.__qualname__ for c in defined if not issubclass(c, WireModel) and not issubclass(c, LOCAL_TYPES)
+    )
     assert not stray, f"pydantic models in the wire package that are not WireModels: {stray}"
     reachable = {m for carrier in CARRIERS for m in nested_models(carrier.model)}
     # A type without fields (a base such as verdicts._Document) is never parsed on its own.
     unreached = sorted(c.__qualname__ for c in _all_subclasses(WireModel) - reachable if c.model_fields)
     assert not unreached, f"wire types no carrier reaches (add a Carrier with a sample): {unreached}"
-    floats = {(c.model.__name__, ".".join(map(str, leaf.path)))
-              for c in CARRIERS for leaf in leaves(c.model) if leaf.kind == "float"}
+    floats = {
+        (c.model.__name__, ".".join(map(str, leaf.path)))
+        for c in CARRIERS
+        for leaf in leaves(c.model)
+        if leaf.kind == "float"
+    }
     # The walk finds fields at every depth (a sanity check of the walker, not the list of what is fuzzed).
-    assert {("Heartbeat", "sent_at"), ("PolicyAnnouncement", "run.temperature"), ("Receipt", "body.received_at"),
-            ("BanRecord", "until"), ("NodeDetail", "node.score")} <= floats
+    assert {
+        ("Heartbeat", "sent_at"),
+        ("PolicyAnnouncement", "run.temperature"),
+        ("Receipt", "body.received_at"),
+        ("BanRecord", "until"),
+        ("NodeDetail", "node.score"),
+    } <= floats
 
 
 @pytest.mark.parametrize("carrier", CARRIERS, ids=IDS)
@@ -370,9 +484,17 @@ def test_no_python_regex_relies_on_dollar() -> None:
     for package in ("p2p", "node", "proofs", "trainer"):
         for path in sorted((root / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "re" and node.args
-                        and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-                        and re.search(r"(?<!\\)\$", node.args[0].value)):
-                    found.append(f"{path.relative_to(root)}:{node.lineno} re.{node.func.attr}({node.args[0].value!r})")
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "re"
+                    and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)
+                    and re.search(r"(?<!\\)\$", node.args[0].value)
+                ):
+                    found.append(
+                        f"{path.relative_to(root)}:{node.lineno} re.{node.func.attr}({node.args[0].value!r})"
+                    )
     assert not found, f"use fullmatch (or \\Z) instead of $ in: {found}"

@@ -16,14 +16,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import start as start_cli
-from .common import load_settings
+from ...trainer.devnet.attacks import ATTACKS, attack_producer
+from ...trainer.errors import TrainerError
 from ..contributor.daemon import ContributorNode
 from ..contributor.rollout_loop import RolloutLoop
 from ..contributor.settings import StartSettings
 from ..errors import NodeError
-from ...trainer.errors import TrainerError
-from ...trainer.devnet.attacks import ATTACKS, attack_producer
+from . import start as start_cli
+from .common import load_settings
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from ..config import CommonSettings, load_config
-from ..runtime.supervisor import Supervisor
 from ..runtime.logs import configure_logging
+from ..runtime.supervisor import Supervisor
 
 Settings = TypeVar("Settings", bound=BaseModel)
 
@@ -22,14 +22,18 @@ def common_flags() -> argparse.ArgumentParser:
     """A parent parser with the flags every command accepts (so they may follow the subcommand)."""
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_argument_group("common options")
-    group.add_argument("--config", type=Path, default=None, help="TOML config file (flags > env > file > defaults)")
+    group.add_argument(
+        "--config", type=Path, default=None, help="TOML config file (flags > env > file > defaults)"
+    )
     group.add_argument("--data-dir", type=Path, default=None, help="data directory (default ~/.prime-node)")
     group.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     group.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
     return parent
 
 
-def load_settings(args: argparse.Namespace, model: type[Settings], flags: Mapping[str, str] | None = None) -> Settings:
+def load_settings(
+    args: argparse.Namespace, model: type[Settings], flags: Mapping[str, str] | None = None
+) -> Settings:
     """Load `model` with the standard precedence; `flags` maps dotted setting names to argparse attributes.
 
     Also configures logging from the loaded settings when the model has the common fields.
@@ -50,7 +54,9 @@ def print_json(payload: Any) -> None:
     sys.stdout.write("\n")
 
 
-async def run_until_stopped(name: str, start: Callable[[Supervisor], Awaitable[str]], shutdown_s: float) -> int:
+async def run_until_stopped(
+    name: str, start: Callable[[Supervisor], Awaitable[str]], shutdown_s: float
+) -> int:
     """Run a long-lived service under one Supervisor: start it, print its ready line, wait for SIGINT, SIGTERM
     or a crashed task, then shut down within `shutdown_s`. Exit code 0 only after a clean shutdown."""
     supervisor = Supervisor(name)

@@ -24,26 +24,53 @@ STEPS = 50
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("devnet", parents=[common_flags()],
-                       help="run a whole swarm on this machine (trainer, validator, contributors, cheaters)")
+    p = sub.add_parser(
+        "devnet",
+        parents=[common_flags()],
+        help="run a whole swarm on this machine (trainer, validator, contributors, cheaters)",
+    )
     p.add_argument("--nodes", type=int, default=3, help="honest contributors (default 3)")
     p.add_argument("--adversaries", type=int, default=1, help="cheating contributors (default 1)")
-    p.add_argument("--attacks", nargs="+", default=None, metavar="KIND",
-                   help="their attacks, in order (default: the attack list in order); see docs/devnet.md")
+    p.add_argument(
+        "--attacks",
+        nargs="+",
+        default=None,
+        metavar="KIND",
+        help="their attacks, in order (default: the attack list in order); see docs/devnet.md",
+    )
     p.add_argument("--steps", type=int, default=STEPS, help=f"policy steps to train (default {STEPS})")
-    p.add_argument("--model", type=Path, default=None,
-                   help="genesis model directory (default <data-dir>/models/tiny, created if missing)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="trainer samples per step (default: the trainer's)")
-    p.add_argument("--prompts", type=int, default=None,
-                   help="prompts per rollout file (default 16: fewer, larger files; see docs/devnet.md)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="genesis model directory (default <data-dir>/models/tiny, created if missing)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="trainer samples per step (default: the trainer's)"
+    )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help="prompts per rollout file (default 16: fewer, larger files; see docs/devnet.md)",
+    )
     p.add_argument("--samples", type=int, default=None, help="completions per prompt (default: the run's)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="most tokens per sample (default: the node's)")
-    p.add_argument("--length-targets", type=int, nargs="*", default=None,
-                   help="thinking-length targets of the run (default: the run's)")
-    p.add_argument("--all-tasks", action="store_true",
-                   help="train on the whole built-in task set instead of the problems the model solves 1-4 "
-                        "times in 8 (offline difficulty filtering, cached beside the model)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="most tokens per sample (default: the node's)"
+    )
+    p.add_argument(
+        "--length-targets",
+        type=int,
+        nargs="*",
+        default=None,
+        help="thinking-length targets of the run (default: the run's)",
+    )
+    p.add_argument(
+        "--all-tasks",
+        action="store_true",
+        help="train on the whole built-in task set instead of the problems the model solves 1-4 "
+        "times in 8 (offline difficulty filtering, cached beside the model)",
+    )
     p.add_argument("--run-id", default="devnet", help="run id (default devnet)")
     p.add_argument("--json", action="store_true", help="print the final report as JSON (no live view)")
     p.set_defaults(handler=devnet)
@@ -64,13 +91,22 @@ def devnet(args: argparse.Namespace) -> int:
         raise ConfigError("--adversaries must be 0 or more")
     data_dir = settings.resolved_data_dir()
     root = data_dir / "devnet" / time.strftime("run-%Y%m%d-%H%M%S")
-    sizing = Sizing(batch_size=args.batch_size, prompts=args.prompts or DEVNET_PROMPTS, samples=args.samples,
-                    max_new_tokens=args.max_new_tokens,
-                    length_targets=None if args.length_targets is None else tuple(args.length_targets))
+    sizing = Sizing(
+        batch_size=args.batch_size,
+        prompts=args.prompts or DEVNET_PROMPTS,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        length_targets=None if args.length_targets is None else tuple(args.length_targets),
+    )
     options = DevnetOptions(
-        root=root, model_dir=(args.model or data_dir / "models" / "tiny").expanduser().resolve(),
-        nodes=args.nodes, attacks=attack_kinds(args.adversaries, args.attacks), steps=args.steps,
-        run_id=args.run_id, sizing=sizing, task_filter=None if args.all_tasks else TaskFilter(),
+        root=root,
+        model_dir=(args.model or data_dir / "models" / "tiny").expanduser().resolve(),
+        nodes=args.nodes,
+        attacks=attack_kinds(args.adversaries, args.attacks),
+        steps=args.steps,
+        run_id=args.run_id,
+        sizing=sizing,
+        task_filter=None if args.all_tasks else TaskFilter(),
     )
     # With --json, stdout carries only the report; the progress lines go to stderr.
     view = LiveView(args.steps, stream=sys.stderr) if args.json else LiveView(args.steps)
@@ -84,6 +120,12 @@ def devnet(args: argparse.Namespace) -> int:
 
 def succeeded(report: dict) -> bool:
     """No failure, nothing left running, no honest file rejected, every adversary that sent files banned."""
-    adversaries_ok = all(a["banned"] for a in report["adversaries"] if a["rejected_files"] or a["accepted_files"])
-    return (report["error"] is None and not report["processes"]["alive"]
-            and report["honest"]["rejected_files"] == 0 and adversaries_ok)
+    adversaries_ok = all(
+        a["banned"] for a in report["adversaries"] if a["rejected_files"] or a["accepted_files"]
+    )
+    return (
+        report["error"] is None
+        and not report["processes"]["alive"]
+        and report["honest"]["rejected_files"] == 0
+        and adversaries_ok
+    )

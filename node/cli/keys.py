@@ -24,7 +24,9 @@ class KeySettings(CommonSettings):
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("keygen", parents=[common_flags()], help="create an Ed25519 node key (mode 0600)")
     p.add_argument("--out", type=Path, default=None, help="key file to write (default <data-dir>/node.key)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing key file (the old key is lost)")
+    p.add_argument(
+        "--force", action="store_true", help="overwrite an existing key file (the old key is lost)"
+    )
     p.add_argument("--json", action="store_true", help="print {node_id, key_file} as JSON")
     p.set_defaults(handler=keygen)
 

@@ -120,7 +120,7 @@ def _ban(row: dict[str, Any]) -> str:
         return "-"
     if row["ban_permanent"]:
         return "permanent"
-    return "until " + datetime.datetime.fromtimestamp(row["banned_until"], datetime.timezone.utc).strftime(
+    return "until " + datetime.datetime.fromtimestamp(row["banned_until"], datetime.UTC).strftime(
         "%Y-%m-%d %H:%M"
     )
 

@@ -11,8 +11,11 @@ from .run_flags import RUN_FLAGS, add_run_flags
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("rollout", parents=[common_flags()],
-                       help="generate one signed rollout file offline, as a contributor would")
+    p = sub.add_parser(
+        "rollout",
+        parents=[common_flags()],
+        help="generate one signed rollout file offline, as a contributor would",
+    )
     p.add_argument("--checkpoint", type=Path, required=True, help="HF model directory of the policy")
     add_run_flags(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -43,20 +46,30 @@ def rollout(args: argparse.Namespace) -> int:
     engine = load_engine(args.checkpoint, **engine_for_run(settings.engine, settings.run).model_dump())
     tasks = load_run_tasks(settings.run, args.checkpoint)
     spec = BatchSpec(
-        run_id=settings.run.run_id, run_seed=settings.run.run_seed, policy_step=args.step,
-        batch_counter=args.batch_counter, prompts=settings.prompts, samples=settings.run.samples,
-        temperature=settings.run.temperature, max_new_tokens=settings.run.max_new_tokens,
+        run_id=settings.run.run_id,
+        run_seed=settings.run.run_seed,
+        policy_step=args.step,
+        batch_counter=args.batch_counter,
+        prompts=settings.prompts,
+        samples=settings.run.samples,
+        temperature=settings.run.temperature,
+        max_new_tokens=settings.run.max_new_tokens,
     )
     batch = produce_rollout_file(engine, tasks, identity, spec, args.out)
     summary = {
-        "file": str(args.out), "rows": len(batch.rows), "node_id": identity.node_id,
+        "file": str(args.out),
+        "rows": len(batch.rows),
+        "node_id": identity.node_id,
         "mean_reward": sum(r.reward for r in batch.rows) / len(batch.rows),
         "tokens": sum(len(r.output_ids) for r in batch.rows),
-        "generation_seconds": round(batch.generation_seconds, 3), "proof_seconds": round(batch.proof_seconds, 3),
+        "generation_seconds": round(batch.generation_seconds, 3),
+        "proof_seconds": round(batch.proof_seconds, 3),
     }
     if args.json:
         print_json(summary)
     else:
-        print(f"wrote {args.out} ({summary['rows']} samples, {summary['tokens']} tokens, "
-              f"mean reward {summary['mean_reward']:.3f}) and {args.out}.sig")
+        print(
+            f"wrote {args.out} ({summary['rows']} samples, {summary['tokens']} tokens, "
+            f"mean reward {summary['mean_reward']:.3f}) and {args.out}.sig"
+        )
     return 0

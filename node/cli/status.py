@@ -45,8 +45,10 @@ def status(args: argparse.Namespace) -> int:
     lines.insert(-2, f"verdicts:       {report.awaiting_verdicts} awaited")
     board = report.leaderboard
     if board is not None:
-        lines.append(f"leaderboard:    rank {board.rank}, score {board.score:.3f} ({board.accepted_tokens} accepted "
-                     f"tokens{', BANNED' if board.banned else ''}; {board.validator_url})")
+        lines.append(
+            f"leaderboard:    rank {board.rank}, score {board.score:.3f} ({board.accepted_tokens} accepted "
+            f"tokens{', BANNED' if board.banned else ''}; {board.validator_url})"
+        )
     else:
         lines.append(f"leaderboard:    {report.leaderboard_status}")
     if report.serving_weights is not None:

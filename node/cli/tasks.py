@@ -62,7 +62,17 @@ def filter_tasks(args: argparse.Namespace) -> int:
         write_task_file,
     )
 
-    names = ["k", "min_pass", "max_pass", "limit", "offset", "max_new_tokens", "temperature", "seed", "task_seed"]
+    names = [
+        "k",
+        "min_pass",
+        "max_pass",
+        "limit",
+        "offset",
+        "max_new_tokens",
+        "temperature",
+        "seed",
+        "task_seed",
+    ]
     flags = {name: name for name in names}
     flags["engine.threads"] = "threads"
     settings = load_settings(args, FilterSettings, flags)
@@ -84,18 +94,36 @@ def filter_tasks(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     # Enough tasks per engine call to fill its micro-batches, few enough for a lively progress bar.
     per_batch = max(1, settings.engine.max_batch_size // settings.k)
-    with tqdm(total=count, desc="estimating", unit="task", file=sys.stderr,
-              disable=args.no_progress or args.json or None) as bar:
+    with tqdm(
+        total=count,
+        desc="estimating",
+        unit="task",
+        file=sys.stderr,
+        disable=args.no_progress or args.json or None,
+    ) as bar:
         estimates = estimate_pass_rates(
-            engine, tokenizer, task_set, indices, k=settings.k, max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature, seed=settings.seed, tasks_per_batch=per_batch, progress=bar.update,
+            engine,
+            tokenizer,
+            task_set,
+            indices,
+            k=settings.k,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            seed=settings.seed,
+            tasks_per_batch=per_batch,
+            progress=bar.update,
         )
     kept = in_band(estimates, settings.min_pass, settings.max_pass)
     write_task_file(args.out, kept)
     counts = histogram(estimates, settings.k)
     summary = {
-        "out": str(args.out), "source": task_set.name, "estimated": len(estimates), "kept": len(kept),
-        "k": settings.k, "min": settings.min_pass, "max": settings.max_pass,
+        "out": str(args.out),
+        "source": task_set.name,
+        "estimated": len(estimates),
+        "kept": len(kept),
+        "k": settings.k,
+        "min": settings.min_pass,
+        "max": settings.max_pass,
         "histogram": {f"{c}/{settings.k}": n for c, n in enumerate(counts)},
         "mean_pass_rate": sum(e.pass_rate for e in estimates) / len(estimates),
         "seconds": round(time.perf_counter() - started, 3),
@@ -104,6 +132,8 @@ def filter_tasks(args: argparse.Namespace) -> int:
         print_json(summary)
         return 0
     print(render_histogram(counts, settings.k, settings.min_pass, settings.max_pass))
-    print(f"kept {len(kept)} of {len(estimates)} tasks (pass rate in [{settings.min_pass}, {settings.max_pass}], "
-          f"* rows) -> {args.out}; mean pass rate {summary['mean_pass_rate']:.3f}; {summary['seconds']:.1f} s")
+    print(
+        f"kept {len(kept)} of {len(estimates)} tasks (pass rate in [{settings.min_pass}, {settings.max_pass}], "
+        f"* rows) -> {args.out}; mean pass rate {summary['mean_pass_rate']:.3f}; {summary['seconds']:.1f} s"
+    )
     return 0

@@ -17,9 +17,14 @@ from .common import common_flags, load_settings, run_until_stopped
 from .run_flags import RUN_FLAGS, add_run_flags
 
 FLAGS = {
-    **RUN_FLAGS, "swarm.run_id": "run_id", "engine.threads": "threads", "swarm.initial_peers": "peers",
-    "swarm.operator_keys": "operator_key", "swarm.host_maddrs": "listen",
-    "verifier.sample_fraction": "sample_fraction", "dashboard.host": "http_host",
+    **RUN_FLAGS,
+    "swarm.run_id": "run_id",
+    "engine.threads": "threads",
+    "swarm.initial_peers": "peers",
+    "swarm.operator_keys": "operator_key",
+    "swarm.host_maddrs": "listen",
+    "verifier.sample_fraction": "sample_fraction",
+    "dashboard.host": "http_host",
     "dashboard.port": "http_port",
     "validator.accepted_dir": "accepted_dir",
 }
@@ -27,24 +32,41 @@ SHUTDOWN_S = 20.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validator", parents=[common_flags()],
-                       help="verify contributors' rollout files, credit them, slash and ban cheaters")
+    p = sub.add_parser(
+        "validator",
+        parents=[common_flags()],
+        help="verify contributors' rollout files, credit them, slash and ban cheaters",
+    )
     p.add_argument("--key", type=Path, required=True, help="the validator's secret key (an operator key)")
-    p.add_argument("--operator-key", action="append", default=None, metavar="HEX",
-                   help="pinned operator public key (repeatable; default: this validator's own key)")
-    p.add_argument("--peers", nargs="*", default=None, metavar="MADDR",
-                   help="bootstrap peers (/ip4/.../p2p/...)")
+    p.add_argument(
+        "--operator-key",
+        action="append",
+        default=None,
+        metavar="HEX",
+        help="pinned operator public key (repeatable; default: this validator's own key)",
+    )
+    p.add_argument(
+        "--peers", nargs="*", default=None, metavar="MADDR", help="bootstrap peers (/ip4/.../p2p/...)"
+    )
     p.add_argument("--listen", nargs="*", default=None, metavar="MADDR", help="libp2p listen multiaddrs")
-    p.add_argument("--sample-fraction", type=float, default=None,
-                   help="share of rows the expensive checks cover, drawn after each file arrives "
-                   "(default 1.0)")
-    p.add_argument("--accepted-dir", type=Path, default=None,
-                   help="trainer inbox (default <data-dir>/accepted)")
+    p.add_argument(
+        "--sample-fraction",
+        type=float,
+        default=None,
+        help="share of rows the expensive checks cover, drawn after each file arrives (default 1.0)",
+    )
+    p.add_argument(
+        "--accepted-dir", type=Path, default=None, help="trainer inbox (default <data-dir>/accepted)"
+    )
     p.add_argument("--http-host", default=None, help="dashboard listen address (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=None, help="dashboard port (default 8471; 0 picks one)")
     add_run_flags(p)  # --run-id names the DHT's run too
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default 1 on machines with 4 cores or fewer)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default 1 on machines with 4 cores or fewer)",
+    )
     p.set_defaults(handler=validator)
 
 
@@ -64,12 +86,17 @@ def validator(args: argparse.Namespace) -> int:
 
 
 async def _serve(settings: object, identity: object) -> int:
-    from ..runtime.supervisor import Supervisor
     from ...trainer.validator.run import start_validator
+    from ..runtime.supervisor import Supervisor
 
     async def start(supervisor: Supervisor) -> str:
         running = await start_validator(settings, identity, supervisor)  # type: ignore[arg-type]
-        return json.dumps({"validator": running.service.identity.node_id, "maddrs": running.maddrs,
-                           "dashboard": running.dashboard_url})
+        return json.dumps(
+            {
+                "validator": running.service.identity.node_id,
+                "maddrs": running.maddrs,
+                "dashboard": running.dashboard_url,
+            }
+        )
 
     return await run_until_stopped("validator", start, SHUTDOWN_S)

@@ -22,14 +22,21 @@ class VerifyIOError(NodeError):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", parents=[common_flags()],
-                       help="check a rollout file (exit 0 accepted, 1 rejected, 2 usage or I/O error)")
+    p = sub.add_parser(
+        "verify",
+        parents=[common_flags()],
+        help="check a rollout file (exit 0 accepted, 1 rejected, 2 usage or I/O error)",
+    )
     p.add_argument("file", type=Path, help="rollout file (its signature is FILE.sig)")
     p.add_argument("--checkpoint", type=Path, required=True, help="HF model directory of the claimed policy")
     add_run_flags(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--sample-fraction", type=float, default=None,
-                   help="share of rows the expensive checks (prefill, sampling) cover (default 1.0)")
+    p.add_argument(
+        "--sample-fraction",
+        type=float,
+        default=None,
+        help="share of rows the expensive checks (prefill, sampling) cover (default 1.0)",
+    )
     p.add_argument("--json", action="store_true", help='print {"accepted", "checks", "reasons"} as JSON')
     p.set_defaults(handler=verify)
 

@@ -33,8 +33,12 @@ class WeightsSettings(CommonSettings):
 
     serve: ServeSettings = Field(default_factory=ServeSettings, description="The HTTP server.")
     fetch: FetchSettings = Field(default_factory=FetchSettings, description="Downloads (fetch and relay).")
-    trainer_key: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="Pinned signer public key (hex).")
-    poll_interval_s: float = Field(2.0, gt=0, description="How often a relay asks its upstreams for a new version.")
+    trainer_key: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$", description="Pinned signer public key (hex)."
+    )
+    poll_interval_s: float = Field(
+        2.0, gt=0, description="How often a relay asks its upstreams for a new version."
+    )
 
     @field_validator("trainer_key", mode="before")
     @classmethod
@@ -57,11 +61,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.set_defaults(handler=lambda args: group.print_help() or 2)
 
     p = cmds.add_parser("publish", parents=[common_flags()], help="shard and sign a checkpoint directory")
-    p.add_argument("ckpt_dir", type=Path, help="HF checkpoint directory (config, safetensors, tokenizer files)")
+    p.add_argument(
+        "ckpt_dir", type=Path, help="HF checkpoint directory (config, safetensors, tokenizer files)"
+    )
     p.add_argument("--step", type=int, required=True, help="optimizer step of this checkpoint")
     p.add_argument("--key", type=Path, required=True, help="the operator's secret key file")
-    p.add_argument("--out", type=Path, required=True, help="store directory to publish into (served by `serve`)")
-    p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="shard size in bytes (default 16 MiB)")
+    p.add_argument(
+        "--out", type=Path, required=True, help="store directory to publish into (served by `serve`)"
+    )
+    p.add_argument(
+        "--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="shard size in bytes (default 16 MiB)"
+    )
     p.add_argument("--run-id", default="default", help="run id written into the manifest")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(handler=publish_cmd)
@@ -70,17 +80,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dir", type=Path, help="store directory")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8470; 0 picks a free one)")
-    p.add_argument("--upstream", action="append", default=None, help="relay mode: upstream server URL (repeatable)")
+    p.add_argument(
+        "--upstream", action="append", default=None, help="relay mode: upstream server URL (repeatable)"
+    )
     p.add_argument("--keep", type=int, default=None, help="versions kept on disk (default 5)")
     p.add_argument("--trainer-key", default=None, help="pinned signer key (hex); required with --upstream")
     p.add_argument("--ban", action="append", default=None, help="banned node id or IP/network (repeatable)")
     p.add_argument("--ban-file", type=Path, default=None, help="file of ban entries, re-read when it changes")
     p.add_argument("--rate-limit", type=float, default=None, help="requests per second per client (0: off)")
-    p.add_argument("--require-node-auth", action="store_true", default=None,
-                   help="refuse requests without a node's signed access token (node-id bans cannot be dodged)")
+    p.add_argument(
+        "--require-node-auth",
+        action="store_true",
+        default=None,
+        help="refuse requests without a node's signed access token (node-id bans cannot be dodged)",
+    )
     p.add_argument("--key", type=Path, default=None, help="this relay's key: signs its requests to upstreams")
-    p.add_argument("--public-url", action="append", default=None,
-                   help="a URL clients reach this server by (NAT, DNS); access tokens may be addressed to it")
+    p.add_argument(
+        "--public-url",
+        action="append",
+        default=None,
+        help="a URL clients reach this server by (NAT, DNS); access tokens may be addressed to it",
+    )
     p.set_defaults(handler=serve_cmd)
 
     p = cmds.add_parser("fetch", parents=[common_flags()], help="download and verify a checkpoint")
@@ -89,10 +109,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="store directory to fetch into")
     p.add_argument("--step", type=_step, default=None, help="step number or 'latest' (default)")
     p.add_argument("--concurrency", type=int, default=None, help="shards downloaded at once (default 8)")
-    p.add_argument("--stall-timeout", type=float, default=None, help="seconds without data before switching source")
+    p.add_argument(
+        "--stall-timeout", type=float, default=None, help="seconds without data before switching source"
+    )
     p.add_argument("--keep", type=int, default=None, help="keep only this many versions after success")
-    p.add_argument("--key", type=Path, default=None,
-                   help="your node key: requests carry a signed access token (needed by servers that require one)")
+    p.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        help="your node key: requests carry a signed access token (needed by servers that require one)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON report instead of a progress bar")
     p.set_defaults(handler=fetch_cmd)
 
@@ -101,7 +127,12 @@ def publish_cmd(args: argparse.Namespace) -> int:
     load_settings(args, CommonSettings)
     identity = Identity.load(args.key)
     manifest, final = publish(
-        args.ckpt_dir, step=args.step, identity=identity, out_dir=args.out, shard_size=args.shard_size, run_id=args.run_id
+        args.ckpt_dir,
+        step=args.step,
+        identity=identity,
+        out_dir=args.out,
+        shard_size=args.shard_size,
+        run_id=args.run_id,
     )
     report = {
         "step": manifest.step,
@@ -116,24 +147,38 @@ def publish_cmd(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
     else:
-        print(f"published step {manifest.step}: {report['shards']} shards, {manifest.body.total_size} bytes -> {final}")
+        print(
+            f"published step {manifest.step}: {report['shards']} shards, {manifest.body.total_size} bytes -> {final}"
+        )
         print(f"manifest sha256 {manifest.digest}")
     return 0
 
 
 def serve_cmd(args: argparse.Namespace) -> int:
-    settings = load_settings(args, WeightsSettings, {
-        "serve.host": "host", "serve.port": "port", "serve.keep": "keep", "serve.ban": "ban",
-        "serve.ban_file": "ban_file", "serve.rate_per_s": "rate_limit", "trainer_key": "trainer_key",
-        "serve.require_node_auth": "require_node_auth", "serve.public_urls": "public_url",
-    })
+    settings = load_settings(
+        args,
+        WeightsSettings,
+        {
+            "serve.host": "host",
+            "serve.port": "port",
+            "serve.keep": "keep",
+            "serve.ban": "ban",
+            "serve.ban_file": "ban_file",
+            "serve.rate_per_s": "rate_limit",
+            "trainer_key": "trainer_key",
+            "serve.require_node_auth": "require_node_auth",
+            "serve.public_urls": "public_url",
+        },
+    )
     if args.upstream and not settings.trainer_key:
         raise ConfigError("relay mode (--upstream) needs --trainer-key: a relay verifies what it mirrors")
     identity = Identity.load(args.key) if args.key is not None else None
     return asyncio.run(_serve(args.dir, args.upstream or [], settings, identity))
 
 
-async def _serve(directory: Path, upstreams: list[str], settings: WeightsSettings, identity: Identity | None) -> int:
+async def _serve(
+    directory: Path, upstreams: list[str], settings: WeightsSettings, identity: Identity | None
+) -> int:
     server = WeightsServer(Store(directory), settings.serve, settings.trainer_key)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -144,8 +189,14 @@ async def _serve(directory: Path, upstreams: list[str], settings: WeightsSetting
     tasks: list[asyncio.Task[None]] = []
     if upstreams:
         assert settings.trainer_key is not None
-        relay = Relay(server, upstreams, settings.trainer_key, settings.fetch, poll_interval_s=settings.poll_interval_s,
-                      identity=identity)
+        relay = Relay(
+            server,
+            upstreams,
+            settings.trainer_key,
+            settings.fetch,
+            poll_interval_s=settings.poll_interval_s,
+            identity=identity,
+        )
         tasks.append(asyncio.create_task(relay.run(), name="weights-relay"))
     waiter = asyncio.create_task(stop.wait(), name="weights-serve-stop")
     supervised = [waiter, *tasks, *([server.scanner] if server.scanner else [])]
@@ -157,7 +208,7 @@ async def _serve(directory: Path, upstreams: list[str], settings: WeightsSetting
     for stopping in (asyncio.gather(*tasks, waiter, return_exceptions=True), server.stop()):
         try:
             await asyncio.wait_for(stopping, SHUTDOWN_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.error("shutdown step did not finish within %.0f s; exiting anyway", SHUTDOWN_TIMEOUT_S)
             clean = False
     for task in done:  # the scanner is stopped by server.stop(); a crash of any task is re-raised here
@@ -167,15 +218,29 @@ async def _serve(directory: Path, upstreams: list[str], settings: WeightsSetting
 
 
 def fetch_cmd(args: argparse.Namespace) -> int:
-    settings = load_settings(args, WeightsSettings, {
-        "fetch.concurrency": "concurrency", "fetch.stall_timeout_s": "stall_timeout", "fetch.keep": "keep",
-        "trainer_key": "trainer_key",
-    })
+    settings = load_settings(
+        args,
+        WeightsSettings,
+        {
+            "fetch.concurrency": "concurrency",
+            "fetch.stall_timeout_s": "stall_timeout",
+            "fetch.keep": "keep",
+            "trainer_key": "trainer_key",
+        },
+    )
     assert settings.trainer_key is not None  # required flag, validated by the settings pattern
-    bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, disable=args.json or None, file=sys.stderr)
+    bar = tqdm(
+        total=0, unit="B", unit_scale=True, unit_divisor=1024, disable=args.json or None, file=sys.stderr
+    )
     identity = Identity.load(args.key) if args.key is not None else None
-    fetcher = Fetcher(args.source, settings.trainer_key, Store(args.out), settings.fetch, on_bytes=bar.update,
-                      identity=identity)
+    fetcher = Fetcher(
+        args.source,
+        settings.trainer_key,
+        Store(args.out),
+        settings.fetch,
+        on_bytes=bar.update,
+        identity=identity,
+    )
 
     def on_manifest(manifest: SignedManifest, resumed: int) -> None:
         bar.reset(total=manifest.body.total_size)

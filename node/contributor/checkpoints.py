@@ -128,7 +128,7 @@ class CheckpointKeeper:
                 wait = min(3600.0, due - time.monotonic())
             try:
                 await asyncio.wait_for(self.changed.wait(), timeout=max(0.05, wait))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def try_fetch(self, policy: PolicyAnnouncement) -> bool:
@@ -140,8 +140,9 @@ class CheckpointKeeper:
             self._refused(policy, str(exc))
             return False
         except Exception as exc:  # noqa: BLE001 - whatever a source sent, this task (and the node) goes on
-            logger.exception("checkpoint step %d: unexpected error while fetching (a bug; please report it)",
-                             policy.step)
+            logger.exception(
+                "checkpoint step %d: unexpected error while fetching (a bug; please report it)", policy.step
+            )
             self._refused(policy, f"unexpected error: {type(exc).__name__}: {exc}")
             return False
         self._retry_at.pop(policy.step, None)

@@ -20,17 +20,25 @@ from ...p2p.weights.store import Store
 from ..errors import ConfigError, NodeError, OperatorActionNeeded
 from ..run.announcement import agreed_policies, run_parameters
 from ..run.settings import engine_for_run, open_run_task_set
+from ..runtime.supervisor import Supervisor, TaskCrashed
 from .checkpoints import CheckpointKeeper
 from .delivery import Delivery
 from .leaderboard import run_leaderboard
 from .outbox import Outbox
-from .preflight import check_cuda, check_cuda_visible, check_data_dir, check_disk, check_key, check_memory, run_checks
+from .preflight import (
+    check_cuda,
+    check_cuda_visible,
+    check_data_dir,
+    check_disk,
+    check_key,
+    check_memory,
+    run_checks,
+)
 from .rollout_loop import RolloutLoop
 from .serving import WeightsSharing
 from .settings import StartSettings
 from .state import NodeState
 from .status import StatusServer
-from ..runtime.supervisor import Supervisor, TaskCrashed
 from .validator_api import ValidatorApi
 from .verdicts import VerdictWatcher
 
@@ -59,7 +67,9 @@ class ContributorNode:
     def preflight(self) -> Identity:
         """The checks that need nothing started; raises PreflightError listing every fatal failure."""
         s = self.settings
-        engine_for_run(s.engine, s.run)  # a dtype the run's validators reject stops the node here, not per file
+        engine_for_run(
+            s.engine, s.run
+        )  # a dtype the run's validators reject stops the node here, not per file
         checks = [check_key(s.key_path()), check_data_dir(self.data_dir)]
         if self.gpu:  # no CUDA at all is known at once, before the DHT starts (the memory check comes later)
             checks.append(check_cuda_visible())
@@ -74,7 +84,11 @@ class ContributorNode:
         identity = self.preflight()
         s, sup = self.settings, self.supervisor
         state = NodeState(identity.node_id, self.operator_key)
-        swarm = Swarm(s.swarm_config(), identity, roles=("contributor", "relay") if s.serve_weights else ("contributor",))
+        swarm = Swarm(
+            s.swarm_config(),
+            identity,
+            roles=("contributor", "relay") if s.serve_weights else ("contributor",),
+        )
         crash: TaskCrashed | None = None
         needs_operator: OperatorActionNeeded | None = None
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-worker")
@@ -84,7 +98,9 @@ class ContributorNode:
             sup.install_signal_handlers()
             state.state = "starting the DHT"
             try:
-                await asyncio.to_thread(swarm.start_dht)  # fork before CUDA initialises (no CUDA context in the child)
+                await asyncio.to_thread(
+                    swarm.start_dht
+                )  # fork before CUDA initialises (no CUDA context in the child)
             except Exception:
                 # A stop sent to the whole process group (systemd, the devnet) also reaches what the DHT start
                 # waits on (torch's shared-memory manager, the DHT child), and the start fails: the stop's
@@ -105,7 +121,9 @@ class ContributorNode:
             await sup.wait()
         except TaskCrashed as exc:
             crash = exc
-        except OperatorActionNeeded as exc:  # e.g. the run announces other parameters: its message says what to do
+        except (
+            OperatorActionNeeded
+        ) as exc:  # e.g. the run announces other parameters: its message says what to do
             needs_operator = exc
         finally:
             state.state = "stopping"
@@ -124,7 +142,9 @@ class ContributorNode:
         logger.info("stopped (%s) in %.1f s", sup.stop_reason, report.seconds)
         return 0
 
-    async def _start_services(self, identity: Identity, swarm: Swarm, state: NodeState, executor: ThreadPoolExecutor) -> None:
+    async def _start_services(
+        self, identity: Identity, swarm: Swarm, state: NodeState, executor: ThreadPoolExecutor
+    ) -> None:
         s, sup = self.settings, self.supervisor
         status = StatusServer(self.data_dir, state.to_status, state.metrics, s.status_host, s.status_port)
         await status.start()
@@ -134,28 +154,48 @@ class ContributorNode:
         if await sharing.start():
             sup.on_shutdown("weights server", sharing.stop)
         keeper = CheckpointKeeper(
-            store, self.operator_key, state, async_level=s.async_level, fetch_settings=s.fetch,
-            retry_s=s.fetch_retry_s, max_retry_s=s.max_retry_s, identity=identity, peer_sources=sharing.sources_for,
+            store,
+            self.operator_key,
+            state,
+            async_level=s.async_level,
+            fetch_settings=s.fetch,
+            retry_s=s.fetch_retry_s,
+            max_retry_s=s.max_retry_s,
+            identity=identity,
+            peer_sources=sharing.sources_for,
         )
         await keeper.load_local()
         outbox = Outbox(self.data_dir / "rollouts")
         api = ValidatorApi(swarm, identity.node_id, s.validator_api_timeout_s)
         sup.on_shutdown("validator API client", api.close)
         verdicts = VerdictWatcher(
-            api, outbox, state, poll_s=s.verdict_poll_s, max_poll_s=s.max_retry_s, timeout_s=s.verdict_timeout_s
+            api,
+            outbox,
+            state,
+            poll_s=s.verdict_poll_s,
+            max_poll_s=s.max_retry_s,
+            timeout_s=s.verdict_timeout_s,
         )
         await asyncio.to_thread(verdicts.restore)
         delivery = Delivery(
-            swarm, outbox, state, retry_s=s.handoff_retry_s, max_retry_s=s.max_retry_s, on_receipt=verdicts.receipted,
+            swarm,
+            outbox,
+            state,
+            retry_s=s.handoff_retry_s,
+            max_retry_s=s.max_retry_s,
+            on_receipt=verdicts.receipted,
             async_level=s.async_level,
         )
         # Opened once (a file is read and hashed): its identity is compared with every policy's, and the rollout
         # loop draws from this same object, so a task file edited in place cannot change the tasks unnoticed.
         task_set = await asyncio.to_thread(open_run_task_set, s.run)
-        loop = self.rollout_loop(s, identity, keeper, outbox, state, executor, on_committed=delivery.committed,
-                                 task_set=task_set)
+        loop = self.rollout_loop(
+            s, identity, keeper, outbox, state, executor, on_committed=delivery.committed, task_set=task_set
+        )
 
-        ours = run_parameters(s.run, task_set)  # every announced policy must carry these (run_announcement.py)
+        ours = run_parameters(
+            s.run, task_set
+        )  # every announced policy must carry these (run_announcement.py)
 
         async def watch_policy() -> None:
             while True:
@@ -182,7 +222,11 @@ class ContributorNode:
         sup.spawn("leaderboard", run_leaderboard(api, state, s.leaderboard_refresh_s))
         sup.spawn("rollout-loop", rollouts())
         logger.info(
-            "node %s… started: status API on %s:%s, data in %s", identity.node_id[:16], s.status_host, status.port, self.data_dir
+            "node %s… started: status API on %s:%s, data in %s",
+            identity.node_id[:16],
+            s.status_host,
+            status.port,
+            self.data_dir,
         )
 
 
@@ -214,7 +258,9 @@ async def _watch_peers(swarm: Swarm, state: NodeState, sharing: WeightsSharing) 
             if ban is not None and ban.reason != banned_reason:
                 banned_reason = ban.reason
                 state.error(f"this node is banned by the operator: {ban.reason}")
-                logger.error("this node is banned by the operator (%s); its rollouts will be refused", ban.reason)
+                logger.error(
+                    "this node is banned by the operator (%s); its rollouts will be refused", ban.reason
+                )
         await asyncio.sleep(swarm.config.heartbeat_interval_s)
 
 

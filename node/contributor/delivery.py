@@ -69,14 +69,20 @@ class Delivery:
                     if self._stale(entry):
                         await asyncio.to_thread(self.outbox.drop_stale, entry)
                         self.state.count_rollout("stale")
-                        logger.info("dropped unsent rollout file %s…: its checkpoint step %s is outside the "
-                                    "async window of announced step %s", entry.sha256[:16], entry.policy_step,
-                                    self.state.announced_step)
+                        logger.info(
+                            "dropped unsent rollout file %s…: its checkpoint step %s is outside the "
+                            "async window of announced step %s",
+                            entry.sha256[:16],
+                            entry.policy_step,
+                            self.state.announced_step,
+                        )
                         continue
                     await self.deliver(entry)
             except (HandoffError, SwarmError, OSError) as exc:
                 self._note_failure(str(exc), delay)
-                hint = exc.retry_after_s if isinstance(exc, HandoffBusy) else 0.0  # back-pressure: the file stays
+                hint = (
+                    exc.retry_after_s if isinstance(exc, HandoffBusy) else 0.0
+                )  # back-pressure: the file stays
                 await asyncio.sleep(max(delay, min(hint, self.max_retry_s)))
                 delay = min(self.max_retry_s, delay * 2)
                 continue
@@ -86,7 +92,7 @@ class Delivery:
                 self._last_failure = None
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=_IDLE_RECHECK_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _stale(self, entry: OutboxEntry) -> bool:
@@ -102,9 +108,13 @@ class Delivery:
             envelope = RolloutEnvelope.model_validate_json(raw, strict=True)
         except ValidationError as exc:  # damaged on disk: no validator would take it, so do not retry it
             await asyncio.to_thread(self.outbox.reject, entry, f"unreadable signature envelope: {exc}")
-            logger.error("outbox entry %s has an unreadable signature envelope; moved to rejected/", entry.sha256)
+            logger.error(
+                "outbox entry %s has an unreadable signature envelope; moved to rejected/", entry.sha256
+            )
             return
-        summary = self._summaries.pop(entry.sha256, f"rollout file {entry.sha256[:16]}… (written before a restart)")
+        summary = self._summaries.pop(
+            entry.sha256, f"rollout file {entry.sha256[:16]}… (written before a restart)"
+        )
         try:
             receipt = await self.swarm.send_rollout(entry.file_path, envelope)
         except HandoffRefused as exc:

@@ -40,8 +40,14 @@ async def refresh_leaderboard(api: ValidatorApi, state: NodeState) -> None:
             state.set_leaderboard(None, f"not ranked yet at {endpoint.url}")
         else:
             entry = LeaderboardEntry(
-                rank=row.rank, score=row.score, accepted_tokens=row.accepted_tokens, accepted_files=row.accepted_files,
-                rejected_files=row.rejected_files, banned=row.banned, validator_url=endpoint.url, fetched_at=time.time(),
+                rank=row.rank,
+                score=row.score,
+                accepted_tokens=row.accepted_tokens,
+                accepted_files=row.accepted_files,
+                rejected_files=row.rejected_files,
+                banned=row.banned,
+                validator_url=endpoint.url,
+                fetched_at=time.time(),
             )
             state.set_leaderboard(entry, "ok")
         return

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ...p2p.swarm import Receipt
-from ..runtime.durable import fsync_path
 from ..errors import NodeError
+from ..runtime.durable import fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,9 @@ class Outbox:
         """Where to write a new file before `commit`; never looks complete to a reader."""
         return self.tmp / name
 
-    def commit(self, sha256: str, staged_file: Path, staged_sig: Path, policy_step: int | None = None) -> OutboxEntry:
+    def commit(
+        self, sha256: str, staged_file: Path, staged_sig: Path, policy_step: int | None = None
+    ) -> OutboxEntry:
         """Move a fully written file and its signature into pending/ (step and signature first, file last)."""
         if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
             raise OutboxError(f"not a hex SHA-256: {sha256!r}")
@@ -91,7 +93,9 @@ class Outbox:
                 logger.warning("outbox entry %s has no signature; discarding it", file_path.name)
                 file_path.unlink()
                 continue
-            entries.append(OutboxEntry(entry.sha256, entry.file_path, entry.sig_path, _read_step(entry.step_path)))
+            entries.append(
+                OutboxEntry(entry.sha256, entry.file_path, entry.sig_path, _read_step(entry.step_path))
+            )
         return entries
 
     def pending_count(self) -> int:
@@ -140,7 +144,9 @@ class Outbox:
             try:
                 receipt = Receipt.model_validate_json(path.read_bytes())
             except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-                logger.warning("unreadable receipt %s (%s); its verdict will not be asked for", path.name, exc)
+                logger.warning(
+                    "unreadable receipt %s (%s); its verdict will not be asked for", path.name, exc
+                )
                 continue
             found.append(receipt.model_dump(mode="json"))
         return sorted(found, key=lambda r: r["body"]["received_at"])

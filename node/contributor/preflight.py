@@ -56,7 +56,11 @@ def check_data_dir(data_dir: Path) -> CheckResult:
         with tempfile.NamedTemporaryFile(dir=data_dir, prefix=".write-test-"):
             pass
     except OSError as exc:
-        return CheckResult("data directory", False, f"{data_dir} is not writable ({exc.strerror}); choose another with --data-dir")
+        return CheckResult(
+            "data directory",
+            False,
+            f"{data_dir} is not writable ({exc.strerror}); choose another with --data-dir",
+        )
     return CheckResult("data directory", True, str(data_dir))
 
 
@@ -94,13 +98,17 @@ def check_cuda_visible() -> CheckResult:
 
     if not torch.backends.cuda.is_built():
         return CheckResult(
-            "cuda", False, f"--gpu was given but this torch ({torch.__version__}) is built without CUDA; install a "
-            "CUDA build of torch, or start without --gpu to generate on the CPU"
+            "cuda",
+            False,
+            f"--gpu was given but this torch ({torch.__version__}) is built without CUDA; install a "
+            "CUDA build of torch, or start without --gpu to generate on the CPU",
         )
     if not torch.cuda.is_available():
         return CheckResult(
-            "cuda", False, "--gpu was given but no CUDA device is visible (check the driver, CUDA_VISIBLE_DEVICES), "
-            "or start without --gpu to generate on the CPU"
+            "cuda",
+            False,
+            "--gpu was given but no CUDA device is visible (check the driver, CUDA_VISIBLE_DEVICES), "
+            "or start without --gpu to generate on the CPU",
         )
     return CheckResult("cuda", True, "a CUDA device is visible")
 
@@ -111,13 +119,17 @@ def check_cuda(needed_bytes: int) -> CheckResult:
 
     if not torch.cuda.is_available():
         return CheckResult(
-            "cuda", False, "--gpu was given but no CUDA device is visible (check the driver, CUDA_VISIBLE_DEVICES)"
+            "cuda",
+            False,
+            "--gpu was given but no CUDA device is visible (check the driver, CUDA_VISIBLE_DEVICES)",
         )
     free, total = torch.cuda.mem_get_info()
     name = torch.cuda.get_device_name()
     if free < needed_bytes:
         return CheckResult(
-            "cuda", False, f"{name} has {free / GIB:.1f} GiB free of {total / GIB:.1f}, {needed_bytes / GIB:.1f} GiB needed"
+            "cuda",
+            False,
+            f"{name} has {free / GIB:.1f} GiB free of {total / GIB:.1f}, {needed_bytes / GIB:.1f} GiB needed",
         )
     return CheckResult("cuda", True, f"{name}, {free / GIB:.1f} GiB free")
 
@@ -141,8 +153,12 @@ def check_cuda_for_model(model_dir: Path, min_bytes: int) -> CheckResult:
     result = check_cuda(max(min_bytes, model_gpu_bytes(model_dir)))
     if result.ok:
         return result
-    return CheckResult("cuda", False, f"the checkpoint in {model_dir} does not fit: {result.message}; "
-                       "free GPU memory (other processes?) or run without --gpu")
+    return CheckResult(
+        "cuda",
+        False,
+        f"the checkpoint in {model_dir} does not fit: {result.message}; "
+        "free GPU memory (other processes?) or run without --gpu",
+    )
 
 
 def run_checks(checks: list[CheckResult]) -> list[CheckResult]:

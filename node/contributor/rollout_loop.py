@@ -25,8 +25,8 @@ from ..engine import InferenceEngine, load_engine
 from ..errors import NodeError
 from ..run.producer import BatchSpec, ProducedBatch, produce_rollout_file
 from ..run.settings import engine_for_run, load_run_tasks
-from ..tasks import TaskSet
 from ..run.validation import RunTasks
+from ..tasks import TaskSet
 from .checkpoints import CheckpointKeeper
 from .outbox import Outbox
 from .preflight import PreflightError, check_cuda_for_model, run_checks
@@ -62,7 +62,9 @@ class RolloutLoop:
         self.state = state
         self.executor = executor
         self.on_committed = on_committed  # (sha256, summary) after each commit: wakes the hand-off task
-        self.task_set = task_set  # the run's, opened once by the caller (None: opened at each checkpoint load)
+        self.task_set = (
+            task_set  # the run's, opened once by the caller (None: opened at each checkpoint load)
+        )
         self.batches_done = 0
         self._engine: InferenceEngine | None = None
         self._tasks: RunTasks | None = None
@@ -107,7 +109,9 @@ class RolloutLoop:
     def _load_blocking(self, directory: Path) -> tuple[InferenceEngine, RunTasks]:
         if self.settings.engine.device == "cuda":
             run_checks([check_cuda_for_model(directory, self.settings.min_gpu_memory_mb << 20)])
-        engine = load_engine(directory, **engine_for_run(self.settings.engine, self.settings.run).model_dump())
+        engine = load_engine(
+            directory, **engine_for_run(self.settings.engine, self.settings.run).model_dump()
+        )
         return engine, load_run_tasks(self.settings.run, directory, self.task_set)
 
     def _next_counter(self, step: int) -> int:
@@ -125,9 +129,14 @@ class RolloutLoop:
         assert self._engine is not None and self._tasks is not None
         s = self.settings
         spec = BatchSpec(
-            run_id=s.run.run_id, run_seed=s.run.run_seed, policy_step=step,
-            batch_counter=await asyncio.to_thread(self._next_counter, step), prompts=s.prompts,
-            samples=s.run.samples, temperature=s.run.temperature, max_new_tokens=s.run.max_new_tokens,
+            run_id=s.run.run_id,
+            run_seed=s.run.run_seed,
+            policy_step=step,
+            batch_counter=await asyncio.to_thread(self._next_counter, step),
+            prompts=s.prompts,
+            samples=s.run.samples,
+            temperature=s.run.temperature,
+            max_new_tokens=s.run.max_new_tokens,
         )
         self.state.working_step = step
         self.state.state = f"generating batch {spec.batch_counter} with checkpoint step {step}"
@@ -143,9 +152,17 @@ class RolloutLoop:
         self.state.record_batch(tokens, batch.generation_seconds)
         self.batches_done += 1
         mean_reward = sum(r.reward for r in batch.rows) / len(batch.rows)
-        summary = (f"batch {spec.batch_counter} of step {step}: {len(batch.rows)} samples, {tokens} tokens, "
-                   f"{self.state.tokens_per_second or 0:.0f} tok/s, mean reward {mean_reward:.3f}")
-        logger.debug("%s committed as %s; CPU-s: generation %.3f, proofs and rewards %.3f, file %.3f", summary,
-                     entry.sha256, batch.generation_cpu_s, batch.proof_cpu_s, batch.file_cpu_s)
+        summary = (
+            f"batch {spec.batch_counter} of step {step}: {len(batch.rows)} samples, {tokens} tokens, "
+            f"{self.state.tokens_per_second or 0:.0f} tok/s, mean reward {mean_reward:.3f}"
+        )
+        logger.debug(
+            "%s committed as %s; CPU-s: generation %.3f, proofs and rewards %.3f, file %.3f",
+            summary,
+            entry.sha256,
+            batch.generation_cpu_s,
+            batch.proof_cpu_s,
+            batch.file_cpu_s,
+        )
         if self.on_committed is not None:
             self.on_committed(entry.sha256, summary)

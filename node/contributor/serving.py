@@ -30,7 +30,9 @@ MAX_PEER_SOURCES = 4  # per fetch, drawn at random: load spreads over the peers 
 
 
 class WeightsSharing:
-    def __init__(self, store: Store, settings: StartSettings, operator_key: str, swarm: Swarm, state: NodeState) -> None:
+    def __init__(
+        self, store: Store, settings: StartSettings, operator_key: str, swarm: Swarm, state: NodeState
+    ) -> None:
         self.store = store
         self.settings = settings
         self.operator_key = operator_key
@@ -44,14 +46,18 @@ class WeightsSharing:
         if not self.settings.serve_weights:
             return False
         if self.swarm.client_mode:
-            logger.warning("not serving weights: peers cannot dial this node (it runs as a DHT client; see docs/swarm.md)")
+            logger.warning(
+                "not serving weights: peers cannot dial this node (it runs as a DHT client; see docs/swarm.md)"
+            )
             return False
         server = WeightsServer(self.store, self.settings.serve, self.operator_key)
         bound = await server.start()
         url = self.settings.weights_public_url or routable_url(bound, await self.swarm.maddrs())
         if url is None:
             await server.stop()
-            logger.warning("not serving weights: %s is not an address peers can use; set weights_public_url", bound)
+            logger.warning(
+                "not serving weights: %s is not an address peers can use; set weights_public_url", bound
+            )
             return False
         server.accept_audience(url)  # peers address the advertised URL, which may differ from the bound one
         self.server = server
@@ -79,7 +85,12 @@ class WeightsSharing:
         """Remember which live peers serve which steps (called after each peer scan)."""
         by_step: dict[int, list[str]] = {}
         for node_id, heartbeat in peers.items():
-            if node_id == self.swarm.node_id or node_id in banned or heartbeat.client_mode or not heartbeat.weights_url:
+            if (
+                node_id == self.swarm.node_id
+                or node_id in banned
+                or heartbeat.client_mode
+                or not heartbeat.weights_url
+            ):
                 continue
             if not _same_host(heartbeat.weights_url, list(heartbeat.addresses)):
                 continue  # a URL elsewhere than the peer itself would turn nodes into someone else's clients
@@ -98,4 +109,6 @@ def _same_host(url: str, maddrs: list[str]) -> bool:
         host = urlsplit(url).hostname
     except ValueError:
         return False
-    return host is not None and any(m.split("/")[2:3] == [host] for m in maddrs if m.startswith(("/ip4/", "/ip6/")))
+    return host is not None and any(
+        m.split("/")[2:3] == [host] for m in maddrs if m.startswith(("/ip4/", "/ip6/"))
+    )

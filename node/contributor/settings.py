@@ -30,9 +30,12 @@ class StartSettings(CommonSettings):
 
     key_file: Path | None = Field(None, description="The node's secret key; default <data-dir>/node.key.")
     operator_key: str | None = Field(
-        None, description="The run operator's public key (64 hex): the only signer of policies and checkpoints."
+        None,
+        description="The run operator's public key (64 hex): the only signer of policies and checkpoints.",
     )
-    run: RunSettings = Field(default_factory=RunSettings, description="Run parameters shared with validators.")
+    run: RunSettings = Field(
+        default_factory=RunSettings, description="Run parameters shared with validators."
+    )
     swarm: SwarmConfig = Field(default_factory=SwarmConfig, description="DHT membership and hand-off limits.")
     engine: EngineSettings = Field(default_factory=EngineSettings, description="Inference engine.")
     fetch: FetchSettings = Field(default_factory=FetchSettings, description="Checkpoint download.")
@@ -50,23 +53,41 @@ class StartSettings(CommonSettings):
         2, ge=0, le=64, description="Use checkpoints at most this many steps behind the announced one."
     )
     prompts: int = Field(4, ge=1, le=4096, description="Prompts per rollout batch (one file per batch).")
-    max_batches: int | None = Field(None, ge=1, description="Stop cleanly after this many batches (benchmarks).")
+    max_batches: int | None = Field(
+        None, ge=1, description="Stop cleanly after this many batches (benchmarks)."
+    )
     max_pending_files: int = Field(
-        4, ge=1, le=100_000,
+        4,
+        ge=1,
+        le=100_000,
         description="Generate no further while this many files wait for hand-off (the validator's back-pressure).",
     )
-    status_host: str = Field("127.0.0.1", description="Address of the local status API (loopback by default).")
+    status_host: str = Field(
+        "127.0.0.1", description="Address of the local status API (loopback by default)."
+    )
     status_port: int = Field(0, ge=0, le=65535, description="Port of the status API; 0 picks a free one.")
-    shutdown_timeout_s: float = Field(30.0, gt=0, le=600, description="Bound on a graceful stop (SIGINT/SIGTERM).")
+    shutdown_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="Bound on a graceful stop (SIGINT/SIGTERM)."
+    )
     fetch_retry_s: float = Field(5.0, gt=0, le=3600, description="First wait before retrying a failed fetch.")
-    handoff_retry_s: float = Field(2.0, gt=0, le=3600, description="First wait before retrying a failed hand-off.")
-    max_retry_s: float = Field(120.0, gt=0, le=86400, description="Longest wait between retries (backoff cap).")
-    verdict_poll_s: float = Field(5.0, gt=0, le=3600, description="First wait before asking for a file's verdict.")
+    handoff_retry_s: float = Field(
+        2.0, gt=0, le=3600, description="First wait before retrying a failed hand-off."
+    )
+    max_retry_s: float = Field(
+        120.0, gt=0, le=86400, description="Longest wait between retries (backoff cap)."
+    )
+    verdict_poll_s: float = Field(
+        5.0, gt=0, le=3600, description="First wait before asking for a file's verdict."
+    )
     verdict_timeout_s: float = Field(
         86400.0, gt=0, description="Stop asking for a file's verdict this long after its receipt."
     )
-    leaderboard_refresh_s: float = Field(60.0, gt=0, le=86400, description="How often the rank and score are refreshed.")
-    validator_api_timeout_s: float = Field(10.0, gt=0, le=300, description="Bound on one request to a validator's API.")
+    leaderboard_refresh_s: float = Field(
+        60.0, gt=0, le=86400, description="How often the rank and score are refreshed."
+    )
+    validator_api_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="Bound on one request to a validator's API."
+    )
     checkpoint_disk_mb: int = Field(
         256, ge=1, description="Disk reserved per checkpoint; async_level + 1 of them must fit at start."
     )
@@ -86,5 +107,9 @@ class StartSettings(CommonSettings):
 
     def swarm_config(self) -> SwarmConfig:
         """The swarm section with the run id and the pinned operator key filled in from the top level."""
-        keys = list(dict.fromkeys([*([self.operator_key] if self.operator_key else []), *self.swarm.operator_keys]))
-        return SwarmConfig.model_validate({**self.swarm.model_dump(), "run_id": self.run.run_id, "operator_keys": keys})
+        keys = list(
+            dict.fromkeys([*([self.operator_key] if self.operator_key else []), *self.swarm.operator_keys])
+        )
+        return SwarmConfig.model_validate(
+            {**self.swarm.model_dump(), "run_id": self.run.run_id, "operator_keys": keys}
+        )

@@ -68,7 +68,9 @@ class NodeStatus(BaseModel):
         "not asked yet", description='"ok", "not ranked yet at URL" or "validator unreachable: why".'
     )
     awaiting_verdicts: int = Field(0, description="Handed-off files whose verdict is not known yet.")
-    serving_weights: str | None = Field(None, description="URL of this node's weights server, when it serves.")
+    serving_weights: str | None = Field(
+        None, description="URL of this node's weights server, when it serves."
+    )
 
 
 class DaemonNotRunning(NodeError):
@@ -77,7 +79,12 @@ class DaemonNotRunning(NodeError):
 
 class StatusServer:
     def __init__(
-        self, data_dir: Path, status: Callable[[], NodeStatus], metrics: NodeMetrics, host: str = "127.0.0.1", port: int = 0
+        self,
+        data_dir: Path,
+        status: Callable[[], NodeStatus],
+        metrics: NodeMetrics,
+        host: str = "127.0.0.1",
+        port: int = 0,
     ) -> None:
         self.data_dir = Path(data_dir)
         self._status = status
@@ -113,7 +120,6 @@ class StatusServer:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-
 async def fetch_status(data_dir: Path, timeout: float = 5.0) -> NodeStatus:
     """Ask the daemon that owns `data_dir` for its status; DaemonNotRunning when none answers."""
     path = Path(data_dir) / STATUS_FILE
@@ -121,11 +127,15 @@ async def fetch_status(data_dir: Path, timeout: float = 5.0) -> NodeStatus:
         record = json.loads(path.read_text()[:MAX_STATUS_BYTES])
         pid, host, port = int(record["pid"]), str(record["host"]), int(record["port"])
     except FileNotFoundError:
-        raise DaemonNotRunning(f"no node is running for data directory {data_dir} (start one with `prime-node start`)") from None
+        raise DaemonNotRunning(
+            f"no node is running for data directory {data_dir} (start one with `prime-node start`)"
+        ) from None
     except (ValueError, KeyError, TypeError) as exc:
         raise DaemonNotRunning(f"{path} is unreadable ({exc}); is a node running?") from None
     if not pid_alive(pid):
-        raise DaemonNotRunning(f"no node is running for data directory {data_dir} (the last one, pid {pid}, has exited)")
+        raise DaemonNotRunning(
+            f"no node is running for data directory {data_dir} (the last one, pid {pid}, has exited)"
+        )
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
@@ -133,5 +143,7 @@ async def fetch_status(data_dir: Path, timeout: float = 5.0) -> NodeStatus:
                 resp.raise_for_status()
                 body = await resp.content.read(MAX_STATUS_BYTES)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise DaemonNotRunning(f"the node (pid {pid}) does not answer on {connect_host}:{port}: {exc}") from None
+        raise DaemonNotRunning(
+            f"the node (pid {pid}) does not answer on {connect_host}:{port}: {exc}"
+        ) from None
     return NodeStatus.model_validate_json(body)

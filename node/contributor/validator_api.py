@@ -99,7 +99,9 @@ class ValidatorApi:
         try:
             async with self._session.get(url, allow_redirects=False) as resp:
                 if (resp.content_length or 0) > limit:
-                    raise ValidatorApiError(f"{url} announces {resp.content_length} bytes; at most {limit} accepted")
+                    raise ValidatorApiError(
+                        f"{url} announces {resp.content_length} bytes; at most {limit} accepted"
+                    )
                 body = bytearray()
                 async for chunk in resp.content.iter_chunked(64 * 1024):
                     body += chunk

@@ -39,7 +39,14 @@ class _Awaited:
 
 class VerdictWatcher:
     def __init__(
-        self, api: ValidatorApi, outbox: Outbox, state: NodeState, *, poll_s: float, max_poll_s: float, timeout_s: float
+        self,
+        api: ValidatorApi,
+        outbox: Outbox,
+        state: NodeState,
+        *,
+        poll_s: float,
+        max_poll_s: float,
+        timeout_s: float,
     ) -> None:
         self.api = api
         self.outbox = outbox
@@ -67,7 +74,13 @@ class VerdictWatcher:
         body = receipt["body"]
         self._awaited.setdefault(
             body["sha256"],
-            _Awaited(body["sha256"], body["receiver"], float(body["received_at"]), time.monotonic() + self.poll_s, self.poll_s),
+            _Awaited(
+                body["sha256"],
+                body["receiver"],
+                float(body["received_at"]),
+                time.monotonic() + self.poll_s,
+                self.poll_s,
+            ),
         )
         self.state.awaiting_verdicts = len(self._awaited)
 
@@ -83,7 +96,7 @@ class VerdictWatcher:
             wait = min((a.due for a in self._awaited.values()), default=now + _IDLE_S) - now
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=max(0.05, min(_IDLE_S, wait)))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def poll_due(self) -> None:
@@ -95,7 +108,9 @@ class VerdictWatcher:
 
     async def _poll_due(self) -> None:
         now = time.monotonic()
-        due = sorted((a for a in self._awaited.values() if a.due <= now), key=lambda a: a.due)[:_MAX_PER_ROUND]
+        due = sorted((a for a in self._awaited.values() if a.due <= now), key=lambda a: a.due)[
+            :_MAX_PER_ROUND
+        ]
         if not due:
             return
         try:
@@ -107,7 +122,11 @@ class VerdictWatcher:
         for item in due:
             if time.time() - item.received_at > self.timeout_s:
                 del self._awaited[item.sha256]
-                logger.warning("no verdict on %s… within %.0f s of its receipt; no longer asking", item.sha256[:16], self.timeout_s)
+                logger.warning(
+                    "no verdict on %s… within %.0f s of its receipt; no longer asking",
+                    item.sha256[:16],
+                    self.timeout_s,
+                )
                 continue
             endpoint = endpoints.get(item.validator)
             if endpoint is None:
@@ -123,7 +142,9 @@ class VerdictWatcher:
                 continue
             await asyncio.to_thread(self.outbox.record_verdict, item.sha256, signed.envelope())
             del self._awaited[item.sha256]
-            self._learned(signed.document.accepted, item.sha256, signed.document.failed_check, signed.document.reason)
+            self._learned(
+                signed.document.accepted, item.sha256, signed.document.failed_check, signed.document.reason
+            )
 
     def _learned(self, accepted: bool, sha256: str, failed_check: str | None, reason: str) -> None:
         self._last_problem = None
@@ -140,5 +161,7 @@ class VerdictWatcher:
         item.delay = min(self.max_poll_s, item.delay * 2)
         item.due = time.monotonic() + item.delay
         if problem is not None and problem != self._last_problem:  # once per distinct problem
-            logger.warning("verdict lookup failed: %s; retrying (every %.0f s at most)", problem, self.max_poll_s)
+            logger.warning(
+                "verdict lookup failed: %s; retrying (every %.0f s at most)", problem, self.max_poll_s
+            )
             self._last_problem = problem

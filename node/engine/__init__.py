@@ -48,7 +48,10 @@ class EngineSettings(Section):
         None, ge=1, le=1024, description="torch CPU threads (process-wide); unset keeps torch's default."
     )
     gpu_memory_utilization: float = Field(
-        0.5, gt=0.05, le=0.95, description="Share of GPU memory vLLM may take (the prefill model needs the rest)."
+        0.5,
+        gt=0.05,
+        le=0.95,
+        description="Share of GPU memory vLLM may take (the prefill model needs the rest).",
     )
 
 
@@ -73,7 +76,14 @@ def load_engine(
 
         if vllm_available():
             return VLLMEngine.load(
-                model_dir, dtype=dtype, max_batch_size=max_batch_size, gpu_memory_utilization=gpu_memory_utilization
+                model_dir,
+                dtype=dtype,
+                max_batch_size=max_batch_size,
+                gpu_memory_utilization=gpu_memory_utilization,
             )
-        logger.info("vLLM is not installed: --gpu uses the transformers CUDA backend (pip install 'prime-node[gpu]')")
-    return HFEngine.load(model_dir, device=device, dtype=dtype, max_batch_size=max_batch_size, threads=threads)
+        logger.info(
+            "vLLM is not installed: --gpu uses the transformers CUDA backend (pip install 'prime-node[gpu]')"
+        )
+    return HFEngine.load(
+        model_dir, device=device, dtype=dtype, max_batch_size=max_batch_size, threads=threads
+    )

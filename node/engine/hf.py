@@ -89,7 +89,9 @@ class HFEngine:
         self.base = model.base_model
         self.head = model.get_output_embeddings()
         if self.head is None:
-            raise EngineError(f"{type(model).__name__} has no output embeddings (LM head); it cannot generate")
+            raise EngineError(
+                f"{type(model).__name__} has no output embeddings (LM head); it cannot generate"
+            )
         config = model.config
         self.eos_token_id = _single_eos(eos_token_id if eos_token_id is not None else config.eos_token_id)
         # The pad id only fills masked slots; any valid id works when the config names none.
@@ -118,7 +120,11 @@ class HFEngine:
         engine = cls(model, max_batch_size=max_batch_size, threads=threads)
         logger.info(
             "loaded %s from %s on %s (%s, max batch %d)",
-            type(model).__name__, model_dir, device, engine.dtype, max_batch_size,
+            type(model).__name__,
+            model_dir,
+            device,
+            engine.dtype,
+            max_batch_size,
         )
         return engine
 
@@ -151,8 +157,11 @@ class HFEngine:
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None
     ) -> torch.Tensor:
         out = self.base(
-            input_ids=ids, attention_mask=mask, position_ids=positions,
-            past_key_values=cache, use_cache=cache is not None,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=cache is not None,
         )
         return out.last_hidden_state
 
@@ -169,8 +178,11 @@ class HFEngine:
         logits = self.head(prompt_hidden[:, -1]).float()
         # Rows fed after each step, indexed [sample, step]; a sample's row s is the state at len(prompt) + s.
         fed = (
-            torch.empty(batch, params.max_new_tokens - 1, prompt_hidden.shape[-1], dtype=self.dtype, device=dev)
-            if capture and params.max_new_tokens > 1 else None
+            torch.empty(
+                batch, params.max_new_tokens - 1, prompt_hidden.shape[-1], dtype=self.dtype, device=dev
+            )
+            if capture and params.max_new_tokens > 1
+            else None
         )
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev)
         active = torch.arange(batch, device=dev)  # indices (into `requests`) of samples still generating
@@ -195,7 +207,12 @@ class HFEngine:
                 if keep.numel() == 0:
                     break
                 cache.batch_select_indices(keep)
-                active, tokens, mask, next_position = active[keep], tokens[keep], mask[keep], next_position[keep]
+                active, tokens, mask, next_position = (
+                    active[keep],
+                    tokens[keep],
+                    mask[keep],
+                    next_position[keep],
+                )
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             hidden = self._forward(tokens[:, None], mask, next_position[:, None], cache)[:, -1]
             if fed is not None:
@@ -268,8 +285,10 @@ class HFEngine:
         kept = [n - k for n, k in zip(lengths, starts, strict=True)]
         real = torch.cat([hidden[b, k:n] for b, (n, k) in enumerate(zip(lengths, starts, strict=True))])
         states, logits = real.to("cpu"), self.head(real).float().to("cpu")
-        return [PrefillResult(hidden_states=h, logits=g, first_position=k)
-                for h, g, k in zip(states.split(kept), logits.split(kept), starts, strict=True)]
+        return [
+            PrefillResult(hidden_states=h, logits=g, first_position=k)
+            for h, g, k in zip(states.split(kept), logits.split(kept), starts, strict=True)
+        ]
 
     # ----------------------------------------------------------------- helpers
 

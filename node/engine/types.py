@@ -60,7 +60,9 @@ class PrefillResult:
 
     # Rows are positions first_position .. L - 1 of the sequence (first_position: the caller's keep_from, 0 by
     # default): row i is position first_position + i, and its logits predict the token after it.
-    hidden_states: torch.Tensor  # (L - first_position, hidden) last hidden states after the final norm, on CPU
+    hidden_states: (
+        torch.Tensor
+    )  # (L - first_position, hidden) last hidden states after the final norm, on CPU
     logits: torch.Tensor  # (L - first_position, vocab) float32 logits, on CPU
     first_position: int = 0
 

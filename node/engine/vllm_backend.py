@@ -128,7 +128,9 @@ def _completion(
 ) -> Completion:
     start = len(request.prompt_ids) - 1  # the row whose logits produced output token 0
     rows = prefill.logits[start : start + len(output_ids)]
-    logprobs = torch.log_softmax(rows / temperature, dim=-1).gather(-1, torch.tensor(output_ids)[:, None])[:, 0]
+    logprobs = torch.log_softmax(rows / temperature, dim=-1).gather(-1, torch.tensor(output_ids)[:, None])[
+        :, 0
+    ]
     return Completion(
         prompt_ids=tuple(request.prompt_ids),
         output_ids=output_ids,

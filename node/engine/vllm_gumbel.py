@@ -42,7 +42,9 @@ class GumbelLogitsProcessor(LogitsProcessor):
         if not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"{TEMPERATURE_ARG} must be a number > 0, got {temperature!r}")
         if sampling_params.temperature != 0:
-            raise ValueError("Gumbel sampling requests must use temperature=0 (greedy over the perturbed logits)")
+            raise ValueError(
+                "Gumbel sampling requests must use temperature=0 (greedy over the perturbed logits)"
+            )
 
     def is_argmax_invariant(self) -> bool:
         return False  # it changes the argmax: that is the point, so vLLM must apply it under greedy sampling

@@ -47,7 +47,9 @@ def build_config(tokenizer: PreTrainedTokenizerFast, shape: TinyModelShape | Non
     )
 
 
-def build_tiny_model(seed: int, shape: TinyModelShape | None = None) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+def build_tiny_model(
+    seed: int, shape: TinyModelShape | None = None
+) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
     """A freshly initialised model and its tokenizer; the same seed gives bit-identical weights."""
     tokenizer = build_char_tokenizer()
     config = build_config(tokenizer, shape)

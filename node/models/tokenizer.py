@@ -18,14 +18,16 @@ EOS_TOKEN = "<eos>"
 UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN)
 # The split regex of Qwen2's tokenizer; with no merges it only decides where byte-level words begin.
-_SPLIT_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_SPLIT_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 
 def _byte_symbols() -> list[str]:
     """The 256 printable symbols byte-level BPE uses for bytes 0..255 (GPT-2's bytes_to_unicode), in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     symbols: dict[int, str] = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 
 from ...p2p.swarm.records import PolicyAnnouncement, RunParameters
 from ..errors import NodeError, OperatorActionNeeded
-from .settings import RunSettings, open_run_task_set
 from ..tasks import TaskSet
+from .settings import RunSettings, open_run_task_set
 
 # Announced field -> the setting that gives it (the task set's identity comes from two of them).
 _SETTING_OF = {
@@ -40,9 +40,15 @@ def run_parameters(run: RunSettings, tasks: TaskSet | None = None) -> RunParamet
     a file is read and hashed, so call it off the event loop)."""
     tasks = tasks if tasks is not None else open_run_task_set(run)
     return RunParameters(
-        run_id=run.run_id, run_seed=run.run_seed, tasks=tasks.identity, samples=run.samples,
-        temperature=float(run.temperature), max_new_tokens=run.max_new_tokens, compute_dtype=run.compute_dtype,
-        length_targets=list(run.length_targets), length_alpha=float(run.length_alpha),
+        run_id=run.run_id,
+        run_seed=run.run_seed,
+        tasks=tasks.identity,
+        samples=run.samples,
+        temperature=float(run.temperature),
+        max_new_tokens=run.max_new_tokens,
+        compute_dtype=run.compute_dtype,
+        length_targets=list(run.length_targets),
+        length_alpha=float(run.length_alpha),
     )
 
 

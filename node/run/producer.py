@@ -53,8 +53,15 @@ class ProducedBatch:
 
 def produce_rows(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> ProducedBatch:
     """Generate, prove and score the assigned batch; rows in assignment order."""
-    assignment = assign(spec.run_seed, node_id, spec.policy_step, spec.batch_counter,
-                        task_count=tasks.task_count, prompts=spec.prompts, samples=spec.samples)
+    assignment = assign(
+        spec.run_seed,
+        node_id,
+        spec.policy_step,
+        spec.batch_counter,
+        task_count=tasks.task_count,
+        prompts=spec.prompts,
+        samples=spec.samples,
+    )
     pairs = list(assignment.rows())
     requests = [SampleRequest(prompt_ids=tasks.prompt_ids(index, seed), seed=seed) for index, seed in pairs]
     start, start_cpu = time.perf_counter(), time.thread_time()
@@ -62,25 +69,45 @@ def produce_rows(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: B
     generated, generated_cpu = time.perf_counter(), time.thread_time()
     if any(c.hidden_states is None for c in completions):
         raise NodeError("the engine returned no hidden states; proofs need them (capture_hidden=True)")
-    proofs = build_proofs([c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))]
-                           for c in completions])
+    proofs = build_proofs(
+        [c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))] for c in completions]
+    )
     proved = time.perf_counter()
     rows = []
     for (index, seed), completion, proof in zip(pairs, completions, proofs, strict=True):
         task_reward, penalty, target = tasks.rewards_for(index, seed, completion.output_ids)
-        rows.append(RolloutRow(
-            run_id=spec.run_id, node_id=node_id, policy_step=spec.policy_step, batch_counter=spec.batch_counter,
-            sample_index=index, sample_seed=seed, temperature=spec.temperature,
-            max_new_tokens=spec.max_new_tokens, prompt_ids=completion.prompt_ids,
-            output_ids=completion.output_ids, finish_reason=completion.finish_reason,
-            task_reward=task_reward, length_penalty=penalty, reward=task_reward - penalty,
-            target_length=target, proof=proof,
-        ))
+        rows.append(
+            RolloutRow(
+                run_id=spec.run_id,
+                node_id=node_id,
+                policy_step=spec.policy_step,
+                batch_counter=spec.batch_counter,
+                sample_index=index,
+                sample_seed=seed,
+                temperature=spec.temperature,
+                max_new_tokens=spec.max_new_tokens,
+                prompt_ids=completion.prompt_ids,
+                output_ids=completion.output_ids,
+                finish_reason=completion.finish_reason,
+                task_reward=task_reward,
+                length_penalty=penalty,
+                reward=task_reward - penalty,
+                target_length=target,
+                proof=proof,
+            )
+        )
     done_cpu = time.thread_time()
-    logger.info("batch %d: %d samples generated in %.2fs (%.3f CPU-s), proofs and rewards in %.3f CPU-s",
-                spec.batch_counter, len(rows), generated - start, generated_cpu - start_cpu, done_cpu - generated_cpu)
-    return ProducedBatch(rows, generated - start, proved - generated, generated_cpu - start_cpu,
-                         done_cpu - generated_cpu)
+    logger.info(
+        "batch %d: %d samples generated in %.2fs (%.3f CPU-s), proofs and rewards in %.3f CPU-s",
+        spec.batch_counter,
+        len(rows),
+        generated - start,
+        generated_cpu - start_cpu,
+        done_cpu - generated_cpu,
+    )
+    return ProducedBatch(
+        rows, generated - start, proved - generated, generated_cpu - start_cpu, done_cpu - generated_cpu
+    )
 
 
 def produce_rollout_file(

@@ -34,11 +34,15 @@ class RunSettings(Section):
     length_targets: list[Annotated[int, Field(ge=1, le=MAX_LENGTH_TARGET)]] = Field(
         default_factory=list, max_length=32, description="Thinking-length targets in tokens; empty: off."
     )
-    length_alpha: float = Field(0.001, ge=0, le=1, description="Length penalty per token of distance to target.")
+    length_alpha: float = Field(
+        0.001, ge=0, le=1, description="Length penalty per token of distance to target."
+    )
     # Sampling is the run's, not each node's: a node free to pick them would sample cooler (higher rewards,
     # proofs still honest) or shorter (cheaper work), and the trainer's log-probabilities assume one temperature.
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature every rollout must use.")
-    max_new_tokens: int = Field(64, ge=1, le=8192, description="Most tokens per sample; every rollout must use it.")
+    max_new_tokens: int = Field(
+        64, ge=1, le=8192, description="Most tokens per sample; every rollout must use it."
+    )
     compute_dtype: Precision = Field(
         "float32",
         description="Dtype every contributor generates in; it picks the calibrated proof bounds (validators "
@@ -83,17 +87,25 @@ def validator_engine(engine: EngineSettings) -> EngineSettings:
 
 # The verifier's fields a command that loads a run takes from its [run] section (verifier field -> run field).
 VERIFIER_FIELDS_FROM_RUN = {
-    "run_id": "run_id", "run_seed": "run_seed", "samples_per_prompt": "samples", "temperature": "temperature",
-    "max_new_tokens": "max_new_tokens", "node_precision": "compute_dtype",
+    "run_id": "run_id",
+    "run_seed": "run_seed",
+    "samples_per_prompt": "samples",
+    "temperature": "temperature",
+    "max_new_tokens": "max_new_tokens",
+    "node_precision": "compute_dtype",
 }
 # For those commands' MOVED tables: a `[verifier] temperature` would otherwise be accepted and then silently
 # replaced by the run's, and the operator would believe their validator checks a value it does not.
-VERIFIER_SETTINGS_SET_BY_RUN = {f"verifier.{mine}": f"run.{theirs}" for mine, theirs in VERIFIER_FIELDS_FROM_RUN.items()}
+VERIFIER_SETTINGS_SET_BY_RUN = {
+    f"verifier.{mine}": f"run.{theirs}" for mine, theirs in VERIFIER_FIELDS_FROM_RUN.items()
+}
 
 
 def verifier_for_run(verifier: VerifierSettings, run: RunSettings) -> VerifierSettings:
     """The verifier settings bound to the run: its id, seed, group size, sampling and compute dtype."""
-    return verifier.model_copy(update={mine: getattr(run, theirs) for mine, theirs in VERIFIER_FIELDS_FROM_RUN.items()})
+    return verifier.model_copy(
+        update={mine: getattr(run, theirs) for mine, theirs in VERIFIER_FIELDS_FROM_RUN.items()}
+    )
 
 
 # Node-level before the run fixed them for everyone (see RunSettings).
@@ -129,5 +141,9 @@ def load_run_tasks(run: RunSettings, checkpoint: Path, task_set: TaskSet | None 
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise NodeError(f"cannot load the tokenizer of {checkpoint}: {exc}") from None
-    return RunTasks(task_set if task_set is not None else open_run_task_set(run), tokenizer,
-                    length_targets=run.length_targets, length_alpha=run.length_alpha)
+    return RunTasks(
+        task_set if task_set is not None else open_run_task_set(run),
+        tokenizer,
+        length_targets=run.length_targets,
+        length_alpha=run.length_alpha,
+    )

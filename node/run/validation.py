@@ -18,7 +18,13 @@ from transformers import PreTrainedTokenizerBase
 
 from ...proofs.checks import default_checks
 from ...proofs.rollout_schema import RolloutRow
-from ...proofs.verifier import ModelOracle, VerificationContext, VerificationReport, VerifierSettings, run_checks
+from ...proofs.verifier import (
+    ModelOracle,
+    VerificationContext,
+    VerificationReport,
+    VerifierSettings,
+    run_checks,
+)
 from ..tasks import TaskSet, score
 from ..tasks.length import draw_target_length, length_penalty, thinking_suffix
 
@@ -53,7 +59,9 @@ class RunTasks:
     def prompt_ids(self, sample_index: int, sample_seed: int) -> tuple[int, ...]:
         return self._encoded_prompt(sample_index, self.target_length(sample_seed))
 
-    def rewards_for(self, sample_index: int, sample_seed: int, output_ids: Sequence[int]) -> tuple[float, float, int | None]:
+    def rewards_for(
+        self, sample_index: int, sample_seed: int, output_ids: Sequence[int]
+    ) -> tuple[float, float, int | None]:
         """(task reward, length penalty, target length) of one completion."""
         task = self.task_set.get(sample_index)
         text = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)

@@ -119,7 +119,7 @@ class Supervisor:
         """Sleep up to `seconds`; return True early (and True) if a stop was requested."""
         try:
             await asyncio.wait_for(self._stop.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 

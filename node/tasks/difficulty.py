@@ -57,7 +57,10 @@ class FilterSettings(CommonSettings):
     task_seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the built-in task family.")
     offset: int = Field(0, ge=0, description="First task index to estimate.")
     limit: int | None = Field(
-        None, ge=1, le=2_000_000, description="Tasks to estimate; default all (required for the built-in set)."
+        None,
+        ge=1,
+        le=2_000_000,
+        description="Tasks to estimate; default all (required for the built-in set).",
     )
 
     @model_validator(mode="after")
@@ -160,8 +163,13 @@ def write_task_file(path: Path, estimates: Sequence[TaskEstimate]) -> None:
             "files); widen --min/--max, raise --k or filter more tasks"
         )
     records = [
-        {"prompt": e.task.prompt, "answer": e.task.answer, "task_type": e.task.task_type,
-         "source_index": e.index, "pass_rate": e.pass_rate}
+        {
+            "prompt": e.task.prompt,
+            "answer": e.task.answer,
+            "task_type": e.task.task_type,
+            "source_index": e.index,
+            "pass_rate": e.pass_rate,
+        }
         for e in estimates
     ]
     path.parent.mkdir(parents=True, exist_ok=True)

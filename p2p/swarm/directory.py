@@ -172,7 +172,9 @@ class SwarmDirectory(DHTPeer):
             except (OSError, EOFError, RecordError) as exc:  # DHT pipe trouble or a record we cannot build
                 logger.warning("heartbeat not published: %s", exc)
 
-    async def publish_policy(self, step: int, manifest_sha256: str, sources: list[str], run: RunParameters) -> bool:
+    async def publish_policy(
+        self, step: int, manifest_sha256: str, sources: list[str], run: RunParameters
+    ) -> bool:
         self._require_operator("a policy")
         body = PolicyAnnouncement(
             step=step, manifest_sha256=manifest_sha256, sources=sources, published_at=time.time(), run=run
@@ -245,7 +247,9 @@ class SwarmDirectory(DHTPeer):
                 logger.warning("policy lookup failed: %s", exc)
                 policy = None
             if policy is not None and (
-                last is None or policy.step > last.step or (policy.step == last.step and policy.run != last.run)
+                last is None
+                or policy.step > last.step
+                or (policy.step == last.step and policy.run != last.run)
             ):
                 last = policy
                 yield policy

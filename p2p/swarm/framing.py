@@ -28,7 +28,7 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int, timeout: floa
         if length > max_bytes:
             raise HandoffError(f"peer sent a {length}-byte frame; at most {max_bytes} allowed")
         payload = await asyncio.wait_for(reader.readexactly(length), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise HandoffError(f"peer sent nothing for {timeout:.0f} s") from None
     except asyncio.IncompleteReadError:
         raise HandoffError("peer closed the stream mid-frame") from None
@@ -70,7 +70,7 @@ async def read_at_rate(
             piece = await asyncio.wait_for(
                 reader.read(min(chunk, size - len(buffer))), max(0.0, due - time.monotonic())
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             piece = None
         if piece == b"":
             raise HandoffError(f"peer closed the stream after {len(buffer)} of {size} bytes")

@@ -227,9 +227,12 @@ class RolloutReceiver:
             await asyncio.wait_for(write_frame(writer, reply), self._timeout_s)
         except HandoffError as exc:  # the peer broke the protocol or stalled: nothing to answer
             logger.info("rollout hand-off from peer %s failed: %s", peer, exc)
-        except asyncio.TimeoutError:
-            logger.info("rollout hand-off from peer %s: it did not take our answer within %.0f s", peer,
-                        self._timeout_s)
+        except TimeoutError:
+            logger.info(
+                "rollout hand-off from peer %s: it did not take our answer within %.0f s",
+                peer,
+                self._timeout_s,
+            )
         except (OSError, ConnectionError) as exc:  # stream reset, or our disk refused the file
             logger.warning("rollout hand-off from peer %s aborted: %s", peer, exc)
         finally:
@@ -301,8 +304,12 @@ class RolloutReceiver:
         # Reading chunk by chunk is the back-pressure: the sender's writes wait on the stream window.
         try:
             return await read_at_rate(
-                reader, header.size, chunk=CHUNK_BYTES, min_bytes_per_s=self.config.handoff_min_bytes_per_s,
-                window_s=self.config.handoff_rate_window_s, deadline_s=self.body_deadline_s(header.size),
+                reader,
+                header.size,
+                chunk=CHUNK_BYTES,
+                min_bytes_per_s=self.config.handoff_min_bytes_per_s,
+                window_s=self.config.handoff_rate_window_s,
+                deadline_s=self.body_deadline_s(header.size),
             )
         except HandoffTooSlow as exc:
             self.cut_off += 1
@@ -310,7 +317,12 @@ class RolloutReceiver:
             logger.warning(
                 "cut off the hand-off of %s… from node %s… (peer %s, network %s): %s; "
                 "its next hand-off waits %.0f s",
-                header.sha256[:16], header.node_id[:16], peer, network or "not grouped", exc, cooldown,
+                header.sha256[:16],
+                header.node_id[:16],
+                peer,
+                network or "not grouped",
+                exc,
+                cooldown,
             )
             raise HandoffBusy(f"cut off: {exc}; retry after the cooldown", cooldown) from None
 
@@ -347,7 +359,7 @@ async def send(
         raise HandoffError(f"the envelope signs {envelope.size} bytes but the file has {len(data)}")
     try:
         reader, writer = await asyncio.wait_for(open_stream(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise HandoffError(f"could not open a stream to the validator within {timeout_s:.0f} s") from None
     try:
         await write_frame(writer, envelope.model_dump(mode="json"))
@@ -358,7 +370,7 @@ async def send(
                 writer.write(view[offset : offset + CHUNK_BYTES])
                 await asyncio.wait_for(writer.drain(), timeout_s)
             answer = await read_frame(reader, MAX_CONTROL_FRAME, timeout_s)
-    except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, ConnectionError) as exc:
         raise HandoffError(f"the hand-off stream broke: {exc!r}") from None
     finally:
         close_writer(writer)

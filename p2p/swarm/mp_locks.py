@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 HELD_LOCK_WAIT_S = 1.0
 # (owner class, attribute) of every process-shared lock hivemind's futures take.
 SHARED_LOCKS: tuple[tuple[Any, str], ...] = (
-    (MPFuture, "_update_lock"), (MPFuture, "_initialization_lock"), (SharedBytes, "_lock"),
+    (MPFuture, "_update_lock"),
+    (MPFuture, "_initialization_lock"),
+    (SharedBytes, "_lock"),
 )
 
 
@@ -42,6 +44,9 @@ def replace_locks_held_by_the_dead(wait_s: float = HELD_LOCK_WAIT_S) -> list[str
         setattr(owner, attribute, mp.Lock())
         replaced.append(f"{owner.__name__}.{attribute}")
     if replaced:
-        logger.warning("hivemind's %s held by a process that died holding it (a DHT child ended mid-write): the "
-                       "next DHT child uses a fresh lock", ", ".join(replaced))
+        logger.warning(
+            "hivemind's %s held by a process that died holding it (a DHT child ended mid-write): the "
+            "next DHT child uses a fresh lock",
+            ", ".join(replaced),
+        )
     return replaced

@@ -66,7 +66,7 @@ class DHTPeer:
         )
         try:
             self._p2p = await asyncio.wait_for(P2P.replicate(listen_maddr), self.config.startup_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise SwarmError(
                 f"could not attach to the DHT process's p2p daemon within {self.config.startup_timeout_s:.0f} s"
             ) from None
@@ -114,8 +114,10 @@ class DHTPeer:
                     logger.debug("could not remove handler %s: %s", name, exc)
             try:  # a replica: closes our client sockets, not the daemon; bounded like every other step
                 await asyncio.wait_for(self._p2p.shutdown(), self.config.shutdown_timeout_s)
-            except (asyncio.TimeoutError, OSError) as exc:
-                logger.warning("closing the p2p client took too long or failed (%r); ending the DHT process anyway", exc)
+            except (TimeoutError, OSError) as exc:
+                logger.warning(
+                    "closing the p2p client took too long or failed (%r); ending the DHT process anyway", exc
+                )
         self._handlers, self._p2p = [], None
         if self.process is not None:
             process, self.process = self.process, None
@@ -155,7 +157,7 @@ class DHTPeer:
         # An MPFuture from the DHT child never resolves if the child died: bound every wait.
         try:
             return await asyncio.wait_for(future, self.config.request_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             alive = self.process is not None and self.process.dht.is_alive()
             raise SwarmError(
                 f"the DHT process did not answer within {self.config.request_timeout_s:.0f} s"

@@ -120,7 +120,9 @@ async def _find_with_own_expirations(self: DHTProtocol, peer: Any, keys: Any) ->
             with item.value.freeze():  # no expiry sweep while we read
                 latest = max((entry.expiration_time for _, entry in item.value.items()), default=None)
             if latest is not None:
-                item.value.latest_expiration_time = latest  # also a peer's number (DictionaryDHTValue.unpackb)
+                item.value.latest_expiration_time = (
+                    latest  # also a peer's number (DictionaryDHTValue.unpackb)
+                )
             found[key] = (None if latest is None else ValueWithExpiration(item.value, latest), nearest)
     return found
 

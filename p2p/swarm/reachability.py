@@ -88,7 +88,7 @@ class DialBackServer:
     async def _dial(self, host: str, port: int) -> bool:
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self._timeout_s)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             return False
         close_writer(writer)
         return True
@@ -108,12 +108,7 @@ async def probe(p2p: P2P, run_id: str, helpers: list[str], ports: list[int], tim
             )
             await write_frame(writer, {"ports": ports})
             answer: Any = await read_frame(reader, _MAX_FRAME, 3 * timeout_s)
-        except (
-            HandoffError,
-            OSError,
-            asyncio.TimeoutError,
-            P2PDaemonError,
-        ) as exc:  # e.g. handler unknown there
+        except (TimeoutError, HandoffError, OSError, P2PDaemonError) as exc:  # e.g. handler unknown there
             logger.debug("dial-back probe via %s failed: %s", maddr, exc)
             continue
         finally:

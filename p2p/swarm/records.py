@@ -129,7 +129,9 @@ class ValidatorAnnouncement(WireModel):
     addresses: list[Maddr] = Field(max_length=8)
     max_rollout_bytes: int = Field(ge=0, le=1 << 31)
     published_at: Timestamp
-    api_url: HttpUrlText | None = None  # its HTTP API (verdicts, leaderboard: docs/validator.md), if reachable
+    api_url: HttpUrlText | None = (
+        None  # its HTTP API (verdicts, leaderboard: docs/validator.md), if reachable
+    )
 
 
 class Ban(WireModel):
@@ -252,7 +254,11 @@ def check_expiration(kind: RecordKind, expiration: object, now: float) -> float:
     `expiration < now` is false), never replaces it (`old < new` is false too) and, once it reaches the top of
     a table's expiry heap, stops expiring the table's other entries; an infinite one outlives every bound.
     """
-    if isinstance(expiration, bool) or not isinstance(expiration, (int, float)) or not math.isfinite(expiration):
+    if (
+        isinstance(expiration, bool)
+        or not isinstance(expiration, (int, float))
+        or not math.isfinite(expiration)
+    ):
         raise RecordError(f"{kind.value} record's expiration {expiration!r} is not a finite number")
     if expiration > now + MAX_TTL_S[kind] + CLOCK_SKEW_S:
         raise RecordError(

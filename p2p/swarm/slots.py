@@ -111,7 +111,7 @@ class SlotTable:
                     return reason
                 try:
                     await asyncio.wait_for(self._changed.wait(), left)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass  # one last look above
 
     async def release(self, claim: Claim) -> None:
@@ -158,8 +158,14 @@ class Cooldowns:
     def strike(self, node_id: str, peer_id: str) -> float:
         """Record a cut; returns the cooldown it earned."""
         now = self._clock()
-        count = 1 + max((e.count for k in (f"node:{node_id}", f"peer:{peer_id}")
-                         if (e := self._entries.get(k)) is not None), default=0)
+        count = 1 + max(
+            (
+                e.count
+                for k in (f"node:{node_id}", f"peer:{peer_id}")
+                if (e := self._entries.get(k)) is not None
+            ),
+            default=0,
+        )
         cooldown = min(self.max_s, self.base_s * 2 ** min(count - 1, 32))
         for key in (f"node:{node_id}", f"peer:{peer_id}"):
             self._entries.pop(key, None)

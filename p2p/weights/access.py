@@ -58,8 +58,12 @@ def own_audiences(configured_host: str, bound: list[tuple[str, int]], port: int)
     for address, _ in bound:
         ip = ipaddress.ip_address(address.split("%")[0])
         if ip.is_unspecified:
-            hosts.update(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
-                         if a.family in (socket.AF_INET, socket.AF_INET6))
+            hosts.update(
+                a.address.split("%")[0]
+                for addrs in psutil.net_if_addrs().values()
+                for a in addrs
+                if a.family in (socket.AF_INET, socket.AF_INET6)
+            )
         hosts.add(str(ip))
     if any(_is_loopback(h) for h in hosts):
         hosts.update({"localhost", "127.0.0.1", "::1"})
@@ -88,8 +92,12 @@ def verify_access_token(token: str, audience: str, now: float | None = None) -> 
     if len(token) > _MAX_TOKEN_CHARS:
         raise AccessDenied(f"access token is {len(token)} characters, more than {_MAX_TOKEN_CHARS}")
     parts = token.split(".")
-    if (len(parts) != 3 or not _NODE_ID.fullmatch(parts[0]) or not _UNIX_TIME.fullmatch(parts[1])
-            or len(parts[2]) != 128):
+    if (
+        len(parts) != 3
+        or not _NODE_ID.fullmatch(parts[0])
+        or not _UNIX_TIME.fullmatch(parts[1])
+        or len(parts[2]) != 128
+    ):
         raise AccessDenied("access token must be <node id hex>.<unix time>.<signature hex>")
     node_id, issued = parts[0], int(parts[1])
     try:
@@ -98,11 +106,15 @@ def verify_access_token(token: str, audience: str, now: float | None = None) -> 
         raise AccessDenied("access token signature is not hex") from None
     age = (time.time() if now is None else now) - issued
     if abs(age) > TOKEN_LIFETIME_S:
-        raise AccessDenied(f"access token issued {age:.0f} s from now; tokens live {TOKEN_LIFETIME_S} s (check the clock)")
+        raise AccessDenied(
+            f"access token issued {age:.0f} s from now; tokens live {TOKEN_LIFETIME_S} s (check the clock)"
+        )
     try:
         verify_signature(node_id, _token_message(node_id, issued, audience), signature)
     except SignatureError:
-        raise AccessDenied(f"access token signature does not verify for node {node_id[:16]}… at {audience}") from None
+        raise AccessDenied(
+            f"access token signature does not verify for node {node_id[:16]}… at {audience}"
+        ) from None
     return node_id
 
 
@@ -151,7 +163,9 @@ class BanList:
             try:
                 networks.append(ipaddress.ip_network(entry, strict=False))
             except ValueError:
-                raise WeightsError(f"ban entry {raw.strip()[:80]!r} is neither a node id (64 hex) nor an IP or network") from None
+                raise WeightsError(
+                    f"ban entry {raw.strip()[:80]!r} is neither a node id (64 hex) nor an IP or network"
+                ) from None
         self.node_ids, self.networks = node_ids, networks
 
     def reload(self) -> None:
@@ -167,7 +181,9 @@ class BanList:
         lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
         self._apply(self._static + lines)
         self._mtime = mtime
-        logger.info("ban list %s: %d node ids, %d networks", self.path, len(self.node_ids), len(self.networks))
+        logger.info(
+            "ban list %s: %d node ids, %d networks", self.path, len(self.node_ids), len(self.networks)
+        )
 
     def is_banned(self, address: str | None, node_id: str | None) -> bool:
         if node_id and (node_id.lower() in self.node_ids or node_id.lower() in self._dynamic):

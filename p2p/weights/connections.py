@@ -28,7 +28,9 @@ NETWORK_ERRORS = (OSError, http.client.HTTPException, ValueError, LookupError)
 class ConnectionPool:
     """Keep-alive HTTP connections per source, shared by the transfer threads of one fetch."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, auth: TokenSource | None = None) -> None:
+    def __init__(
+        self, connect_timeout_s: float, read_timeout_s: float, auth: TokenSource | None = None
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.auth = auth  # signs an access token per server (p2p/weights/access.py); None: anonymous
@@ -44,7 +46,9 @@ class ConnectionPool:
         https = parts.scheme == "https"
         cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
         conn = cls(parts.hostname, parts.port, timeout=self.connect_timeout_s)
-        raw = socket.create_connection((parts.hostname, parts.port or (443 if https else 80)), self.connect_timeout_s)
+        raw = socket.create_connection(
+            (parts.hostname, parts.port or (443 if https else 80)), self.connect_timeout_s
+        )
         self.watchdog.attach(watch, raw)  # from here on a cut reaches the socket, even mid-handshake
         raw.settimeout(self.read_timeout_s)  # a silent peer is now a stalled peer
         if https:
@@ -67,7 +71,7 @@ class ConnectionPool:
         prefix = parts.path.rstrip("/")
         if self.auth is not None:
             headers = {**self.auth.headers(audience_of(parts.hostname, parts.port, parts.scheme)), **headers}
-        for fresh in ((False, True) if conn is not None else (True,)):
+        for fresh in (False, True) if conn is not None else (True,):
             if fresh:
                 conn = None
                 conn, prefix = self._new(source, watch)

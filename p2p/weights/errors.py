@@ -42,7 +42,9 @@ class SourceError(WeightsError):
 class FetchError(WeightsError):
     """A checkpoint could not be fetched and verified; the message names the shard and the sources to blame."""
 
-    def __init__(self, message: str, blame: list[dict[str, object]] | None = None, shard: int | None = None) -> None:
+    def __init__(
+        self, message: str, blame: list[dict[str, object]] | None = None, shard: int | None = None
+    ) -> None:
         super().__init__(message)
         # Machine-readable record of what failed where: [{shard, source, reason, corrupt}, ...] (for --json).
         self.blame = blame or []

@@ -28,8 +28,8 @@ from .access import TokenSource
 from .connections import ConnectionPool
 from .errors import FetchError, ManifestError, StoreError
 from .manifest import MAX_MANIFEST_BYTES, SignedManifest, parse_signed
-from .sources import SelectionSettings, SourcePool
 from .shardrun import FetchResult, ShardRun
+from .sources import SelectionSettings, SourcePool
 from .store import Store
 from .transfer import fetch_document
 from .wire import check_source_url
@@ -43,28 +43,60 @@ class FetchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     concurrency: int = Field(
-        8, ge=1, le=256, description="Shard transfers at once from proven sources (and as many probes of others).")
+        8,
+        ge=1,
+        le=256,
+        description="Shard transfers at once from proven sources (and as many probes of others).",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="Time allowed to open a connection to a source.")
-    stall_timeout_s: float = Field(15.0, gt=0, description="A source that sends no byte for this long has stalled.")
+    stall_timeout_s: float = Field(
+        15.0, gt=0, description="A source that sends no byte for this long has stalled."
+    )
     manifest_timeout_s: float = Field(
-        15.0, gt=0, description="Wall-clock deadline of one manifest request, however the source paces its bytes.")
+        15.0,
+        gt=0,
+        description="Wall-clock deadline of one manifest request, however the source paces its bytes.",
+    )
     manifest_grace_s: float = Field(
-        0.5, ge=0, le=60, description="After the first valid manifest, wait this long for others' before choosing.")
+        0.5,
+        ge=0,
+        le=60,
+        description="After the first valid manifest, wait this long for others' before choosing.",
+    )
     min_rate_bytes_s: int = Field(
-        32 << 10, ge=1, description="Throughput floor of a shard transfer: fewer bytes/s over a window cuts it.")
-    rate_window_s: float = Field(10.0, gt=0, le=600, description="Window over which the throughput floor is measured.")
+        32 << 10,
+        ge=1,
+        description="Throughput floor of a shard transfer: fewer bytes/s over a window cuts it.",
+    )
+    rate_window_s: float = Field(
+        10.0, gt=0, le=600, description="Window over which the throughput floor is measured."
+    )
     hedge_ratio: float = Field(
-        4.0, ge=1, le=1000, description="A transfer projected to take this many times longer than the shard "
-        "would from the best other source is hedged (the shard is asked of that source too).")
+        4.0,
+        ge=1,
+        le=1000,
+        description="A transfer projected to take this many times longer than the shard "
+        "would from the best other source is hedged (the shard is asked of that source too).",
+    )
     hedge_after_s: float = Field(
-        0.5, ge=0, le=600, description="With no other source measured yet, a transfer under the floor rate is "
-        "hedged after this long.")
+        0.5,
+        ge=0,
+        le=600,
+        description="With no other source measured yet, a transfer under the floor rate is "
+        "hedged after this long.",
+    )
     max_attempts_per_shard: int = Field(
-        8, ge=1, le=1000, description="Failures of one shard before giving up (once every source has failed it).")
+        8,
+        ge=1,
+        le=1000,
+        description="Failures of one shard before giving up (once every source has failed it).",
+    )
     max_not_ready: int = Field(
-        1000, ge=0, description="'Not verified yet' (503) answers from relays tolerated per shard.")
+        1000, ge=0, description="'Not verified yet' (503) answers from relays tolerated per shard."
+    )
     chunk_bytes: int = Field(
-        1 << 20, ge=4096, description="Bytes hashed and written at once; also the resume granularity.")
+        1 << 20, ge=4096, description="Bytes hashed and written at once; also the resume granularity."
+    )
     save_interval_s: float = Field(1.0, gt=0, description="How often resume progress is journaled to disk.")
     durable: bool = Field(True, description="fsync the checkpoint before moving it into place.")
     keep: int = Field(0, ge=0, description="After success keep only this many versions (0: keep all).")
@@ -104,13 +136,16 @@ class Fetcher:
             raise FetchError("no sources given; pass at least one --source URL")
         self.sources = list(dict.fromkeys(s.rstrip("/") for s in sources))
         # A URL that cannot be a source (a bad port, a non-ASCII host) is refused here, before any connection.
-        self.invalid = {s: f"not usable as a source: {why}" for s in self.sources if (why := check_source_url(s))}
+        self.invalid = {
+            s: f"not usable as a source: {why}" for s in self.sources if (why := check_source_url(s))
+        }
         self.trusted_key = trusted_key
         self.store = store
         self.settings = settings or FetchSettings()
         # With an identity every request carries a signed access token, so servers can refuse banned nodes.
         self.connections = ConnectionPool(
-            self.settings.connect_timeout_s, self.settings.stall_timeout_s,
+            self.settings.connect_timeout_s,
+            self.settings.stall_timeout_s,
             TokenSource(identity) if identity is not None else None,
         )
         self.on_bytes = on_bytes  # called on the event loop with each chunk's size (progress bars)
@@ -143,8 +178,9 @@ class Fetcher:
 
     def _spawn_manifest(self, source: str, step: int | None) -> asyncio.Task[SignedManifest]:
         if self._manifest_threads is None:
-            self._manifest_threads = ThreadPoolExecutor(max_workers=min(64, len(self.sources) * 2),
-                                                        thread_name_prefix="weights-manifest")
+            self._manifest_threads = ThreadPoolExecutor(
+                max_workers=min(64, len(self.sources) * 2), thread_name_prefix="weights-manifest"
+            )
         task = asyncio.create_task(self._get_manifest(source, step), name="weights-manifest")
         self._manifest_tasks.add(task)
         return task
@@ -152,8 +188,14 @@ class Fetcher:
     async def _get_manifest(self, source: str, step: int | None) -> SignedManifest:
         s, loop = self.settings, asyncio.get_running_loop()
         raw = await loop.run_in_executor(
-            self._manifest_threads, fetch_document, self.connections, source, manifest_path(step), MAX_MANIFEST_BYTES,
-            s.manifest_timeout_s)
+            self._manifest_threads,
+            fetch_document,
+            self.connections,
+            source,
+            manifest_path(step),
+            MAX_MANIFEST_BYTES,
+            s.manifest_timeout_s,
+        )
         manifest = await loop.run_in_executor(self._manifest_threads, parse_signed, raw, self.trusted_key)
         if step is not None and manifest.step != step:
             raise ManifestError(f"answered a manifest for step {manifest.step} when asked for step {step}")
@@ -178,7 +220,9 @@ class Fetcher:
                 timeout = first_at + self.settings.manifest_grace_s - loop.time()
             if timeout is not None and timeout <= 0:
                 break
-            done, _ = await asyncio.wait(pending.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                pending.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
             for source in [src for src, task in pending.items() if task in done]:
                 try:
                     found[source] = pending.pop(source).result()
@@ -189,8 +233,10 @@ class Fetcher:
                 first_at = loop.time()
         if not found:
             detail = "; ".join(f"{s}: {e}" for s, e in errors.items())
-            raise FetchError(f"no source served a valid manifest signed by {self.trusted_key[:16]}…: {detail}",
-                             [{"shard": None, "source": s, "reason": e, "corrupt": False} for s, e in errors.items()])
+            raise FetchError(
+                f"no source served a valid manifest signed by {self.trusted_key[:16]}…: {detail}",
+                [{"shard": None, "source": s, "reason": e, "corrupt": False} for s, e in errors.items()],
+            )
         chosen = self._choose(found, digest, errors)
         serving = [s for s, m in found.items() if m.digest == chosen.digest]
         for source, manifest in found.items():
@@ -199,28 +245,41 @@ class Fetcher:
             if step is None and digest is None and manifest.step < chosen.step:
                 # A source whose newest is older may still hold the chosen version: asked for it, it may join.
                 pending[source] = self._spawn_manifest(source, chosen.step)
-                errors[source] = (f"serves step {manifest.step}, not manifest {chosen.digest[:16]}… "
-                                  f"of step {chosen.step}")
+                errors[source] = (
+                    f"serves step {manifest.step}, not manifest {chosen.digest[:16]}… of step {chosen.step}"
+                )
             else:
-                errors[source] = (f"serves manifest {manifest.digest[:16]}… of step {manifest.step}, not "
-                                  f"{chosen.digest[:16]}… of step {chosen.step}")
+                errors[source] = (
+                    f"serves manifest {manifest.digest[:16]}… of step {manifest.step}, not "
+                    f"{chosen.digest[:16]}… of step {chosen.step}"
+                )
         return Resolution(chosen, serving, errors, pending)
 
-    def _choose(self, found: dict[str, SignedManifest], digest: str | None, errors: dict[str, str]) -> SignedManifest:
+    def _choose(
+        self, found: dict[str, SignedManifest], digest: str | None, errors: dict[str, str]
+    ) -> SignedManifest:
         if digest is not None:
             pinned = next((m for m in found.values() if m.digest == digest), None)
             if pinned is None:
                 served = ", ".join(sorted({f"{m.digest[:16]}… (step {m.step})" for m in found.values()}))
-                raise FetchError(f"the sources serve manifest {served} but the operator announced {digest[:16]}…",
-                                 [{"shard": None, "source": s, "reason": f"serves {m.digest[:16]}…", "corrupt": False}
-                                  for s, m in found.items()])
+                raise FetchError(
+                    f"the sources serve manifest {served} but the operator announced {digest[:16]}…",
+                    [
+                        {"shard": None, "source": s, "reason": f"serves {m.digest[:16]}…", "corrupt": False}
+                        for s, m in found.items()
+                    ],
+                )
             return pinned
         best_step = max(m.step for m in found.values())
         votes = collections.Counter(m.digest for m in found.values() if m.step == best_step)
         chosen_digest = votes.most_common(1)[0][0]
         if len(votes) > 1:
-            logger.warning("sources disagree on step %d (%d different signed manifests); using %s", best_step,
-                           len(votes), chosen_digest[:16])
+            logger.warning(
+                "sources disagree on step %d (%d different signed manifests); using %s",
+                best_step,
+                len(votes),
+                chosen_digest[:16],
+            )
         return next(m for m in found.values() if m.digest == chosen_digest)
 
     async def fetch_version(self, resolution: Resolution) -> FetchResult:
@@ -231,7 +290,9 @@ class Fetcher:
         if held.exists():
             stored = await asyncio.to_thread(self.store.load_manifest, manifest.step, self.trusted_key)
             if stored.digest != manifest.digest:
-                raise StoreError(f"{held} holds another manifest for step {manifest.step} than the sources serve")
+                raise StoreError(
+                    f"{held} holds another manifest for step {manifest.step} than the sources serve"
+                )
             return FetchResult(manifest=manifest, version_dir=held, already_held=True)
         pool = SourcePool(self.sources, self.settings.selection)
         for source in self.sources:

@@ -55,7 +55,9 @@ def check_relative_path(path: str) -> str:
         if part in ("", ".", ".."):
             raise ValueError(f"file path {path[:80]!r} has an empty, '.' or '..' component")
         if len(part) > MAX_COMPONENT_CHARS or not _COMPONENT.fullmatch(part):
-            raise ValueError(f"file path {path[:80]!r} has a component with characters outside [A-Za-z0-9._+=@,-]")
+            raise ValueError(
+                f"file path {path[:80]!r} has a component with characters outside [A-Za-z0-9._+=@,-]"
+            )
     return path
 
 
@@ -88,9 +90,13 @@ class ManifestBody(WireModel):
     step: int = Field(ge=0, le=MAX_STEP, description="Optimizer step that produced the checkpoint.")
     created_at: int = Field(ge=0, le=MAX_STEP, description="Unix time (seconds) the manifest was made.")
     signer: str = Field(pattern=_HEX64, description="Hex Ed25519 public key of the signer.")
-    shard_size: int = Field(ge=MIN_SHARD_SIZE, le=MAX_SHARD_SIZE, description="Size of every shard but the last.")
+    shard_size: int = Field(
+        ge=MIN_SHARD_SIZE, le=MAX_SHARD_SIZE, description="Size of every shard but the last."
+    )
     total_size: int = Field(ge=1, le=MAX_TOTAL_SIZE, description="Sum of the file sizes.")
-    checkpoint_sha256: str = Field(pattern=_HEX64, description="SHA-256 of the concatenated raw shard digests.")
+    checkpoint_sha256: str = Field(
+        pattern=_HEX64, description="SHA-256 of the concatenated raw shard digests."
+    )
     files: list[FileEntry] = Field(min_length=1, max_length=MAX_FILES, description="Files in order.")
     shards: list[ShardEntry] = Field(min_length=1, max_length=MAX_SHARDS, description="Shards in order.")
 
@@ -111,7 +117,9 @@ class ManifestBody(WireModel):
             raise ValueError("total_size is not the sum of the file sizes")
         expected = -(-self.total_size // self.shard_size)
         if len(self.shards) != expected:
-            raise ValueError(f"{len(self.shards)} shards listed, {expected} expected for the total and shard size")
+            raise ValueError(
+                f"{len(self.shards)} shards listed, {expected} expected for the total and shard size"
+            )
         for index, shard in enumerate(self.shards):
             want = min(self.shard_size, self.total_size - index * self.shard_size)
             if shard.size != want:
@@ -177,7 +185,14 @@ class SignedManifest(BaseModel):
         for file_index, (fstart, entry) in enumerate(zip(self._file_starts, self.body.files)):
             lo, hi = max(start, fstart), min(end, fstart + entry.size)
             if lo < hi:
-                out.append(Segment(file_index=file_index, file_offset=lo - fstart, shard_offset=lo - start, length=hi - lo))
+                out.append(
+                    Segment(
+                        file_index=file_index,
+                        file_offset=lo - fstart,
+                        shard_offset=lo - start,
+                        length=hi - lo,
+                    )
+                )
         return out
 
 
@@ -193,7 +208,11 @@ def parse_signed(raw: bytes, trusted_key: str, *, max_bytes: int = MAX_MANIFEST_
     if not isinstance(doc, dict) or set(doc) != {"body", "signature"}:
         raise ManifestError("manifest must be a JSON object with exactly the keys 'body' and 'signature'")
     body, signature = doc["body"], doc["signature"]
-    if not isinstance(body, dict) or not isinstance(signature, str) or not re.fullmatch(r"[0-9a-f]{128}", signature):
+    if (
+        not isinstance(body, dict)
+        or not isinstance(signature, str)
+        or not re.fullmatch(r"[0-9a-f]{128}", signature)
+    ):
         raise ManifestError("manifest 'body' must be an object and 'signature' 128 lowercase hex digits")
     # The signature is checked before any field of the body is interpreted: an unsigned or foreign
     # document never reaches the schema, so parser bugs there are not reachable by an attacker.
@@ -208,13 +227,16 @@ def parse_signed(raw: bytes, trusted_key: str, *, max_bytes: int = MAX_MANIFEST_
         ) from None
     except (UnicodeError, RecursionError) as exc:  # e.g. a lone surrogate escape: valid JSON, no UTF-8 form
         raise ManifestError(
-            f"manifest body has no canonical UTF-8 form, so it cannot be signed: {str(exc)[:120]}") from None
+            f"manifest body has no canonical UTF-8 form, so it cannot be signed: {str(exc)[:120]}"
+        ) from None
     try:
         parsed = ManifestBody.model_validate(body)
     except ValidationError as exc:
         raise ManifestError(f"signed manifest is invalid {describe(exc)}") from None
     if parsed.signer != trusted_key:
-        raise ManifestError(f"manifest names signer {parsed.signer[:16]}… but was signed by {trusted_key[:16]}…")
+        raise ManifestError(
+            f"manifest names signer {parsed.signer[:16]}… but was signed by {trusted_key[:16]}…"
+        )
     return SignedManifest(body=parsed, signature=signature)
 
 

@@ -41,9 +41,14 @@ CHUNK = 4 << 20
 
 
 def _kind_of(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -99,7 +104,9 @@ def list_checkpoint_files(ckpt_dir: Path) -> list[tuple[str, Path]]:
     if not found:
         raise PublishError(f"checkpoint directory {ckpt_dir} holds no files")
     if len(found) > MAX_FILES:
-        raise PublishError(f"checkpoint directory {ckpt_dir} holds {len(found)} files, over the {MAX_FILES} limit")
+        raise PublishError(
+            f"checkpoint directory {ckpt_dir} holds {len(found)} files, over the {MAX_FILES} limit"
+        )
     return sorted(found)
 
 
@@ -116,7 +123,9 @@ def _open_inside(root: Path, rel: str) -> tuple[int, os.stat_result]:
             try:
                 next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as exc:
-                raise _refuse(root / rel, f"under {part!r}, no longer a plain directory ({exc.strerror})") from None
+                raise _refuse(
+                    root / rel, f"under {part!r}, no longer a plain directory ({exc.strerror})"
+                ) from None
             os.close(fd)
             fd = next_fd
         try:
@@ -247,5 +256,12 @@ def publish(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info("published step %d: %d files, %d shards, %d bytes -> %s", step, len(entries), len(shard_entries), body.total_size, final)
+    logger.info(
+        "published step %d: %d files, %d shards, %d bytes -> %s",
+        step,
+        len(entries),
+        len(shard_entries),
+        body.total_size,
+        final,
+    )
     return manifest, final

@@ -28,6 +28,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import P2PError
 from .access import (
     AUTH_HEADER,
     AccessDenied,
@@ -37,7 +38,6 @@ from .access import (
     own_audiences,
     verify_access_token,
 )
-from ..errors import P2PError
 from .manifest import SignedManifest
 from .store import CHECKPOINT_NAME, Store
 from .transfer import SHARD_CONTENT_TYPE
@@ -53,17 +53,24 @@ class ServeSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Address to bind; loopback unless the operator opens it up.")
     port: int = Field(8470, ge=0, le=65535, description="TCP port (0 picks a free one).")
     keep: int = Field(5, ge=1, description="Versions kept on disk; older ones are deleted.")
-    rate_per_s: float = Field(200.0, ge=0, description="Requests per second per client address (0: unlimited).")
+    rate_per_s: float = Field(
+        200.0, ge=0, description="Requests per second per client address (0: unlimited)."
+    )
     rate_burst: int = Field(400, ge=1, description="Requests a client may burst above its rate.")
-    ban: list[str] = Field(default_factory=list, description="Banned node ids (64 hex) and IP addresses/networks.")
-    ban_file: Path | None = Field(None, description="File of ban entries, one per line, re-read when it changes.")
+    ban: list[str] = Field(
+        default_factory=list, description="Banned node ids (64 hex) and IP addresses/networks."
+    )
+    ban_file: Path | None = Field(
+        None, description="File of ban entries, one per line, re-read when it changes."
+    )
     public_urls: list[str] = Field(
         default_factory=list,
         description="URLs clients reach this server by beyond its bound address (NAT, DNS); access tokens "
         "addressed to them are accepted.",
     )
     require_node_auth: bool = Field(
-        False, description="Refuse requests without a node's signed access token (so node-id bans cannot be dodged)."
+        False,
+        description="Refuse requests without a node's signed access token (so node-id bans cannot be dodged).",
     )
     scan_interval_s: float = Field(1.0, gt=0, description="How often the store directory is rescanned.")
     shard_wait_s: float = Field(5.0, ge=0, description="How long a request waits for a shard still arriving.")
@@ -87,7 +94,9 @@ class ServedVersion:
 class WeightsServer:
     """Serves the versions of a store; see the module docstring."""
 
-    def __init__(self, store: Store, settings: ServeSettings | None = None, trusted_key: str | None = None) -> None:
+    def __init__(
+        self, store: Store, settings: ServeSettings | None = None, trusted_key: str | None = None
+    ) -> None:
         self.store = store
         self.settings = settings or ServeSettings()
         self.trusted_key = trusted_key
@@ -181,18 +190,24 @@ class WeightsServer:
     def add_partial(self, manifest: SignedManifest, checkpoint_dir: Path) -> None:
         """Advertise a version whose manifest verified and whose shards are arriving."""
         if manifest.step not in self.versions:
-            self.versions[manifest.step] = ServedVersion(manifest, manifest.to_bytes(), checkpoint_dir, complete=False)
+            self.versions[manifest.step] = ServedVersion(
+                manifest, manifest.to_bytes(), checkpoint_dir, complete=False
+            )
 
     def shard_ready(self, step: int, index: int) -> None:
         served = self.versions.get(step)
         if served is not None and not served.complete:
             served.ready.add(index)
             served.arrived.set()
-            served.arrived = asyncio.Event()  # waiters hold the old event; new waiters wait for the next shard
+            served.arrived = (
+                asyncio.Event()
+            )  # waiters hold the old event; new waiters wait for the next shard
 
     def mark_complete(self, manifest: SignedManifest, checkpoint_dir: Path) -> None:
         old = self.versions.get(manifest.step)
-        self.versions[manifest.step] = ServedVersion(manifest, manifest.to_bytes(), checkpoint_dir, complete=True)
+        self.versions[manifest.step] = ServedVersion(
+            manifest, manifest.to_bytes(), checkpoint_dir, complete=True
+        )
         if old is not None:
             old.arrived.set()
 
@@ -215,31 +230,45 @@ class WeightsServer:
             audience = audience_of(request.url.host, request.url.port, request.scheme)
             if audience not in self.audiences:
                 return web.json_response(
-                    {"error": f"request addressed to {audience}, which is not this server "
-                              "(behind NAT or DNS, list the public URL in serve.public_urls)"}, status=401)
+                    {
+                        "error": f"request addressed to {audience}, which is not this server "
+                        "(behind NAT or DNS, list the public URL in serve.public_urls)"
+                    },
+                    status=401,
+                )
             try:
                 node_id = verify_access_token(token, audience)
             except AccessDenied as exc:
                 return web.json_response({"error": str(exc)}, status=401)
         elif self.settings.require_node_auth:
-            return web.json_response({"error": f"this server needs a node access token ({AUTH_HEADER})"}, status=401)
+            return web.json_response(
+                {"error": f"this server needs a node access token ({AUTH_HEADER})"}, status=401
+            )
         if self.bans.is_banned(request.remote, node_id):
             return web.json_response({"error": "banned"}, status=403)
         allowed, retry = self.limiter.allow(request.remote or "?")
         if not allowed:
-            return web.json_response({"error": "rate limited"}, status=429, headers={"Retry-After": f"{retry:.2f}"})
+            return web.json_response(
+                {"error": "rate limited"}, status=429, headers={"Retry-After": f"{retry:.2f}"}
+            )
         return await handler(request)
 
     def _version(self, request: web.Request) -> ServedVersion:
         served = self.versions.get(int(request.match_info["step"]))
         if served is None:
-            raise web.HTTPNotFound(text=json.dumps({"error": "no such version"}), content_type="application/json")
+            raise web.HTTPNotFound(
+                text=json.dumps({"error": "no such version"}), content_type="application/json"
+            )
         return served
 
     async def _versions(self, request: web.Request) -> web.Response:
         listing = [
-            {"step": s, "manifest_sha256": v.manifest.digest, "complete": v.complete,
-             "shards_ready": len(v.manifest.body.shards) if v.complete else len(v.ready)}
+            {
+                "step": s,
+                "manifest_sha256": v.manifest.digest,
+                "complete": v.complete,
+                "shards_ready": len(v.manifest.body.shards) if v.complete else len(v.ready),
+            }
             for s, v in sorted(self.versions.items())
         ]
         return web.json_response({"versions": listing})
@@ -294,17 +323,24 @@ class WeightsServer:
                 if current is not None and current.has(index):
                     return current
                 raise web.HTTPServiceUnavailable(
-                    text='{"error": "shard not verified here yet"}', content_type="application/json",
+                    text='{"error": "shard not verified here yet"}',
+                    content_type="application/json",
                     headers={"Retry-After": "1"},
                 )
             try:
                 await asyncio.wait_for(served.arrived.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return served
 
     async def _send_range(
-        self, request: web.Request, resp: web.StreamResponse, served: ServedVersion, index: int, start: int, stop: int
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        served: ServedVersion,
+        index: int,
+        start: int,
+        stop: int,
     ) -> None:
         loop = asyncio.get_running_loop()
         files = served.manifest.body.files
@@ -315,7 +351,11 @@ class WeightsServer:
             offset = seg.file_offset + (lo - seg.shard_offset)
             path = served.checkpoint_dir / files[seg.file_index].path
             if not path.exists():  # a relay's version may have just moved from .partial/ into place
-                path = self.store.version_dir(served.manifest.step) / CHECKPOINT_NAME / files[seg.file_index].path
+                path = (
+                    self.store.version_dir(served.manifest.step)
+                    / CHECKPOINT_NAME
+                    / files[seg.file_index].path
+                )
             with open(path, "rb") as fobj:
                 transport = request.transport
                 if transport is None:
@@ -325,7 +365,8 @@ class WeightsServer:
                 except NotImplementedError:  # e.g. TLS transports: plain reads on a thread instead
                     pos = offset
                     while pos < offset + (hi - lo):
-                        block = await asyncio.to_thread(os.pread, fobj.fileno(), min(1 << 20, offset + hi - lo - pos), pos)
+                        block = await asyncio.to_thread(
+                            os.pread, fobj.fileno(), min(1 << 20, offset + hi - lo - pos), pos
+                        )
                         await resp.write(block)
                         pos += len(block)
-

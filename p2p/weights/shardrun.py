@@ -54,7 +54,9 @@ class FetchResult:
     version_dir: Path
     fetched_bytes: int = 0  # shard bytes this fetch added to the version (total - resumed on success)
     resumed_bytes: int = 0
-    received_bytes: int = 0  # every body byte received, including discarded copies (hedges lost, corrupt shards)
+    received_bytes: int = (
+        0  # every body byte received, including discarded copies (hedges lost, corrupt shards)
+    )
     hedges: int = 0  # shards also asked of a second source because the first was slow
     hedges_won: int = 0  # ... and that second copy verified first
     seconds: float = 0.0
@@ -88,7 +90,10 @@ class ShardRun:
     """Downloads the missing shards of one partial version and moves it into place when all verified."""
 
     def __init__(
-        self, fetcher: Fetcher, partial: PartialVersion, pool: SourcePool,
+        self,
+        fetcher: Fetcher,
+        partial: PartialVersion,
+        pool: SourcePool,
         joining: dict[str, asyncio.Task[SignedManifest]] | None = None,
     ) -> None:
         self.f = fetcher
@@ -115,8 +120,9 @@ class ShardRun:
         self.hedge_dir = partial.directory / HEDGE_DIR
         # Each attempt holds a thread: `concurrency` for proven sources, as many for probes, as many slow ones
         # (_launch), and one to move hedged copies into place.
-        self.threads = ThreadPoolExecutor(max_workers=3 * self.settings.concurrency + 1,
-                                          thread_name_prefix="weights-shard")
+        self.threads = ThreadPoolExecutor(
+            max_workers=3 * self.settings.concurrency + 1, thread_name_prefix="weights-shard"
+        )
         self.loop = asyncio.get_running_loop()
 
     async def execute(self) -> FetchResult:
@@ -131,8 +137,13 @@ class ShardRun:
             for index in list(self.partial.done):
                 if self.f.on_shard is not None:
                     self.f.on_shard(index)
-            logger.info("fetching step %d: %d of %d shards missing, %d bytes resumed", self.manifest.step,
-                        len(self.queue), len(body.shards), on_disk)
+            logger.info(
+                "fetching step %d: %d of %d shards missing, %d bytes resumed",
+                self.manifest.step,
+                len(self.queue),
+                len(body.shards),
+                on_disk,
+            )
             await self._download_all()
             final = await self._finish()
         finally:
@@ -141,12 +152,25 @@ class ShardRun:
             await asyncio.to_thread(self.partial.close)
             await asyncio.to_thread(shutil.rmtree, self.hedge_dir, True)
         seconds = time.monotonic() - began
-        logger.info("step %d verified and stored at %s (%.1f MiB in %.2f s, %d hedged shards)", self.manifest.step,
-                    final, (body.total_size - on_disk) / 2**20, seconds, self.hedges)
-        return FetchResult(manifest=self.manifest, version_dir=final, fetched_bytes=body.total_size - on_disk,
-                           resumed_bytes=on_disk, received_bytes=self.received, hedges=self.hedges,
-                           hedges_won=self.hedges_won, seconds=seconds,
-                           sources=[s.report() for s in self.pool.sources.values()])
+        logger.info(
+            "step %d verified and stored at %s (%.1f MiB in %.2f s, %d hedged shards)",
+            self.manifest.step,
+            final,
+            (body.total_size - on_disk) / 2**20,
+            seconds,
+            self.hedges,
+        )
+        return FetchResult(
+            manifest=self.manifest,
+            version_dir=final,
+            fetched_bytes=body.total_size - on_disk,
+            resumed_bytes=on_disk,
+            received_bytes=self.received,
+            hedges=self.hedges,
+            hedges_won=self.hedges_won,
+            seconds=seconds,
+            sources=[s.report() for s in self.pool.sources.values()],
+        )
 
     async def _download_all(self) -> None:
         saver = asyncio.create_task(self._journal(), name="weights-fetch-journal")
@@ -184,12 +208,17 @@ class ShardRun:
         computed = [self.partial.done[i] for i in range(len(body.shards))]
         # The digests compared here are the ones computed from the received bytes, not the manifest's.
         await self._stop_threads()
-        if checkpoint_digest(computed) != body.checkpoint_sha256:  # only reachable through a bug: never load it
+        if (
+            checkpoint_digest(computed) != body.checkpoint_sha256
+        ):  # only reachable through a bug: never load it
             self.partial.close()
             await asyncio.to_thread(self.f.store.discard_partial, self.manifest.step)
-            raise FetchError(f"assembled step {self.manifest.step} does not match checkpoint_sha256; discarded",
-                             self.blame)
-        await asyncio.to_thread(shutil.rmtree, self.hedge_dir, True)  # never moved into place with the version
+            raise FetchError(
+                f"assembled step {self.manifest.step} does not match checkpoint_sha256; discarded", self.blame
+            )
+        await asyncio.to_thread(
+            shutil.rmtree, self.hedge_dir, True
+        )  # never moved into place with the version
         final = await asyncio.to_thread(self.f.store.finalize, self.partial, durable=self.settings.durable)
         if self.settings.keep:
             await asyncio.to_thread(self.f.store.prune, self.settings.keep)
@@ -215,19 +244,28 @@ class ShardRun:
                 best = self.pool.best_bandwidth(attempt.source.url)
                 if not attempt.slow and is_slow(attempt, best, now, self.settings):
                     attempt.slow = True
-                    logger.info("shard %d: %s is slow (%.0f bytes/s after %.1f s); asking another source too",
-                                attempt.index, attempt.source.url, attempt.watch.rate(now), now - attempt.watch.started)
+                    logger.info(
+                        "shard %d: %s is slow (%.0f bytes/s after %.1f s); asking another source too",
+                        attempt.index,
+                        attempt.source.url,
+                        attempt.watch.rate(now),
+                        now - attempt.watch.started,
+                    )
             self._launch()
             if self.error is not None:
                 raise self.error
             if not (self.inflight or self.delayed or (self.queue and (self.pool.usable() or self.joining))):
                 index = self.queue[0] if self.queue else -1
-                raise FetchError(f"shard {index} of step {self.manifest.step} could not be fetched and verified: "
-                                 f"{self._blame_text(index) or 'no usable source'}", self.blame, shard=index)
+                raise FetchError(
+                    f"shard {index} of step {self.manifest.step} could not be fetched and verified: "
+                    f"{self._blame_text(index) or 'no usable source'}",
+                    self.blame,
+                    shard=index,
+                )
             self.changed.clear()
             try:  # wake on any attempt's end, else every tick to judge the ones in flight
                 await asyncio.wait_for(self.changed.wait(), SCHEDULE_TICK_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             if self.error is not None:
                 raise self.error
@@ -292,8 +330,12 @@ class ShardRun:
         elif progress is not None:
             progress.sources.add(source.url)
         head_s = s.connect_timeout_s + s.stall_timeout_s
-        watch = Watch(deadline_s=head_s + s.rate_window_s + (size - start) / s.min_rate_bytes_s, head_s=head_s,
-                      min_rate=s.min_rate_bytes_s, window_s=s.rate_window_s)
+        watch = Watch(
+            deadline_s=head_s + s.rate_window_s + (size - start) / s.min_rate_bytes_s,
+            head_s=head_s,
+            min_rate=s.min_rate_bytes_s,
+            window_s=s.rate_window_s,
+        )
         attempt = Attempt(index, source, size, start, watch, side)
         self.tried[index].add(source.url)
         self.inflight.setdefault(index, []).append(attempt)
@@ -347,8 +389,13 @@ class ShardRun:
         """On a worker thread: the transfer itself, into place or into the attempt's side file."""
         index, entry = attempt.index, self.shards[attempt.index]
         common: dict[str, Any] = dict(
-            size=entry.size, sha256=entry.sha256, start=attempt.start, watch=attempt.watch, cancelled=self.cancelled,
-            chunk_bytes=self.settings.chunk_bytes)
+            size=entry.size,
+            sha256=entry.sha256,
+            start=attempt.start,
+            watch=attempt.watch,
+            cancelled=self.cancelled,
+            chunk_bytes=self.settings.chunk_bytes,
+        )
         path = shard_path(self.manifest.step, index)
         if attempt.in_place:
             progress = self.partial.progress[index]
@@ -358,15 +405,27 @@ class ShardRun:
                 progress.done_bytes = offset  # only after the bytes are written: the journal never runs ahead
                 self.loop.call_soon_threadsafe(self._count, attempt, n)
 
-            return download_shard(self.f.connections, attempt.source.url, path, hasher=hasher,
-                                  sink=lambda offset, data: self.partial.write(index, offset, data),
-                                  on_chunk=on_chunk, **common)
+            return download_shard(
+                self.f.connections,
+                attempt.source.url,
+                path,
+                hasher=hasher,
+                sink=lambda offset, data: self.partial.write(index, offset, data),
+                on_chunk=on_chunk,
+                **common,
+            )
         assert attempt.side_path is not None
         fd, sink = side_writer(attempt.side_path)
         try:
-            return download_shard(self.f.connections, attempt.source.url, path, hasher=fresh_hasher(), sink=sink,
-                                  on_chunk=lambda _o, n: self.loop.call_soon_threadsafe(self._count, attempt, n),
-                                  **common)
+            return download_shard(
+                self.f.connections,
+                attempt.source.url,
+                path,
+                hasher=fresh_hasher(),
+                sink=sink,
+                on_chunk=lambda _o, n: self.loop.call_soon_threadsafe(self._count, attempt, n),
+                **common,
+            )
         finally:
             os.close(fd)  # by the thread that wrote it, after its last write
 
@@ -377,10 +436,14 @@ class ShardRun:
         self.winners.add(index)  # before any await: a second copy finishing meanwhile is the loser
         others = [a for a in self.inflight.get(index, []) if a is not attempt]
         for other in others:
-            self.f.connections.watchdog.cut(other.watch, "a faster copy of the shard verified first", cancelled=True)
+            self.f.connections.watchdog.cut(
+                other.watch, "a faster copy of the shard verified first", cancelled=True
+            )
         if not attempt.in_place:
             # The in-place transfer must have stopped writing before the verified copy is moved over it.
-            await asyncio.gather(*(o.task for o in others if o.in_place and o.task is not None), return_exceptions=True)
+            await asyncio.gather(
+                *(o.task for o in others if o.in_place and o.task is not None), return_exceptions=True
+            )
             await self.loop.run_in_executor(self.threads, install_side, self.partial, attempt)
             self.hedges_won += 1
         self.pool.record_success(attempt.source, result.received, result.seconds)
@@ -422,7 +485,9 @@ class ShardRun:
         # A digest over bytes resumed from other transfers cannot be pinned on this source: no corrupt penalty.
         resumed = attempt.in_place and attempt.start > 0
         self.pool.record_failure(source, reason, corrupt=failure.corrupt and not resumed)
-        self.blame.append({"shard": index, "source": source.url, "reason": failure.reason, "corrupt": failure.corrupt})
+        self.blame.append(
+            {"shard": index, "source": source.url, "reason": failure.reason, "corrupt": failure.corrupt}
+        )
         logger.warning("source %s: %s", source.url, reason)
         self.failures[index] += 1
         if failure.corrupt and attempt.in_place:
@@ -431,8 +496,12 @@ class ShardRun:
             return  # the other copy carries on
         usable = {u.url for u in self.pool.usable()}
         if self.failures[index] >= s.max_attempts_per_shard and usable <= self.tried[index]:
-            self.error = FetchError(f"shard {index} of step {self.manifest.step} could not be fetched and verified: "
-                                    f"{self._blame_text(index)}", self.blame, shard=index)
+            self.error = FetchError(
+                f"shard {index} of step {self.manifest.step} could not be fetched and verified: "
+                f"{self._blame_text(index)}",
+                self.blame,
+                shard=index,
+            )
             return
         self._requeue(index, 0.0)
 

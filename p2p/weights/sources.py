@@ -27,8 +27,12 @@ class SelectionSettings(BaseModel):
 
     ema_alpha: float = Field(0.3, gt=0, le=1, description="Weight of the newest observation in the EMAs.")
     heal_share: float = Field(0.05, ge=0, le=1, description="Healing term: this share of the best bandwidth.")
-    heal_per_second: float = Field(0.05, ge=0, description="Success score regained per second since a failure.")
-    corrupt_penalty: float = Field(0.1, ge=0, le=1, description="Success score is multiplied by this on bad data.")
+    heal_per_second: float = Field(
+        0.05, ge=0, description="Success score regained per second since a failure."
+    )
+    corrupt_penalty: float = Field(
+        0.1, ge=0, le=1, description="Success score is multiplied by this on bad data."
+    )
     backoff_base_s: float = Field(0.25, gt=0, description="Cooldown after the first consecutive failure.")
     backoff_max_s: float = Field(30.0, gt=0, description="Longest cooldown after repeated failures.")
 
@@ -93,10 +97,14 @@ class SourcePool:
         known = [s.bandwidth for s in self.sources.values() if s.bandwidth]
         best = max(known) if known else 1.0
         bandwidth = source.bandwidth or best  # optimistic for the unmeasured, so every source gets tried
-        healed = min(1.0, source.success + self.settings.heal_per_second * max(0.0, now - source.last_failure))
+        healed = min(
+            1.0, source.success + self.settings.heal_per_second * max(0.0, now - source.last_failure)
+        )
         return bandwidth * healed + self.settings.heal_share * best
 
-    def pick(self, avoid: Collection[str] = (), forbid: Collection[str] = ()) -> tuple[SourceState | None, float]:
+    def pick(
+        self, avoid: Collection[str] = (), forbid: Collection[str] = ()
+    ) -> tuple[SourceState | None, float]:
         """Draw a source, preferring those not in `avoid` and never one in `forbid`; returns (None, seconds to
         wait) when every candidate is cooling down, (None, 0) when there is no candidate at all."""
         now = self.clock()
@@ -121,7 +129,9 @@ class SourcePool:
     def best_bandwidth(self, exclude: str) -> float | None:
         """The highest measured bandwidth among the usable sources other than `exclude` that are not cooling down."""
         now = self.clock()
-        rates = [s.bandwidth for s in self.usable() if s.url != exclude and s.bandwidth and now >= s.cooldown_until]
+        rates = [
+            s.bandwidth for s in self.usable() if s.url != exclude and s.bandwidth and now >= s.cooldown_until
+        ]
         return max(rates) if rates else None
 
     def record_slow(self, source: SourceState, rate: float) -> None:

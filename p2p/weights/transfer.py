@@ -112,13 +112,17 @@ def _check_head(resp: http.client.HTTPResponse, start: int, size: int) -> None:
     if ctype.split(";")[0].strip() != SHARD_CONTENT_TYPE:
         raise ShardFailure(f"source answered content type {ctype[:60]!r}, not {SHARD_CONTENT_TYPE}")
     if resp.getheader("Content-Encoding", "identity") not in ("identity", ""):
-        raise ShardFailure("source answered an encoded (compressed) body; shards are sent as they are", corrupt=True)
+        raise ShardFailure(
+            "source answered an encoded (compressed) body; shards are sent as they are", corrupt=True
+        )
     if start:
         wire.content_range(resp, start, size)
     length = wire.content_length(resp, MAX_SHARD_SIZE, "shard")
     if length != size - start:
-        raise ShardFailure(f"source announced {length} bytes, the signed shard has {size - start} from byte {start}",
-                           corrupt=True)
+        raise ShardFailure(
+            f"source announced {length} bytes, the signed shard has {size - start} from byte {start}",
+            corrupt=True,
+        )
 
 
 def download_shard(

@@ -31,7 +31,9 @@ class Watch:
         self.started = now
         self.deadline_s = deadline_s
         self.deadline = now + deadline_s  # the whole request: connect, head, body
-        self.head_by = now + head_s if head_s is not None else None  # the response head must have arrived by then
+        self.head_by = (
+            now + head_s if head_s is not None else None
+        )  # the response head must have arrived by then
         self.min_rate = min_rate  # body bytes/s over each window (0: no floor)
         self.window_s = window_s
         self.received = 0  # body bytes so far (written by the transfer thread only)
@@ -62,8 +64,10 @@ class Watch:
         if self.min_rate > 0 and now - mark_time >= self.window_s:
             got = self.received - mark_bytes
             if got < self.min_rate * (now - mark_time):
-                return (f"sent {got} bytes in {now - mark_time:.1f} s, below the floor of "
-                        f"{self.min_rate:.0f} bytes/s")
+                return (
+                    f"sent {got} bytes in {now - mark_time:.1f} s, below the floor of "
+                    f"{self.min_rate:.0f} bytes/s"
+                )
             self._mark = (now, self.received)
         return None
 

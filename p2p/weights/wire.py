@@ -64,7 +64,9 @@ def single_header(resp: http.client.HTTPResponse, name: str) -> str | None:
 def content_length(resp: http.client.HTTPResponse, maximum: int, what: str) -> int:
     """The body's announced length: required, plain, at most `maximum`; no Transfer-Encoding."""
     if resp.headers.get("Transfer-Encoding") is not None:
-        raise SourceError(f"sent the {what} with a Transfer-Encoding; bodies must carry a Content-Length", corrupt=True)
+        raise SourceError(
+            f"sent the {what} with a Transfer-Encoding; bodies must carry a Content-Length", corrupt=True
+        )
     value = single_header(resp, "Content-Length")
     if value is None:
         raise SourceError(f"sent the {what} without a Content-Length", corrupt=True)
@@ -78,7 +80,9 @@ def retry_after(resp: http.client.HTTPResponse) -> float:
         return 1.0
     match = _RETRY_AFTER.fullmatch(value.strip(_OWS))
     if match is None:
-        raise SourceError(f"answered 503 with Retry-After {value[:40]!r}, not a number of seconds in ASCII digits")
+        raise SourceError(
+            f"answered 503 with Retry-After {value[:40]!r}, not a number of seconds in ASCII digits"
+        )
     return min(MAX_RETRY_AFTER_S, float(match.group(0)))
 
 
@@ -87,4 +91,6 @@ def content_range(resp: http.client.HTTPResponse, start: int, size: int) -> None
     value = single_header(resp, "Content-Range")
     if value is None or value.strip(_OWS) != f"bytes {start}-{size - 1}/{size}":
         shown = "none" if value is None else repr(value[:60])
-        raise SourceError(f"answered Content-Range {shown} for bytes {start}- of a {size}-byte shard", corrupt=True)
+        raise SourceError(
+            f"answered Content-Range {shown} for bytes {start}- of a {size}-byte shard", corrupt=True
+        )

@@ -58,8 +58,14 @@ def _reprove(engine: HFEngine, row: RolloutRow) -> RolloutRow:
 def _rescore(tasks: RunTasks, row: RolloutRow, output_ids: list[int]) -> RolloutRow:
     """The row with new output tokens and the rewards they honestly earn (so only the tokens lie)."""
     task_reward, penalty, target = tasks.rewards_for(row.sample_index, row.sample_seed, output_ids)
-    return dataclasses.replace(row, output_ids=type(row.output_ids)(output_ids), task_reward=task_reward, length_penalty=penalty,
-                               reward=task_reward - penalty, target_length=target)
+    return dataclasses.replace(
+        row,
+        output_ids=type(row.output_ids)(output_ids),
+        task_reward=task_reward,
+        length_penalty=penalty,
+        reward=task_reward - penalty,
+        target_length=target,
+    )
 
 
 def perturb_layer_(
@@ -155,11 +161,13 @@ def cherry_pick(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: Ba
     """Generates two batches and keeps the better-rewarded group of each pair, under the first batch's
     counter (choosing its own problems instead of the assigned ones): assignment."""
     first = produce_rows(engine, tasks, node_id, spec).rows
-    extra = produce_rows(engine, tasks, node_id, dataclasses.replace(spec, batch_counter=spec.batch_counter + 1)).rows
+    extra = produce_rows(
+        engine, tasks, node_id, dataclasses.replace(spec, batch_counter=spec.batch_counter + 1)
+    ).rows
     g = spec.samples
     out: Rows = []
     for i in range(0, len(first), g):
-        mine, other = first[i:i + g], extra[i:i + g]
+        mine, other = first[i : i + g], extra[i : i + g]
         # Always swap at least the first group, so every file is a cherry-picked one.
         if i == 0 or sum(r.reward for r in other) > sum(r.reward for r in mine):
             mine = [dataclasses.replace(r, batch_counter=spec.batch_counter) for r in other]
@@ -169,8 +177,10 @@ def cherry_pick(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: Ba
 
 def inflated_rewards(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
     """Honest tokens and proofs, but every sample claims full task reward: rewards."""
-    return [dataclasses.replace(r, task_reward=1.0, reward=1.0 - r.length_penalty)
-            for r in produce_rows(engine, tasks, node_id, spec).rows]
+    return [
+        dataclasses.replace(r, task_reward=1.0, reward=1.0 - r.length_penalty)
+        for r in produce_rows(engine, tasks, node_id, spec).rows
+    ]
 
 
 def tampered(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: BatchSpec) -> Rows:
@@ -268,14 +278,17 @@ def write_signed(path: Path, rows: Rows, identity: Identity) -> None:
     signature_path(path).write_text(json.dumps(sign_bytes(data, identity)))
 
 
-def attack_producer(kind: str) -> Callable[[InferenceEngine, RunTasks, Identity, BatchSpec, Path], ProducedBatch]:
+def attack_producer(
+    kind: str,
+) -> Callable[[InferenceEngine, RunTasks, Identity, BatchSpec, Path], ProducedBatch]:
     """A drop-in for `produce_rollout_file` that cheats with attack `kind`."""
     if kind not in ATTACKS:
         raise AttackError(f"unknown attack {kind!r}; choose one of {', '.join(ATTACKS)}")
     attack = ATTACKS[kind]
 
-    def produce(engine: InferenceEngine, tasks: RunTasks, identity: Identity, spec: BatchSpec,
-                out: Path) -> ProducedBatch:
+    def produce(
+        engine: InferenceEngine, tasks: RunTasks, identity: Identity, spec: BatchSpec, out: Path
+    ) -> ProducedBatch:
         started = time.perf_counter()
         rows = attack(engine, tasks, identity.node_id, spec)
         write_signed(out, rows, identity)
@@ -303,6 +316,11 @@ EXPECTED_CHECKS: dict[str, frozenset[str]] = {
 }
 
 __all__ = [
-    "ATTACKS", "EXPECTED_CHECKS", "AttackError", "attack_producer", "perturb_layer_", "quantize_decoder_",
+    "ATTACKS",
+    "EXPECTED_CHECKS",
+    "AttackError",
+    "attack_producer",
+    "perturb_layer_",
+    "quantize_decoder_",
     "write_signed",
 ]

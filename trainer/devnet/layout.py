@@ -156,24 +156,72 @@ class DevnetLayout:
         return dict(SWARM_ENV)
 
     def trainer_argv(self, max_steps: int) -> list[str]:
-        argv = [*CLI, "trainer", "--max-steps", str(max_steps), "--model", str(self.model_dir), "--key", str(self.root / "operator.key"),
-                "--data-dir", str(self.trainer_dir), *self.run_flags(), "--swarm-run-id", self.run_id,
-                "--listen", LOOPBACK, "--http-port", "0", "--metrics-port", "0", "--threads", "1"]
+        argv = [
+            *CLI,
+            "trainer",
+            "--max-steps",
+            str(max_steps),
+            "--model",
+            str(self.model_dir),
+            "--key",
+            str(self.root / "operator.key"),
+            "--data-dir",
+            str(self.trainer_dir),
+            *self.run_flags(),
+            "--swarm-run-id",
+            self.run_id,
+            "--listen",
+            LOOPBACK,
+            "--http-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--threads",
+            "1",
+        ]
         if self.sizing.batch_size is not None:
             argv += ["--batch-size", str(self.sizing.batch_size)]
         return argv
 
     def validator_argv(self, peers: list[str]) -> list[str]:
-        argv = [*CLI, "validator", "--key", str(self.root / "operator.key"), "--data-dir", str(self.validator_dir),
-                *self.run_flags(), "--listen", LOOPBACK, "--http-port", "0", "--threads", "1",
-                "--accepted-dir", str(self.trainer_dir / "accepted"), "--peers", *peers]
+        argv = [
+            *CLI,
+            "validator",
+            "--key",
+            str(self.root / "operator.key"),
+            "--data-dir",
+            str(self.validator_dir),
+            *self.run_flags(),
+            "--listen",
+            LOOPBACK,
+            "--http-port",
+            "0",
+            "--threads",
+            "1",
+            "--accepted-dir",
+            str(self.trainer_dir / "accepted"),
+            "--peers",
+            *peers,
+        ]
         return argv
 
     def member_argv(self, member: Member, peers: list[str]) -> list[str]:
         head = [*CLI, "start"] if member.attack is None else [*ADVERSARY, "--attack", member.attack]
-        return [*head, "--data-dir", str(member.data_dir), "--operator-key", self.operator.node_id,
-                *self.run_flags(), "--peers", *peers, "--host-maddrs", LOOPBACK, "--threads", "1",
-                *self.sizing.node_flags()]
+        return [
+            *head,
+            "--data-dir",
+            str(member.data_dir),
+            "--operator-key",
+            self.operator.node_id,
+            *self.run_flags(),
+            "--peers",
+            *peers,
+            "--host-maddrs",
+            LOOPBACK,
+            "--threads",
+            "1",
+            *self.sizing.node_flags(),
+        ]
 
     def trainer_env(self) -> dict[str, str]:
         return {**self.env(), **TRAINER_ENV}

@@ -72,10 +72,12 @@ class Monitor:
         members = [self._member(m, rows.get(m.node_id)) for m in self.layout.members]
         last = self.steps[-1] if self.steps else None
         return Snapshot(
-            at=time.time(), step=int(last["step"]) if last else 0,
+            at=time.time(),
+            step=int(last["step"]) if last else 0,
             task_reward=float(last["task_reward"]) if last and "task_reward" in last else None,
             rollout_reward=float(last["rollout_reward"]) if last and "rollout_reward" in last else None,
-            members=members, queue_depth=self.queue_depth(),
+            members=members,
+            queue_depth=self.queue_depth(),
             accepted_files=sum(int(r["accepted_files"]) for r in self.leaderboard),
             rejected_files=sum(int(r["rejected_files"]) for r in self.leaderboard),
         )
@@ -116,7 +118,10 @@ class Monitor:
             view.state = str(status.get("state", "?"))
             view.local_step = status.get("local_step")
             counts = status.get("rollouts") or {}
-            view.generated, view.handed_off = int(counts.get("generated", 0)), int(counts.get("handed_off", 0))
+            view.generated, view.handed_off = (
+                int(counts.get("generated", 0)),
+                int(counts.get("handed_off", 0)),
+            )
             view.last_error = status.get("last_error")
         if row is not None:
             view.accepted, view.rejected = int(row["accepted_files"]), int(row["rejected_files"])

@@ -34,7 +34,7 @@ class Canvas:
     def set(self, x: int, y: int, color: RGB) -> None:
         if 0 <= x < self.width and 0 <= y < self.height:
             i = 3 * (y * self.width + x)
-            self.pixels[i:i + 3] = bytes(color)
+            self.pixels[i : i + 3] = bytes(color)
 
     def line(self, x0: int, y0: int, x1: int, y1: int, color: RGB, thick: int = 1) -> None:
         """Bresenham, thickened by stamping a small square at every point."""
@@ -57,19 +57,33 @@ class Canvas:
                 y0 += sy
 
     def png(self) -> bytes:
-        raw = b"".join(b"\x00" + bytes(self.pixels[3 * self.width * y: 3 * self.width * (y + 1)])
-                       for y in range(self.height))
+        raw = b"".join(
+            b"\x00" + bytes(self.pixels[3 * self.width * y : 3 * self.width * (y + 1)])
+            for y in range(self.height)
+        )
 
         def chunk(kind: bytes, data: bytes) -> bytes:
             return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
         header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)  # 8-bit RGB
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+        return (
+            b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(raw, 9))
+            + chunk(b"IEND", b"")
+        )
 
 
-def line_plot(path: Path, series: Sequence[Series], *, x_range: tuple[float, float] | None = None,
-              y_range: tuple[float, float] = (0.0, 1.0), width: int = 640, height: int = 360,
-              grid: int = 10) -> Path:
+def line_plot(
+    path: Path,
+    series: Sequence[Series],
+    *,
+    x_range: tuple[float, float] | None = None,
+    y_range: tuple[float, float] = (0.0, 1.0),
+    width: int = 640,
+    height: int = 360,
+    grid: int = 10,
+) -> Path:
     """Write a PNG of `series` (y clipped to `y_range`); the x range defaults to the data's."""
     xs = [x for s in series for x, _ in s.points]
     x0, x1 = x_range or ((min(xs), max(xs)) if xs else (0.0, 1.0))
@@ -82,8 +96,10 @@ def line_plot(path: Path, series: Sequence[Series], *, x_range: tuple[float, flo
 
     def px(x: float, y: float) -> tuple[int, int]:
         y = min(max(y, y0), y1)
-        return (round(left + (x - x0) / (x1 - x0) * (right - left)),
-                round(bottom - (y - y0) / (y1 - y0) * (bottom - top)))
+        return (
+            round(left + (x - x0) / (x1 - x0) * (right - left)),
+            round(bottom - (y - y0) / (y1 - y0) * (bottom - top)),
+        )
 
     for k in range(grid + 1):
         gy = round(bottom - k * (bottom - top) / grid)

@@ -93,7 +93,9 @@ class ProcessGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
 
-    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Child:
+    def start(
+        self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None
+    ) -> Child:
         log_path = self.log_dir / f"{name}.log"
         log = open(log_path, "ab")
         try:
@@ -131,7 +133,9 @@ class ProcessGroup:
             try:
                 child.process.wait(timeout=grace)
             except subprocess.TimeoutExpired:
-                logger.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it", child.name, child.pid, grace)
+                logger.warning(
+                    "%s (pid %d) ignored SIGTERM for %.0f s; killing it", child.name, child.pid, grace
+                )
                 killed = True
         self._signal_group(child, signal.SIGKILL)  # leftovers in its group (e.g. a p2pd daemon) go too
         return child.process.wait(timeout=30), killed
@@ -147,7 +151,9 @@ class ProcessGroup:
             try:
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it", child.name, child.pid, grace)
+                logger.warning(
+                    "%s (pid %d) ignored SIGTERM for %.0f s; killing it", child.name, child.pid, grace
+                )
                 result.killed.append(child.name)
             self._signal_group(child, signal.SIGKILL)  # leftovers in its group (e.g. a p2pd daemon) go too
             result.exit_codes[child.name] = child.process.wait(timeout=30)

@@ -32,8 +32,12 @@ from .plot import PALETTE, Series, line_plot
 def _stats(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
-    return {"mean": round(statistics.fmean(values), 3), "p50": round(statistics.median(values), 3),
-            "max": round(max(values), 3), "count": len(values)}
+    return {
+        "mean": round(statistics.fmean(values), 3),
+        "p50": round(statistics.median(values), 3),
+        "max": round(max(values), 3),
+        "count": len(values),
+    }
 
 
 def _ledger_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -42,11 +46,21 @@ def _ledger_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
     db.row_factory = sqlite3.Row
     try:
-        contributions = [dict(r) for r in db.execute(
-            "SELECT node_id, step, accepted, failed_check, reason, received_at, decided_at FROM contributions")]
-        slashes = [dict(r) for r in db.execute(
-            "SELECT node_id, amount, check_class, failed_check, reason, created_at FROM slashes ORDER BY id")]
-        bans = [dict(r) for r in db.execute("SELECT node_id, reason, created_at, until FROM bans ORDER BY id")]
+        contributions = [
+            dict(r)
+            for r in db.execute(
+                "SELECT node_id, step, accepted, failed_check, reason, received_at, decided_at FROM contributions"
+            )
+        ]
+        slashes = [
+            dict(r)
+            for r in db.execute(
+                "SELECT node_id, amount, check_class, failed_check, reason, created_at FROM slashes ORDER BY id"
+            )
+        ]
+        bans = [
+            dict(r) for r in db.execute("SELECT node_id, reason, created_at, until FROM bans ORDER BY id")
+        ]
     finally:
         db.close()
     return contributions, slashes, bans
@@ -59,14 +73,24 @@ def announce_times(monitor: Monitor, ready_at: float) -> dict[int, float]:
     return times
 
 
-def timings(layout: DevnetLayout, monitor: Monitor, contributions: list[dict[str, Any]],
-            ready_at: float, ended_at: float) -> dict[str, Any]:
+def timings(
+    layout: DevnetLayout,
+    monitor: Monitor,
+    contributions: list[dict[str, Any]],
+    ready_at: float,
+    ended_at: float,
+) -> dict[str, Any]:
     announced = announce_times(monitor, ready_at)
     honest = {m.name for m in layout.members if m.attack is None}
     honest_ids = {m.node_id for m in layout.members if m.attack is None}
     # Step 0 is left out: the nodes start after the trainer announced it, so its time includes their start-up.
-    broadcast = [max(0.0, at - announced[step]) for name, seen in monitor.arrivals.items() if name in honest
-                 for step, at in seen.items() if step > 0 and step in announced]
+    broadcast = [
+        max(0.0, at - announced[step])
+        for name, seen in monitor.arrivals.items()
+        if name in honest
+        for step, at in seen.items()
+        if step > 0 and step in announced
+    ]
     first: dict[int, float] = {}
     for c in contributions:
         if c["node_id"] in honest_ids:
@@ -101,23 +125,45 @@ def reward_trend(rewards: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     third = len(values) // 3
     first, last = sum(values[:third]) / third, sum(values[-third:]) / third
-    return {"steps_per_window": third, "first": round(first, 4), "last": round(last, 4),
-            "change": round(last - first, 4)}
+    return {
+        "steps_per_window": third,
+        "first": round(first, 4),
+        "last": round(last, 4),
+        "change": round(last - first, 4),
+    }
 
 
-def build_report(layout: DevnetLayout, monitor: Monitor, *, ready_at: float, ended_at: float,
-                 setup_s: float, stop: dict[str, Any], stopped_by: str) -> dict[str, Any]:
+def build_report(
+    layout: DevnetLayout,
+    monitor: Monitor,
+    *,
+    ready_at: float,
+    ended_at: float,
+    setup_s: float,
+    stop: dict[str, Any],
+    stopped_by: str,
+) -> dict[str, Any]:
     contributions, slashes, bans = _ledger_rows(layout.ledger_path)
     names = {m.node_id: m for m in layout.members}
     board = []
     if layout.ledger_path.is_file():
         with Ledger(layout.ledger_path) as ledger:
             board = [r.model_dump(mode="json") for r in leaderboard(ledger, top=1000)]
-    rewards = [{"step": int(r["step"]), "rollout_reward": r.get("rollout_reward"), "task_reward": r.get("task_reward"),
-                "samples": r.get("samples"), "wall_s": r.get("wall_s")} for r in monitor.steps]
+    rewards = [
+        {
+            "step": int(r["step"]),
+            "rollout_reward": r.get("rollout_reward"),
+            "task_reward": r.get("task_reward"),
+            "samples": r.get("samples"),
+            "wall_s": r.get("wall_s"),
+        }
+        for r in monitor.steps
+    ]
     plot = None
-    series = [Series([(float(r["step"]), float(r[key])) for r in rewards if r[key] is not None], colour)
-              for key, colour in (("rollout_reward", PALETTE[0]), ("task_reward", PALETTE[1]))]
+    series = [
+        Series([(float(r["step"]), float(r[key])) for r in rewards if r[key] is not None], colour)
+        for key, colour in (("rollout_reward", PALETTE[0]), ("task_reward", PALETTE[1]))
+    ]
     if any(s.points for s in series):
         plot = str(line_plot(layout.root / "reward.png", [s for s in series if s.points]))
 
@@ -137,11 +183,34 @@ def build_report(layout: DevnetLayout, monitor: Monitor, *, ready_at: float, end
         "rewards": rewards,
         "plot": plot,
         "reward_trend": reward_trend(rewards),
-        "leaderboard": [{**who(r["node_id"]), **{k: r[k] for k in (
-            "rank", "accepted_files", "rejected_files", "accepted_samples", "score", "slashes", "banned")}}
-            for r in board],
-        "slashed": [{**who(s["node_id"]), "failed_check": s["failed_check"], "class": s["check_class"],
-                     "amount": s["amount"], "reason": s["reason"][:300]} for s in slashes],
+        "leaderboard": [
+            {
+                **who(r["node_id"]),
+                **{
+                    k: r[k]
+                    for k in (
+                        "rank",
+                        "accepted_files",
+                        "rejected_files",
+                        "accepted_samples",
+                        "score",
+                        "slashes",
+                        "banned",
+                    )
+                },
+            }
+            for r in board
+        ],
+        "slashed": [
+            {
+                **who(s["node_id"]),
+                "failed_check": s["failed_check"],
+                "class": s["check_class"],
+                "amount": s["amount"],
+                "reason": s["reason"][:300],
+            }
+            for s in slashes
+        ],
         "bans": [{**who(b["node_id"]), "reason": b["reason"][:300], "until": b["until"]} for b in bans],
         "honest": {
             "accepted_files": sum(1 for c in contributions if c["node_id"] in honest_ids and c["accepted"]),
@@ -150,11 +219,19 @@ def build_report(layout: DevnetLayout, monitor: Monitor, *, ready_at: float, end
             "rejected_files": sum(1 for c in honest_rejections if not _excused(c)),
             "excused_files": sorted(str(c["failed_check"]) for c in honest_rejections if _excused(c)),
         },
-        "adversaries": [{**who(m.node_id), "banned": m.node_id in banned_ids,
-                         "accepted_files": sum(1 for c in contributions if c["node_id"] == m.node_id and c["accepted"]),
-                         "rejected_files": sum(1 for c in contributions
-                                               if c["node_id"] == m.node_id and not c["accepted"])}
-                        for m in adversaries],
+        "adversaries": [
+            {
+                **who(m.node_id),
+                "banned": m.node_id in banned_ids,
+                "accepted_files": sum(
+                    1 for c in contributions if c["node_id"] == m.node_id and c["accepted"]
+                ),
+                "rejected_files": sum(
+                    1 for c in contributions if c["node_id"] == m.node_id and not c["accepted"]
+                ),
+            }
+            for m in adversaries
+        ],
         "timings": timings(layout, monitor, contributions, ready_at, ended_at),
         "setup_s": round(setup_s, 1),
         "run_s": round(ended_at - ready_at, 1),
@@ -163,50 +240,83 @@ def build_report(layout: DevnetLayout, monitor: Monitor, *, ready_at: float, end
 
 
 def format_report(r: dict[str, Any]) -> str:
-    lines = [f"devnet report ({r['stopped_by']}; {r['steps']} steps in {r['run_s']:.0f} s after "
-             f"{r['setup_s']:.0f} s of set-up; files in {r['run_dir']})", "", "reward per step:"]
+    lines = [
+        f"devnet report ({r['stopped_by']}; {r['steps']} steps in {r['run_s']:.0f} s after "
+        f"{r['setup_s']:.0f} s of set-up; files in {r['run_dir']})",
+        "",
+        "reward per step:",
+    ]
     for row in r["rewards"]:
         rollouts = "-" if row.get("rollout_reward") is None else f"{row['rollout_reward']:.3f}"
         batch = "-" if row["task_reward"] is None else f"{row['task_reward']:.3f}"
-        lines.append(f"  step {row['step']:>4}  rollouts {rollouts}  batch {batch}  "
-                     f"({row['samples']} samples, {row['wall_s']} s)")
+        lines.append(
+            f"  step {row['step']:>4}  rollouts {rollouts}  batch {batch}  "
+            f"({row['samples']} samples, {row['wall_s']} s)"
+        )
     if r.get("reward_trend"):
         t = r["reward_trend"]
-        lines.append(f"  rollout reward, mean of the first {t['steps_per_window']} steps {t['first']:.3f} -> "
-                     f"of the last {t['steps_per_window']} {t['last']:.3f} ({t['change']:+.3f})")
+        lines.append(
+            f"  rollout reward, mean of the first {t['steps_per_window']} steps {t['first']:.3f} -> "
+            f"of the last {t['steps_per_window']} {t['last']:.3f} ({t['change']:+.3f})"
+        )
     if r["plot"]:
         lines.append(f"  plot: {r['plot']} (blue: rollout reward, all samples; red: the trained batch's)")
     lines += ["", "leaderboard:"]
     for row in r["leaderboard"]:
-        role = row["name"] if row["name"] in ("operator", "unknown") else (
-            "honest" if row["attack"] is None else f"attack:{row['attack']}")
-        lines.append(f"  {row['rank']:>2}. {row['name']:<22} {role:<23} {row['accepted_files']:>3} accepted "
-                     f"{row['rejected_files']:>3} rejected  score {row['score']:>8.1f}"
-                     f"{'  BANNED' if row['banned'] else ''}")
+        role = (
+            row["name"]
+            if row["name"] in ("operator", "unknown")
+            else ("honest" if row["attack"] is None else f"attack:{row['attack']}")
+        )
+        lines.append(
+            f"  {row['rank']:>2}. {row['name']:<22} {role:<23} {row['accepted_files']:>3} accepted "
+            f"{row['rejected_files']:>3} rejected  score {row['score']:>8.1f}"
+            f"{'  BANNED' if row['banned'] else ''}"
+        )
     lines += ["", "slashed:" if r["slashed"] else "slashed: nobody"]
     for s in r["slashed"]:
-        lines.append(f"  {s['name']:<22} -{s['amount']:g} ({s['class']}, {s['failed_check']}): {s['reason'][:140]}")
+        lines.append(
+            f"  {s['name']:<22} -{s['amount']:g} ({s['class']}, {s['failed_check']}): {s['reason'][:140]}"
+        )
     h = r["honest"]
     excused = h.get("excused_files") or []
-    lines += ["", f"honest nodes: {h['accepted_files']} files accepted, {h['rejected_files']} rejected"
-              + (f" ({len(excused)} more not counted, not their fault: {', '.join(sorted(set(excused)))})"
-                 if excused else "")]
+    lines += [
+        "",
+        f"honest nodes: {h['accepted_files']} files accepted, {h['rejected_files']} rejected"
+        + (
+            f" ({len(excused)} more not counted, not their fault: {', '.join(sorted(set(excused)))})"
+            if excused
+            else ""
+        ),
+    ]
     for a in r["adversaries"]:
-        lines.append(f"adversary {a['name']} ({a['attack']}): {'banned' if a['banned'] else 'NOT banned'}, "
-                     f"{a['rejected_files']} rejected, {a['accepted_files']} accepted")
+        lines.append(
+            f"adversary {a['name']} ({a['attack']}): {'banned' if a['banned'] else 'NOT banned'}, "
+            f"{a['rejected_files']} rejected, {a['accepted_files']} accepted"
+        )
     t = r["timings"]
     lines += ["", "timings (s; mean / p50 / max over n):"]
-    for key, label in (("broadcast_s", "checkpoint broadcast"), ("broadcast_to_first_rollout_s",
-                       "broadcast -> first rollout"), ("validation_latency_s", "validation latency")):
+    for key, label in (
+        ("broadcast_s", "checkpoint broadcast"),
+        ("broadcast_to_first_rollout_s", "broadcast -> first rollout"),
+        ("validation_latency_s", "validation latency"),
+    ):
         s = t[key]
-        lines.append(f"  {label:<28} " + ("-" if s is None else
-                                           f"{s['mean']:.2f} / {s['p50']:.2f} / {s['max']:.2f} (n={s['count']})"))
-    lines.append(f"  {'trainer idle':<28} {t['trainer_idle_s']:.1f} s ({100 * t['trainer_idle_fraction']:.0f}% of "
-                 f"the run; {t['train_s']:.1f} s training)")
+        lines.append(
+            f"  {label:<28} "
+            + ("-" if s is None else f"{s['mean']:.2f} / {s['p50']:.2f} / {s['max']:.2f} (n={s['count']})")
+        )
+    lines.append(
+        f"  {'trainer idle':<28} {t['trainer_idle_s']:.1f} s ({100 * t['trainer_idle_fraction']:.0f}% of "
+        f"the run; {t['train_s']:.1f} s training)"
+    )
     p = r["processes"]
-    lines += ["", f"processes: {len(p['exit_codes'])} stopped, exit codes {p['exit_codes']}"
-              + (f", killed after the grace period: {p['killed']}" if p["killed"] else "")
-              + (f", STILL ALIVE: {p['alive']}" if p["alive"] else "")]
+    lines += [
+        "",
+        f"processes: {len(p['exit_codes'])} stopped, exit codes {p['exit_codes']}"
+        + (f", killed after the grace period: {p['killed']}" if p["killed"] else "")
+        + (f", STILL ALIVE: {p['alive']}" if p["alive"] else ""),
+    ]
     if r.get("error"):
         lines += ["", f"error: {r['error']}"]
     return "\n".join(lines)

@@ -62,15 +62,19 @@ def _on_stop_signal(signum: int, _frame: object) -> None:
     raise Terminated(signal.Signals(signum).name)
 
 
-def _set_handlers(signals: Sequence[signal.Signals], handler: Any, *, keep_ignored: bool = False
-                  ) -> dict[signal.Signals, Any]:
+def _set_handlers(
+    signals: Sequence[signal.Signals], handler: Any, *, keep_ignored: bool = False
+) -> dict[signal.Signals, Any]:
     """Set `handler` for `signals`, returning the previous ones. `keep_ignored`: leave a signal the operator
     chose to ignore (`nohup` ignores SIGHUP) ignored. Nothing outside the main thread, where Python cannot set
     handlers (an embedding program's thread keeps the program's)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, handler) for sig in signals
-            if not (keep_ignored and signal.getsignal(sig) == signal.SIG_IGN)}
+    return {
+        sig: signal.signal(sig, handler)
+        for sig in signals
+        if not (keep_ignored and signal.getsignal(sig) == signal.SIG_IGN)
+    }
 
 
 def _restore_handlers(previous: dict[signal.Signals, Any]) -> None:
@@ -131,8 +135,10 @@ def wait_ready(child: Child, key: str, timeout: float) -> dict[str, Any]:
                 if isinstance(ready, dict) and key in ready:
                     return ready
         if child.process.poll() is not None:
-            raise DevnetError(f"the {child.name} exited ({child.process.returncode}) before it was ready:\n"
-                              + child.log_tail(30))
+            raise DevnetError(
+                f"the {child.name} exited ({child.process.returncode}) before it was ready:\n"
+                + child.log_tail(30)
+            )
         time.sleep(0.2)
     raise DevnetError(f"the {child.name} was not ready within {timeout:.0f} s:\n{child.log_tail(30)}")
 
@@ -177,8 +183,15 @@ class Devnet:
                 _set_handlers(STOP_SIGNALS, signal.SIG_IGN)  # the stop and the report run to their end
                 stop = self._stop_all()
             ended_at = time.time()
-            report = build_report(self.layout, self.monitor, ready_at=ready_at or ended_at, ended_at=ended_at,
-                                  setup_s=setup_s, stop=stop, stopped_by=stopped_by)
+            report = build_report(
+                self.layout,
+                self.monitor,
+                ready_at=ready_at or ended_at,
+                ended_at=ended_at,
+                setup_s=setup_s,
+                stop=stop,
+                stopped_by=stopped_by,
+            )
             report["error"] = error
             report["wall_s"] = round(ended_at - began, 1)
             (self.layout.root / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
@@ -193,7 +206,9 @@ class Devnet:
         ready = wait_ready(trainer, "trainer", o.start_timeout_s)
         ready_at = time.time()
         view.message(f"trainer {ready['trainer'][:8]} serves step {ready['step']} at {ready['weights']}")
-        validator = self.group.start("validator", layout.validator_argv(ready["maddrs"][:1]), env=layout.env())
+        validator = self.group.start(
+            "validator", layout.validator_argv(ready["maddrs"][:1]), env=layout.env()
+        )
         vready = wait_ready(validator, "validator", o.start_timeout_s)
         self.monitor.dashboard_url = vready["dashboard"]
         view.message(f"validator {vready['validator'][:8]}: dashboard {vready['dashboard']}")
@@ -220,15 +235,22 @@ class Devnet:
                     return
                 done_at = done_at or time.monotonic()
                 if time.monotonic() - done_at > o.ban_wait_s:
-                    raise DevnetError(f"{o.steps} steps done, but not banned after {o.ban_wait_s:.0f} s more: "
-                                      + ", ".join(pending))
+                    raise DevnetError(
+                        f"{o.steps} steps done, but not banned after {o.ban_wait_s:.0f} s more: "
+                        + ", ".join(pending)
+                    )
             if snapshot.step != last_step:
                 last_step, last_progress = snapshot.step, time.monotonic()
             elif time.monotonic() - last_progress > o.stall_timeout_s:
-                raise DevnetError(f"no new policy step for {o.stall_timeout_s:.0f} s (stuck at {last_step}); "
-                                  f"see the logs in {self.layout.logs}")
-            exited = {name: code for name, code in self.group.exited().items()
-                      if not (name == "trainer" and code == 0)}  # it stops by itself after --max-steps
+                raise DevnetError(
+                    f"no new policy step for {o.stall_timeout_s:.0f} s (stuck at {last_step}); "
+                    f"see the logs in {self.layout.logs}"
+                )
+            exited = {
+                name: code
+                for name, code in self.group.exited().items()
+                if not (name == "trainer" and code == 0)
+            }  # it stops by itself after --max-steps
             if exited:
                 name, code = next(iter(exited.items()))
                 raise DevnetError(f"{name} exited on its own ({code}):\n{self.group.get(name).log_tail(30)}")
@@ -257,12 +279,19 @@ class Devnet:
             described = ", ".join(f"{pid} ({_cmdline(pid)})" for pid in leftovers)
             # torch's shared-memory manager leaves its parent's session on purpose; anything else is a bug.
             expected = all("torch_shm_manager" in _cmdline(pid) for pid in leftovers)
-            logger.log(logging.INFO if expected else logging.WARNING,
-                       "processes left after the stop: %s; ending them", described)
+            logger.log(
+                logging.INFO if expected else logging.WARNING,
+                "processes left after the stop: %s; ending them",
+                described,
+            )
             end_pids(leftovers, 3.0)
-        return {"exit_codes": result.exit_codes, "killed": result.killed, "left_over": leftovers,
-                "alive": sorted(pid for pid, started in self.seen.items() if still_running(pid, started)),
-                "pids": sorted(self.seen)}
+        return {
+            "exit_codes": result.exit_codes,
+            "killed": result.killed,
+            "left_over": leftovers,
+            "alive": sorted(pid for pid, started in self.seen.items() if still_running(pid, started)),
+            "pids": sorted(self.seen),
+        }
 
     def _scan(self) -> None:
         """Remember every process below our children (with its start time, so a reused PID is never hit)."""
@@ -275,6 +304,12 @@ class Devnet:
 
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120].strip()
+        return (
+            Path(f"/proc/{pid}/cmdline")
+            .read_bytes()
+            .replace(b"\0", b" ")
+            .decode(errors="replace")[:120]
+            .strip()
+        )
     except OSError:
         return "?"

@@ -24,7 +24,9 @@ WEIGHTS_FILE = "model.safetensors"
 
 @dataclass(frozen=True)
 class TaskFilter:
-    count: int = 1200  # built-in problems estimated (indices 0..count-1): about 140 kept for the default model
+    count: int = (
+        1200  # built-in problems estimated (indices 0..count-1): about 140 kept for the default model
+    )
     k: int = 8
     low: float = 0.125
     high: float = 0.5
@@ -74,13 +76,24 @@ def filtered_tasks(model_dir: Path, spec: TaskFilter) -> tuple[Path | None, str]
     started = time.perf_counter()
     engine = load_engine(model_dir, threads=1, max_batch_size=128)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    estimates = estimate_pass_rates(engine, tokenizer, open_task_set(None), spec.selected_indices(), k=spec.k,
-                                    max_new_tokens=spec.max_new_tokens, tasks_per_batch=128 // spec.k)
+    estimates = estimate_pass_rates(
+        engine,
+        tokenizer,
+        open_task_set(None),
+        spec.selected_indices(),
+        k=spec.k,
+        max_new_tokens=spec.max_new_tokens,
+        tasks_per_batch=128 // spec.k,
+    )
     kept = in_band(estimates, spec.low, spec.high)
     took = time.perf_counter() - started
     if not kept:
-        return None, (f"tasks: no problem of {spec.describe()} is solved {spec.low:g}-{spec.high:g} of "
-                      f"the time by this model ({took:.0f} s); using the whole built-in set")
+        return None, (
+            f"tasks: no problem of {spec.describe()} is solved {spec.low:g}-{spec.high:g} of "
+            f"the time by this model ({took:.0f} s); using the whole built-in set"
+        )
     write_task_file(out, kept)
-    return out, (f"tasks: kept {len(kept)} of {spec.describe()}, those the model solves "
-                 f"{round(spec.low * spec.k)} to {round(spec.high * spec.k)} times in {spec.k} ({took:.0f} s) -> {out.name}")
+    return out, (
+        f"tasks: kept {len(kept)} of {spec.describe()}, those the model solves "
+        f"{round(spec.low * spec.k)} to {round(spec.high * spec.k)} times in {spec.k} ({took:.0f} s) -> {out.name}"
+    )

@@ -20,8 +20,10 @@ STATE_WIDTH = 44
 def header(snapshot: Snapshot, total_steps: int) -> str:
     rollouts = "  -  " if snapshot.rollout_reward is None else f"{snapshot.rollout_reward:.3f}"
     batch = "  -  " if snapshot.task_reward is None else f"{snapshot.task_reward:.3f}"
-    return (f"step {snapshot.step}/{total_steps}  reward: rollouts {rollouts} batch {batch}  verdicts: {snapshot.accepted_files} "
-            f"accepted, {snapshot.rejected_files} rejected  validator queue {snapshot.queue_depth}")
+    return (
+        f"step {snapshot.step}/{total_steps}  reward: rollouts {rollouts} batch {batch}  verdicts: {snapshot.accepted_files} "
+        f"accepted, {snapshot.rejected_files} rejected  validator queue {snapshot.queue_depth}"
+    )
 
 
 def member_line(m: MemberView) -> str:
@@ -29,8 +31,10 @@ def member_line(m: MemberView) -> str:
     step = "-" if m.local_step is None else str(m.local_step)
     verdicts = f"{m.accepted} ok / {m.rejected} rejected"
     flag = "  BANNED" if m.banned else ""
-    return (f"  {m.name:<22} {m.node_id[:8]} {role:<23} ckpt {step:>3}  files {m.generated:>3} sent {m.handed_off:>3}  "
-            f"{verdicts:<18} {m.state[:STATE_WIDTH]}{flag}")
+    return (
+        f"  {m.name:<22} {m.node_id[:8]} {role:<23} ckpt {step:>3}  files {m.generated:>3} sent {m.handed_off:>3}  "
+        f"{verdicts:<18} {m.state[:STATE_WIDTH]}{flag}"
+    )
 
 
 def _member_key(m: MemberView) -> tuple[object, ...]:
@@ -53,8 +57,11 @@ class LiveView:
 
     def update(self, snapshot: Snapshot) -> None:
         if self.tty:
-            lines = [f"prime-node devnet  [{self._elapsed()}]  (Ctrl-C stops it and prints the report)",
-                     header(snapshot, self.total_steps), *(member_line(m) for m in snapshot.members)]
+            lines = [
+                f"prime-node devnet  [{self._elapsed()}]  (Ctrl-C stops it and prints the report)",
+                header(snapshot, self.total_steps),
+                *(member_line(m) for m in snapshot.members),
+            ]
             self.stream.write(HOME_CLEAR + "\n".join(lines) + "\n")
         else:
             changes = []

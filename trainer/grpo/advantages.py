@@ -1,4 +1,4 @@
-"""Group-relative advantages, online filtering, and the length reward of the INTELLECT-2 recipe.
+"""Group-relative advantages and online filtering of the INTELLECT-2 recipe.
 
 The trainer recomputes every group statistic itself from the (validator-recomputed) rewards; it never
 uses an advantage a contributor wrote.
@@ -8,11 +8,8 @@ prompt, std being the population standard deviation (divide by G). A group whose
 carries no learning signal (every A_i is 0); online filtering (INTELLECT-2 section 3.3, after DAPO's
 dynamic sampling) drops it so that every batch is full of informative groups.
 
-Length reward (INTELLECT-2 section 3.2, following L1 / LCPO, arXiv 2503.04697): each sample gets a target
-length drawn from a small discrete set, the prompt is suffixed with an instruction to think for that many
-tokens, and the reward is task_reward - alpha * |length - target|. Both the contributor (which writes the
-suffix) and the validator/trainer (which recompute the reward) derive the target from the sample's seed,
-so the draw is a pure function of (seed, choices) with no platform-dependent PRNG.
+The length reward that enters the rewards (INTELLECT-2 section 3.2) is a task rule every role shares: it
+lives in node/tasks/length.py.
 """
 
 from __future__ import annotations
@@ -21,13 +18,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...node.tasks.length import (  # the length reward is a task rule shared by node, validator and trainer
-    THINKING_SUFFIX_TEMPLATE,
-    combined_reward,
-    draw_target_length,
-    length_penalty,
-    thinking_suffix,
-)
 from ..errors import TrainerError
 
 # Rewards that differ by less than this (relative to their scale) count as equal: float sums of equal
@@ -75,5 +65,3 @@ def filter_informative(groups: Sequence[Sequence[float]], eps: float = 1e-6) -> 
         if stats.informative:
             kept.append((i, stats))
     return kept
-
-

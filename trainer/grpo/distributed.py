@@ -100,10 +100,12 @@ class Control:
             raise TrainerError(f"rank 0 sent an unknown command {int(header[0])}") from None
 
     def send_samples(self, samples: list[TrainSample]) -> None:
-        lengths = torch.tensor([[len(s.prompt_ids), len(s.completion_ids)] for s in samples],
-                               dtype=torch.int64)
-        ids = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.completion_ids)],
-                           dtype=torch.int64)
+        lengths = torch.tensor(
+            [[len(s.prompt_ids), len(s.completion_ids)] for s in samples], dtype=torch.int64
+        )
+        ids = torch.tensor(
+            [t for s in samples for t in (*s.prompt_ids, *s.completion_ids)], dtype=torch.int64
+        )
         self._bcast(torch.tensor([len(samples), ids.numel()], dtype=torch.int64))
         self._bcast(lengths.reshape(-1, 2))
         self._bcast(ids)
@@ -130,8 +132,12 @@ def init_world(world: World) -> Control:
     backend = "nccl" if world.device.type == "cuda" else "gloo"
     world.bind_device()
     try:
-        dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size,
-                                device_id=world.device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend=backend,
+            rank=world.rank,
+            world_size=world.world_size,
+            device_id=world.device if backend == "nccl" else None,
+        )
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     except (RuntimeError, ValueError) as exc:
         raise TrainerError(f"cannot join the torchrun process group ({backend}): {exc}") from None

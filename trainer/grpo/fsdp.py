@@ -31,9 +31,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from ..errors import TrainerError
 from .config import TrainerSettings
 from .distributed import World
-from ..errors import TrainerError
 from .loss import LossMetrics
 from .packing import PackedRows, TrainSample
 from .schedule import build_optimizer, build_scheduler
@@ -99,9 +99,15 @@ def _param_names(model: torch.nn.Module) -> list[str]:
 class ShardedPolicy:
     """One rank's shard of the model, its AdamW and schedule, and the (sharded) frozen reference."""
 
-    def __init__(self, model: PreTrainedModel, settings: TrainerSettings, world: World,
-                 optimizer_state: dict[str, Any] | None, scheduler_state: dict[str, Any] | None,
-                 reference: PreTrainedModel | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        settings: TrainerSettings,
+        world: World,
+        optimizer_state: dict[str, Any] | None,
+        scheduler_state: dict[str, Any] | None,
+        reference: PreTrainedModel | None = None,
+    ) -> None:
         """`model` holds the full weights of the state (the same on every rank); `optimizer_state` is that
         state's single-process optimizer state dict (None at genesis)."""
         self.world = world
@@ -113,8 +119,12 @@ class ShardedPolicy:
         self.optimizer = build_optimizer(self.model, settings)
         self.scheduler = build_scheduler(self.optimizer, settings)
         if optimizer_state is not None and optimizer_state.get("state"):
-            set_optimizer_state_dict(self.model, self.optimizer, _by_name(optimizer_state, self.names),
-                                     options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                self.model,
+                self.optimizer,
+                _by_name(optimizer_state, self.names),
+                options=StateDictOptions(full_state_dict=True),
+            )
         elif optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state)  # no moments yet: only hyper-parameters
         if scheduler_state is not None:
@@ -129,8 +139,16 @@ class ShardedPolicy:
         apply_step's clip_grad_norm_ on DTensor gradients reduces the norm over every shard, so all ranks clip
         alike and all skip a non-finite step together. The loss metrics are summed over the ranks."""
         self.world.bind_device()
-        report = train_rollout_step(self.model, self.optimizer, self.scheduler, samples, self.settings,
-                                    pad_id, self.reference, select=lambda rows: deal_rows(rows, self.world))
+        report = train_rollout_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            samples,
+            self.settings,
+            pad_id,
+            self.reference,
+            select=lambda rows: deal_rows(rows, self.world),
+        )
         return dataclasses.replace(report, loss=_all_reduce_metrics(report.loss, self.world))
 
     def gather(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:

@@ -14,8 +14,8 @@ from typing import TypeVar
 
 import torch
 
-from .config import TrainerSettings
 from ..errors import TrainerError
+from .config import TrainerSettings
 
 Item = TypeVar("Item")
 

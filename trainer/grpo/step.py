@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import TrainerSettings
 from ..errors import TrainerError
+from .config import TrainerSettings
 from .loss import LossMetrics, LossParams, grpo_loss
 from .packing import PackedRows, TrainSample, pack_samples, token_logprobs
 from .schedule import StepResult, apply_step, split_evenly

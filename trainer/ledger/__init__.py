@@ -11,6 +11,12 @@ from .ledger import Ledger
 from .records import BanEntry, DuplicateWork, RecordResult, RewardPoint
 
 __all__ = [
-    "AsyncLedger", "BanEntry", "DuplicateWork", "Ledger", "LedgerError", "LedgerSettings", "RecordResult",
+    "AsyncLedger",
+    "BanEntry",
+    "DuplicateWork",
+    "Ledger",
+    "LedgerError",
+    "LedgerSettings",
+    "RecordResult",
     "RewardPoint",
 ]

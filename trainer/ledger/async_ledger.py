@@ -11,7 +11,9 @@ from ...p2p.verdicts import BanRecord, Signed, Verdict
 from ...proofs.work_identity import SampleId
 from .records import BanEntry, RecordResult
 
-if TYPE_CHECKING:  # trainer/ledger/ledger.py re-exports this class, so it cannot be imported from there at run time
+if (
+    TYPE_CHECKING
+):  # trainer/ledger/ledger.py re-exports this class, so it cannot be imported from there at run time
     from .ledger import Ledger
 
 
@@ -30,8 +32,11 @@ class AsyncLedger:
         samples: Sequence[SampleId] = (),
     ) -> RecordResult:
         return await asyncio.to_thread(
-            self.ledger.record, signed,
-            received_at=received_at, task_reward_sum=task_reward_sum, samples=samples,
+            self.ledger.record,
+            signed,
+            received_at=received_at,
+            task_reward_sum=task_reward_sum,
+            samples=samples,
         )
 
     async def verdict_for(self, file_hash: str, node_id: str) -> Signed[Verdict] | None:

@@ -20,10 +20,10 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..grpo.advantages import GroupStats, group_advantages
-from .consumed import ConsumedLedger, GroupKey
 from ..errors import TrainerError
+from ..grpo.advantages import GroupStats, group_advantages
 from ..grpo.packing import TrainSample
+from .consumed import ConsumedLedger, GroupKey
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,9 @@ class RolloutSample:
     completion_ids: tuple[int, ...]
     task_reward: float
     length_penalty: float = 0.0  # alpha * |length - target|, 0 when length rewards are off
-    sample_id: str | None = None  # SampleId.key() of the row (trainer/service/inbox.py); None: known by file only
+    sample_id: str | None = (
+        None  # SampleId.key() of the row (trainer/service/inbox.py); None: known by file only
+    )
 
     @property
     def reward(self) -> float:
@@ -171,8 +173,13 @@ class BatchBuffer:
             if prompt_key in known or key in self._groups or any(s.sample_id in seen for s in samples):
                 already += 1
                 continue
-            group = ScoredGroup(record.file_id, prompt_key, record.policy_step, tuple(samples),
-                                group_advantages([s.reward for s in samples], self.advantage_eps))
+            group = ScoredGroup(
+                record.file_id,
+                prompt_key,
+                record.policy_step,
+                tuple(samples),
+                group_advantages([s.reward for s in samples], self.advantage_eps),
+            )
             if not group.stats.informative:
                 zero.append(group)
                 filtered += 1
@@ -184,8 +191,12 @@ class BatchBuffer:
                 kept += 1
         for groups, reason in ((zero, "zero_advantage"), (old, "stale")):
             if groups:
-                self.ledger.drop(current_step, [g.key for g in groups], reason,
-                                 [k for g in groups for k in g.sample_keys()])
+                self.ledger.drop(
+                    current_step,
+                    [g.key for g in groups],
+                    reason,
+                    [k for g in groups for k in g.sample_keys()],
+                )
         return AddReport(True, kept, filtered, dropped_stale, already)
 
     def _keep(self, group: ScoredGroup, *, front: bool = False) -> None:
@@ -206,8 +217,9 @@ class BatchBuffer:
         limit = self.oldest_usable_step(current_step)
         old = [self._forget(k) for k, g in list(self._groups.items()) if g.policy_step < limit]
         if old:
-            self.ledger.drop(current_step, [g.key for g in old], "stale",
-                             [k for g in old for k in g.sample_keys()])
+            self.ledger.drop(
+                current_step, [g.key for g in old], "stale", [k for g in old for k in g.sample_keys()]
+            )
             logger.info("dropped %d rollout groups older than policy step %d", len(old), limit)
         return len(old)
 
@@ -226,8 +238,9 @@ class BatchBuffer:
                 break
             chosen.append(g)
             total += len(g.samples)
-        self.ledger.reserve(current_step, [g.key for g in chosen],
-                            [k for g in chosen for k in g.sample_keys()])
+        self.ledger.reserve(
+            current_step, [g.key for g in chosen], [k for g in chosen for k in g.sample_keys()]
+        )
         for g in chosen:
             self._forget(g.key)
         return Batch(step=current_step, groups=tuple(chosen))

@@ -13,7 +13,6 @@ from ...p2p.swarm import SwarmConfig
 from ...p2p.weights.server import ServeSettings
 from ..grpo.config import TrainerSettings
 
-
 # What a policy record allows in its sources (p2p/swarm/records.py): refused here, at start, not at announcement.
 SourceUrl = Annotated[str, StringConstraints(max_length=512, pattern=r"^https?://[^\s/?#]+")]
 
@@ -24,22 +23,40 @@ class TrainerServiceSection(Section):
     accepted_dir: Path | None = Field(
         None, description="Inbox of validator-accepted files (+ .sig); default <data-dir>/accepted."
     )
-    state_dir: Path | None = Field(None, description="Trainer checkpoints (weights + optimizer); default <data-dir>/trainer.")
-    weights_dir: Path | None = Field(None, description="Published checkpoint store served to peers; default <data-dir>/weights.")
-    keep_states: int = Field(2, ge=1, le=1000, description="Trainer states kept on disk (the newest resumes a crash).")
-    poll_interval_s: float = Field(0.5, gt=0, le=60, description="How often the inbox is rescanned while waiting.")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this policy step is published; default never.")
+    state_dir: Path | None = Field(
+        None, description="Trainer checkpoints (weights + optimizer); default <data-dir>/trainer."
+    )
+    weights_dir: Path | None = Field(
+        None, description="Published checkpoint store served to peers; default <data-dir>/weights."
+    )
+    keep_states: int = Field(
+        2, ge=1, le=1000, description="Trainer states kept on disk (the newest resumes a crash)."
+    )
+    poll_interval_s: float = Field(
+        0.5, gt=0, le=60, description="How often the inbox is rescanned while waiting."
+    )
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after this policy step is published; default never."
+    )
     dht: bool = Field(True, description="Announce policies in the DHT; off: serve weights over HTTP only.")
     announce_interval_s: float = Field(
-        120.0, gt=0, le=3600, description="Re-announce the current policy this often (its DHT record has a TTL)."
+        120.0,
+        gt=0,
+        le=3600,
+        description="Re-announce the current policy this often (its DHT record has a TTL).",
     )
     public_sources: list[SourceUrl] = Field(
-        default_factory=list, max_length=32,
+        default_factory=list,
+        max_length=32,
         description="Weights URLs announced to peers; default the local server's own URL.",
     )
     metrics_host: str = Field("127.0.0.1", description="Address of the Prometheus /metrics endpoint.")
-    metrics_port: int | None = Field(0, ge=0, le=65535, description="Its port (0 picks one; unset: no endpoint).")
-    threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads; unset keeps torch's default.")
+    metrics_port: int | None = Field(
+        0, ge=0, le=65535, description="Its port (0 picks one; unset: no endpoint)."
+    )
+    threads: int | None = Field(
+        None, ge=1, le=1024, description="torch CPU threads; unset keeps torch's default."
+    )
 
 
 class TrainerCommandSettings(CommonSettings):
@@ -54,11 +71,15 @@ class TrainerCommandSettings(CommonSettings):
         "service.tasks": "run.tasks",
     }
 
-    run: RunSettings = Field(default_factory=RunSettings, description="Run parameters, announced to every party.")
+    run: RunSettings = Field(
+        default_factory=RunSettings, description="Run parameters, announced to every party."
+    )
     trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="The GRPO recipe.")
     swarm: SwarmConfig = Field(default_factory=SwarmConfig, description="DHT membership.")
     serve: ServeSettings = Field(default_factory=ServeSettings, description="The weights server (origin).")
-    service: TrainerServiceSection = Field(default_factory=TrainerServiceSection, description="Paths and loop.")
+    service: TrainerServiceSection = Field(
+        default_factory=TrainerServiceSection, description="Paths and loop."
+    )
 
     def path(self, value: Path | None, default: str) -> Path:
         return (value or self.resolved_data_dir() / default).expanduser()

@@ -50,8 +50,10 @@ _LOOKUP_CHUNK = 500  # identities per IN (...) query, under SQLite's bound on ho
 SampleOf = tuple[str, GroupKey]  # (sample identity key, the group it belongs to)
 
 # The samples of reserved groups (completed by the caller's step condition and a closing parenthesis).
-_FORGET_SAMPLES = ("DELETE FROM samples WHERE (file_id, group_key) IN"
-                   " (SELECT file_id, group_key FROM groups WHERE state = 'reserved'")
+_FORGET_SAMPLES = (
+    "DELETE FROM samples WHERE (file_id, group_key) IN"
+    " (SELECT file_id, group_key FROM groups WHERE state = 'reserved'"
+)
 
 
 class ConsumedLedger:
@@ -142,10 +144,14 @@ class ConsumedLedger:
         """Mark groups (and their samples) as being trained on at `step`; fails, writing nothing, if any group
         or sample is already recorded."""
         self._write(
-            ("INSERT INTO groups (file_id, group_key, state, step) VALUES (?, ?, 'reserved', ?)",
-             ((f, g, step) for f, g in keys)),
-            ("INSERT INTO samples (sample_id, file_id, group_key) VALUES (?, ?, ?)",
-             ((sid, f, g) for sid, (f, g) in samples)),
+            (
+                "INSERT INTO groups (file_id, group_key, state, step) VALUES (?, ?, 'reserved', ?)",
+                ((f, g, step) for f, g in keys),
+            ),
+            (
+                "INSERT INTO samples (sample_id, file_id, group_key) VALUES (?, ?, ?)",
+                ((sid, f, g) for sid, (f, g) in samples),
+            ),
         )
 
     def drop(
@@ -154,10 +160,15 @@ class ConsumedLedger:
         """Record groups (and their samples) discarded for good (zero advantage, stale, malformed);
         idempotent."""
         self._write(
-            ("INSERT OR IGNORE INTO groups (file_id, group_key, state, step, reason) "
-             "VALUES (?, ?, 'dropped', ?, ?)", ((f, g, step, reason) for f, g in keys)),
-            ("INSERT OR IGNORE INTO samples (sample_id, file_id, group_key) VALUES (?, ?, ?)",
-             ((sid, f, g) for sid, (f, g) in samples)),
+            (
+                "INSERT OR IGNORE INTO groups (file_id, group_key, state, step, reason) "
+                "VALUES (?, ?, 'dropped', ?, ?)",
+                ((f, g, step, reason) for f, g in keys),
+            ),
+            (
+                "INSERT OR IGNORE INTO samples (sample_id, file_id, group_key) VALUES (?, ?, ?)",
+                ((sid, f, g) for sid, (f, g) in samples),
+            ),
         )
 
     def commit(self, step: int) -> int:

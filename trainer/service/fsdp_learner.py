@@ -26,15 +26,15 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from .batch_buffer import Batch
+from ..errors import TrainerError
 from ..grpo.config import TrainerSettings
 from ..grpo.distributed import Command, Control, World, close_world, init_world
-from ..errors import TrainerError
 from ..grpo.fsdp import SavedOptimizer, ShardedPolicy
-from .learner import Learner, _load
 from ..grpo.schedule import build_optimizer, build_scheduler
-from .config import TrainerCommandSettings
 from ..grpo.step import RolloutStepReport
+from .batch_buffer import Batch
+from .config import TrainerCommandSettings
+from .learner import Learner, _load
 from .train_state import load_optimizer_state, save_train_state, step_dir
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,14 @@ class FsdpLearner(Learner):
         assert self.model is not None and self.optimizer is not None and self.scheduler is not None
         self._busy = True
         self.control.send(Command.RESUME, step)
-        self.policy = ShardedPolicy(self.model, self.settings, self.control.world,
-                                    self.optimizer.state_dict(), self.scheduler.state_dict(), self.reference)
+        self.policy = ShardedPolicy(
+            self.model,
+            self.settings,
+            self.control.world,
+            self.optimizer.state_dict(),
+            self.scheduler.state_dict(),
+            self.reference,
+        )
         self._busy = False
         # The service's view of the Learner (step, manifest) is unchanged; the tensors are now shards.
         self.model = self.policy.model  # type: ignore[assignment]
@@ -82,8 +88,14 @@ class FsdpLearner(Learner):
         assert gathered is not None  # rank 0 receives the full state
         weights, optimizer = gathered
         saved = SavedOptimizer(optimizer)
-        save_train_state(self.state_root, step, self.policy.export(weights), saved,  # type: ignore[arg-type]
-                         self.policy.scheduler, self.tokenizer)
+        save_train_state(
+            self.state_root,
+            step,
+            self.policy.export(weights),
+            saved,  # type: ignore[arg-type]
+            self.policy.scheduler,
+            self.tokenizer,
+        )
 
     def close(self) -> bool:
         """Release the followers; False when a step was cut midway (they are inside a collective: torchrun

@@ -33,13 +33,15 @@ def record_from_rows(sha256: str, rows: tuple) -> RolloutRecord:
     """A RolloutRecord of a verified file; a group is one task index (one prompt) within the file."""
     steps = {r.policy_step for r in rows}
     if len(steps) != 1:
-        raise RolloutFileError(f"rows name {len(steps)} policy steps; a rollout file comes from one checkpoint",
-                               check="bounds")
+        raise RolloutFileError(
+            f"rows name {len(steps)} policy steps; a rollout file comes from one checkpoint", check="bounds"
+        )
     ids = sample_ids(rows)
     repeat = first_repeat(ids)
     if repeat is not None:
-        raise RolloutFileError(f"row {repeat[1]} repeats row {repeat[0]} ({ids[repeat[1]].describe()})",
-                               check="duplicate")
+        raise RolloutFileError(
+            f"row {repeat[1]} repeats row {repeat[0]} ({ids[repeat[1]].describe()})", check="duplicate"
+        )
     samples = tuple(
         RolloutSample(
             prompt_key=str(r.sample_index),
@@ -88,10 +90,12 @@ class Inbox:
                 raise RolloutFileError(f"rows belong to another run than {self.run_id!r}", check="bounds")
             other = {r.temperature for r in verified.rows} - {self.temperature}
             if self.temperature is not None and other:
-                raise RolloutFileError(f"rows were sampled at temperature {min(other)!r}, the run's is "
-                                       f"{self.temperature!r} (run.temperature): the validator that accepted "
-                                       "it does not pin the run's sampling; check its [run] section",
-                                       check="bounds")
+                raise RolloutFileError(
+                    f"rows were sampled at temperature {min(other)!r}, the run's is "
+                    f"{self.temperature!r} (run.temperature): the validator that accepted "
+                    "it does not pin the run's sampling; check its [run] section",
+                    check="bounds",
+                )
             return record_from_rows(verified.sha256, verified.rows)
         except RolloutFileError as exc:
             logger.warning("skipping accepted-rollout file %s: %s", path.name, exc)

@@ -22,13 +22,13 @@ from ...p2p.identity import Identity
 from ...p2p.weights.manifest import SignedManifest
 from ...p2p.weights.publish import publish
 from ...p2p.weights.store import Store
-from .batch_buffer import Batch
-from ..grpo.config import TrainerSettings
-from .consumed import ConsumedLedger
 from ..errors import TrainerError
+from ..grpo.config import TrainerSettings
 from ..grpo.packing import check_packing_isolation
 from ..grpo.schedule import build_optimizer, build_scheduler
 from ..grpo.step import RolloutStepReport, train_rollout_step
+from .batch_buffer import Batch
+from .consumed import ConsumedLedger
 from .train_state import (
     latest_train_state,
     load_optimizer_state,
@@ -100,14 +100,20 @@ class Learner:
         else:
             self.step = load_optimizer_state(latest[1], self.optimizer, self.scheduler)
             if self.step != latest[0]:
-                raise TrainerError(f"{latest[1]} records step {self.step}; delete it to resume from the previous one")
+                raise TrainerError(
+                    f"{latest[1]} records step {self.step}; delete it to resume from the previous one"
+                )
         if self.settings.kl_coef > 0.0:
             # The frozen reference is the warm-start (the --model weights), as in INTELLECT-2.
             self.reference = _load(self.model_dir)
             self.reference.requires_grad_(False)
         committed, released = self.ledger.recover(self.step)
-        logger.info("resuming at policy step %d (reservations: %d committed, %d released)",
-                    self.step, committed, released)
+        logger.info(
+            "resuming at policy step %d (reservations: %d committed, %d released)",
+            self.step,
+            committed,
+            released,
+        )
         self.manifest = self._publish_current()
         return self.step
 
@@ -125,8 +131,9 @@ class Learner:
                     target = staging / path.name
                     if not target.exists():
                         os.link(path, target)
-            manifest, _ = publish(staging, step=self.step, identity=self.identity, out_dir=self.store.root,
-                                  run_id=self.run_id)
+            manifest, _ = publish(
+                staging, step=self.step, identity=self.identity, out_dir=self.store.root, run_id=self.run_id
+            )
         finally:
             for path in staging.glob("*"):
                 path.unlink()
@@ -139,8 +146,15 @@ class Learner:
             raise TrainerError("resume() must run before train()")
         if batch.step != self.step:
             raise TrainerError(f"batch reserved for step {batch.step}, the trainer holds step {self.step}")
-        return train_rollout_step(self.model, self.optimizer, self.scheduler, batch.train_samples(),
-                                  self.settings, self.pad_id, self.reference)
+        return train_rollout_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch.train_samples(),
+            self.settings,
+            self.pad_id,
+            self.reference,
+        )
 
     def save_and_publish(self, keep_states: int, keep_versions: int) -> SignedManifest:
         """Checkpoint step + 1 durably, publish it, and move the step counter forward."""

@@ -20,8 +20,23 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # Reported as gauges (last step's value) and written to the log; names as in docs/trainer.md.
 GAUGES = (
-    "rollout_reward", "task_reward", "length_penalty", "policy_lag", "policy_loss", "ratio", "clip_fraction",
-    "clip_low", "clip_high", "clip_delta", "kl", "entropy", "grad_norm", "lr", "tokens_per_s", "samples", "groups",
+    "rollout_reward",
+    "task_reward",
+    "length_penalty",
+    "policy_lag",
+    "policy_loss",
+    "ratio",
+    "clip_fraction",
+    "clip_low",
+    "clip_high",
+    "clip_delta",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "samples",
+    "groups",
 )
 
 
@@ -33,8 +48,13 @@ class StepRecord:
     groups_used: tuple[str, ...] = ()  # "<file sha256>:<prompt key>" of every group trained on (audit trail)
 
     def as_dict(self) -> dict[str, object]:
-        return {"step": self.step, "time": round(time.time(), 3), "wall_s": round(self.wall_s, 3),
-                **self.values, "groups_used": list(self.groups_used)}
+        return {
+            "step": self.step,
+            "time": round(time.time(), 3),
+            "wall_s": round(self.wall_s, 3),
+            **self.values,
+            "groups_used": list(self.groups_used),
+        }
 
 
 class TrainerMetrics:
@@ -48,8 +68,9 @@ class TrainerMetrics:
             name: Gauge(f"prime_trainer_{name}", f"Last rollout step's {name.replace('_', ' ')}", registry=r)
             for name in GAUGES
         }
-        self.files = Counter("prime_trainer_rollout_files", "Accepted rollout files read, by outcome",
-                             ["outcome"], registry=r)  # outcome: used, unreadable, deferred
+        self.files = Counter(
+            "prime_trainer_rollout_files", "Accepted rollout files read, by outcome", ["outcome"], registry=r
+        )  # outcome: used, unreadable, deferred
         self.buffered = Gauge("prime_trainer_buffered_samples", "Samples waiting for a batch", registry=r)
 
     def observe(self, record: StepRecord) -> None:

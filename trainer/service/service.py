@@ -25,21 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ...node.runtime.supervisor import Supervisor
 from ...node.run.announcement import run_parameters
+from ...node.runtime.supervisor import Supervisor
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm import PolicyAnnouncement, RecordError, RunParameters, Swarm
 from ...p2p.swarm.records import RecordKind, payload_of
 from ...p2p.weights.server import WeightsServer
 from ...p2p.weights.store import Store
-from .batch_buffer import Batch, BatchBuffer
-from .consumed import ConsumedLedger
 from ..errors import TrainerError
+from .batch_buffer import Batch, BatchBuffer
+from .config import TrainerCommandSettings
+from .consumed import ConsumedLedger
 from .inbox import Inbox
 from .learner import Learner
 from .metrics import StepLog, StepRecord, TrainerMetrics, progress_line, start_metrics_server
-from .config import TrainerCommandSettings
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,25 +58,41 @@ class Running:
     metrics_url: str | None
 
     def ready_line(self) -> str:
-        return json.dumps({"trainer": self.node_id, "step": self.step, "weights": self.weights_url,
-                           "maddrs": self.maddrs, "metrics": self.metrics_url})
+        return json.dumps(
+            {
+                "trainer": self.node_id,
+                "step": self.step,
+                "weights": self.weights_url,
+                "maddrs": self.maddrs,
+                "metrics": self.metrics_url,
+            }
+        )
 
 
 def check_policy_fits(sources: list[str], run: RunParameters) -> None:
     """TrainerError at start-up, not at some later step, when the policy record announcing `sources` and `run`
     would be too large for the DHT (its size grows with the step number): measured with a 16-digit step."""
-    widest = PolicyAnnouncement(step=10**15, manifest_sha256="0" * 64, sources=sources, published_at=time.time(),
-                                run=run)
+    widest = PolicyAnnouncement(
+        step=10**15, manifest_sha256="0" * 64, sources=sources, published_at=time.time(), run=run
+    )
     try:
         payload_of(RecordKind.POLICY, widest)
     except RecordError as exc:
-        raise TrainerError(f"{exc}: announce fewer or shorter service.public_sources ({len(sources)} now)") from None
+        raise TrainerError(
+            f"{exc}: announce fewer or shorter service.public_sources ({len(sources)} now)"
+        ) from None
 
 
 class TrainerService:
-    def __init__(self, settings: TrainerCommandSettings, identity: Identity, model_dir: Path,
-                 supervisor: Supervisor, on_step: Callable[[StepRecord], None] | None = None,
-                 learner_factory: Callable[..., Learner] | None = None) -> None:
+    def __init__(
+        self,
+        settings: TrainerCommandSettings,
+        identity: Identity,
+        model_dir: Path,
+        supervisor: Supervisor,
+        on_step: Callable[[StepRecord], None] | None = None,
+        learner_factory: Callable[..., Learner] | None = None,
+    ) -> None:
         self.settings = settings
         self.on_step = on_step  # the CLI's progress display
         self.identity = identity
@@ -90,13 +106,28 @@ class TrainerService:
         self.ledger = ConsumedLedger(state_root / "consumed.sqlite")
         # --fsdp passes trainer/service/fsdp_learner.py's FsdpLearner: the same calls, with the model sharded over ranks.
         make = learner_factory or Learner
-        self.learner = make(settings.trainer, model_dir, state_root / "states", self.store, self.ledger, identity,
-                            settings.run.run_id)
+        self.learner = make(
+            settings.trainer,
+            model_dir,
+            state_root / "states",
+            self.store,
+            self.ledger,
+            identity,
+            settings.run.run_id,
+        )
         t = settings.trainer
-        self.buffer = BatchBuffer(self.ledger, batch_size=t.batch_size, async_level=t.async_level,
-                                  advantage_eps=t.advantage_eps, max_buffered_samples=t.max_buffered_samples)
-        self.inbox = Inbox(settings.path(svc.accepted_dir, "accepted"), settings.run.run_id,
-                           temperature=settings.run.temperature)
+        self.buffer = BatchBuffer(
+            self.ledger,
+            batch_size=t.batch_size,
+            async_level=t.async_level,
+            advantage_eps=t.advantage_eps,
+            max_buffered_samples=t.max_buffered_samples,
+        )
+        self.inbox = Inbox(
+            settings.path(svc.accepted_dir, "accepted"),
+            settings.run.run_id,
+            temperature=settings.run.temperature,
+        )
         self.metrics = TrainerMetrics()
         self.log = StepLog(state_root / "metrics.jsonl")
         self.swarm: Swarm | None = None
@@ -118,7 +149,9 @@ class TrainerService:
         self.run_parameters = await asyncio.to_thread(run_parameters, self.settings.run)
         step = await self._blocking(self.learner.resume)
         self.metrics.step.set(step)
-        self.server = server = WeightsServer(self.store, self.settings.serve, trusted_key=self.identity.node_id)
+        self.server = server = WeightsServer(
+            self.store, self.settings.serve, trusted_key=self.identity.node_id
+        )
         url = await server.start()
         self.supervisor.on_shutdown("weights-server", server.stop)
         self.sources = list(svc.public_sources) or [url]
@@ -155,9 +188,12 @@ class TrainerService:
         manifest = self.learner.manifest
         self.swarm.policy_step = manifest.step
         self.swarm.serves_steps = self.store.versions()
-        if not await self.swarm.publish_policy(manifest.step, manifest.digest, self.sources, self.run_parameters):
-            logger.warning("policy step %d was not stored in the DHT; retrying at the next announcement",
-                           manifest.step)
+        if not await self.swarm.publish_policy(
+            manifest.step, manifest.digest, self.sources, self.run_parameters
+        ):
+            logger.warning(
+                "policy step %d was not stored in the DHT; retrying at the next announcement", manifest.step
+            )
 
     async def _reannounce(self) -> None:
         while not await self.supervisor.sleep_or_stop(self.settings.service.announce_interval_s):

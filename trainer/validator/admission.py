@@ -25,8 +25,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .intake import RateLimiter, Tier
 from .config import IntakeSettings
+from .intake import RateLimiter, Tier
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm import Swarm
-from ..ledger import AsyncLedger, BanEntry
 from ...p2p.verdicts import sign
+from ..ledger import AsyncLedger, BanEntry
 
 logger = logging.getLogger(__name__)
 

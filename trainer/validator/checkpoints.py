@@ -21,12 +21,12 @@ from typing import Any
 
 from ...node.engine import EngineSettings, InferenceEngine, load_engine
 from ...node.run.settings import RunSettings, load_run_tasks, validator_engine
-from ...node.tasks import TaskSet
 from ...node.run.validation import RunTasks
+from ...node.tasks import TaskSet
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm import PolicyAnnouncement
-from ...p2p.weights.fetch import FetchSettings, Fetcher
+from ...p2p.weights.fetch import Fetcher, FetchSettings
 from ...p2p.weights.store import CHECKPOINT_NAME, Store
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,9 @@ class CheckpointKeeper:
         if not policy.sources:
             logger.warning("policy step %d names no weight sources; cannot fetch it", policy.step)
             return False
-        fetcher = Fetcher(list(policy.sources), self.trusted_key, self.store, self.fetch_settings,
-                          identity=self.identity)
+        fetcher = Fetcher(
+            list(policy.sources), self.trusted_key, self.store, self.fetch_settings, identity=self.identity
+        )
         try:
             # Pinned to the announced manifest: a source serving another one (even operator-signed) is not used.
             resolution = await fetcher.resolve(policy.step, digest=policy.manifest_sha256)
@@ -118,8 +119,9 @@ class CheckpointKeeper:
             logger.warning("could not fetch checkpoint step %d: %s", policy.step, exc)
             return False
         except Exception:  # noqa: BLE001 - a bug reached through a source's answer must not stop the validator
-            logger.exception("could not fetch checkpoint step %d: unexpected error (a bug; please report it)",
-                             policy.step)
+            logger.exception(
+                "could not fetch checkpoint step %d: unexpected error (a bug; please report it)", policy.step
+            )
             return False
         finally:
             fetcher.close()

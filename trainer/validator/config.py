@@ -12,9 +12,9 @@ from ...node.run.settings import VERIFIER_SETTINGS_SET_BY_RUN, RunSettings
 from ...p2p.swarm import SwarmConfig
 from ...p2p.weights.fetch import FetchSettings
 from ...proofs.verifier import VerifierSettings
-from .dashboard import DashboardSettings
 from ..ledger.db import LedgerSettings
 from ..ledger.slashing import SlashingPolicy
+from .dashboard import DashboardSettings
 
 
 class IntakeSettings(Section):
@@ -99,15 +99,11 @@ class ValidatorServiceSettings(Section):
 class ValidatorSettings(CommonSettings):
     MOVED = VERIFIER_SETTINGS_SET_BY_RUN
 
-    run: RunSettings = Field(
-        default_factory=RunSettings, description="Run parameters the files must match."
-    )
+    run: RunSettings = Field(default_factory=RunSettings, description="Run parameters the files must match.")
     engine: EngineSettings = Field(
         default_factory=EngineSettings, description="Engine that replays checkpoints."
     )
-    verifier: VerifierSettings = Field(
-        default_factory=VerifierSettings, description="Checks and thresholds."
-    )
+    verifier: VerifierSettings = Field(default_factory=VerifierSettings, description="Checks and thresholds.")
     swarm: SwarmConfig = Field(default_factory=SwarmConfig, description="DHT membership and hand-off.")
     fetch: FetchSettings = Field(default_factory=FetchSettings, description="Checkpoint download.")
     ledger: LedgerSettings = Field(default_factory=LedgerSettings, description="The contribution ledger.")

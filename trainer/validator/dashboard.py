@@ -29,8 +29,8 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..ledger.leaderboard import MAX_TOP, NodeLookupError, leaderboard, node_detail, ranked_count
 from ..ledger import Ledger
+from ..ledger.leaderboard import MAX_TOP, NodeLookupError, leaderboard, node_detail, ranked_count
 
 STATIC_DIR = Path(__file__).with_name("dashboard_static")
 DEFAULT_PORT = 8471  # 8470 is the weights server's; a trainer and a validator often share a host
@@ -98,6 +98,7 @@ def ledger_rewards(ledger: Ledger, last_steps: int = REWARD_STEPS) -> RewardSour
         )
 
     return source
+
 
 LEDGER_KEY: web.AppKey[Ledger] = web.AppKey("ledger")
 SWARM_KEY: web.AppKey[SwarmSource | None] = web.AppKey("swarm_source")

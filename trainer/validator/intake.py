@@ -31,6 +31,7 @@ class Tier(str, Enum):
     ESTABLISHED = "established"  # accepted work in the ledger: keeps its reserved share of the queue
     NEWCOMER = "newcomer"  # no accepted work yet: shares a small bounded slice with every other newcomer
 
+
 # Token buckets kept; the idlest are forgotten first (a forgotten node starts again with a full bucket).
 MAX_TRACKED_NODES = 100_000
 

@@ -12,16 +12,16 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ...node.runtime.supervisor import Supervisor
 from ...node.run.announcement import run_parameters
 from ...node.run.settings import open_run_task_set
+from ...node.runtime.supervisor import Supervisor
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm import Swarm
-from .dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
 from ..errors import TrainerError
-from .run_confirmation import RunConfirmation
 from .config import ValidatorSettings
+from .dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
+from .run_confirmation import RunConfirmation
 from .service import ValidatorService
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,9 @@ async def start_validator(
     )
     runner, url = await serve(app, settings.dashboard.host, settings.dashboard.port)
     supervisor.on_shutdown("dashboard", runner.cleanup)
-    swarm.api_url = url  # announced, so that senders can fetch their verdicts and rank (node/contributor/verdicts.py)
+    swarm.api_url = (
+        url  # announced, so that senders can fetch their verdicts and rank (node/contributor/verdicts.py)
+    )
     await swarm.publish_validator()
     supervisor.spawn("validator-verify", service.run_worker(confirmation.confirmed))
     supervisor.spawn("validator-holds", service.run_holds())
@@ -105,8 +107,13 @@ async def _watch(swarm: Swarm) -> None:
 async def swarm_view(service: ValidatorService) -> SwarmView:
     peers = await service.swarm.list_peers()
     nodes = [
-        SwarmNode(node_id=hb.node_id, roles=list(hb.roles), hardware=hb.hardware.model_dump(),
-                  step=hb.policy_step, last_seen=hb.sent_at)
+        SwarmNode(
+            node_id=hb.node_id,
+            roles=list(hb.roles),
+            hardware=hb.hardware.model_dump(),
+            step=hb.policy_step,
+            last_seen=hb.sent_at,
+        )
         for hb in peers.values()
     ]
     return SwarmView(available=True, policy_step=service.keeper.latest_policy, nodes=nodes)
@@ -134,6 +141,7 @@ async def note_peers(service: ValidatorService) -> None:
         for hb in peers.values():
             if "contributor" not in hb.roles:
                 continue
-            await service.ledger.touch_node(hb.node_id, seen_at=min(hb.sent_at, now),
-                                            hardware=hb.hardware.model_dump())
+            await service.ledger.touch_node(
+                hb.node_id, seen_at=min(hb.sent_at, now), hardware=hb.hardware.model_dump()
+            )
         await asyncio.sleep(PEER_SCAN_S)

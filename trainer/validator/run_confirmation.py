@@ -37,7 +37,9 @@ class RunConfirmation:
         if self._previously_confirmed():
             self.confirmed.set()
         else:
-            logger.info("verification waits for the run's operator to announce this validator's run parameters")
+            logger.info(
+                "verification waits for the run's operator to announce this validator's run parameters"
+            )
 
     def _previously_confirmed(self) -> bool:
         try:
@@ -61,7 +63,9 @@ class RunConfirmation:
             logger.info("policy step %d confirms this validator's run parameters: verifying", policy.step)
             self.confirmed.set()
 
-    async def policies(self, policies: AsyncIterator[PolicyAnnouncement]) -> AsyncIterator[PolicyAnnouncement]:
+    async def policies(
+        self, policies: AsyncIterator[PolicyAnnouncement]
+    ) -> AsyncIterator[PolicyAnnouncement]:
         """`policies` (Swarm.watch_policy()), each admitted before it is passed on."""
         async for policy in policies:
             await self.admit(policy)

@@ -34,13 +34,13 @@ from ...p2p.swarm.handoff import RolloutReceiver
 from ...p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
 from ...p2p.weights.store import Store
 from ...p2p.wire import printable
-from .checkpoints import CheckpointKeeper
-from .intake import Tier, TieredQueue
 from ..ledger import AsyncLedger, BanEntry, DuplicateWork, Ledger
-from .spool import Spool, SpooledFile, deliver
 from .admission import Admission
 from .bans import BanPublisher
+from .checkpoints import CheckpointKeeper
 from .config import ValidatorSettings
+from .intake import Tier, TieredQueue
+from .spool import Spool, SpooledFile, deliver
 from .verify_job import DUPLICATE, Outcome, verify_spooled
 
 logger = logging.getLogger(__name__)
@@ -99,8 +99,11 @@ class ValidatorService:
         self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
         self.held: dict[tuple[str, str], Job] = {}  # (file hash, sender) -> job waiting for its checkpoint
         self.bans = BanPublisher(
-            self.ledger, swarm, identity,
-            record_ttl_s=settings.swarm.ban_ttl_s, republish_s=settings.validator.ban_republish_s,
+            self.ledger,
+            swarm,
+            identity,
+            record_ttl_s=settings.swarm.ban_ttl_s,
+            republish_s=settings.validator.ban_republish_s,
         )
         self.verdicts = 0  # decided by this process (tests and the benchmark read it)
         self.receiver: RolloutReceiver | None = None  # set once the swarm serves hand-offs (validator_run.py)
@@ -155,8 +158,9 @@ class ValidatorService:
                 if envelope.sha256 != entry.sha256 or entry.node_id not in (None, envelope.node_id):
                     raise ValueError("it names another file or sender than the spool entry")
             except (OSError, ValueError) as exc:
-                logger.warning("spooled file %s has an unreadable signature (%s); removing it",
-                               entry.path, exc)
+                logger.warning(
+                    "spooled file %s has an unreadable signature (%s); removing it", entry.path, exc
+                )
                 await asyncio.to_thread(self.spool.remove, entry)
                 continue
             entry = dataclasses.replace(entry, node_id=envelope.node_id)  # a legacy entry learns its sender
@@ -179,12 +183,23 @@ class ValidatorService:
         while True:
             job = await self.queue.get()
             if await self.ledger.active_ban(job.node_id) is not None:
-                await self._decide(job, Outcome(False, job.step or 0, False, "banned",
-                                                "the sending node was banned before this file was verified"))
+                await self._decide(
+                    job,
+                    Outcome(
+                        False,
+                        job.step or 0,
+                        False,
+                        "banned",
+                        "the sending node was banned before this file was verified",
+                    ),
+                )
                 continue
             try:
                 outcome = await asyncio.to_thread(
-                    verify_spooled, job.entry.path, self.keeper.model_for, self.verifier,
+                    verify_spooled,
+                    job.entry.path,
+                    self.keeper.model_for,
+                    self.verifier,
                     accepted=self.ledger.ledger.accepted_holder,
                 )
             except Exception as exc:  # noqa: BLE001 - one file's judgement must never end the worker
@@ -202,8 +217,16 @@ class ValidatorService:
     async def _hold(self, job: Job, step: int) -> None:
         if self.keeper.gone(step):
             held = self.keeper.held()
-            await self._decide(job, Outcome(False, max(0, step), False, "checkpoint_unavailable",
-                                            f"checkpoint step {step} is no longer kept (held: {held})"))
+            await self._decide(
+                job,
+                Outcome(
+                    False,
+                    max(0, step),
+                    False,
+                    "checkpoint_unavailable",
+                    f"checkpoint step {step} is no longer kept (held: {held})",
+                ),
+            )
             return
         job.step = step
         job.hold_until = job.received_at + self.settings.intake.hold_timeout_s
@@ -225,11 +248,17 @@ class ValidatorService:
             for key, job in list(self.held.items()):
                 if job.hold_until <= now and self.held.pop(key, None) is not None:
                     assert job.step is not None
-                    await self._decide(job, Outcome(
-                        False, max(0, job.step), False, "checkpoint_unavailable",
-                        f"no checkpoint for step {job.step} arrived within {timeout:g} s "
-                        f"(held steps: {self.keeper.held()}); the file expired unverified",
-                    ))
+                    await self._decide(
+                        job,
+                        Outcome(
+                            False,
+                            max(0, job.step),
+                            False,
+                            "checkpoint_unavailable",
+                            f"no checkpoint for step {job.step} arrived within {timeout:g} s "
+                            f"(held steps: {self.keeper.held()}); the file expired unverified",
+                        ),
+                    )
 
     # ----- verdicts ---------------------------------------------------------------------------------------
 
@@ -251,22 +280,29 @@ class ValidatorService:
     async def _decide(self, job: Job, outcome: Outcome) -> None:
         try:
             result = await self.ledger.record(
-                self._verdict(job, outcome), received_at=job.received_at,
+                self._verdict(job, outcome),
+                received_at=job.received_at,
                 task_reward_sum=outcome.task_reward_sum if outcome.accepted else None,
                 samples=outcome.sample_ids if outcome.accepted else (),
             )
         except DuplicateWork as exc:
             # Another file claimed one of these samples after this one's early check (a race the ledger's key
             # settles): the acceptance was not written; the file is a duplicate after all.
-            outcome = dataclasses.replace(outcome, accepted=False, failed_check=DUPLICATE,
-                                          reason=f"{DUPLICATE}: {exc}", sample_ids=())
+            outcome = dataclasses.replace(
+                outcome, accepted=False, failed_check=DUPLICATE, reason=f"{DUPLICATE}: {exc}", sample_ids=()
+            )
             result = await self.ledger.record(self._verdict(job, outcome), received_at=job.received_at)
         self.verdicts += 0 if result.duplicate else 1
         if outcome.accepted and not result.duplicate:
             self.admission.note_accepted(job.node_id)  # its next file may count as established
         level = logging.INFO if outcome.accepted else logging.WARNING
-        logger.log(level, "file %s from %s: %s", job.entry.sha256[:16], job.node_id[:16],
-                   "accepted" if outcome.accepted else f"rejected ({outcome.reason[:200]})")
+        logger.log(
+            level,
+            "file %s from %s: %s",
+            job.entry.sha256[:16],
+            job.node_id[:16],
+            "accepted" if outcome.accepted else f"rejected ({outcome.reason[:200]})",
+        )
         for ban in result.new_bans:
             await self.publish_ban(ban)
         await self._finish(job.entry, result.verdict)

@@ -78,13 +78,18 @@ def duplicate_reason(ids: Sequence[SampleId], accepted: AcceptedLookup | None) -
     held = accepted(ids) if accepted is not None else None
     if held is not None:
         sample, holder = held
-        return (f"{DUPLICATE}: row {ids.index(sample)}: sample ({sample.describe()}) was already accepted "
-                f"in file {holder}")
+        return (
+            f"{DUPLICATE}: row {ids.index(sample)}: sample ({sample.describe()}) was already accepted "
+            f"in file {holder}"
+        )
     return None
 
 
 def verify_spooled(
-    path: Path, lookup: ModelLookup, settings: VerifierSettings, rng: random.Random | None = None,
+    path: Path,
+    lookup: ModelLookup,
+    settings: VerifierSettings,
+    rng: random.Random | None = None,
     accepted: AcceptedLookup | None = None,
 ) -> Outcome:
     start = time.perf_counter()
@@ -93,7 +98,10 @@ def verify_spooled(
     tail = [c for c in checks if c.name not in MODEL_FREE_CHECKS]
     # model and tasks are filled in once the claimed step is known; phase 1 never touches them.
     ctx = VerificationContext(
-        path=Path(path), settings=settings, model=None, tasks=None,  # type: ignore[arg-type]
+        path=Path(path),
+        settings=settings,
+        model=None,
+        tasks=None,  # type: ignore[arg-type]
         rng=rng or random.SystemRandom(),
     )
     first = run_checks(head, ctx)
@@ -112,19 +120,44 @@ def verify_spooled(
     whose = run_checks(identity, ctx)
     if not whose.accepted:
         failed, reason = _failure(whose.checks)
-        return Outcome(False, step, False, failed, reason, checks=first.checks + whose.checks,
-                       seconds=time.perf_counter() - start)
+        return Outcome(
+            False,
+            step,
+            False,
+            failed,
+            reason,
+            checks=first.checks + whose.checks,
+            seconds=time.perf_counter() - start,
+        )
     ids = sample_ids(ctx.rows)
     repeated = duplicate_reason(ids, accepted)
     if repeated is not None:
-        return Outcome(False, step, False, DUPLICATE, repeated, checks=first.checks + whose.checks,
-                       seconds=time.perf_counter() - start)
+        return Outcome(
+            False,
+            step,
+            False,
+            DUPLICATE,
+            repeated,
+            checks=first.checks + whose.checks,
+            seconds=time.perf_counter() - start,
+        )
     second = run_checks(rest, ctx)
     results = first.checks + whose.checks + second.checks
     samples, tokens = len(ctx.rows), sum(len(r.output_ids) for r in ctx.rows)
     if second.accepted:
         rewards = sum(r.task_reward for r in ctx.rows)
-        return Outcome(False, step, True, None, "", samples, tokens, results, time.perf_counter() - start,
-                       task_reward_sum=min(float(samples), max(0.0, rewards)), sample_ids=ids)
+        return Outcome(
+            False,
+            step,
+            True,
+            None,
+            "",
+            samples,
+            tokens,
+            results,
+            time.perf_counter() - start,
+            task_reward_sum=min(float(samples), max(0.0, rewards)),
+            sample_ids=ids,
+        )
     failed, reason = _failure(second.checks)
     return Outcome(False, step, False, failed, reason, samples, tokens, results, time.perf_counter() - start)

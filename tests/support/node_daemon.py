@@ -23,7 +23,8 @@ from prime_node.p2p.swarm import RunParameters, Swarm
 from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
 from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
-from swarm_support import fleet
+
+from support.swarm import fleet
 
 RUN_ID = "nodetest"
 # The run parameters node_argv gives the node, as the test operator announces them.
@@ -35,7 +36,9 @@ class TestOperator:
 
     __test__ = False  # not a test class, despite its name
 
-    def __init__(self, identity: Identity, swarm: Swarm, store_dir: Path, run: RunParameters | None = None) -> None:
+    def __init__(
+        self, identity: Identity, swarm: Swarm, store_dir: Path, run: RunParameters | None = None
+    ) -> None:
         self.identity, self.swarm = identity, swarm
         self.run = run or run_parameters(NODE_RUN)  # announced with every policy
         self.store = Store(store_dir)
@@ -47,7 +50,13 @@ class TestOperator:
 
     async def publish(self, ckpt: Path, step: int) -> str:
         manifest, _ = await asyncio.to_thread(
-            publish, ckpt, step=step, identity=self.identity, out_dir=self.store.root, run_id=RUN_ID, shard_size=1 << 20
+            publish,
+            ckpt,
+            step=step,
+            identity=self.identity,
+            out_dir=self.store.root,
+            run_id=RUN_ID,
+            shard_size=1 << 20,
         )
         await self.server.rescan()
         return manifest.digest
@@ -82,10 +91,31 @@ async def operator_fleet(
 
 def node_argv(data_dir: Path, operator_key: str, peers: list[str], *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "prime_node.node.cli.main", "start", "--data-dir", str(data_dir),
-        "--operator-key", operator_key, "--peers", *peers, "--run-id", RUN_ID,
-        "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--reachability", "public",
-        "--prompts", "2", "--samples", "2", "--max-new-tokens", "16", "--threads", "1", *extra,
+        sys.executable,
+        "-m",
+        "prime_node.node.cli.main",
+        "start",
+        "--data-dir",
+        str(data_dir),
+        "--operator-key",
+        operator_key,
+        "--peers",
+        *peers,
+        "--run-id",
+        RUN_ID,
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+        "--reachability",
+        "public",
+        "--prompts",
+        "2",
+        "--samples",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--threads",
+        "1",
+        *extra,
     ]
 
 
@@ -105,7 +135,10 @@ NODE_ENV = {
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "prime_node.node.cli.main", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, "PRIME_NODE_ENGINE__THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PRIME_NODE_ENGINE__THREADS": "1"},
     )
 
 
@@ -129,8 +162,10 @@ async def poll(check: Any, timeout: float, what: str, child: Any = None, interva
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if child is not None and child.process.poll() is not None:
-            raise AssertionError(f"the node exited ({child.process.returncode}) while waiting for {what}:\n"
-                                 + child.log_tail(60))
+            raise AssertionError(
+                f"the node exited ({child.process.returncode}) while waiting for {what}:\n"
+                + child.log_tail(60)
+            )
         value = await asyncio.to_thread(check)
         if value:
             return value

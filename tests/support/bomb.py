@@ -26,13 +26,25 @@ def honest_row(node_id: str, index: int = 0, output_len: int = 40, **changes: An
     """A row within every bound (no model: its proof commits to random states), for files read without a model."""
     rng = np.random.default_rng(index)
     row = RolloutRow(
-        run_id="run-a", node_id=node_id, policy_step=3, batch_counter=1, sample_index=17 + index,
-        sample_seed=2**62 + index, temperature=1.0, max_new_tokens=64, prompt_ids=tuple(int(t) for t in
-        rng.integers(2, 250, 12)), output_ids=tuple(int(t) for t in rng.integers(2, 250, output_len - 1)) + (1,),
-        finish_reason="eos", task_reward=1.0, length_penalty=0.25, reward=0.75, target_length=20,
+        run_id="run-a",
+        node_id=node_id,
+        policy_step=3,
+        batch_counter=1,
+        sample_index=17 + index,
+        sample_seed=2**62 + index,
+        temperature=1.0,
+        max_new_tokens=64,
+        prompt_ids=tuple(int(t) for t in rng.integers(2, 250, 12)),
+        output_ids=tuple(int(t) for t in rng.integers(2, 250, output_len - 1)) + (1,),
+        finish_reason="eos",
+        task_reward=1.0,
+        length_penalty=0.25,
+        reward=0.75,
+        target_length=20,
         proof=build_proof(torch.from_numpy(rng.standard_normal((output_len, 128), dtype=np.float32))),
     )
     return dataclasses.replace(row, **changes)
+
 
 # ----- tables from column arrays, without a Python object per token ------------------------------------
 
@@ -80,7 +92,9 @@ def parquet(tab: pa.Table, **options: Any) -> bytes:
 def constant_tokens(row: RolloutRow, rows: int, prompt: int, output: int) -> bytes:
     """Every row holds `prompt` + `output` copies of one token: dictionary indices in one RLE run (a 17 kB
     file of 4,096 x (8,192 + 8,192) tokens grew a validator by 2 GB)."""
-    return parquet(table(row, rows, prompt_ids=_constant_lists(rows, prompt), output_ids=_constant_lists(rows, output)))
+    return parquet(
+        table(row, rows, prompt_ids=_constant_lists(rows, prompt), output_ids=_constant_lists(rows, output))
+    )
 
 
 def one_long_row(row: RolloutRow, rows: int, output: int) -> bytes:
@@ -88,29 +102,41 @@ def one_long_row(row: RolloutRow, rows: int, output: int) -> bytes:
     token budget (the decoder cannot stop within a record)."""
     lengths = np.ones(rows, dtype=np.int64)
     lengths[0] = output
-    return parquet(table(row, rows, output_ids=_constant_lists(rows, lengths)),
-                   data_page_size=1 << 30, max_rows_per_page=1 << 30)
+    return parquet(
+        table(row, rows, output_ids=_constant_lists(rows, lengths)),
+        data_page_size=1 << 30,
+        max_rows_per_page=1 << 30,
+    )
 
 
 def dictionary_proof(row: RolloutRow, rows: int, value_bytes: int) -> bytes:
     """Every row's proof is one `value_bytes` value, stored once in a dictionary page (256 rows of one 4 MiB
     value took a validator from 2.66 to 3.96 GB)."""
-    return parquet(table(row, rows, proof=_zero_values(rows, value_bytes)),
-                   dictionary_pagesize_limit=value_bytes + (1 << 20))
+    return parquet(
+        table(row, rows, proof=_zero_values(rows, value_bytes)),
+        dictionary_pagesize_limit=value_bytes + (1 << 20),
+    )
 
 
 def prefix_proof(row: RolloutRow, rows: int, value_bytes: int) -> bytes:
     """DELTA_BYTE_ARRAY: every value after the first is 'all of the previous one': the same blow-up as a
     dictionary, and Arrow cannot read it as a dictionary."""
-    return parquet(table(row, rows, proof=_zero_values(rows, value_bytes)), use_dictionary=["run_id"],
-                   column_encoding={"proof": "DELTA_BYTE_ARRAY"})
+    return parquet(
+        table(row, rows, proof=_zero_values(rows, value_bytes)),
+        use_dictionary=["run_id"],
+        column_encoding={"proof": "DELTA_BYTE_ARRAY"},
+    )
 
 
 def compressed_page(row: RolloutRow, rows: int, value_bytes: int) -> bytes:
     """PLAIN proofs of `value_bytes` zero bytes in one page: zstd shrinks them to almost nothing, the decoder
     decompresses the page whole."""
-    return parquet(table(row, rows, proof=_zero_values(rows, value_bytes)), use_dictionary=False,
-                   data_page_size=1 << 30, max_rows_per_page=1 << 30)
+    return parquet(
+        table(row, rows, proof=_zero_values(rows, value_bytes)),
+        use_dictionary=False,
+        data_page_size=1 << 30,
+        max_rows_per_page=1 << 30,
+    )
 
 
 def many_row_groups(row: RolloutRow, rows: int) -> bytes:
@@ -127,8 +153,11 @@ def unknown_step(row: RolloutRow, rows: int, prompt: int, output: int, step: int
 def single_page_tokens(row: RolloutRow, rows: int, per_row: int) -> bytes:
     """The constant-token bomb with each token column in one page (what lie_in_footer needs)."""
     lists = _constant_lists(rows, per_row)
-    return parquet(table(row, rows, prompt_ids=lists, output_ids=lists), data_page_size=1 << 30,
-                   max_rows_per_page=1 << 30)
+    return parquet(
+        table(row, rows, prompt_ids=lists, output_ids=lists),
+        data_page_size=1 << 30,
+        max_rows_per_page=1 << 30,
+    )
 
 
 # ----- rewriting a footer: Thrift compact protocol, decoded to a tree and encoded back -----------------
@@ -166,11 +195,11 @@ class _Decoder:
             return self.zigzag()
         if ctype == _DOUBLE:
             self.pos += 8
-            return self.data[self.pos - 8:self.pos]
+            return self.data[self.pos - 8 : self.pos]
         if ctype == _BINARY:
             n = self.varint()
             self.pos += n
-            return self.data[self.pos - n:self.pos]
+            return self.data[self.pos - n : self.pos]
         if ctype in (_LIST, _SET):
             head = self.byte()
             size, etype = head >> 4, head & 0x0F
@@ -215,8 +244,14 @@ def _encode(ctype: int, value: Any) -> bytes:
         return _varint(len(value)) + value
     if ctype in (_LIST, _SET):
         etype, items = value
-        head = bytes([(len(items) << 4) | etype]) if len(items) < 15 else bytes([0xF0 | etype]) + _varint(len(items))
-        return head + b"".join(bytes([1 if v else 2]) if etype in (_TRUE, _FALSE) else _encode(etype, v) for v in items)
+        head = (
+            bytes([(len(items) << 4) | etype])
+            if len(items) < 15
+            else bytes([0xF0 | etype]) + _varint(len(items))
+        )
+        return head + b"".join(
+            bytes([1 if v else 2]) if etype in (_TRUE, _FALSE) else _encode(etype, v) for v in items
+        )
     if ctype == _STRUCT:
         out, last = bytearray(), 0
         for fid, t, v in value:
@@ -236,8 +271,8 @@ def lie_in_footer(data: bytes, columns: dict[str, int]) -> bytes:
     """`data` with the footer declaring `columns[name]` values for the named columns (ColumnMetaData
     num_values, field 5) and as many uncompressed bytes as compressed ones (field 6), in every row group."""
     length = struct.unpack("<I", data[-8:-4])[0]
-    body = data[:-8 - length]
-    meta = _Decoder(data[-8 - length:-8]).value(_STRUCT)
+    body = data[: -8 - length]
+    meta = _Decoder(data[-8 - length : -8]).value(_STRUCT)
     for group in _field(meta, 4)[2][1]:  # FileMetaData.row_groups
         for chunk in _field(group, 1)[2][1]:  # RowGroup.columns
             column = _field(chunk, 3)[2]  # ColumnChunk.meta_data
@@ -264,7 +299,7 @@ def lie_in_dictionary_header(data: bytes, column: str, entries: int) -> bytes:
     that sized its dictionary from the header alone would allocate entries x the value width. The bytes
     after the header move with its new length, and the footer's offsets with them."""
     length = struct.unpack("<I", data[-8:-4])[0]
-    meta = _Decoder(data[-8 - length:-8]).value(_STRUCT)
+    meta = _Decoder(data[-8 - length : -8]).value(_STRUCT)
     name, _, target = next(c for c in _chunks(meta) if c[0] == column)
     at = _field(target, 11)[2]  # dictionary_page_offset
     decoder = _Decoder(data)
@@ -273,7 +308,7 @@ def lie_in_dictionary_header(data: bytes, column: str, entries: int) -> bytes:
     _field(_field(header, 7)[2], 1)[2] = entries  # DictionaryPageHeader.num_values
     new = _encode(_STRUCT, header)
     shift = len(new) - (decoder.pos - at)
-    body = data[:at] + new + data[decoder.pos:-8 - length]
+    body = data[:at] + new + data[decoder.pos : -8 - length]
     for _, chunk, fields in _chunks(meta):
         for fid in (9, 10, 11):  # data, index, dictionary page offsets
             found = [f for f in fields if f[0] == fid]

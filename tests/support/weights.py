@@ -41,18 +41,27 @@ def make_checkpoint(directory: Path, *, seed: int = 0, megabytes: float = 1.5) -
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(f'{{"model_type": "qwen2", "seed": {seed}}}')
     n = int(megabytes * 2**20 / 4 / 2)
-    save_file({"embed.weight": rng.standard_normal(n).astype(np.float32),
-               "lm_head.weight": rng.standard_normal(n).astype(np.float32)}, str(directory / "model.safetensors"))
+    save_file(
+        {
+            "embed.weight": rng.standard_normal(n).astype(np.float32),
+            "lm_head.weight": rng.standard_normal(n).astype(np.float32),
+        },
+        str(directory / "model.safetensors"),
+    )
     (directory / "tokenizer").mkdir(exist_ok=True)
     (directory / "tokenizer" / "tokenizer.json").write_bytes(os.urandom(3000 + seed))
     return directory
 
 
-def publish_steps(root: Path, key: Identity, steps: list[int], *, megabytes: float = 1.5) -> dict[int, SignedManifest]:
+def publish_steps(
+    root: Path, key: Identity, steps: list[int], *, megabytes: float = 1.5
+) -> dict[int, SignedManifest]:
     out = {}
     for step in steps:
         ckpt = make_checkpoint(root / f"src-{step}", seed=step, megabytes=megabytes)
-        out[step], _ = publish(ckpt, step=step, identity=key, out_dir=root / "origin", shard_size=SHARD, run_id="test")
+        out[step], _ = publish(
+            ckpt, step=step, identity=key, out_dir=root / "origin", shard_size=SHARD, run_id="test"
+        )
     return out
 
 
@@ -63,7 +72,9 @@ def same_tree(a: Path, b: Path) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def serving(store_dir: Path, trusted_key: str | None = None, **settings: object) -> AsyncIterator[WeightsServer]:
+async def serving(
+    store_dir: Path, trusted_key: str | None = None, **settings: object
+) -> AsyncIterator[WeightsServer]:
     server = WeightsServer(Store(store_dir), ServeSettings(port=0, **settings), trusted_key)  # type: ignore[arg-type]
     server.url = await server.start()  # type: ignore[attr-defined]
     try:
@@ -75,8 +86,16 @@ async def serving(store_dir: Path, trusted_key: str | None = None, **settings: o
 class HostileSource:
     """A real HTTP source for one stored version with one chosen misbehaviour on chosen shards."""
 
-    def __init__(self, store_dir: Path, step: int, fault: str | None = None, *, shards: set[int] | None = None,
-                 manifest_bytes: bytes | None = None, chunk_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        store_dir: Path,
+        step: int,
+        fault: str | None = None,
+        *,
+        shards: set[int] | None = None,
+        manifest_bytes: bytes | None = None,
+        chunk_delay_s: float = 0.0,
+    ) -> None:
         self.store = Store(store_dir)
         self.step = step
         self.fault = fault
@@ -173,7 +192,9 @@ class HostileSource:
 
 
 @contextlib.asynccontextmanager
-async def hostile(store_dir: Path, step: int, fault: str | None = None, **kwargs: object) -> AsyncIterator[HostileSource]:
+async def hostile(
+    store_dir: Path, step: int, fault: str | None = None, **kwargs: object
+) -> AsyncIterator[HostileSource]:
     source = HostileSource(store_dir, step, fault, **kwargs)  # type: ignore[arg-type]
     await source.start()
     try:
@@ -187,9 +208,13 @@ HOSTILE_SERVER = Path(__file__).with_name("hostile_http.py")
 
 @contextlib.contextmanager
 def hostile_process(store_dir: Path, *, interval: float = 0.2) -> Iterator[str]:
-    """Run tests/hostile_http.py in its own process over `store_dir`; yields its base URL (add `/<mode>`)."""
-    proc = subprocess.Popen([sys.executable, str(HOSTILE_SERVER), str(store_dir), "--interval", str(interval)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """Run tests/support/hostile_http.py in its own process over `store_dir`; yields its base URL (add `/<mode>`)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(HOSTILE_SERVER), str(store_dir), "--interval", str(interval)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         ready = select.select([proc.stdout], [], [], 30)[0]

@@ -15,7 +15,7 @@ from prime_node.trainer.devnet.view import LiveView
 
 # Small work so a step needs a few files: 2 prompts x 2 samples per file, 8 samples per step. Length targets
 # give the untrained model's completions different rewards within a group (none is correct), so groups
-# carry signal and the trainer's online filter keeps them (as in tests/trainer_service_support.py).
+# carry signal and the trainer's online filter keeps them (as in tests/support/trainer_service.py).
 SMALL = Sizing(batch_size=8, prompts=2, samples=2, max_new_tokens=16, length_targets=(3, 9, 17))
 
 
@@ -25,13 +25,28 @@ def tiny_model(directory: Path) -> Path:
     return directory
 
 
-def run_devnet(tmp_path: Path, *, nodes: int, attacks: list[str], steps: int, model: Path | None = None,
-               sizing: Sizing = SMALL, task_filter: TaskFilter | None = None) -> tuple[dict[str, Any], Devnet, str]:
+def run_devnet(
+    tmp_path: Path,
+    *,
+    nodes: int,
+    attacks: list[str],
+    steps: int,
+    model: Path | None = None,
+    sizing: Sizing = SMALL,
+    task_filter: TaskFilter | None = None,
+) -> tuple[dict[str, Any], Devnet, str]:
     """Run a devnet to completion; returns its report, the Devnet (for its PIDs) and the view's output."""
     out = io.StringIO()
-    options = DevnetOptions(root=tmp_path / "run", model_dir=model or tiny_model(tmp_path / "model"), nodes=nodes,
-                            attacks=attacks, steps=steps, sizing=sizing, stall_timeout_s=240.0,
-                            task_filter=task_filter)
+    options = DevnetOptions(
+        root=tmp_path / "run",
+        model_dir=model or tiny_model(tmp_path / "model"),
+        nodes=nodes,
+        attacks=attacks,
+        steps=steps,
+        sizing=sizing,
+        stall_timeout_s=240.0,
+        task_filter=task_filter,
+    )
     devnet = Devnet(options, LiveView(steps, stream=out, tty=False))
     report = devnet.run()
     return report, devnet, out.getvalue()
@@ -40,7 +55,9 @@ def run_devnet(tmp_path: Path, *, nodes: int, attacks: list[str], steps: int, mo
 def assert_all_gone(devnet: Devnet, report: dict[str, Any]) -> None:
     """Every process the devnet started, and every process below them (DHT children, p2pd), has exited."""
     assert devnet.seen, "the devnet saw no processes"
-    assert len(devnet.seen) > len(devnet.group.children), "no DHT child or p2pd daemon was seen below the children"
+    assert len(devnet.seen) > len(devnet.group.children), (
+        "no DHT child or p2pd daemon was seen below the children"
+    )
     alive = [pid for pid, started in devnet.seen.items() if still_running(pid, started)]
     assert not alive, f"still running after the devnet stopped: {alive}"
     assert not report["processes"]["alive"]

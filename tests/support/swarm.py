@@ -12,14 +12,21 @@ from typing import Any
 from hivemind.dht.routing import DHTID
 
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.swarm import Hardware, RunParameters, Swarm, SwarmConfig
 from prime_node.p2p.processes import end_pids, pid_alive
+from prime_node.p2p.swarm import Hardware, RunParameters, Swarm, SwarmConfig
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 # What a policy record announces about the run (any valid values: the swarm tests do not generate rollouts).
 RUN_PARAMETERS = RunParameters(
-    run_id="swarmtest", run_seed=0, tasks="builtin:arithmetic?seed=0&size=64&levels=3,3,2,1,1", samples=4,
-    temperature=1.0, max_new_tokens=64, compute_dtype="float32", length_targets=[], length_alpha=0.001,
+    run_id="swarmtest",
+    run_seed=0,
+    tasks="builtin:arithmetic?seed=0&size=64&levels=3,3,2,1,1",
+    samples=4,
+    temperature=1.0,
+    max_new_tokens=64,
+    compute_dtype="float32",
+    length_targets=[],
+    length_alpha=0.001,
 )
 logging.getLogger("hivemind").setLevel(logging.WARNING)
 

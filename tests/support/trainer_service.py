@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
-from prime_node.node.tasks import open_task_set
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
+from prime_node.node.tasks import open_task_set
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import read_rollout_file, signature_path
 from prime_node.proofs.verifier import VerifierSettings
@@ -45,9 +45,19 @@ def every_group_informative(path: Path) -> bool:
     return all(group_advantages(rewards).informative for rewards in groups.values())
 
 
-def make_accepted_files(checkpoint: Path, step: int, count: int, staging: Path, *, first_counter: int = 0,
-                        prompts: int = 2, samples: int = 3, max_new_tokens: int = 12,
-                        node: Identity | None = None, informative: bool = False) -> list[Path]:
+def make_accepted_files(
+    checkpoint: Path,
+    step: int,
+    count: int,
+    staging: Path,
+    *,
+    first_counter: int = 0,
+    prompts: int = 2,
+    samples: int = 3,
+    max_new_tokens: int = 12,
+    node: Identity | None = None,
+    informative: bool = False,
+) -> list[Path]:
     """`count` rollout files of policy `step`, each verified (all rows) before it is kept; staged, not delivered.
     A given `node` identity makes the files reproducible (its id seeds the assignment and the sampling).
     `informative` keeps only files whose every group survives the trainer's zero-advantage filter (the
@@ -59,8 +69,16 @@ def make_accepted_files(checkpoint: Path, step: int, count: int, staging: Path, 
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=0, samples_per_prompt=samples)
     out: list[Path] = []
     for counter in range(first_counter, first_counter + 10 * count if informative else first_counter + count):
-        spec = BatchSpec(run_id=RUN_ID, run_seed=0, policy_step=step, batch_counter=counter, prompts=prompts,
-                         samples=samples, temperature=1.0, max_new_tokens=max_new_tokens)
+        spec = BatchSpec(
+            run_id=RUN_ID,
+            run_seed=0,
+            policy_step=step,
+            batch_counter=counter,
+            prompts=prompts,
+            samples=samples,
+            temperature=1.0,
+            max_new_tokens=max_new_tokens,
+        )
         path = staging / f"file-{step}-{counter}.parquet"
         produce_rollout_file(engine, tasks, node, spec, path)
         report = verify_rollout_file(path, engine, tasks, verifier)
@@ -85,21 +103,46 @@ def deliver(path: Path, inbox: Path) -> str:
 
 
 def trainer_argv(model: Path, key: Path, data_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "prime_node.node.cli.main", "trainer", "--model", str(model), "--key", str(key),
-            "--data-dir", str(data_dir), "--run-id", RUN_ID, "--threads", "1", "--http-port", "0",
-            "--batch-size", "6", "--log-level", "INFO", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "prime_node.node.cli.main",
+        "trainer",
+        "--model",
+        str(model),
+        "--key",
+        str(key),
+        "--data-dir",
+        str(data_dir),
+        "--run-id",
+        RUN_ID,
+        "--threads",
+        "1",
+        "--http-port",
+        "0",
+        "--batch-size",
+        "6",
+        "--log-level",
+        "INFO",
+        *extra,
+    ]
 
 
 def trainer_env() -> dict[str, str]:
     # Two optimizer steps per rollout step, tiny packed rows, no warmup: a step takes well under a second.
-    return {**os.environ, "PRIME_NODE_TRAINER__MICRO_BATCH_TOKENS": "128", "PRIME_NODE_TRAINER__WARMUP_STEPS": "0",
-            "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "PRIME_NODE_TRAINER__MICRO_BATCH_TOKENS": "128",
+        "PRIME_NODE_TRAINER__WARMUP_STEPS": "0",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def start_trainer(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as err:
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=trainer_env(),
-                                start_new_session=True)
+        return subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=err, env=trainer_env(), start_new_session=True
+        )
 
 
 def read_ready(proc: subprocess.Popen[bytes], log: Path, timeout: float = 120.0) -> dict:

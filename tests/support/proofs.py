@@ -24,7 +24,9 @@ def perturbed_copy(
 def quantized_copy(engine: HFEngine, bits: int) -> HFEngine:
     """The engine's weights with every linear layer of the decoder rounded to `bits`-bit integers and back:
     symmetric, one scale per output channel, round to nearest (the devnet's int4 cheater's rounding)."""
-    return HFEngine(quantize_decoder_(copy.deepcopy(engine.model), bits), max_batch_size=engine.max_batch_size)
+    return HFEngine(
+        quantize_decoder_(copy.deepcopy(engine.model), bits), max_batch_size=engine.max_batch_size
+    )
 
 
 def float64_copy(engine: HFEngine, max_batch_size: int = 16) -> HFEngine:

@@ -11,35 +11,42 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from hivemind.utils import get_dht_time
 
-from prime_node.node.runtime.supervisor import Supervisor
 from prime_node.node.engine import EngineSettings, HFEngine
 from prime_node.node.models.tiny import build_tiny_model
-from prime_node.node.run.producer import BatchSpec, produce_rows
 from prime_node.node.run.announcement import run_parameters
+from prime_node.node.run.producer import BatchSpec, produce_rows
 from prime_node.node.run.settings import RunSettings
 from prime_node.node.run.validation import RunTasks
+from prime_node.node.runtime.supervisor import Supervisor
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import RolloutEnvelope, Swarm
-from prime_node.p2p.swarm.records import RecordKind, dht_key, seal
 from prime_node.p2p.swarm.process import end_pids
+from prime_node.p2p.swarm.records import RecordKind, dht_key, seal
+from prime_node.p2p.verdicts import Signed, Verdict
 from prime_node.p2p.weights.publish import publish
 from prime_node.proofs.rollout_file import signature_path, write_rollout_file
 from prime_node.proofs.rollout_schema import RolloutRow
-from prime_node.trainer.validator.dashboard import DashboardSettings
 from prime_node.trainer.validator.config import IntakeSettings, ValidatorServiceSettings, ValidatorSettings
+from prime_node.trainer.validator.dashboard import DashboardSettings
 from prime_node.trainer.validator.run import RunningValidator, start_validator
-from prime_node.p2p.verdicts import Signed, Verdict
 
-from attack_support import engine_from, make_checkpoint, run_tasks
-from swarm_support import config
+from support.attack import engine_from, make_checkpoint, run_tasks
+from support.swarm import config
 
 RUN = "validator-test"
 OPERATOR = Identity.from_seed(b"\x5a" * 32)
-SPEC = BatchSpec(run_id=RUN, run_seed=3, policy_step=0, batch_counter=0, prompts=1, samples=2,
-                 temperature=1.0, max_new_tokens=24)
+SPEC = BatchSpec(
+    run_id=RUN,
+    run_seed=3,
+    policy_step=0,
+    batch_counter=0,
+    prompts=1,
+    samples=2,
+    temperature=1.0,
+    max_new_tokens=24,
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +57,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFEngine, Run
 
 
 # The run SPEC's files belong to, as the validators of these tests are configured and the operator announces it.
-VALIDATOR_RUN = RunSettings(run_id=RUN, run_seed=SPEC.run_seed, samples=SPEC.samples, temperature=SPEC.temperature,
-                            max_new_tokens=SPEC.max_new_tokens)
+VALIDATOR_RUN = RunSettings(
+    run_id=RUN,
+    run_seed=SPEC.run_seed,
+    samples=SPEC.samples,
+    temperature=SPEC.temperature,
+    max_new_tokens=SPEC.max_new_tokens,
+)
 
 
-def validator_settings(data_dir: Path, swarm: dict[str, Any] | None = None, **intake: Any) -> ValidatorSettings:
+def validator_settings(
+    data_dir: Path, swarm: dict[str, Any] | None = None, **intake: Any
+) -> ValidatorSettings:
     return ValidatorSettings(
         data_dir=data_dir,
         run=VALIDATOR_RUN,
@@ -80,7 +94,9 @@ def publish_checkpoint(checkpoint: Path, store_dir: Path, step: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_validator(settings: ValidatorSettings, announce: bool = True) -> AsyncIterator[RunningValidator]:
+async def running_validator(
+    settings: ValidatorSettings, announce: bool = True
+) -> AsyncIterator[RunningValidator]:
     """A validator in this process; with `announce`, the operator (the validator's own key) announces a policy
     with the validator's run parameters, which it waits for before verifying (trainer/validator/run_confirmation.py)."""
     supervisor = Supervisor("test-validator")
@@ -103,8 +119,9 @@ async def announce_run(swarm: Swarm, run: RunSettings, step: int = 0) -> None:
     assert await swarm.publish_policy(step, "00" * 32, [], run_parameters(run))
 
 
-async def wait_verdict(running: RunningValidator, sha256: str, timeout: float,
-                       node_id: str | None = None) -> Signed[Verdict]:
+async def wait_verdict(
+    running: RunningValidator, sha256: str, timeout: float, node_id: str | None = None
+) -> Signed[Verdict]:
     """The verdict on `node_id`'s delivery of the file; without `node_id`, on the one sender that delivered it."""
     deadline = time.monotonic() + timeout
     ledger = running.service.ledger.ledger
@@ -130,8 +147,13 @@ async def bind_node_ids(peer: Swarm, identities: list[Identity], ttl_s: float = 
     for identity in identities:
         body = template.model_copy(update={"node_id": identity.node_id})
         value = seal(identity, peer.config.run_id, RecordKind.HEARTBEAT, identity.node_id, body, expiration)
-        await peer.process.dht.store(dht_key(peer.config.run_id, RecordKind.HEARTBEAT), value, expiration,
-                                     subkey=identity.node_id, return_future=True)
+        await peer.process.dht.store(
+            dht_key(peer.config.run_id, RecordKind.HEARTBEAT),
+            value,
+            expiration,
+            subkey=identity.node_id,
+            return_future=True,
+        )
 
 
 async def sees_a_validator(swarm) -> bool:  # noqa: ANN001

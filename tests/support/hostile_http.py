@@ -1,6 +1,6 @@
 """A hostile weights source: a raw HTTP/1.1 server, run as its own process, that misbehaves on purpose.
 
-    python tests/hostile_http.py STORE_DIR [--interval S]
+    python tests/support/hostile_http.py STORE_DIR [--interval S]
 
 It prints `PORT <n>` once listening on 127.0.0.1 and serves until killed. Every mode lives under its own path
 prefix, so one process is many sources: `http://127.0.0.1:<n>/<mode>` is a source base URL (`<mode>~<k>` is
@@ -120,7 +120,10 @@ class Handler(socketserver.BaseRequestHandler):
                 raw, buffered = buffered.split(b"\r\n\r\n", 1)
                 request_line, *header_lines = raw.decode("latin-1").split("\r\n")
                 path = request_line.split(" ")[1]
-                headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines if ":" in h)}
+                headers = {
+                    k.strip().lower(): v.strip()
+                    for k, v in (h.split(":", 1) for h in header_lines if ":" in h)
+                }
                 if not self.answer(sock, path, headers.get("range")):
                     return
         except OSError:
@@ -142,16 +145,29 @@ class Handler(socketserver.BaseRequestHandler):
         if rest[2:] in (["latest"], [str(content.step), "manifest"]):
             body, broken = content.manifest, mode if mode.startswith("m-") else None
             ctype = "application/json"
-        elif len(rest) == 5 and rest[2] == str(content.step) and rest[3] == "shards" and rest[4].isascii() \
-                and rest[4].isdigit() and int(rest[4]) < len(content.shards):
+        elif (
+            len(rest) == 5
+            and rest[2] == str(content.step)
+            and rest[3] == "shards"
+            and rest[4].isascii()
+            and rest[4].isdigit()
+            and int(rest[4]) < len(content.shards)
+        ):
             body, broken = content.shards[int(rest[4])], mode if mode.startswith("s-") else None
             ctype = "application/octet-stream"
             if range_header and broken is None:
                 start = int(range_header.removeprefix("bytes=").split("-")[0])
                 total = len(body)
-                sock.sendall(head("206 Partial Content", [
-                    ("Content-Type", ctype), ("Content-Length", str(total - start)),
-                    ("Content-Range", f"bytes {start}-{total - 1}/{total}")]))
+                sock.sendall(
+                    head(
+                        "206 Partial Content",
+                        [
+                            ("Content-Type", ctype),
+                            ("Content-Length", str(total - start)),
+                            ("Content-Range", f"bytes {start}-{total - 1}/{total}"),
+                        ],
+                    )
+                )
                 sock.sendall(body[start:])
                 return True
         else:
@@ -165,18 +181,26 @@ class Handler(socketserver.BaseRequestHandler):
     def misbehave(self, sock: socket.socket, fault: str, body: bytes, ctype: str, interval: float) -> bool:
         ok = [("Content-Type", ctype)]
         if fault == "unicode-length":
-            raw_head = b"HTTP/1.1 200 OK\r\nContent-Type: " + ctype.encode() + b"\r\nContent-Length: \xb2\r\n\r\n"
+            raw_head = (
+                b"HTTP/1.1 200 OK\r\nContent-Type: " + ctype.encode() + b"\r\nContent-Length: \xb2\r\n\r\n"
+            )
             sock.sendall(raw_head + body)
         elif fault == "huge-length":
             sock.sendall(head("200 OK", ok + [("Content-Length", "9" * 26)]) + body)
         elif fault == "negative-length":
             sock.sendall(head("200 OK", ok + [("Content-Length", "-1")]) + body)
         elif fault == "two-lengths":
-            sock.sendall(head("200 OK", ok + [("Content-Length", str(len(body))), ("Content-Length", "7")]) + body)
+            sock.sendall(
+                head("200 OK", ok + [("Content-Length", str(len(body))), ("Content-Length", "7")]) + body
+            )
         elif fault == "no-length":
             sock.sendall(head("200 OK", ok + [("Connection", "close")]) + body)
         elif fault == "surrogate-json":
-            doc = b'{"body": {"format": "prime-node-weights", "note": "\\ud800"}, "signature": "' + b"ab" * 64 + b'"}'
+            doc = (
+                b'{"body": {"format": "prime-node-weights", "note": "\\ud800"}, "signature": "'
+                + b"ab" * 64
+                + b'"}'
+            )
             sock.sendall(head("200 OK", ok + [("Content-Length", str(len(doc)))]) + doc)
             return True
         elif fault == "garbage-json":
@@ -203,23 +227,34 @@ class Handler(socketserver.BaseRequestHandler):
             sock.sendall(head("200 OK", ok + padding + [("Content-Length", str(len(body)))]) + body)
         elif fault == "stall":
             if ctype == "application/octet-stream":
-                sock.sendall(head("200 OK", ok + [("Content-Length", str(len(body)))]) + body[: len(body) // 2])
+                sock.sendall(
+                    head("200 OK", ok + [("Content-Length", str(len(body)))]) + body[: len(body) // 2]
+                )
             time.sleep(3600)
         elif fault == "close":
             pass
         elif fault == "redirect":
-            sock.sendall(head("302 Found", [("Location", "http://127.0.0.1:9/v1/weights/latest"),
-                                            ("Content-Length", "0")]))
+            sock.sendall(
+                head(
+                    "302 Found",
+                    [("Location", "http://127.0.0.1:9/v1/weights/latest"), ("Content-Length", "0")],
+                )
+            )
             return True
         elif fault in ("503-nan", "503-huge", "503-unicode"):
             retry = {"503-nan": b"NaN", "503-huge": b"9" * 20, "503-unicode": b"\xb2"}[fault]
-            sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: " + retry
-                         + b"\r\n\r\n")
+            sock.sendall(
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: "
+                + retry
+                + b"\r\n\r\n"
+            )
             return True
         elif fault == "bad-status":
             sock.sendall(b"HTTQ/9 OK maybe\r\n\r\n")
         elif fault == "chunked-bad":
-            sock.sendall(head("200 OK", ok + [("Transfer-Encoding", "chunked")]) + b"zz\r\n" + body + b"\r\n0\r\n\r\n")
+            sock.sendall(
+                head("200 OK", ok + [("Transfer-Encoding", "chunked")]) + b"zz\r\n" + body + b"\r\n0\r\n\r\n"
+            )
         elif fault == "wrong-bytes":
             wrong = body[:10] + bytes([body[10] ^ 0x01]) + body[11:]
             sock.sendall(head("200 OK", ok + [("Content-Length", str(len(wrong)))]) + wrong)
