@@ -29,11 +29,11 @@ from aiohttp.typedefs import Handler
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import P2PError
+from ..rate_limit import TokenBuckets
 from .access import (
     AUTH_HEADER,
     AccessDenied,
     BanList,
-    RateLimiter,
     audience_of,
     own_audiences,
     verify_access_token,
@@ -43,6 +43,8 @@ from .store import CHECKPOINT_NAME, Store
 from .transfer import SHARD_CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
+
+MAX_TRACKED_CLIENTS = 10_000  # bound the rate limiter's memory under a flood of distinct addresses
 
 
 class ServeSettings(BaseModel):
@@ -102,7 +104,9 @@ class WeightsServer:
         self.trusted_key = trusted_key
         self.versions: dict[int, ServedVersion] = {}
         self.bans = BanList(self.settings.ban, self.settings.ban_file)
-        self.limiter = RateLimiter(self.settings.rate_per_s, self.settings.rate_burst)
+        self.limiter = TokenBuckets(
+            self.settings.rate_per_s, self.settings.rate_burst, max_keys=MAX_TRACKED_CLIENTS
+        )
         self._runner: web.AppRunner | None = None
         self._scanner: asyncio.Task[None] | None = None
         self.port: int | None = None
@@ -246,8 +250,8 @@ class WeightsServer:
             )
         if self.bans.is_banned(request.remote, node_id):
             return web.json_response({"error": "banned"}, status=403)
-        allowed, retry = self.limiter.allow(request.remote or "?")
-        if not allowed:
+        retry = self.limiter.take(request.remote or "?")
+        if retry > 0:
             return web.json_response(
                 {"error": "rate limited"}, status=429, headers={"Retry-After": f"{retry:.2f}"}
             )
