@@ -39,7 +39,7 @@ from .access import (
     verify_access_token,
 )
 from .manifest import SignedManifest
-from .store import CHECKPOINT_NAME, Store
+from .store import Store
 from .transfer import SHARD_CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class WeightsServer:
                 self._unservable.add(step)  # warned once, not at every scan
                 logger.warning("not serving %s: %s", self.store.version_dir(step), exc)
                 continue
-            self.mark_complete(manifest, self.store.version_dir(step) / CHECKPOINT_NAME)
+            self.mark_complete(manifest, self.store.checkpoint_dir(step))
         for step in [s for s, v in self.versions.items() if v.complete and s not in steps]:
             del self.versions[step]
 
@@ -355,11 +355,7 @@ class WeightsServer:
             offset = seg.file_offset + (lo - seg.shard_offset)
             path = served.checkpoint_dir / files[seg.file_index].path
             if not path.exists():  # a relay's version may have just moved from .partial/ into place
-                path = (
-                    self.store.version_dir(served.manifest.step)
-                    / CHECKPOINT_NAME
-                    / files[seg.file_index].path
-                )
+                path = self.store.checkpoint_dir(served.manifest.step) / files[seg.file_index].path
             with open(path, "rb") as fobj:
                 transport = request.transport
                 if transport is None:

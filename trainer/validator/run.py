@@ -91,6 +91,7 @@ async def start_validator(
     supervisor.spawn("validator-verify", service.run_worker(confirmation.confirmed))
     supervisor.spawn("validator-holds", service.run_holds())
     supervisor.spawn("validator-policy", service.keeper.follow(confirmation.policies(swarm.watch_policy())))
+    supervisor.spawn("validator-checkpoint-fetch", service.keeper.fetch_newest())
     supervisor.spawn("validator-announce", announce_forever(service))
     supervisor.spawn("validator-bans", service.bans.run())
     supervisor.spawn("validator-peers", note_peers(service))
