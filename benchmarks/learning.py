@@ -52,7 +52,7 @@ from prime_node.node.tasks import open_task_set
 from prime_node.node.tasks.split import ContentSplit
 from prime_node.node.tasks.types import Task
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
+from prime_node.p2p.weights.store import Store
 from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.devnet.tasks import TaskFilter, filtered_tasks
 from prime_node.trainer.grpo.config import TrainerSettings
@@ -375,9 +375,9 @@ def main() -> int:
     raw: list[float] = []  # task reward of every rollout produced since the last step, before filtering
     counter = 0  # the node's batch counter: never reused, or it would regenerate the same (known) file
     for step in range(args.steps):
-        ckpt = store.version_dir(learner.step) / CHECKPOINT_NAME
+        ckpt = store.checkpoint_dir(learner.step)
         engine = load_engine(ckpt, threads=1)
-        for f in range(args.files):
+        for _ in range(args.files):
             counter += 1
             spec = BatchSpec(
                 run_id=RUN_ID,
@@ -422,7 +422,7 @@ def main() -> int:
         )
         out_of_time = time.perf_counter() - started > 60 * args.minutes
         if learner.step % args.eval_every == 0 or step == args.steps - 1 or out_of_time:
-            results = held_out.evaluate(store.version_dir(learner.step) / CHECKPOINT_NAME)
+            results = held_out.evaluate(store.checkpoint_dir(learner.step))
             for name, (acc, _) in results.items():
                 accuracy[name].append((float(learner.step), acc))
             print(held_out.line(learner.step, results), flush=True)

@@ -27,6 +27,8 @@ from prime_node.node.contributor.status import (
 from prime_node.node.runtime.supervisor import Supervisor, TaskCrashed
 from prime_node.p2p.identity import Identity
 
+from support.swarm import fleet
+
 
 async def test_crashed_task_surfaces_in_main_and_others_are_stopped():
     sup = Supervisor()
@@ -81,6 +83,44 @@ async def test_shutdown_is_bounded_and_runs_cleanups_in_reverse_order():
     hold = False  # release it so the test leaves no task behind
     task.cancel()
     await asyncio.wait_for(task, 5)
+
+
+async def test_shutdown_cancels_supervised_tasks_in_their_place_in_the_order():
+    sup = Supervisor()
+    order: list[str] = []
+
+    async def until_cancelled(name: str):
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            order.append(name)
+
+    sup.spawn("first", until_cancelled("first"))
+    sup.supervise(asyncio.create_task(until_cancelled("started-elsewhere"), name="started-elsewhere"))
+    sup.spawn("last", until_cancelled("last"))
+    await asyncio.sleep(0)
+    report = await sup.shutdown(timeout=5)
+    assert order == ["last", "started-elsewhere", "first"] and report.clean
+
+
+async def test_the_swarms_own_heartbeat_is_supervised_by_its_owner_and_its_crash_stops_the_process():
+    # p2p/ may not import the Supervisor: the swarm starts its heartbeat itself and exposes it, its owner
+    # supervises it. A DHT child that dies makes the next heartbeat fail; that must stop the process, not set a
+    # flag nobody reads (what the trainer did: it went on announcing into a dead DHT).
+    operator = Identity.generate()
+    async with fleet("supervised", operator) as group:
+        peer = await group.add(operator, heartbeat_interval_s=0.3)
+        sup = Supervisor("test")
+        steady = sup.spawn("steady", asyncio.sleep(3600))
+        sup.supervise(*peer.tasks.values())
+        assert list(peer.tasks) == ["swarm-heartbeat"]
+        assert not await sup.sleep_or_stop(1.0)  # the honest control: a live heartbeat runs on
+        assert peer.process is not None
+        await asyncio.to_thread(peer.process.kill)
+        with pytest.raises(TaskCrashed, match="swarm-heartbeat.*has exited"):
+            await asyncio.wait_for(sup.wait(), 15)
+        report = await sup.shutdown(timeout=5)
+        assert report.clean and steady.cancelled()
 
 
 async def test_sleep_or_stop_wakes_on_stop():

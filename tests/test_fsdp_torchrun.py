@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from prime_node.node.engine.hf import load_hf_model
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.processes import end_pids
-from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
+from prime_node.p2p.weights.store import Store
 from prime_node.proofs.rollout_file import signature_path
 
 from support.attack import make_checkpoint
@@ -156,7 +156,7 @@ def test_two_gloo_ranks_train_and_publish_like_one_process(tmp_path: Path) -> No
     assert store.high_water() == 2
     manifest = store.load_manifest(2, operator.node_id)
     assert manifest.step == 2
-    loaded = load_hf_model(store.version_dir(2) / CHECKPOINT_NAME, "cpu", torch.float32)
+    loaded = load_hf_model(store.checkpoint_dir(2), "cpu", torch.float32)
     weights, _ = _state(sharded, 2)
     for name, tensor in loaded.state_dict().items():
         if name in weights:

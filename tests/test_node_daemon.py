@@ -58,7 +58,7 @@ async def test_checkpoints_verified_refused_and_kept_within_the_window(tmp_path:
         keeper.announce(policy(0, manifests[0].digest, server.url))
         assert await keeper.try_fetch(keeper.announced)
         assert (keeper.usable_step(), state.local_step, keeper.verified_steps()) == (0, 0, [0])
-        assert (keeper.checkpoint_dir(0) / "model.safetensors").is_file()
+        assert (keeper.store.checkpoint_dir(0) / "model.safetensors").is_file()
 
         # The sources serve a validly signed manifest, but not the one the operator announced: refused.
         keeper.announce(policy(1, manifests[0].digest, server.url))

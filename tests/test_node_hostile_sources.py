@@ -84,7 +84,7 @@ async def test_the_checkpoint_task_survives_hostile_sources_and_gets_the_checkpo
                 keeper.announce(policy(1, manifests[1].digest, [*crashers, f"{base}/s-drip", good.url]))
                 await until(lambda: task.done() or 1 in keeper.verified_steps(), 20)
                 assert not task.done(), task.exception()
-                assert same_tree(origin / "step-000000000001" / "checkpoint", keeper.checkpoint_dir(1))
+                assert same_tree(origin / "step-000000000001" / "checkpoint", keeper.store.checkpoint_dir(1))
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -25,7 +25,7 @@ from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import PolicyAnnouncement
 from prime_node.p2p.weights.fetch import FetchSettings
-from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
+from prime_node.p2p.weights.store import Store
 from prime_node.trainer.devnet.processes import ProcessGroup
 
 from support.node_daemon import NODE_ENV, NODE_RUN, RUN_ID, node_argv, operator_fleet
@@ -120,8 +120,8 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
                 ],
             )
             assert fetched == 0, capsys.readouterr()
-            plain = Store(tmp_path / "plain").version_dir(0) / CHECKPOINT_NAME
-            assert same_files(plain, operator.store.version_dir(0) / CHECKPOINT_NAME)
+            plain = Store(tmp_path / "plain").checkpoint_dir(0)
+            assert same_files(plain, operator.store.checkpoint_dir(0))
 
             # The operator's server goes away: a second node finds the first one in the heartbeats and
             # fetches the announced step from it, verified against the operator's manifest.
@@ -152,7 +152,7 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
                 )
             )
             assert await keeper.try_fetch(keeper.announced), state.last_error
-            assert same_files(keeper.checkpoint_dir(0), operator.store.version_dir(0) / CHECKPOINT_NAME)
+            assert same_files(keeper.store.checkpoint_dir(0), operator.store.checkpoint_dir(0))
 
             os.kill(node.pid, signal.SIGTERM)
             assert node.process.wait(30) == 0, node.log_tail(40)

@@ -24,7 +24,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.processes import end_pids
 from prime_node.p2p.swarm import Swarm
 from prime_node.p2p.weights.fetch import Fetcher
-from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
+from prime_node.p2p.weights.store import Store
 from prime_node.proofs.rollout_file import read_rollout_file
 from prime_node.trainer.service.consumed import ConsumedLedger
 
@@ -168,9 +168,9 @@ async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(
         assert genesis.run == run_parameters(RunSettings(run_id=RUN_ID))
         fetched = await Fetcher(genesis.sources, operator.node_id, Store(tmp_path / "node")).fetch(0)
         assert fetched.manifest.digest == genesis.manifest_sha256
-        names = {p.name for p in (fetched.version_dir / CHECKPOINT_NAME).iterdir()}
+        names = {p.name for p in fetched.checkpoint_dir.iterdir()}
         assert "model.safetensors" in names and "optimizer.pt" not in names
-        assert ((fetched.version_dir / CHECKPOINT_NAME) / "model.safetensors").read_bytes() == (
+        assert (fetched.checkpoint_dir / "model.safetensors").read_bytes() == (
             model / "model.safetensors"
         ).read_bytes()
 
@@ -184,7 +184,7 @@ async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(
         assert policy.step == 1
         step1 = await Fetcher(policy.sources, operator.node_id, Store(tmp_path / "node")).fetch(1)
         assert step1.manifest.digest == policy.manifest_sha256
-        assert ((step1.version_dir / CHECKPOINT_NAME) / "model.safetensors").read_bytes() != (
+        assert (step1.checkpoint_dir / "model.safetensors").read_bytes() != (
             model / "model.safetensors"
         ).read_bytes()
         # Prometheus gauges follow the steps.

@@ -1,4 +1,4 @@
-"""Validator intake: token buckets, fair scheduling, a flooding peer, and files held for their checkpoint."""
+"""Validator intake: fair scheduling, a flooding peer, and files held for their checkpoint."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffBusy, HandoffRefused, RolloutEnvelope
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
 from prime_node.p2p.weights.store import Store
-from prime_node.trainer.validator.intake import FairQueue, RateLimiter
+from prime_node.trainer.validator.intake import FairQueue
 
 from support.swarm import fleet, wait_until
 from support.validator import (
@@ -28,20 +28,6 @@ from support.validator import (
     wait_verdict,
     write_file,
 )
-
-
-def test_token_bucket_allows_a_burst_then_the_rate() -> None:
-    now = [100.0]
-    limiter = RateLimiter(rate_per_minute=60, burst=3, clock=lambda: now[0])
-    assert [limiter.try_take("a") for _ in range(3)] == [0.0, 0.0, 0.0]
-    assert limiter.try_take("a") == pytest.approx(1.0)  # empty: the next token in one second
-    assert limiter.try_take("b") == 0.0  # another node has its own bucket
-    now[0] += 0.5
-    assert limiter.try_take("a") == pytest.approx(0.5)
-    now[0] += 0.5
-    assert limiter.try_take("a") == 0.0
-    now[0] += 3600
-    assert [limiter.try_take("a") for _ in range(4)][-1] > 0  # refill stops at the burst size
 
 
 async def test_fair_queue_serves_nodes_in_turn() -> None:

@@ -15,9 +15,9 @@ from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher
 from prime_node.p2p.weights.publish import publish
-from prime_node.p2p.weights.store import PROGRESS_NAME, Store
+from prime_node.p2p.weights.store import PARTIAL, PROGRESS_NAME, Store
 
-from support.weights import hostile, make_checkpoint, operator, same_tree
+from support.weights import hostile, make_checkpoint, operator, publish_steps, same_tree, serving
 
 _SCRIPT = Path(sys.executable).parent / "prime-node"  # the installed console script, as a user runs it
 CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "prime_node.node.cli.main"]
@@ -335,3 +335,27 @@ async def test_fetch_refuses_a_signed_manifest_with_a_control_character_in_a_nam
         )
     assert rc == 0, err
     assert same_tree(honest, Path(json.loads(out)["checkpoint_dir"]))
+
+
+async def test_serve_stops_non_zero_when_its_relay_task_crashes(tmp_path: Path) -> None:
+    # The relay and the rescans run under the command's Supervisor: a crash (here the relay's own disk: its
+    # .partial/ is a file) stops the process with an error naming the task, after the server is shut down.
+    publish_steps(tmp_path, operator(), [1], megabytes=0.1)
+    relay_dir = tmp_path / "relay"
+    relay_dir.mkdir()
+    (relay_dir / PARTIAL).write_text("not a directory")
+    async with serving(tmp_path / "origin", operator().node_id) as origin:
+        rc, out, err = await run_cli(
+            "weights",
+            "serve",
+            str(relay_dir),
+            "--port",
+            "0",
+            "--upstream",
+            origin.url,
+            "--trainer-key",
+            operator().node_id,
+            timeout=120,
+        )
+    assert out.startswith("serving ") and rc != 0
+    assert "task 'weights-relay' crashed" in err

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from ...p2p.weights.server import ServeSettings, WeightsServer
 from ...p2p.weights.store import Store
 from ..config import CommonSettings
 from ..errors import ConfigError
-from .common import common_flags, load_settings, print_json
+from ..runtime.supervisor import Supervisor
+from .common import common_flags, load_settings, print_json, run_until_stopped
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 10.0
@@ -179,42 +179,26 @@ def serve_cmd(args: argparse.Namespace) -> int:
 async def _serve(
     directory: Path, upstreams: list[str], settings: WeightsSettings, identity: Identity | None
 ) -> int:
-    server = WeightsServer(Store(directory), settings.serve, settings.trainer_key)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    url = await server.start()
-    print(f"serving {server.store.root} at {url}", flush=True)
-    tasks: list[asyncio.Task[None]] = []
-    if upstreams:
-        assert settings.trainer_key is not None
-        relay = Relay(
-            server,
-            upstreams,
-            settings.trainer_key,
-            settings.fetch,
-            poll_interval_s=settings.poll_interval_s,
-            identity=identity,
-        )
-        tasks.append(asyncio.create_task(relay.run(), name="weights-relay"))
-    waiter = asyncio.create_task(stop.wait(), name="weights-serve-stop")
-    supervised = [waiter, *tasks, *([server.scanner] if server.scanner else [])]
-    done, _ = await asyncio.wait(supervised, return_when=asyncio.FIRST_COMPLETED)
-    # Shutdown in reverse order of start, bounded in time; a crashed task is re-raised after cleanup.
-    for task in [*tasks, waiter]:
-        task.cancel()
-    clean = True
-    for stopping in (asyncio.gather(*tasks, waiter, return_exceptions=True), server.stop()):
-        try:
-            await asyncio.wait_for(stopping, SHUTDOWN_TIMEOUT_S)
-        except TimeoutError:
-            logger.error("shutdown step did not finish within %.0f s; exiting anyway", SHUTDOWN_TIMEOUT_S)
-            clean = False
-    for task in done:  # the scanner is stopped by server.stop(); a crash of any task is re-raised here
-        if task is not waiter and not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
-    return 0 if clean else 1
+    async def start(supervisor: Supervisor) -> str:
+        server = WeightsServer(Store(directory), settings.serve, settings.trainer_key)
+        url = await server.start()
+        supervisor.on_shutdown("weights server", server.stop)
+        if server.scanner is not None:
+            supervisor.supervise(server.scanner)
+        if upstreams:
+            assert settings.trainer_key is not None
+            relay = Relay(
+                server,
+                upstreams,
+                settings.trainer_key,
+                settings.fetch,
+                poll_interval_s=settings.poll_interval_s,
+                identity=identity,
+            )
+            supervisor.spawn("weights-relay", relay.run())
+        return f"serving {server.store.root} at {url}"
+
+    return await run_until_stopped("weights-serve", start, SHUTDOWN_TIMEOUT_S)
 
 
 def fetch_cmd(args: argparse.Namespace) -> int:

@@ -2,9 +2,10 @@
 
 Order of start (stopped in reverse): preflight checks -> the DHT child process (forked before anything
 initialises CUDA) -> signal handlers -> the CUDA check for --gpu -> join the swarm -> status API ->
-optional weights server (when reachable) -> tasks: policy watcher, checkpoint fetcher, peers/bans watcher,
-weights advertiser, hand-off, verdicts, leaderboard, rollout loop. A crashed task stops the node with a non-zero exit; SIGINT/SIGTERM stop it cleanly within
-`shutdown_timeout_s` with exit code 0.
+optional weights server (when reachable) -> tasks: the swarm's heartbeat and the weights server's rescans
+(started by those components, supervised here), policy watcher, checkpoint fetcher, peers/bans watcher,
+weights advertiser, hand-off, verdicts, leaderboard, rollout loop. A crashed task stops the node with a
+non-zero exit; SIGINT/SIGTERM stop it cleanly within `shutdown_timeout_s` with exit code 0.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class ContributorNode:
         self, identity: Identity, swarm: Swarm, state: NodeState, executor: ThreadPoolExecutor
     ) -> None:
         s, sup = self.settings, self.supervisor
+        sup.supervise(*swarm.tasks.values())  # the swarm's own (the heartbeat): a crash stops the node
         status = StatusServer(self.data_dir, state.to_status, state.metrics, s.status_host, s.status_port)
         await status.start()
         sup.on_shutdown("status API", status.stop)
@@ -153,6 +155,7 @@ class ContributorNode:
         sharing = WeightsSharing(store, s, self.operator_key, swarm, state)
         if await sharing.start():
             sup.on_shutdown("weights server", sharing.stop)
+            sup.supervise(*sharing.tasks())  # its rescans: a crash stops the node instead of serving less
         keeper = CheckpointKeeper(
             store,
             self.operator_key,
@@ -211,7 +214,6 @@ class ContributorNode:
             await loop.run(s.max_batches)
             sup.request_stop(f"{s.max_batches} batches done")
 
-        sup.spawn("swarm-tasks", _watch_swarm_tasks(swarm))
         sup.spawn("policy-watch", watch_policy())
         sup.spawn("checkpoint-fetch", keeper.run())
         sup.spawn("peers-watch", _watch_peers(swarm, state, sharing))
@@ -228,14 +230,6 @@ class ContributorNode:
             status.port,
             self.data_dir,
         )
-
-
-async def _watch_swarm_tasks(swarm: Swarm) -> None:
-    """Surface a crash of the swarm's own background tasks (the heartbeat) in this supervisor."""
-    tasks = list(swarm.tasks.values())
-    if tasks:
-        await asyncio.gather(*tasks)
-    await asyncio.Event().wait()  # nothing to watch: idle until cancelled
 
 
 async def _watch_peers(swarm: Swarm, state: NodeState, sharing: WeightsSharing) -> None:

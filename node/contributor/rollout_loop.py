@@ -100,7 +100,7 @@ class RolloutLoop:
 
     async def _load(self, step: int) -> None:
         self.state.state = f"loading checkpoint step {step}"
-        directory = self.keeper.checkpoint_dir(step)
+        directory = self.keeper.store.checkpoint_dir(step)
         self._engine = self._tasks = None  # let the old model go before the new one is loaded
         self._engine, self._tasks = await self._in_worker(self._load_blocking, directory)
         self._engine_step = step

@@ -19,7 +19,6 @@ from urllib.parse import urlsplit
 from ...p2p.swarm import Heartbeat, Swarm
 from ...p2p.weights.server import WeightsServer
 from ...p2p.weights.store import Store
-from ..errors import NodeError
 from .settings import StartSettings
 from .state import NodeState
 from .urls import routable_url
@@ -69,14 +68,15 @@ class WeightsSharing:
         if self.server is not None:
             await self.server.stop()
 
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """The weights server's own background tasks (its rescans), for the node's supervisor."""
+        scanner = self.server.scanner if self.server is not None else None
+        return [scanner] if scanner is not None else []
+
     async def advertise(self) -> None:
         """Supervised task: keep the heartbeat's `serves_steps` equal to what the server serves."""
         assert self.server is not None
         while True:
-            scanner = self.server.scanner
-            if scanner is not None and scanner.done():
-                scanner.result()  # a crashed rescanning task stops the node instead of silently serving less
-                raise NodeError("the weights server's rescanning task ended; restart the node")
             served = sorted(step for step, version in self.server.versions.items() if version.complete)
             self.swarm.serves_steps = served
             await asyncio.sleep(self.settings.serve.scan_interval_s)

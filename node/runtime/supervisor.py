@@ -1,7 +1,9 @@
 """Named, supervised asyncio tasks with a bounded, ordered shutdown.
 
 Every long-running activity of a process (heartbeat, policy watcher, rollout loop, status API) runs as a
-named task under one Supervisor. A task that crashes is not lost in the background: the supervisor
+named task under one Supervisor: spawned by it, or, when a lower-layer component (p2p/) starts its own
+background tasks, handed to it with `supervise` (the component names them and exposes them; it keeps no
+crash bookkeeping of its own). A task that crashes is not lost in the background: the supervisor
 records it and `wait()` re-raises it in the main coroutine, which then shuts everything down. Shutdown
 cancels tasks in reverse order of start, gives each a deadline, runs the registered cleanups (also in
 reverse order), collects every error, and reports them together.
@@ -62,6 +64,14 @@ class Supervisor:
         self._tasks.append(task)
         logger.debug("started task %s", name)
         return task
+
+    def supervise(self, *tasks: asyncio.Task[Any]) -> None:
+        """Supervise tasks a component started itself (the swarm's heartbeat, a weights server's rescans) exactly
+        as if spawned here: a crash stops the process, shutdown cancels them in their place in the order."""
+        for task in tasks:
+            task.add_done_callback(self._on_done)
+            self._tasks.append(task)
+            logger.debug("supervising task %s", task.get_name())
 
     def on_shutdown(self, name: str, cleanup: Cleanup) -> None:
         """Register an async cleanup (close a server, leave the DHT); they run in reverse order."""

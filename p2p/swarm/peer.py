@@ -2,8 +2,9 @@
 
 `DHTPeer` starts and stops the DHT process (trainer and node daemons fork it before CUDA initialises),
 attaches to its p2p daemon, runs the dial-back self-test that decides between a full DHT peer and client
-mode, and bounds every wait on the child. The records API (directory.py) and the rollout hand-off
-(swarm.py) build on it.
+mode, and bounds every wait on the child. Its background tasks (the heartbeat) are named and exposed as
+`tasks`; the process that owns the swarm supervises them with its other tasks. The records API
+(directory.py) and the rollout hand-off (swarm.py) build on it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ class DHTPeer:
         self.identity = identity
         self.node_id = identity.node_id
         self.process: DHTProcess | None = None
-        self.crashed: BaseException | None = None  # a background task's unexpected error
         self._p2p: P2P | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._handlers: list[str] = []
@@ -124,19 +124,12 @@ class DHTPeer:
             await asyncio.to_thread(process.stop)
 
     def _spawn(self, name: str, coro: Any) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks[name] = task
-
-        def _done(t: asyncio.Task[None]) -> None:
-            if not t.cancelled() and t.exception() is not None:
-                self.crashed = t.exception()
-                logger.error("swarm task %s crashed: %r", name, t.exception())
-
-        task.add_done_callback(_done)
+        self._tasks[name] = asyncio.create_task(coro, name=name)
 
     @property
     def tasks(self) -> dict[str, asyncio.Task[None]]:
-        """The named background tasks, for the caller's supervisor to watch."""
+        """The named background tasks (after join), for the owner's supervisor to supervise: a crash of one is
+        the owner's to surface (node/runtime/supervisor.py `Supervisor.supervise`); leave() stops them."""
         return dict(self._tasks)
 
     async def maddrs(self) -> list[str]:

@@ -1,15 +1,15 @@
-"""Who may download from a weights server: signed access tokens, a ban list (node ids, addresses, networks)
-and per-client rate limits.
+"""Who may download from a weights server: signed access tokens and a ban list (node ids, addresses,
+networks); the per-client rate limit is p2p/rate_limit.py.
 
 A fetcher with an identity proves who it is with an access token in the X-Prime-Node-Auth header:
 `<node id>.<unix time>.<signature>`, an Ed25519 signature over a domain tag, the node id, the time and the
-audience (the server's host:port as the client addressed it). A server accepts only tokens addressed to
-one of its own names (what it bound, plus its configured public URLs), never to whatever Host header a
-request carries, so a server that received a token cannot replay it elsewhere; the time bounds how long a token lives (TOKEN_LIFETIME_S either way, to
-allow for clock skew). Node-id bans apply to the id a token proved, never to an unproven claim, so a banned
-node cannot lift its ban by omitting or changing a header: a server that sets `require_node_auth` refuses
-anonymous requests (401), and one that does not still refuses the banned id whenever it is presented.
-Address bans are enforced on the TCP peer address.
+audience (the server's host:port as the client addressed it). A server accepts only tokens addressed to one of
+its own names (what it bound, plus its configured public URLs), never to whatever Host header a request
+carries, so a server that received a token cannot replay it elsewhere; the time bounds how long a token lives
+(TOKEN_LIFETIME_S either way, to allow for clock skew). Node-id bans apply to the id a token proved, never to
+an unproven claim, so a banned node cannot lift its ban by omitting or changing a header: a server that sets
+`require_node_auth` refuses anonymous requests (401), and one that does not still refuses the banned id
+whenever it is presented. Address bans are enforced on the TCP peer address.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import logging
 import re
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -31,7 +30,6 @@ from .errors import WeightsError
 logger = logging.getLogger(__name__)
 
 _NODE_ID = re.compile(r"[0-9a-f]{64}")  # fullmatch only: $ would accept a final "\n"
-MAX_TRACKED_CLIENTS = 10_000  # bound the limiter's memory under a flood of distinct addresses
 
 AUTH_HEADER = "X-Prime-Node-Auth"
 TOKEN_LIFETIME_S = 300
@@ -195,40 +193,3 @@ class BanList:
         except ValueError:
             return False
         return any(ip in net for net in self.networks)
-
-
-@dataclass
-class _Bucket:
-    tokens: float
-    stamp: float
-
-
-class RateLimiter:
-    """A token bucket per client address: `rate` requests per second, bursts up to `burst`."""
-
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._buckets: dict[str, _Bucket] = {}
-
-    def allow(self, client: str) -> tuple[bool, float]:
-        """(allowed, seconds until the next token) for one request from `client`."""
-        if self.rate <= 0:
-            return True, 0.0
-        now = time.monotonic()
-        bucket = self._buckets.get(client)
-        if bucket is None:
-            if len(self._buckets) >= MAX_TRACKED_CLIENTS:
-                self._evict(now)
-            bucket = self._buckets[client] = _Bucket(float(self.burst), now)
-        bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.stamp) * self.rate)
-        bucket.stamp = now
-        if bucket.tokens >= 1.0:
-            bucket.tokens -= 1.0
-            return True, 0.0
-        return False, (1.0 - bucket.tokens) / self.rate
-
-    def _evict(self, now: float) -> None:
-        full = [k for k, b in self._buckets.items() if b.tokens + (now - b.stamp) * self.rate >= self.burst]
-        for key in full or list(self._buckets)[: len(self._buckets) // 2]:
-            del self._buckets[key]

@@ -32,7 +32,7 @@ from .manifest import (
     checkpoint_digest,
     sign_manifest,
 )
-from .store import CHECKPOINT_NAME, MANIFEST_NAME, PARTIAL, Store, version_name, write_atomic
+from .store import MANIFEST_NAME, PARTIAL, Store, checkpoint_dir_in, version_name, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def publish(
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="publish-hash") as pool:
             shards = _ShardHasher(shard_size, pool, max_in_flight=workers * 2)
             for rel, _ in files:
-                dest = staging / CHECKPOINT_NAME / rel
+                dest = checkpoint_dir_in(staging) / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 file_hash, size = hashlib.sha256(), 0
                 src_fd, info = _open_inside(root, rel)

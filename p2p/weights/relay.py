@@ -15,7 +15,6 @@ from .errors import WeightsError
 from .fetch import Fetcher, FetchSettings
 from .manifest import SignedManifest
 from .server import WeightsServer
-from .store import CHECKPOINT_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class Relay:
 
     def _on_manifest(self, manifest: SignedManifest, _resumed: int) -> None:
         self._step = manifest.step
-        self.server.add_partial(manifest, self.server.store.partial_dir(manifest.step) / CHECKPOINT_NAME)
+        self.server.add_partial(manifest, self.server.store.checkpoint_dir(manifest.step, partial=True))
 
     def _on_shard(self, index: int) -> None:
         if self._step is not None:

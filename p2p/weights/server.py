@@ -29,20 +29,22 @@ from aiohttp.typedefs import Handler
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import P2PError
+from ..rate_limit import TokenBuckets
 from .access import (
     AUTH_HEADER,
     AccessDenied,
     BanList,
-    RateLimiter,
     audience_of,
     own_audiences,
     verify_access_token,
 )
 from .manifest import SignedManifest
-from .store import CHECKPOINT_NAME, Store
+from .store import Store
 from .transfer import SHARD_CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
+
+MAX_TRACKED_CLIENTS = 10_000  # bound the rate limiter's memory under a flood of distinct addresses
 
 
 class ServeSettings(BaseModel):
@@ -102,7 +104,9 @@ class WeightsServer:
         self.trusted_key = trusted_key
         self.versions: dict[int, ServedVersion] = {}
         self.bans = BanList(self.settings.ban, self.settings.ban_file)
-        self.limiter = RateLimiter(self.settings.rate_per_s, self.settings.rate_burst)
+        self.limiter = TokenBuckets(
+            self.settings.rate_per_s, self.settings.rate_burst, max_keys=MAX_TRACKED_CLIENTS
+        )
         self._runner: web.AppRunner | None = None
         self._scanner: asyncio.Task[None] | None = None
         self.port: int | None = None
@@ -181,7 +185,7 @@ class WeightsServer:
                 self._unservable.add(step)  # warned once, not at every scan
                 logger.warning("not serving %s: %s", self.store.version_dir(step), exc)
                 continue
-            self.mark_complete(manifest, self.store.version_dir(step) / CHECKPOINT_NAME)
+            self.mark_complete(manifest, self.store.checkpoint_dir(step))
         for step in [s for s, v in self.versions.items() if v.complete and s not in steps]:
             del self.versions[step]
 
@@ -246,8 +250,8 @@ class WeightsServer:
             )
         if self.bans.is_banned(request.remote, node_id):
             return web.json_response({"error": "banned"}, status=403)
-        allowed, retry = self.limiter.allow(request.remote or "?")
-        if not allowed:
+        retry = self.limiter.take(request.remote or "?")
+        if retry > 0:
             return web.json_response(
                 {"error": "rate limited"}, status=429, headers={"Retry-After": f"{retry:.2f}"}
             )
@@ -351,11 +355,7 @@ class WeightsServer:
             offset = seg.file_offset + (lo - seg.shard_offset)
             path = served.checkpoint_dir / files[seg.file_index].path
             if not path.exists():  # a relay's version may have just moved from .partial/ into place
-                path = (
-                    self.store.version_dir(served.manifest.step)
-                    / CHECKPOINT_NAME
-                    / files[seg.file_index].path
-                )
+                path = self.store.checkpoint_dir(served.manifest.step) / files[seg.file_index].path
             with open(path, "rb") as fobj:
                 transport = request.transport
                 if transport is None:

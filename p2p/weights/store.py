@@ -41,6 +41,11 @@ def version_name(step: int) -> str:
     return f"step-{step:012d}"
 
 
+def checkpoint_dir_in(version_dir: Path) -> Path:
+    """The loadable HF directory of a version, complete or partial: the one place that layout is spelled."""
+    return version_dir / CHECKPOINT_NAME
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write a small file so that readers see the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
@@ -70,7 +75,7 @@ class PartialVersion:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.directory / CHECKPOINT_NAME
+        return checkpoint_dir_in(self.directory)
 
     def file_path(self, file_index: int) -> Path:
         return self.checkpoint_dir / self.manifest.body.files[file_index].path
@@ -181,6 +186,10 @@ class Store:
 
     def partial_dir(self, step: int) -> Path:
         return self.root / PARTIAL / version_name(step)
+
+    def checkpoint_dir(self, step: int, *, partial: bool = False) -> Path:
+        """Where version `step`'s checkpoint files lie (loadable once the version is complete)."""
+        return checkpoint_dir_in(self.partial_dir(step) if partial else self.version_dir(step))
 
     def versions(self) -> list[int]:
         """Steps of the complete versions, oldest first."""

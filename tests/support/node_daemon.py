@@ -22,7 +22,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import RunParameters, Swarm
 from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
-from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
+from prime_node.p2p.weights.store import Store
 
 from support.swarm import fleet
 
@@ -71,7 +71,7 @@ class TestOperator:
         raise AssertionError(f"no DHT peer stored the policy of step {step}")
 
     def served_file(self, step: int, name: str) -> Path:
-        return self.store.version_dir(step) / CHECKPOINT_NAME / name
+        return self.store.checkpoint_dir(step) / name
 
 
 @contextlib.asynccontextmanager

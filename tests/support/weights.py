@@ -26,7 +26,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.manifest import SignedManifest
 from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
-from prime_node.p2p.weights.store import CHECKPOINT_NAME, Store
+from prime_node.p2p.weights.store import Store
 
 SHARD = 64 << 10  # small shards so that a 1-2 MB checkpoint has tens of them
 
@@ -75,7 +75,7 @@ def same_tree(a: Path, b: Path) -> bool:
 async def serving(
     store_dir: Path, trusted_key: str | None = None, **settings: object
 ) -> AsyncIterator[WeightsServer]:
-    server = WeightsServer(Store(store_dir), ServeSettings(port=0, **settings), trusted_key)  # type: ignore[arg-type]
+    server = WeightsServer(Store(store_dir), ServeSettings(**{"port": 0, **settings}), trusted_key)  # type: ignore[arg-type]
     server.url = await server.start()  # type: ignore[attr-defined]
     try:
         yield server
@@ -110,7 +110,7 @@ class HostileSource:
         self._runner: web.AppRunner | None = None
 
     def _shard_bytes(self, index: int) -> bytes:
-        directory = self.store.version_dir(self.step) / CHECKPOINT_NAME
+        directory = self.store.checkpoint_dir(self.step)
         parts = []
         for seg in self.manifest.segments(index):
             with open(directory / self.manifest.body.files[seg.file_index].path, "rb") as f:

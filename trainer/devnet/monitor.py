@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...p2p.weights.store import CHECKPOINT_NAME, Store
+from ...p2p.weights.store import Store
 from .layout import DevnetLayout, Member
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class Monitor:
             return
         for step in versions:
             if step not in seen:
-                seen[step] = _newest_mtime(store.version_dir(step) / CHECKPOINT_NAME)
+                seen[step] = _newest_mtime(store.checkpoint_dir(step))
 
 
 def _newest_mtime(directory: Path) -> float:

@@ -104,7 +104,8 @@ class TrainerService:
         self.store = Store(settings.path(svc.weights_dir, "weights"))
         state_root = settings.path(svc.state_dir, "trainer")
         self.ledger = ConsumedLedger(state_root / "consumed.sqlite")
-        # --fsdp passes trainer/service/fsdp_learner.py's FsdpLearner: the same calls, with the model sharded over ranks.
+        # --fsdp passes trainer/service/fsdp_learner.py's FsdpLearner: the same calls, with the model sharded
+        # over ranks.
         make = learner_factory or Learner
         self.learner = make(
             settings.trainer,
@@ -154,6 +155,8 @@ class TrainerService:
         )
         url = await server.start()
         self.supervisor.on_shutdown("weights-server", server.stop)
+        if server.scanner is not None:  # its rescans: a crash stops the trainer instead of serving less
+            self.supervisor.supervise(server.scanner)
         self.sources = list(svc.public_sources) or [url]
         assert self.run_parameters is not None
         check_policy_fits(self.sources, self.run_parameters)
@@ -164,6 +167,7 @@ class TrainerService:
             self.swarm = Swarm(self.settings.swarm, self.identity, roles=("trainer",))
             self.supervisor.on_shutdown("swarm", self.swarm.leave)
             await self.swarm.join()
+            self.supervisor.supervise(*self.swarm.tasks.values())  # its heartbeat
             maddrs = [] if self.swarm.client_mode else await self.swarm.maddrs()
             await self._announce()
             self.supervisor.spawn("policy-reannounce", self._reannounce())

@@ -25,8 +25,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ...p2p.rate_limit import TokenBuckets
 from .config import IntakeSettings
-from .intake import RateLimiter, Tier
+from .intake import Tier
+
+# Token buckets kept; full ones, then the idlest, are forgotten first (p2p/rate_limit.py).
+MAX_TRACKED_NODES = 100_000
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,9 @@ class Admission:
         self.settings = settings
         self.reservation_s = reservation_s  # how long a hand-off may take from header to stored body
         self._clock = clock
-        self.limiter = RateLimiter(settings.rate_per_minute, settings.burst, clock=clock)
+        self.limiter = TokenBuckets(
+            settings.rate_per_minute / 60, settings.burst, max_keys=MAX_TRACKED_NODES, clock=clock
+        )
         self._accepted: Counter[str] = Counter()  # accepted files per node (only counts that matter)
         self._reserved: dict[Delivery, _Place] = {}  # place taken by a hand-off in flight
         self._files: dict[Delivery, _Place] = {}  # place of a spooled file without a verdict
@@ -120,7 +126,7 @@ class Admission:
                 f"this {tier.value} node already has {limit} files waiting for verification; retry later",
                 self.settings.busy_retry_s,
             )
-        wait = self.limiter.try_take(node_id)
+        wait = self.limiter.take(node_id)
         if wait > 0:
             return Busy(
                 f"rate limit: {self.settings.rate_per_minute:g} files per minute; retry in {wait:.1f} s", wait

@@ -1,8 +1,8 @@
 """The checkpoint versions a validator verifies against: fetched on policy announcements, kept, loaded.
 
-Each policy the operator announces in the DHT is fetched with the verified multi-source Fetcher
-(p2p/weights) into the validator's own store, and used only when its manifest is the announced one;
-the newest `keep` versions stay on disk. `model_for(step)` loads a version's engine on first use (in
+The newest policy the operator announces in the DHT is fetched into the validator's own store, pinned to the
+announced manifest and retried with backoff until held (p2p/weights/pinned.py, as the contributor does); the
+newest `keep` versions stay on disk. `model_for(step)` loads a version's engine on first use (in
 the verification thread) and caches a few of them, so a file is checked against exactly the checkpoint
 it claims. A step the store can never hold again (older than what it already fetched, and pruned or
 never fetched) is reported as `gone`, so its files are rejected at once instead of waiting for their
@@ -15,19 +15,17 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import AsyncIterable, Callable
 
 from ...node.engine import EngineSettings, InferenceEngine, load_engine
 from ...node.run.settings import RunSettings, load_run_tasks, validator_engine
 from ...node.run.validation import RunTasks
 from ...node.tasks import TaskSet
-from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm import PolicyAnnouncement
-from ...p2p.weights.fetch import Fetcher, FetchSettings
-from ...p2p.weights.store import CHECKPOINT_NAME, Store
+from ...p2p.weights.fetch import FetchSettings
+from ...p2p.weights.pinned import Pin, PinnedFetch, PinRefused
+from ...p2p.weights.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +43,8 @@ class CheckpointKeeper:
         fetch: FetchSettings | None = None,
         identity: Identity | None = None,
         task_set: TaskSet | None = None,
+        retry_s: float = 5.0,
+        max_retry_s: float = 120.0,
     ) -> None:
         self.store = store
         self.task_set = task_set  # the run's, opened once at start (None: opened with the first checkpoint)
@@ -53,8 +53,15 @@ class CheckpointKeeper:
         self.engine_settings = validator_engine(engine)
         self.keep = keep
         self.cached_engines = cached_engines
-        self.fetch_settings = fetch or FetchSettings(keep=keep)
-        self.identity = identity  # signs access tokens for the weight servers
+        # identity signs access tokens for the weight servers
+        self.pinned = PinnedFetch(
+            store,
+            trusted_key,
+            fetch or FetchSettings(keep=keep),
+            identity=identity,
+            retry_s=retry_s,
+            max_retry_s=max_retry_s,
+        )
         self.latest_policy: int | None = None
         self._engines: OrderedDict[int, InferenceEngine] = OrderedDict()
         self._tasks: RunTasks | None = None
@@ -72,9 +79,6 @@ class CheckpointKeeper:
         """True when `step` is not held and the store refuses to fetch it (older than its high-water mark)."""
         return step not in self.store.versions() and step < self.store.high_water()
 
-    def checkpoint_dir(self, step: int) -> Path:
-        return self.store.version_dir(step) / CHECKPOINT_NAME
-
     # ----- in the verification thread ------------------------------------------------------------------
 
     def model_for(self, step: int) -> tuple[InferenceEngine, RunTasks] | None:
@@ -85,7 +89,7 @@ class CheckpointKeeper:
                 self._engines.move_to_end(step)
                 assert self._tasks is not None
                 return engine, self._tasks
-        directory = self.checkpoint_dir(step)
+        directory = self.store.checkpoint_dir(step)
         if step not in self.store.versions():
             return None
         engine = load_engine(directory, **self.engine_settings.model_dump())
@@ -99,45 +103,31 @@ class CheckpointKeeper:
 
     # ----- on the event loop -----------------------------------------------------------------------------
 
-    async def fetch(self, policy: PolicyAnnouncement) -> bool:
-        """Fetch the announced version; True when it is now held. Failures are logged, not raised."""
-        self.latest_policy = max(self.latest_policy or -1, policy.step)
-        if policy.step in self.store.versions():
-            self._notify(policy.step)
-            return True
-        if not policy.sources:
-            logger.warning("policy step %d names no weight sources; cannot fetch it", policy.step)
-            return False
-        fetcher = Fetcher(
-            list(policy.sources), self.trusted_key, self.store, self.fetch_settings, identity=self.identity
-        )
+    async def follow(self, policies: AsyncIterable[PolicyAnnouncement]) -> None:
+        """Pin every policy `policies` (Swarm.watch_policy()) yields, for `fetch_newest`; runs until cancelled."""
+        async for policy in policies:
+            self.latest_policy = max(self.latest_policy or -1, policy.step)
+            if policy.step in self.store.versions():
+                self._notify(policy.step)
+            self.pinned.pin(Pin.of(policy))
+
+    async def fetch_newest(self) -> None:
+        """Fetch the newest policy whenever it is not held, with backoff after a refusal; runs until cancelled."""
+        await self.pinned.run(lambda step: step in self.store.versions(), self.fetch)
+
+    async def fetch(self, pin: Pin) -> bool:
+        """Fetch a pinned version; True when it is now held. A refusal is logged (`fetch_newest` retries it)."""
         try:
-            # Pinned to the announced manifest: a source serving another one (even operator-signed) is not used.
-            resolution = await fetcher.resolve(policy.step, digest=policy.manifest_sha256)
-            result = await fetcher.fetch_version(resolution)
-        except P2PError as exc:  # bad manifest or shard, or no source answered: the next policy retries
-            logger.warning("could not fetch checkpoint step %d: %s", policy.step, exc)
+            await self.pinned.fetch(pin)
+        except PinRefused:
             return False
-        except Exception:  # noqa: BLE001 - a bug reached through a source's answer must not stop the validator
-            logger.exception(
-                "could not fetch checkpoint step %d: unexpected error (a bug; please report it)", policy.step
-            )
-            return False
-        finally:
-            fetcher.close()
-        logger.info("checkpoint step %d held at %s", policy.step, result.version_dir)
         removed = await asyncio.to_thread(self.store.prune, self.keep) if self.keep else []
         with self._lock:
             for step in removed:
                 self._engines.pop(step, None)
-        self._notify(policy.step)
+        self._notify(pin.step)
         return True
 
     def _notify(self, step: int) -> None:
         for listener in self._listeners:
             listener(step)
-
-    async def follow(self, policies: Any) -> None:
-        """Fetch every policy `policies` (Swarm.watch_policy()) yields; runs until cancelled."""
-        async for policy in policies:
-            await self.fetch(policy)

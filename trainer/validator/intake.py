@@ -1,25 +1,23 @@
-"""Admission and fair scheduling of received rollout files: per-node token buckets and a round-robin queue.
+"""Fair scheduling of received rollout files: tiers of nodes and a round-robin queue per tier.
 
 A validator verifies far fewer files per second than a hostile peer can send. Two mechanisms keep one
 flooding peer from starving the others:
-- admission (before the file's body is read): each node has a token bucket (`rate_per_minute`, `burst`),
-  and the queue has a global bound and a per-node bound; a refused sender is told to retry later, which
-  is the back-pressure;
+- admission (before the file's body is read; trainer/validator/admission.py): each node has a token bucket
+  (`rate_per_minute`, `burst`; p2p/rate_limit.py), and the queue has a global bound and a per-node bound;
+  a refused sender is told to retry later, which is the back-pressure;
 - scheduling: the queue holds one FIFO per node and serves the nodes in turn, so an honest node's file
   waits behind at most one file of each other node, however many a flooder has queued.
 Many fresh node ids (a Sybil flood) would defeat both, so nodes come in two tiers
-(trainer/validator/admission.py decides which): established nodes, with verified work in the ledger, and newcomers. `TieredQueue` keeps one
-FairQueue per tier and gives newcomers a bounded share of the verification turns, so however many newcomer
-ids flood, an established node's file waits behind a number of files that depends only on the established
-nodes.
+(trainer/validator/admission.py decides which): established nodes, with verified work in the ledger, and
+newcomers. `TieredQueue` keeps one FairQueue per tier and gives newcomers a bounded share of the verification
+turns, so however many newcomer ids flood, an established node's file waits behind a number of files that
+depends only on the established nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
@@ -30,42 +28,6 @@ Item = TypeVar("Item")
 class Tier(str, Enum):
     ESTABLISHED = "established"  # accepted work in the ledger: keeps its reserved share of the queue
     NEWCOMER = "newcomer"  # no accepted work yet: shares a small bounded slice with every other newcomer
-
-
-# Token buckets kept; the idlest are forgotten first (a forgotten node starts again with a full bucket).
-MAX_TRACKED_NODES = 100_000
-
-
-@dataclass
-class _Bucket:
-    tokens: float
-    stamp: float
-
-
-class RateLimiter:
-    """One token bucket per node id: `burst` tokens at most, refilled at `rate_per_minute`."""
-
-    def __init__(
-        self, rate_per_minute: float, burst: int, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.rate_per_s = rate_per_minute / 60.0
-        self.burst = float(burst)
-        self._clock = clock
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
-
-    def try_take(self, node_id: str) -> float:
-        """0.0 when a token was taken; otherwise the seconds until the next token (nothing taken)."""
-        now = self._clock()
-        bucket = self._buckets.pop(node_id, None) or _Bucket(self.burst, now)
-        bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.stamp) * self.rate_per_s)
-        bucket.stamp = now
-        self._buckets[node_id] = bucket  # most recently used last
-        if len(self._buckets) > MAX_TRACKED_NODES:
-            self._buckets.popitem(last=False)
-        if bucket.tokens >= 1.0:
-            bucket.tokens -= 1.0
-            return 0.0
-        return (1.0 - bucket.tokens) / self.rate_per_s if self.rate_per_s > 0 else float("inf")
 
 
 @dataclass

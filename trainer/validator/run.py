@@ -62,6 +62,7 @@ async def start_validator(
     ours = run_parameters(settings.run, task_set)
     swarm = Swarm(settings.swarm, identity, roles=("validator",))
     await swarm.join()
+    supervisor.supervise(*swarm.tasks.values())  # its heartbeat: a crash there stops the validator
     service = ValidatorService(settings, identity, swarm, task_set)
     supervisor.on_shutdown("ledger", service.ledger.close)
     supervisor.on_shutdown("swarm", swarm.leave)
@@ -91,17 +92,12 @@ async def start_validator(
     supervisor.spawn("validator-verify", service.run_worker(confirmation.confirmed))
     supervisor.spawn("validator-holds", service.run_holds())
     supervisor.spawn("validator-policy", service.keeper.follow(confirmation.policies(swarm.watch_policy())))
+    supervisor.spawn("validator-checkpoint-fetch", service.keeper.fetch_newest())
     supervisor.spawn("validator-announce", announce_forever(service))
     supervisor.spawn("validator-bans", service.bans.run())
     supervisor.spawn("validator-peers", note_peers(service))
-    supervisor.spawn("swarm-tasks", _watch(swarm))
     logger.info("validator %s ready; dashboard at %s", identity.node_id[:16], url)
     return RunningValidator(service, swarm, url, await swarm.maddrs())
-
-
-async def _watch(swarm: Swarm) -> None:
-    # The swarm spawns its own heartbeat task; a crash there must stop the validator, not vanish.
-    await asyncio.gather(*swarm.tasks.values())
 
 
 async def swarm_view(service: ValidatorService) -> SwarmView:

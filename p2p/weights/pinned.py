@@ -1,0 +1,183 @@
+"""Fetching the version a trusted announcement pins, by (step, manifest digest), into a store.
+
+The operator's signed policy announcement names a step, the SHA-256 of its signed manifest and HTTP sources.
+Every role that follows the policy (the contributor, the validator) fetches it the same way: with the
+verified multi-source Fetcher (fetch.py), pinned to the announced manifest, so a source serving another one
+(an older build of the same step, even operator-signed) is not used and none serving it is a refusal. A
+refusal, whatever a source sent, is logged and retried later with exponential backoff (a source may heal);
+it never ends the caller's task. `run` follows the newest pin until it is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..identity import Identity
+from .errors import WeightsError
+from .fetch import Fetcher, FetchSettings
+from .shardrun import FetchResult
+from .store import Store
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAKE_S = 3600.0  # with nothing to fetch, `run` still looks again this often (a missed wake-up heals)
+
+
+class Announcement(Protocol):
+    """What a pin is read from: the swarm's PolicyAnnouncement (p2p/swarm/records.py) has these fields."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def manifest_sha256(self) -> str: ...
+    @property
+    def sources(self) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A version as a trusted announcement names it."""
+
+    step: int
+    digest: str  # SHA-256 of the signed manifest: the only manifest of `step` that may be used
+    sources: tuple[str, ...]  # where the announcement says it is served
+
+    @classmethod
+    def of(cls, announcement: Announcement) -> Pin:
+        return cls(announcement.step, announcement.manifest_sha256, tuple(announcement.sources))
+
+
+class PinRefused(WeightsError):
+    """A pinned version was not fetched: no source served exactly it, or what they served did not verify."""
+
+    def __init__(self, step: int, reason: str, retry_in_s: float) -> None:
+        super().__init__(f"checkpoint step {step} refused: {reason}")
+        self.step = step
+        self.reason = reason
+        self.retry_in_s = retry_in_s  # when this step may be tried again (inf: never, in this process)
+
+
+class PinnedFetch:
+    """Fetches pinned versions signed by `trusted_key` into `store`; a refused step waits `retry_s`, doubling
+    up to `max_retry_s`, before its next try."""
+
+    def __init__(
+        self,
+        store: Store,
+        trusted_key: str,
+        settings: FetchSettings | None = None,
+        *,
+        identity: Identity | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        peer_sources: Callable[[int], list[str]] | None = None,
+        retry_s: float = 5.0,
+        max_retry_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.trusted_key = trusted_key
+        self.settings = settings or FetchSettings()
+        self.identity = identity  # signs access tokens, so weight servers know (and can ban) who fetches
+        self.on_bytes = on_bytes  # progress: called with each received chunk's size
+        # Peers that say they serve a step: extra sources. They need no trust: the manifest must still be the
+        # pinned one, signed by the trusted key, and every shard must hash right.
+        self.peer_sources = peer_sources
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
+        self._clock = clock
+        self._retry_at: dict[int, tuple[float, float]] = {}  # step -> (clock time of next try, last delay)
+        self.pinned: Pin | None = None  # the newest pin `run` follows
+        self._changed = asyncio.Event()
+
+    # ----- one fetch -----------------------------------------------------------------------------------------
+
+    def retry_in(self, step: int) -> float:
+        """Seconds until `step` may be tried again: 0.0 when it may be now, inf once given up on."""
+        due, _ = self._retry_at.get(step, (0.0, 0.0))
+        return max(0.0, due - self._clock())
+
+    def never_again(self, step: int) -> None:
+        """Give up on `step` for the life of this object (e.g. its verified files cannot be loaded)."""
+        self._retry_at[step] = (float("inf"), self.max_retry_s)
+        self._changed.set()
+
+    async def fetch(self, pin: Pin) -> FetchResult:
+        """Fetch and verify exactly the pinned version (or find it already held); PinRefused when not."""
+        try:
+            result = await self._fetch(pin)
+        except (WeightsError, OSError) as exc:
+            raise self._refused(pin.step, str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - whatever a source sent, the caller's task goes on
+            logger.exception(
+                "checkpoint step %d: unexpected error while fetching (a bug; please report it)", pin.step
+            )
+            raise self._refused(pin.step, f"unexpected error: {type(exc).__name__}: {exc}") from exc
+        self._retry_at.pop(pin.step, None)
+        logger.info(
+            "checkpoint step %d verified (%d bytes in %.1f s) at %s",
+            pin.step,
+            result.manifest.body.total_size,
+            result.seconds,
+            result.version_dir,
+        )
+        return result
+
+    async def _fetch(self, pin: Pin) -> FetchResult:
+        sources = list(pin.sources)
+        if self.peer_sources is not None:
+            sources += [url for url in self.peer_sources(pin.step) if url not in sources]
+        if not sources:
+            raise WeightsError("the announcement names no sources")
+        fetcher = Fetcher(
+            sources,
+            self.trusted_key,
+            self.store,
+            self.settings,
+            identity=self.identity,
+            on_bytes=self.on_bytes,
+        )
+        try:
+            resolution = await fetcher.resolve(pin.step, digest=pin.digest)
+            return await fetcher.fetch_version(resolution)
+        finally:
+            fetcher.close()
+
+    def _refused(self, step: int, reason: str) -> PinRefused:
+        _, delay = self._retry_at.get(step, (0.0, self.retry_s / 2))
+        delay = min(self.max_retry_s, delay * 2)
+        self._retry_at[step] = (self._clock() + delay, delay)
+        refused = PinRefused(step, reason, delay)
+        logger.warning("%s; keeping what is held, retrying in %.1f s", refused, delay)
+        return refused
+
+    # ----- following the newest pin ------------------------------------------------------------------------
+
+    def pin(self, pin: Pin) -> bool:
+        """Follow `pin` from now on if it is newer than the one followed; True when it is."""
+        if self.pinned is not None and pin.step <= self.pinned.step:
+            return False
+        self.pinned = pin
+        self._changed.set()
+        return True
+
+    async def run(self, held: Callable[[int], bool], attempt: Callable[[Pin], Awaitable[object]]) -> None:
+        """Call `attempt(pin)` for the newest pin whenever `held(step)` says it is not held and its backoff is
+        over; runs until cancelled. `attempt` fetches through `fetch`, which schedules the next try."""
+        while True:
+            self._changed.clear()
+            pin = self.pinned
+            wait = IDLE_WAKE_S
+            if pin is not None and not held(pin.step):
+                wait = self.retry_in(pin.step)
+                if wait <= 0:
+                    await attempt(pin)
+                    continue
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=max(0.05, min(IDLE_WAKE_S, wait)))
+            except TimeoutError:
+                pass
