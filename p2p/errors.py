@@ -11,3 +11,8 @@ class KeyFileError(P2PError):
 
 class SignatureError(P2PError):
     """A signature does not verify, or a signed document is malformed."""
+
+
+class UnsignableDocument(SignatureError):
+    """A document has no canonical JSON form (a lone surrogate, NaN, nesting too deep): it can be neither
+    signed nor verified, so a peer's document of this kind is refused like one with a bad signature."""

@@ -13,21 +13,59 @@ from typing import Any
 import nacl.exceptions
 import nacl.signing
 
-from .errors import SignatureError
+from .errors import SignatureError, UnsignableDocument
+from .wire import printable
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 
 
 def canonical_json(document: Any) -> bytes:
-    """Encode `document` as canonical JSON bytes (sorted keys, compact, UTF-8, finite numbers only)."""
+    """Encode `document` as canonical JSON bytes (sorted keys, compact, UTF-8, finite numbers only).
+
+    UnsignableDocument (a SignatureError) when it has no such form: NaN or infinity, nesting deeper than the
+    encoder goes, or a string that UTF-8 cannot encode (a lone surrogate: `"\\ud800"` is valid JSON, so a
+    peer's document can carry one). Every signer and verifier goes through here, so such a document is a
+    refused signature wherever it arrives, never another exception escaping a reader.
+    """
     try:
         text = json.dumps(
             document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
         )
     except ValueError as exc:  # NaN or Infinity: not representable in canonical JSON
-        raise SignatureError(f"document cannot be signed: {exc}") from exc
-    return text.encode("utf-8")
+        raise UnsignableDocument(f"document cannot be signed: {exc}") from None
+    except RecursionError:
+        raise UnsignableDocument("document cannot be signed: it is nested too deeply") from None
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsignableDocument(_unencodable(document)) from None
+
+
+def _unencodable(document: Any) -> str:
+    """Where the first string without a UTF-8 form is (keys included), for the error message."""
+    stack: list[tuple[str, Any]] = [("", document)]
+    while stack:
+        path, value = stack.pop()
+        texts = [value] if isinstance(value, str) else list(value) if isinstance(value, dict) else []
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                char = ord(text[exc.start])
+                kind = "the text" if text is value else "a key"
+                where = f"{kind} at {path or 'the top'}"
+                return (
+                    f"{where} holds U+{char:04X} (a lone surrogate): the document has no canonical UTF-8 "
+                    "form, so it cannot be signed"
+                )
+        children = list(
+            value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+        )
+        for key, item in reversed(children):  # a key is peer text too: shown only in printable form
+            name = printable(str(key))[:40]
+            stack.append((f"{path}.{name}" if path else name, item))
+    return "the document has no canonical UTF-8 form, so it cannot be signed"
 
 
 def parse_public_key(public_key_hex: str) -> nacl.signing.VerifyKey:

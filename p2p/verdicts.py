@@ -27,9 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .errors import P2PError
 from .identity import Identity
 from .signing import SIGNATURE_BYTES, verify_document
-from .wire import Timestamp, WireFormatError, WireModel, describe, loads_strict
+from .wire import NodeId, Sha256Hex, Timestamp, WireFormatError, WireModel, describe, free_text, loads_strict
 
-HEX64 = r"^[0-9a-f]{64}$"
 CHECK_NAME = r"^[a-z][a-z0-9_]{0,47}$"
 MAX_ENVELOPE_BYTES = 16 * 1024  # a verdict is a few hundred bytes; the reason text is capped below
 MAX_REASON_CHARS = 2000
@@ -62,21 +61,15 @@ class Verdict(_Document):
     kind: Literal["prime-node/verdict/v1"] = (
         "prime-node/verdict/v1"  # domain separation between document types
     )
-    file_hash: str = Field(pattern=HEX64, description="SHA-256 of the rollout file, lowercase hex.")
-    node_id: str = Field(
-        pattern=HEX64, description="Node id (Ed25519 public key) that signed the rollout file."
-    )
+    file_hash: Sha256Hex = Field(description="SHA-256 of the rollout file, lowercase hex.")
+    node_id: NodeId = Field(description="Node id (Ed25519 public key) that signed the rollout file.")
     step: int = Field(ge=0, description="Policy step (checkpoint) the rollouts claim to come from.")
     samples: int = Field(ge=0, description="Rows (completions) in the file; credited only when accepted.")
     tokens: int = Field(ge=0, description="Output tokens in the file; credited only when accepted.")
     accepted: bool = Field(description="True when every check passed.")
     failed_check: str | None = Field(None, pattern=CHECK_NAME, description="Name of the first failing check.")
-    reason: str = Field(
-        "", max_length=MAX_REASON_CHARS, description="Human-readable reason; empty when accepted."
-    )
-    validator_id: str = Field(
-        pattern=HEX64, description="Public key of the validator that signs this verdict."
-    )
+    reason: free_text(MAX_REASON_CHARS) = Field("", description="Human-readable reason; empty when accepted.")
+    validator_id: NodeId = Field(description="Public key of the validator that signs this verdict.")
     decided_at: Timestamp = Field(description="Unix time the verdict was reached.")
 
     @model_validator(mode="after")
@@ -94,14 +87,12 @@ class BanRecord(_Document):
     signer_field: ClassVar[str] = "issuer_id"
 
     kind: Literal["prime-node/ban/v1"] = "prime-node/ban/v1"
-    node_id: str = Field(pattern=HEX64, description="The banned node.")
+    node_id: NodeId = Field(description="The banned node.")
     # 256 characters: the DHT's ban record (p2p/swarm/records.py Ban) carries no more.
-    reason: str = Field(
-        min_length=1, max_length=MAX_BAN_REASON_CHARS, description="Why, e.g. the failed check."
-    )
+    reason: free_text(MAX_BAN_REASON_CHARS) = Field(min_length=1, description="Why, e.g. the failed check.")
     issued_at: Timestamp = Field(description="Unix time the ban was decided.")
     until: Timestamp | None = Field(None, description="Unix end time; null is permanent.")
-    issuer_id: str = Field(pattern=HEX64, description="Public key of the operator that signs the ban.")
+    issuer_id: NodeId = Field(description="Public key of the operator that signs the ban.")
 
     @model_validator(mode="after")
     def _check_times(self) -> BanRecord:
@@ -193,7 +184,10 @@ def verify_signed(signed: Signed[Doc], trusted: frozenset[str] | set[str]) -> Do
 def _load_envelope(raw: bytes | str | dict[str, Any]) -> dict[str, Any]:
     if isinstance(raw, dict):
         # Already decoded by a transport; measure it the way it would travel so the limit still holds.
-        size = len(json.dumps(raw, separators=(",", ":"), default=str).encode())
+        try:
+            size = len(json.dumps(raw, separators=(",", ":"), default=str).encode())
+        except (ValueError, RecursionError) as exc:  # a lone surrogate (UnicodeError), nesting too deep
+            raise DocumentError(f"signed document cannot be measured as JSON: {str(exc)[:120]}") from None
         loaded: Any = raw
     else:
         size = len(raw.encode() if isinstance(raw, str) else raw)

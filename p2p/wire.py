@@ -16,15 +16,33 @@ logs, terminals and dashboards; none of them has a use for these.
 envelopes, manifests): it refuses NaN, Infinity, -Infinity and numbers that overflow to infinity (1e999)
 at the decoder, naming where they were, and refuses duplicate keys (two parsers that keep different copies
 of a key would read different documents under one signature).
+
+Shared field types: `Hex64` (and its names `NodeId`, an Ed25519 public key, and `Sha256Hex`, a digest) is the
+one definition of a 64-lowercase-hex identifier; `is_hex64` checks one outside a model. `free_text(n)` marks a
+field of human-readable text that our own code fills from exception messages, drivers or a ledger:
+`Model.outgoing(...)` makes such fields printable and cuts them to `n` characters before validating, so what
+we sign or serve is never refused by an honest reader, while a peer's document is still refused for the same
+characters (readers do not repair what a peer signed). `parse_uint` reads a number a peer or an operator
+wrote in ASCII digits.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any
+import re
+from typing import Annotated, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from .errors import P2PError
 
@@ -32,6 +50,37 @@ from .errors import P2PError
 # lose sub-millisecond precision. Every timestamp on the wire is a Timestamp.
 MAX_UNIX_TIME = float(2**33)
 Timestamp = Annotated[float, Field(ge=0, le=MAX_UNIX_TIME)]
+
+# A pydantic pattern is matched by Rust's regex crate, whose $ is the very end of the text (no final "\n");
+# Python code uses HEX64_RE.fullmatch (is_hex64), never re.match with $.
+HEX64_PATTERN = r"^[0-9a-f]{64}$"
+HEX64_RE = re.compile(r"[0-9a-f]{64}")
+HEX_DIGITS = frozenset("0123456789abcdef")  # lowercase: the one spelling of ids and digests
+Hex64 = Annotated[str, StringConstraints(pattern=HEX64_PATTERN)]
+NodeId = Hex64  # a node's Ed25519 public key in lowercase hex: its identity everywhere
+Sha256Hex = Hex64  # a SHA-256 digest in lowercase hex
+
+
+def is_hex64(text: object) -> bool:
+    """Whether `text` is 64 lowercase hex digits (a node id, a public key, a SHA-256 digest)."""
+    return isinstance(text, str) and HEX64_RE.fullmatch(text) is not None
+
+
+def parse_uint(text: str, *, lo: int, hi: int, what: str) -> int:
+    """`text` as an integer in [lo, hi] written in ASCII digits only; WireFormatError naming `what` otherwise.
+
+    `str.isdigit()` accepts '²' and '١', which `int()` then refuses or reads; `int()` itself accepts signs,
+    underscores and whitespace, and is never asked to read more digits than `hi` has."""
+    if (
+        not isinstance(text, str)
+        or not 0 < len(text) <= len(str(hi))
+        or not text.isascii()
+        or not text.isdigit()
+        or not lo <= int(text) <= hi
+    ):
+        shown = printable(str(text))[:20]
+        raise WireFormatError(f"{what} must be an integer from {lo} to {hi} in ASCII digits, got {shown!r}")
+    return int(text)
 
 
 class WireFormatError(P2PError, ValueError):
@@ -64,6 +113,20 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else " " for c in text)
 
 
+_OUTGOING = {"outgoing": True}  # validation context of WireModel.outgoing
+
+
+def free_text(max_chars: int) -> Any:
+    """A text field of at most `max_chars` printable characters; `Model.outgoing` makes ours fit."""
+
+    def fit(value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str) and info.context is _OUTGOING:
+            return printable(value[:max_chars])
+        return value
+
+    return Annotated[str, BeforeValidator(fit), StringConstraints(max_length=max_chars)]
+
+
 def _check_strings(value: Any, where: str) -> None:
     if isinstance(value, str):
         check_printable(value, where)
@@ -88,11 +151,18 @@ class WireModel(BaseModel):
         _check_strings(value, "text")
         return value
 
+    @classmethod
+    def outgoing(cls, **fields: Any) -> Self:
+        """A document of our own to sign or serve: every `free_text` field (nested ones included) is made
+        printable and cut to its length first; everything else is validated as a peer's document is."""
+        return cls.model_validate(fields, context=_OUTGOING)
+
 
 def describe(exc: ValidationError) -> str:
     """The first error of a wire type's validation with the field's dotted path: `at run.temperature: ...`."""
     first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(the whole document)"
+    # A location holds the peer's own dict keys: shown only in printable form, and short.
+    where = ".".join(printable(str(part))[:40] for part in first["loc"]) or "(the whole document)"
     return f"at {where}: {first['msg']}"
 
 
@@ -113,7 +183,8 @@ def _find_non_finite(value: Any, path: str) -> tuple[str, str] | None:
         value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
     )
     for key, item in children:
-        found = _find_non_finite(item, f"{path}.{key}" if path else str(key))
+        name = printable(str(key))[:40]  # a peer's key: printable in the message
+        found = _find_non_finite(item, f"{path}.{name}" if path else name)
         if found is not None:
             return found
     return None

@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..p2p.wire import is_hex64
 from .errors import ProofError
 from .toploc import proof_size
 
@@ -155,7 +156,7 @@ def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits) -
             raise _bad(i, f"{name} {getattr(r, name)!r} differs from row 0 ({getattr(first, name)!r})")
     if not 1 <= len(r.run_id) <= limits.max_id_chars:
         raise _bad(i, f"run id must have 1..{limits.max_id_chars} characters")
-    if len(r.node_id) != 64 or any(c not in "0123456789abcdef" for c in r.node_id):
+    if not is_hex64(r.node_id):
         raise _bad(i, "node id must be 64 lowercase hex digits")
     for name in ("policy_step", "batch_counter", "sample_index"):
         if getattr(r, name) < 0:

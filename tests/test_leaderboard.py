@@ -17,9 +17,10 @@ import aiohttp
 import pytest
 
 from prime_node.node.cli.main import main
+from prime_node.p2p.validator_api import SwarmNode, SwarmView
 from prime_node.trainer.ledger import Ledger
 from prime_node.trainer.ledger.leaderboard import NodeLookupError, leaderboard, node_detail
-from prime_node.trainer.validator.dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
+from prime_node.trainer.validator.dashboard import create_app, ledger_rewards, serve
 
 from support.ledger import T0, node_id, signed_verdict
 
@@ -198,6 +199,26 @@ def test_cli_json_and_text_against_the_server(ledger, capsys):
         assert set(board["nodes"][0]) == LEADERBOARD_FIELDS and board["ranked"] == 5
         assert main(["leaderboard", "--validator", url, "--node", "0" * 64]) == 1
         assert "answered 404: no node" in capsys.readouterr().err
+
+
+def test_the_api_never_serves_text_its_readers_refuse(ledger, capsys):
+    """Free text in the ledger comes from peers (heartbeat hardware) and from exception messages (ban
+    reasons): the server makes it printable as it builds its answers (`outgoing`), so the API's own client,
+    which refuses control characters, still reads every row. Here the operator's ban reason spans lines and a
+    node's GPU name carries escape sequences; both are shown with spaces in their place."""
+    ledger.touch_node(E, seen_at=T0 + 9, hardware={"gpu_model": "H100\x1b[2J\x07", "cpu\n": "x86"})
+    ledger.ban(E, "first line\nsecond line", until=None, at=T0 + 9)
+    with running_dashboard(ledger) as url:
+        assert main(["leaderboard", "--validator", url]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if E[:12] in line)
+        assert "gpu_model=H100 [2J" in row and "cpu =x86" in row and "permanent" in row, row
+        assert main(["leaderboard", "--validator", url, "--node", E, "--json"]) == 0
+        detail = json.loads(capsys.readouterr().out)
+    assert detail["bans"][0]["reason"] == "first line second line"
+    assert all(line.isprintable() for line in [*out.splitlines(), json.dumps(detail, ensure_ascii=False)])
+    raw = ledger.query("SELECT reason FROM bans WHERE node_id = ?", (E,))[0]["reason"]
+    assert raw == "first line\nsecond line"  # the ledger keeps what was written
 
 
 def test_cli_unreachable_validator_is_one_line_and_nonzero():

@@ -241,3 +241,84 @@ def test_an_announced_url_with_an_unspecified_host_is_made_routable() -> None:
     assert api_base(announced("http://0.0.0.0:8471", [])) is None  # nowhere to dial: no endpoint
     assert api_base(announced(None, maddrs)) is None
     assert api_base(announced("http://:::8471", maddrs)) is None  # unbracketed IPv6: unusable, not a crash
+
+
+async def test_a_verdict_nobody_could_sign_is_refused_and_the_watcher_goes_on(tmp_path: Path) -> None:
+    """A validator API (a real aiohttp server, announced by the operator in the DHT) answers one file's verdict
+    with a document whose reason holds a lone surrogate: valid JSON (`"\\ud800"`), but no UTF-8 form, so no key
+    can have signed it. Checking its signature once raised UnicodeEncodeError out of the verdict client and
+    ended the supervised `verdicts` task (and with it the node). It must be a refused verdict like any other:
+    counted, asked again later, while the honest verdict on the node's other file is learned meanwhile."""
+    node = Identity.generate()
+    hostile_sha, honest_sha = "aa" * 32, "bb" * 32
+    honest = sign(
+        Verdict(
+            file_hash=honest_sha,
+            node_id=node.node_id,
+            step=0,
+            samples=2,
+            tokens=10,
+            accepted=True,
+            validator_id=OPERATOR.node_id,
+            decided_at=time.time(),
+        ),
+        OPERATOR,
+    )
+    document = {
+        **honest.document.payload(),
+        "file_hash": hostile_sha,
+        "accepted": False,
+        "failed_check": "sampling",
+        "reason": "@@",
+    }
+    unsignable = json.dumps({"document": document, "signature": "ab" * 64}).replace('"@@"', '"row 0 \\ud800"')
+    asked: dict[str, int] = {hostile_sha: 0, honest_sha: 0}
+
+    async def answer(request: web.Request) -> web.Response:
+        sha = request.match_info["file_hash"]
+        asked[sha] = asked.get(sha, 0) + 1
+        body = unsignable.encode() if sha == hostile_sha else honest.to_json()
+        return web.Response(body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/api/verdict/{file_hash}/{node_id}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    state = NodeState(node.node_id, OPERATOR.node_id)
+    try:
+        async with fleet(RUN, OPERATOR) as group:
+            validator = await group.add(OPERATOR, roles=("validator",))
+            validator.api_url = url
+            await validator.publish_validator()
+            sender = await group.add(node)
+            api = ValidatorApi(sender, node.node_id, timeout_s=5.0)
+            watcher = VerdictWatcher(
+                api, Outbox(tmp_path / "rollouts"), state, poll_s=0.1, max_poll_s=0.2, timeout_s=600
+            )
+            try:
+                await wait_until(lambda: _api_announced(api), 15)
+                for sha in (hostile_sha, honest_sha):  # the hostile file first: the old code died on it
+                    body = {"sha256": sha, "receiver": OPERATOR.node_id, "received_at": time.time()}
+                    watcher.receipted({"body": body, "signature": "00" * 64})
+                task = asyncio.create_task(watcher.run(), name="verdicts")
+
+                async def went_on() -> bool:
+                    if task.done():
+                        raise AssertionError(f"the verdicts task ended: {task.exception()!r}")
+                    return asked[hostile_sha] >= 3 and state.rollouts.accepted == 1
+
+                try:
+                    await wait_until(went_on, 30)
+                finally:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            finally:
+                await api.close()
+    finally:
+        await runner.cleanup()
+    assert (state.rollouts.accepted, state.rollouts.rejected, watcher.awaiting) == (1, 0, 1)
+    assert state.metrics.verdict_lookup_failures._value.get() >= 3
+    assert (tmp_path / "rollouts" / "sent" / f"{honest_sha}.verdict.json").exists()

@@ -6,9 +6,13 @@ reachable from a CARRIER: a top-level type, an honest sample of it, and the func
 parse a peer's bytes of it (the DHT record validator hivemind calls, open_signed, parse_signed, the hand-off
 frame decoder, the validator-API client). For every float field found by walking the carrier's type (nested
 models, lists, dicts, unions, optionals), the peer's bytes carry NaN, Infinity, -Infinity, 1e999 and, past a
-bound, +-1e308 in that place; for every string field, a control or format character. Each must be refused
-with a message that names the field, and the untouched sample must pass (the honest control). A wire type
-or field added later is fuzzed without editing this file; a new carrier needs one sample.
+bound, +-1e308 in that place; for every string field, a control or format character or a lone surrogate
+(valid JSON, `"\\ud800"`, but no UTF-8 form: it cannot be signed). Each must be refused with a message that
+names the field, and the untouched sample must pass (the honest control). A signed carrier also has forgeries:
+the same bad bytes signed by a key the reader does not trust, or under a bad signature, so that the reader's
+path before (and through) its signature check meets every bad value too; each forgery must be refused with
+the carrier's own error, never another exception. A wire type or field added later is fuzzed without editing
+this file; a new carrier needs one sample.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 import prime_node.p2p
-from prime_node.node.contributor.validator_api import NodeDetail, parse_node_detail
 from prime_node.p2p.errors import SignatureError
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.names import RUN_ID_PATTERN
@@ -55,6 +58,15 @@ from prime_node.p2p.swarm.records import (
     seal_payload,
 )
 from prime_node.p2p.swarm.validator import SwarmRecordValidator
+from prime_node.p2p.validator_api import (
+    ErrorAnswer,
+    Leaderboard,
+    NodeDetail,
+    RewardCurve,
+    SwarmView,
+    ValidatorApiError,
+    parse_answer,
+)
 from prime_node.p2p.verdicts import BanRecord, DocumentError, Signed, Verdict, open_signed
 from prime_node.p2p.weights.errors import ManifestError
 from prime_node.p2p.weights.fetch import FetchSettings
@@ -75,12 +87,28 @@ T = 1_800_000_000.0
 OPERATOR = Identity.from_seed(b"\x21" * 32)
 NODE = Identity.from_seed(b"\x22" * 32)
 VALIDATOR = Identity.from_seed(b"\x23" * 32)
+STRANGER = Identity.from_seed(b"\x24" * 32)  # a key no reader trusts
 PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 SHA = "ab" * 32
 # Not wire types: settings the operator writes, and containers built only after a parse has succeeded.
 LOCAL_TYPES = (SwarmConfig, FetchSettings, ServeSettings, SelectionSettings, Signed, SignedManifest)
-# Control characters (C0, DEL, C1), Unicode line/paragraph separators, a bidi override, a zero-width space.
-BAD_CHARS = ["\n", "\r", "\t", "\x00", "\x1b", "\x7f", "\x85", "\u2028", "\u2029", "\u202e", "\u200b"]
+# Control characters (C0, DEL, C1), Unicode line/paragraph separators, a bidi override, a zero-width space,
+# lone surrogates (high and low: no UTF-8 form, so canonical JSON cannot hold them).
+BAD_CHARS = [
+    "\n",
+    "\r",
+    "\t",
+    "\x00",
+    "\x1b",
+    "\x7f",
+    "\x85",
+    "\u2028",
+    "\u2029",
+    "\u202e",
+    "\u200b",
+    "\ud800",
+    "\udfff",
+]
 
 
 # ----- carriers: a top-level wire type, an honest sample, and production's parse of a peer's bytes ----------
@@ -92,6 +120,16 @@ class Carrier:
     sample: dict[str, Any]
     parse: Callable[[bytes], Any]
     error: type[Exception]
+    # Parsers of the same bytes signed by an untrusted key or under a bad signature: refused whatever they hold.
+    forged: tuple[Callable[[bytes], Any], ...] = ()
+
+
+def _sign_or_zero(identity: Identity, raw: bytes) -> bytes:
+    """What an attacker can sign: canonical JSON has no NaN and no lone surrogate, so some are left unsigned."""
+    try:
+        return identity.sign_document(json.loads(raw))
+    except (SignatureError, UnicodeError):  # UnicodeError: what an older signer raised for a lone surrogate
+        return bytes(64)
 
 
 def _record(kind: RecordKind, signer: Identity, subkey: str, body: WireModel) -> Carrier:
@@ -106,21 +144,50 @@ def _record(kind: RecordKind, signer: Identity, subkey: str, body: WireModel) ->
         record = DHTRecord(key_id(RUN, kind), MSGPackSerializer.dumps(subkey), serialized, expiration)
         return validator.check(record)
 
-    return Carrier(type(body), body.model_dump(mode="json"), parse, RecordError)
+    def forged(by: Identity, flip: bool) -> Callable[[bytes], Any]:
+        def parse_forged(payload: bytes) -> Any:
+            expiration = get_dht_time() + 60
+            value = bytearray(seal_payload(by, RUN, kind, subkey, payload, expiration))
+            if flip:
+                value[32] ^= 1  # the signature's first byte
+            record = DHTRecord(
+                key_id(RUN, kind),
+                MSGPackSerializer.dumps(subkey),
+                MSGPackSerializer.dumps(bytes(value)),
+                expiration,
+            )
+            return validator.check(record)
+
+        return parse_forged
+
+    return Carrier(
+        type(body),
+        body.model_dump(mode="json"),
+        parse,
+        RecordError,
+        (forged(STRANGER, False), forged(signer, True)),
+    )
 
 
 def _signed_document(
     model: type[Verdict] | type[BanRecord], signer: Identity, document: WireModel
 ) -> Carrier:
-    def parse(raw: bytes) -> Any:  # the body of GET /api/verdict/<sha256>, or a ban envelope
-        try:  # the attacker signs whatever it can; canonical JSON has no NaN, so some are unsigned
-            signature = signer.sign_document(json.loads(raw))
-        except SignatureError:
-            signature = bytes(64)
+    def opened(raw: bytes, signature: bytes) -> Any:  # the body of GET /api/verdict/..., or a ban envelope
         envelope = b'{"document":' + raw + b',"signature":"' + signature.hex().encode() + b'"}'
         return open_signed(envelope, model, {signer.node_id})
 
-    return Carrier(model, document.model_dump(mode="json"), parse, DocumentError)
+    return Carrier(
+        model,
+        document.model_dump(mode="json"),
+        lambda raw: opened(raw, _sign_or_zero(signer, raw)),
+        DocumentError,
+        (
+            lambda raw: opened(
+                raw, _sign_or_zero(STRANGER, raw)
+            ),  # names the trusted signer, signed by another
+            lambda raw: opened(raw, b"\xab" * 64),  # a signature that verifies nothing
+        ),
+    )
 
 
 def _manifest() -> Carrier:
@@ -139,27 +206,61 @@ def _manifest() -> Carrier:
         shards=[ShardEntry(size=10, sha256=shard)],
     )
 
-    def parse(raw: bytes) -> Any:  # a manifest as a weights source serves it, signed by the pinned key
-        try:
-            signature = OPERATOR.sign_document(json.loads(raw)).hex()
-        except SignatureError:
-            signature = "00" * 64
+    def parse(raw: bytes, signature: bytes) -> Any:  # a manifest as a weights source serves it
         return parse_signed(
-            b'{"body":' + raw + b',"signature":"' + signature.encode() + b'"}', OPERATOR.node_id
+            b'{"body":' + raw + b',"signature":"' + signature.hex().encode() + b'"}', OPERATOR.node_id
         )
 
-    return Carrier(ManifestBody, body.model_dump(mode="json"), parse, ManifestError)
+    return Carrier(
+        ManifestBody,
+        body.model_dump(mode="json"),
+        lambda raw: parse(raw, _sign_or_zero(OPERATOR, raw)),  # signed by the pinned key
+        ManifestError,
+        (lambda raw: parse(raw, _sign_or_zero(STRANGER, raw)), lambda raw: parse(raw, b"\xab" * 64)),
+    )
 
 
 def _receipt() -> Carrier:
     body = ReceiptBody(sha256=SHA, sender=NODE.node_id, receiver=VALIDATOR.node_id, size=10, received_at=T)
     receipt = Receipt(body=body, signature=VALIDATOR.sign_document(body.model_dump(mode="json")).hex())
-    return Carrier(
-        Receipt,
-        receipt.model_dump(mode="json"),
-        lambda raw: parse_receipt(decode_frame(b'{"receipt":' + raw + b"}")["receipt"]),
-        HandoffError,
-    )
+
+    def parse(raw: bytes) -> Receipt:  # the sender's read of the answer frame
+        return parse_receipt(decode_frame(b'{"receipt":' + raw + b"}")["receipt"])
+
+    def forged(signer: Identity) -> Callable[[bytes], Any]:
+        def parse_forged(raw: bytes) -> None:  # then the sender's signature check, as handoff.send runs it
+            document = json.loads(raw)
+            document["signature"] = _sign_or_zero(signer, json.dumps(document["body"]).encode()).hex()
+            parse(json.dumps(document).encode()).verify(VALIDATOR.node_id, SHA, NODE.node_id)
+
+        return parse_forged
+
+    return Carrier(Receipt, receipt.model_dump(mode="json"), parse, HandoffError, (forged(STRANGER),))
+
+
+def _answer(model: type[WireModel], sample: dict[str, Any], what: str) -> Carrier:
+    """An answer of the validator's HTTP API as its one client parses it (p2p/validator_api.py)."""
+    return Carrier(model, sample, lambda raw: parse_answer(raw, model, what), ValidatorApiError)
+
+
+_ROW = {
+    "rank": 1,
+    "node_id": NODE.node_id,
+    "accepted_tokens": 3,
+    "accepted_samples": 2,
+    "accepted_files": 1,
+    "rejected_files": 0,
+    "score": 2.5,
+    "slashes": 1,
+    "slashed": 5.0,
+    "banned": True,
+    "ban_permanent": False,
+    "banned_until": T + 60,
+    "last_step": 4,
+    "first_seen": T,
+    "last_seen": T,
+    "hardware": {"gpu_model": "NVIDIA H100", "cpu_cores": 2, "ram_gb": 1.5},
+}
 
 
 CARRIERS = [
@@ -256,21 +357,70 @@ CARRIERS = [
     ),
     _receipt(),
     _manifest(),
-    Carrier(
+    _answer(Leaderboard, {"generated_at": T, "ranked": 1, "nodes": [_ROW]}, "the leaderboard"),
+    _answer(
         NodeDetail,
         {
-            "node": {
-                "rank": 1,
-                "score": 2.5,
-                "accepted_tokens": 3,
-                "accepted_files": 1,
-                "rejected_files": 0,
-                "banned": False,
-            }
+            "node": _ROW,
+            "ranked": 1,
+            "recent": [
+                {
+                    "file_hash": SHA,
+                    "step": 4,
+                    "samples": 2,
+                    "tokens": 3,
+                    "accepted": False,
+                    "failed_check": "bounds",
+                    "reason": "row 0: reward is not a finite number",
+                    "decided_at": T,
+                }
+            ],
+            "slash_log": [
+                {
+                    "file_hash": SHA,
+                    "amount": 5.0,
+                    "check_class": "fault",
+                    "failed_check": "bounds",
+                    "reason": "row 0",
+                    "created_at": T,
+                }
+            ],
+            "bans": [
+                {
+                    "id": 1,
+                    "reason": "bounds",
+                    "created_at": T,
+                    "until": T + 60,
+                    "lifted_at": T + 1,
+                    "file_hash": SHA,
+                }
+            ],
         },
-        parse_node_detail,
-        ValidationError,
+        "the node entry",
     ),
+    _answer(
+        SwarmView,
+        {
+            "available": True,
+            "policy_step": 4,
+            "nodes": [
+                {
+                    "node_id": NODE.node_id,
+                    "roles": ["contributor"],
+                    "hardware": {"cpu": "x86", "ram_gb": 1.5},
+                    "step": 4,
+                    "last_seen": T,
+                }
+            ],
+        },
+        "the swarm",
+    ),
+    _answer(
+        RewardCurve,
+        {"available": True, "points": [{"step": 1, "reward": 0.5, "samples": 2, "files": 1}]},
+        "rewards",
+    ),
+    _answer(ErrorAnswer, {"error": "no node 00 in the ledger"}, "an error answer"),
 ]
 IDS = [c.model.__name__ for c in CARRIERS]
 
@@ -363,15 +513,13 @@ def _dotted(path: tuple[Any, ...], document: dict[str, Any]) -> str:
 
 def _names(message: str, where: str) -> bool:
     """Whether `message` names the field at dotted path `where`: whole (`at addresses.0:`), or as the field
-    and its item (`at addresses: ... item 0 ...`, how a check of a whole list reports it)."""
+    and its item (`at addresses: ... item 0 ...`, `at hardware: ... item 'cpu' ...`: how a check of a whole
+    list or dict reports it)."""
     if re.search(rf"\b{re.escape(where)}\b", message):
         return True
     field, _, index = where.rpartition(".")
-    return (
-        index.isdigit()
-        and bool(re.search(rf"\b{re.escape(field)}\b", message))
-        and f"item {index}" in message
-    )
+    item = f"item {index}" if index.isdigit() else f"item {index!r}"  # a list index, or a dict key
+    return bool(re.search(rf"\b{re.escape(field)}\b", message)) and item in message
 
 
 # ----- the tests ----------------------------------------------------------------------------------------
@@ -411,6 +559,21 @@ def test_every_wire_type_is_a_wire_model_reachable_from_a_carrier() -> None:
     } <= floats
 
 
+def _forgeries_refused(carrier: Carrier, raw: bytes) -> None:
+    for forged in carrier.forged:
+        with pytest.raises(carrier.error):
+            forged(raw)
+
+
+@pytest.mark.parametrize(
+    "carrier", [c for c in CARRIERS if c.forged], ids=[c.model.__name__ for c in CARRIERS if c.forged]
+)
+def test_forgeries_of_an_honest_sample_are_refused(carrier: Carrier) -> None:
+    """The forgeries the fuzz sends are refused for their signature alone (an honest sample, forged)."""
+    carrier.parse(json.dumps(carrier.sample).encode())  # the honest control
+    _forgeries_refused(carrier, json.dumps(carrier.sample).encode())
+
+
 @pytest.mark.parametrize("carrier", CARRIERS, ids=IDS)
 def test_every_float_of_every_wire_type_must_be_finite(carrier: Carrier) -> None:
     carrier.parse(json.dumps(carrier.sample).encode())  # the honest control: the sample itself passes
@@ -426,6 +589,7 @@ def test_every_float_of_every_wire_type_must_be_finite(carrier: Carrier) -> None
             with pytest.raises(carrier.error) as refused:
                 carrier.parse(raw)
             assert _names(str(refused.value), where), (literal, str(refused.value))
+            _forgeries_refused(carrier, raw)
             fuzzed += 1
     assert fuzzed or not any(leaf.kind == "float" for leaf in leaves(carrier.model))
 
@@ -446,6 +610,7 @@ def test_every_string_of_every_wire_type_refuses_control_characters(carrier: Car
                 with pytest.raises(carrier.error) as refused:
                     carrier.parse(raw)
                 assert _names(str(refused.value), where), (value, str(refused.value))
+                _forgeries_refused(carrier, raw)
 
 
 @pytest.mark.parametrize("expiration", [float("nan"), float("inf"), float("-inf"), 1e308])

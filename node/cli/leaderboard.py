@@ -1,25 +1,31 @@
-"""`prime-node leaderboard`: the ranking of contributors, read from a validator's HTTP API."""
+"""`prime-node leaderboard`: the ranking of contributors, read from a validator's HTTP API.
+
+Through the API's one client (p2p/validator_api.py): one wall-clock deadline (`timeout_s`) for the whole
+answer, a byte limit, and the answer parsed into its wire types, so a hostile `--validator` gets one error
+line and exit code 1, never a stall, a traceback or a control character on the terminal.
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from typing import Any
 
 from pydantic import Field
 
-from ...p2p.wire import WireFormatError, loads_strict
+from ...p2p.validator_api import (
+    MAX_TOP,
+    ApiUnreachable,
+    Leaderboard,
+    LeaderboardRow,
+    NodeDetail,
+    ValidatorApiClient,
+    call_sync,
+)
+from ...p2p.wire import WireFormatError, parse_uint
 from ..config import CommonSettings
 from ..errors import NodeError
 from .common import common_flags, load_settings, print_json
-
-MAX_RESPONSE_BYTES = 16 * 1024 * 1024
-MAX_TOP = 1000  # the validator's own limit
 
 
 class LeaderboardUnavailable(NodeError):
@@ -52,57 +58,34 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = load_settings(args, LeaderboardSettings, {"validator_url": "validator"})
-    base = settings.validator_url.rstrip("/")
-    if args.node is not None:
-        detail = fetch_json(f"{base}/api/node/{urllib.parse.quote(args.node, safe='')}", settings.timeout_s)
-        if args.json:
-            print_json(detail)
-        else:
-            print(format_node(detail))
-        return 0
-    board = fetch_json(f"{base}/api/leaderboard?top={args.top}", settings.timeout_s)
+    base = settings.validator_url
+
+    async def node(client: ValidatorApiClient) -> NodeDetail:
+        return await client.node(base, args.node)
+
+    async def board(client: ValidatorApiClient) -> Leaderboard:
+        return await client.leaderboard(base, args.top)
+
+    try:
+        answer = call_sync(settings.timeout_s, node if args.node is not None else board)
+    except ApiUnreachable as exc:
+        raise LeaderboardUnavailable(
+            f"{exc}; is `prime-node validator` running? Point --validator (or PRIME_NODE_VALIDATOR_URL) at its API"
+        ) from None
     if args.json:
-        print_json(board)
+        print_json(answer.model_dump(mode="json"))
+    elif isinstance(answer, NodeDetail):
+        print(format_node(answer))
     else:
-        print(format_table(board["nodes"]))
+        print(format_table(answer.nodes))
     return 0
 
 
 def _top(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_TOP:  # "²".isdigit() is True
-        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_TOP}")
-    return int(text)
-
-
-def fetch_json(url: str, timeout_s: float) -> Any:
-    """GET a JSON document, turning every failure into one LeaderboardUnavailable that names the URL."""
-    request = urllib.request.Request(url, headers={"Accept": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = response.read(MAX_RESPONSE_BYTES + 1)
-    except urllib.error.HTTPError as exc:
-        raise LeaderboardUnavailable(f"{url} answered {exc.code}: {_error_text(exc)}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise LeaderboardUnavailable(
-            f"cannot reach the validator at {url} ({reason}); is `prime-node validator` running? "
-            "Point --validator (or PRIME_NODE_VALIDATOR_URL) at its API"
-        ) from None
-    if len(body) > MAX_RESPONSE_BYTES:
-        raise LeaderboardUnavailable(f"{url} sent more than {MAX_RESPONSE_BYTES} bytes")
-    try:
-        return loads_strict(body, "the leaderboard")  # NaN or infinity would reach the table's formatting
-    except WireFormatError as exc:
-        raise LeaderboardUnavailable(
-            f"{url} did not answer with strict JSON ({exc}); is that a prime-node validator?"
-        ) from None
-
-
-def _error_text(exc: urllib.error.HTTPError) -> str:
-    try:
-        return str(json.loads(exc.read(65536)).get("error", exc.reason))
-    except (ValueError, AttributeError, OSError):
-        return str(exc.reason)
+        return parse_uint(text, lo=1, hi=MAX_TOP, what="--top")
+    except WireFormatError:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_TOP}") from None
 
 
 def _ago(ts: float | None) -> str:
@@ -115,21 +98,22 @@ def _ago(ts: float | None) -> str:
     return f"{s:.0f} s ago"
 
 
-def _ban(row: dict[str, Any]) -> str:
-    if not row["banned"]:
+def _ban(row: LeaderboardRow) -> str:
+    if not row.banned:
         return "-"
-    if row["ban_permanent"]:
+    if row.ban_permanent or row.banned_until is None:
         return "permanent"
-    return "until " + datetime.datetime.fromtimestamp(row["banned_until"], datetime.UTC).strftime(
+    # banned_until is a Timestamp (at most 2^33): within what datetime can represent.
+    return "until " + datetime.datetime.fromtimestamp(row.banned_until, datetime.UTC).strftime(
         "%Y-%m-%d %H:%M"
     )
 
 
-def _hardware(hw: dict[str, Any]) -> str:
+def _hardware(hw: dict[str, str | int | float | bool | None]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(hw.items())) or "-"
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[LeaderboardRow]) -> str:
     if not rows:
         return "no contributions yet"
     header = (
@@ -147,17 +131,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     )
     lines = [header] + [
         (
-            str(r["rank"]),
-            r["node_id"][:12],
-            str(r["accepted_tokens"]),
-            str(r["accepted_samples"]),
-            str(r["accepted_files"]),
-            str(r["rejected_files"]),
-            f"{r['score']:.1f}",
-            str(r["slashes"]),
+            str(r.rank),
+            r.node_id[:12],
+            str(r.accepted_tokens),
+            str(r.accepted_samples),
+            str(r.accepted_files),
+            str(r.rejected_files),
+            f"{r.score:.1f}",
+            str(r.slashes),
             _ban(r),
-            _ago(r["last_seen"]),
-            _hardware(r["hardware"]),
+            _ago(r.last_seen),
+            _hardware(r.hardware),
         )
         for r in rows
     ]
@@ -166,25 +150,23 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(line.rstrip() for line in padded)
 
 
-def format_node(detail: dict[str, Any]) -> str:
-    n = detail["node"]
+def format_node(detail: NodeDetail) -> str:
+    n = detail.node
     out = [
-        f"node        {n['node_id']}",
-        f"rank        {n['rank']}" + (f" of {detail['ranked']}" if "ranked" in detail else ""),
-        f"accepted    {n['accepted_tokens']} tokens, {n['accepted_samples']} samples, "
-        f"{n['accepted_files']} files",
-        f"rejected    {n['rejected_files']} files",
-        f"score       {n['score']:.1f} ({n['slashes']} slashes, {n['slashed']:.1f} removed)",
+        f"node        {n.node_id}",
+        f"rank        {n.rank} of {detail.ranked}",
+        f"accepted    {n.accepted_tokens} tokens, {n.accepted_samples} samples, {n.accepted_files} files",
+        f"rejected    {n.rejected_files} files",
+        f"score       {n.score:.1f} ({n.slashes} slashes, {n.slashed:.1f} removed)",
         f"ban         {_ban(n)}",
-        f"last seen   {_ago(n['last_seen'])}",
-        f"hardware    {_hardware(n['hardware'])}",
+        f"last seen   {_ago(n.last_seen)}",
+        f"hardware    {_hardware(n.hardware)}",
     ]
-    if detail["recent"]:
+    if detail.recent:
         out.append("recent verdicts:")
-        for c in detail["recent"]:
-            verdict = "accepted" if c["accepted"] else f"rejected: {c['failed_check']}: {c['reason']}"
+        for c in detail.recent:
+            verdict = "accepted" if c.accepted else f"rejected: {c.failed_check}: {c.reason}"
             out.append(
-                f"  step {c['step']:>5}  {c['file_hash'][:12]}  {c['samples']} samples  "
-                f"{c['tokens']} tokens  {verdict}"
+                f"  step {c.step:>5}  {c.file_hash[:12]}  {c.samples} samples  {c.tokens} tokens  {verdict}"
             )
     return "\n".join(out)

@@ -19,6 +19,7 @@ from ...p2p.weights.publish import DEFAULT_SHARD_SIZE, publish
 from ...p2p.weights.relay import Relay
 from ...p2p.weights.server import ServeSettings, WeightsServer
 from ...p2p.weights.store import Store
+from ...p2p.wire import HEX64_PATTERN
 from ..config import CommonSettings
 from ..errors import ConfigError
 from ..runtime.supervisor import Supervisor
@@ -34,7 +35,7 @@ class WeightsSettings(CommonSettings):
     serve: ServeSettings = Field(default_factory=ServeSettings, description="The HTTP server.")
     fetch: FetchSettings = Field(default_factory=FetchSettings, description="Downloads (fetch and relay).")
     trainer_key: str | None = Field(
-        None, pattern=r"^[0-9a-f]{64}$", description="Pinned signer public key (hex)."
+        None, pattern=HEX64_PATTERN, description="Pinned signer public key (hex)."
     )
     poll_interval_s: float = Field(
         2.0, gt=0, description="How often a relay asks its upstreams for a new version."

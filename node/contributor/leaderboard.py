@@ -12,9 +12,10 @@ import asyncio
 import logging
 import time
 
+from ...p2p.validator_api import ValidatorApiError
 from .state import NodeState
 from .status import LeaderboardEntry
-from .validator_api import ValidatorApi, ValidatorApiError
+from .validator_api import ValidatorApi
 
 logger = logging.getLogger(__name__)
 

@@ -29,6 +29,11 @@ class NodeMetrics:
             "Checkpoints or shards that failed verification",
             registry=r,
         )
+        self.verdict_lookup_failures = Counter(
+            "prime_node_verdict_lookup_failures",
+            "Verdict lookups that failed: validator unreachable, an error answer, or an unusable verdict",
+            registry=r,
+        )
         self.rank = Gauge(
             "prime_node_leaderboard_rank", "This node's rank on a validator's leaderboard", registry=r
         )

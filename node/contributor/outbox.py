@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ...p2p.swarm import Receipt
+from ...p2p.wire import is_hex64
 from ..errors import NodeError
 from ..runtime.durable import fsync_path
 
@@ -71,7 +72,7 @@ class Outbox:
         self, sha256: str, staged_file: Path, staged_sig: Path, policy_step: int | None = None
     ) -> OutboxEntry:
         """Move a fully written file and its signature into pending/ (step and signature first, file last)."""
-        if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+        if not is_hex64(sha256):
             raise OutboxError(f"not a hex SHA-256: {sha256!r}")
         entry = self._entry(self.pending, sha256)
         if policy_step is not None:

@@ -7,7 +7,6 @@ weights fetch/serve and engine sections are the lower packages' own models, load
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -15,12 +14,12 @@ from pydantic import Field, model_validator
 from ...p2p.swarm.config import SwarmConfig
 from ...p2p.weights.fetch import FetchSettings
 from ...p2p.weights.server import ServeSettings
+from ...p2p.wire import is_hex64
 from ..config import CommonSettings
 from ..engine import EngineSettings
 from ..run.settings import MOVED_TO_RUN, RunSettings
 
 KEY_FILE_NAME = "node.key"
-_HEX_KEY = re.compile(r"[0-9a-f]{64}")  # fullmatch only: $ would accept a final "\n"
 
 
 class StartSettings(CommonSettings):
@@ -96,7 +95,7 @@ class StartSettings(CommonSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> StartSettings:
-        if self.operator_key is not None and not _HEX_KEY.fullmatch(self.operator_key):
+        if self.operator_key is not None and not is_hex64(self.operator_key):
             raise ValueError(f"operator_key {self.operator_key[:80]!r} is not 64 lowercase hex digits")
         if self.fetch_retry_s > self.max_retry_s or self.handoff_retry_s > self.max_retry_s:
             raise ValueError("fetch_retry_s and handoff_retry_s must not exceed max_retry_s")

@@ -7,7 +7,9 @@ file this task asks the validator that signed the receipt, with exponential back
 "not decided yet"), at most `_MAX_PER_ROUND` requests a round, and gives up on a file `timeout_s` after
 its receipt. A checked verdict is stored beside the receipt (`sent/<sha256>.verdict.json`), so a restart
 keeps the counts and asks only about files still undecided; it updates the accepted / rejected counts and
-`prime_node_rollout_files_total{outcome}`.
+`prime_node_rollout_files_total{outcome}`. A failed lookup is logged (once per distinct problem), counted in
+`prime_node_verdict_lookup_failures_total` and asked again later; whatever one file's answer raises, the
+task goes on with the others (a validator's API is reached over plain HTTP: anyone on the path can answer).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ...p2p.validator_api import ValidatorApiError, VerdictNotReady
 from .outbox import Outbox
 from .state import NodeState
-from .validator_api import ValidatorApi, ValidatorApiError, VerdictNotReady
+from .validator_api import ValidatorApi, ValidatorEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -133,18 +136,30 @@ class VerdictWatcher:
                 self._later(item, f"validator {item.validator[:16]}… announces no HTTP API (or is gone)")
                 continue
             try:
-                signed = await self.api.verdict(endpoint, item.sha256)
+                await self._ask(item, endpoint)
             except VerdictNotReady:
                 self._later(item, None)
-                continue
             except ValidatorApiError as exc:
-                self._later(item, str(exc))
-                continue
-            await asyncio.to_thread(self.outbox.record_verdict, item.sha256, signed.envelope())
-            del self._awaited[item.sha256]
-            self._learned(
-                signed.document.accepted, item.sha256, signed.document.failed_check, signed.document.reason
-            )
+                self._failed(item, str(exc))
+            except Exception as exc:  # noqa: BLE001 - whatever one answer does, the other files (and the node) go on
+                logger.exception(
+                    "verdict on %s…: unexpected error (a bug; please report it)", item.sha256[:16]
+                )
+                problem = f"unexpected error: {type(exc).__name__}: {exc}"
+                self.state.error(f"verdict on {item.sha256[:16]}…: {problem}")
+                self._failed(item, problem)
+
+    async def _ask(self, item: _Awaited, endpoint: ValidatorEndpoint) -> None:
+        signed = await self.api.verdict(endpoint, item.sha256)
+        await asyncio.to_thread(self.outbox.record_verdict, item.sha256, signed.envelope())
+        del self._awaited[item.sha256]
+        self._learned(
+            signed.document.accepted, item.sha256, signed.document.failed_check, signed.document.reason
+        )
+
+    def _failed(self, item: _Awaited, problem: str) -> None:
+        self.state.metrics.verdict_lookup_failures.inc()
+        self._later(item, problem)
 
     def _learned(self, accepted: bool, sha256: str, failed_check: str | None, reason: str) -> None:
         self._last_problem = None

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..names import RUN_ID_PATTERN
+from ..wire import is_hex64
 from .records import MAX_TTL_S, RecordKind
-
-NODE_ID_RE = re.compile(r"[0-9a-f]{64}")  # fullmatch only: $ would accept a final "\n"
 
 
 def _check_maddr(text: str) -> str:
@@ -170,7 +168,7 @@ class SwarmConfig(BaseModel):
     @classmethod
     def _hex_keys(cls, keys: list[str]) -> list[str]:
         for key in keys:
-            if not NODE_ID_RE.fullmatch(key):
+            if not is_hex64(key):
                 raise ValueError(f"operator key {key[:80]!r} is not 64 lowercase hex digits (a node id)")
         return keys
 

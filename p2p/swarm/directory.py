@@ -16,7 +16,6 @@ from typing import Any
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from ..identity import Identity
-from ..wire import printable
 from .config import SwarmConfig
 from .errors import RecordError, SwarmError
 from .hardware import local_hardware, software_version
@@ -200,7 +199,7 @@ class SwarmDirectory(DHTPeer):
     async def publish_ban(self, node_id: str, reason: str, ttl_s: float | None = None) -> bool:
         """Publish a ban record for `ttl_s` seconds (at most ban_ttl_s); republish to extend it."""
         self._require_operator("a ban")
-        body = Ban(node_id=node_id, reason=printable(reason)[:256], banned_at=time.time())
+        body = Ban.outgoing(node_id=node_id, reason=reason, banned_at=time.time())  # reason made printable
         ttl = self.config.ban_ttl_s if ttl_s is None else min(ttl_s, self.config.ban_ttl_s)
         return await self._publish(RecordKind.BAN, node_id, body, ttl)
 

@@ -6,7 +6,6 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from ..wire import printable
 from .records import Hardware
 
 
@@ -27,11 +26,12 @@ def local_hardware(gpu_model: str | None = None, gpu_memory_mb: int = 0) -> Hard
         ram_mb = next((int(ln.split()[1]) // 1024 for ln in meminfo if ln.startswith("MemTotal")), 0)
     except (OSError, ValueError, IndexError):
         pass  # not Linux, or an unusual /proc: the heartbeat just carries less detail
-    # Names from the driver and /proc are shown to peers, who refuse control characters (p2p/wire.py).
-    return Hardware(
-        gpu_model=None if gpu_model is None else printable(gpu_model)[:64],
+    # Names from the driver and /proc are shown to peers, who refuse control characters: `outgoing` makes
+    # them printable and short enough (p2p/wire.py free_text).
+    return Hardware.outgoing(
+        gpu_model=gpu_model,
         gpu_memory_mb=gpu_memory_mb,
-        cpu=printable(cpu)[:64],
+        cpu=cpu,
         cpu_cores=os.cpu_count() or 0,
         ram_mb=ram_mb,
     )

@@ -29,7 +29,17 @@ from pydantic import Field, StringConstraints, ValidationError
 from ..identity import Identity
 from ..names import MAX_LENGTH_TARGET, RUN_ID_PATTERN
 from ..signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, canonical_json, is_valid_signature
-from ..wire import Timestamp, WireModel, describe
+from ..wire import (
+    NodeId,
+    Sha256Hex,
+    Timestamp,
+    WireFormatError,
+    WireModel,
+    describe,
+    free_text,
+    is_hex64,
+    loads_strict,
+)
 from .errors import RecordError
 
 DOMAIN = b"prime-node/swarm-record/v1\x00"
@@ -37,8 +47,6 @@ DOMAIN = b"prime-node/swarm-record/v1\x00"
 CLOCK_SKEW_S = 30.0
 MAX_SUBKEY_BYTES = 160
 
-NodeId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 # libp2p peer ids in base58 (Ed25519/RSA identities): no 0, O, I or l.
 PeerIdB58 = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$")]
 Maddr = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^/")]
@@ -75,9 +83,9 @@ MAX_VALUE_BYTES = PUBLIC_KEY_BYTES + SIGNATURE_BYTES + max(MAX_PAYLOAD_BYTES.val
 
 
 class Hardware(WireModel):
-    gpu_model: ShortText | None = None  # e.g. "NVIDIA H100 80GB HBM3"; None on CPU-only nodes
+    gpu_model: free_text(64) | None = None  # e.g. "NVIDIA H100 80GB HBM3"; None on CPU-only nodes
     gpu_memory_mb: int = Field(0, ge=0, le=1 << 24)
-    cpu: ShortText = ""
+    cpu: free_text(64) = ""
     cpu_cores: int = Field(0, ge=0, le=1 << 16)
     ram_mb: int = Field(0, ge=0, le=1 << 32)
 
@@ -136,7 +144,7 @@ class ValidatorAnnouncement(WireModel):
 
 class Ban(WireModel):
     node_id: NodeId  # the banned node; must equal the subkey
-    reason: Annotated[str, StringConstraints(max_length=256)]
+    reason: free_text(256)
     banned_at: Timestamp
 
 
@@ -170,10 +178,10 @@ def key_id(run_id: str, kind: RecordKind) -> bytes:
 def subkey_owner(kind: RecordKind, subkey: str) -> str:
     """The node id a subkey names (the part before ':' for rollouts); RecordError when malformed."""
     owner, _, rest = subkey.partition(":")
-    if len(owner) != 64 or any(c not in "0123456789abcdef" for c in owner):
+    if not is_hex64(owner):
         raise RecordError(f"{kind.value} subkey {subkey[:80]!r} does not start with a node id")
     if kind is RecordKind.ROLLOUT:
-        if len(rest) != 64 or any(c not in "0123456789abcdef" for c in rest):
+        if not is_hex64(rest):
             raise RecordError(f"rollout subkey {subkey[:80]!r} is not '<node id>:<sha256>'")
     elif rest or ":" in subkey:
         raise RecordError(f"{kind.value} subkey {subkey[:80]!r} must be a bare node id")
@@ -304,8 +312,10 @@ def open_record(
         raise RecordError(f"{kind.value} record under {owner[:16]}…'s subkey is signed by {signer[:16]}…")
     if not is_valid_signature(signer, _signed_message(kid, subkey_bytes, expiration, payload), signature):
         raise RecordError(f"{kind.value} record under subkey {subkey[:24]}… has a bad signature")
-    try:
-        body = BODY_TYPES[kind].model_validate_json(payload, strict=True)
+    try:  # strict JSON first (duplicate keys, NaN, a lone surrogate refused where they are), then the schema
+        body = BODY_TYPES[kind].model_validate(loads_strict(payload, f"{kind.value} payload"), strict=True)
+    except WireFormatError as exc:
+        raise RecordError(str(exc)) from None
     except ValidationError as exc:  # names the field: e.g. an old peer's policy lacks `run`
         raise RecordError(f"{kind.value} payload does not match its schema {describe(exc)}") from None
     _check_binding(kind, subkey, owner, body)

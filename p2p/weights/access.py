@@ -25,11 +25,11 @@ import psutil
 
 from ..identity import Identity
 from ..signing import SignatureError, verify_signature
+from ..wire import is_hex64
 from .errors import WeightsError
 
 logger = logging.getLogger(__name__)
 
-_NODE_ID = re.compile(r"[0-9a-f]{64}")  # fullmatch only: $ would accept a final "\n"
 
 AUTH_HEADER = "X-Prime-Node-Auth"
 TOKEN_LIFETIME_S = 300
@@ -92,7 +92,7 @@ def verify_access_token(token: str, audience: str, now: float | None = None) -> 
     parts = token.split(".")
     if (
         len(parts) != 3
-        or not _NODE_ID.fullmatch(parts[0])
+        or not is_hex64(parts[0])
         or not _UNIX_TIME.fullmatch(parts[1])
         or len(parts[2]) != 128
     ):
@@ -147,7 +147,7 @@ class BanList:
 
     def set_dynamic(self, node_ids: set[str]) -> None:
         """Node ids banned from elsewhere (the operator's signed bans in the DHT), replacing the previous set."""
-        self._dynamic = {n.lower() for n in node_ids if _NODE_ID.fullmatch(n.lower())}
+        self._dynamic = {n.lower() for n in node_ids if is_hex64(n.lower())}
 
     def _apply(self, entries: list[str]) -> None:
         node_ids, networks = set(), []
@@ -155,7 +155,7 @@ class BanList:
             entry = raw.split("#", 1)[0].strip().lower()
             if not entry:
                 continue
-            if _NODE_ID.fullmatch(entry):
+            if is_hex64(entry):
                 node_ids.add(entry)
                 continue
             try:

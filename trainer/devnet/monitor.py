@@ -1,7 +1,8 @@
 """What the devnet shows while it runs, read the way an operator would read it.
 
 - the trainer's per-step JSONL metrics (`<trainer>/trainer/metrics.jsonl`): step, task reward, timings;
-- the validator's dashboard API (`/api/leaderboard`): verdicts, slashes and bans per node;
+- the validator's API (`/api/leaderboard`, through p2p/validator_api.py's client): verdicts, slashes and
+  bans per node;
 - each contributor's status API (its port is in `<data-dir>/status.json`): state, steps, file counts;
 - each contributor's checkpoint store: when each version became verified and usable there (the end of
   its broadcast), remembered here because old versions are pruned as the run moves on;
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...p2p.validator_api import MAX_TOP, LeaderboardRow, ValidatorApiClient, ValidatorApiError, call_sync
 from ...p2p.weights.store import Store
 from .layout import DevnetLayout, Member
 
@@ -62,13 +64,13 @@ class Monitor:
     started_at: float = field(default_factory=time.time)
     steps: list[dict[str, Any]] = field(default_factory=list)  # the trainer's JSONL records, in order
     arrivals: dict[str, dict[int, float]] = field(default_factory=dict)  # member -> step -> verified at
-    leaderboard: list[dict[str, Any]] = field(default_factory=list)
+    leaderboard: list[LeaderboardRow] = field(default_factory=list)  # the last one read
     _metrics_offset: int = 0
 
     def poll(self) -> Snapshot:
         self._read_metrics()
         self._read_leaderboard()
-        rows = {r["node_id"]: r for r in self.leaderboard}
+        rows = {r.node_id: r for r in self.leaderboard}
         members = [self._member(m, rows.get(m.node_id)) for m in self.layout.members]
         last = self.steps[-1] if self.steps else None
         return Snapshot(
@@ -78,8 +80,8 @@ class Monitor:
             rollout_reward=float(last["rollout_reward"]) if last and "rollout_reward" in last else None,
             members=members,
             queue_depth=self.queue_depth(),
-            accepted_files=sum(int(r["accepted_files"]) for r in self.leaderboard),
-            rejected_files=sum(int(r["rejected_files"]) for r in self.leaderboard),
+            accepted_files=sum(r.accepted_files for r in self.leaderboard),
+            rejected_files=sum(r.rejected_files for r in self.leaderboard),
         )
 
     def queue_depth(self) -> int:
@@ -106,11 +108,17 @@ class Monitor:
     def _read_leaderboard(self) -> None:
         if not self.dashboard_url:
             return
-        body = get_json(f"{self.dashboard_url}/api/leaderboard?top=1000")
-        if body is not None:
-            self.leaderboard = list(body.get("nodes", []))
+        base = self.dashboard_url
 
-    def _member(self, member: Member, row: dict[str, Any] | None) -> MemberView:
+        async def read(client: ValidatorApiClient) -> list[LeaderboardRow]:
+            return (await client.leaderboard(base, MAX_TOP)).nodes
+
+        try:
+            self.leaderboard = call_sync(HTTP_TIMEOUT_S, read)
+        except ValidatorApiError as exc:  # starting or stopping: the last rows stand
+            logger.debug("leaderboard not read: %s", exc)
+
+    def _member(self, member: Member, row: LeaderboardRow | None) -> MemberView:
         view = MemberView(member.name, member.node_id, member.attack)
         self._note_arrivals(member)
         status = member_status(member.data_dir)
@@ -124,8 +132,7 @@ class Monitor:
             )
             view.last_error = status.get("last_error")
         if row is not None:
-            view.accepted, view.rejected = int(row["accepted_files"]), int(row["rejected_files"])
-            view.banned = bool(row["banned"])
+            view.accepted, view.rejected, view.banned = row.accepted_files, row.rejected_files, row.banned
         return view
 
     def _note_arrivals(self, member: Member) -> None:
@@ -149,6 +156,7 @@ def _newest_mtime(directory: Path) -> float:
 
 
 def get_json(url: str) -> Any:
+    """A contributor's status document (its own status API on 127.0.0.1; the devnet started the process)."""
     try:
         with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
             return json.loads(resp.read())

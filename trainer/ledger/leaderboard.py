@@ -4,6 +4,9 @@ Ties fall to the higher score, then to the node id, so the order is total and th
 Files that failed before their sender was authenticated (size, signature) are left out of a node's
 counts: anyone can put a node's id on a forged file.
 
+The rows are the API's own answer types (p2p/validator_api.py), built with `outgoing`: free text from the
+ledger (reasons, hardware names) is made printable there, so the API never serves what its readers refuse.
+
 These functions block on SQLite; async callers run them with `asyncio.to_thread` (trainer/validator/dashboard.py
 does).
 """
@@ -13,17 +16,21 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from ...p2p.validator_api import (
+    MAX_TOP,
+    MIN_PREFIX,
+    RECENT_LIMIT,
+    BanEntry,
+    ContributionRow,
+    LeaderboardRow,
+    NodeDetail,
+    SlashEntry,
+)
+from ...p2p.wire import HEX_DIGITS
 from ..errors import TrainerError
 from .ledger import Ledger
 from .slashing import UNATTRIBUTED_CHECKS
-
-MAX_TOP = 1000
-MIN_PREFIX = 6  # hex digits of a node id prefix accepted by node lookups
-RECENT_LIMIT = 20
 
 
 class NodeLookupError(TrainerError):
@@ -32,50 +39,6 @@ class NodeLookupError(TrainerError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status  # the HTTP status the dashboard answers with
-
-
-class LeaderboardRow(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    rank: int = Field(description="1-based position over all nodes.")
-    node_id: str
-    accepted_tokens: int
-    accepted_samples: int
-    accepted_files: int
-    rejected_files: int
-    score: float
-    slashes: int = Field(description="Number of slashes.")
-    slashed: float = Field(description="Total score removed by slashes.")
-    banned: bool
-    ban_permanent: bool
-    banned_until: float | None = Field(description="End of the ban in force; null when none or permanent.")
-    last_step: int | None = Field(description="Latest policy step of an accepted file.")
-    first_seen: float
-    last_seen: float
-    hardware: dict[str, Any]
-
-
-class ContributionRow(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    file_hash: str
-    step: int
-    samples: int
-    tokens: int
-    accepted: bool
-    failed_check: str | None
-    reason: str
-    decided_at: float
-
-
-class NodeDetail(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    node: LeaderboardRow
-    ranked: int = Field(description="Nodes in the ranking: `node.rank` is out of this many.")
-    recent: list[ContributionRow] = Field(description=f"The last {RECENT_LIMIT} verdicts, newest first.")
-    slash_log: list[dict[str, Any]]
-    bans: list[dict[str, Any]]
 
 
 _UNATTRIBUTED = tuple(sorted(UNATTRIBUTED_CHECKS))
@@ -131,7 +94,7 @@ def leaderboard(ledger: Ledger, *, top: int = 100, now: float | None = None) -> 
 def node_detail(ledger: Ledger, node_id: str, *, now: float | None = None) -> NodeDetail:
     """One node's row (with its rank) and its recent verdicts, slashes and bans; `node_id` may be a prefix."""
     prefix = node_id.lower()
-    if not MIN_PREFIX <= len(prefix) <= 64 or any(ch not in "0123456789abcdef" for ch in prefix):
+    if not MIN_PREFIX <= len(prefix) <= 64 or not set(prefix) <= HEX_DIGITS:
         raise NodeLookupError(f"node id must be {MIN_PREFIX} to 64 hex digits, got {node_id[:80]!r}", 400)
     now = time.time() if now is None else now
     rows = ledger.query(
@@ -161,12 +124,12 @@ def node_detail(ledger: Ledger, node_id: str, *, now: float | None = None) -> No
         " WHERE node_id = ? ORDER BY id DESC LIMIT ?",
         (row.node_id, RECENT_LIMIT),
     )
-    return NodeDetail(
+    return NodeDetail.outgoing(
         node=row,
         ranked=ranked_count(ledger),
-        recent=[ContributionRow(**{**dict(r), "accepted": bool(r["accepted"])}) for r in recent],
-        slash_log=[dict(r) for r in slashes],
-        bans=[dict(r) for r in bans],
+        recent=[ContributionRow.outgoing(**{**dict(r), "accepted": bool(r["accepted"])}) for r in recent],
+        slash_log=[SlashEntry.outgoing(**dict(r)) for r in slashes],
+        bans=[BanEntry.outgoing(**dict(r)) for r in bans],
     )
 
 
@@ -176,7 +139,7 @@ def ranked_count(ledger: Ledger) -> int:
 
 
 def _row(r: sqlite3.Row) -> LeaderboardRow:
-    return LeaderboardRow(
+    return LeaderboardRow.outgoing(
         rank=r["rank"],
         node_id=r["node_id"],
         accepted_tokens=r["accepted_tokens"],

@@ -11,14 +11,13 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
-from ...p2p.verdicts import HEX64, BanRecord, Signed, Verdict
-from ...p2p.wire import printable
+from ...p2p.verdicts import BanRecord, Signed, Verdict
+from ...p2p.wire import is_hex64
 from ...proofs.work_identity import SampleId
 from .db import LedgerError
 from .slashing import Action
 
 MAX_HARDWARE_BYTES = 4096
-_HEX64_CHARS = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -39,9 +38,9 @@ class BanEntry:
 
     def to_record(self, issuer_id: str) -> BanRecord:
         """The document the operator signs to publish this ban."""
-        return BanRecord(
+        return BanRecord.outgoing(
             node_id=self.node_id,
-            reason=printable(self.reason),  # readers refuse control characters; the ledger keeps the original
+            reason=self.reason,  # made printable and cut (readers refuse control characters); the ledger keeps it
             issued_at=self.created_at,
             until=self.until,
             issuer_id=issuer_id,
@@ -90,8 +89,8 @@ def ban_entry(row: sqlite3.Row) -> BanEntry:
 
 
 def check_node_id(node_id: str) -> None:
-    if not isinstance(node_id, str) or len(node_id) != 64 or not set(node_id) <= _HEX64_CHARS:
-        raise LedgerError(f"node id must be 64 lowercase hex digits ({HEX64}), got {str(node_id)[:80]!r}")
+    if not is_hex64(node_id):
+        raise LedgerError(f"node id must be 64 lowercase hex digits, got {str(node_id)[:80]!r}")
 
 
 def hardware_to_json(hardware: dict[str, Any]) -> str:

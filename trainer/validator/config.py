@@ -11,6 +11,7 @@ from ...node.engine import EngineSettings
 from ...node.run.settings import VERIFIER_SETTINGS_SET_BY_RUN, RunSettings
 from ...p2p.swarm import SwarmConfig
 from ...p2p.weights.fetch import FetchSettings
+from ...p2p.wire import HEX64_PATTERN
 from ...proofs.verifier import VerifierSettings
 from ..ledger.db import LedgerSettings
 from ..ledger.slashing import SlashingPolicy
@@ -78,7 +79,7 @@ class ValidatorServiceSettings(Section):
     )
     weights_key: str | None = Field(
         None,
-        pattern=r"^[0-9a-f]{64}$",
+        pattern=HEX64_PATTERN,
         description="Key that signs checkpoint manifests; default the first operator key.",
     )
     keep_checkpoints: int = Field(

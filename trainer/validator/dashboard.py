@@ -1,17 +1,11 @@
 """The validator's read-only HTTP API and web dashboard (aiohttp), bound to 127.0.0.1 unless told otherwise.
 
-Routes (all GET):
-- `/api/leaderboard?top=N`: `{"generated_at", "ranked", "nodes": [LeaderboardRow...]}`
-- `/api/node/{id}`: NodeDetail for a node id or a unique prefix of at least 6 hex digits (400/404/409)
-- `/api/verdict/{sha256}/{node_id}`: the signed verdict envelope on one sender's delivery of a rollout file
-  (404 until it is decided); a sender fetches its own to learn, verifiably, why its file was refused. A
-  verdict belongs to (file hash, sender): another node's delivery of the same bytes has its own.
-- `/api/verdict/{sha256}` (kept for nodes of earlier versions): the verdict when exactly one sender delivered
-  these bytes; 409 when several did (ask with the node id).
-- `/api/swarm`, `/api/rewards`: the live swarm and the reward curve, fed by sources the validator service
-  passes in (the curve: `ledger_rewards`, the mean recomputed task reward per policy step of the accepted
-  files, persisted in the ledger); without one they answer `available: false` and the page shows a
-  placeholder.
+The API's paths, answer types and limits are p2p/validator_api.py's (its docstring lists the routes); this is
+their server. A verdict belongs to (file hash, sender): a sender fetches its own to learn, verifiably, why
+its file was refused; another node's delivery of the same bytes has its own. `/api/swarm` and
+`/api/rewards` are fed by sources the validator service passes in (the curve: `ledger_rewards`, the mean
+recomputed task reward per policy step of the accepted files, persisted in the ledger); without one they
+answer `available: false` and the page shows a placeholder. Errors are `{"error": text}` with their status.
 - `/`: the dashboard page (plain HTML + JS from trainer/validator/dashboard_static/, no external resources; the
   Content-Security-Policy forbids any).
 
@@ -21,7 +15,6 @@ Ledger reads run in worker threads (`asyncio.to_thread`), never on the event loo
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -29,8 +22,24 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...p2p.validator_api import (
+    DEFAULT_TOP,
+    LEADERBOARD_PATH,
+    MAX_TOP,
+    NODE_PATH,
+    REWARDS_PATH,
+    SWARM_PATH,
+    VERDICT_BY_HASH_PATH,
+    VERDICT_PATH,
+    ErrorAnswer,
+    Leaderboard,
+    RewardCurve,
+    RewardPoint,
+    SwarmView,
+)
+from ...p2p.wire import WireFormatError, is_hex64, parse_uint
 from ..ledger import Ledger
-from ..ledger.leaderboard import MAX_TOP, NodeLookupError, leaderboard, node_detail, ranked_count
+from ..ledger.leaderboard import NodeLookupError, leaderboard, node_detail, ranked_count
 
 STATIC_DIR = Path(__file__).with_name("dashboard_static")
 DEFAULT_PORT = 8471  # 8470 is the weights server's; a trainer and a validator often share a host
@@ -54,32 +63,6 @@ class DashboardSettings(BaseModel):
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP port; 0 picks a free one.")
 
 
-class SwarmNode(BaseModel):
-    node_id: str
-    roles: list[str] = Field(default_factory=list, description="e.g. contributor, relay, validator")
-    hardware: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
-    step: int | None = Field(None, description="Policy step the node works on.")
-    last_seen: float | None = None
-
-
-class SwarmView(BaseModel):
-    available: bool = Field(description="False until the validator service supplies a swarm source.")
-    policy_step: int | None = Field(None, description="Latest announced policy step.")
-    nodes: list[SwarmNode] = Field(default_factory=list)
-
-
-class RewardPoint(BaseModel):
-    step: int
-    reward: float = Field(description="Mean task reward of the accepted rollouts of this step.")
-    samples: int = Field(0, description="Accepted samples (rows) the mean is over.")
-    files: int = Field(0, description="Accepted files of this step.")
-
-
-class RewardCurve(BaseModel):
-    available: bool = Field(description="False when the dashboard has no reward source.")
-    points: list[RewardPoint] = Field(default_factory=list, description="Oldest step first.")
-
-
 SwarmSource = Callable[[], Awaitable[SwarmView]]
 RewardSource = Callable[[], Awaitable[RewardCurve]]
 REWARD_STEPS = 1000  # newest policy steps on the curve
@@ -90,10 +73,11 @@ def ledger_rewards(ledger: Ledger, last_steps: int = REWARD_STEPS) -> RewardSour
 
     async def source() -> RewardCurve:
         points = await asyncio.to_thread(ledger.reward_curve, last_steps)
-        return RewardCurve(
+        return RewardCurve.outgoing(
             available=True,
             points=[
-                RewardPoint(step=p.step, reward=p.reward, samples=p.samples, files=p.files) for p in points
+                RewardPoint.outgoing(step=p.step, reward=p.reward, samples=p.samples, files=p.files)
+                for p in points
             ],
         )
 
@@ -113,12 +97,12 @@ def create_app(
     app[LEDGER_KEY] = ledger
     app[SWARM_KEY] = swarm
     app[REWARDS_KEY] = rewards
-    app.router.add_get("/api/leaderboard", _leaderboard)
-    app.router.add_get("/api/node/{node_id}", _node)
-    app.router.add_get("/api/verdict/{file_hash}", _verdict_by_hash)
-    app.router.add_get("/api/verdict/{file_hash}/{node_id}", _verdict)
-    app.router.add_get("/api/swarm", _swarm)
-    app.router.add_get("/api/rewards", _rewards)
+    app.router.add_get(LEADERBOARD_PATH, _leaderboard)
+    app.router.add_get(NODE_PATH, _node)
+    app.router.add_get(VERDICT_BY_HASH_PATH, _verdict_by_hash)
+    app.router.add_get(VERDICT_PATH, _verdict)
+    app.router.add_get(SWARM_PATH, _swarm)
+    app.router.add_get(REWARDS_PATH, _rewards)
     app.router.add_get("/", _index)
     app.router.add_static("/static/", STATIC_DIR, show_index=False, follow_symlinks=False)
     return app
@@ -143,21 +127,22 @@ async def _headers_middleware(
     try:
         response = await handler(request)
     except NodeLookupError as exc:
-        response = web.json_response({"error": str(exc)}, status=exc.status)
+        answer = ErrorAnswer.outgoing(error=str(exc))
+        response = web.json_response(answer.model_dump(mode="json"), status=exc.status)
     response.headers.update(SECURITY_HEADERS)
     return response
 
 
 async def _leaderboard(request: web.Request) -> web.Response:
-    raw = request.query.get("top", "100")
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_TOP:  # "²".isdigit() is True
-        raise NodeLookupError(f"top must be an integer between 1 and {MAX_TOP}, got {raw[:20]!r}", 400)
+    try:
+        top = parse_uint(request.query.get("top", str(DEFAULT_TOP)), lo=1, hi=MAX_TOP, what="top")
+    except WireFormatError as exc:
+        raise NodeLookupError(str(exc), 400) from None
     ledger = request.app[LEDGER_KEY]
-    rows = await asyncio.to_thread(leaderboard, ledger, top=int(raw))
+    rows = await asyncio.to_thread(leaderboard, ledger, top=top)
     ranked = await asyncio.to_thread(ranked_count, ledger)
-    return web.json_response(
-        {"generated_at": time.time(), "ranked": ranked, "nodes": [r.model_dump(mode="json") for r in rows]}
-    )
+    board = Leaderboard.outgoing(generated_at=time.time(), ranked=ranked, nodes=rows)
+    return web.json_response(board.model_dump(mode="json"))
 
 
 async def _node(request: web.Request) -> web.Response:
@@ -167,7 +152,7 @@ async def _node(request: web.Request) -> web.Response:
 
 def _hex64(request: web.Request, name: str, what: str) -> str:
     value = request.match_info[name]
-    if not re.fullmatch(r"[0-9a-f]{64}", value):
+    if not is_hex64(value):
         raise NodeLookupError(f"a {what} is 64 lowercase hex digits", 400)
     return value
 

@@ -18,9 +18,10 @@ from ...node.runtime.supervisor import Supervisor
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm import Swarm
+from ...p2p.validator_api import SwarmNode, SwarmView
 from ..errors import TrainerError
 from .config import ValidatorSettings
-from .dashboard import SwarmNode, SwarmView, create_app, ledger_rewards, serve
+from .dashboard import create_app, ledger_rewards, serve
 from .run_confirmation import RunConfirmation
 from .service import ValidatorService
 

@@ -31,9 +31,8 @@ from ...node.tasks import TaskSet
 from ...p2p.identity import Identity
 from ...p2p.swarm import Admitted, HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
 from ...p2p.swarm.handoff import RolloutReceiver
-from ...p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
+from ...p2p.verdicts import Signed, Verdict, sign
 from ...p2p.weights.store import Store
-from ...p2p.wire import printable
 from ..ledger import AsyncLedger, BanEntry, DuplicateWork, Ledger
 from .admission import Admission
 from .bans import BanPublisher
@@ -263,7 +262,7 @@ class ValidatorService:
     # ----- verdicts ---------------------------------------------------------------------------------------
 
     def _verdict(self, job: Job, outcome: Outcome) -> Signed[Verdict]:
-        verdict = Verdict(
+        verdict = Verdict.outgoing(
             file_hash=job.entry.sha256,
             node_id=job.node_id,
             step=max(0, min(outcome.step, 2**62)),
@@ -271,7 +270,7 @@ class ValidatorService:
             tokens=outcome.tokens if outcome.accepted else 0,
             accepted=outcome.accepted,
             failed_check=outcome.failed_check,
-            reason=printable(outcome.reason)[:MAX_REASON_CHARS],  # readers refuse control characters
+            reason=outcome.reason,  # made printable and cut by `outgoing`: readers refuse control characters
             validator_id=self.identity.node_id,
             decided_at=time.time(),
         )
