@@ -48,9 +48,9 @@ from prime_node.node.models.warmstart import (
 )
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
-from prime_node.node.tasks import open_task_set
-from prime_node.node.tasks.split import ContentSplit
-from prime_node.node.tasks.types import Task
+from prime_node.node.environments import open_task_set
+from prime_node.node.environments.split import ContentSplit
+from prime_node.node.environments.types import Task
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import Store
 from prime_node.proofs.verifier import VerifierSettings
@@ -116,7 +116,7 @@ class HeldOut:
     training band: problems of the run's own (filtered) task distribution, filtered exactly as the training set
     was. Neither is ever trained on (`first_heldout` bounds the training indices).
 
-    With --heldout-fraction F the split is by content (node/tasks/split.py): both sets hold only prompts on
+    With --heldout-fraction F the split is by content (node/environments/split.py): both sets hold only prompts on
     the held-out side, which neither the warm start nor the RL run ever trains on, so they are wholly new.
     Both are drawn as the family draws them, so an easy prompt recurs (at level 1, 40 held-out prompts for
     F = 0.2): accuracy on them estimates accuracy on the held-out part of the task distribution. `-distinct`

@@ -246,7 +246,7 @@ def test_report_counts_excused_rejections_apart_and_averages_the_reward_trend() 
 
 
 def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tmp_path: Path) -> None:
-    from prime_node.node.tasks import open_task_set
+    from prime_node.node.environments import open_task_set
     from prime_node.trainer.devnet.tasks import TaskFilter, filtered_tasks
 
     model = tiny_model(tmp_path / "tiny")  # untrained: solves nothing

@@ -20,7 +20,7 @@ PACKAGES = {
 }
 
 # Units, most specific first: a module belongs to the first unit its dotted name starts with.
-SHARED = ("node.runtime", "node.engine", "node.tasks", "node.models", "node.run", "node")
+SHARED = ("node.runtime", "node.engine", "node.environments", "node.models", "node.run", "node")
 ROLES = ("node.contributor", "trainer.service", "trainer.validator", "trainer.devnet")
 LIBRARIES = ("trainer.grpo", "trainer.ledger")
 UNITS = ("node.cli", *ROLES, *LIBRARIES, "trainer", *SHARED, "proofs", "p2p")

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prime_node.node.errors import TaskError
-from prime_node.node.tasks import (
+from prime_node.node.environments import (
     ArithmeticConfig,
     ArithmeticTaskSet,
     Task,
@@ -22,7 +22,7 @@ from prime_node.node.tasks import (
     register_verifier,
     score,
 )
-from prime_node.node.tasks.verifier import VERIFIERS, final_answer, integer_match, parse_integer, text_match
+from prime_node.node.environments.verifier import VERIFIERS, final_answer, integer_match, parse_integer, text_match
 
 
 def _evaluate(expression: str) -> int:

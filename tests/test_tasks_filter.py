@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from prime_node.node.cli.main import main
 from prime_node.node.engine import load_engine
-from prime_node.node.tasks import VERIFIERS, load_task_file, open_task_set, register_verifier
-from prime_node.node.tasks.difficulty import estimate_pass_rates, sample_seed
+from prime_node.node.environments import VERIFIERS, load_task_file, open_task_set, register_verifier
+from prime_node.node.environments.difficulty import estimate_pass_rates, sample_seed
 
 from support.attack import make_checkpoint
 

@@ -1,4 +1,4 @@
-"""The held-out split by content (node/tasks/split.py) and where it is used: the warm start's training and
+"""The held-out split by content (node/environments/split.py) and where it is used: the warm start's training and
 evaluation problems, and the offline filter's index selection."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from prime_node.node.errors import TaskError
 from prime_node.node.models.warmstart import WarmStartConfig, _training_problems, heldout_tasks
-from prime_node.node.tasks import ArithmeticConfig, ArithmeticTaskSet
-from prime_node.node.tasks.split import ContentSplit
+from prime_node.node.environments import ArithmeticConfig, ArithmeticTaskSet
+from prime_node.node.environments.split import ContentSplit
 from prime_node.trainer.devnet.tasks import TaskFilter
 
 LEVEL_1 = ArithmeticTaskSet(ArithmeticConfig(level_weights=(1, 0, 0, 0, 0)))

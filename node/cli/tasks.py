@@ -52,8 +52,8 @@ def filter_tasks(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from ..engine import load_engine
-    from ..tasks import open_task_set
-    from ..tasks.difficulty import (
+    from ..environments import open_task_set
+    from ..environments.difficulty import (
         FilterSettings,
         estimate_pass_rates,
         histogram,

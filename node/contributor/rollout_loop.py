@@ -26,7 +26,7 @@ from ..errors import NodeError
 from ..run.producer import BatchSpec, ProducedBatch, produce_rollout_file
 from ..run.settings import engine_for_run, load_run_tasks
 from ..run.validation import RunTasks
-from ..tasks import TaskSet
+from ..environments import TaskSet
 from .checkpoints import CheckpointKeeper
 from .outbox import Outbox
 from .preflight import PreflightError, check_cuda_for_model, run_checks

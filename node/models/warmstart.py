@@ -6,7 +6,7 @@ for RL to show a rise. The run is deterministic for a given (model seed, config,
 data order is fixed by the task seed, there is no dropout, and torch's deterministic algorithms are on.
 Problems are drawn from index 0 upwards; held-out problems are the last `eval_size` indices of the set, so
 they are never trained on by index (at the easy levels the same expression recurs: there are only 200
-distinct level-1 problems). With `heldout_fraction` the split is by content (node/tasks/split.py): held-out
+distinct level-1 problems). With `heldout_fraction` the split is by content (node/environments/split.py): held-out
 prompts are skipped in training and only they are evaluated.
 """
 
@@ -30,9 +30,9 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..errors import ModelError
-from ..tasks.split import ContentSplit
-from ..tasks.types import Task
-from ..tasks.verifier import get_verifier
+from ..environments.split import ContentSplit
+from ..environments.types import Task
+from ..environments.verifier import get_verifier
 from .tiny import TinyModelShape, build_tiny_model, save_model_dir
 from .warmstart_config import WarmStartConfig
 

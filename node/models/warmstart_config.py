@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..tasks.arithmetic import ArithmeticConfig, ArithmeticTaskSet
+from ..environments.arithmetic import ArithmeticConfig, ArithmeticTaskSet
 
 
 class WarmStartConfig(BaseModel):
@@ -40,7 +40,7 @@ class WarmStartConfig(BaseModel):
         0.0,
         ge=0.0,
         lt=1.0,
-        description="Share of prompt texts held out by content (node/tasks/split.py): never trained on, "
+        description="Share of prompt texts held out by content (node/environments/split.py): never trained on, "
         "and the only ones evaluated. 0: the last eval_size indices are held out (by index only).",
     )
     eval_max_new_tokens: int = Field(

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from ...p2p.swarm.records import PolicyAnnouncement, RunParameters
 from ..errors import NodeError, OperatorActionNeeded
-from ..tasks import TaskSet
+from ..environments import TaskSet
 from .settings import RunSettings, open_run_task_set
 
 # Announced field -> the setting that gives it (the task set's identity comes from two of them).

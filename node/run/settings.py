@@ -17,7 +17,7 @@ from ...proofs.verifier import VerifierSettings
 from ..config import CommonSettings, Section
 from ..engine import EngineSettings
 from ..errors import NodeError
-from ..tasks import TaskSet, open_task_set
+from ..environments import TaskSet, open_task_set
 from .validation import RunTasks
 
 

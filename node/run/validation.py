@@ -25,8 +25,8 @@ from ...proofs.verifier import (
     VerifierSettings,
     run_checks,
 )
-from ..tasks import TaskSet, score
-from ..tasks.length import draw_target_length, length_penalty, thinking_suffix
+from ..environments import TaskSet, score
+from ..environments.length import draw_target_length, length_penalty, thinking_suffix
 
 
 class RunTasks:

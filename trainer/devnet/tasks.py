@@ -1,6 +1,6 @@
 """The devnet's task set: the built-in problems the default model can learn from, filtered once and cached.
 
-INTELLECT-2's offline difficulty filtering (node/tasks/difficulty.py, `prime-node tasks filter`): each of the
+INTELLECT-2's offline difficulty filtering (node/environments/difficulty.py, `prime-node tasks filter`): each of the
 first `count` built-in problems gets 8 samples from the genesis model, and those it solves 1 to 4 times in 8
 are kept. Problems it always or never solves give groups with equal rewards, which the trainer discards after
 they cost a generation; on the full mix that is most of them, and a few dozen steps show no trend. The file
@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...node.tasks import open_task_set
-from ...node.tasks.difficulty import in_band, write_task_file
-from ...node.tasks.split import ContentSplit
+from ...node.environments import open_task_set
+from ...node.environments.difficulty import in_band, write_task_file
+from ...node.environments.split import ContentSplit
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -33,7 +33,7 @@ class TaskFilter:
     max_new_tokens: int = 16  # the answers are at most 5 characters; a sample that runs on is wrong anyway
     # First index estimated: a held-out set, filtered the same way, starts past the training one.
     offset: int = 0
-    # A content split (node/tasks/split.py): with heldout_fraction > 0 only the problems on one side of it
+    # A content split (node/environments/split.py): with heldout_fraction > 0 only the problems on one side of it
     # are estimated, the trainable ones, or with `heldout` the held-out ones (benchmarks/learning.py).
     heldout_fraction: float = 0.0
     heldout: bool = False
@@ -71,7 +71,7 @@ def filtered_tasks(model_dir: Path, spec: TaskFilter) -> tuple[Path | None, str]
     from transformers import AutoTokenizer  # imports torch: only when the file has to be built
 
     from ...node.engine import load_engine
-    from ...node.tasks.difficulty import estimate_pass_rates
+    from ...node.environments.difficulty import estimate_pass_rates
 
     started = time.perf_counter()
     engine = load_engine(model_dir, threads=1, max_batch_size=128)

@@ -9,7 +9,7 @@ carries no learning signal (every A_i is 0); online filtering (INTELLECT-2 secti
 dynamic sampling) drops it so that every batch is full of informative groups.
 
 The length reward that enters the rewards (INTELLECT-2 section 3.2) is a task rule every role shares: it
-lives in node/tasks/length.py.
+lives in node/environments/length.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterable, Callable
 from ...node.engine import EngineSettings, InferenceEngine, load_engine
 from ...node.run.settings import RunSettings, load_run_tasks, validator_engine
 from ...node.run.validation import RunTasks
-from ...node.tasks import TaskSet
+from ...node.environments import TaskSet
 from ...p2p.identity import Identity
 from ...p2p.swarm import PolicyAnnouncement
 from ...p2p.weights.fetch import FetchSettings

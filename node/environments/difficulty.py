@@ -146,7 +146,7 @@ def render_histogram(counts: Sequence[int], k: int, low: float, high: float, wid
 
 
 def write_task_file(path: Path, estimates: Sequence[TaskEstimate]) -> None:
-    """Write the kept tasks as JSONL or Parquet (by suffix) in the form node/tasks/files.py reads.
+    """Write the kept tasks as JSONL or Parquet (by suffix) in the form node/environments/files.py reads.
 
     `source_index` and `pass_rate` are extra columns the loader ignores; they record where each task
     came from and why it was kept. Written to a temporary file, then renamed, so a crash leaves no

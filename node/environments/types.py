@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_PROMPT_CHARS = 16_384
 MAX_ANSWER_CHARS = 1_024
 MAX_TASK_TYPE_CHARS = 64
+# A task's scorer data beside its answer (a puzzle's parameters, a program's unit tests).
+MAX_METADATA_CHARS = 1024 * 1024
 
 
 class Task(BaseModel):
@@ -30,6 +32,11 @@ class Task(BaseModel):
         description="Names the verifier (see verifier.VERIFIERS) that turns a completion into a reward.",
     )
     difficulty: int = Field(0, ge=0, le=100, description="Difficulty level; 0 when unknown (file tasks).")
+    metadata: str = Field(
+        "{}",
+        max_length=MAX_METADATA_CHARS,
+        description="Canonical JSON object the environment's scorer needs besides the answer; {} when none.",
+    )
 
 
 @runtime_checkable
