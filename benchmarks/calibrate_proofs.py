@@ -231,15 +231,19 @@ def honest_run(checkpoint: Path, tasks, total: int, new_tokens: int, out_dir: Pa
 def sweep(checkpoint: Path, tasks, spec: BatchSpec, batches: int, plot_dir: Path | None) -> list[dict]:
     """Sensitivity: the statistics per perturbation strength against the bounds, with honest references."""
     verifier = load_engine(checkpoint, max_batch_size=16, threads=1)
+    # Engines that do not depend on the chunk are built once here and returned by their factory.
+    honest = {
+        d: load_engine(checkpoint, max_batch_size=16, dtype=d, threads=1) for d in ("float32", "bfloat16")
+    }
+    quantized = {bits: quantized_copy(verifier, bits) for bits in SWEEP_BITS}
     configs: list[tuple[str, str, EngineFactory]] = [
-        ("honest", dtype, lambda c, e=load_engine(checkpoint, max_batch_size=16, dtype=dtype, threads=1): e)
-        for dtype in ("float32", "bfloat16")
+        ("honest", dtype, lambda c, e=engine: e) for dtype, engine in honest.items()
     ]
     configs += [
         ("noise", f"{noise:g}", lambda c, n=noise: perturbed_copy(verifier, n, seed=c))
         for noise in SWEEP_NOISES
     ]
-    configs += [("quant", f"int{bits}", lambda c, e=quantized_copy(verifier, bits): e) for bits in SWEEP_BITS]
+    configs += [("quant", f"int{bits}", lambda c, e=engine: e) for bits, engine in quantized.items()]
     results = []
     print(
         "| cheat | strength | file typical (min .. max) | worst chunk: exp / mean | files caught: float32 bounds "
@@ -326,7 +330,8 @@ def print_table(results: list[dict]) -> None:
         print(
             f"| {r['kind']}: {r['config']} | {r['rollouts']} ({r['chunks']}) | {_span(r['exp'], 0)} | "
             f"{_span(r['mean'])} | {_span(r['median'], 0)} | {_span(r['typical'], 3)} | "
-            f"{rej['previous']} / {rej['float32']} / {rej['bfloat16']} of {r['files']} | {r['sampling_mismatches']} ({r['max_gap']:.2f}) |"
+            f"{rej['previous']} / {rej['float32']} / {rej['bfloat16']} of {r['files']} | "
+            f"{r['sampling_mismatches']} ({r['max_gap']:.2f}) |"
         )
 
 

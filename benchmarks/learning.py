@@ -39,6 +39,9 @@ import torch
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
+from prime_node.node.environments import open_task_set
+from prime_node.node.environments.split import ContentSplit
+from prime_node.node.environments.types import Task
 from prime_node.node.models.warmstart import (
     RUN_INFO_FILE,
     WarmStartConfig,
@@ -48,9 +51,6 @@ from prime_node.node.models.warmstart import (
 )
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
-from prime_node.node.environments import open_task_set
-from prime_node.node.environments.split import ContentSplit
-from prime_node.node.environments.types import Task
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import Store
 from prime_node.proofs.verifier import VerifierSettings

@@ -132,9 +132,9 @@ def measure(
         gen.append(seconds)
         states = [c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))] for c in completions]
         # As the producer does (node/run/producer.py): one batched call for the whole batch's completions.
-        seconds, proofs = best(lambda: build_proofs(states), 1)
+        seconds, proofs = best(lambda states=states: build_proofs(states), 1)
         build.append(seconds)
-        check.append(best(lambda: verify(verifier, completions, proofs, parts), 1)[0])
+        check.append(best(lambda c=completions, p=proofs: verify(verifier, c, p, parts), 1)[0])
     return {
         "gen": min(gen),
         "build": min(build),

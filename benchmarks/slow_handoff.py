@@ -3,8 +3,9 @@
 Usage: .venv/bin/python benchmarks/slow_handoff.py [--phase-s S] [--honest N] [--interval-s I]
        [--streams K] [--attackers A] [--drip-bytes-per-s R]
 
-A validator (default hand-off and intake settings, in this process, its swarm on 127.0.0.1) and N established honest nodes, each
-producing one real rollout file every I seconds (by default the per-node rate limit, 30 files a minute) and
+A validator (default hand-off and intake settings, in this process, its swarm on 127.0.0.1) and N established
+honest nodes, each producing one real rollout file every I seconds (by default the per-node rate limit, 30
+files a minute) and
 handing it off as an outbox does (retrying "busy" after its hint). Honest intake is the number of honest files
 received during a phase and accepted by verification, per minute: accepted, because that is what reaches the
 trainer and what the issue reported ("118 to 10 accepted files per 240 s"); received per minute is printed

@@ -5,7 +5,7 @@ Usage: .venv/bin/python benchmarks/validator.py [--model DIR] [--files N] [--pro
 
 A contributor's rate: producing N assigned batches (generation with hidden-state capture, TOPLOC proofs,
 rewards, the signed file). The validator's rate: the service's per-file work after the hand-off, i.e.
-every proofs/ check cheapest first against the claimed checkpoint (trainer/verify_job.verify_spooled),
+every proofs/ check cheapest first against the claimed checkpoint (trainer/validator/verify_job.verify_spooled),
 the signed verdict recorded in a real ledger (fsync), and the accepted file copied to the trainer's inbox;
 once with every row checked and once with --sample-fraction. The ratio of verified to generated tokens
 per second is the number of such contributors one validator (one verification thread) keeps up with.

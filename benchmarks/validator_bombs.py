@@ -3,7 +3,7 @@
 Usage: .venv/bin/python benchmarks/validator_bombs.py [--honest-prompts P] [--bound-mib B] [--only NAME ...]
 
 Every file is validly signed and within the validator's file size limit (64 MiB); each is judged by the
-validator's own path (trainer/verify_job.verify_spooled: signature, schema, limits, then against the
+validator's own path (trainer/validator/verify_job.verify_spooled: signature, schema, limits, then against the
 checkpoint) in a fresh child process that first loads the tiny checkpoint and the run's tasks and judges
 a small honest file once, then starts a new peak at its present RSS (Linux clear_refs) and judges the
 file: the figure is that peak above idle, the file's own bytes included. The bombs are judged by a run

@@ -82,7 +82,7 @@ class Identity:
         except FileNotFoundError:
             raise KeyFileError(
                 f"key file {path} does not exist; create one with `prime-node keygen --out {path}`"
-            )
+            ) from None
         if not stat.S_ISREG(st.st_mode):
             raise KeyFileError(f"key file {path} is not a regular file")
         if st.st_mode & 0o077:

@@ -7,8 +7,13 @@ from collections import Counter
 
 import pytest
 
+from prime_node.node.environments.length import (
+    combined_reward,
+    draw_target_length,
+    length_penalty,
+    thinking_suffix,
+)
 from prime_node.node.errors import TaskError
-from prime_node.node.environments.length import combined_reward, draw_target_length, length_penalty, thinking_suffix
 from prime_node.trainer.errors import TrainerError
 from prime_node.trainer.grpo.advantages import filter_informative, group_advantages
 

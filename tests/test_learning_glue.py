@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from prime_node.node.engine import HFEngine, SampleRequest, SamplingParams
+from prime_node.node.environments import open_task_set
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
-from prime_node.node.environments import open_task_set
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import read_rollout_file
 from prime_node.proofs.verifier import VerifierSettings

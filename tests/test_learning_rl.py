@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from prime_node.node.engine import HFEngine, SampleRequest, SamplingParams
+from prime_node.node.environments import open_task_set
+from prime_node.node.environments.difficulty import estimate_pass_rates, in_band, write_task_file
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.models.warmstart import WarmStartConfig, warm_start
 from prime_node.node.run.validation import RunTasks
-from prime_node.node.environments import open_task_set
-from prime_node.node.environments.difficulty import estimate_pass_rates, in_band, write_task_file
 from prime_node.trainer.grpo.advantages import group_advantages
 from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.grpo.packing import TrainSample

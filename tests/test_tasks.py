@@ -10,7 +10,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from prime_node.node.errors import TaskError
 from prime_node.node.environments import (
     ArithmeticConfig,
     ArithmeticTaskSet,
@@ -22,7 +21,14 @@ from prime_node.node.environments import (
     register_verifier,
     score,
 )
-from prime_node.node.environments.verifier import VERIFIERS, final_answer, integer_match, parse_integer, text_match
+from prime_node.node.environments.verifier import (
+    VERIFIERS,
+    final_answer,
+    integer_match,
+    parse_integer,
+    text_match,
+)
+from prime_node.node.errors import TaskError
 
 
 def _evaluate(expression: str) -> int:

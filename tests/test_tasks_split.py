@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
-from prime_node.node.errors import TaskError
-from prime_node.node.models.warmstart import WarmStartConfig, _training_problems, heldout_tasks
 from prime_node.node.environments import ArithmeticConfig, ArithmeticTaskSet
 from prime_node.node.environments.split import ContentSplit
+from prime_node.node.errors import TaskError
+from prime_node.node.models.warmstart import WarmStartConfig, _training_problems, heldout_tasks
 from prime_node.trainer.devnet.tasks import TaskFilter
 
 LEVEL_1 = ArithmeticTaskSet(ArithmeticConfig(level_weights=(1, 0, 0, 0, 0)))

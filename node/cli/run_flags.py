@@ -1,6 +1,6 @@
 """The run's parameters as flags: the same set on every command that takes part in a run.
 
-`start`, `rollout`, `verify`, `validator` and `trainer` all load the `run` section (node/run_config.RunSettings),
+`start`, `rollout`, `verify`, `validator` and `trainer` all load the `run` section (node/run/settings.RunSettings),
 and the trainer announces it with every policy (node/run/announcement.py), so each of them accepts the same
 flags for it, with the same names and defaults.
 """

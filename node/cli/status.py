@@ -37,7 +37,8 @@ def status(args: argparse.Namespace) -> int:
         f"operator key:   {report.operator_key or 'not set'}",
         f"policy step:    announced {_step(report.announced_step)}, local {_step(report.local_step)}"
         + (" (verified)" if report.local_verified else ""),
-        f"rollout files:  {r.generated} generated, {r.handed_off} handed off, {r.accepted} accepted, {r.rejected} rejected"
+        f"rollout files:  {r.generated} generated, {r.handed_off} handed off, "
+        f"{r.accepted} accepted, {r.rejected} rejected"
         + (f", {r.stale} dropped as stale" if r.stale else ""),
         f"throughput:     {'n/a' if report.tokens_per_second is None else f'{report.tokens_per_second:.1f} tokens/s'}",
         f"last error:     {report.last_error or 'none'}",

@@ -22,11 +22,11 @@ from typing import Any
 from ...p2p.identity import Identity
 from ...proofs.rollout_file import signature_path
 from ..engine import InferenceEngine, load_engine
+from ..environments import TaskSet
 from ..errors import NodeError
 from ..run.producer import BatchSpec, ProducedBatch, produce_rollout_file
 from ..run.settings import engine_for_run, load_run_tasks
 from ..run.validation import RunTasks
-from ..environments import TaskSet
 from .checkpoints import CheckpointKeeper
 from .outbox import Outbox
 from .preflight import PreflightError, check_cuda_for_model, run_checks

@@ -29,10 +29,10 @@ from pydantic import BaseModel
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..errors import ModelError
 from ..environments.split import ContentSplit
 from ..environments.types import Task
 from ..environments.verifier import get_verifier
+from ..errors import ModelError
 from .tiny import TinyModelShape, build_tiny_model, save_model_dir
 from .warmstart_config import WarmStartConfig
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from ...p2p.swarm.records import PolicyAnnouncement, RunParameters
-from ..errors import NodeError, OperatorActionNeeded
 from ..environments import TaskSet
+from ..errors import NodeError, OperatorActionNeeded
 from .settings import RunSettings, open_run_task_set
 
 # Announced field -> the setting that gives it (the task set's identity comes from two of them).

@@ -16,8 +16,8 @@ from ...proofs.toploc import Precision
 from ...proofs.verifier import VerifierSettings
 from ..config import CommonSettings, Section
 from ..engine import EngineSettings
-from ..errors import NodeError
 from ..environments import TaskSet, open_task_set
+from ..errors import NodeError
 from .validation import RunTasks
 
 

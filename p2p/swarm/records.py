@@ -105,7 +105,7 @@ class Heartbeat(WireModel):
 
 
 class RunParameters(WireModel):
-    """The run's parameters every contributor and validator must share (node/run_config.RunSettings).
+    """The run's parameters every contributor and validator must share (node/run/settings.RunSettings).
 
     The operator announces them with every policy, so a party configured otherwise finds out at once, with
     the setting to change, instead of producing work the validators reject as not this run's, or (for a

@@ -13,9 +13,9 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
+from prime_node.node.environments import open_task_set
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
-from prime_node.node.environments import open_task_set
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.rollout_file import read_rollout_file, signature_path
 from prime_node.proofs.verifier import VerifierSettings

@@ -1,11 +1,11 @@
 """The devnet's task set: the built-in problems the default model can learn from, filtered once and cached.
 
-INTELLECT-2's offline difficulty filtering (node/environments/difficulty.py, `prime-node tasks filter`): each of the
-first `count` built-in problems gets 8 samples from the genesis model, and those it solves 1 to 4 times in 8
-are kept. Problems it always or never solves give groups with equal rewards, which the trainer discards after
-they cost a generation; on the full mix that is most of them, and a few dozen steps show no trend. The file
-is named after the model's weights and the filter's parameters, so a rebuilt model gets a new one; every party of the run (trainer,
-validator, contributors) is given the same file with `--tasks`.
+INTELLECT-2's offline difficulty filtering (node/environments/difficulty.py, `prime-node tasks filter`):
+each of the first `count` built-in problems gets 8 samples from the genesis model, and those it solves 1 to
+4 times in 8 are kept. Problems it always or never solves give groups with equal rewards, which the trainer
+discards after they cost a generation; on the full mix that is most of them, and a few dozen steps show no
+trend. The file is named after the model's weights and the filter's parameters, so a rebuilt model gets a
+new one; every party of the run (trainer, validator, contributors) is given the same file with `--tasks`.
 """
 
 from __future__ import annotations

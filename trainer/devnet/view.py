@@ -21,7 +21,8 @@ def header(snapshot: Snapshot, total_steps: int) -> str:
     rollouts = "  -  " if snapshot.rollout_reward is None else f"{snapshot.rollout_reward:.3f}"
     batch = "  -  " if snapshot.task_reward is None else f"{snapshot.task_reward:.3f}"
     return (
-        f"step {snapshot.step}/{total_steps}  reward: rollouts {rollouts} batch {batch}  verdicts: {snapshot.accepted_files} "
+        f"step {snapshot.step}/{total_steps}  reward: rollouts {rollouts} batch {batch}  "
+        f"verdicts: {snapshot.accepted_files} "
         f"accepted, {snapshot.rejected_files} rejected  validator queue {snapshot.queue_depth}"
     )
 

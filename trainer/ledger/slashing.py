@@ -34,7 +34,7 @@ class CheckClass(str, Enum):
 
 
 # Check names as the validator reports them: proofs/checks.py's CheckResult names (a hyphen becomes "_",
-# trainer/verify_job.check_name) and the validator service's own (checkpoint_unavailable, banned,
+# trainer/validator/verify_job.check_name) and the validator service's own (checkpoint_unavailable, banned,
 # internal_error).
 DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "size": CheckClass.excused,

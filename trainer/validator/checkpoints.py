@@ -18,9 +18,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterable, Callable
 
 from ...node.engine import EngineSettings, InferenceEngine, load_engine
+from ...node.environments import TaskSet
 from ...node.run.settings import RunSettings, load_run_tasks, validator_engine
 from ...node.run.validation import RunTasks
-from ...node.environments import TaskSet
 from ...p2p.identity import Identity
 from ...p2p.swarm import PolicyAnnouncement
 from ...p2p.weights.fetch import FetchSettings

@@ -26,8 +26,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ...node.run.settings import verifier_for_run
 from ...node.environments import TaskSet
+from ...node.run.settings import verifier_for_run
 from ...p2p.identity import Identity
 from ...p2p.swarm import Admitted, HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
 from ...p2p.swarm.handoff import RolloutReceiver
