@@ -36,13 +36,13 @@ from pydantic import ConfigDict, Field, ValidationError
 from .errors import P2PError
 from .verdicts import MAX_ENVELOPE_BYTES, MAX_REASON_CHARS, DocumentError, Signed, Verdict, open_signed
 from .wire import (
+    FreeText,
     NodeId,
     Sha256Hex,
     Timestamp,
     WireFormatError,
     WireModel,
     describe,
-    free_text,
     loads_strict,
     printable,
 )
@@ -66,9 +66,13 @@ MAX_NODE_BYTES = 2 << 20
 MAX_MESSAGE_CHARS = 400  # of an error message built from what a server said
 
 Count = Annotated[int, Field(ge=0, lt=1 << 63)]  # a SQLite integer that counts something
-CheckName = free_text(48)  # trainer/ledger check names (p2p/verdicts.py CHECK_NAME on the wire)
-Reason = free_text(MAX_REASON_CHARS)
-Hardware = dict[free_text(64), free_text(MAX_HARDWARE_TEXT) | int | float | bool | None]
+CheckName = Annotated[
+    str, FreeText(48)
+]  # trainer/ledger check names (p2p/verdicts.py CHECK_NAME on the wire)
+Reason = Annotated[str, FreeText(MAX_REASON_CHARS)]
+Hardware = dict[
+    Annotated[str, FreeText(64)], Annotated[str, FreeText(MAX_HARDWARE_TEXT)] | int | float | bool | None
+]
 
 
 class ValidatorApiError(P2PError):
@@ -176,7 +180,9 @@ class NodeDetail(_Answer):
 
 class SwarmNode(_Answer):
     node_id: NodeId
-    roles: list[free_text(32)] = Field(default_factory=list, description="e.g. contributor, relay, validator")
+    roles: list[Annotated[str, FreeText(32)]] = Field(
+        default_factory=list, description="e.g. contributor, relay, validator"
+    )
     hardware: Hardware = Field(default_factory=dict)
     step: Count | None = Field(None, description="Policy step the node works on.")
     last_seen: Timestamp | None = None
@@ -201,7 +207,7 @@ class RewardCurve(_Answer):
 
 
 class ErrorAnswer(_Answer):
-    error: free_text(MAX_MESSAGE_CHARS)
+    error: Annotated[str, FreeText(MAX_MESSAGE_CHARS)]
 
 
 Model = TypeVar("Model", bound=WireModel)

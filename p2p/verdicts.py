@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import P2PError
 from .identity import Identity
 from .signing import SIGNATURE_BYTES, verify_document
-from .wire import NodeId, Sha256Hex, Timestamp, WireFormatError, WireModel, describe, free_text, loads_strict
+from .wire import FreeText, NodeId, Sha256Hex, Timestamp, WireFormatError, WireModel, describe, loads_strict
 
 CHECK_NAME = r"^[a-z][a-z0-9_]{0,47}$"
 MAX_ENVELOPE_BYTES = 16 * 1024  # a verdict is a few hundred bytes; the reason text is capped below
@@ -68,7 +68,9 @@ class Verdict(_Document):
     tokens: int = Field(ge=0, description="Output tokens in the file; credited only when accepted.")
     accepted: bool = Field(description="True when every check passed.")
     failed_check: str | None = Field(None, pattern=CHECK_NAME, description="Name of the first failing check.")
-    reason: free_text(MAX_REASON_CHARS) = Field("", description="Human-readable reason; empty when accepted.")
+    reason: Annotated[str, FreeText(MAX_REASON_CHARS)] = Field(
+        "", description="Human-readable reason; empty when accepted."
+    )
     validator_id: NodeId = Field(description="Public key of the validator that signs this verdict.")
     decided_at: Timestamp = Field(description="Unix time the verdict was reached.")
 
@@ -89,7 +91,9 @@ class BanRecord(_Document):
     kind: Literal["prime-node/ban/v1"] = "prime-node/ban/v1"
     node_id: NodeId = Field(description="The banned node.")
     # 256 characters: the DHT's ban record (p2p/swarm/records.py Ban) carries no more.
-    reason: free_text(MAX_BAN_REASON_CHARS) = Field(min_length=1, description="Why, e.g. the failed check.")
+    reason: Annotated[str, FreeText(MAX_BAN_REASON_CHARS)] = Field(
+        min_length=1, description="Why, e.g. the failed check."
+    )
     issued_at: Timestamp = Field(description="Unix time the ban was decided.")
     until: Timestamp | None = Field(None, description="Unix end time; null is permanent.")
     issuer_id: NodeId = Field(description="Public key of the operator that signs the ban.")
@@ -135,7 +139,10 @@ def sign(document: Doc, identity: Identity) -> Signed[Doc]:
             f"but the signing key is {identity.node_id[:16]}…; "
             "sign with the key the document names"
         )
-    return Signed[type(document)](document=document, signature=identity.sign_document(document.payload()))
+    signed_type: Any = Signed  # parametrised at run time by the document's own class
+    return signed_type[type(document)](
+        document=document, signature=identity.sign_document(document.payload())
+    )
 
 
 def open_signed(
@@ -173,7 +180,8 @@ def open_signed(
         parsed = model.model_validate(document)
     except ValidationError as exc:
         raise DocumentError(f"{model.__name__} does not match its schema {describe(exc)}") from None
-    return Signed[model](document=parsed, signature=signature)
+    signed_type: Any = Signed  # parametrised at run time by the model the caller asked for
+    return signed_type[model](document=parsed, signature=signature)
 
 
 def verify_signed(signed: Signed[Doc], trusted: frozenset[str] | set[str]) -> Doc:
@@ -195,6 +203,7 @@ def _load_envelope(raw: bytes | str | dict[str, Any]) -> dict[str, Any]:
     if size > MAX_ENVELOPE_BYTES:
         raise DocumentError(f"signed document is {size} bytes, over the {MAX_ENVELOPE_BYTES}-byte limit")
     if loaded is None:
+        assert not isinstance(raw, dict)  # measured and loaded above
         try:
             loaded = loads_strict(raw, "signed document")  # NaN and infinities refused here, by name
         except WireFormatError as exc:

@@ -18,12 +18,12 @@ at the decoder, naming where they were, and refuses duplicate keys (two parsers 
 of a key would read different documents under one signature).
 
 Shared field types: `Hex64` (and its names `NodeId`, an Ed25519 public key, and `Sha256Hex`, a digest) is the
-one definition of a 64-lowercase-hex identifier; `is_hex64` checks one outside a model. `free_text(n)` marks a
-field of human-readable text that our own code fills from exception messages, drivers or a ledger:
-`Model.outgoing(...)` makes such fields printable and cuts them to `n` characters before validating, so what
-we sign or serve is never refused by an honest reader, while a peer's document is still refused for the same
-characters (readers do not repair what a peer signed). `parse_uint` reads a number a peer or an operator
-wrote in ASCII digits.
+one definition of a 64-lowercase-hex identifier; `is_hex64` checks one outside a model.
+`Annotated[str, FreeText(n)]` marks a field of human-readable text that our own code fills from exception
+messages, drivers or a ledger: `Model.outgoing(...)` makes such fields printable and cuts them to `n`
+characters before validating, so what we sign or serve is never refused by an honest reader, while a peer's
+document is still refused for the same characters (readers do not repair what a peer signed). `parse_uint`
+reads a number a peer or an operator wrote in ASCII digits.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any, Self
 
+from annotated_types import GroupedMetadata
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -116,15 +119,21 @@ def printable(text: str) -> str:
 _OUTGOING = {"outgoing": True}  # validation context of WireModel.outgoing
 
 
-def free_text(max_chars: int) -> Any:
-    """A text field of at most `max_chars` printable characters; `Model.outgoing` makes ours fit."""
+@dataclass(frozen=True)
+class FreeText(GroupedMetadata):
+    """`Annotated[str, FreeText(n)]`: a text field of at most `n` printable characters; `Model.outgoing`
+    makes ours fit. (Metadata rather than a function returning a type, so that type checkers read it.)"""
 
-    def fit(value: Any, info: ValidationInfo) -> Any:
+    max_chars: int
+
+    def _fit(self, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str) and info.context is _OUTGOING:
-            return printable(value[:max_chars])
+            return printable(value[: self.max_chars])
         return value
 
-    return Annotated[str, BeforeValidator(fit), StringConstraints(max_length=max_chars)]
+    def __iter__(self) -> Iterator[object]:
+        yield BeforeValidator(self._fit)
+        yield StringConstraints(max_length=self.max_chars)
 
 
 def _check_strings(value: Any, where: str) -> None:
@@ -153,7 +162,7 @@ class WireModel(BaseModel):
 
     @classmethod
     def outgoing(cls, **fields: Any) -> Self:
-        """A document of our own to sign or serve: every `free_text` field (nested ones included) is made
+        """A document of our own to sign or serve: every `FreeText` field (nested ones included) is made
         printable and cut to its length first; everything else is validated as a peer's document is."""
         return cls.model_validate(fields, context=_OUTGOING)
 

@@ -21,6 +21,7 @@ type rejects the file, so this reader never reads a number Arrow would not.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .rollout_schema import RolloutFileError
 
@@ -154,7 +155,8 @@ class _Reader:
                 raise self.fail(f"an integer of {_INT_BITS[ctype]} bits holds {value}")
             return value
         if ctype == _DOUBLE:
-            return self.skip(8)
+            self.skip(8)
+            return None
         if ctype == _BINARY:
             n = self.varint()
             self.skip(n)
@@ -230,7 +232,7 @@ class FooterMeta:
     row_groups: tuple[tuple[int, tuple[ChunkMeta, ...]], ...]  # (rows, chunks) per row group
 
 
-def _required(fields: dict[int, object], fid: int, what: str, reader: _Reader) -> object:
+def _required(fields: dict[int, Any], fid: int, what: str, reader: _Reader) -> Any:
     if fid not in fields:
         raise reader.fail(f"missing {what}")
     return fields[fid]

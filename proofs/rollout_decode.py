@@ -94,8 +94,8 @@ def decode_layout(parquet: pq.ParquetFile, layout: Layout, limits: RolloutLimits
         elif column in BINARY_COLUMNS:
             # The proof's byte limit is per row (its output's length): the layout bounded the column's total,
             # the bounds check compares every proof with its exact size.
-            most = None if column == "proof" else longest_value(column, limits)
-            values[column] = list(_entries(column, array, most))
+            longest = None if column == "proof" else longest_value(column, limits)
+            values[column] = list(_entries(column, array, longest))
         else:
             if not array.type.equals(SCHEMA.field(column).type):
                 raise RolloutFileError(f"column {column!r} decodes as {array.type}", check="schema")

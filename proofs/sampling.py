@@ -152,15 +152,17 @@ def _replay_group(
     mismatches = per_sample(beyond.to(torch.int64))
     # Tokens within the margin stand at position `total`, past every real one: amin finds the first mismatch.
     first = torch.where(beyond, positions, torch.full_like(positions, total))
-    first = torch.full((n,), total, dtype=torch.int64).scatter_reduce_(0, sample, first, "amin").tolist()
-    max_gap = torch.zeros(n, dtype=gaps.dtype).scatter_reduce_(0, sample, gaps, "amax", include_self=False)
-    max_gap = max_gap.tolist()
+    earliest = torch.full((n,), total, dtype=torch.int64).scatter_reduce_(0, sample, first, "amin").tolist()
+    largest_gap = torch.zeros(n, dtype=gaps.dtype).scatter_reduce_(
+        0, sample, gaps, "amax", include_self=False
+    )
+    max_gap = largest_gap.tolist()
     return [
         SamplingStats(
             tokens=counts[i],
             near_ties=int(near_ties[i]),
             mismatches=int(mismatches[i]),
-            first_mismatch=int(first[i]) if first[i] < total else -1,
+            first_mismatch=int(earliest[i]) if earliest[i] < total else -1,
             max_gap=float(max_gap[i]) if counts[i] else 0.0,
             logprob_sum=sums[0],
             expected_logprob_sum=-sums[1],

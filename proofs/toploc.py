@@ -309,7 +309,8 @@ def check_proofs(
         for n, own, _, _ in checked:
             results[n] = stats[position : position + len(own)]
             position += len(own)
-    return results  # type: ignore[return-value]  (each entry is now a list or a ProofError)
+    # Each entry is now a list or a ProofError.
+    return results  # type: ignore[return-value]
 
 
 def _chunk_stats(committed: np.ndarray, bits: np.ndarray) -> list[ChunkStats]:

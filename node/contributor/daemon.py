@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ...p2p.identity import Identity
@@ -265,7 +266,7 @@ def _gpu_hardware() -> Hardware:
     return local_hardware(props.name[:64], props.total_memory // MIB)
 
 
-def _executor_closer(executor: ThreadPoolExecutor):  # type: ignore[no-untyped-def]
+def _executor_closer(executor: ThreadPoolExecutor) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
         # A batch still running finishes on its thread (torch cannot be interrupted); nothing waits for it
         # here, and its staged file never reaches pending/.

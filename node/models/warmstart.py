@@ -181,7 +181,7 @@ def greedy_complete(
             for i, ids in zip(
                 chunk, _greedy_same_length(model, input_ids, max_new_tokens, tokenizer.eos_token_id)
             ):
-                texts[i] = tokenizer.decode(ids, skip_special_tokens=True)
+                texts[i] = str(tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one string
     return texts
 
 

@@ -67,11 +67,12 @@ def produce_rows(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: B
     start, start_cpu = time.perf_counter(), time.thread_time()
     completions = engine.generate(requests, SamplingParams(spec.max_new_tokens, spec.temperature))
     generated, generated_cpu = time.perf_counter(), time.thread_time()
-    if any(c.hidden_states is None for c in completions):
-        raise NodeError("the engine returned no hidden states; proofs need them (capture_hidden=True)")
-    proofs = build_proofs(
-        [c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))] for c in completions]
-    )
+    states = []
+    for c in completions:
+        if c.hidden_states is None:
+            raise NodeError("the engine returned no hidden states; proofs need them (capture_hidden=True)")
+        states.append(c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))])
+    proofs = build_proofs(states)
     proved = time.perf_counter()
     rows = []
     for (index, seed), completion, proof in zip(pairs, completions, proofs, strict=True):

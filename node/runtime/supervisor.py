@@ -152,7 +152,7 @@ class Supervisor:
                 logger.error("task %s did not stop in time", task.get_name())
             elif not task.cancelled() and task.exception() is not None:
                 # the task failed while being cancelled: keep going, report it
-                report.errors.append((task.get_name(), task.exception()))  # type: ignore[arg-type]
+                report.errors.append((task.get_name(), task.exception()))
         for name, cleanup in reversed(self._cleanups):
             try:
                 await asyncio.wait_for(cleanup(), timeout=max(0.5, deadline - time.monotonic()))

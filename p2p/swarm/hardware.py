@@ -27,7 +27,7 @@ def local_hardware(gpu_model: str | None = None, gpu_memory_mb: int = 0) -> Hard
     except (OSError, ValueError, IndexError):
         pass  # not Linux, or an unusual /proc: the heartbeat just carries less detail
     # Names from the driver and /proc are shown to peers, who refuse control characters: `outgoing` makes
-    # them printable and short enough (p2p/wire.py free_text).
+    # them printable and short enough (p2p/wire.py FreeText).
     return Hardware.outgoing(
         gpu_model=gpu_model,
         gpu_memory_mb=gpu_memory_mb,

@@ -141,10 +141,10 @@ class SwarmDHT(hivemind.DHT):
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
-        self._inner_pipe = _BlockingCommandPipe(self._inner_pipe)  # type: ignore[assignment]
+        self._inner_pipe = _BlockingCommandPipe(self._inner_pipe)  # type: ignore[has-type,arg-type]
         # Patched on the class, in this child only: its one DHTProtocol is built inside super().run().
-        DHTProtocol._validate_dictionary = _keep_valid_entries  # type: ignore[method-assign]
-        DHTProtocol.call_find = _find_with_own_expirations  # type: ignore[method-assign]
+        DHTProtocol._validate_dictionary = _keep_valid_entries
+        DHTProtocol.call_find = _find_with_own_expirations
         super().run()
 
 

@@ -30,13 +30,13 @@ from ..identity import Identity
 from ..names import MAX_LENGTH_TARGET, RUN_ID_PATTERN
 from ..signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, canonical_json, is_valid_signature
 from ..wire import (
+    FreeText,
     NodeId,
     Sha256Hex,
     Timestamp,
     WireFormatError,
     WireModel,
     describe,
-    free_text,
     is_hex64,
     loads_strict,
 )
@@ -83,9 +83,11 @@ MAX_VALUE_BYTES = PUBLIC_KEY_BYTES + SIGNATURE_BYTES + max(MAX_PAYLOAD_BYTES.val
 
 
 class Hardware(WireModel):
-    gpu_model: free_text(64) | None = None  # e.g. "NVIDIA H100 80GB HBM3"; None on CPU-only nodes
+    gpu_model: Annotated[str, FreeText(64)] | None = (
+        None  # e.g. "NVIDIA H100 80GB HBM3"; None on CPU-only nodes
+    )
     gpu_memory_mb: int = Field(0, ge=0, le=1 << 24)
-    cpu: free_text(64) = ""
+    cpu: Annotated[str, FreeText(64)] = ""
     cpu_cores: int = Field(0, ge=0, le=1 << 16)
     ram_mb: int = Field(0, ge=0, le=1 << 32)
 
@@ -144,7 +146,7 @@ class ValidatorAnnouncement(WireModel):
 
 class Ban(WireModel):
     node_id: NodeId  # the banned node; must equal the subkey
-    reason: free_text(256)
+    reason: Annotated[str, FreeText(256)]
     banned_at: Timestamp
 
 

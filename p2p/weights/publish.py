@@ -151,6 +151,10 @@ def published_mode(source_mode: int) -> int:
     return stat.S_IMODE(source_mode) & 0o644
 
 
+def _sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 class _ShardHasher:
     """Cuts the concatenated stream into fixed-size shards and hashes each one on a pool."""
 
@@ -172,7 +176,7 @@ class _ShardHasher:
     def _submit(self) -> None:
         chunk = bytes(self.buffer)
         self.buffer = bytearray()
-        self.futures.append((len(chunk), self.pool.submit(lambda b=chunk: hashlib.sha256(b).hexdigest())))
+        self.futures.append((len(chunk), self.pool.submit(_sha256_hex, chunk)))
         pending = [f for _, f in self.futures if not f.done()]
         if len(pending) > self.max_in_flight:  # bound memory: wait for the oldest shard buffers
             pending[0].result()

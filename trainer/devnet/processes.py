@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,7 +184,7 @@ class ProcessGroup:
     def __exit__(self, *exc: object) -> None:
         self.stop_all(grace=5.0)
 
-    def wait_until(self, predicate, timeout: float, interval: float = 0.2) -> bool:  # type: ignore[no-untyped-def]
+    def wait_until(self, predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
         """Poll `predicate()` until true or `timeout` s pass (a bounded loop for harnesses and tests)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

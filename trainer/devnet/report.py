@@ -149,7 +149,7 @@ def build_report(
     if layout.ledger_path.is_file():
         with Ledger(layout.ledger_path) as ledger:
             board = [r.model_dump(mode="json") for r in leaderboard(ledger, top=1000)]
-    rewards = [
+    rewards: list[dict[str, Any]] = [
         {
             "step": int(r["step"]),
             "rollout_reward": r.get("rollout_reward"),
@@ -161,7 +161,7 @@ def build_report(
     ]
     plot = None
     series = [
-        Series([(float(r["step"]), float(r[key])) for r in rewards if r[key] is not None], colour)
+        Series([(float(r["step"]), float(v)) for r in rewards if (v := r[key]) is not None], colour)
         for key, colour in (("rollout_reward", PALETTE[0]), ("task_reward", PALETTE[1]))
     ]
     if any(s.points for s in series):

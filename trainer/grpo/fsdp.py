@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -158,7 +158,8 @@ class ShardedPolicy:
         optim = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
         if not self.world.is_leader:
             return None
-        return weights, _by_index(optim, self.names)
+        # get_model_state_dict's declared value type also covers DTensors; with _FULL they are plain tensors.
+        return cast("dict[str, torch.Tensor]", weights), _by_index(optim, self.names)
 
     def export(self, weights: dict[str, torch.Tensor]) -> PreTrainedModel:
         """An unsharded model object around gathered weights, for save_pretrained (no copy of the tensors)."""

@@ -168,7 +168,7 @@ def check_packing_isolation(
     without packed-sequence support fails loudly instead of training on leaked context.
     """
     if vocab_size is None:
-        vocab_size = int(model.config.vocab_size)  # type: ignore[union-attr]
+        vocab_size = int(model.config.vocab_size)  # type: ignore[union-attr,arg-type]
     g = torch.Generator().manual_seed(0)
     first = tuple(int(t) for t in torch.randint(3, vocab_size, (7,), generator=g))
     second = tuple(int(t) for t in torch.randint(3, vocab_size, (5,), generator=g))

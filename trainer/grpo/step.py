@@ -90,12 +90,15 @@ def prepare_parts(
         loss_tokens = sum(r.loss_tokens for r in rows)
         if select is not None:
             rows = select(rows)
-        use_ref = settings.kl_coef > 0.0 and reference is not None
         parts.append(
             PreparedPart(
                 rows=rows,
                 logp_old=_fixed_logprobs(model, rows, settings.temperature),
-                logp_ref=_fixed_logprobs(reference, rows, settings.temperature) if use_ref else None,
+                logp_ref=(
+                    _fixed_logprobs(reference, rows, settings.temperature)
+                    if settings.kl_coef > 0.0 and reference is not None
+                    else None
+                ),
                 loss_tokens=loss_tokens,
                 tokens=sum(len(s) for s in chunk),
             )

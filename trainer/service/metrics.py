@@ -8,6 +8,7 @@ holds every step whose checkpoint may have been published.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -126,6 +127,6 @@ async def start_metrics_server(metrics: TrainerMetrics, host: str, port: int) ->
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+    sockets = site._server.sockets if isinstance(site._server, asyncio.Server) else []
     bound = sockets[0].getsockname()[1] if sockets else port
     return runner, f"http://{host}:{bound}/metrics"
