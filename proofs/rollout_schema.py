@@ -14,8 +14,8 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from .bounds import proof_size
 from .errors import ProofError
-from .toploc import proof_size
 
 FORMAT = "prime-node/rollout/v1"
 FORMAT_KEY = b"prime_node.format"

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..names import RUN_ID_PATTERN
-from .records import MAX_TTL_S, RecordKind
+from .kinds import MAX_TTL_S, RecordKind
 
 NODE_ID_RE = re.compile(r"[0-9a-f]{64}")  # fullmatch only: $ would accept a final "\n"
 
