@@ -38,7 +38,12 @@ class VerifierSettings(BaseModel):
         description="The run's max_new_tokens every row must carry; None: any. Set from "
         "run.max_new_tokens by the commands that load a run.",
     )
-    sample_fraction: float = Field(1.0, gt=0, le=1, description="Share of rows the expensive checks verify.")
+    sample_fraction: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Share of rows the expensive checks (prefill, sampling) cover, drawn after each file arrives.",
+    )
     prefill_batch_size: int = Field(16, ge=1, description="Most sequences per prefill call.")
     prefill_max_logits_mib: int = Field(
         1024,

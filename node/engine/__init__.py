@@ -49,7 +49,11 @@ class EngineSettings(Section):
     )
     max_batch_size: int = Field(16, ge=1, le=4096, description="Most samples generated in one micro-batch.")
     threads: int | None = Field(
-        None, ge=1, le=1024, description="torch CPU threads (process-wide); unset keeps torch's default."
+        None,
+        ge=1,
+        le=1024,
+        description="torch CPU threads (process-wide); unset keeps torch's default (a validator on 4 cores or "
+        "fewer takes 1).",
     )
     gpu_memory_utilization: float = Field(
         0.5,

@@ -34,12 +34,14 @@ class SwarmConfig(BaseModel):
     run_id: str = Field(
         "prime-node-dev",
         pattern=RUN_ID_PATTERN,
-        description="Run id; every DHT key is prefixed with it, so two runs never read each other's records.",
+        description="Run id; every DHT key is prefixed with it, so two runs never read each other's records. "
+        "The commands take the run's id (run.run_id) unless it is set, as contributors always do.",
     )
     operator_keys: list[str] = Field(
         default_factory=list,
         max_length=8,
-        description="Pinned operator public keys (hex): only they sign policy, validator and ban records.",
+        description="Pinned operator public keys (hex): only they sign policy, validator and ban records. A "
+        "validator with none pins its own key.",
     )
     initial_peers: list[str] = Field(
         default_factory=list,
@@ -59,7 +61,8 @@ class SwarmConfig(BaseModel):
     )
     reachability: Literal["auto", "public", "private"] = Field(
         "auto",
-        description="auto: a bootstrap peer dials us back to decide; public: full DHT peer; private: client.",
+        description="auto: a bootstrap peer dials us back to decide; public: full DHT peer; private: client "
+        "(docs/swarm.md).",
     )
     reachability_timeout_s: float = Field(
         3.0,
