@@ -30,6 +30,11 @@ VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix to the message of a va
 MAX_SHOWN_CHARS = 120  # of a value quoted back in a message: a pasted file must not fill the terminal
 
 
+class FlagValueError(ConfigError):
+    """Every bad value came from a command-line flag: a usage error, which the CLI reports as argparse reports
+    `--samples x` (exit status 2), while a bad file or environment variable is a failure to run (1)."""
+
+
 class Section(BaseModel):
     """Base of every config model: unknown keys are errors (a typo must not be silently ignored)."""
 
@@ -163,7 +168,11 @@ def load_config(
     try:
         return model.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc, sources)) from None
+        message = describe_validation_error(exc, sources)
+        wheres = [_source(err["loc"], sources) for err in exc.errors()]
+        if all(where is not None and where.startswith(FLAG_SOURCE) for where in wheres):
+            raise FlagValueError(message) from None
+        raise ConfigError(message) from None
 
 
 def describe_validation_error(exc: ValidationError, sources: Mapping[str, str] | None = None) -> str:

@@ -27,8 +27,8 @@ from prime_node.node.cli.flags import (
     resolve,
 )
 from prime_node.node.cli.main import build_parser
+from prime_node.node.config import FlagValueError
 from prime_node.node.contributor.settings import StartSettings
-from prime_node.node.errors import ConfigError
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import SwarmConfig
 from prime_node.trainer.validator.config import ValidatorSettings
@@ -109,7 +109,7 @@ def _start(*argv: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_bad_flag_value_is_one_line_naming_the_flag(tmp_path: Path) -> None:
-    # One line, no traceback.
+    # A usage error, as argparse's own (`--samples x`): exit status 2, one line, no traceback.
     for argv, error in [
         (
             ["--peers", "garbage"],
@@ -127,7 +127,7 @@ def test_a_bad_flag_value_is_one_line_naming_the_flag(tmp_path: Path) -> None:
         ),
     ]:
         result = _start(*argv, tmp_path=tmp_path)
-        assert (result.returncode, result.stderr.splitlines()) == (1, [f"prime-node start: error: {error}"])
+        assert (result.returncode, result.stderr.splitlines()) == (2, [f"prime-node start: error: {error}"])
     # The honest control: the same flags with good values load into the settings they name.
     operator = Identity.generate().node_id
     args = build_parser().parse_args(
@@ -199,5 +199,5 @@ def test_a_flag_the_field_cannot_carry_is_refused_when_the_parser_is_built() -> 
     flags.add(Flag("section.peers", "--peer", append=True), Flag("port"))
     settings = flags.load(parser.parse_args(["--peer", "a", "--peer", "b", "--port", "1"]))
     assert (settings.section.peers, settings.port) == (["a", "b"], 1)
-    with pytest.raises(ConfigError, match=r"^argument --port: .* \(got 70000\)$"):
+    with pytest.raises(FlagValueError, match=r"^argument --port: .* \(got 70000\)$"):
         flags.load(parser.parse_args(["--port", "70000"]))

@@ -124,7 +124,7 @@ def test_refuses_non_empty_dir_without_force(
 
 def test_bad_settings_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["model", "init", "--out", str(tmp_path / "m"), "--sft-steps", "-5", "--no-progress"])
-    assert code == 1
+    assert code == 2  # a usage error, as argparse's own
     # The flag the user typed, not the setting it sets (warm_start.steps).
     assert capsys.readouterr().err.splitlines() == [
         "prime-node model: error: argument --sft-steps: Input should be greater than or equal to 0 (got -5)"

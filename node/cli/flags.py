@@ -8,8 +8,9 @@ list, store_true for a bool, and the help, which is the field's description with
 
 `SettingsFlags` adds the flags to a parser and records them in the parser's defaults; `load` reads the same
 record back, so the values given reach load_config (flags > environment > TOML > defaults,
-docs/configuration.md) under the flag's own name, and a bad value is reported as `argument --peers: ...`.
-A flag's argparse default is always None ("not given"): the default lives in the field only.
+docs/configuration.md) under the flag's own name, and a bad value is reported as `argument --peers: ...`
+(config.FlagValueError: a usage error, exit status 2). A flag's argparse default is always None ("not
+given"): the default lives in the field only.
 """
 
 from __future__ import annotations
