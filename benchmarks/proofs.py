@@ -40,10 +40,10 @@ from prime_node.node.engine import (
 )
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.proofs import gf
+from prime_node.proofs.bounds import BYTES_PER_CHUNK
 from prime_node.proofs.evidence import prefill_batches
 from prime_node.proofs.sampling import SamplingThresholds, eos_probability_failure, replay_samplings
 from prime_node.proofs.toploc import (
-    BYTES_PER_CHUNK,
     build_proof,
     build_proofs,
     check_proof,
@@ -132,9 +132,9 @@ def measure(
         gen.append(seconds)
         states = [c.hidden_states[committed_rows(len(c.prompt_ids), len(c.output_ids))] for c in completions]
         # As the producer does (node/run/producer.py): one batched call for the whole batch's completions.
-        seconds, proofs = best(lambda states=states: build_proofs(states), 1)
+        seconds, proofs = best(functools.partial(build_proofs, states), 1)
         build.append(seconds)
-        check.append(best(lambda c=completions, p=proofs: verify(verifier, c, p, parts), 1)[0])
+        check.append(best(functools.partial(verify, verifier, completions, proofs, parts), 1)[0])
     return {
         "gen": min(gen),
         "build": min(build),

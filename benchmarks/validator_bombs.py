@@ -34,9 +34,9 @@ from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.run.settings import RunSettings, load_run_tasks, verifier_for_run
 from prime_node.p2p.identity import Identity
+from prime_node.proofs.bounds import proof_size
 from prime_node.proofs.rollout_file import encode_rows, sign_bytes, signature_path
 from prime_node.proofs.rollout_schema import RolloutRow
-from prime_node.proofs.toploc import proof_size
 from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.validator.verify_job import verify_spooled
 

@@ -2,8 +2,9 @@
 
 Each command declares a pydantic model (fields with a one-line description and bounds) and loads it with
 `load_config`. Environment variables are `PRIME_NODE_<FIELD>` for top-level fields and
-`PRIME_NODE_<SECTION>__<FIELD>` for fields of nested sections. A bad value is reported with the field's
-dotted name, where the value came from (flag, environment variable or TOML file) and what is allowed.
+`PRIME_NODE_<SECTION>__<FIELD>` for fields of nested sections. A bad value is reported on one line with
+what is allowed and where it came from: a flag's by the flag (`argument --peers: ...`), an environment
+variable's or a TOML file's by the field's dotted name and the variable or the file.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -23,6 +24,15 @@ ENV_PREFIX = "PRIME_NODE_"
 DEFAULT_DATA_DIR = Path("~/.prime-node")
 
 Settings = TypeVar("Settings", bound=BaseModel)
+
+FLAG_SOURCE = "flag "  # how load_config marks a value a flag gave
+VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix to the message of a validator's ValueError
+MAX_SHOWN_CHARS = 120  # of a value quoted back in a message: a pasted file must not fill the terminal
+
+
+class FlagValueError(ConfigError):
+    """Every bad value came from a command-line flag: a usage error, which the CLI reports as argparse reports
+    `--samples x` (exit status 2), while a bad file or environment variable is a failure to run (1)."""
 
 
 class Section(BaseModel):
@@ -41,7 +51,7 @@ class CommonSettings(Section):
     data_dir: Path = Field(
         DEFAULT_DATA_DIR, description="Directory for keys, checkpoints, rollouts and state."
     )
-    log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="Logging threshold.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Logging threshold.")
     log_json: bool = Field(
         False, description="Emit one JSON object per log line instead of human-readable text."
     )
@@ -120,11 +130,14 @@ def load_config(
     *,
     toml_path: Path | None = None,
     cli_overrides: Mapping[str, Any] | None = None,
+    flag_names: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Settings:
     """Build `model` from defaults, a TOML file, the environment and CLI flags (later wins).
 
     `cli_overrides` maps dotted field names to values; None values mean "flag not given" and are skipped.
+    `flag_names` maps them to the flag that gave them, for the errors (node/cli/flags.py passes its own; a
+    name missing there reads as --<field name>).
     """
     env = os.environ if env is None else env
     merged: dict[str, Any] = {}
@@ -141,7 +154,8 @@ def load_config(
         if value is None:
             continue
         _set_path(merged, tuple(dotted_name.split(".")), value)
-        sources[dotted_name] = "flag --" + dotted_name.split(".")[-1].replace("_", "-")
+        flag = (flag_names or {}).get(dotted_name) or "--" + dotted_name.split(".")[-1].replace("_", "-")
+        sources[dotted_name] = FLAG_SOURCE + flag
     for old, new in getattr(model, "MOVED", {}).items():
         if _has_path(merged, old.split(".")):
             where = sources.get(old)
@@ -154,18 +168,53 @@ def load_config(
     try:
         return model.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc, sources)) from None
+        message = describe_validation_error(exc, sources)
+        wheres = [_source(err["loc"], sources) for err in exc.errors()]
+        if all(where is not None and where.startswith(FLAG_SOURCE) for where in wheres):
+            raise FlagValueError(message) from None
+        raise ConfigError(message) from None
 
 
 def describe_validation_error(exc: ValidationError, sources: Mapping[str, str] | None = None) -> str:
-    """One line per problem: the dotted field, what is wrong, the value given and where it came from."""
-    lines = []
-    for err in exc.errors():
-        dotted = ".".join(str(p) for p in err["loc"])
-        where = (sources or {}).get(dotted)
-        if err["type"] == "extra_forbidden":
-            lines.append(f"unknown setting {dotted!r}" + (f" (from {where})" if where else ""))
-            continue
-        given = f" (got {err['input']!r}" + (f" from {where})" if where else ")") if "input" in err else ""
-        lines.append(f"setting {dotted!r}: {err['msg']}{given}")
+    """One line per problem (a single problem: one line in all): what is wrong, the value given and where it
+    came from. A flag's value is named by the flag, since that is what the user typed; an environment
+    variable's or a TOML file's by the field's dotted name, the name both of them use."""
+    lines = [_describe(err, sources or {}) for err in exc.errors()]
+    if len(lines) == 1:
+        return lines[0]
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _describe(err: Any, sources: Mapping[str, str]) -> str:
+    loc = [str(part) for part in err["loc"]]
+    dotted = ".".join(loc)
+    where = _source(err["loc"], sources)
+    if err["type"] == "extra_forbidden":
+        return f"unknown setting {dotted!r}" + (f" (from {where})" if where else "")
+    message = str(err["msg"]).removeprefix(VALUE_ERROR_PREFIX)
+    if not loc:  # a rule over several settings (a model validator): its message names them
+        return f"invalid configuration: {message}"
+    given = err.get("input")
+    # A section's own rule gets the whole section as input: the message says which of its settings. A
+    # validator's message may quote the value (or each value of a list) itself.
+    items = given if isinstance(given, list) and given else [given]
+    quoted = all(isinstance(item, str) and repr(item) in message for item in items)
+    shown = "" if isinstance(given, dict) or "input" not in err or quoted else _shorten(repr(given))
+    if where and where.startswith(FLAG_SOURCE):
+        return f"argument {where.removeprefix(FLAG_SOURCE)}: {message}" + (f" (got {shown})" if shown else "")
+    got = f" (got {shown}" + (f" from {where})" if where else ")") if shown else ""
+    return f"setting {dotted!r}: {message}{got}"
+
+
+def _source(loc: tuple[Any, ...], sources: Mapping[str, str]) -> str | None:
+    """Where the value at `loc` came from; None for a default or a rule over several settings."""
+    parts = [str(part) for part in loc]
+    # A list item's error is located at its index (run.length_targets.2): the list came from the source.
+    return next(
+        (sources[".".join(parts[:n])] for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in sources),
+        None,
+    )
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .bounds import proof_size
 from .parquet_meta import (
     CODECS as CODEC_NAMES,
 )
@@ -43,7 +44,6 @@ from .parquet_meta import (
     walk_pages,
 )
 from .rollout_schema import SCHEMA, RolloutFileError, RolloutLimits, check_schema
-from .toploc import proof_size
 
 MAX_FOOTER_BYTES = 4 << 20  # one row group of an honest file takes ~5 kB
 MAX_FOOTER_STRUCTS = 32_768  # an honest row group takes ~220 (16 column chunks and their statistics)

@@ -15,8 +15,8 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..p2p.wire import is_hex64
+from .bounds import proof_size
 from .errors import ProofError
-from .toploc import proof_size
 
 FORMAT = "prime-node/rollout/v1"
 FORMAT_KEY = b"prime_node.format"

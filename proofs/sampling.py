@@ -25,41 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from .bounds import SamplingThresholds
 from .gumbel import gumbel_noise
-from .toploc import Precision
 
 Z_UNDEFINED = 0.0  # z-score reported when too few tokens carry information
 REPLAY_BLOCK_ELEMENTS = 1 << 22  # logits replayed per pass (float64 temporaries of 32 MiB each)
-
-
-class SamplingThresholds(BaseModel):
-    """Tolerances of the sampling, termination and distribution checks (see docs/proofs.md)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    margin: float = Field(
-        0.05, ge=0, description="Largest tolerated score gap at a near-tie (logits/T units)."
-    )
-    max_near_tie_fraction: float = Field(
-        0.02, ge=0, le=1, description="Tolerated near-ties per output token."
-    )
-    near_tie_slack: int = Field(
-        2, ge=0, description="Near-ties always tolerated per sample, on top of the fraction."
-    )
-    min_eos_logprob: float = Field(
-        -20.0, le=0, description="Lowest log p(EOS) accepted where a sample ends on EOS."
-    )
-    max_abs_z: float = Field(6.0, gt=0, description="Largest |z| of the chosen tokens' log-probability sum.")
-    min_z_tokens: int = Field(64, ge=1, description="Tokens needed before the distribution check applies.")
-
-    @classmethod
-    def for_precision(cls, precision: Precision) -> SamplingThresholds:
-        """The calibrated tolerances for contributors computing in `precision` (the validator: float32)."""
-        # bf16 logits of a trained model are off by up to ~0.26 at the largest honest near-tie measured
-        # (docs/proofs.md); float32 contributors reproduce the validator's argmax exactly.
-        return cls(margin=1.0) if precision == "bfloat16" else cls()
 
 
 @dataclass(frozen=True)

@@ -20,79 +20,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from . import gf
+from .bounds import CHUNK_ROWS, TOPK, ToplocThresholds, chunk_count
 from .errors import ProofError
 
-TOPK = 128
-CHUNK_ROWS = 32
 MAX_MODULUS = gf.PRIME
-BYTES_PER_CHUNK = 2 + 2 * TOPK  # 258
 NO_MATCH_ERROR = float(2**64)  # toploc's mantissa statistic when every exponent mismatches
 _EXP_MASK, _EXP_SHIFT, _MANT_MASK = 0x7F80, 7, 0x007F  # bf16 bit fields
 _MODULUS_BLOCK = 64  # candidate moduli tested per vectorised step
 _NOT_FINITE = "hidden states contain NaN or infinite values (after rounding to bf16)"
-
-
-Precision = Literal["float32", "bfloat16"]
-
-
-class ToplocThresholds(BaseModel):
-    """Acceptance bounds. Every chunk must stay within the per-chunk caps, which catch gross deviations
-    (another model, int4 weights, another input, shuffled or copied chunks); and the typical chunk (the
-    lower median, over all chunks checked in one file, of the chunk's mean mantissa error) must stay
-    within `max_typical_mant_err_mean`, which catches small systematic deviations (a slightly perturbed
-    layer) that move every chunk a little, while tolerating the rare chunk where honest compute drifts.
-
-    The defaults are the bounds for bfloat16 contributors (the loosest honest case); `for_precision`
-    gives the calibrated set for each declared compute precision. Both come from
-    benchmarks/calibrate_proofs.py on the warm-started model (docs/proofs.md has the measured gap).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_exp_mismatches: int = Field(
-        40, ge=0, le=TOPK, description="Per chunk: top-k entries whose exponent differs."
-    )
-    max_mant_err_mean: float = Field(
-        16.0, ge=0, description="Per chunk: mean |mantissa diff| where exponents agree."
-    )
-    max_mant_err_median: float = Field(
-        8.0, ge=0, description="Per chunk: median |mantissa diff| where exponents agree."
-    )
-    max_typical_mant_err_mean: float = Field(
-        1.1, ge=0, description="Per file: lower median over checked chunks of the chunk mean mantissa error."
-    )
-    min_typical_chunks: int = Field(
-        8,
-        ge=1,
-        description="Fewest checked chunks the per-file bound applies to (fewer: per-chunk caps only).",
-    )
-
-    @classmethod
-    def for_precision(cls, precision: Precision) -> ToplocThresholds:
-        """The calibrated bounds for contributors that compute in `precision` (the validator: float32)."""
-        return CALIBRATED[precision]
-
-
-# Measured on the warm-started embedded model (docs/proofs.md, "Calibration"): float32 contributors
-# reproduce a float32 validator almost exactly, so their bounds are tight; bfloat16 ones differ by
-# rounding in every layer and need the loose set.
-CALIBRATED: dict[str, ToplocThresholds] = {
-    "float32": ToplocThresholds(
-        max_exp_mismatches=8,
-        max_mant_err_mean=1.0,
-        max_mant_err_median=1.0,
-        max_typical_mant_err_mean=0.04,
-        min_typical_chunks=1,
-    ),
-    "bfloat16": ToplocThresholds(),
-}
 
 
 @dataclass(frozen=True)
@@ -121,15 +61,6 @@ def committed_rows(prompt_len: int, output_len: int) -> slice:
     first covered row already depends on the whole prompt, so prompt tampering is covered as well.
     """
     return slice(prompt_len - 1, prompt_len - 1 + output_len)
-
-
-def chunk_count(rows: int, chunk_rows: int = CHUNK_ROWS) -> int:
-    return -(-rows // chunk_rows)
-
-
-def proof_size(rows: int, chunk_rows: int = CHUNK_ROWS, topk: int = TOPK) -> int:
-    """Bytes of the proof of `rows` committed rows: 258 per 32-row chunk by default."""
-    return chunk_count(rows, chunk_rows) * (2 + 2 * topk)
 
 
 def _as_bf16(hidden: torch.Tensor, topk: int, chunk_rows: int) -> torch.Tensor:

@@ -54,7 +54,8 @@ def test_out_of_range_value_names_field_value_and_source(tmp_path):
     toml = _toml(tmp_path, "[engine]\ntemperature = -1.0\n")
     with pytest.raises(ConfigError, match=r"engine.temperature.*greater than 0.*config file"):
         load_config(_Settings, toml_path=toml, env={})
-    with pytest.raises(ConfigError, match=r"engine.threads.*flag --threads"):
+    # A flag's value is named by the flag (without the flag's own name, as --<field name>).
+    with pytest.raises(ConfigError, match=r"^argument --threads: .*less than or equal to 256 \(got 1000\)$"):
         load_config(_Settings, env={}, cli_overrides={"engine.threads": 1000})
 
 

@@ -96,9 +96,9 @@ def test_start_settings_pin_the_operator_and_run_in_the_swarm_section() -> None:
     settings = load_config(StartSettings, cli_overrides={"operator_key": key, "run.run_id": "run-7"}, env={})
     swarm = settings.swarm_config()
     assert (swarm.run_id, swarm.operator_keys, settings.async_level) == ("run-7", [key], 2)
-    with pytest.raises(ConfigError, match="operator_key"):
+    with pytest.raises(ConfigError, match="--operator-key: must be the operator's node id"):
         load_config(StartSettings, cli_overrides={"operator_key": "not-hex"}, env={})
-    with pytest.raises(ConfigError, match="run_id"):
+    with pytest.raises(ConfigError, match="--run-id: String should match pattern"):
         load_config(StartSettings, cli_overrides={"run.run_id": "has space"}, env={})
 
 

@@ -271,10 +271,7 @@ async def test_a_step_re_announced_with_other_run_parameters_is_seen_again() -> 
 
 
 def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) -> None:
-    from prime_node.node.cli import start as start_cli
-    from prime_node.node.cli import trainer as trainer_cli
-    from prime_node.node.cli import validator as validator_cli
-    from prime_node.node.cli.common import load_settings
+    from prime_node.node.cli.flags import load_settings
     from prime_node.node.cli.main import build_parser
     from prime_node.node.contributor.settings import StartSettings
     from prime_node.trainer.validator.config import ValidatorSettings
@@ -292,20 +289,17 @@ def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) ->
     peers = ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWF4NCf4BuFF35ra6sCoMwfpNBVSQppG7VzU6yC98XsiB7"]
     parser = build_parser()
 
-    def announced(argv: list[str], model: type, flags: dict[str, str]) -> RunParameters:
-        return run_parameters(load_settings(parser.parse_args(argv), model, flags).run)
+    def announced(argv: list[str], model: type) -> RunParameters:
+        return run_parameters(load_settings(parser.parse_args(argv), model).run)
 
-    trainer = announced(layout.trainer_argv(2)[3:], TrainerCommandSettings, trainer_cli.FLAGS)
+    trainer = announced(layout.trainer_argv(2)[3:], TrainerCommandSettings)
     assert (trainer.run_id, trainer.samples, trainer.max_new_tokens) == ("devnet", 2, 16)
     assert trainer.length_targets == [3, 9, 17]
     assert trainer.tasks.startswith("sha256:")
-    assert announced(layout.validator_argv(peers)[3:], ValidatorSettings, validator_cli.FLAGS) == trainer
-    assert announced(layout.member_argv(honest, peers)[3:], StartSettings, start_cli.FLAGS) == trainer
+    assert announced(layout.validator_argv(peers)[3:], ValidatorSettings) == trainer
+    assert announced(layout.member_argv(honest, peers)[3:], StartSettings) == trainer
     # The adversary harness parses its `--attack NAME` and hands the rest to `start`.
-    assert (
-        announced(["start", *layout.member_argv(cheater, peers)[5:]], StartSettings, start_cli.FLAGS)
-        == trainer
-    )
+    assert announced(["start", *layout.member_argv(cheater, peers)[5:]], StartSettings) == trainer
 
 
 async def test_a_validator_stops_at_start_up_when_the_current_policy_runs_otherwise(tmp_path: Path) -> None:

@@ -8,10 +8,10 @@ import torch
 from pydantic import ValidationError
 
 from prime_node.proofs import gf
+from prime_node.proofs.bounds import BYTES_PER_CHUNK, proof_size
 from prime_node.proofs.errors import ProofError
 from prime_node.proofs.sampling import SamplingThresholds
 from prime_node.proofs.toploc import (
-    BYTES_PER_CHUNK,
     ChunkStats,
     ToplocThresholds,
     build_proof,
@@ -21,7 +21,6 @@ from prime_node.proofs.toploc import (
     committed_rows,
     injective_moduli,
     parse_proof,
-    proof_size,
     worst_failure,
 )
 from prime_node.proofs.verifier import VerifierSettings

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prime_node.proofs.toploc import BYTES_PER_CHUNK, build_proof, check_proof, parse_proof
+from prime_node.proofs.bounds import BYTES_PER_CHUNK
+from prime_node.proofs.toploc import build_proof, check_proof, parse_proof
 
 toploc = pytest.importorskip("toploc")
 

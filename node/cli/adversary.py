@@ -23,7 +23,7 @@ from ..contributor.rollout_loop import RolloutLoop
 from ..contributor.settings import StartSettings
 from ..errors import NodeError
 from . import start as start_cli
-from .common import load_settings
+from .flags import load_settings
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start_cli.register(start_parser.add_subparsers(dest="command"))
     start_args = start_parser.parse_args(["start", *rest])
     try:
-        settings = load_settings(start_args, StartSettings, start_cli.FLAGS)
+        settings = load_settings(start_args, StartSettings)
         logging.getLogger("prime_node.node.run.producer").setLevel(logging.WARNING)
         logger.warning("adversary %s: this node cheats on purpose (devnet harness)", args.attack)
         return asyncio.run(adversary_node(args.attack, settings).run())

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ..config import CommonSettings
 from ..errors import ConfigError
-from .common import common_flags, load_settings, print_json
+from .common import print_json
+from .flags import SettingsFlags, load_settings
 
 # Enough rollout steps for the tiny model's reward to move visibly (docs/devnet.md); about 5 minutes at one
 # step every 4-7 s on 2 cores, inside the 15-minute budget with the model's creation.
@@ -25,12 +26,11 @@ STEPS = 50
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "devnet",
-        parents=[common_flags()],
-        help="run a whole swarm on this machine (trainer, validator, contributors, cheaters)",
+        "devnet", help="run a whole swarm on this machine (trainer, validator, contributors, cheaters)"
     )
-    p.add_argument("--nodes", type=int, default=3, help="honest contributors (default 3)")
-    p.add_argument("--adversaries", type=int, default=1, help="cheating contributors (default 1)")
+    SettingsFlags(p, CommonSettings)
+    p.add_argument("--nodes", type=int, default=3, help="honest contributors (default %(default)s)")
+    p.add_argument("--adversaries", type=int, default=1, help="cheating contributors (default %(default)s)")
     p.add_argument(
         "--attacks",
         nargs="+",
@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="KIND",
         help="their attacks, in order (default: the attack list in order); see docs/devnet.md",
     )
-    p.add_argument("--steps", type=int, default=STEPS, help=f"policy steps to train (default {STEPS})")
+    p.add_argument("--steps", type=int, default=STEPS, help="policy steps to train (default %(default)s)")
     p.add_argument(
         "--model",
         type=Path,
@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="train on the whole built-in task set instead of the problems the model solves 1-4 "
         "times in 8 (offline difficulty filtering, cached beside the model)",
     )
-    p.add_argument("--run-id", default="devnet", help="run id (default devnet)")
+    p.add_argument("--run-id", default="devnet", help="run id (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the final report as JSON (no live view)")
     p.set_defaults(handler=devnet)
 

@@ -9,7 +9,8 @@ from pydantic import Field
 
 from ...p2p.identity import Identity
 from ..config import CommonSettings
-from .common import common_flags, load_settings, print_json
+from .common import print_json
+from .flags import Flag, SettingsFlags, load_settings
 
 DEFAULT_KEY_NAME = "node.key"
 
@@ -22,22 +23,22 @@ class KeySettings(CommonSettings):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("keygen", parents=[common_flags()], help="create an Ed25519 node key (mode 0600)")
-    p.add_argument("--out", type=Path, default=None, help="key file to write (default <data-dir>/node.key)")
+    p = sub.add_parser("keygen", help="create an Ed25519 node key (mode 0600)")
+    SettingsFlags(p, KeySettings).add(Flag("key_file", "--out"))
     p.add_argument(
         "--force", action="store_true", help="overwrite an existing key file (the old key is lost)"
     )
     p.add_argument("--json", action="store_true", help="print {node_id, key_file} as JSON")
     p.set_defaults(handler=keygen)
 
-    p = sub.add_parser("identity", parents=[common_flags()], help="show this node's id (its public key)")
-    p.add_argument("--key", type=Path, default=None, help="key file (default <data-dir>/node.key)")
+    p = sub.add_parser("identity", help="show this node's id (its public key)")
+    SettingsFlags(p, KeySettings).add(Flag("key_file", "--key"))
     p.add_argument("--json", action="store_true", help="print {node_id, key_file} as JSON")
     p.set_defaults(handler=identity)
 
 
 def keygen(args: argparse.Namespace) -> int:
-    settings = load_settings(args, KeySettings, {"key_file": "out"})
+    settings = load_settings(args, KeySettings)
     path = settings.key_path()
     ident = Identity.generate()
     ident.save(path, force=args.force)
@@ -49,7 +50,7 @@ def keygen(args: argparse.Namespace) -> int:
 
 
 def identity(args: argparse.Namespace) -> int:
-    settings = load_settings(args, KeySettings, {"key_file": "key"})
+    settings = load_settings(args, KeySettings)
     path = settings.key_path()
     ident = Identity.load(path)
     if args.json:

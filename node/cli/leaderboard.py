@@ -25,7 +25,8 @@ from ...p2p.validator_api import (
 from ...p2p.wire import WireFormatError, parse_uint
 from ..config import CommonSettings
 from ..errors import NodeError
-from .common import common_flags, load_settings, print_json
+from .common import print_json
+from .flags import Flag, SettingsFlags, load_settings
 
 
 class LeaderboardUnavailable(NodeError):
@@ -44,11 +45,11 @@ class LeaderboardSettings(CommonSettings):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("leaderboard", parents=[common_flags()], help="contributors ranked by accepted tokens")
+    p = sub.add_parser("leaderboard", help="contributors ranked by accepted tokens")
+    SettingsFlags(p, LeaderboardSettings).add(Flag("validator_url", "--validator", metavar="URL"))
     p.add_argument(
-        "--validator", default=None, metavar="URL", help="validator API (default http://127.0.0.1:8471)"
+        "--top", type=_top, default=20, metavar="N", help="show the first N nodes (default %(default)s)"
     )
-    p.add_argument("--top", type=_top, default=20, metavar="N", help="show the first N nodes (default 20)")
     p.add_argument(
         "--node", default=None, metavar="ID", help="one node's details (full id or a 6+ digit prefix)"
     )
@@ -57,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = load_settings(args, LeaderboardSettings, {"validator_url": "validator"})
+    settings = load_settings(args, LeaderboardSettings)
     base = settings.validator_url
 
     async def node(client: ValidatorApiClient) -> NodeDetail:

@@ -18,6 +18,7 @@ from ...p2p.errors import P2PError
 from ...proofs.errors import ProofError
 from ...trainer.errors import TrainerError
 from .. import __version__
+from ..config import FlagValueError
 from ..errors import NodeError
 
 COMMAND_MODULES = [
@@ -61,6 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EXPECTED_ERRORS as exc:
         logging.getLogger(__name__).debug("fatal error", exc_info=True)
         print(f"prime-node {args.command}: error: {exc}", file=sys.stderr)
+        if isinstance(
+            exc, FlagValueError
+        ):  # a flag's value broke its setting's rules: as argparse's own errors
+            return EXIT_USAGE
         return getattr(exc, "exit_code", EXIT_ERROR)
     except KeyboardInterrupt:
         print(f"prime-node {args.command}: interrupted", file=sys.stderr)

@@ -10,7 +10,8 @@ from pydantic import Field
 
 from ..config import CommonSettings
 from ..models.warmstart_config import WarmStartConfig
-from .common import common_flags, load_settings, print_json
+from .common import print_json
+from .flags import Flag, SettingsFlags, load_settings
 
 
 class ModelInitSettings(CommonSettings):
@@ -25,21 +26,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.set_defaults(handler=lambda args: group.print_help() or 2)
     p = model_sub.add_parser(
         "init",
-        parents=[common_flags()],
         help="create the tiny model from a seed and warm-start it on the arithmetic tasks",
         description="Create the tiny Qwen2 model deterministically from --seed, warm-start it by "
         "supervised training on the built-in arithmetic tasks, and save an HF directory (config.json, "
         "model.safetensors, tokenizer files, prime_node.json). The same seed and settings give the same "
         "model.safetensors bytes.",
     )
+    flags = SettingsFlags(p, ModelInitSettings)
     p.add_argument("--out", type=Path, required=True, help="directory to write (must be empty or absent)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the initial weights (default 0)")
-    p.add_argument(
-        "--sft-steps", type=int, default=None, help="warm-start optimizer steps (default 600; 0: none)"
-    )
-    p.add_argument("--task-seed", type=int, default=None, help="seed of the arithmetic task set (default 0)")
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default 1; the hash can depend on it)"
+    flags.add(
+        Flag("seed"),
+        Flag("warm_start.steps", "--sft-steps"),
+        Flag("warm_start.task_seed"),
+        Flag("warm_start.threads"),
     )
     p.add_argument(
         "--force", action="store_true", help="write into a non-empty directory, replacing model files"
@@ -50,16 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def init(args: argparse.Namespace) -> int:
-    settings = load_settings(
-        args,
-        ModelInitSettings,
-        {
-            "seed": "seed",
-            "warm_start.steps": "sft_steps",
-            "warm_start.task_seed": "task_seed",
-            "warm_start.threads": "threads",
-        },
-    )
+    settings = load_settings(args, ModelInitSettings)
     from ..models.warmstart import init_model_dir  # imports torch: only when the command runs
 
     out_dir = args.out.expanduser().resolve()

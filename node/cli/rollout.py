@@ -6,24 +6,28 @@ import argparse
 from pathlib import Path
 
 from ..errors import NodeError
-from .common import common_flags, load_settings, print_json
-from .run_flags import RUN_FLAGS, add_run_flags
+from ..run.settings import RolloutSettings
+from .common import print_json
+from .flags import Flag, SettingsFlags, load_settings
+from .run_flags import add_run_flags
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "rollout",
-        parents=[common_flags()],
-        help="generate one signed rollout file offline, as a contributor would",
-    )
+    p = sub.add_parser("rollout", help="generate one signed rollout file offline, as a contributor would")
+    flags = SettingsFlags(p, RolloutSettings)
     p.add_argument("--checkpoint", type=Path, required=True, help="HF model directory of the policy")
-    add_run_flags(p)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_run_flags(flags)
+    flags.add(Flag("engine.threads"))
     p.add_argument("--key", type=Path, required=True, help="the node's secret key file")
     p.add_argument("--step", type=int, required=True, help="policy step of the checkpoint")
     p.add_argument("--out", type=Path, required=True, help="rollout file to write (FILE and FILE.sig)")
-    p.add_argument("--batch-counter", type=int, default=0, help="the node's batch number at this step")
-    p.add_argument("--prompts", type=int, default=None, help="prompts in the batch (default 4)")
+    p.add_argument(
+        "--batch-counter",
+        type=int,
+        default=0,
+        help="the node's batch number at this step (default %(default)s)",
+    )
+    flags.add(Flag("prompts"))
     p.add_argument("--gpu", action="store_true", default=None, help="generate on CUDA")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(handler=rollout)
@@ -34,10 +38,9 @@ def rollout(args: argparse.Namespace) -> int:
     from ...p2p.identity import Identity
     from ..engine import load_engine
     from ..run.producer import BatchSpec, produce_rollout_file
-    from ..run.settings import RolloutSettings, engine_for_run, load_run_tasks
+    from ..run.settings import engine_for_run, load_run_tasks
 
-    flags = {**RUN_FLAGS, "engine.threads": "threads", "prompts": "prompts"}
-    settings = load_settings(args, RolloutSettings, flags)
+    settings = load_settings(args, RolloutSettings)
     if args.gpu:
         settings.engine.device = "cuda"
     if args.step < 0 or args.batch_counter < 0:

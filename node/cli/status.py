@@ -6,11 +6,13 @@ import argparse
 import asyncio
 
 from ..config import CommonSettings
-from .common import common_flags, load_settings, print_json
+from .common import print_json
+from .flags import SettingsFlags, load_settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", parents=[common_flags()], help="show what the local node is doing")
+    p = sub.add_parser("status", help="show what the local node is doing")
+    SettingsFlags(p, CommonSettings)
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(handler=status)
 
@@ -37,9 +39,8 @@ def status(args: argparse.Namespace) -> int:
         f"operator key:   {report.operator_key or 'not set'}",
         f"policy step:    announced {_step(report.announced_step)}, local {_step(report.local_step)}"
         + (" (verified)" if report.local_verified else ""),
-        f"rollout files:  {r.generated} generated, {r.handed_off} handed off, "
-        f"{r.accepted} accepted, {r.rejected} rejected"
-        + (f", {r.stale} dropped as stale" if r.stale else ""),
+        f"rollout files:  {r.generated} generated, {r.handed_off} handed off, {r.accepted} accepted, "
+        f"{r.rejected} rejected" + (f", {r.stale} dropped as stale" if r.stale else ""),
         f"throughput:     {'n/a' if report.tokens_per_second is None else f'{report.tokens_per_second:.1f} tokens/s'}",
         f"last error:     {report.last_error or 'none'}",
     ]

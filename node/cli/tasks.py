@@ -7,8 +7,10 @@ import sys
 import time
 from pathlib import Path
 
+from ..environments.difficulty import FilterSettings
 from ..errors import TaskError
-from .common import common_flags, load_settings, print_json
+from .common import print_json
+from .flags import Flag, SettingsFlags, load_settings
 
 # Past this many tasks, estimating every one is surely a mistake (the built-in set has 2^24).
 MAX_UNLIMITED_TASKS = 100_000
@@ -21,25 +23,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.set_defaults(handler=lambda args: group.print_help() or 2)
     p = tasks_sub.add_parser(
         "filter",
-        parents=[common_flags()],
         help="estimate each task's pass rate with a model and keep those inside a band",
         description="Sample --k completions per task with the model (seeded Gumbel sampling), score them "
         "with the task's verifier, and write the tasks whose pass rate lies in [--min, --max] to --out "
         "(JSONL or Parquet, readable as --tasks).",
     )
+    flags = SettingsFlags(p, FilterSettings)
     p.add_argument("--model", type=Path, required=True, help="HF model directory to estimate with")
     p.add_argument("--tasks", default=None, help="task file (Parquet/JSONL) or builtin:arithmetic[?...]")
     p.add_argument("--out", type=Path, required=True, help="task file to write (.jsonl or .parquet)")
-    p.add_argument("--k", type=int, default=None, help="completions per task (default 8)")
-    p.add_argument("--min", dest="min_pass", type=float, default=None, help="lowest pass rate kept (0.125)")
-    p.add_argument("--max", dest="max_pass", type=float, default=None, help="highest pass rate kept (0.5)")
-    p.add_argument("--limit", type=int, default=None, help="tasks to estimate (default all of a file)")
-    p.add_argument("--offset", type=int, default=None, help="first task index (default 0)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="most tokens per completion (64)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (1.0)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampling noise (0)")
-    p.add_argument("--task-seed", type=int, default=None, help="seed of the built-in task family (0)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    flags.add(
+        Flag("k"),
+        Flag("min_pass", "--min", dest="min_pass"),
+        Flag("max_pass", "--max", dest="max_pass"),
+        Flag("limit"),
+        Flag("offset"),
+        Flag("max_new_tokens"),
+        Flag("temperature"),
+        Flag("seed"),
+        Flag("task_seed"),
+        Flag("engine.threads"),
+    )
     p.add_argument("--gpu", action="store_true", default=None, help="generate on CUDA")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -54,7 +58,6 @@ def filter_tasks(args: argparse.Namespace) -> int:
     from ..engine import load_engine
     from ..environments import open_task_set
     from ..environments.difficulty import (
-        FilterSettings,
         estimate_pass_rates,
         histogram,
         in_band,
@@ -62,20 +65,7 @@ def filter_tasks(args: argparse.Namespace) -> int:
         write_task_file,
     )
 
-    names = [
-        "k",
-        "min_pass",
-        "max_pass",
-        "limit",
-        "offset",
-        "max_new_tokens",
-        "temperature",
-        "seed",
-        "task_seed",
-    ]
-    flags = {name: name for name in names}
-    flags["engine.threads"] = "threads"
-    settings = load_settings(args, FilterSettings, flags)
+    settings = load_settings(args, FilterSettings)
     if args.gpu:
         settings.engine.device = "cuda"
     task_set = open_task_set(args.tasks, seed=settings.task_seed)

@@ -13,59 +13,42 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ...trainer.service.config import TrainerCommandSettings
 from ..errors import NodeError
-from .common import common_flags, load_settings, run_until_stopped
-from .run_flags import RUN_FLAGS, add_run_flags
-
-FLAGS = {
-    **RUN_FLAGS,
-    "swarm.run_id": "swarm_run_id",
-    "swarm.initial_peers": "peers",
-    "swarm.host_maddrs": "listen",
-    "serve.host": "http_host",
-    "serve.port": "http_port",
-    "service.accepted_dir": "accepted_dir",
-    "service.max_steps": "max_steps",
-    "service.threads": "threads",
-    "service.metrics_port": "metrics_port",
-    "trainer.batch_size": "batch_size",
-    "trainer.async_level": "async_level",
-    "trainer.lr": "lr",
-}
+from .common import run_until_stopped
+from .flags import Flag, SettingsFlags, load_settings
+from .run_flags import add_run_flags
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "trainer",
-        parents=[common_flags()],
-        help="train on accepted rollouts with GRPO; publish and announce every checkpoint",
+        "trainer", help="train on accepted rollouts with GRPO; publish and announce every checkpoint"
     )
+    flags = SettingsFlags(p, TrainerCommandSettings)
     p.add_argument(
         "--model", type=Path, required=True, help="HF model directory: the genesis weights (step 0)"
     )
     p.add_argument(
         "--key", type=Path, required=True, help="the operator's secret key (signs manifests, policies)"
     )
-    add_run_flags(p)
-    p.add_argument("--swarm-run-id", default=None, help="DHT run id (default: the run id, as nodes use)")
-    p.add_argument(
-        "--peers", nargs="*", default=None, metavar="MADDR", help="bootstrap peers (/ip4/.../p2p/...)"
+    add_run_flags(flags)
+    flags.add(
+        Flag("swarm.run_id", "--swarm-run-id"),
+        Flag("swarm.initial_peers", "--peers", metavar="MADDR"),
+        Flag("swarm.host_maddrs", "--listen", metavar="MADDR"),
     )
-    p.add_argument("--listen", nargs="*", default=None, metavar="MADDR", help="libp2p listen multiaddrs")
     p.add_argument("--no-dht", action="store_true", help="serve weights over HTTP only; announce nothing")
-    p.add_argument("--http-host", default=None, help="weights server address (default 127.0.0.1)")
-    p.add_argument(
-        "--http-port", type=int, default=None, help="weights server port (default 8470; 0 picks one)"
+    flags.add(
+        Flag("serve.host", "--http-host"),
+        Flag("serve.port", "--http-port"),
+        Flag("service.metrics_port"),
+        Flag("service.accepted_dir"),
+        Flag("service.max_steps"),
+        Flag("trainer.batch_size"),
+        Flag("trainer.async_level"),
+        Flag("trainer.lr"),
+        Flag("service.threads"),
     )
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default 0: any)")
-    p.add_argument(
-        "--accepted-dir", type=Path, default=None, help="validator inbox (default <data-dir>/accepted)"
-    )
-    p.add_argument("--max-steps", type=int, default=None, help="stop once this policy step is published")
-    p.add_argument("--batch-size", type=int, default=None, help="samples per rollout step (default 64)")
-    p.add_argument("--async-level", type=int, default=None, help="oldest usable policy, steps behind (2)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     p.add_argument(
         "--fsdp",
@@ -78,9 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def trainer(args: argparse.Namespace) -> int:
     # Heavy imports (torch, hivemind) only when the command runs, so `--help` stays fast.
     from ...p2p.identity import Identity
-    from ...trainer.service.config import TrainerCommandSettings
 
-    settings = load_settings(args, TrainerCommandSettings, FLAGS)
+    settings = load_settings(args, TrainerCommandSettings)
     if args.no_dht:
         settings.service.dht = False
     if not args.key.is_file():

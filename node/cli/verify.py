@@ -9,8 +9,10 @@ import argparse
 from pathlib import Path
 
 from ..errors import ConfigError, NodeError
-from .common import common_flags, load_settings, print_json
-from .run_flags import RUN_FLAGS, add_run_flags
+from ..run.settings import VerifySettings
+from .common import print_json
+from .flags import Flag, SettingsFlags, load_settings
+from .run_flags import add_run_flags
 
 EXIT_ACCEPTED, EXIT_REJECTED, EXIT_IO = 0, 1, 2
 
@@ -23,20 +25,13 @@ class VerifyIOError(NodeError):
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "verify",
-        parents=[common_flags()],
-        help="check a rollout file (exit 0 accepted, 1 rejected, 2 usage or I/O error)",
+        "verify", help="check a rollout file (exit 0 accepted, 1 rejected, 2 usage or I/O error)"
     )
+    flags = SettingsFlags(p, VerifySettings)
     p.add_argument("file", type=Path, help="rollout file (its signature is FILE.sig)")
     p.add_argument("--checkpoint", type=Path, required=True, help="HF model directory of the claimed policy")
-    add_run_flags(p)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument(
-        "--sample-fraction",
-        type=float,
-        default=None,
-        help="share of rows the expensive checks (prefill, sampling) cover (default 1.0)",
-    )
+    add_run_flags(flags)
+    flags.add(Flag("engine.threads"), Flag("verifier.sample_fraction"))
     p.add_argument("--json", action="store_true", help='print {"accepted", "checks", "reasons"} as JSON')
     p.set_defaults(handler=verify)
 
@@ -44,12 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def verify(args: argparse.Namespace) -> int:
     # Heavy imports (torch, transformers) only when the command runs, so `--help` stays fast.
     from ..engine import load_engine
-    from ..run.settings import VerifySettings, load_run_tasks, validator_engine, verifier_for_run
+    from ..run.settings import load_run_tasks, validator_engine, verifier_for_run
     from ..run.validation import verify_rollout_file
 
-    flags = {**RUN_FLAGS, "engine.threads": "threads", "verifier.sample_fraction": "sample_fraction"}
     try:
-        settings = load_settings(args, VerifySettings, flags)
+        settings = load_settings(args, VerifySettings)
     except ConfigError as exc:
         raise VerifyIOError(str(exc)) from None
     if not args.file.is_file():  # a missing FILE.sig is a verdict (unsigned), a missing FILE is not

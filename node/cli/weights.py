@@ -23,7 +23,8 @@ from ...p2p.wire import HEX64_PATTERN
 from ..config import CommonSettings
 from ..errors import ConfigError
 from ..runtime.supervisor import Supervisor
-from .common import common_flags, load_settings, print_json, run_until_stopped
+from .common import print_json, run_until_stopped
+from .flags import Flag, SettingsFlags, load_settings
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 10.0
@@ -35,7 +36,10 @@ class WeightsSettings(CommonSettings):
     serve: ServeSettings = Field(default_factory=ServeSettings, description="The HTTP server.")
     fetch: FetchSettings = Field(default_factory=FetchSettings, description="Downloads (fetch and relay).")
     trainer_key: str | None = Field(
-        None, pattern=HEX64_PATTERN, description="Pinned signer public key (hex)."
+        None,
+        pattern=HEX64_PATTERN,
+        description="Pinned signer public key (hex): only checkpoints it signed are taken; a relay (--upstream) "
+        "needs it.",
     )
     poll_interval_s: float = Field(
         2.0, gt=0, description="How often a relay asks its upstreams for a new version."
@@ -61,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmds.required = True  # argparse rejects `prime-node weights` alone; the group handler is never reached
     group.set_defaults(handler=lambda args: group.print_help() or 2)
 
-    p = cmds.add_parser("publish", parents=[common_flags()], help="shard and sign a checkpoint directory")
+    p = cmds.add_parser("publish", help="shard and sign a checkpoint directory")
+    SettingsFlags(p, CommonSettings)
     p.add_argument(
         "ckpt_dir", type=Path, help="HF checkpoint directory (config, safetensors, tokenizer files)"
     )
@@ -71,49 +76,38 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--out", type=Path, required=True, help="store directory to publish into (served by `serve`)"
     )
     p.add_argument(
-        "--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="shard size in bytes (default 16 MiB)"
+        "--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="shard size in bytes (default %(default)s)"
     )
     p.add_argument("--run-id", default="default", help="run id written into the manifest")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(handler=publish_cmd)
 
-    p = cmds.add_parser("serve", parents=[common_flags()], help="serve a store; with --upstream, relay")
+    p = cmds.add_parser("serve", help="serve a store; with --upstream, relay")
+    flags = SettingsFlags(p, WeightsSettings)
     p.add_argument("dir", type=Path, help="store directory")
-    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default 8470; 0 picks a free one)")
+    flags.add(Flag("serve.host"), Flag("serve.port"))
     p.add_argument(
         "--upstream", action="append", default=None, help="relay mode: upstream server URL (repeatable)"
     )
-    p.add_argument("--keep", type=int, default=None, help="versions kept on disk (default 5)")
-    p.add_argument("--trainer-key", default=None, help="pinned signer key (hex); required with --upstream")
-    p.add_argument("--ban", action="append", default=None, help="banned node id or IP/network (repeatable)")
-    p.add_argument("--ban-file", type=Path, default=None, help="file of ban entries, re-read when it changes")
-    p.add_argument("--rate-limit", type=float, default=None, help="requests per second per client (0: off)")
-    p.add_argument(
-        "--require-node-auth",
-        action="store_true",
-        default=None,
-        help="refuse requests without a node's signed access token (node-id bans cannot be dodged)",
+    flags.add(
+        Flag("serve.keep"),
+        Flag("trainer_key"),
+        Flag("serve.ban", append=True),
+        Flag("serve.ban_file"),
+        Flag("serve.rate_per_s", "--rate-limit"),
+        Flag("serve.require_node_auth"),
     )
     p.add_argument("--key", type=Path, default=None, help="this relay's key: signs its requests to upstreams")
-    p.add_argument(
-        "--public-url",
-        action="append",
-        default=None,
-        help="a URL clients reach this server by (NAT, DNS); access tokens may be addressed to it",
-    )
+    flags.add(Flag("serve.public_urls", "--public-url", append=True))
     p.set_defaults(handler=serve_cmd)
 
-    p = cmds.add_parser("fetch", parents=[common_flags()], help="download and verify a checkpoint")
+    p = cmds.add_parser("fetch", help="download and verify a checkpoint")
+    flags = SettingsFlags(p, WeightsSettings)
     p.add_argument("--source", action="append", required=True, help="server URL (repeatable)")
-    p.add_argument("--trainer-key", required=True, help="pinned signer public key (hex)")
+    flags.add(Flag("trainer_key", required=True))
     p.add_argument("--out", type=Path, required=True, help="store directory to fetch into")
     p.add_argument("--step", type=_step, default=None, help="step number or 'latest' (default)")
-    p.add_argument("--concurrency", type=int, default=None, help="shards downloaded at once (default 8)")
-    p.add_argument(
-        "--stall-timeout", type=float, default=None, help="seconds without data before switching source"
-    )
-    p.add_argument("--keep", type=int, default=None, help="keep only this many versions after success")
+    flags.add(Flag("fetch.concurrency"), Flag("fetch.stall_timeout_s", "--stall-timeout"), Flag("fetch.keep"))
     p.add_argument(
         "--key",
         type=Path,
@@ -156,21 +150,7 @@ def publish_cmd(args: argparse.Namespace) -> int:
 
 
 def serve_cmd(args: argparse.Namespace) -> int:
-    settings = load_settings(
-        args,
-        WeightsSettings,
-        {
-            "serve.host": "host",
-            "serve.port": "port",
-            "serve.keep": "keep",
-            "serve.ban": "ban",
-            "serve.ban_file": "ban_file",
-            "serve.rate_per_s": "rate_limit",
-            "trainer_key": "trainer_key",
-            "serve.require_node_auth": "require_node_auth",
-            "serve.public_urls": "public_url",
-        },
-    )
+    settings = load_settings(args, WeightsSettings)
     if args.upstream and not settings.trainer_key:
         raise ConfigError("relay mode (--upstream) needs --trainer-key: a relay verifies what it mirrors")
     identity = Identity.load(args.key) if args.key is not None else None
@@ -203,16 +183,7 @@ async def _serve(
 
 
 def fetch_cmd(args: argparse.Namespace) -> int:
-    settings = load_settings(
-        args,
-        WeightsSettings,
-        {
-            "fetch.concurrency": "concurrency",
-            "fetch.stall_timeout_s": "stall_timeout",
-            "fetch.keep": "keep",
-            "trainer_key": "trainer_key",
-        },
-    )
+    settings = load_settings(args, WeightsSettings)
     assert settings.trainer_key is not None  # required flag, validated by the settings pattern
     bar = tqdm(
         total=0, unit="B", unit_scale=True, unit_divisor=1024, disable=args.json or None, file=sys.stderr

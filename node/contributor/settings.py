@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ...p2p.swarm.config import SwarmConfig
 from ...p2p.weights.fetch import FetchSettings
@@ -61,9 +61,7 @@ class StartSettings(CommonSettings):
         le=100_000,
         description="Generate no further while this many files wait for hand-off (the validator's back-pressure).",
     )
-    status_host: str = Field(
-        "127.0.0.1", description="Address of the local status API (loopback by default)."
-    )
+    status_host: str = Field("127.0.0.1", description="Address of the local status API.")
     status_port: int = Field(0, ge=0, le=65535, description="Port of the status API; 0 picks a free one.")
     shutdown_timeout_s: float = Field(
         30.0, gt=0, le=600, description="Bound on a graceful stop (SIGINT/SIGTERM)."
@@ -93,10 +91,16 @@ class StartSettings(CommonSettings):
     min_ram_mb: int = Field(512, ge=0, description="Available RAM required at start.")
     min_gpu_memory_mb: int = Field(2048, ge=0, description="Free GPU memory required with --gpu.")
 
+    @field_validator("operator_key")
+    @classmethod
+    def _node_id(cls, key: str | None) -> str | None:
+        # A field's own rule, so that the error names the flag or the setting and quotes the value.
+        if key is not None and not is_hex64(key):
+            raise ValueError("must be the operator's node id: 64 lowercase hex digits")
+        return key
+
     @model_validator(mode="after")
     def _consistent(self) -> StartSettings:
-        if self.operator_key is not None and not is_hex64(self.operator_key):
-            raise ValueError(f"operator_key {self.operator_key[:80]!r} is not 64 lowercase hex digits")
         if self.fetch_retry_s > self.max_retry_s or self.handoff_retry_s > self.max_retry_s:
             raise ValueError("fetch_retry_s and handoff_retry_s must not exceed max_retry_s")
         return self

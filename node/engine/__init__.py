@@ -2,21 +2,25 @@
 backend (vllm_backend.py), and `load_engine`, the one place that picks between them.
 
 `EngineSettings` is the typed configuration the CLI loads (flags > env > TOML > defaults); its field names
-are `load_engine`'s keyword arguments, so `load_engine(model_dir, **settings.model_dump())` works.
+are `load_engine`'s keyword arguments, so `load_engine(model_dir, **settings.model_dump())` works. Importing
+this package does not import torch (the CLI builds its flags from EngineSettings and must start fast): the
+backends load when `load_engine` runs or `HFEngine` is first named.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from ..config import Section
 from ..errors import EngineError
-from .hf import HFEngine, check_device
 from .types import Completion, InferenceEngine, PrefillResult, SampleRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from .hf import HFEngine
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,11 @@ class EngineSettings(Section):
     )
     max_batch_size: int = Field(16, ge=1, le=4096, description="Most samples generated in one micro-batch.")
     threads: int | None = Field(
-        None, ge=1, le=1024, description="torch CPU threads (process-wide); unset keeps torch's default."
+        None,
+        ge=1,
+        le=1024,
+        description="torch CPU threads (process-wide); unset keeps torch's default (a validator on 4 cores or "
+        "fewer takes 1).",
     )
     gpu_memory_utilization: float = Field(
         0.5,
@@ -70,6 +78,8 @@ def load_engine(
     On cuda, vLLM generates when it is installed and `prefer_vllm` is set (the `--gpu` default, as the
     design asks); otherwise, and always on cpu, the transformers backend does.
     """
+    from .hf import HFEngine, check_device
+
     check_device(device)
     if prefer_vllm and device == "cuda":
         from .vllm_backend import VLLMEngine, vllm_available
@@ -87,3 +97,12 @@ def load_engine(
     return HFEngine.load(
         model_dir, device=device, dtype=dtype, max_batch_size=max_batch_size, threads=threads
     )
+
+
+def __getattr__(name: str) -> Any:
+    # HFEngine imports torch and transformers: only when it is asked for (PEP 562), not with EngineSettings.
+    if name == "HFEngine":
+        from .hf import HFEngine
+
+        return HFEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-import torch
+if TYPE_CHECKING:  # annotations only: the CLI imports these types without loading torch
+    import torch
 
 FinishReason = Literal["eos", "length"]
 

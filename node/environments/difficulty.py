@@ -20,11 +20,11 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import Field, model_validator
-from transformers import PreTrainedTokenizerBase
 
 from ..config import CommonSettings
 from ..engine import EngineSettings
@@ -33,6 +33,9 @@ from ..errors import TaskError
 from .files import JSONL_SUFFIXES, PARQUET_SUFFIXES
 from .types import Task, TaskSet
 from .verifier import score
+
+if TYPE_CHECKING:  # `prime-node tasks filter` builds its flags from FilterSettings: no transformers at load
+    from transformers import PreTrainedTokenizerBase
 
 _DOMAIN = b"prime-node/difficulty/v1\x00"
 MAX_SEED = 2**63 - 1

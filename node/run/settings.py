@@ -1,24 +1,26 @@
 """Typed settings of `prime-node rollout` and `prime-node verify`, and the run's task rules they load.
 
-Kept apart from the CLI modules so that `prime-node --help` does not import transformers.
+The command line builds its flags from these models, so this module imports neither torch nor transformers at
+load time: the tokenizer and the task rules load when `load_run_tasks` runs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field
-from transformers import AutoTokenizer
 
 from ...p2p.names import MAX_LENGTH_TARGET, RUN_ID_PATTERN, RUN_ID_RULE
-from ...proofs.toploc import Precision
-from ...proofs.verifier import VerifierSettings
+from ...proofs.bounds import Precision
+from ...proofs.verifier_settings import VerifierSettings
 from ..config import CommonSettings, Section
 from ..engine import EngineSettings
 from ..environments import TaskSet, open_task_set
 from ..errors import NodeError
-from .validation import RunTasks
+
+if TYPE_CHECKING:
+    from .validation import RunTasks
 
 
 class RunSettings(Section):
@@ -137,6 +139,10 @@ def load_run_tasks(run: RunSettings, checkpoint: Path, task_set: TaskSet | None 
     """The run's task rules with the checkpoint's own tokenizer. Long-running processes pass the task set they
     opened once at start (the one whose identity they compared with the run's), so that a task file edited
     in place later cannot change the tasks under them; None opens it now."""
+    from transformers import AutoTokenizer
+
+    from .validation import RunTasks
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     except (OSError, ValueError) as exc:

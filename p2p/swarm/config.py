@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..names import RUN_ID_PATTERN
 from ..wire import is_hex64
-from .records import MAX_TTL_S, RecordKind
+from .kinds import MAX_TTL_S, RecordKind
 
 
 def _check_maddr(text: str) -> str:
@@ -32,12 +32,14 @@ class SwarmConfig(BaseModel):
     run_id: str = Field(
         "prime-node-dev",
         pattern=RUN_ID_PATTERN,
-        description="Run id; every DHT key is prefixed with it, so two runs never read each other's records.",
+        description="Run id; every DHT key is prefixed with it, so two runs never read each other's records. "
+        "The commands take the run's id (run.run_id) unless it is set, as contributors always do.",
     )
     operator_keys: list[str] = Field(
         default_factory=list,
         max_length=8,
-        description="Pinned operator public keys (hex): only they sign policy, validator and ban records.",
+        description="Pinned operator public keys (hex): only they sign policy, validator and ban records. A "
+        "validator with none pins its own key.",
     )
     initial_peers: list[str] = Field(
         default_factory=list,
@@ -57,7 +59,8 @@ class SwarmConfig(BaseModel):
     )
     reachability: Literal["auto", "public", "private"] = Field(
         "auto",
-        description="auto: a bootstrap peer dials us back to decide; public: full DHT peer; private: client.",
+        description="auto: a bootstrap peer dials us back to decide; public: full DHT peer; private: client "
+        "(docs/swarm.md).",
     )
     reachability_timeout_s: float = Field(
         3.0,

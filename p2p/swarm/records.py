@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import struct
-from enum import Enum
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -41,6 +40,7 @@ from ..wire import (
     loads_strict,
 )
 from .errors import RecordError
+from .kinds import MAX_TTL_S, RecordKind
 
 DOMAIN = b"prime-node/swarm-record/v1\x00"
 # How far a peer's clock may run ahead of ours before its records look "from the future".
@@ -55,23 +55,7 @@ HttpUrlText = Annotated[str, StringConstraints(max_length=256, pattern=r"^https?
 Role = Literal["contributor", "trainer", "validator", "relay"]
 
 
-class RecordKind(str, Enum):
-    HEARTBEAT = "heartbeat"
-    POLICY = "policy"
-    VALIDATOR = "validator"
-    BAN = "ban"
-    ROLLOUT = "rollout"
-
-
 OPERATOR_KINDS = frozenset({RecordKind.POLICY, RecordKind.VALIDATOR, RecordKind.BAN})
-# Longest lifetime an honest peer accepts per kind (plus CLOCK_SKEW_S): longer ones are refused.
-MAX_TTL_S: dict[RecordKind, float] = {
-    RecordKind.HEARTBEAT: 300.0,
-    RecordKind.POLICY: 3600.0,
-    RecordKind.VALIDATOR: 3600.0,
-    RecordKind.BAN: 7 * 86400.0,
-    RecordKind.ROLLOUT: 3600.0,
-}
 MAX_PAYLOAD_BYTES: dict[RecordKind, int] = {
     RecordKind.HEARTBEAT: 4096,
     RecordKind.POLICY: 8192,

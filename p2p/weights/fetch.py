@@ -50,7 +50,7 @@ class FetchSettings(BaseModel):
     )
     connect_timeout_s: float = Field(5.0, gt=0, description="Time allowed to open a connection to a source.")
     stall_timeout_s: float = Field(
-        15.0, gt=0, description="A source that sends no byte for this long has stalled."
+        15.0, gt=0, description="A source that sends no byte for this long has stalled: another is used."
     )
     manifest_timeout_s: float = Field(
         15.0,

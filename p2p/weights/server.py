@@ -52,8 +52,12 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = Field("127.0.0.1", description="Address to bind; loopback unless the operator opens it up.")
-    port: int = Field(8470, ge=0, le=65535, description="TCP port (0 picks a free one).")
+    host: str = Field(
+        "127.0.0.1", description="Address the weights server binds; loopback unless the operator opens it up."
+    )
+    port: int = Field(
+        8470, ge=0, le=65535, description="TCP port of the weights server (0 picks a free one)."
+    )
     keep: int = Field(5, ge=1, description="Versions kept on disk; older ones are deleted.")
     rate_per_s: float = Field(
         200.0, ge=0, description="Requests per second per client address (0: unlimited)."

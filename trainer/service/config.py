@@ -52,7 +52,10 @@ class TrainerServiceSection(Section):
     )
     metrics_host: str = Field("127.0.0.1", description="Address of the Prometheus /metrics endpoint.")
     metrics_port: int | None = Field(
-        0, ge=0, le=65535, description="Its port (0 picks one; unset: no endpoint)."
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the Prometheus /metrics endpoint (0 picks one; unset: no endpoint).",
     )
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch CPU threads; unset keeps torch's default."

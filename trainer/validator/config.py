@@ -12,7 +12,7 @@ from ...node.run.settings import VERIFIER_SETTINGS_SET_BY_RUN, RunSettings
 from ...p2p.swarm import SwarmConfig
 from ...p2p.weights.fetch import FetchSettings
 from ...p2p.wire import HEX64_PATTERN
-from ...proofs.verifier import VerifierSettings
+from ...proofs.verifier_settings import VerifierSettings
 from ..ledger.db import LedgerSettings
 from ..ledger.slashing import SlashingPolicy
 from .dashboard import DashboardSettings

@@ -58,9 +58,16 @@ class DashboardSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = Field(
-        "127.0.0.1", min_length=1, description="Listen address; 0.0.0.0 exposes it to the network."
+        "127.0.0.1",
+        min_length=1,
+        description="Listen address of the leaderboard API and dashboard; 0.0.0.0 exposes it to the network.",
     )
-    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    port: int = Field(
+        DEFAULT_PORT,
+        ge=0,
+        le=65535,
+        description="TCP port of the leaderboard API and dashboard; 0 picks one.",
+    )
 
 
 SwarmSource = Callable[[], Awaitable[SwarmView]]
