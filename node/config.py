@@ -145,8 +145,8 @@ def load_config(
     if toml_path is not None:
         table = read_toml(toml_path)
         merged = json.loads(json.dumps(table, default=str))  # deep copy; TOML dates become strings
-        for dotted in _flatten(table):
-            sources[dotted] = f"config file {toml_path}"
+        for name in _flatten(table):
+            sources[name] = f"config file {toml_path}"
     for dotted_name, (dotted, value, source) in _env_overrides(model, env).items():
         _set_path(merged, dotted, value)
         sources[dotted_name] = source

@@ -28,10 +28,21 @@ LOGIT_BYTES = 4  # prefills return float32 logits
 
 
 class Prefilled(Protocol):
-    # Row i is position first_position + i of the sequence (the verifier keeps from the prompt's last token).
-    hidden_states: torch.Tensor  # (L - first_position, hidden) last hidden states after the final norm
-    logits: torch.Tensor  # (L - first_position, vocab) float32; row i predicts the token after its position
-    first_position: int
+    """Row i is position first_position + i of the sequence (the verifier keeps from the prompt's last token).
+    Read-only, so that frozen results (node/engine/types.py PrefillResult) satisfy it."""
+
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        """(L - first_position, hidden) last hidden states after the final norm."""
+        ...
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """(L - first_position, vocab) float32; row i predicts the token after its position."""
+        ...
+
+    @property
+    def first_position(self) -> int: ...
 
 
 def first_read_position(row: RolloutRow) -> int:

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         print_json(answer.model_dump(mode="json"))
     elif isinstance(answer, NodeDetail):
         print(format_node(answer))
-    else:
+    elif isinstance(answer, Leaderboard):
         print(format_table(answer.nodes))
     return 0
 

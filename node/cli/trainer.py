@@ -12,12 +12,17 @@ import asyncio
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...trainer.service.config import TrainerCommandSettings
 from ..errors import NodeError
 from .common import run_until_stopped
 from .flags import Flag, SettingsFlags, load_settings
 from .run_flags import add_run_flags
+
+if TYPE_CHECKING:
+    from ...p2p.identity import Identity
+    from ...trainer.service.learner import Learner
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -86,12 +91,12 @@ def trainer(args: argparse.Namespace) -> int:
 
 
 async def _serve(
-    settings: object,
-    identity: object,
+    settings: TrainerCommandSettings,
+    identity: Identity,
     model_dir: Path,
     *,
     quiet: bool,
-    learner_factory: Callable[..., object] | None = None,
+    learner_factory: Callable[..., Learner] | None = None,
 ) -> int:
     from ...trainer.service.metrics import StepRecord, progress_line
     from ...trainer.service.service import SHUTDOWN_S, TrainerService
@@ -107,9 +112,9 @@ async def _serve(
             identity,
             model_dir,
             supervisor,
-            on_step=show,  # type: ignore[arg-type]
+            on_step=show,
             learner_factory=learner_factory,
-        )  # type: ignore[arg-type]
+        )
         return (await service.start()).ready_line()
 
     return await run_until_stopped("trainer", start, SHUTDOWN_S)

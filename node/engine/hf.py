@@ -69,7 +69,8 @@ def load_hf_model(model_dir: Path, device: str, dtype: torch.dtype) -> PreTraine
         )
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
         raise EngineError(f"cannot load the model in {model_dir}: {exc}") from exc
-    return model.to(device).eval()
+    # transformers declares `to` through a decorator whose stub takes the model as its first argument.
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 class HFEngine:

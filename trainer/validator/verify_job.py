@@ -100,7 +100,7 @@ def verify_spooled(
     ctx = VerificationContext(
         path=Path(path),
         settings=settings,
-        model=None,
+        model=None,  # type: ignore[arg-type]
         tasks=None,  # type: ignore[arg-type]
         rng=rng or random.SystemRandom(),
     )
