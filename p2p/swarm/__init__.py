@@ -2,13 +2,14 @@
 
 Layers, bottom-up: records (wire schemas and the signed envelope) -> validator (the hivemind record
 validator every participant installs) -> process (the DHT child process) -> reachability (dial-back
-self-test) -> slots (who may hold receive slots) -> handoff (rollout files over libp2p streams) -> peer (the DHT process and our replica of its p2p
-daemon) -> directory (publishing and reading signed records) -> swarm (the library API: the hand-off added).
+self-test) -> slots (who may hold receive slots) -> handoff (rollout files over libp2p streams) -> peer
+(the DHT process and our replica of its p2p daemon) -> directory (publishing and reading signed records)
+-> swarm (the library API: the hand-off added).
 """
 
 from .config import SwarmConfig
 from .errors import HandoffBusy, HandoffError, HandoffRefused, HandoffTooSlow, RecordError, SwarmError
-from .handoff import Admitted, Receipt, ReceivedRollout, RolloutEnvelope
+from .handoff import Admitted, DeliveryKey, Receipt, ReceivedRollout, RolloutEnvelope
 from .records import (
     Ban,
     Hardware,
@@ -23,6 +24,7 @@ from .swarm import Swarm
 __all__ = [
     "Admitted",
     "Ban",
+    "DeliveryKey",
     "HandoffBusy",
     "HandoffError",
     "HandoffRefused",
