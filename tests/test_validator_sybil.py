@@ -60,6 +60,7 @@ async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) 
         rate_per_minute=600,
         burst=10,
         hold_timeout_s=HOLD_S,
+        established_after=1,
     )
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:

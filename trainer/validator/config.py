@@ -43,7 +43,17 @@ class IntakeSettings(Section):
         description="Share of verification turns newcomers get while established nodes' files wait.",
     )
     established_after: int = Field(
-        1, ge=1, le=1_000_000, description="Accepted files that make a node established."
+        4,
+        ge=1,
+        le=10_000,
+        description="Files accepted within established_window_s that make a node established (reserved "
+        "queue places and receive slots).",
+    )
+    established_window_s: float = Field(
+        3600.0,
+        gt=0,
+        le=30 * 86400,
+        description="How far back accepted files count towards a node's standing; older work does not.",
     )
     busy_retry_s: float = Field(
         10.0, gt=0, le=3600, description="Retry hint sent with a 'queue is full' answer."

@@ -13,9 +13,9 @@ Flow of one file (docs/validator.md):
   After a crash every spooled file is recovered and gets exactly one verdict: the ledger is idempotent on
   (file hash, sender) and every later step is idempotent too.
 
-A delivery is (file hash, sender) throughout (spool entry, queue place, hold, ledger row, inbox name): a node
-that re-signs another's file and delivers it first gets its own verdict (`signer`), and the other's delivery
-of the same bytes is judged on its own.
+A delivery is (file hash, sender) throughout (`DeliveryKey`: spool entry, queue place, hold, ledger row, inbox
+name): a node that re-signs another's file and delivers it first gets its own verdict (`signer`), and the
+other's delivery of the same bytes is judged on its own.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ...node.run.settings import verifier_for_run
 from ...node.tasks import TaskSet
 from ...p2p.identity import Identity
 from ...p2p.swarm import Admitted, HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
-from ...p2p.swarm.handoff import RolloutReceiver
+from ...p2p.swarm.handoff import DeliveryKey, RolloutReceiver, body_deadline_s
 from ...p2p.verdicts import MAX_REASON_CHARS, Signed, Verdict, sign
 from ...p2p.weights.store import Store
 from ...p2p.wire import printable
@@ -57,6 +57,10 @@ class Job:
     tier: Tier = Tier.NEWCOMER  # the queue tier it was admitted to (trainer/validator/intake.py)
     step: int | None = None  # known once verification found the file's checkpoint missing
     hold_until: float = 0.0
+
+    @property
+    def key(self) -> DeliveryKey:
+        return DeliveryKey(self.entry.sha256, self.node_id)
 
 
 class ValidatorService:
@@ -92,12 +96,12 @@ class ValidatorService:
         # outlives the longest it may take. One that ends without a file frees its place at once (admit's
         # `abandon`); the lapse only covers a handler that vanished without that.
         sw = settings.swarm
-        longest_body_s = sw.handoff_deadline_grace_s + sw.max_rollout_bytes / sw.handoff_min_bytes_per_s
+        longest_body_s = body_deadline_s(sw, sw.max_rollout_bytes)
         self.admission = Admission(
             settings.intake, reservation_s=2 * sw.handoff_timeout_s + sw.handoff_slot_wait_s + longest_body_s
         )
         self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
-        self.held: dict[tuple[str, str], Job] = {}  # (file hash, sender) -> job waiting for its checkpoint
+        self.held: dict[DeliveryKey, Job] = {}  # jobs waiting for their checkpoint
         self.bans = BanPublisher(
             self.ledger,
             swarm,
@@ -118,33 +122,36 @@ class ValidatorService:
         """
         if await self.ledger.active_ban(header.node_id) is not None:
             raise HandoffRefused("the sending node is banned by this validator")
-        busy = self.admission.admit(header.node_id, header.sha256)
+        key = DeliveryKey(header.sha256, header.node_id)
+        busy = self.admission.admit(key)
         if busy is not None:
             raise HandoffBusy(busy.reason, busy.retry_after_s)
         established = self.admission.tier_of(header.node_id) is Tier.ESTABLISHED
-        return Admitted(established, abandon=lambda: self.admission.cancel(header.node_id, header.sha256))
+        return Admitted(established, abandon=lambda: self.admission.cancel(key))
 
     async def load_tiers(self) -> None:
-        """Which nodes are established, from the ledger's accepted files (at start)."""
+        """Which nodes are established, from the files the ledger accepted recently (at start)."""
         rows = await self.ledger.query(
-            "SELECT node_id, COUNT(*) AS n FROM contributions WHERE accepted = 1 GROUP BY node_id"
+            "SELECT node_id, decided_at FROM contributions WHERE accepted = 1 AND decided_at >= ? "
+            "ORDER BY decided_at",
+            (self.admission.standing_since(),),
         )
-        self.admission.load_accepted((r["node_id"], r["n"]) for r in rows)
+        self.admission.load_accepted((r["node_id"], r["decided_at"]) for r in rows)
 
     async def accept(self, received: ReceivedRollout) -> None:
         """The file is stored and its hash checked: make it durable before the receipt goes out."""
-        sha, node = received.envelope.sha256, received.envelope.node_id
+        key = received.key
         # A resend by the same sender: acknowledged, credited once. Another sender's verdict on the same bytes
         # says nothing about this delivery.
-        if await self.ledger.verdict_for(sha, node) is not None:
-            self.admission.cancel(node, sha)
-            await asyncio.to_thread(self.spool.remove, self.spool.entry(sha, node))
+        if await self.ledger.verdict_for(*key) is not None:
+            self.admission.cancel(key)
+            await asyncio.to_thread(self.spool.remove, self.spool.entry(*key))
             return
-        entry = await asyncio.to_thread(self.spool.make_durable, sha, node)
-        self._enqueue(Job(entry, node, time.time()))
+        entry = await asyncio.to_thread(self.spool.make_durable, *key)
+        self._enqueue(Job(entry, key.node_id, time.time()))
 
     def _enqueue(self, job: Job) -> None:
-        job.tier = self.admission.enqueued(job.node_id, job.entry.sha256)
+        job.tier = self.admission.enqueued(job.key)
         self.queue.put(job.tier, job.node_id, job)
 
     async def recover(self) -> int:
@@ -230,7 +237,7 @@ class ValidatorService:
             return
         job.step = step
         job.hold_until = job.received_at + self.settings.intake.hold_timeout_s
-        self.held[(job.entry.sha256, job.node_id)] = job
+        self.held[job.key] = job
         logger.info("holding %s until checkpoint step %d arrives", job.entry.sha256[:16], step)
 
     def _release(self, step: int) -> None:
@@ -306,7 +313,7 @@ class ValidatorService:
         for ban in result.new_bans:
             await self.publish_ban(ban)
         await self._finish(job.entry, result.verdict)
-        self.admission.finished(job.node_id, job.entry.sha256)
+        self.admission.finished(job.key)
 
     async def _finish(self, entry: SpooledFile, signed: Signed[Verdict]) -> None:
         if signed.document.accepted:
