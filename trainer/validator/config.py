@@ -65,6 +65,13 @@ class IntakeSettings(Section):
     hold_timeout_s: float = Field(
         600.0, gt=0, le=86400, description="How long a file waits for its checkpoint before it is rejected."
     )
+    step_margin: int = Field(
+        2,
+        ge=0,
+        le=1000,
+        description="Policy steps a file may claim beyond the newest announced one and still wait for its "
+        "checkpoint: a node may see a new policy before the validator. Beyond it: a fault (policy_step).",
+    )
 
     @model_validator(mode="after")
     def _newcomer_slice(self) -> IntakeSettings:

@@ -9,9 +9,10 @@ Flow of one file (docs/validator.md):
   ledger (once per file hash and sender; an acceptance records its sample identities in the same
   transaction, and loses to any earlier claim on them) with its slashes and bans -> bans published in the
   DHT -> accepted files copied into the trainer's inbox -> spool entry removed. A file whose checkpoint the
-  validator does not hold waits (held) until it is fetched, or is rejected when `hold_timeout_s` passes.
-  After a crash every spooled file is recovered and gets exactly one verdict: the ledger is idempotent on
-  (file hash, sender) and every later step is idempotent too.
+  validator does not hold waits (held) until it is fetched, or is rejected when `hold_timeout_s` passes;
+  a claimed step the run did not announce is the sender's fault, before the hold or at its end
+  (trainer/validator/policy_steps.py). After a crash every spooled file is recovered and gets exactly one
+  verdict: the ledger is idempotent on (file hash, sender) and every later step is idempotent too.
 
 A delivery is (file hash, sender) throughout (`DeliveryKey`: spool entry, queue place, hold, ledger row, inbox
 name): a node that re-signs another's file and delivers it first gets its own verdict (`signer`), and the
@@ -40,6 +41,7 @@ from .bans import BanPublisher
 from .checkpoints import CheckpointKeeper
 from .config import ValidatorSettings
 from .intake import Tier, TieredQueue
+from .policy_steps import POLICY_STEP, PolicySteps
 from .spool import Spool, SpooledFile, deliver
 from .verify_job import DUPLICATE, Outcome, verify_spooled
 
@@ -91,6 +93,11 @@ class ValidatorService:
             task_set=task_set,
         )
         self.keeper.on_version(self._release)
+        self.steps = PolicySteps(
+            self._announced_now,
+            self._announced_seen,
+            margin=settings.intake.step_margin,
+        )
         self.verifier = verifier_for_run(settings.verifier, settings.run)
         # A hand-off may wait for a receive slot, then stream its body at the rate floor: its reservation
         # outlives the longest it may take. One that ends without a file frees its place at once (admit's
@@ -153,6 +160,19 @@ class ValidatorService:
     def _enqueue(self, job: Job) -> None:
         job.tier = self.admission.enqueued(job.key)
         self.queue.put(job.tier, job.node_id, job)
+
+    # ----- announced steps -------------------------------------------------------------------------------
+
+    async def _announced_now(self) -> int | None:
+        policy = await self.swarm.current_policy()
+        return policy.step if policy is not None else None
+
+    def _announced_seen(self) -> int | None:
+        # What the policy watch has seen, and the newest version ever fetched (kept across restarts): only
+        # announced versions are fetched.
+        latest = self.keeper.latest_policy
+        seen = max(-1 if latest is None else latest, self.keeper.store.high_water())
+        return seen if seen >= 0 else None
 
     async def recover(self) -> int:
         """Queue every spooled file left by an earlier run; finish those already decided."""
@@ -222,6 +242,10 @@ class ValidatorService:
                 await self._decide(job, outcome)
 
     async def _hold(self, job: Job, step: int) -> None:
+        fault = await self.steps.refusal(step)
+        if fault is not None:  # a wait for a checkpoint the run has not announced and will not soon
+            await self._decide(job, Outcome(False, max(0, step), False, POLICY_STEP, fault))
+            return
         if self.keeper.gone(step):
             held = self.keeper.held()
             await self._decide(
@@ -247,7 +271,8 @@ class ValidatorService:
                 self.queue.put(job.tier, job.node_id, job, front=True)
 
     async def run_holds(self) -> None:
-        """Reject held files whose checkpoint did not arrive within hold_timeout_s."""
+        """Reject held files whose checkpoint did not arrive within hold_timeout_s: excused when the step was
+        announced (the validator could not get it), the sender's fault when it never was."""
         timeout = self.settings.intake.hold_timeout_s
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
@@ -255,17 +280,19 @@ class ValidatorService:
             for key, job in list(self.held.items()):
                 if job.hold_until <= now and self.held.pop(key, None) is not None:
                     assert job.step is not None
-                    await self._decide(
-                        job,
-                        Outcome(
+                    fault = await self.steps.never_announced(job.step)
+                    if fault is not None:
+                        outcome = Outcome(False, max(0, job.step), False, POLICY_STEP, fault)
+                    else:
+                        outcome = Outcome(
                             False,
                             max(0, job.step),
                             False,
                             "checkpoint_unavailable",
                             f"no checkpoint for step {job.step} arrived within {timeout:g} s "
                             f"(held steps: {self.keeper.held()}); the file expired unverified",
-                        ),
-                    )
+                        )
+                    await self._decide(job, outcome)
 
     # ----- verdicts ---------------------------------------------------------------------------------------
 
