@@ -6,13 +6,28 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.swarm import HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
-from prime_node.p2p.swarm.handoff import ENVELOPE_SUFFIX, FILE_SUFFIX, stored_name
+from prime_node.p2p.swarm import (
+    HandoffError,
+    HandoffRefused,
+    ReceivedRollout,
+    RolloutEnvelope,
+    Swarm,
+    ValidatorAnnouncement,
+)
+from prime_node.p2p.swarm.framing import read_frame, write_frame
+from prime_node.p2p.swarm.handoff import (
+    ENVELOPE_SUFFIX,
+    FILE_SUFFIX,
+    MAX_CONTROL_FRAME,
+    protocol_name,
+    stored_name,
+)
 from prime_node.proofs.rollout_file import parse_envelope, sign_bytes, verify_envelope
 
 from support.swarm import fleet, wait_until
@@ -121,3 +136,54 @@ async def operator_bans(operator_swarm: Swarm, node_id: str) -> None:
 
     await wait_until(visible, timeout=20.0)
     await asyncio.sleep(2.1)  # the receiver caches ban lookups for 2 s
+
+
+async def test_a_validator_that_reads_slowly_cannot_hold_a_hand_off_past_its_deadline(tmp_path: Path) -> None:
+    """The sender gives the whole body one wall-clock deadline (grace plus its size at the rate floor). It used
+    to wait up to handoff_timeout_s for each 256 KiB chunk, so a validator that drains one chunk just in time
+    held a 4 MiB hand-off for a minute here (a 64 MiB one for hours with the default settings)."""
+    operator = Identity.generate()
+    floor, grace, size = 1 << 20, 1.0, 4 << 20  # the body's deadline: 1 s + 4 MiB at 1 MiB/s = 5 s
+    limits = dict(handoff_min_bytes_per_s=floor, handoff_deadline_grace_s=grace, handoff_timeout_s=10.0)
+    async with fleet("slowreader", operator) as group:
+        honest = await group.add(operator, roles=("validator",), **limits)
+        received: list[ReceivedRollout] = []
+        await honest.serve_rollouts(tmp_path / "incoming", received.append)
+        hostile = await group.add(roles=("validator",), **limits)
+
+        async def read_slowly(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: ANN001
+            await read_frame(reader, MAX_CONTROL_FRAME, 10.0)
+            await write_frame(writer, {"go": True})
+            while await reader.read(16 * 1024):  # 64 KiB/s: each chunk drains well within 10 s
+                await asyncio.sleep(0.25)
+
+        await hostile._add_handler(protocol_name("slowreader"), read_slowly)
+        sender = await group.add(**limits)
+        await wait_until(lambda: _binds(honest, sender), 20)
+        data = rollout_bytes(size)
+        envelope = RolloutEnvelope.sign(sender.identity, data)
+
+        def announcement(peer: Swarm, maddrs: list[str]) -> ValidatorAnnouncement:
+            return ValidatorAnnouncement(
+                node_id=peer.node_id,
+                peer_id=peer.peer_id,
+                addresses=maddrs[:8],
+                max_rollout_bytes=64 << 20,
+                published_at=time.time(),
+            )
+
+        start = time.monotonic()
+        with pytest.raises(
+            HandoffError, match=r"did not take the 4194304-byte body within its deadline of 5\.0 s"
+        ):
+            await asyncio.wait_for(
+                sender.send_rollout(data, envelope, announcement(hostile, await hostile.maddrs())), 30
+            )
+        assert time.monotonic() - start < 5.0 + 4.0
+        # The honest control: the same file to a validator that reads at full speed, well within the deadline.
+        receipt = await sender.send_rollout(data, envelope, announcement(honest, await honest.maddrs()))
+        assert receipt.body.sha256 == envelope.sha256 and len(received) == 1
+
+
+async def _binds(validator: Swarm, peer: Swarm) -> bool:
+    return (await validator.list_peers()).get(peer.node_id) is not None

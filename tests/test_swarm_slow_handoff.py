@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from hivemind.utils.multiaddr import Multiaddr
+from pydantic import ValidationError
 
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import Admitted, HandoffError, HandoffTooSlow, ReceivedRollout, RolloutEnvelope
@@ -18,7 +19,7 @@ from prime_node.p2p.swarm.framing import read_at_rate
 from prime_node.p2p.swarm.slots import Claim, Cooldowns, SlotTable, network_of
 
 from support.slow_sender import drip, signed_blob
-from support.swarm import fleet, wait_until
+from support.swarm import config, fleet, wait_until
 
 FLOOR = 64 * 1024  # bytes/s
 WINDOW_S = 4.0
@@ -29,7 +30,7 @@ LIMITS = dict(
     max_concurrent_handoffs=6,
     handoff_reserved_slots=2,
     handoff_slots_per_sender=1,
-    handoff_slots_per_network=2,
+    handoff_slots_per_network=3,  # newcomers of one network: 2 of them, the third kept for its established
     handoff_group_loopback=True,
     handoff_min_bytes_per_s=FLOOR,
     handoff_rate_window_s=WINDOW_S,
@@ -82,35 +83,58 @@ async def test_a_body_is_read_only_at_the_floor_and_within_its_deadline() -> Non
     late = await _fed([b"x" * 1000] * 4, 0.2)
     with pytest.raises(HandoffTooSlow, match="the deadline for a file of this size is 0.4 s"):
         await read_at_rate(late, 4000, deadline_s=0.4, **limits)
-    closed = await _fed([b"x" * 10], 0.0, then_close=True)
-    with pytest.raises(HandoffError, match="closed the stream after 10 of 100 bytes"):
-        await read_at_rate(closed, 100, deadline_s=5.0, **limits)
+    # A sender above the floor whose stream breaks is not cut: a plain transport failure, at no cost.
+    broken = await _fed([b"x" * 4000] * 2, 0.05, then_close=True)  # 80,000 bytes/s, then the link drops
+    with pytest.raises(HandoffError, match="closed the stream after 8000 of 20000 bytes") as caught:
+        await read_at_rate(broken, 20_000, deadline_s=5.0, **limits)
+    assert not isinstance(caught.value, HandoffTooSlow)
+    # Nor one that breaks the moment after it completed a window's quota (judged since the previous window).
+    quota_then_break = await _fed([b"x" * 5000], 0.0, then_close=True)
+    with pytest.raises(HandoffError, match="closed the stream after 5000 of 20000") as caught:
+        await read_at_rate(quota_then_break, 20_000, deadline_s=5.0, **limits)
+    assert not isinstance(caught.value, HandoffTooSlow)
+    # One that sends (almost) nothing and closes just before its window ends is cut, as if it had waited for it.
+    idle_then_close = await _fed([b"x" * 100], 0.45, then_close=True)
+    with pytest.raises(
+        HandoffTooSlow, match="closed the stream after 100 of 20000 bytes, 100 of them in the"
+    ):
+        await read_at_rate(idle_then_close, 20_000, deadline_s=5.0, **limits)
 
 
 async def test_slot_shares_per_sender_peer_network_and_tier() -> None:
-    table = SlotTable(6, reserved=2, per_sender=1, per_network=2)
+    table = SlotTable(6, reserved=2, per_sender=1, per_network=3)
 
     def newcomer(i: int, peer: str = "", net: str | None = None) -> Claim:
         return Claim(f"n{i}", peer or f"p{i}", net, established=False)
+
+    def established(i: int, net: str) -> Claim:
+        return Claim(f"e{i}", f"q{i}", net, established=True)
 
     assert await table.acquire(newcomer(1, net="a"), 0) is None
     assert "this node already holds 1" in (await table.acquire(newcomer(1, peer="p9"), 0) or "")
     # One libp2p peer signing heartbeats for many node ids is still one sender.
     assert "this libp2p peer already holds 1" in (await table.acquire(newcomer(2, peer="p1"), 0) or "")
     assert await table.acquire(newcomer(2, net="a"), 0) is None
-    assert "network a hold 2" in (await table.acquire(newcomer(3, net="a"), 0) or "")
+    # A network's newcomers leave the last slot of its share to its established nodes.
+    refused = await table.acquire(newcomer(3, net="a"), 0) or ""
+    assert "newcomer nodes of network a hold 2" in refused and "kept for its established" in refused
     for i in (3, 4):
         assert await table.acquire(newcomer(i, net=f"other{i}"), 0) is None
     # Four newcomers hold their share: the two reserved slots stay free for established nodes only.
     assert table.in_use == 4 and "newcomers hold their 4" in (await table.acquire(newcomer(5), 0) or "")
-    honest = [Claim(f"e{i}", f"q{i}", "a", established=True) for i in range(3)]
-    assert [await table.acquire(c, 0) for c in honest[:2]] == [None, None]  # a's newcomers are not counted
-    assert "all 6 receive slots are taken" in (await table.acquire(honest[2], 0) or "")
+    assert await table.acquire(established(0, "a"), 0) is None  # the slot a's newcomers left
+    # The network's share counts both tiers: one network never holds every slot, whatever ids it uses.
+    assert "nodes of network a hold 3" in (await table.acquire(established(1, "a"), 0) or "")
+    assert await table.acquire(established(1, "b"), 0) is None
+    assert "all 6 receive slots are taken" in (await table.acquire(established(2, "c"), 0) or "")
     # A waiter gets the slot the moment it is released, within its wait.
-    waiting = asyncio.create_task(table.acquire(honest[2], 5.0))
+    waiting = asyncio.create_task(table.acquire(established(2, "c"), 5.0))
     await asyncio.sleep(0.05)
-    await table.release(honest[0])
+    await table.release(established(0, "a"))
     assert await asyncio.wait_for(waiting, 5) is None and table.in_use == 6
+    # A network's share must leave other networks a slot: the settings refuse one as large as the total.
+    with pytest.raises(ValidationError, match="one network must never hold every receive slot"):
+        config("x", Identity.generate(), max_concurrent_handoffs=4, handoff_slots_per_network=4)
 
 
 def test_each_cut_doubles_the_cooldown_until_a_hand_off_completes() -> None:
@@ -191,7 +215,7 @@ async def test_drip_fed_streams_are_cut_and_shared_out_while_established_files_g
         assert sum(d.went for d in drips[:4]) == 1, [d.answer for d in drips[:4]]
         others = " | ".join(d.busy_reason() for d in drips[:4] if not d.went)
         assert "this node already holds 1" in others or "cooling down" in others, others
-        # The three newcomers of one network held at most that network's share, never all three together.
+        # The three newcomers of one network held at most its newcomers' share, never all three together.
         assert peak == {"node": 1, "newcomers": 2, "network": 2}, peak
         assert sum(d.went for d in drips[4:]) == 1, [d.answer for d in drips[4:]]
         told = " | ".join(d.busy_reason() for d in drips[4:])

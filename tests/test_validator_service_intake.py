@@ -121,8 +121,9 @@ async def test_files_wait_for_their_checkpoint_then_are_verified_or_expire(tmp_p
     early, early_env = write_file(
         tmp_path / "step1.parquet", rows_for(engine, tasks, node, policy_step=1), node
     )
+    # Within the margin of the announced step 0; announced later, but with no source the validator can use.
     never, never_env = write_file(
-        tmp_path / "step5.parquet", rows_for(engine, tasks, node, policy_step=5), node
+        tmp_path / "step2.parquet", rows_for(engine, tasks, node, policy_step=2), node
     )
     settings = validator_settings(tmp_path / "validator", hold_timeout_s=10.0)
     origin = tmp_path / "origin"
@@ -142,10 +143,11 @@ async def test_files_wait_for_their_checkpoint_then_are_verified_or_expire(tmp_p
             await running.swarm.publish_policy(1, manifest.digest, [url], run_parameters(settings.run))
             verdict = (await wait_verdict(running, early_env.sha256, 30)).document
             assert verdict.accepted and verdict.step == 1, verdict.reason
+            await running.swarm.publish_policy(2, "00" * 32, [], run_parameters(settings.run))
 
             expired = (await wait_verdict(running, never_env.sha256, 20)).document
             assert not expired.accepted and expired.failed_check == "checkpoint_unavailable"
-            assert "no checkpoint for step 5 arrived within 10 s" in expired.reason
+            assert "no checkpoint for step 2 arrived within 10 s" in expired.reason
             assert await running.service.ledger.active_ban(node.node_id) is None  # not the sender's fault
             score = running.service.ledger.ledger.query(
                 "SELECT score FROM nodes WHERE node_id = ?", (node.node_id,)

@@ -42,9 +42,10 @@ async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) 
     second, second_env = write_file(
         tmp_path / "honest-1.parquet", rows_for(engine, tasks, honest, batch_counter=1), honest
     )
-    # Sybil files are well formed and signed, for a checkpoint nobody publishes: they pass the cheap checks
-    # and then wait for it, holding queue places for hold_timeout_s at no cost to the flooder.
-    template = rows_for(engine, tasks, flooder, policy_step=7)
+    # Sybil files are well formed and signed, for the next step (within the margin, but never announced): they
+    # pass the cheap checks and then wait for it, holding queue places for hold_timeout_s; each then costs its
+    # sender a fault (trainer/validator/policy_steps.py).
+    template = rows_for(engine, tasks, flooder, policy_step=1)
     blobs: list[tuple[bytes, RolloutEnvelope]] = []
     for i, sybil in enumerate(sybils):
         for k in range(2):
@@ -60,6 +61,7 @@ async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) 
         rate_per_minute=600,
         burst=10,
         hold_timeout_s=HOLD_S,
+        established_after=1,
     )
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:
@@ -109,11 +111,11 @@ async def test_sybil_flood_fills_only_the_newcomer_slice(tmp_path: Path, world) 
             settings.intake.busy_retry_s
         }  # the hint travels with the answer
         assert honest_seconds < 20, honest_seconds
-        # Nothing acknowledged is lost: every received Sybil file gets exactly one verdict (its checkpoint
-        # never came), and the places are free again.
+        # Nothing acknowledged is lost: every received Sybil file gets exactly one verdict (its step was never
+        # announced: the sender's fault), and the places are free again.
         for sha in receipts:
             verdict = (await wait_verdict(running, sha, HOLD_S + 30)).document
-            assert verdict.failed_check == "checkpoint_unavailable"
+            assert verdict.failed_check == "policy_step"
         # The verdict is in the ledger a moment before its admission slot is released (_decide): wait for it.
         await wait_until(lambda: _newcomers_empty(service), 10, interval=0.05)
         count = await service.ledger.query(

@@ -53,6 +53,7 @@ from support.swarm import fleet, wait_until
 from support.validator import (
     OPERATOR,
     RUN,
+    announce_run,
     bind_node_ids,
     publish_checkpoint,
     rows_for,
@@ -284,6 +285,45 @@ async def test_the_trainer_uses_each_sample_once_when_two_validators_accept_copi
         for p in inbox.glob("*.parquet")
         for r in read_rollout_file(p).rows
     } == expected
+
+
+async def test_a_resend_of_a_file_spooled_under_its_legacy_name_is_acknowledged_not_received_again(
+    tmp_path: Path,
+    world,  # noqa: ANN001
+) -> None:
+    """A file acknowledged by a validator of the version before sits in the spool as `<sha>.parquet` without a
+    verdict when the validator restarts; its sender, unsure it was received, sends it again. It used to be
+    stored a second time under the new name, verified twice and delivered twice to the trainer."""
+    checkpoint, engine, tasks = world
+    node = Identity.generate()
+    old, new = (encode_rows(rows_for(engine, tasks, node, batch_counter=k)) for k in (0, 1))
+    settings = _settings(tmp_path / "validator")
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    spool = settings.resolved_data_dir() / "spool"
+    spool.mkdir(parents=True)
+    legacy = RolloutEnvelope.sign(node, old)
+    (spool / f"{legacy.sha256}.parquet.sig").write_bytes(legacy.model_dump_json().encode())
+    (spool / f"{legacy.sha256}.parquet").write_bytes(old)
+    # Not announced yet: verification waits for the run's confirmation, so the legacy file is still unjudged.
+    async with running_validator(settings, announce=False) as running, fleet(RUN, OPERATOR) as group:
+        sender = await group.add(node, bootstrap=running.maddrs[:1], reachability="public")
+        await wait_until(lambda: sees_a_validator(sender), 15)
+        receipt = await sender.send_rollout(old, legacy)
+        assert receipt.body.sha256 == legacy.sha256 and receipt.body.sender == node.node_id
+        fresh = RolloutEnvelope.sign(node, new)  # the honest control: a new file is received and spooled
+        await sender.send_rollout(new, fresh)
+        assert sorted(p.name for p in spool.glob("*.parquet")) == sorted(
+            [f"{legacy.sha256}.parquet", f"{fresh.sha256}-{node.node_id}.parquet"]
+        )
+        await announce_run(running.swarm, settings.run)
+        for envelope in (legacy, fresh):
+            assert (await _verdict(running, envelope.sha256, node.node_id)).accepted
+        await wait_until(lambda: _count(spool, 0), 10)
+        inbox = settings.resolved_data_dir() / "accepted"
+        await wait_until(lambda: _count(inbox, 2), 10)
+        await asyncio.sleep(0.5)  # a second delivery of the legacy file would land now
+        assert len(list(inbox.glob(f"{legacy.sha256}*.parquet"))) == 1
+        assert running.service.verdicts == 2  # each file judged once
 
 
 async def _count(directory: Path, n: int) -> bool:

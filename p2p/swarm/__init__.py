@@ -19,7 +19,7 @@ from .config import SwarmConfig
 from .errors import HandoffBusy, HandoffError, HandoffRefused, HandoffTooSlow, RecordError, SwarmError
 
 if TYPE_CHECKING:
-    from .handoff import Admitted, Receipt, ReceivedRollout, RolloutEnvelope
+    from .handoff import Admitted, DeliveryKey, Receipt, ReceivedRollout, RolloutEnvelope
     from .records import (
         Ban,
         Hardware,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 # Name -> the module of this package that defines it, for the names loaded on first use.
 _LOADED_ON_USE = {
-    **dict.fromkeys(["Admitted", "Receipt", "ReceivedRollout", "RolloutEnvelope"], "handoff"),
+    **dict.fromkeys(["Admitted", "DeliveryKey", "Receipt", "ReceivedRollout", "RolloutEnvelope"], "handoff"),
     **dict.fromkeys(
         [
             "Ban",
@@ -52,6 +52,7 @@ _LOADED_ON_USE = {
 __all__ = [
     "Admitted",
     "Ban",
+    "DeliveryKey",
     "HandoffBusy",
     "HandoffError",
     "HandoffRefused",

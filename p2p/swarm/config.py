@@ -139,7 +139,7 @@ class SwarmConfig(BaseModel):
         2,
         ge=1,
         le=255,
-        description="Receive slots only established nodes (accepted work) may use; below the total.",
+        description="Receive slots only established nodes (recently accepted work) may use; below the total.",
     )
     handoff_slots_per_sender: int = Field(
         1, ge=1, le=256, description="Receive slots one node id, or one libp2p peer id, may hold at once."
@@ -148,7 +148,8 @@ class SwarmConfig(BaseModel):
         2,
         ge=1,
         le=256,
-        description="Receive slots one tier's nodes on one network (IPv4 /24, IPv6 /48) may hold at once.",
+        description="Receive slots the nodes of one network (IPv4 /24, IPv6 /48) may hold at once, "
+        "established and newcomers together; below the total.",
     )
     handoff_group_loopback: bool = Field(
         False,
@@ -196,6 +197,12 @@ class SwarmConfig(BaseModel):
             raise ValueError(
                 f"handoff_reserved_slots ({self.handoff_reserved_slots}) must be below "
                 f"max_concurrent_handoffs ({self.max_concurrent_handoffs}): newcomers may use the rest"
+            )
+        if self.handoff_slots_per_network >= self.max_concurrent_handoffs:
+            raise ValueError(
+                f"handoff_slots_per_network ({self.handoff_slots_per_network}) must be below "
+                f"max_concurrent_handoffs ({self.max_concurrent_handoffs}): one network must never hold every "
+                "receive slot"
             )
         return self
 

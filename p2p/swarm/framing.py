@@ -57,13 +57,19 @@ async def read_at_rate(
     The floor is kept per window: after each `min_bytes_per_s * window_s` bytes (or the rest of the file,
     if less) the next such quota must arrive within `window_s`. A per-read timeout is not enough: a sender
     that trickles one byte just before each read's timeout would hold the reader for ever. HandoffTooSlow
-    when the sender falls below the floor or passes the deadline; HandoffError when it closes early.
+    when the sender falls below the floor or passes the deadline. A stream that ends early (closed or reset)
+    is HandoffTooSlow too when what arrived since the previous window began is below the floor pro rata:
+    otherwise a sender could hold the reader for free by sending nothing and closing just before each window
+    ends, then open the next stream at once. Measured from the previous window, not the current one, so that
+    a sender above the floor that breaks just after it completed a window's quota is not taken for a slow
+    one. One that was keeping the floor when it broke is a plain HandoffError.
     """
     start = time.monotonic()
     deadline = start + deadline_s
     quota = max(1, int(min_bytes_per_s * window_s))
     buffer = bytearray()
     mark_time, mark_bytes = start, 0  # where the current window began, and what had arrived by then
+    prev_time, prev_bytes = start, 0  # the same for the window before it (the first window: the start)
     while len(buffer) < size:
         due = min(mark_time + window_s, deadline)
         try:
@@ -72,13 +78,16 @@ async def read_at_rate(
             )
         except TimeoutError:
             piece = None
-        if piece == b"":
-            raise HandoffError(f"peer closed the stream after {len(buffer)} of {size} bytes")
-        buffer += piece or b""
+        except (OSError, ConnectionError):  # the stream was reset: judged as a close
+            piece = b""
         now = time.monotonic()
+        if piece == b"":
+            _ended_early(len(buffer), size, len(buffer) - prev_bytes, now - prev_time, min_bytes_per_s)
+        buffer += piece or b""
         if len(buffer) >= size:
             break
         if len(buffer) - mark_bytes >= quota:
+            prev_time, prev_bytes = mark_time, mark_bytes
             mark_time, mark_bytes = now, len(buffer)
         elif now >= mark_time + window_s:
             raise HandoffTooSlow(
@@ -91,6 +100,17 @@ async def read_at_rate(
                 f"size is {deadline_s:.1f} s"
             )
     return bytes(buffer)
+
+
+def _ended_early(received: int, size: int, recent: int, recent_s: float, floor: float) -> None:
+    """Raise for a body that ended after `received` of `size` bytes: a cut when the `recent` bytes that came
+    in the last `recent_s` are below the floor, else a plain transport failure."""
+    if recent < floor * recent_s:
+        raise HandoffTooSlow(
+            f"closed the stream after {received} of {size} bytes, {recent} of them in the last "
+            f"{recent_s:.1f} s: below the floor of {floor:.0f} bytes/s"
+        )
+    raise HandoffError(f"peer closed the stream after {received} of {size} bytes")
 
 
 def close_writer(writer: asyncio.StreamWriter) -> None:

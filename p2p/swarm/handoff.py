@@ -19,8 +19,14 @@ a transport-class error). Who may hold the receive slots, and what a cut costs: 
 
 The file itself stays opaque bytes here: nothing in it is parsed before its signature and hash check.
 The envelope is the one proofs/rollout_file.py writes beside each file (FILE.parquet.sig). A received file is
-one sender's delivery, stored as `<sha256>-<node_id>.parquet` (`stored_name`): the same bytes signed by two
-nodes (one re-signing the other's file) are two deliveries, and neither answers for the other.
+one sender's delivery (`DeliveryKey`: file hash and sender), stored as `<sha256>-<node_id>.parquet`
+(`stored_name`): the same bytes signed by two nodes (one re-signing the other's file) are two deliveries, and
+neither answers for the other. A file stored as `<sha256>.parquet` by a version from before deliveries were
+keyed by sender still answers for the sender its envelope names: a resend of it is acknowledged, not stored
+again.
+
+The sender gives the whole body one wall-clock deadline, as the receiver does (grace plus its size at the
+rate floor): a validator that reads slowly cannot hold a sender's hand-off past it, however steadily it drains.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import Field, StringConstraints, ValidationError
 
@@ -55,6 +61,15 @@ FILE_SUFFIX = ".parquet"
 ENVELOPE_SUFFIX = ".parquet.sig"  # the envelope beside each received file, as proofs/rollout_file.py names it
 MAX_CONTROL_FRAME = 4096
 SignatureHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+
+
+class DeliveryKey(NamedTuple):
+    """One sender's delivery of a file: what a stored file, a queue place, a hold and a verdict belong to.
+
+    Two senders of the same bytes (one re-signing the other's file) are two deliveries."""
+
+    sha256: str  # of the file's bytes
+    node_id: str  # the sender, whose key signed the envelope
 
 
 def protocol_name(run_id: str) -> str:
@@ -133,12 +148,16 @@ class ReceivedRollout:
     peer_id: str
     size: int
 
+    @property
+    def key(self) -> DeliveryKey:
+        return DeliveryKey(self.envelope.sha256, self.envelope.node_id)
+
 
 @dataclass(frozen=True)
 class Admitted:
     """What the validator's admission says of a header it let through."""
 
-    established: bool  # the sender has accepted work here: it may use the reserved receive slots
+    established: bool  # enough recently accepted work here: it may use the reserved receive slots
     abandon: Callable[[], None] | None = None  # called when this hand-off ends without an accepted file
 
 
@@ -154,6 +173,24 @@ MAX_RETRY_AFTER_S = 3600.0
 def stored_name(sha256: str, node_id: str) -> str:
     """The name (without suffix) a received file is stored under: one per (file hash, sender)."""
     return f"{sha256}-{node_id}"
+
+
+def body_deadline_s(config: SwarmConfig, size: int) -> float:
+    """The longest a body of `size` bytes may take, on either side: grace plus its size at the rate floor."""
+    return config.handoff_deadline_grace_s + size / config.handoff_min_bytes_per_s
+
+
+def legacy_holds(directory: Path, key: DeliveryKey) -> bool:
+    """Whether `directory` holds `key` under the name used before deliveries were keyed by sender,
+    `<sha256>.parquet`, with an envelope naming this sender. Blocking (disk): run it in a thread."""
+    if not (directory / f"{key.sha256}{FILE_SUFFIX}").is_file():
+        return False
+    try:
+        with open(directory / f"{key.sha256}{ENVELOPE_SUFFIX}", "rb") as file:
+            raw = file.read(MAX_CONTROL_FRAME)  # an envelope is far smaller
+        return RolloutEnvelope.model_validate_json(raw).node_id == key.node_id
+    except (OSError, ValueError):  # ours, damaged: not this sender's copy; the spool's recovery removes it
+        return False
 
 
 def _hash_and_store(data: bytes, directory: Path, envelope: RolloutEnvelope) -> str:
@@ -198,17 +235,19 @@ class RolloutReceiver:
         )
         self.cooldowns = Cooldowns(config.handoff_cooldown_s, MAX_RETRY_AFTER_S)
         self.cut_off = 0  # bodies cut for being too slow (tests and the benchmark read it)
-        self._in_progress: set[tuple[str, str]] = set()  # (file hash, sender) being received
+        self._in_progress: set[DeliveryKey] = set()  # being received
 
     def stored_path(self, sha256: str, node_id: str) -> Path:
         return self.directory / f"{stored_name(sha256, node_id)}{FILE_SUFFIX}"
 
+    async def holds(self, key: DeliveryKey) -> bool:
+        """Whether this delivery is stored already, under its name or the legacy one."""
+        if self.stored_path(*key).exists():
+            return True
+        return await asyncio.to_thread(legacy_holds, self.directory, key)
+
     def _envelope_path(self, sha256: str, node_id: str) -> Path:
         return self.directory / f"{stored_name(sha256, node_id)}{ENVELOPE_SUFFIX}"
-
-    def body_deadline_s(self, size: int) -> float:
-        """The longest a body of `size` bytes may hold a receive slot: grace plus its size at the floor."""
-        return self.config.handoff_deadline_grace_s + size / self.config.handoff_min_bytes_per_s
 
     async def handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(info.peer_id)
@@ -257,8 +296,8 @@ class RolloutReceiver:
             )
         # Only this sender's own delivery answers for it: another node's copy of the same bytes (a re-signed
         # file) must not stand in for it, or the first sender would decide the second one's verdict.
-        delivery = (header.sha256, header.node_id)
-        if self.stored_path(*delivery).exists():
+        delivery = DeliveryKey(header.sha256, header.node_id)
+        if await self.holds(delivery):
             return {"receipt": self._receipt(header).model_dump(mode="json")}
         if delivery in self._in_progress:
             raise HandoffBusy("this file is being received on another stream", 1.0)
@@ -309,7 +348,7 @@ class RolloutReceiver:
                 chunk=CHUNK_BYTES,
                 min_bytes_per_s=self.config.handoff_min_bytes_per_s,
                 window_s=self.config.handoff_rate_window_s,
-                deadline_s=self.body_deadline_s(header.size),
+                deadline_s=body_deadline_s(self.config, header.size),
             )
         except HandoffTooSlow as exc:
             self.cut_off += 1
@@ -353,8 +392,13 @@ async def send(
     data: bytes,
     receiver: str,
     timeout_s: float,
+    body_deadline_s: float,
 ) -> Receipt:
-    """Hand `data` to the validator whose node id is `receiver`; returns its verified receipt."""
+    """Hand `data` to the validator whose node id is `receiver`; returns its verified receipt.
+
+    `timeout_s` bounds each control step (opening the stream, each answer); `body_deadline_s` the whole body,
+    on the wall clock: a per-write timeout would let a validator that drains one chunk just in time hold
+    the hand-off for the chunk count times the timeout."""
     if len(data) != envelope.size:
         raise HandoffError(f"the envelope signs {envelope.size} bytes but the file has {len(data)}")
     try:
@@ -365,10 +409,13 @@ async def send(
         await write_frame(writer, envelope.model_dump(mode="json"))
         answer = await read_frame(reader, MAX_CONTROL_FRAME, timeout_s)
         if isinstance(answer, dict) and answer.get("go") is True:
-            view = memoryview(data)
-            for offset in range(0, len(view), CHUNK_BYTES):
-                writer.write(view[offset : offset + CHUNK_BYTES])
-                await asyncio.wait_for(writer.drain(), timeout_s)
+            try:
+                await asyncio.wait_for(_write_body(writer, data), body_deadline_s)
+            except TimeoutError:
+                raise HandoffError(
+                    f"the validator did not take the {len(data)}-byte body within its deadline of "
+                    f"{body_deadline_s:.1f} s"
+                ) from None
             answer = await read_frame(reader, MAX_CONTROL_FRAME, timeout_s)
     except (TimeoutError, OSError, ConnectionError) as exc:
         raise HandoffError(f"the hand-off stream broke: {exc!r}") from None
@@ -386,3 +433,11 @@ async def send(
     receipt = parse_receipt(answer["receipt"])
     receipt.verify(receiver, envelope.sha256, envelope.node_id)
     return receipt
+
+
+async def _write_body(writer: asyncio.StreamWriter, data: bytes) -> None:
+    # Chunk by chunk, waiting on the stream's flow control: the receiver's reads are the back-pressure.
+    view = memoryview(data)
+    for offset in range(0, len(view), CHUNK_BYTES):
+        writer.write(view[offset : offset + CHUNK_BYTES])
+        await writer.drain()

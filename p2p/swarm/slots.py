@@ -5,18 +5,22 @@ buffers a file of up to `max_rollout_bytes`), so without shares a handful of slo
 all of them and honest files wait (issue 18, class 6). A stream may take a slot only if, counting it:
 
 - the slots in use stay within `max_concurrent_handoffs`;
-- a newcomer (no accepted work at this validator) leaves `handoff_reserved_slots` free: those are for
-  established nodes only, so no number of fresh node ids ever takes them;
+- a newcomer (not established: too little recently accepted work at this validator, as the validator's
+  admission decides) leaves `handoff_reserved_slots` free: those are for established nodes only, so no
+  number of fresh node ids ever takes them;
 - its node id, and separately its libp2p peer id, hold at most `handoff_slots_per_sender` (one peer may
   sign heartbeats for many node ids; one node id could move between peers);
-- its network holds at most `handoff_slots_per_network` in its tier: IPv4 /24, IPv6 /48, from the remote
-  address p2pd reports for the stream (a relayed stream's address is its relay's, so every node behind one
-  relay shares that relay's network). Counted per tier so that newcomer ids on an established node's
-  network cannot use up that network's share.
+- its network holds at most `handoff_slots_per_network`, whatever mix of established and newcomer ids it
+  uses: IPv4 /24, IPv6 /48, from the remote address p2pd reports for the stream (a relayed stream's address
+  is its relay's, so every node behind one relay shares that relay's network). So one network never holds
+  every slot. Within that share a network's newcomers leave one slot to its established nodes (when the
+  share is at least 2), so that newcomer ids on an established node's network cannot use all of it up.
 
-A sender whose body was cut off for being too slow is cooled down (`Cooldowns`): its next headers are answered
-"busy" until the cooldown ends, and each further cut doubles it. Only a cut earns one, and only a sender below
-the rate floor or past its deadline is cut, so an honest sender on a slow link above the floor never pays.
+A sender whose body was cut off is cooled down (`Cooldowns`): its next headers are answered "busy" until the
+cooldown ends, and each further cut doubles it. A body is cut when it falls below the rate floor, passes its
+deadline, or ends (closed or reset) below the floor pro rata (p2p/swarm/framing.py read_at_rate): a stream
+that sends nothing and closes just before each window ends pays as one that waits to be cut. A sender at or
+above the floor, on a slow link or one that breaks, never pays.
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ class SlotTable:
             raise ValueError(f"reserved slots ({reserved}) must be at least 1 and below the total ({total})")
         self.total, self.reserved = total, reserved
         self.per_sender, self.per_network = per_sender, per_network
-        self._held: Counter[tuple[str, str]] = Counter()  # ("node"|"peer"|"net:<tier>"|"tier", key) -> slots
+        # ("node"|"peer"|"net"|"net:<tier>"|"tier", key) -> slots held; "net" counts both tiers
+        self._held: Counter[tuple[str, str]] = Counter()
         self.in_use = 0
         self._changed = asyncio.Condition()
 
@@ -84,7 +89,6 @@ class SlotTable:
 
     def refusal(self, claim: Claim) -> str | None:
         """Why `claim` may not take a slot now, or None when it may."""
-        tier = "established" if claim.established else "newcomer"
         if self.in_use >= self.total:
             return f"all {self.total} receive slots are taken"
         if not claim.established and self._held[("tier", "newcomer")] >= self.total - self.reserved:
@@ -93,9 +97,21 @@ class SlotTable:
             return f"this node already holds {self.per_sender} receive slot(s)"
         if self._held[("peer", claim.peer_id)] >= self.per_sender:
             return f"this libp2p peer already holds {self.per_sender} receive slot(s)"
-        if claim.network is not None and self._held[(f"net:{tier}", claim.network)] >= self.per_network:
-            return f"{tier} nodes of network {claim.network} hold {self.per_network} receive slot(s)"
+        if claim.network is not None:
+            if self._held[("net", claim.network)] >= self.per_network:
+                return f"nodes of network {claim.network} hold {self.per_network} receive slot(s)"
+            newcomer_share = self.newcomer_share_per_network
+            if not claim.established and self._held[("net:newcomer", claim.network)] >= newcomer_share:
+                return (
+                    f"newcomer nodes of network {claim.network} hold {newcomer_share} receive slot(s) "
+                    "(the network's last one is kept for its established nodes)"
+                )
         return None
+
+    @property
+    def newcomer_share_per_network(self) -> int:
+        """Slots one network's newcomers may hold: its share less one kept for its established nodes."""
+        return max(1, self.per_network - 1)
 
     async def acquire(self, claim: Claim, wait_s: float) -> str | None:
         """Take a slot for `claim`, waiting up to `wait_s` for one; None when taken, else why not."""
@@ -123,7 +139,7 @@ class SlotTable:
         tier = "established" if claim.established else "newcomer"
         keys = [("node", claim.node_id), ("peer", claim.peer_id), ("tier", tier)]
         if claim.network is not None:
-            keys.append((f"net:{tier}", claim.network))
+            keys += [("net", claim.network), (f"net:{tier}", claim.network)]
         for key in keys:
             self._held[key] += delta
             if self._held[key] <= 0:

@@ -106,5 +106,10 @@ class Swarm(SwarmDirectory):
             return reader, writer
 
         return await handoff.send(
-            open_stream, envelope, data, validator.node_id, self.config.handoff_timeout_s
+            open_stream,
+            envelope,
+            data,
+            validator.node_id,
+            self.config.handoff_timeout_s,
+            handoff.body_deadline_s(self.config, len(data)),
         )

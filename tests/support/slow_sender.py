@@ -2,7 +2,8 @@
 
 Used by the slow hand-off tests and benchmarks/slow_handoff.py. It writes exactly what Swarm.send_rollout
 writes (the signed envelope, then the body), only slowly: `bytes_per_s` in pieces, so the validator's receive
-slot is held for as long as the validator lets it.
+slot is held for as long as the validator lets it; or, with `hang_up_after_s`, until it hangs up itself (a
+sender that closes just before its window ends, to open the next stream at once).
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ async def drip(
     piece: int = 16 * 1024,
     limit_s: float = 60.0,
     on_go: Callable[[], None] | None = None,
+    hang_up_after_s: float | None = None,
 ) -> Drip:
-    """Hand `data` to the validator at `bytes_per_s`; returns when the validator ends it or at `limit_s`."""
+    """Hand `data` to the validator at `bytes_per_s` (0: nothing); returns when the validator ends it, at
+    `limit_s`, or when this sender closes the stream `hang_up_after_s` after "go"."""
     assert sender._p2p is not None
     _, reader, writer = await sender._p2p.call_binary_stream_handler(
         PeerID.from_base58(validator_peer_id), protocol_name(sender.config.run_id)
@@ -75,7 +78,7 @@ async def drip(
             on_go()
 
         async def pump() -> None:
-            while result.sent < len(data):
+            while bytes_per_s > 0 and result.sent < len(data):
                 chunk = data[result.sent : result.sent + piece]
                 writer.write(chunk)
                 await writer.drain()
@@ -84,8 +87,8 @@ async def drip(
 
         pumping = asyncio.create_task(pump(), name="drip-pump")
         try:
-            result.final = await read_frame(reader, MAX_CONTROL_FRAME, limit_s)
-        except HandoffError:  # closed without an answer, or still open at limit_s
+            result.final = await read_frame(reader, MAX_CONTROL_FRAME, hang_up_after_s or limit_s)
+        except HandoffError:  # closed without an answer, or still open at limit_s (or at the hang-up)
             result.final = None
         finally:
             pumping.cancel()

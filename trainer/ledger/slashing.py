@@ -9,9 +9,11 @@ Every failed check falls in one of three classes:
   the named node's (anyone can claim a node id; the same holds for a file over the size limit, refused
   before its signature is read), and a checkpoint the validator never obtained is not
   the sender's fault. Slashing on these would let anyone frame an honest node.
-- fault: the file is malformed or over the run's limits (schema, limits, decode, bounds), or repeats samples
-  already accepted (duplicate: the same work sent again in another encoding, order or file). Could be a bug;
-  costs score, and repeated faults in a window escalate to a ban.
+- fault: the file is malformed or over the run's limits (schema, limits, decode, bounds), claims a policy step
+  the run did not announce (policy_step: beyond the newest announced step plus a margin, or never announced
+  by the end of its hold), or repeats samples already accepted (duplicate:
+  the same work sent again in another encoding, order or file). Could be a bug; costs score, and repeated
+  faults in a window escalate to a ban.
 - fraud: the file is well-formed but the work is false (proofs, sampling, rewards, work assignment,
   termination, sampling settings other than the run's). Costs score and bans at once.
 Ban lengths grow with every earlier ban and become permanent after a set number of them.
@@ -34,7 +36,7 @@ class CheckClass(str, Enum):
 
 
 # Check names as the validator reports them: proofs/checks.py's CheckResult names (a hyphen becomes "_",
-# trainer/validator/verify_job.check_name) and the validator service's own (checkpoint_unavailable, banned,
+# trainer/validator/verify_job.check_name) and the validator service's own (checkpoint_unavailable, policy_step, banned,
 # internal_error).
 DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "size": CheckClass.excused,
@@ -48,6 +50,10 @@ DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "limits": CheckClass.fault,
     "decode": CheckClass.fault,
     "bounds": CheckClass.fault,
+    # A checkpoint the run never announced: a file that would otherwise wait in a queue place for the whole
+    # hold, free (trainer/validator/policy_steps.py). An honest node generates only with
+    # announced checkpoints; the validator's margin and its fresh look at the DHT cover the race.
+    "policy_step": CheckClass.fault,
     # Samples accepted before (or repeated in the file): only their own node can sign them (the signer check
     # comes first), so it costs the sender; a fault, not fraud: a node that lost its batch counter (its data
     # directory) repeats work by mistake.

@@ -4,11 +4,14 @@ Admission runs on the hand-off header, before the body is read, so refusing cost
 retry. Every sender already has a live heartbeat signed by its key (the hand-off checks it), but node
 ids are free to make, so the queue is split in two tiers (trainer/validator/intake.py `Tier`):
 
-- established nodes (at least `established_after` accepted files in the ledger) share
-  `queue_size - newcomer_queue` places, at most `per_node_queue` each;
+- established nodes (at least `established_after` files accepted here within the last `established_window_s`)
+  share `queue_size - newcomer_queue` places, at most `per_node_queue` each;
 - newcomers share `newcomer_queue` places, at most `newcomer_per_node` each.
 
 A Sybil flood of fresh ids therefore fills at most the newcomer slice; established nodes keep their places.
+The same tier decides who may use the receive slots reserved for established nodes (p2p/swarm/slots.py).
+Standing is recent volume, not one file ever: each id of a Sybil farm would have to keep doing verified work
+at an honest node's pace to keep it, and an id that stops working falls back to the newcomers' share.
 Each node also has a token bucket (`rate_per_minute`, `burst`). A refusal for any of these is `Busy`
 (back-pressure: the sender keeps the file and retries after the hint), never a verdict.
 
@@ -21,11 +24,12 @@ spool or released from a hold are counted whatever the bounds say: an acknowledg
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ...p2p.rate_limit import TokenBuckets
+from ...p2p.swarm import DeliveryKey
 from .config import IntakeSettings
 from .intake import Tier
 
@@ -39,9 +43,6 @@ class Busy:
 
     reason: str
     retry_after_s: float
-
-
-Delivery = tuple[str, str]  # (node id, file hash): one sender's file; two senders of the same bytes are two
 
 
 @dataclass(frozen=True)
@@ -60,32 +61,49 @@ class Admission:
         *,
         reservation_s: float,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.reservation_s = reservation_s  # how long a hand-off may take from header to stored body
         self._clock = clock
+        self._wall_clock = wall_clock  # standing is kept in the ledger's times (verdicts' decided_at)
         self.limiter = TokenBuckets(
             settings.rate_per_minute / 60, settings.burst, max_keys=MAX_TRACKED_NODES, clock=clock
         )
-        self._accepted: Counter[str] = Counter()  # accepted files per node (only counts that matter)
-        self._reserved: dict[Delivery, _Place] = {}  # place taken by a hand-off in flight
-        self._files: dict[Delivery, _Place] = {}  # place of a spooled file without a verdict
+        # Per node, the times of its newest accepted files (established_after of them at most, newest last).
+        self._accepted: dict[str, deque[float]] = {}
+        self._reserved: dict[DeliveryKey, _Place] = {}  # place taken by a hand-off in flight
+        self._files: dict[DeliveryKey, _Place] = {}  # place of a spooled file without a verdict
         self._per_node: Counter[str] = Counter()  # places per node, reserved or filled
         self._per_tier: Counter[Tier] = Counter()
 
     # ----- tiers -------------------------------------------------------------------------------------------
 
-    def load_accepted(self, counts: Iterable[tuple[str, int]]) -> None:
-        """Accepted-file counts per node from the ledger (at start)."""
-        for node_id, count in counts:
-            self._accepted[node_id] = count
+    def standing_since(self) -> float:
+        """The wall-clock time from which accepted files count towards standing."""
+        return self._wall_clock() - self.settings.established_window_s
 
-    def note_accepted(self, node_id: str) -> None:
-        if self._accepted[node_id] < self.settings.established_after:
-            self._accepted[node_id] += 1
+    def load_accepted(self, accepted: Iterable[tuple[str, float]]) -> None:
+        """(node id, decided_at) of files the ledger accepted since `standing_since()`, oldest first (at start)."""
+        for node_id, decided_at in accepted:
+            self.note_accepted(node_id, decided_at)
+
+    def note_accepted(self, node_id: str, decided_at: float | None = None) -> None:
+        """One more file of `node_id` accepted, at `decided_at` (default now)."""
+        times = self._accepted.get(node_id)
+        if times is None:
+            times = self._accepted[node_id] = deque(maxlen=self.settings.established_after)
+        times.append(self._wall_clock() if decided_at is None else decided_at)
 
     def tier_of(self, node_id: str) -> Tier:
-        established = self._accepted.get(node_id, 0) >= self.settings.established_after
+        times = self._accepted.get(node_id)
+        if times is None:
+            return Tier.NEWCOMER
+        since = self.standing_since()
+        if times[-1] < since:  # nothing accepted within the window: forget the node
+            del self._accepted[node_id]
+            return Tier.NEWCOMER
+        established = len(times) >= self.settings.established_after and times[0] >= since
         return Tier.ESTABLISHED if established else Tier.NEWCOMER
 
     def capacity(self, tier: Tier) -> int:
@@ -107,10 +125,10 @@ class Admission:
         self._expire()
         return self._per_node[node_id]
 
-    def admit(self, node_id: str, sha256: str) -> Busy | None:
+    def admit(self, key: DeliveryKey) -> Busy | None:
         """Reserve a place for a file whose header just arrived, or say why not now."""
         self._expire()
-        key = (node_id, sha256)
+        node_id = key.node_id
         if key in self._files or key in self._reserved:
             return None  # already counted: a resend, or the same file on a second stream
         tier = self.tier_of(node_id)
@@ -134,33 +152,32 @@ class Admission:
         self._take(self._reserved, key, _Place(node_id, tier, self._clock() + self.reservation_s))
         return None
 
-    def enqueued(self, node_id: str, sha256: str) -> Tier:
+    def enqueued(self, key: DeliveryKey) -> Tier:
         """A spooled file enters the queue: its reservation (if any) becomes a counted file; its tier."""
-        key = (node_id, sha256)
         known = self._files.get(key)
         if known is not None:
             return known.tier
         reserved = self._release(self._reserved, key)
-        tier = reserved.tier if reserved is not None else self.tier_of(node_id)
-        self._take(self._files, key, _Place(node_id, tier, float("inf")))
+        tier = reserved.tier if reserved is not None else self.tier_of(key.node_id)
+        self._take(self._files, key, _Place(key.node_id, tier, float("inf")))
         return tier
 
-    def cancel(self, node_id: str, sha256: str) -> None:
+    def cancel(self, key: DeliveryKey) -> None:
         """A reserved file will not be queued (it already had a verdict): free its place now."""
-        self._release(self._reserved, (node_id, sha256))
+        self._release(self._reserved, key)
 
-    def finished(self, node_id: str, sha256: str) -> None:
+    def finished(self, key: DeliveryKey) -> None:
         """The file has its verdict: its place is free."""
-        self._release(self._files, (node_id, sha256))
+        self._release(self._files, key)
 
     # ----- internals ---------------------------------------------------------------------------------------
 
-    def _take(self, table: dict[Delivery, _Place], key: Delivery, place: _Place) -> None:
+    def _take(self, table: dict[DeliveryKey, _Place], key: DeliveryKey, place: _Place) -> None:
         table[key] = place
         self._per_node[place.node_id] += 1
         self._per_tier[place.tier] += 1
 
-    def _release(self, table: dict[Delivery, _Place], key: Delivery) -> _Place | None:
+    def _release(self, table: dict[DeliveryKey, _Place], key: DeliveryKey) -> _Place | None:
         place = table.pop(key, None)
         if place is not None:
             self._per_node[place.node_id] -= 1

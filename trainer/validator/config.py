@@ -44,7 +44,17 @@ class IntakeSettings(Section):
         description="Share of verification turns newcomers get while established nodes' files wait.",
     )
     established_after: int = Field(
-        1, ge=1, le=1_000_000, description="Accepted files that make a node established."
+        4,
+        ge=1,
+        le=10_000,
+        description="Files accepted within established_window_s that make a node established (reserved "
+        "queue places and receive slots).",
+    )
+    established_window_s: float = Field(
+        3600.0,
+        gt=0,
+        le=30 * 86400,
+        description="How far back accepted files count towards a node's standing; older work does not.",
     )
     busy_retry_s: float = Field(
         10.0, gt=0, le=3600, description="Retry hint sent with a 'queue is full' answer."
@@ -55,6 +65,13 @@ class IntakeSettings(Section):
     burst: int = Field(8, ge=1, le=100_000, description="Files one node may hand in at once (bucket size).")
     hold_timeout_s: float = Field(
         600.0, gt=0, le=86400, description="How long a file waits for its checkpoint before it is rejected."
+    )
+    step_margin: int = Field(
+        2,
+        ge=0,
+        le=1000,
+        description="Policy steps a file may claim beyond the newest announced one and still wait for its "
+        "checkpoint: a node may see a new policy before the validator. Beyond it: a fault (policy_step).",
     )
 
     @model_validator(mode="after")

@@ -9,13 +9,14 @@ Flow of one file (docs/validator.md):
   ledger (once per file hash and sender; an acceptance records its sample identities in the same
   transaction, and loses to any earlier claim on them) with its slashes and bans -> bans published in the
   DHT -> accepted files copied into the trainer's inbox -> spool entry removed. A file whose checkpoint the
-  validator does not hold waits (held) until it is fetched, or is rejected when `hold_timeout_s` passes.
-  After a crash every spooled file is recovered and gets exactly one verdict: the ledger is idempotent on
-  (file hash, sender) and every later step is idempotent too.
+  validator does not hold waits (held) until it is fetched, or is rejected when `hold_timeout_s` passes;
+  a claimed step the run did not announce is the sender's fault, before the hold or at its end
+  (trainer/validator/policy_steps.py). After a crash every spooled file is recovered and gets exactly one
+  verdict: the ledger is idempotent on (file hash, sender) and every later step is idempotent too.
 
-A delivery is (file hash, sender) throughout (spool entry, queue place, hold, ledger row, inbox name): a node
-that re-signs another's file and delivers it first gets its own verdict (`signer`), and the other's delivery
-of the same bytes is judged on its own.
+A delivery is (file hash, sender) throughout (`DeliveryKey`: spool entry, queue place, hold, ledger row, inbox
+name): a node that re-signs another's file and delivers it first gets its own verdict (`signer`), and the
+other's delivery of the same bytes is judged on its own.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ...node.environments import TaskSet
 from ...node.run.settings import verifier_for_run
 from ...p2p.identity import Identity
 from ...p2p.swarm import Admitted, HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
-from ...p2p.swarm.handoff import RolloutReceiver
+from ...p2p.swarm.handoff import DeliveryKey, RolloutReceiver, body_deadline_s
 from ...p2p.verdicts import Signed, Verdict, sign
 from ...p2p.weights.store import Store
 from ..ledger import AsyncLedger, BanEntry, DuplicateWork, Ledger
@@ -39,6 +40,7 @@ from .bans import BanPublisher
 from .checkpoints import CheckpointKeeper
 from .config import ValidatorSettings
 from .intake import Tier, TieredQueue
+from .policy_steps import POLICY_STEP, PolicySteps
 from .spool import Spool, SpooledFile, deliver
 from .verify_job import DUPLICATE, Outcome, verify_spooled
 
@@ -56,6 +58,10 @@ class Job:
     tier: Tier = Tier.NEWCOMER  # the queue tier it was admitted to (trainer/validator/intake.py)
     step: int | None = None  # known once verification found the file's checkpoint missing
     hold_until: float = 0.0
+
+    @property
+    def key(self) -> DeliveryKey:
+        return DeliveryKey(self.entry.sha256, self.node_id)
 
 
 class ValidatorService:
@@ -86,17 +92,22 @@ class ValidatorService:
             task_set=task_set,
         )
         self.keeper.on_version(self._release)
+        self.steps = PolicySteps(
+            self._announced_now,
+            self._announced_seen,
+            margin=settings.intake.step_margin,
+        )
         self.verifier = verifier_for_run(settings.verifier, settings.run)
         # A hand-off may wait for a receive slot, then stream its body at the rate floor: its reservation
         # outlives the longest it may take. One that ends without a file frees its place at once (admit's
         # `abandon`); the lapse only covers a handler that vanished without that.
         sw = settings.swarm
-        longest_body_s = sw.handoff_deadline_grace_s + sw.max_rollout_bytes / sw.handoff_min_bytes_per_s
+        longest_body_s = body_deadline_s(sw, sw.max_rollout_bytes)
         self.admission = Admission(
             settings.intake, reservation_s=2 * sw.handoff_timeout_s + sw.handoff_slot_wait_s + longest_body_s
         )
         self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
-        self.held: dict[tuple[str, str], Job] = {}  # (file hash, sender) -> job waiting for its checkpoint
+        self.held: dict[DeliveryKey, Job] = {}  # jobs waiting for their checkpoint
         self.bans = BanPublisher(
             self.ledger,
             swarm,
@@ -117,34 +128,50 @@ class ValidatorService:
         """
         if await self.ledger.active_ban(header.node_id) is not None:
             raise HandoffRefused("the sending node is banned by this validator")
-        busy = self.admission.admit(header.node_id, header.sha256)
+        key = DeliveryKey(header.sha256, header.node_id)
+        busy = self.admission.admit(key)
         if busy is not None:
             raise HandoffBusy(busy.reason, busy.retry_after_s)
         established = self.admission.tier_of(header.node_id) is Tier.ESTABLISHED
-        return Admitted(established, abandon=lambda: self.admission.cancel(header.node_id, header.sha256))
+        return Admitted(established, abandon=lambda: self.admission.cancel(key))
 
     async def load_tiers(self) -> None:
-        """Which nodes are established, from the ledger's accepted files (at start)."""
+        """Which nodes are established, from the files the ledger accepted recently (at start)."""
         rows = await self.ledger.query(
-            "SELECT node_id, COUNT(*) AS n FROM contributions WHERE accepted = 1 GROUP BY node_id"
+            "SELECT node_id, decided_at FROM contributions WHERE accepted = 1 AND decided_at >= ? "
+            "ORDER BY decided_at",
+            (self.admission.standing_since(),),
         )
-        self.admission.load_accepted((r["node_id"], r["n"]) for r in rows)
+        self.admission.load_accepted((r["node_id"], r["decided_at"]) for r in rows)
 
     async def accept(self, received: ReceivedRollout) -> None:
         """The file is stored and its hash checked: make it durable before the receipt goes out."""
-        sha, node = received.envelope.sha256, received.envelope.node_id
+        key = received.key
         # A resend by the same sender: acknowledged, credited once. Another sender's verdict on the same bytes
         # says nothing about this delivery.
-        if await self.ledger.verdict_for(sha, node) is not None:
-            self.admission.cancel(node, sha)
-            await asyncio.to_thread(self.spool.remove, self.spool.entry(sha, node))
+        if await self.ledger.verdict_for(*key) is not None:
+            self.admission.cancel(key)
+            await asyncio.to_thread(self.spool.remove, self.spool.entry(*key))
             return
-        entry = await asyncio.to_thread(self.spool.make_durable, sha, node)
-        self._enqueue(Job(entry, node, time.time()))
+        entry = await asyncio.to_thread(self.spool.make_durable, *key)
+        self._enqueue(Job(entry, key.node_id, time.time()))
 
     def _enqueue(self, job: Job) -> None:
-        job.tier = self.admission.enqueued(job.node_id, job.entry.sha256)
+        job.tier = self.admission.enqueued(job.key)
         self.queue.put(job.tier, job.node_id, job)
+
+    # ----- announced steps -------------------------------------------------------------------------------
+
+    async def _announced_now(self) -> int | None:
+        policy = await self.swarm.current_policy()
+        return policy.step if policy is not None else None
+
+    def _announced_seen(self) -> int | None:
+        # What the policy watch has seen, and the newest version ever fetched (kept across restarts): only
+        # announced versions are fetched.
+        latest = self.keeper.latest_policy
+        seen = max(-1 if latest is None else latest, self.keeper.store.high_water())
+        return seen if seen >= 0 else None
 
     async def recover(self) -> int:
         """Queue every spooled file left by an earlier run; finish those already decided."""
@@ -214,6 +241,10 @@ class ValidatorService:
                 await self._decide(job, outcome)
 
     async def _hold(self, job: Job, step: int) -> None:
+        fault = await self.steps.refusal(step)
+        if fault is not None:  # a wait for a checkpoint the run has not announced and will not soon
+            await self._decide(job, Outcome(False, max(0, step), False, POLICY_STEP, fault))
+            return
         if self.keeper.gone(step):
             held = self.keeper.held()
             await self._decide(
@@ -229,7 +260,7 @@ class ValidatorService:
             return
         job.step = step
         job.hold_until = job.received_at + self.settings.intake.hold_timeout_s
-        self.held[(job.entry.sha256, job.node_id)] = job
+        self.held[job.key] = job
         logger.info("holding %s until checkpoint step %d arrives", job.entry.sha256[:16], step)
 
     def _release(self, step: int) -> None:
@@ -239,7 +270,8 @@ class ValidatorService:
                 self.queue.put(job.tier, job.node_id, job, front=True)
 
     async def run_holds(self) -> None:
-        """Reject held files whose checkpoint did not arrive within hold_timeout_s."""
+        """Reject held files whose checkpoint did not arrive within hold_timeout_s: excused when the step was
+        announced (the validator could not get it), the sender's fault when it never was."""
         timeout = self.settings.intake.hold_timeout_s
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
@@ -247,17 +279,19 @@ class ValidatorService:
             for key, job in list(self.held.items()):
                 if job.hold_until <= now and self.held.pop(key, None) is not None:
                     assert job.step is not None
-                    await self._decide(
-                        job,
-                        Outcome(
+                    fault = await self.steps.never_announced(job.step)
+                    if fault is not None:
+                        outcome = Outcome(False, max(0, job.step), False, POLICY_STEP, fault)
+                    else:
+                        outcome = Outcome(
                             False,
                             max(0, job.step),
                             False,
                             "checkpoint_unavailable",
                             f"no checkpoint for step {job.step} arrived within {timeout:g} s "
                             f"(held steps: {self.keeper.held()}); the file expired unverified",
-                        ),
-                    )
+                        )
+                    await self._decide(job, outcome)
 
     # ----- verdicts ---------------------------------------------------------------------------------------
 
@@ -305,7 +339,7 @@ class ValidatorService:
         for ban in result.new_bans:
             await self.publish_ban(ban)
         await self._finish(job.entry, result.verdict)
-        self.admission.finished(job.node_id, job.entry.sha256)
+        self.admission.finished(job.key)
 
     async def _finish(self, entry: SpooledFile, signed: Signed[Verdict]) -> None:
         if signed.document.accepted:
