@@ -15,6 +15,9 @@ from .common import common_flags, load_settings, print_json
 
 class ModelInitSettings(CommonSettings):
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the model's initial weights.")
+    chat: bool = Field(
+        False, description="Build the chat model: a BPE tokenizer trained here, with a chat template."
+    )
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig, description="Supervised warm start.")
 
 
@@ -30,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Create the tiny Qwen2 model deterministically from --seed, warm-start it by "
         "supervised training on the built-in arithmetic tasks, and save an HF directory (config.json, "
         "model.safetensors, tokenizer files, prime_node.json). The same seed and settings give the same "
-        "model.safetensors bytes.",
+        "model.safetensors bytes. With --chat, the tokenizer is a byte-level BPE trained here on generated "
+        "text and carries a chat template (docs/model.md), and the warm start uses the chat format.",
     )
     p.add_argument("--out", type=Path, required=True, help="directory to write (must be empty or absent)")
     p.add_argument("--seed", type=int, default=None, help="seed of the initial weights (default 0)")
@@ -40,6 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task-seed", type=int, default=None, help="seed of the arithmetic task set (default 0)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default 1; the hash can depend on it)"
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        default=None,
+        help="the chat model: a BPE tokenizer trained here, with a chat template",
     )
     p.add_argument(
         "--force", action="store_true", help="write into a non-empty directory, replacing model files"
@@ -55,6 +65,7 @@ def init(args: argparse.Namespace) -> int:
         ModelInitSettings,
         {
             "seed": "seed",
+            "chat": "chat",
             "warm_start.steps": "sft_steps",
             "warm_start.task_seed": "task_seed",
             "warm_start.threads": "threads",
@@ -66,7 +77,12 @@ def init(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
     cpu0 = time.process_time()
     report, info = init_model_dir(
-        out_dir, settings.seed, settings.warm_start, force=args.force, progress=not args.no_progress
+        out_dir,
+        settings.seed,
+        settings.warm_start,
+        force=args.force,
+        progress=not args.no_progress,
+        chat=settings.chat,
     )
     summary = {
         "model_dir": str(out_dir),
@@ -79,7 +95,7 @@ def init(args: argparse.Namespace) -> int:
         return 0
     levels = "  ".join(f"L{k} {100 * v:.0f}%" for k, v in report.accuracy_by_level.items())
     print(f"model dir   {out_dir}")
-    print(f"seed        {settings.seed}")
+    print(f"seed        {settings.seed}" + ("  (chat model)" if settings.chat else ""))
     task_seed = settings.warm_start.task_seed
     print(f"warm start  {report.steps} steps on task seed {task_seed}, final loss {report.final_loss}")
     accuracy = f"{100 * report.heldout_accuracy:.1f}%"

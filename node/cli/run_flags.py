@@ -21,6 +21,7 @@ RUN_FLAGS = {
     "run.compute_dtype": "compute_dtype",
     "run.temperature": "temperature",
     "run.max_new_tokens": "max_new_tokens",
+    "run.system_prompt": "system_prompt",
 }
 
 
@@ -52,4 +53,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-new-tokens", type=int, default=None, help="the run's most tokens per sample (default 64)"
+    )
+    g.add_argument(
+        "--system-prompt",
+        default=None,
+        help="system message before every prompt; chat models only (default none)",
     )
