@@ -6,7 +6,9 @@ and whether the targets hold: accuracy in [20%, 60%] and the whole init (build, 
 its process CPU time; on a shared machine wall time also counts waiting for other processes, so both
 verdicts are printed and the exit status follows the CPU-time one.
 
-    .venv/bin/python benchmarks/warm_start.py [--seed S] [--task-seed T] [--steps N] [--json]
+    .venv/bin/python benchmarks/warm_start.py [--chat] [--seed S] [--task-seed T] [--steps N] [--json]
+
+`--chat` measures the chat model (`model init --chat`: the trained BPE, prompts in its chat format).
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="model seed")
     parser.add_argument("--steps", type=int, default=None, help="SFT steps (default: the warm start default)")
     parser.add_argument("--task-seed", type=int, default=0, help="seed of the arithmetic task set")
+    parser.add_argument("--chat", action="store_true", help="the chat model (BPE tokenizer, chat template)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     overrides = {"task_seed": args.task_seed} | ({} if args.steps is None else {"steps": args.steps})
     config = WarmStartConfig(**overrides)
 
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    model, tokenizer = build_tiny_model(args.seed)
+    model, tokenizer = build_tiny_model(args.seed, chat=args.chat)
     report = warm_start(model, tokenizer, config, progress=not args.json)
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
 
@@ -46,6 +49,7 @@ def main() -> int:
     in_budget_cpu = cpu <= BUDGET_SECONDS
     figures = {
         "seed": args.seed,
+        "chat": args.chat,
         "task_seed": config.task_seed,
         "steps": config.steps,
         "batch_size": config.batch_size,

@@ -25,3 +25,8 @@ class EngineError(NodeError):
 
 class ModelError(NodeError):
     """The embedded model cannot be created, trained or loaded."""
+
+
+class PromptError(NodeError, OperatorActionNeeded):
+    """The run's prompts cannot be built with this checkpoint: its chat template does not compile, raises,
+    loops or renders differently each time, or the run's settings need a template the checkpoint lacks."""

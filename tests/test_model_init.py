@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_node.node.cli.main import main
 from prime_node.node.errors import ModelError
+from prime_node.node.models.chat_tokenizer import CHAT_TEMPLATE
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.models.warmstart import (
     WarmStartConfig,
@@ -21,6 +24,7 @@ from prime_node.node.models.warmstart import (
     init_model_dir,
     warm_start,
 )
+from prime_node.node.run.settings import RunSettings, load_run_tasks
 
 FAST_STEPS = "20"
 
@@ -100,6 +104,53 @@ def test_tokenizer_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     with_eos = ids + [tokenizer.eos_token_id]
     assert tokenizer.decode(with_eos, skip_special_tokens=True) == text
     assert "é" == tokenizer.decode(tokenizer("é", add_special_tokens=False)["input_ids"])  # non-ASCII: bytes
+
+
+_TOKENIZER_IN_A_FRESH_PROCESS = """
+import sys
+from prime_node.node.models.chat_tokenizer import build_chat_tokenizer
+build_chat_tokenizer().save_pretrained(sys.argv[1], save_jinja_files=False)
+"""
+
+
+def test_chat_model_init_is_deterministic_with_a_trained_bpe_and_a_chat_template(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], small_eval: None
+) -> None:
+    first = _init(tmp_path / "a", 0, capsys, "--chat", "--sft-steps", "3")
+    again = _init(tmp_path / "b", 0, capsys, "--chat", "--sft-steps", "3")
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors", "prime_node.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert first["model_sha256"] == again["model_sha256"]
+    # Training is deterministic across processes too (Rust hash maps are seeded per process).
+    fresh = tmp_path / "fresh"
+    subprocess.run([sys.executable, "-c", _TOKENIZER_IN_A_FRESH_PROCESS, str(fresh)], check=True, timeout=300)
+    assert (fresh / "tokenizer.json").read_bytes() == (tmp_path / "a" / "tokenizer.json").read_bytes()
+
+    model_dir = tmp_path / "a"
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHAT_TEMPLATE and not (model_dir / "chat_template.jinja").exists()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    assert tokenizer.eos_token == "<|im_end|>" and model.config.eos_token_id == 2 == tokenizer.eos_token_id
+    assert model.config.model_type == "qwen2" and len(tokenizer) <= model.config.vocab_size
+    # Learned merges, not one token per byte: words are single tokens, digits stay one token each.
+    assert tokenizer.tokenize(" answer") == ["Ġanswer"] and tokenizer.tokenize("12345") == list("12345")
+    text = "What is 48+17? Think for 16 tokens before giving the answer. é"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) < len(text) / 2 and tokenizer.decode(ids) == text
+    assert first["chat"] == {
+        "corpus": "prime-node/chat-corpus/v1",
+        "vocab_size": len(tokenizer),
+        "tokenizer_sha256": file_sha256(model_dir / "tokenizer.json"),
+        "prompt_format": load_run_tasks(RunSettings(), model_dir).prompt_format,
+    }
+    # The warm start trained and scored on the chat format; scoring again through it gives the recorded value.
+    config_used = WarmStartConfig.model_validate(first["warm_start"])
+    with deterministic_torch(config_used.threads):
+        accuracy, _ = evaluate(model, tokenizer, config_used)
+    assert accuracy == first["heldout_accuracy"]
 
 
 def test_refuses_non_empty_dir_without_force(

@@ -5,6 +5,7 @@ stops at the first such policy, naming each setting to change, before it produce
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -73,8 +74,10 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
             compute_dtype="bfloat16",
             length_targets=[16],
             length_alpha=0.01,
+            system_prompt="Answer after '='.",
         )
     )
+    system_digest = hashlib.sha256(b"Answer after '='.").hexdigest()
     assert differences(ours, other) == [
         "run.run_id: 'local' here, 'other' in the run",
         "run.run_seed: 0 here, 1 in the run",
@@ -87,6 +90,7 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         "run.compute_dtype: 'float32' here, 'bfloat16' in the run",
         "run.length_targets: [] here, [16] in the run",
         "run.length_alpha: 0.001 here, 0.01 in the run",
+        f"run.system_prompt (compared by its SHA-256): None here, '{system_digest}' in the run",
     ]
     assert set(RunParameters.model_fields) == {
         "run_id",
@@ -98,6 +102,7 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         "compute_dtype",
         "length_targets",
         "length_alpha",
+        "system_prompt_sha256",
     }
     assert set(_SETTING_OF) == set(RunParameters.model_fields)  # a new field is compared, not skipped
 

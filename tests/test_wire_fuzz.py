@@ -301,6 +301,7 @@ CARRIERS = [
                 compute_dtype="float32",
                 length_targets=[10],
                 length_alpha=0.001,
+                system_prompt_sha256=SHA,
             ),
         ),
     ),

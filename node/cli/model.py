@@ -16,6 +16,9 @@ from .flags import Flag, SettingsFlags, load_settings
 
 class ModelInitSettings(CommonSettings):
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the model's initial weights.")
+    chat: bool = Field(
+        False, description="Build the chat model: a BPE tokenizer trained here, with a chat template."
+    )
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig, description="Supervised warm start.")
 
 
@@ -30,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Create the tiny Qwen2 model deterministically from --seed, warm-start it by "
         "supervised training on the built-in arithmetic tasks, and save an HF directory (config.json, "
         "model.safetensors, tokenizer files, prime_node.json). The same seed and settings give the same "
-        "model.safetensors bytes.",
+        "model.safetensors bytes. With --chat, the tokenizer is a byte-level BPE trained here on generated "
+        "text and carries a chat template (docs/model.md), and the warm start uses the chat format.",
     )
     flags = SettingsFlags(p, ModelInitSettings)
     p.add_argument("--out", type=Path, required=True, help="directory to write (must be empty or absent)")
@@ -39,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         Flag("warm_start.steps", "--sft-steps"),
         Flag("warm_start.task_seed"),
         Flag("warm_start.threads"),
+        Flag("chat"),
     )
     p.add_argument(
         "--force", action="store_true", help="write into a non-empty directory, replacing model files"
@@ -56,7 +61,12 @@ def init(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
     cpu0 = time.process_time()
     report, info = init_model_dir(
-        out_dir, settings.seed, settings.warm_start, force=args.force, progress=not args.no_progress
+        out_dir,
+        settings.seed,
+        settings.warm_start,
+        force=args.force,
+        progress=not args.no_progress,
+        chat=settings.chat,
     )
     summary = {
         "model_dir": str(out_dir),
@@ -69,7 +79,7 @@ def init(args: argparse.Namespace) -> int:
         return 0
     levels = "  ".join(f"L{k} {100 * v:.0f}%" for k, v in report.accuracy_by_level.items())
     print(f"model dir   {out_dir}")
-    print(f"seed        {settings.seed}")
+    print(f"seed        {settings.seed}" + ("  (chat model)" if settings.chat else ""))
     task_seed = settings.warm_start.task_seed
     print(f"warm start  {report.steps} steps on task seed {task_seed}, final loss {report.final_loss}")
     accuracy = f"{100 * report.heldout_accuracy:.1f}%"

@@ -20,6 +20,7 @@ RUN_FLAGS = (
     Flag("run.compute_dtype"),
     Flag("run.temperature"),
     Flag("run.max_new_tokens"),
+    Flag("run.system_prompt"),
 )
 
 

@@ -23,7 +23,7 @@ from ...p2p.identity import Identity
 from ...proofs.rollout_file import signature_path
 from ..engine import InferenceEngine, load_engine
 from ..environments import TaskSet
-from ..errors import NodeError
+from ..errors import NodeError, PromptError
 from ..run.producer import BatchSpec, ProducedBatch, produce_rollout_file
 from ..run.settings import engine_for_run, load_run_tasks
 from ..run.validation import RunTasks
@@ -91,8 +91,11 @@ class RolloutLoop:
             if step != self._engine_step:
                 try:
                     await self._load(step)
-                except PreflightError:
-                    raise  # no room on the GPU: the node cannot work at all, so it stops and says why
+                except (PreflightError, PromptError):
+                    # No room on the GPU, or the run's prompts cannot be built with the run's model (its chat
+                    # template fails, or a system prompt without one): the node cannot work at all, so it stops
+                    # and says why instead of refusing every checkpoint of the run in turn.
+                    raise
                 except NodeError as exc:  # verified bytes, but not a model this engine can run
                     self.keeper.discard(step, f"cannot load it: {exc}")
                     continue

@@ -30,6 +30,7 @@ from ..config import CommonSettings
 from ..engine import EngineSettings
 from ..engine.types import InferenceEngine, SampleRequest, SamplingParams
 from ..errors import TaskError
+from ..run.prompts import PromptBuilder
 from .files import JSONL_SUFFIXES, PARQUET_SUFFIXES
 from .types import Task, TaskSet
 from .verifier import score
@@ -97,17 +98,21 @@ def estimate_pass_rates(
     seed: int = 0,
     tasks_per_batch: int = 8,
     progress: Callable[[int], None] | None = None,
+    system_prompt: str = "",
 ) -> list[TaskEstimate]:
-    """k seeded completions per task, scored by the task's verifier; `progress(n)` after n more tasks."""
+    """k seeded completions per task, scored by the task's verifier; `progress(n)` after n more tasks.
+    Prompts are built as in the run (`system_prompt`: the run's, for a chat model)."""
     if k < 1 or tasks_per_batch < 1:
         raise TaskError("k and tasks_per_batch must be >= 1")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    # The prompts a run gives this model (node/run/prompts.py): raw text, or its chat template's user turn.
+    prompts = PromptBuilder(tokenizer, system_prompt=system_prompt)
     out: list[TaskEstimate] = []
     for start in range(0, len(indices), tasks_per_batch):
         chunk = [(i, task_set.get(i)) for i in indices[start : start + tasks_per_batch]]
         requests = []
         for i, task in chunk:
-            prompt = tuple(tokenizer(task.prompt, add_special_tokens=False)["input_ids"])
+            prompt = prompts.ids(task.prompt)
             requests += [SampleRequest(prompt_ids=prompt, seed=sample_seed(seed, i, j)) for j in range(k)]
         # No hidden states: nothing here is proved, and capturing them costs memory per token.
         completions = engine.generate(requests, params, capture_hidden=False)

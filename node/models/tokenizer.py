@@ -40,18 +40,23 @@ def _byte_symbols() -> list[str]:
     return [symbols[b] for b in range(256)]
 
 
+def byte_level_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """Qwen2's split regex, then byte-level symbols: shared by this tokenizer and the chat model's BPE."""
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """The tokenizer, deterministic: ids 0-2 are the specials, then byte b has id 3 + b."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     vocab.update({symbol: len(SPECIAL_TOKENS) + b for b, symbol in enumerate(_byte_symbols())})
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
     core.normalizer = normalizers.NFC()
-    core.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    core.pre_tokenizer = byte_level_pre_tokenizer()
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
     return PreTrainedTokenizerFast(

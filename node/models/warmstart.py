@@ -33,6 +33,8 @@ from ..environments.split import ContentSplit
 from ..environments.types import Task
 from ..environments.verifier import get_verifier
 from ..errors import ModelError
+from ..run.prompts import PromptBuilder
+from .chat_corpus import CORPUS_VERSION
 from .tiny import TinyModelShape, build_tiny_model, save_model_dir
 from .warmstart_config import WarmStartConfig
 
@@ -69,12 +71,16 @@ def deterministic_torch(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous_threads)
 
 
-def _encode_batch(tokenizer: PreTrainedTokenizerBase, tasks: Sequence[Task]) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+answer+EOS sequences whose labels cover only the answer and its EOS."""
-    prompts = tokenizer([t.prompt for t in tasks], add_special_tokens=False)["input_ids"]
+def _encode_batch(
+    tokenizer: PreTrainedTokenizerBase, prompts_of: PromptBuilder, tasks: Sequence[Task]
+) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+answer+EOS sequences whose labels cover only the answer and its EOS. Prompts are
+    as a run gives them to this model (node/run/prompts.py): the task text itself, or, for a model with a
+    chat template, that text in a user turn followed by an open assistant turn."""
+    prompts = [prompts_of.ids(t.prompt) for t in tasks]
     answers = tokenizer([t.answer for t in tasks], add_special_tokens=False)["input_ids"]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    sequences = [p + a + [eos] for p, a in zip(prompts, answers)]
+    sequences = [[*p, *a, eos] for p, a in zip(prompts, answers)]
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(tasks), width), pad, dtype=torch.long)
     labels = torch.full((len(tasks), width), IGNORE_INDEX, dtype=torch.long)
@@ -111,6 +117,7 @@ def train(
 ) -> float | None:
     """Supervised training in place; returns the mean loss of the last 20 steps (None when steps == 0)."""
     problems = _training_problems(config)
+    prompts_of = PromptBuilder(tokenizer)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay
     )
@@ -119,7 +126,7 @@ def train(
     model.train()
     with tqdm(total=config.steps, desc="warm start", unit="step", disable=not progress) as bar:
         for step in range(config.steps):
-            batch = _encode_batch(tokenizer, [next(problems) for _ in range(config.batch_size)])
+            batch = _encode_batch(tokenizer, prompts_of, [next(problems) for _ in range(config.batch_size)])
             loss = model(**batch).loss
             if not torch.isfinite(loss):
                 raise ModelError(
@@ -213,7 +220,10 @@ def greedy_accuracy(
     """Exact-match accuracy of greedy answers to `tasks` (overall, and per difficulty level)."""
     if not tasks:
         raise ModelError("no tasks to evaluate")
-    completions = greedy_complete(model, tokenizer, [t.prompt for t in tasks], max_new_tokens)
+    prompts_of = PromptBuilder(tokenizer)  # the run's format (raw text or the chat template), as in training
+    completions = greedy_complete(
+        model, tokenizer, [prompts_of.text(t.prompt) for t in tasks], max_new_tokens
+    )
     rewards = [get_verifier(t.task_type)(c, t.answer) for t, c in zip(tasks, completions)]
     per_level: dict[int, list[float]] = defaultdict(list)
     for task, reward in zip(tasks, rewards):
@@ -276,18 +286,20 @@ def init_model_dir(
     *,
     force: bool = False,
     progress: bool = False,
+    chat: bool = False,
 ) -> tuple[WarmStartReport, dict[str, object]]:
     """Build the tiny model from `seed`, warm-start it and save it as an HF directory with prime_node.json.
 
     The files are written to a temporary sibling directory and moved into place only when complete, so an
     interrupted init never leaves a half-written model behind. With `force`, files of the same names in a
     non-empty `out_dir` are replaced and other files are left alone. Returns the report and the run info
-    (the contents of prime_node.json, which are deterministic: no timings).
+    (the contents of prime_node.json, which are deterministic: no timings). `chat`: the model with the BPE
+    tokenizer and chat template of chat_tokenizer.py, warm-started on prompts in its chat format.
     """
     config = config or WarmStartConfig()
     out_dir = Path(out_dir).expanduser()
     _check_out_dir(out_dir, force)
-    model, tokenizer = build_tiny_model(seed, TinyModelShape())
+    model, tokenizer = build_tiny_model(seed, TinyModelShape(), chat=chat)
     report = warm_start(model, tokenizer, config, progress=progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
@@ -307,6 +319,13 @@ def init_model_dir(
             "model_sha256": file_sha256(staging / WEIGHTS_FILE),
             "torch_version": torch.__version__,
         }
+        if chat:  # only then: the default model's prime_node.json stays byte for byte what it was
+            info["chat"] = {
+                "corpus": CORPUS_VERSION,
+                "vocab_size": len(tokenizer),
+                "tokenizer_sha256": file_sha256(staging / "tokenizer.json"),
+                "prompt_format": PromptBuilder(tokenizer).prompt_format,
+            }
         (staging / RUN_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         _check_out_dir(out_dir, force)  # again: something may have appeared while we trained
         if not out_dir.exists():

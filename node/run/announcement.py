@@ -10,6 +10,7 @@ that policy. Kept out of node/run/settings.py so that `prime-node rollout` and `
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator
 
 from ...p2p.swarm.records import PolicyAnnouncement, RunParameters
@@ -28,6 +29,7 @@ _SETTING_OF = {
     "compute_dtype": "run.compute_dtype",
     "length_targets": "run.length_targets",
     "length_alpha": "run.length_alpha",
+    "system_prompt_sha256": "run.system_prompt (compared by its SHA-256)",
 }
 
 
@@ -49,7 +51,13 @@ def run_parameters(run: RunSettings, tasks: TaskSet | None = None) -> RunParamet
         compute_dtype=run.compute_dtype,
         length_targets=list(run.length_targets),
         length_alpha=float(run.length_alpha),
+        system_prompt_sha256=system_prompt_sha256(run.system_prompt),
     )
+
+
+def system_prompt_sha256(system_prompt: str) -> str | None:
+    """The announced form of the run's system prompt: the SHA-256 of its UTF-8 text, None when empty."""
+    return hashlib.sha256(system_prompt.encode("utf-8")).hexdigest() if system_prompt else None
 
 
 def differences(ours: RunParameters, announced: RunParameters) -> list[str]:

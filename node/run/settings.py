@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ...p2p.names import MAX_LENGTH_TARGET, RUN_ID_PATTERN, RUN_ID_RULE
 from ...proofs.bounds import Precision
@@ -18,6 +18,7 @@ from ..config import CommonSettings, Section
 from ..engine import EngineSettings
 from ..environments import TaskSet, open_task_set
 from ..errors import NodeError
+from .prompts import MAX_SYSTEM_PROMPT_CHARS
 
 if TYPE_CHECKING:
     from .validation import RunTasks
@@ -39,6 +40,11 @@ class RunSettings(Section):
     length_alpha: float = Field(
         0.001, ge=0, le=1, description="Length penalty per token of distance to target."
     )
+    system_prompt: str = Field(
+        "",
+        max_length=MAX_SYSTEM_PROMPT_CHARS,
+        description="System message before every prompt; needs a chat model (docs/model.md). Empty: none.",
+    )
     # Sampling is the run's, not each node's: a node free to pick them would sample cooler (higher rewards,
     # proofs still honest) or shorter (cheaper work), and the trainer's log-probabilities assume one temperature.
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature every rollout must use.")
@@ -51,6 +57,15 @@ class RunSettings(Section):
         "prefill in float32 either way; docs/proofs.md). float32 catches far subtler cheats; bfloat16 suits GPU "
         "fleets.",
     )
+
+    @field_validator("system_prompt")
+    @classmethod
+    def _utf8(cls, text: str) -> str:
+        try:  # an environment variable can smuggle undecodable bytes in as lone surrogates
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"not valid UTF-8 text at character {exc.start}") from None
+        return text
 
 
 def engine_for_run(engine: EngineSettings, run: RunSettings) -> EngineSettings:
@@ -136,7 +151,8 @@ def open_run_task_set(run: RunSettings) -> TaskSet:
 
 
 def load_run_tasks(run: RunSettings, checkpoint: Path, task_set: TaskSet | None = None) -> RunTasks:
-    """The run's task rules with the checkpoint's own tokenizer. Long-running processes pass the task set they
+    """The run's task rules with the checkpoint's own tokenizer and chat template (PromptError, at once, when
+    the template cannot render the run's prompts). Long-running processes pass the task set they
     opened once at start (the one whose identity they compared with the run's), so that a task file edited
     in place later cannot change the tasks under them; None opens it now."""
     from transformers import AutoTokenizer
@@ -152,4 +168,5 @@ def load_run_tasks(run: RunSettings, checkpoint: Path, task_set: TaskSet | None 
         tokenizer,
         length_targets=run.length_targets,
         length_alpha=run.length_alpha,
+        system_prompt=run.system_prompt,
     )

@@ -2,9 +2,10 @@
 
 `RunTasks` is the one place that turns an assigned (task index, sample seed) into prompt tokens and a
 completion into rewards, so the contributor that writes a rollout file and the validator that checks it
-compute the same values. Length rewards follow trainer/grpo/advantages.py: the target is drawn from the
-sample seed, the prompt carries the thinking instruction, and the penalty is alpha * |len(output) -
-target| with len(output) counting every output token (EOS included).
+compute the same values. Prompts are built by prompts.py (the raw task text, or the checkpoint's chat
+template with the run's system prompt). Length rewards follow trainer/grpo/advantages.py: the target is
+drawn from the sample seed, the prompt carries the thinking instruction, and the penalty is alpha *
+|len(output) - target| with len(output) counting every output token (EOS included).
 """
 
 from __future__ import annotations
@@ -26,11 +27,16 @@ from ...proofs.verifier import (
     run_checks,
 )
 from ..environments import TaskSet, score
-from ..environments.length import draw_target_length, length_penalty, thinking_suffix
+from ..environments.length import draw_target_length, length_penalty
+from ..errors import PromptError
+from .prompts import PromptBuilder
 
 
 class RunTasks:
-    """Prompts and rewards of a run: its task set, tokenizer and length-reward settings."""
+    """Prompts and rewards of a run: its task set, tokenizer, system prompt and length-reward settings.
+
+    Construction renders a probe prompt (PromptBuilder.check): a chat template that cannot render the run's
+    prompts raises PromptError here, when a node or validator loads the checkpoint, not mid-run."""
 
     def __init__(
         self,
@@ -39,22 +45,30 @@ class RunTasks:
         *,
         length_targets: Sequence[int] = (),
         length_alpha: float = 0.0,
+        system_prompt: str = "",
     ) -> None:
         self.task_set = task_set
         self.tokenizer = tokenizer
         self.length_targets = tuple(length_targets)
         self.length_alpha = length_alpha
         self.task_count = len(task_set)
+        self.prompts = PromptBuilder(tokenizer, system_prompt=system_prompt)
+        self.prompts.check([task_set.get(0).prompt] if self.task_count else [], self.length_targets)
+
+    @property
+    def prompt_format(self) -> str:
+        """The prompt format's name, "sha256:<hex>" of (mode, chat template, system prompt, length instruction)."""
+        return self.prompts.prompt_format
 
     def target_length(self, sample_seed: int) -> int | None:
         return draw_target_length(sample_seed, self.length_targets) if self.length_targets else None
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 (one RunTasks lives as long as its run)
     def _encoded_prompt(self, sample_index: int, target: int | None) -> tuple[int, ...]:
-        text = self.task_set.get(sample_index).prompt
-        if target is not None:
-            text += thinking_suffix(target)
-        return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        try:
+            return self.prompts.ids(self.task_set.get(sample_index).prompt, target)
+        except PromptError as exc:  # a template that fails only for some texts: name the task
+            raise PromptError(f"task {sample_index}: {exc}") from None
 
     def prompt_ids(self, sample_index: int, sample_seed: int) -> tuple[int, ...]:
         return self._encoded_prompt(sample_index, self.target_length(sample_seed))

@@ -107,6 +107,9 @@ class RunParameters(WireModel):
     compute_dtype: Literal["float32", "bfloat16"]
     length_targets: list[Annotated[int, Field(ge=1, le=MAX_LENGTH_TARGET)]] = Field(max_length=32)
     length_alpha: float = Field(ge=0, le=1)
+    # SHA-256 of the run's system prompt (UTF-8), None without one: a digest, not the text, so that a long
+    # prompt cannot push the policy record past its size limit, and no free text travels in it.
+    system_prompt_sha256: Sha256Hex | None = None
 
 
 class PolicyAnnouncement(WireModel):

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ...node.run.announcement import run_parameters
+from ...node.run.settings import load_run_tasks, open_run_task_set
 from ...node.runtime.supervisor import Supervisor
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
@@ -94,6 +95,7 @@ class TrainerService:
         learner_factory: Callable[..., Learner] | None = None,
     ) -> None:
         self.settings = settings
+        self.model_dir = model_dir
         self.on_step = on_step  # the CLI's progress display
         self.identity = identity
         self.supervisor = supervisor
@@ -147,7 +149,11 @@ class TrainerService:
             torch.set_num_threads(svc.threads)
         self.supervisor.on_shutdown("consumed-record", self._close_ledger)
         # Reads the run's task set: fails at start-up, not hours later, when it is unreadable.
-        self.run_parameters = await asyncio.to_thread(run_parameters, self.settings.run)
+        task_set = await asyncio.to_thread(open_run_task_set, self.settings.run)
+        self.run_parameters = run_parameters(self.settings.run, task_set)
+        # Builds a prompt as every node and validator will (the model's chat template, the run's system
+        # prompt): a template that cannot render them stops the trainer here, before any policy is announced.
+        await asyncio.to_thread(load_run_tasks, self.settings.run, self.model_dir, task_set)
         step = await self._blocking(self.learner.resume)
         self.metrics.step.set(step)
         self.server = server = WeightsServer(

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from ...node.environments import TaskSet
+from ...node.errors import PromptError
 from ...node.run.settings import verifier_for_run
 from ...p2p.identity import Identity
 from ...p2p.swarm import Admitted, HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
@@ -228,6 +229,10 @@ class ValidatorService:
                     self.verifier,
                     accepted=self.ledger.ledger.accepted_holder,
                 )
+            except PromptError:
+                # The run's prompts cannot be built with its model (docs/model.md, "Prompts"): no file can be
+                # judged, so the validator stops and says why rather than excusing every file as its own failure.
+                raise
             except Exception as exc:  # noqa: BLE001 - one file's judgement must never end the worker
                 # Our failure (a checkpoint that will not load, a full disk, memory, a bug): never the sender's, so
                 # excused. Every fault a file can be blamed for is a failed check inside verify_spooled; what
