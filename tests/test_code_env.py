@@ -59,6 +59,7 @@ def test_extraction_takes_the_last_complete_python_block_only() -> None:
         "```\nprint(1)\n```",
         "```python print(1) ```",  # fences are whole lines
         "```python\n   \n```",  # empty
+        "```python\nprint('\udc80')\n```",  # a lone surrogate: no UTF-8 source file holds it
         "```python\nprint(1)",  # never closed
         fenced("x = 1\n" * (MAX_PROGRAM_BYTES // 6 + 1)),  # program over the bound
         "x" * (MAX_COMPLETION_CHARS + 1) + fenced("print(1)"),  # completion over the bound

@@ -9,6 +9,7 @@ these tests skip with the reason; the refusal itself is tested with a real bwrap
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -71,6 +72,8 @@ def test_honest_programs_pass_and_report_their_status() -> None:
     assert (failed.exit_code, failed.limit, failed.ok, failed.stdout) == (3, None, False, b"partial\n")
     crashed = run("raise ValueError('boom')")
     assert crashed.exit_code == 1 and b"ValueError: boom" in crashed.stderr and not crashed.ok
+    unencodable = run("print('\udc80')")  # a str no UTF-8 file can hold: the interpreter refuses it
+    assert unencodable.exit_code == 1 and b"SyntaxError" in unencodable.stderr
 
 
 @needs_sandbox
@@ -282,8 +285,9 @@ def test_escape_attempts_fail_and_leave_nothing_behind() -> None:
 
 SCORER = """
 import sys
-from prime_node.node.environments.sandbox import SandboxLimits, run_sandboxed
-print("starting", flush=True)
+from prime_node.node.environments.sandbox import SandboxLimits, check_sandbox, run_sandboxed
+check_sandbox()  # the probe's own sandboxes come and go before the watch starts
+print("ready", flush=True)
 run_sandboxed(sys.argv[1], b"", SandboxLimits(wall_s=60))
 print("finished", flush=True)
 """
@@ -304,16 +308,19 @@ def test_a_sandbox_dies_with_its_scorer() -> None:
     )
     scorer = subprocess.Popen([sys.executable, "-c", SCORER, program], stdout=subprocess.PIPE)
     try:
+        assert scorer.stdout is not None
+        ready, _, _ = select.select([scorer.stdout], [], [], 60)
+        assert ready and scorer.stdout.readline() == b"ready\n", "the scorer did not start"
         with watch_sandboxes(scorer.pid) as watch:
             deadline = time.monotonic() + 30
             while len(watch.pids) < 3 and time.monotonic() < deadline:  # init, program, its child
                 time.sleep(0.02)
-            assert len(watch.pids) >= 3, "the sandbox did not start"
-            assert processes_in(watch.namespaces)
+            running = processes_in(watch.namespaces)
+            assert len(watch.pids) >= 3 and len(running) >= 3, (watch.pids, running)
             scorer.send_signal(signal.SIGKILL)
             scorer.wait(10)
-        assert watch.leftovers(within_s=5) == [], "the sandbox outlived its scorer"
-        assert scorer.stdout is not None and scorer.stdout.read() == b"starting\n"
+        assert watch.leftovers(within_s=10) == [], "the sandbox outlived its scorer"
+        assert scorer.stdout.read() == b"", "the run cannot have finished"
     finally:
         scorer.kill()
         scorer.wait()

@@ -133,9 +133,13 @@ def extract_program(completion: str) -> str | None:
             found, block = "\n".join(block) + "\n", None
         else:
             block.append(line)
-    if found is None or not found.strip() or len(found.encode("utf-8", "surrogatepass")) > MAX_PROGRAM_BYTES:
+    if found is None or not found.strip():
         return None
-    return found
+    try:
+        size = len(found.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate (valid in JSON, not in a source file)
+        return None
+    return found if size <= MAX_PROGRAM_BYTES else None
 
 
 def _lines(output: bytes | str) -> list[str] | None:
@@ -240,9 +244,16 @@ class CodeEnvironment:
         self.path = Path(path).expanduser()
         self._tasks, self.sha256 = load_code_tasks(self.path)
         runs = max(len(CodeTests.model_validate_json(t.metadata).tests) for t in self._tasks)
-        wall = min(600.0, runs * (self.config.limits.wall_s + START_MARGIN_S) + 10.0)
-        # The scorer itself only waits on the sandbox: its own CPU and memory stay small.
-        self._scoring = ScoringLimits(isolation="sandbox", wall_s=wall, cpu_s=wall, memory_mb=1024)
+        limits = self.config.limits
+        wall = min(600.0, runs * (limits.wall_s + START_MARGIN_S) + 10.0)
+        # The scorer itself only waits on the sandbox, but a worker's limits are inherited by the sandbox,
+        # whose launcher can lower them, never raise them: they must not be below the sandbox's own.
+        self._scoring = ScoringLimits(
+            isolation="sandbox",
+            wall_s=wall,
+            cpu_s=min(600.0, max(wall, limits.cpu_s + 1.0)),
+            memory_mb=min(65536, max(1024, limits.memory_mb + 256)),
+        )
         hashed = {
             "format": CODE_FORMAT,
             "file_sha256": self.sha256,

@@ -174,7 +174,7 @@ def run_sandboxed(
     Never raises for anything the program does; SandboxUnavailable when no sandbox works here.
     """
     runtime = _runtime()
-    source = program.encode("utf-8", "surrogateescape") if isinstance(program, str) else program
+    source = program.encode("utf-8", "surrogatepass") if isinstance(program, str) else program
     return _run(runtime, source, stdin, limits or SandboxLimits())
 
 
@@ -271,12 +271,14 @@ def _run(runtime: _Runtime, source: bytes, stdin: bytes, limits: SandboxLimits) 
         for fd in (program_fd, stdin_fd, seccomp_fd, status_write):
             os.close(fd)
     watch = _Watch(proc, status_read, limits)
+    limit: LimitHit | None = None
     try:
         limit = watch.run(start + limits.wall_s)
-        if limit is not None:
+    finally:
+        # A limit, or an error while watching with the sandbox still running: end it before anything else.
+        if limit is not None or proc.poll() is None:
             watch.kill()
         returncode = proc.wait()  # at once: bwrap has exited, or was SIGKILLed just now
-    finally:
         watch.close()
     status = None
     if limit is None:
@@ -306,11 +308,12 @@ class _Watch:
             status_fd: (self.status, _STATUS_BYTES),
         }
         self._status_fd = status_fd
-        self._bwrap = os.pidfd_open(proc.pid)
+        self._bwrap: int | None = None  # pidfd of bwrap, readable once it has exited
         self._init: int | None = None  # pidfd of the sandbox's pid 1 (-1: unknown), once bwrap told its pid
 
     def run(self, deadline: float) -> LimitHit | None:
         """Until bwrap has exited and every pipe is closed (nothing in the sandbox holds them), or a limit."""
+        self._bwrap = os.pidfd_open(self.proc.pid)
         with selectors.DefaultSelector() as selector:
             for fd in self._caps:
                 os.set_blocking(fd, False)
@@ -496,10 +499,10 @@ def _probe() -> _Runtime:
             )
             info = json.loads(done.stdout)
         except (OSError, subprocess.SubprocessError, ValueError) as exc:
-            problems.append(f"{python}: cannot inspect it ({exc})")
+            problems.append(f"with {python}: cannot inspect it ({exc})")
             continue
         if info.get("version") != PYTHON_VERSION:
-            problems.append(f"{python}: Python {info.get('version')}, not {PYTHON_VERSION}")
+            problems.append(f"with {python}: Python {info.get('version')}, not {PYTHON_VERSION}")
             continue
         runtime = _Runtime(
             bwrap=bwrap, python=str(info["executable"]), mounts=_mounts(info), seccomp=seccomp, run_as=run_as
@@ -507,7 +510,7 @@ def _probe() -> _Runtime:
         try:
             result = _run(runtime, _PROBE_PROGRAM.encode(), b"21", SandboxLimits(wall_s=30))
         except SandboxError as exc:
-            problems.append(f"{python}: {exc}")
+            problems.append(f"with {python}: {exc}")
             continue
         if result.ok and result.stdout == b"42\n":
             return runtime
