@@ -5,19 +5,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# Code environments run untrusted programs in bubblewrap (node/environments/sandbox.py) and refuse to start
-# without it. Installed here where apt is available and we are root; otherwise say how, and go on.
-if ! command -v bwrap >/dev/null 2>&1; then
+# System packages features need, installed where apt is available and we are root; otherwise say how and go
+# on (the tests that need one skip, naming it). bubblewrap: code environments run untrusted programs in it
+# (node/environments/sandbox.py) and refuse to start without it. chromium and its driver: the dashboard test
+# looks at the validator's page in headless Chromium (tests/test_leaderboard.py).
+apt_install() {  # apt_install COMMAND WHAT PACKAGE...
+  local command=$1 what=$2
+  shift 2
+  command -v "$command" >/dev/null 2>&1 && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null 2>&1 \
+    apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1 \
       || { timeout 300 apt-get update -qq >/dev/null 2>&1 \
-           && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null 2>&1; } \
-      || echo "setup: could not install bubblewrap with apt-get; code environments will refuse to start" >&2
+           && apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1; } \
+      || echo "setup: could not install $* with apt-get; $what" >&2
   else
-    echo "setup: bubblewrap (bwrap) is not installed; code environments need it (apt-get install bubblewrap)" >&2
+    echo "setup: $command is not installed; $what (apt-get install $*)" >&2
   fi
-fi
+}
+apt_install bwrap "code environments will refuse to start" bubblewrap
+apt_install chromedriver "the dashboard's browser test will skip" chromium chromium-driver
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
