@@ -13,7 +13,8 @@ swarm, verified, recorded and delivered by a validator running in this process:
   banned), and the author's own delivery of the same bytes is judged on its own, accepted and credited to
   it; the author learns its own verdict through the node's API client;
 - an acceptance whose samples another writer of the ledger claimed after the early check is recorded as a
-  `duplicate` (the ledger's check in the recording transaction).
+  `duplicate` (the ledger's check in the recording transaction): two live validators writing one ledger judge
+  two copies of one batch at once, and the one that records second loses.
 
 The helpers read the ledger with plain SQL on the contributions table, so the tests run (and fail for the
 right reason) against the code before verdicts were keyed by sender.
@@ -36,10 +37,9 @@ import pytest
 from prime_node.node.contributor.validator_api import ValidatorApi
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import HandoffBusy, RolloutEnvelope, Swarm
-from prime_node.p2p.verdicts import Verdict, sign
+from prime_node.p2p.verdicts import Verdict
 from prime_node.proofs.rollout_file import encode_rows, read_rollout_file
 from prime_node.proofs.rollout_schema import SCHEMA, RolloutRow
-from prime_node.proofs.work_identity import sample_ids
 from prime_node.trainer.ledger import Ledger
 from prime_node.trainer.ledger.records import load_verdict
 from prime_node.trainer.ledger.slashing import SlashingPolicy
@@ -47,8 +47,6 @@ from prime_node.trainer.service.batch_buffer import BatchBuffer
 from prime_node.trainer.service.consumed import ConsumedLedger
 from prime_node.trainer.service.inbox import Inbox
 from prime_node.trainer.validator.config import ValidatorSettings
-from prime_node.trainer.validator.service import Job
-from prime_node.trainer.validator.verify_job import Outcome
 
 from support.swarm import fleet, wait_until
 from support.validator import (
@@ -66,6 +64,7 @@ from support.validator import (
 )
 
 SECOND = Identity.from_seed(b"\x5b" * 32)  # a second validator's key, pinned beside OPERATOR
+RACE_MARGIN_S = 3.0  # how long both judgements get to reach their recording while the ledger is held
 POLICY = SlashingPolicy(fault_ban_after=50)  # every duplicate is slashed; none of these few bans the node
 
 
@@ -205,38 +204,72 @@ async def test_an_acceptance_that_loses_the_race_for_its_samples_is_recorded_as_
     tmp_path: Path,
     world,  # noqa: ANN001
 ) -> None:
-    """The early check reads the ledger before the costly checks; a claim can land after it (another validator
-    process on the same ledger, or any race). The validator's own record then turns the acceptance into a
-    `duplicate` rejection instead of crediting the samples twice."""
+    """The early check reads the ledger before the costly checks; a claim can land after it. Two validators
+    write one ledger (each alone in its swarm, so each owns every batch) and are each handed a copy of the same
+    batch (two encodings) while a third writer holds the ledger's write lock: both copies pass the early check
+    (reads go on), both recordings wait for the lock, and once it is released one records first. The ledger's
+    own check in the other's recording transaction turns that acceptance into a `duplicate` instead of
+    crediting the samples twice. The honest control: each validator's judgement of the node's other batches."""
     checkpoint, engine, tasks = world
     node = Identity.generate()
     rows = rows_for(engine, tasks, node)
-    settings = _settings(tmp_path / "validator")
-    async with running_validator(settings) as running:
-        winner = sign(
-            Verdict(
-                file_hash="a" * 64,
-                node_id=node.node_id,
-                step=0,
-                samples=len(rows),
-                tokens=9,
-                accepted=True,
-                validator_id=OPERATOR.node_id,
-                decided_at=time.time(),
-            ),
-            OPERATOR,
+    controls = [encode_rows(rows_for(engine, tasks, node, batch_counter=k)) for k in (1, 2)]
+    shared = {"path": tmp_path / "shared-ledger.sqlite"}
+    first, second = (_settings(tmp_path / name) for name in ("v1", "v2"))
+    first, second = (
+        s.model_copy(update={"ledger": s.ledger.model_copy(update=shared)}) for s in (first, second)
+    )
+    for settings in (first, second):
+        publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    copies = [encode_rows(rows), _parquet(rows, "gzip")]
+    envelopes = [envelope_for(node, data) for data in copies]
+    async with (
+        running_validator(first) as v1,
+        running_validator(second) as v2,
+        fleet(RUN, OPERATOR) as group,
+    ):
+        to_v1 = await group.add(node, bootstrap=v1.maddrs[:1], reachability="public")
+        to_v2 = await group.add(node, bootstrap=v2.maddrs[:1], reachability="public")
+        for running, sender, data in ((v1, to_v1, controls[0]), (v2, to_v2, controls[1])):
+            await wait_until(lambda sender=sender: sees_a_validator(sender), 15)
+            assert (
+                await _judge(running, sender, data, node)
+            ).accepted  # and each validator's model is loaded
+        with Ledger(shared["path"]) as writer, writer.db.write():  # another writer holds the write lock
+            for sender, data, envelope in zip((to_v1, to_v2), copies, envelopes, strict=True):
+                await sender.send_rollout(data, envelope)
+            await wait_until(lambda: _taken(v1, v2), 15)  # both judging: the early check reads on
+            await asyncio.sleep(RACE_MARGIN_S)  # both past it (judging takes ~0.2 s), waiting to record
+            assert v1.service.verdicts == v2.service.verdicts == 1  # the controls alone
+        verdicts = [
+            await _verdict(running, e.sha256, node.node_id)
+            for running, e in zip((v1, v2), envelopes, strict=True)
+        ]
+    assert sorted(v.accepted for v in verdicts) == [False, True], verdicts
+    won, lost = sorted(verdicts, key=lambda v: not v.accepted)
+    assert lost.failed_check == "duplicate", lost
+    # The ledger's check named it (DuplicateWork), not the early one ("row N: ..." and the full hash).
+    assert lost.reason.startswith("duplicate: sample (") and f"file {won.file_hash[:16]}…" in lost.reason, (
+        lost
+    )
+    with Ledger(shared["path"]) as ledger:
+        record = ledger.query(
+            "SELECT COALESCE(SUM(accepted), 0) AS files, COALESCE(SUM(samples * accepted), 0) AS samples"
+            " FROM contributions WHERE node_id = ?",
+            (node.node_id,),
+        )[0]
+        slashes = ledger.query(
+            "SELECT check_class, failed_check FROM slashes WHERE node_id = ?", (node.node_id,)
         )
-        with Ledger(running.service.ledger.ledger.path) as other:  # a second connection, as another process
-            other.record(winner, samples=sample_ids(rows))
-        late = Job(running.service.spool.entry("b" * 64, node.node_id), node.node_id, time.time())
-        await running.service._decide(
-            late, Outcome(False, 0, True, None, "", len(rows), 9, sample_ids=sample_ids(rows))
-        )
-        verdict = await _verdict(running, "b" * 64, node.node_id)
-        assert not verdict.accepted and verdict.failed_check == "duplicate", verdict
-        assert verdict.reason.startswith("duplicate: sample (") and f"file {'a' * 16}" in verdict.reason
-        record = await _record(running, node.node_id)
-        assert record["accepted"] == 1 and record["slashes"] == [("fault", "duplicate")]
+    assert (record["files"], record["samples"]) == (3, 3 * len(rows)), dict(
+        record
+    )  # the controls, the winner
+    assert [(s["check_class"], s["failed_check"]) for s in slashes] == [("fault", "duplicate")]
+
+
+async def _taken(*validators) -> bool:  # noqa: ANN002
+    """Every validator's worker has taken its file from the queue (and holds none waiting for a checkpoint)."""
+    return all(len(v.service.queue) == 0 and not v.service.held for v in validators)
 
 
 async def test_two_validators_in_one_swarm_credit_each_batch_once_and_the_trainer_uses_it_once(
