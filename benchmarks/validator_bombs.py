@@ -2,15 +2,19 @@
 
 Usage: .venv/bin/python benchmarks/validator_bombs.py [--honest-prompts P] [--bound-mib B] [--only NAME ...]
 
-Every file is validly signed and within the validator's file size limit (64 MiB); each is judged by the
-validator's own path (trainer/validator/verify_job.verify_spooled: signature, schema, limits, then against the
-checkpoint) in a fresh child process that first loads the tiny checkpoint and the run's tasks and judges
-a small honest file once, then starts a new peak at its present RSS (Linux clear_refs) and judges the
-file: the figure is that peak above idle, the file's own bytes included. The bombs are judged by a run
-of the widest limits a run can set (max_new_tokens 8,192; the default 4,096 rows, 4 Mi tokens, 128 MiB
-decompressed), the honest file (generated and proved by the tiny model, accepted) by a run of 64 new
-tokens. "expands to" estimates what the reader before issue 18 made of the file (its Arrow table expanded, then
-about 44 bytes a token and a copy of every binary value as Python objects).
+Every file is validly signed (a v2 envelope naming the batch its rows claim) and within the validator's file
+size limit (64 MiB); each is judged by the validator's own path (trainer/validator/verify_job.py
+verify_spooled: signature, schema, limits, then against the checkpoint) in a fresh child process that first
+loads the tiny checkpoint and the run's tasks and judges a small honest file once, then starts a new peak at
+its present RSS (Linux clear_refs) and judges the file: the figure is that peak above idle, the file's own
+bytes included. The bombs are judged by a run of the widest limits a run can set (max_new_tokens 8,192; the
+default 4,096 rows, 4 Mi tokens, 128 MiB decompressed), the honest file (generated and proved by the tiny
+model, accepted) by a run of 64 new tokens. The largest legal file's 4,096 rows are one sample repeated, so
+it is read, decoded and checked up to the identity checks and rejected as `duplicate` before any check
+that runs the model: its figure is what reading and decoding the largest file costs, not the prefill (bounded
+apart by `verifier.prefill_max_logits_mib`). "expands to" estimates what the reader before issue 18 made of
+the file (its Arrow table expanded, then about 44 bytes a token and a copy of every binary value as Python
+objects).
 """
 
 from __future__ import annotations
@@ -196,9 +200,14 @@ BOMBS: dict[str, tuple[Callable[[RolloutRow], bytes], float]] = {
 }
 
 
-def _signed(path: Path, data: bytes) -> Path:
+# The policy step a bomb's rows claim, when not the template's (its envelope signs the same: a sender routes it so).
+CLAIMED_STEP = {"  the same, unknown step": 9}
+
+
+def _signed(path: Path, data: bytes, batch: tuple[int, int]) -> Path:
+    """`data` with the v2 envelope a node writes: the batch its rows claim (bombs are never decoded to find it)."""
     path.write_bytes(data)
-    signature_path(path).write_text(json.dumps(sign_bytes(data, NODE)))
+    signature_path(path).write_text(json.dumps(sign_bytes(data, NODE, batch=batch)))
     return path
 
 
@@ -256,12 +265,19 @@ def main() -> None:
         for i, (name, (build, decoded)) in enumerate(BOMBS.items()):
             if args.only and not any(word in name for word in args.only):
                 continue
-            files.append((name, _signed(Path(tmp) / f"bomb{i}.parquet", build(template)), WIDE, decoded))
+            claimed = (CLAIMED_STEP.get(name, template.policy_step), template.batch_counter)
+            files.append(
+                (name, _signed(Path(tmp) / f"bomb{i}.parquet", build(template), claimed), WIDE, decoded)
+            )
         tokens = 4 * MiB
         files.append(
             (
                 "largest legal file (random)",
-                _signed(Path(tmp) / "legal.parquet", largest_legal(template, engine.vocab_size)),
+                _signed(
+                    Path(tmp) / "legal.parquet",
+                    largest_legal(template, engine.vocab_size),
+                    (template.policy_step, template.batch_counter),
+                ),
                 WIDE,
                 tokens * 44 / MiB + 4096 * proof_size(1023) / MiB,
             )

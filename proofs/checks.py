@@ -23,6 +23,7 @@ from .rollout_decode import decode_layout, read_policy_step
 from .rollout_file import (
     MAX_SIG_BYTES,
     check_signer,
+    envelope_batch,
     parse_envelope,
     read_bounded,
     signature_path,
@@ -114,8 +115,11 @@ class SignerCheck:
 
     def run(self, ctx: VerificationContext) -> str:
         with _rejects(RolloutFileError):
-            check_signer(ctx.rows, ctx.signer)
-        return "rows name the signing node"
+            check_signer(ctx.rows, ctx.signer, envelope_batch(ctx.envelope))
+        batch = envelope_batch(ctx.envelope)
+        return "rows name the signing node" + (
+            f" and the signed batch {batch[1]} of step {batch[0]}" if batch is not None else ""
+        )
 
 
 class BoundsCheck:

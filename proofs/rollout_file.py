@@ -2,9 +2,13 @@
 
 `FILE.parquet` travels with `FILE.parquet.sig`, a small JSON envelope signed by the producing node:
 
-    {"format": "prime-node/rollout-sig/v1", "node_id": HEX, "sha256": HEX, "size": N, "signature": HEX}
+    {"format": "prime-node/rollout-sig/v2", "node_id": HEX, "sha256": HEX, "size": N,
+     "policy_step": S, "batch_counter": B, "signature": HEX}
 
-where the signature is Ed25519 over canonical JSON of the other four fields. A reader trusts nothing
+where the signature is Ed25519 over canonical JSON of the other fields. (S, B) is the batch every row holds:
+it lets a validator route the file before reading it (p2p/swarm/routing.py), and a file whose rows are
+another batch fails `check_signer`. Format v1 (no batch fields) is still read: files written before it.
+A reader trusts nothing
 before the signature verifies: it checks the file size against its limit, reads the bounded envelope,
 hashes the bytes, verifies the signature, and only then lets the Parquet parser near the data; then it
 checks the schema exactly and what decoding will cost (from the footer and every page header, before
@@ -31,10 +35,17 @@ from ..p2p.wire import WireFormatError, loads_strict
 from .rollout_decode import decode_file
 from .rollout_schema import SCHEMA, RolloutFileError, RolloutLimits, RolloutRow, check_rows
 
-SIG_FORMAT = "prime-node/rollout-sig/v1"
+SIG_FORMAT = "prime-node/rollout-sig/v2"
+SIG_FORMAT_V1 = "prime-node/rollout-sig/v1"
 SIG_SUFFIX = ".sig"
 MAX_SIG_BYTES = 4096
-_SIG_FIELDS = ("format", "node_id", "sha256", "size", "signature")
+_BATCH_FIELDS = ("policy_step", "batch_counter")
+# The fields of each format, signature last (p2p/swarm/handoff.py RolloutEnvelope is the same document).
+_SIG_FIELDS = {
+    SIG_FORMAT_V1: ("format", "node_id", "sha256", "size", "signature"),
+    SIG_FORMAT: ("format", "node_id", "sha256", "size", *_BATCH_FIELDS, "signature"),
+}
+_MAX_BATCH_VALUE = (1 << 63) - 1  # int64 columns: what a row can hold
 
 
 @dataclass(frozen=True)
@@ -59,15 +70,30 @@ def encode_rows(rows: list[RolloutRow]) -> bytes:
     return sink.getvalue()
 
 
-def sign_bytes(data: bytes, identity: Identity) -> dict[str, Any]:
-    """The signature envelope of `data` (a JSON object)."""
-    body = {
-        "format": SIG_FORMAT,
+def sign_bytes(data: bytes, identity: Identity, *, batch: tuple[int, int] | None) -> dict[str, Any]:
+    """The signature envelope of `data` (a JSON object): v2 signing `batch` (policy step, batch counter), or v1
+    when `batch` is None (what nodes wrote before v2; validators refuse it at the hand-off)."""
+    body: dict[str, Any] = {
+        "format": SIG_FORMAT if batch is not None else SIG_FORMAT_V1,
         "node_id": identity.node_id,
         "sha256": hashlib.sha256(data).hexdigest(),
         "size": len(data),
     }
+    if batch is not None:
+        body["policy_step"], body["batch_counter"] = batch
     return {**body, "signature": identity.sign(canonical_json(body)).hex()}
+
+
+def batch_of(rows: list[RolloutRow]) -> tuple[int, int]:
+    """(policy step, batch counter) of rows that check_rows passed (the same in every row)."""
+    return rows[0].policy_step, rows[0].batch_counter
+
+
+def envelope_batch(envelope: dict[str, Any]) -> tuple[int, int] | None:
+    """The batch a parsed envelope signs; None for a v1 envelope."""
+    if envelope["format"] == SIG_FORMAT_V1:
+        return None
+    return envelope["policy_step"], envelope["batch_counter"]
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -96,30 +122,56 @@ def write_rollout_file(
     data = encode_rows(rows)
     _write_atomic(path, data)
     sig_path = signature_path(path)
-    _write_atomic(sig_path, json.dumps(sign_bytes(data, identity), sort_keys=True).encode() + b"\n")
+    envelope = sign_bytes(data, identity, batch=batch_of(rows))
+    _write_atomic(sig_path, json.dumps(envelope, sort_keys=True).encode() + b"\n")
     return sig_path
 
 
+def sign_again(path: Path, sig_path: Path, identity: Identity) -> dict[str, Any]:
+    """Replace a v1 envelope of one of this node's own files by a v2 one that signs the batch its rows hold.
+
+    For files a node wrote and signed before v2 and has not handed off yet (validators refuse v1). The file is
+    the node's own, so it is read without the hostile-input bounds; only the two batch columns are decoded.
+    """
+    data = Path(path).read_bytes()
+    try:
+        table = pq.read_table(io.BytesIO(data), columns=list(_BATCH_FIELDS))
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        raise RolloutFileError(f"cannot read the batch of {path}: {exc}", check="schema") from None
+    batches = set(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
+    if len(batches) != 1:
+        raise RolloutFileError(f"{path} holds {len(batches)} batches, not one", check="bounds")
+    envelope = sign_bytes(data, identity, batch=batches.pop())
+    _write_atomic(Path(sig_path), json.dumps(envelope, sort_keys=True).encode() + b"\n")
+    return envelope
+
+
 def parse_envelope(raw: bytes) -> dict[str, Any]:
-    """A signature envelope, strictly: exactly the expected fields with the expected types."""
+    """A signature envelope, strictly: exactly the fields of its format with the expected types."""
     try:
         envelope = loads_strict(raw, "signature file")  # NaN, infinities and duplicate keys refused
     except WireFormatError as exc:
         raise RolloutFileError(str(exc), check="signature") from None
-    if not isinstance(envelope, dict) or sorted(envelope) != sorted(_SIG_FIELDS):
+    if not isinstance(envelope, dict):
+        raise RolloutFileError("signature file must hold a JSON object", check="signature")
+    fields = _SIG_FIELDS.get(envelope.get("format"))  # type: ignore[arg-type]
+    if fields is None:
         raise RolloutFileError(
-            f"signature file must hold exactly the fields {_SIG_FIELDS}", check="signature"
+            f"signature format {str(envelope.get('format'))[:80]!r}, expected {SIG_FORMAT} "
+            f"(or {SIG_FORMAT_V1})",
+            check="signature",
         )
-    if envelope["format"] != SIG_FORMAT:
+    if sorted(envelope) != sorted(fields):
         raise RolloutFileError(
-            f"signature format {envelope['format']!r}, expected {SIG_FORMAT}", check="signature"
+            f"a {envelope['format']} signature file must hold exactly the fields {fields}", check="signature"
         )
-    if (
-        not all(isinstance(envelope[k], str) for k in ("node_id", "sha256", "signature"))
-        or not isinstance(envelope["size"], int)
-        or isinstance(envelope["size"], bool)
+    numbers = ("size", *(_BATCH_FIELDS if envelope["format"] == SIG_FORMAT else ()))
+    if not all(isinstance(envelope[k], str) for k in ("node_id", "sha256", "signature")) or not all(
+        isinstance(envelope[k], int) and not isinstance(envelope[k], bool) for k in numbers
     ):
         raise RolloutFileError("signature file has fields of the wrong type", check="signature")
+    if any(not 0 <= envelope[k] <= _MAX_BATCH_VALUE for k in numbers):
+        raise RolloutFileError(f"signature file's {'/'.join(numbers)} out of range", check="signature")
     return envelope
 
 
@@ -134,7 +186,7 @@ def verify_envelope(data: bytes, envelope: dict[str, Any], expected_signer: str 
         raise RolloutFileError(
             "file content does not match its signed SHA-256 (altered after signing?)", check="signature"
         )
-    body = {k: envelope[k] for k in _SIG_FIELDS if k != "signature"}
+    body = {k: envelope[k] for k in _SIG_FIELDS[envelope["format"]] if k != "signature"}
     try:
         signature = bytes.fromhex(envelope["signature"])
         verify_signature(signer, canonical_json(body), signature)
@@ -180,14 +232,25 @@ def read_rollout_file(
     signer = verify_envelope(data, envelope, expected_signer)
     rows = decode_rows(data, limits)
     check_rows(rows, limits)
-    check_signer(rows, signer)
+    check_signer(rows, signer, envelope_batch(envelope))
     return RolloutFile(path=path, sha256=envelope["sha256"], signer=signer, rows=tuple(rows))
 
 
-def check_signer(rows: list[RolloutRow], signer: str) -> None:
-    """Every row must name the node that signed the file (a node cannot pass off another's work)."""
+def check_signer(rows: list[RolloutRow], signer: str, batch: tuple[int, int] | None = None) -> None:
+    """Every row must name the node that signed the file (a node cannot pass off another's work) and, when the
+    envelope signs a batch (v2), be that batch: the batch decided where the file was sent, so rows of another
+    batch would be work routed to a validator that does not own it."""
     if any(r.node_id != signer for r in rows):
         raise RolloutFileError(
             f"rows claim node {rows[0].node_id[:16]}… but the file is signed by {signer[:16]}…",
+            check="signature",
+        )
+    held = {(r.policy_step, r.batch_counter) for r in rows}
+    # Rows of several batches hold no one batch: a malformed file, which the bounds check names (a fault).
+    if batch is not None and len(held) == 1 and held != {batch}:
+        step, counter = held.pop()
+        raise RolloutFileError(
+            f"the rows are batch {counter} of policy step {step}, but the envelope signs batch {batch[1]} of "
+            f"policy step {batch[0]}",
             check="signature",
         )

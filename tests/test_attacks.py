@@ -157,7 +157,7 @@ def test_schema_violation(world, tmp_path: Path):
     )
     path = tmp_path / "schema.parquet"
     pq.write_table(table, path)
-    signature_path(path).write_text(json.dumps(sign_bytes(path.read_bytes(), NODE)))
+    signature_path(path).write_text(json.dumps(sign_bytes(path.read_bytes(), NODE, batch=None)))
     report = verify(path, engine, tasks)
     assert rejected_by(report) == "schema" and "'proof' is large_binary" in report.reasons[0]
 

@@ -133,7 +133,7 @@ async def test_delivery_keeps_receipts_and_sets_refused_files_aside(tmp_path: Pa
         staged.write_bytes(data)
         node_key = Identity.from_seed(b"n" * 32)
         sig = Path(f"{staged}.sig")
-        sig.write_text(json.dumps(sign_bytes(data, node_key)))
+        sig.write_text(json.dumps(sign_bytes(data, node_key, batch=(0, len(entries)))))
         entries.append(outbox.commit(hashlib.sha256(data).hexdigest(), staged, sig))
 
     def accept(rollout: ReceivedRollout) -> None:

@@ -95,15 +95,15 @@ async def test_unsent_files_outside_the_async_window_are_dropped_not_sent(tmp_pa
     for step in (1, 3, 5):
         payload = f"rows of step {step}".encode()
         sha, f, s = _stage(box, payload)
-        s.write_text(RolloutEnvelope.sign(node, payload).model_dump_json())
+        s.write_text(RolloutEnvelope.sign(node, payload, (step, 0)).model_dump_json())
         by_step[step] = box.commit(sha, f, s, policy_step=step)
     assert sorted(e.policy_step for e in box.pending_entries()) == [1, 3, 5]
     assert Outbox(tmp_path).pending_entries()[0].policy_step is not None  # the step survives a restart
 
     asked: list[str] = []
 
-    class NoValidatorYet:  # the transport: records what it was asked to send and fails like an absent validator
-        async def send_rollout(self, path, envelope):
+    class NoValidatorYet:  # the transport: records what it was asked to route and fails like an absent validator
+        async def route(self, envelope):
             asked.append(envelope.sha256)
             raise SwarmError("no validator announced yet")
 

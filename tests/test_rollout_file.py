@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from prime_node.p2p.identity import Identity
+from prime_node.p2p.swarm import RolloutEnvelope
 from prime_node.proofs.rollout_file import (
     encode_rows,
+    envelope_batch,
+    parse_envelope,
     read_rollout_file,
     sign_bytes,
     signature_path,
@@ -58,7 +61,7 @@ def _row(index: int = 0, output_len: int = 40, **changes) -> RolloutRow:
 
 def _write_raw(path: Path, data: bytes, identity: Identity = KEY) -> Path:
     path.write_bytes(data)
-    signature_path(path).write_text(json.dumps(sign_bytes(data, identity)))
+    signature_path(path).write_text(json.dumps(sign_bytes(data, identity, batch=None)))
     return path
 
 
@@ -117,7 +120,7 @@ def test_tampered_file_and_other_keys_are_rejected(tmp_path: Path):
     path = tmp_path / "c.parquet"
     write_rollout_file(path, [_row()], KEY)
     envelope = json.loads(signature_path(path).read_text())
-    forged = sign_bytes(path.read_bytes(), OTHER)
+    forged = sign_bytes(path.read_bytes(), OTHER, batch=(0, 0))
     signature_path(path).write_text(json.dumps({**envelope, "signature": forged["signature"]}))
     _rejects(path, "bad signature", "signature")
 
@@ -137,8 +140,8 @@ def test_size_limit_and_envelope_checked_before_parsing(tmp_path: Path):
         b"not json",
         b"[]",
         json.dumps({"format": "x"}).encode(),
-        json.dumps({**sign_bytes(b"", KEY), "size": "5"}).encode(),
-        json.dumps({**sign_bytes(b"", KEY), "extra": 1}).encode(),
+        json.dumps({**sign_bytes(b"", KEY, batch=None), "size": "5"}).encode(),
+        json.dumps({**sign_bytes(b"", KEY, batch=None), "extra": 1}).encode(),
         b"{" + b" " * 5000 + b"}",
     ):
         signature_path(path).write_bytes(bad)
@@ -226,3 +229,61 @@ def test_rows_must_share_the_batch_header(tmp_path: Path):
     _rejects(path, r"row 0: temperature is not a finite number \(nan\)", "bounds")
     path = _write_raw(tmp_path / "h.parquet", encode_rows([_row(i) for i in range(3)]))
     _rejects(path, "3 rows, allowed 1..2", "limits", limits=RolloutLimits(max_rows=2))
+
+
+def test_the_envelope_signs_the_batch_and_older_envelopes_are_still_read(tmp_path: Path):
+    """v2 (what the writer signs) names the batch every row holds; v1 (no batch) stays readable; the wire type
+    of the hand-off (p2p/swarm/handoff.py) reads and verifies both exactly as this reader does."""
+    path = tmp_path / "v2.parquet"
+    write_rollout_file(path, [_row(0), _row(1)], KEY)
+    envelope = json.loads(signature_path(path).read_text())
+    assert envelope["format"] == "prime-node/rollout-sig/v2"
+    assert (envelope["policy_step"], envelope["batch_counter"]) == (3, 1)
+    assert envelope_batch(parse_envelope(signature_path(path).read_bytes())) == (3, 1)
+    read_rollout_file(path)
+    wire = RolloutEnvelope.model_validate_json(signature_path(path).read_bytes(), strict=True)
+    wire.verify()
+    assert wire.batch == (3, 1) and json.loads(wire.model_dump_json()) == envelope  # the same document
+
+    # A v1 envelope (written before v2) over the same bytes: read, no batch to compare.
+    old = sign_bytes(path.read_bytes(), KEY, batch=None)
+    assert sorted(old) == ["format", "node_id", "sha256", "signature", "size"]
+    signature_path(path).write_text(json.dumps(old))
+    assert read_rollout_file(path).signer == KEY.node_id
+    wire = RolloutEnvelope.model_validate_json(json.dumps(old), strict=True)
+    wire.verify()
+    assert wire.batch is None and json.loads(wire.model_dump_json()) == old
+
+    # Each format has exactly its own fields: a batch in v1, or v2 without one (or null), is refused.
+    for bad in (
+        {**old, "policy_step": 3, "batch_counter": 1},
+        {**old, "policy_step": None, "batch_counter": None},
+        {k: v for k, v in envelope.items() if k != "batch_counter"},
+        {**envelope, "policy_step": -1},
+        {**envelope, "batch_counter": True},
+        {**envelope, "policy_step": 2**63},
+        {**envelope, "format": "prime-node/rollout-sig/v3"},
+    ):
+        signature_path(path).write_text(json.dumps(bad))
+        _rejects(path, "signature", "signature")
+        with pytest.raises(ValueError):
+            RolloutEnvelope.model_validate_json(json.dumps(bad), strict=True)
+
+
+def test_rows_of_another_batch_than_the_envelope_signs_are_rejected(tmp_path: Path):
+    """The batch decides which validator judges a file: rows of another batch under it are the signer's lie."""
+    data = encode_rows([_row(0), _row(1)])  # batch 1 of step 3
+    for batch, match in (
+        ((3, 2), "signs batch 2 of policy step 3"),
+        ((4, 1), "signs batch 1 of policy step 4"),
+    ):
+        path = tmp_path / f"{batch}.parquet"
+        path.write_bytes(data)
+        signature_path(path).write_text(json.dumps(sign_bytes(data, KEY, batch=batch)))
+        _rejects(path, rf"the rows are batch 1 of policy step 3, but the envelope {match}", "signature")
+    # Rows that hold no one batch are malformed whatever the envelope says: the bounds check names them.
+    mixed = encode_rows([_row(0), _row(1, batch_counter=2)])
+    path = tmp_path / "mixed.parquet"
+    path.write_bytes(mixed)
+    signature_path(path).write_text(json.dumps(sign_bytes(mixed, KEY, batch=(3, 1))))
+    _rejects(path, "row 1: batch_counter 2 differs", "bounds")

@@ -44,7 +44,7 @@ def arrow_peak() -> Iterator[pa.MemoryPool]:
 def _signed(tmp_path: Path, data: bytes, name: str = "f.parquet") -> Path:
     path = tmp_path / name
     path.write_bytes(data)
-    signature_path(path).write_text(json.dumps(sign_bytes(data, KEY)))
+    signature_path(path).write_text(json.dumps(sign_bytes(data, KEY, batch=None)))
     return path
 
 

@@ -63,7 +63,9 @@ async def test_rollout_reaches_validator_from_a_peer_in_client_mode(
         data = rollout_bytes(700_000)  # several chunks
         sha = hashlib.sha256(data).hexdigest()
         # The envelope exactly as proofs/rollout_file.py signs it for the outbox.
-        envelope = RolloutEnvelope.model_validate(sign_bytes(data, sender.identity), strict=True)
+        envelope = RolloutEnvelope.model_validate(
+            sign_bytes(data, sender.identity, batch=(0, 0)), strict=True
+        )
         receipt = await sender.send_rollout(data, envelope)
         assert (receipt.body.sha256, receipt.body.sender, receipt.body.receiver) == (
             sha,
@@ -77,7 +79,7 @@ async def test_rollout_reaches_validator_from_a_peer_in_client_mode(
         stored = parse_envelope((tmp_path / "incoming" / f"{name}{ENVELOPE_SUFFIX}").read_bytes())
         assert verify_envelope(data, stored, expected_signer=sender.node_id) == sender.node_id
         # A resend after an ambiguous failure gets a receipt again without a second acceptance.
-        again = await sender.send_rollout(data, RolloutEnvelope.sign(sender.identity, data))
+        again = await sender.send_rollout(data, RolloutEnvelope.sign(sender.identity, data, (0, 0)))
         assert again.body.sha256 == sha and len(received) == 1
 
 
@@ -97,21 +99,24 @@ async def test_bad_hand_offs_are_refused_without_being_stored(tmp_path: Path) ->
         await validator.serve_rollouts(incoming, accept)
         sender = await group.add()
         data = rollout_bytes(2000)
-        signed = RolloutEnvelope.sign(sender.identity, data)
+        signed = RolloutEnvelope.sign(sender.identity, data, (0, 0))
 
         async def refused(payload: bytes, envelope: RolloutEnvelope, match: str) -> None:
             with pytest.raises(HandoffRefused, match=match):
                 await sender.send_rollout(payload, envelope)
 
         big = rollout_bytes(65 * 1024)
-        await refused(big, RolloutEnvelope.sign(sender.identity, big), "exceeds the limit")
+        await refused(big, RolloutEnvelope.sign(sender.identity, big, (0, 1)), "exceeds the limit")
         unsigned = signed.model_copy(update={"signature": "00" * 64})
         await refused(data, unsigned, "signature does not verify")
-        by_other = RolloutEnvelope.sign(Identity.generate(), data)  # valid, but not this peer's node id
+        # Valid, but not this peer's node id.
+        by_other = RolloutEnvelope.sign(Identity.generate(), data, (0, 0))
         await refused(data, by_other, "no live heartbeat binds")
         await refused(data[:-1] + b"!", signed, "SHA-256")
         rejected = rollout_bytes(3000)
-        await refused(rejected, RolloutEnvelope.sign(sender.identity, rejected), "failed verification")
+        await refused(
+            rejected, RolloutEnvelope.sign(sender.identity, rejected, (0, 2)), "failed verification"
+        )
         assert sorted(incoming.iterdir()) == [] and accepted == []
         # Not one byte of the refused files reached the validator's disk: only the good one lands.
         await sender.send_rollout(data, signed)
@@ -161,7 +166,7 @@ async def test_a_validator_that_reads_slowly_cannot_hold_a_hand_off_past_its_dea
         sender = await group.add(**limits)
         await wait_until(lambda: _binds(honest, sender), 20)
         data = rollout_bytes(size)
-        envelope = RolloutEnvelope.sign(sender.identity, data)
+        envelope = RolloutEnvelope.sign(sender.identity, data, (0, 0))
 
         def announcement(peer: Swarm, maddrs: list[str]) -> ValidatorAnnouncement:
             return ValidatorAnnouncement(

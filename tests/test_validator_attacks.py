@@ -36,6 +36,7 @@ from support.validator import (
     OPERATOR,
     RUN,
     bind_node_ids,
+    envelope_for,
     publish_checkpoint,
     rows_for,
     running_validator,
@@ -101,7 +102,7 @@ MALFORMED: dict[str, tuple[Callable[[list[RolloutRow]], bytes], str, str]] = {
 
 
 def _signed(data: bytes, node: Identity) -> Blob:
-    return data, RolloutEnvelope.sign(node, data)
+    return data, envelope_for(node, data)
 
 
 async def _node_record(running, node_id: str) -> dict:  # noqa: ANN001
@@ -212,12 +213,12 @@ async def test_malformed_cheating_and_unattributable_files_through_the_handoff(
 
         # Unattributable: refused before spooling; nobody's record changes (anyone can name any node id).
         data = encode_rows(rows_for(engine, tasks, honest))
-        signed = RolloutEnvelope.sign(honest, data)
+        signed = envelope_for(honest, data)
         altered = bytearray(data)
         altered[len(altered) // 2] ^= 0xFF
         with pytest.raises(HandoffRefused, match="SHA-256"):
             await host.send_rollout(bytes(altered), signed)
-        by_stranger = RolloutEnvelope.sign(stranger, data).model_copy(update={"node_id": honest.node_id})
+        by_stranger = envelope_for(stranger, data).model_copy(update={"node_id": honest.node_id})
         with pytest.raises(HandoffRefused, match="signature does not verify"):
             await host.send_rollout(data, by_stranger)
         for node in (honest, stranger):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.swarm import RolloutEnvelope, Swarm
+from prime_node.p2p.swarm import Swarm
 from prime_node.proofs.rollout_file import encode_rows
 from prime_node.proofs.rollout_schema import RolloutRow
 from prime_node.trainer.ledger.slashing import CheckClass
@@ -26,6 +26,7 @@ from support.validator import (
     OPERATOR,
     RUN,
     bind_node_ids,
+    envelope_for,
     publish_checkpoint,
     rows_for,
     running_validator,
@@ -96,8 +97,10 @@ async def _slashes(running, node_id: str) -> list[tuple[str, float]]:  # noqa: A
     return [(s["check_class"], s["amount"]) for s in found]
 
 
-async def _judge(running, sender: Swarm, data: bytes, node: Identity):  # noqa: ANN001, ANN202
-    envelope = RolloutEnvelope.sign(node, data)
+async def _judge(running, sender: Swarm, data: bytes, node: Identity, batch: tuple[int, int]):  # noqa: ANN001, ANN202
+    envelope = envelope_for(
+        node, data, batch
+    )  # the batch its rows claim, as a sender signs it (not read here)
     await sender.send_rollout(data, envelope)
     return (await wait_verdict(running, envelope.sha256, 60 + HOLD_S)).document
 
@@ -120,7 +123,8 @@ async def test_parquet_bombs_are_refused_as_faults_within_a_memory_bound(tmp_pat
             # Above idle, not above the RSS before this bomb: memory an earlier file's decoding left to the
             # allocator is reused without showing in the RSS again.
             _reset_peak_rss()
-            verdict = await _judge(running, host, files[name], nodes[name])
+            claimed = (7 if name == "unknown-step" else 0, 0)
+            verdict = await _judge(running, host, files[name], nodes[name], claimed)
             growth = _peak_rss() - idle
             found = []
             if verdict.failed_check != check or fragment not in verdict.reason:
@@ -134,7 +138,7 @@ async def test_parquet_bombs_are_refused_as_faults_within_a_memory_bound(tmp_pat
         assert not problems, problems
         assert all(settings.slashing.classify(check) is CheckClass.fault for _, check, _ in BOMBS.values())
         # Beside them, honest work is accepted.
-        verdict = await _judge(running, host, encode_rows(rows_for(engine, tasks, honest)), honest)
+        verdict = await _judge(running, host, encode_rows(rows_for(engine, tasks, honest)), honest, (0, 0))
         assert verdict.accepted, verdict.reason
 
 
@@ -164,10 +168,10 @@ async def test_a_failure_of_the_validator_is_excused_and_the_worker_judges_the_n
         host = await group.add(bootstrap=running.maddrs[:1], reachability="public")
         await bind_node_ids(host, [victim, honest])
         await wait_until(lambda: sees_a_validator(host), 15)
-        verdict = await _judge(running, host, encode_rows(on_step_1), victim)
+        verdict = await _judge(running, host, encode_rows(on_step_1), victim, (1, 0))
         assert verdict.failed_check == "internal_error" and "the validator failed" in verdict.reason, (
             verdict.reason
         )
         assert await _slashes(running, victim.node_id) == []  # excused: our failure, not the sender's
-        verdict = await _judge(running, host, encode_rows(rows_for(engine, tasks, honest)), honest)
+        verdict = await _judge(running, host, encode_rows(rows_for(engine, tasks, honest)), honest, (0, 0))
         assert verdict.accepted, verdict.reason

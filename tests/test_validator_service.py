@@ -23,6 +23,7 @@ from support.swarm import fleet, wait_until
 from support.validator import (
     OPERATOR,
     RUN,
+    envelope_for,
     publish_checkpoint,
     rows_for,
     running_validator,
@@ -151,4 +152,4 @@ async def _banned_in_dht(swarm, node_id: str) -> bool:  # noqa: ANN001
 
 
 def _resigned(path: Path, node: Identity) -> RolloutEnvelope:
-    return RolloutEnvelope.sign(node, path.read_bytes() + b"x")
+    return envelope_for(node, path.read_bytes() + b"x", (0, 0))

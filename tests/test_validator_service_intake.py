@@ -68,7 +68,7 @@ async def test_flooding_peer_is_rate_limited_while_an_honest_file_is_verified(tm
     junk = [
         os.urandom(2048) for _ in range(40)
     ]  # 40 signed files of garbage, sent as fast as the stream goes
-    blobs = [(data, RolloutEnvelope.sign(flooder, data)) for data in junk]
+    blobs = [(data, RolloutEnvelope.sign(flooder, data, (0, i))) for i, data in enumerate(junk)]
     settings = validator_settings(tmp_path / "validator", rate_per_minute=60, burst=4, per_node_queue=8)
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as group:

@@ -352,7 +352,7 @@ CARRIERS = [
     ),
     Carrier(
         RolloutEnvelope,
-        RolloutEnvelope.sign(NODE, b"rollout bytes").model_dump(mode="json"),
+        RolloutEnvelope.sign(NODE, b"rollout bytes", (3, 1)).model_dump(mode="json"),
         lambda raw: parse_header(decode_frame(raw)),
         HandoffError,
     ),

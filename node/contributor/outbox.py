@@ -9,7 +9,8 @@ Layout under <data-dir>/rollouts/:
                                     the .parquet is then deleted (the validator holds it), the rest is kept
 Files are staged in tmp/ and moved into pending/ with one rename after the signature is on disk, so a crash
 never leaves a half-written file that looks complete; whatever is in pending/ is complete and signed.
-The validator credits each file hash once, so resending after an ambiguous failure is safe.
+A validator credits a delivery (file hash, sender) once, so resending to it after an ambiguous failure is
+safe; a receipted file is never sent again (node/contributor/delivery.py).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,6 +55,12 @@ def check_device(device: str) -> None:
         )
 
 
+# One load at a time per process: from_pretrained builds the model on the meta device under a context that is
+# not thread-safe, and a second load on another thread (two validators in one process, as the tests run them)
+# can end it under the first, which then fails with "Cannot copy out of meta tensor".
+_LOAD_LOCK = threading.Lock()
+
+
 def load_hf_model(model_dir: Path, device: str, dtype: torch.dtype) -> PreTrainedModel:
     """AutoModelForCausalLM from a local directory only (never the hub), in eval mode on `device`."""
     model_dir = Path(model_dir).expanduser()
@@ -64,9 +71,10 @@ def load_hf_model(model_dir: Path, device: str, dtype: torch.dtype) -> PreTraine
         )
     try:
         # safetensors only: a pytorch_model.bin would be unpickled, and checkpoints may come from peers.
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, local_files_only=True, dtype=dtype, use_safetensors=True, trust_remote_code=False
-        )
+        with _LOAD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, local_files_only=True, dtype=dtype, use_safetensors=True, trust_remote_code=False
+            )
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
         raise EngineError(f"cannot load the model in {model_dir}: {exc}") from exc
     # transformers declares `to` through a decorator whose stub takes the model as its first argument.

@@ -2,9 +2,9 @@
 
 Layers, bottom-up: records (wire schemas and the signed envelope) -> validator (the hivemind record
 validator every participant installs) -> process (the DHT child process) -> reachability (dial-back
-self-test) -> slots (who may hold receive slots) -> handoff (rollout files over libp2p streams) -> peer
-(the DHT process and our replica of its p2p daemon) -> directory (publishing and reading signed records)
--> swarm (the library API: the hand-off added).
+self-test) -> slots (who may hold receive slots) -> handoff (rollout files over libp2p streams) -> routing
+(which validator owns a batch) -> peer (the DHT process and our replica of its p2p daemon) -> directory
+(publishing and reading signed records) -> swarm (the library API: the hand-off added).
 
 SwarmConfig and the errors load with the package; the names that need hivemind (and so torch) load when
 first used (PEP 562), so that the command line, which builds its flags from SwarmConfig, starts fast.

@@ -56,13 +56,14 @@ class SwarmDirectory(DHTPeer):
         self.serves_steps: list[int] = []
         self.weights_url: str | None = None  # set by a node serving weights; published with serves_steps
         self.api_url: str | None = None  # set by a validator: its HTTP API, published in its announcement
+        self.from_step = 0  # set by a validator: the first policy step it judges (p2p/swarm/routing.py)
         self._cache: dict[RecordKind, tuple[float, dict[str, Any]]] = {}
 
     async def join(self, *, heartbeat: bool = True) -> None:
+        """Connect to the DHT; with `heartbeat`, start heartbeats at once (else call `start_heartbeats`)."""
         await self._connect()
         if heartbeat:
-            await self.publish_heartbeat()
-            self._spawn("swarm-heartbeat", self.run_heartbeats())
+            await self.start_heartbeats()
         if self.client_mode:
             logger.info("joined swarm %r as %s in client mode", self.config.run_id, self.node_id[:16])
         else:
@@ -88,6 +89,7 @@ class SwarmDirectory(DHTPeer):
                 return_future=True,
             )
         )
+        self._cache.pop(kind, None)  # our own next read sees what we published (the assignment relies on it)
         if not stored:
             # Also the answer when peers hold a newer record under this subkey (a concurrent publish).
             logger.warning("no DHT peer stored this node's %s record (is the swarm reachable?)", kind.value)
@@ -162,6 +164,11 @@ class SwarmDirectory(DHTPeer):
         )
         return await self._publish(RecordKind.HEARTBEAT, self.node_id, body, self.config.heartbeat_ttl_s)
 
+    async def start_heartbeats(self) -> None:
+        """Publish the heartbeat now and every heartbeat_interval_s from now on (a supervised task)."""
+        await self.publish_heartbeat()
+        self._spawn("swarm-heartbeat", self.run_heartbeats())
+
     async def run_heartbeats(self) -> None:
         """Republish the heartbeat every heartbeat_interval_s; a failed round is logged and retried."""
         while True:
@@ -191,6 +198,7 @@ class SwarmDirectory(DHTPeer):
                 max_rollout_bytes=self.config.max_rollout_bytes,
                 published_at=time.time(),
                 api_url=self.api_url,
+                from_step=self.from_step,
             )
         return await self._publish(
             RecordKind.VALIDATOR, announcement.node_id, announcement, self.config.record_ttl_s
@@ -222,6 +230,17 @@ class SwarmDirectory(DHTPeer):
 
     async def list_validators(self) -> dict[str, ValidatorAnnouncement]:
         return await self._read(RecordKind.VALIDATOR)
+
+    async def live_validators(self, *, fresh: bool = False) -> dict[str, ValidatorAnnouncement]:
+        """Announced validators whose own heartbeat is live: the set work is assigned over (routing.py).
+
+        A validator that stopped drops out when its heartbeat expires (`heartbeat_ttl_s`), long before its
+        announcement would (`record_ttl_s`), so the work it would have judged moves on in about a minute.
+        Reads may be `_LOOKUP_CACHE_S` old unless `fresh`."""
+        read = self._read if fresh else self._read_cached
+        validators = await read(RecordKind.VALIDATOR)
+        heartbeats = await read(RecordKind.HEARTBEAT)
+        return {node_id: v for node_id, v in validators.items() if node_id in heartbeats}
 
     async def read_bans(self) -> dict[str, Ban]:
         return await self._read(RecordKind.BAN)

@@ -18,7 +18,9 @@ no receive slot, a cooldown): the sender keeps the file and tries again after `r
 a transport-class error). Who may hold the receive slots, and what a cut costs: p2p/swarm/slots.py.
 
 The file itself stays opaque bytes here: nothing in it is parsed before its signature and hash check.
-The envelope is the one proofs/rollout_file.py writes beside each file (FILE.parquet.sig). A received file is
+The envelope is the one proofs/rollout_file.py writes beside each file (FILE.parquet.sig); its format v2 also
+signs the batch the file holds (policy step, batch counter), so that a validator can tell before the body
+whether the work is its to judge (p2p/swarm/routing.py); format v1 (no batch) stays readable. A received file is
 one sender's delivery (`DeliveryKey`: file hash and sender), stored as `<sha256>-<node_id>.parquet`
 (`stored_name`): the same bytes signed by two nodes (one re-signing the other's file) are two deliveries, and
 neither answers for the other. A file stored as `<sha256>.parquet` by a version from before deliveries were
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import Field, StringConstraints, ValidationError
+from pydantic import Field, StringConstraints, ValidationError, model_serializer, model_validator
 
 from ..identity import Identity
 from ..signing import SignatureError, verify_document
@@ -56,7 +58,8 @@ from .slots import Claim, Cooldowns, SlotTable, network_of
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 256 * 1024
-SIG_FORMAT = "prime-node/rollout-sig/v1"
+SIG_FORMAT = "prime-node/rollout-sig/v2"  # signs the batch too: what every node of this version writes
+SIG_FORMAT_V1 = "prime-node/rollout-sig/v1"  # no batch: still parsed (older files), refused by validators
 FILE_SUFFIX = ".parquet"
 ENVELOPE_SUFFIX = ".parquet.sig"  # the envelope beside each received file, as proofs/rollout_file.py names it
 MAX_CONTROL_FRAME = 4096
@@ -79,19 +82,68 @@ def protocol_name(run_id: str) -> str:
 class RolloutEnvelope(WireModel):
     """The detached signature envelope of a rollout file, exactly as proofs/rollout_file.py writes it."""
 
-    format: Literal["prime-node/rollout-sig/v1"] = SIG_FORMAT
+    format: Literal["prime-node/rollout-sig/v1", "prime-node/rollout-sig/v2"] = SIG_FORMAT
     node_id: NodeId  # the author, whose key signs
     sha256: Sha256Hex  # of the file's bytes
     size: int = Field(ge=0, le=1 << 40)  # of the file, in bytes
-    signature: SignatureHex  # Ed25519 by node_id over canonical JSON of the four fields above
+    # v2 only (absent in v1): the batch every row of the file belongs to, signed, so that the receiver can route
+    # before the body arrives; a validator rejects a file whose rows are another batch (`signer`, fraud).
+    policy_step: int | None = Field(None, ge=0, lt=1 << 63)
+    batch_counter: int | None = Field(None, ge=0, lt=1 << 63)
+    signature: SignatureHex  # Ed25519 by node_id over canonical JSON of the other fields
+
+    @model_validator(mode="after")
+    def _batch_follows_format(self) -> RolloutEnvelope:
+        # v1 has no batch fields at all (not even nulls: exactly what v1 readers accept); v2 has both.
+        given = {"policy_step", "batch_counter"} & self.model_fields_set
+        present = (self.policy_step is not None, self.batch_counter is not None)
+        if present != ((True, True) if self.format == SIG_FORMAT else (False, False)) or (
+            self.format == SIG_FORMAT_V1 and given
+        ):
+            raise ValueError(
+                f"a {self.format} envelope {'signs' if self.format == SIG_FORMAT else 'has no'} "
+                "policy_step and batch_counter"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_absent_batch(self, handler: Any) -> dict[str, Any]:
+        # A v1 envelope is written exactly as v1 readers expect it: no batch fields, not nulls.
+        data = handler(self)
+        if self.format == SIG_FORMAT_V1:
+            data.pop("policy_step", None)
+            data.pop("batch_counter", None)
+        return data
+
+    @property
+    def batch(self) -> tuple[int, int] | None:
+        """(policy step, batch counter) the envelope signs; None for a v1 envelope."""
+        if self.policy_step is None or self.batch_counter is None:
+            return None
+        return self.policy_step, self.batch_counter
 
     def signed_body(self) -> dict[str, Any]:
-        return {"format": self.format, "node_id": self.node_id, "sha256": self.sha256, "size": self.size}
+        body: dict[str, Any] = {
+            "format": self.format,
+            "node_id": self.node_id,
+            "sha256": self.sha256,
+            "size": self.size,
+        }
+        if self.batch is not None:
+            body["policy_step"], body["batch_counter"] = self.batch
+        return body
 
     @classmethod
-    def sign(cls, identity: Identity, data: bytes) -> RolloutEnvelope:
-        sha256 = hashlib.sha256(data).hexdigest()
-        body = {"format": SIG_FORMAT, "node_id": identity.node_id, "sha256": sha256, "size": len(data)}
+    def sign(cls, identity: Identity, data: bytes, batch: tuple[int, int] | None) -> RolloutEnvelope:
+        """`data`'s envelope: v2 signing `batch` (policy step, batch counter), or v1 when `batch` is None."""
+        body: dict[str, Any] = {
+            "format": SIG_FORMAT if batch is not None else SIG_FORMAT_V1,
+            "node_id": identity.node_id,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "size": len(data),
+        }
+        if batch is not None:
+            body["policy_step"], body["batch_counter"] = batch
         return cls(**body, signature=identity.sign_document(body).hex())
 
     def verify(self) -> None:

@@ -129,6 +129,9 @@ class ValidatorAnnouncement(WireModel):
     api_url: HttpUrlText | None = (
         None  # its HTTP API (verdicts, leaderboard: docs/validator.md), if reachable
     )
+    # The first policy step whose work it judges (p2p/swarm/routing.py): a validator joining a running swarm
+    # takes no batch of a step the others may already have judged. Absent (older validators): 0.
+    from_step: int = Field(0, ge=0, lt=1 << 63)
 
 
 class Ban(WireModel):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from pathlib import Path
 
 from hivemind.p2p import PeerID
@@ -25,6 +24,7 @@ from . import handoff
 from .directory import SwarmDirectory
 from .errors import HandoffError, SwarmError
 from .records import RecordKind, ValidatorAnnouncement
+from .routing import Batch, owner
 
 __all__ = ["Swarm"]
 
@@ -71,20 +71,35 @@ class Swarm(SwarmDirectory):
         await self._add_handler(handoff.protocol_name(self.config.run_id), receiver.handle)
         return receiver
 
+    async def owner_of(self, batch: Batch, *, fresh: bool = False) -> ValidatorAnnouncement | None:
+        """The validator that judges `batch` in this peer's view of the swarm (routing.py); None if none does."""
+        return owner(self.config.run_id, batch, (await self.live_validators(fresh=fresh)).values())
+
+    async def route(self, envelope: handoff.RolloutEnvelope) -> ValidatorAnnouncement:
+        """Where a file goes: the owner of the batch its envelope signs (routing.py). HandoffError when no
+        validator is live yet, or for a v1 envelope (no batch: every validator of this version refuses it)."""
+        if envelope.batch is None:
+            raise HandoffError(
+                f"envelope format {envelope.format} names no batch, so it has no validator; sign the file "
+                f"again as {handoff.SIG_FORMAT}"
+            )
+        batch = Batch(envelope.node_id, *envelope.batch)
+        found = await self.owner_of(batch)
+        if found is None:
+            raise HandoffError("no live validator is announced in the DHT yet; retry later")
+        return found
+
     async def send_rollout(
         self,
         data: bytes | Path,
         envelope: handoff.RolloutEnvelope,
         validator: ValidatorAnnouncement | None = None,
     ) -> handoff.Receipt:
-        """Stream a signed rollout file to `validator` (None: a random announced one); returns its receipt."""
+        """Stream a signed rollout file to `validator` (None: `route(envelope)`); returns its receipt."""
         if self._p2p is None:
             raise SwarmError("not joined: call join() first")
         if validator is None:
-            validators = list((await self.list_validators()).values())
-            if not validators:
-                raise HandoffError("no validator is announced in the DHT yet; retry later")
-            validator = random.choice(validators)
+            validator = await self.route(envelope)
         if isinstance(data, Path):
             data = await asyncio.to_thread(data.read_bytes)
         p2p, peer = self._p2p, PeerID.from_base58(validator.peer_id)

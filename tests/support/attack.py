@@ -18,7 +18,13 @@ from prime_node.node.models.tiny import TinyModelShape, build_tiny_model, save_m
 from prime_node.node.run.producer import BatchSpec, produce_rows
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
-from prime_node.proofs.rollout_file import encode_rows, sign_bytes, signature_path, write_rollout_file
+from prime_node.proofs.rollout_file import (
+    batch_of,
+    encode_rows,
+    sign_bytes,
+    signature_path,
+    write_rollout_file,
+)
 from prime_node.proofs.rollout_schema import RolloutRow
 from prime_node.proofs.toploc import build_proof, committed_rows
 from prime_node.proofs.verifier import VerificationReport, VerifierSettings
@@ -105,7 +111,7 @@ def write_signed(path: Path, rows: Sequence[RolloutRow], identity: Identity = NO
     """Write rows as the node would, without the writer's own sanity checks (a cheater skips them)."""
     data = encode_rows(list(rows))
     path.write_bytes(data)
-    signature_path(path).write_text(json.dumps(sign_bytes(data, identity)))
+    signature_path(path).write_text(json.dumps(sign_bytes(data, identity, batch=batch_of(list(rows)))))
     return path
 
 

@@ -47,7 +47,7 @@ class Drip:
 def signed_blob(identity: Identity, size: int) -> tuple[bytes, RolloutEnvelope]:
     """Random bytes of `size`, signed as a rollout file (opaque to the hand-off: never parsed when cut)."""
     data = os.urandom(size)
-    return data, RolloutEnvelope.sign(identity, data)
+    return data, RolloutEnvelope.sign(identity, data, (0, 0))  # routed by its signed batch
 
 
 async def drip(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import io
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 from hivemind.utils import get_dht_time
 
@@ -89,20 +91,30 @@ def write_file(path: Path, rows: list[RolloutRow], node: Identity) -> tuple[Path
     return path, RolloutEnvelope.model_validate_json(signature_path(path).read_bytes())
 
 
+def envelope_for(node: Identity, data: bytes, batch: tuple[int, int] | None = None) -> RolloutEnvelope:
+    """`data`'s v2 envelope as the node's writer signs it: the batch its rows hold (read from the Parquet bytes)
+    unless `batch` is given (for files whose columns should not be read, such as bombs)."""
+    if batch is None:
+        table = pq.read_table(io.BytesIO(data), columns=["policy_step", "batch_counter"])
+        batch = (table.column(0)[0].as_py(), table.column(1)[0].as_py())
+    return RolloutEnvelope.sign(node, data, batch)
+
+
 def publish_checkpoint(checkpoint: Path, store_dir: Path, step: int) -> None:
     publish(checkpoint, step=step, identity=OPERATOR, out_dir=store_dir, shard_size=1 << 20, run_id=RUN)
 
 
 @contextlib.asynccontextmanager
 async def running_validator(
-    settings: ValidatorSettings, announce: bool = True
+    settings: ValidatorSettings, announce: bool = True, identity: Identity = OPERATOR
 ) -> AsyncIterator[RunningValidator]:
     """A validator in this process; with `announce`, the operator (the validator's own key) announces a policy
-    with the validator's run parameters, which it waits for before verifying (trainer/validator/run_confirmation.py)."""
+    with the validator's run parameters, which it waits for before verifying (trainer/validator/run_confirmation.py).
+    `identity` must be one of `settings`' operator keys."""
     supervisor = Supervisor("test-validator")
     pids: list[int] = []
     try:
-        running = await start_validator(settings, OPERATOR, supervisor)
+        running = await start_validator(settings, identity, supervisor)
         assert running.swarm.process is not None
         pids = list(running.swarm.process.pids)
         if announce:

@@ -22,7 +22,7 @@ from ...node.models.tiny import TinyModelShape, build_tiny_model
 from ...node.run.producer import BatchSpec, ProducedBatch, produce_rows
 from ...node.run.validation import RunTasks
 from ...p2p.identity import Identity
-from ...proofs.rollout_file import encode_rows, sign_bytes, signature_path
+from ...proofs.rollout_file import batch_of, encode_rows, sign_bytes, signature_path
 from ...proofs.rollout_schema import RolloutRow
 from ...proofs.toploc import build_proof, committed_rows
 from ..errors import TrainerError
@@ -275,7 +275,7 @@ def write_signed(path: Path, rows: Rows, identity: Identity) -> None:
     """Parquet + signature as a node writes them, minus the writer's own sanity checks (a cheater skips them)."""
     data = encode_rows(rows)
     path.write_bytes(data)
-    signature_path(path).write_text(json.dumps(sign_bytes(data, identity)))
+    signature_path(path).write_text(json.dumps(sign_bytes(data, identity, batch=batch_of(rows))))
 
 
 def attack_producer(

@@ -20,6 +20,7 @@ from ...p2p.identity import Identity
 from ...p2p.swarm import Swarm
 from ...p2p.validator_api import SwarmNode, SwarmView
 from ..errors import TrainerError
+from .assignment import first_step
 from .config import ValidatorSettings
 from .dashboard import create_app, ledger_rewards, serve
 from .run_confirmation import RunConfirmation
@@ -62,8 +63,8 @@ async def start_validator(
     task_set = await asyncio.to_thread(open_run_task_set, settings.run)
     ours = run_parameters(settings.run, task_set)
     swarm = Swarm(settings.swarm, identity, roles=("validator",))
-    await swarm.join()
-    supervisor.supervise(*swarm.tasks.values())  # its heartbeat: a crash there stops the validator
+    # No heartbeat yet: whether the previous run's is still live decides which batches it takes (first_step).
+    await swarm.join(heartbeat=False)
     service = ValidatorService(settings, identity, swarm, task_set)
     supervisor.on_shutdown("ledger", service.ledger.close)
     supervisor.on_shutdown("swarm", swarm.leave)
@@ -89,7 +90,13 @@ async def start_validator(
     swarm.api_url = (
         url  # announced, so that senders can fetch their verdicts and rank (node/contributor/verdicts.py)
     )
+    # The first step whose batches it judges (trainer/validator/assignment.py), kept across restarts: a validator
+    # joining a running swarm, or coming back after its batches moved, takes nothing another may already have
+    # judged. Chosen before its first heartbeat, which would hide an absence, and announced before that
+    # heartbeat makes it live in peers' views, so that no peer routes by the previous announcement.
+    swarm.from_step = await first_step(swarm, settings.resolved_data_dir(), settings.swarm.run_id)
     await swarm.publish_validator()
+    await swarm.start_heartbeats()
     supervisor.spawn("validator-verify", service.run_worker(confirmation.confirmed))
     supervisor.spawn("validator-holds", service.run_holds())
     supervisor.spawn("validator-policy", service.keeper.follow(confirmation.policies(swarm.watch_policy())))
@@ -97,7 +104,13 @@ async def start_validator(
     supervisor.spawn("validator-announce", announce_forever(service))
     supervisor.spawn("validator-bans", service.bans.run())
     supervisor.spawn("validator-peers", note_peers(service))
-    logger.info("validator %s ready; dashboard at %s", identity.node_id[:16], url)
+    supervisor.supervise(*swarm.tasks.values())  # its heartbeat: a crash there stops the validator
+    logger.info(
+        "validator %s ready (judges its batches from policy step %d on); dashboard at %s",
+        identity.node_id[:16],
+        swarm.from_step,
+        url,
+    )
     return RunningValidator(service, swarm, url, await swarm.maddrs())
 
 

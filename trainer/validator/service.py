@@ -1,8 +1,10 @@
 """The validator service: receive rollout files from the swarm, verify them, record and publish verdicts.
 
 Flow of one file (docs/validator.md):
-  hand-off header -> admit (not banned in the ledger; then trainer/validator/admission.py: the node's tier,
-  queue bounds, token bucket; "busy" here is the back-pressure and costs the sender nothing but a retry)
+  hand-off header -> admit (not banned in the ledger; the batch the header signs is assigned to this
+  validator, trainer/validator/assignment.py, else busy at the price of a rate token; then
+  trainer/validator/admission.py: the node's tier, queue bounds, token bucket; "busy" here is the
+  back-pressure and costs the sender nothing but a retry)
   -> body stored by the hand-off ->
   accept (fsync into the spool, queue) -> receipt to the sender -> fair queue -> verification thread
   (proofs/ checks, cheapest first; samples already accepted are a `duplicate`) -> signed verdict in the
@@ -37,6 +39,7 @@ from ...p2p.verdicts import Signed, Verdict, sign
 from ...p2p.weights.store import Store
 from ..ledger import AsyncLedger, BanEntry, DuplicateWork, Ledger
 from .admission import Admission
+from .assignment import AssignmentGate
 from .bans import BanPublisher
 from .checkpoints import CheckpointKeeper
 from .config import ValidatorSettings
@@ -107,6 +110,8 @@ class ValidatorService:
         self.admission = Admission(
             settings.intake, reservation_s=2 * sw.handoff_timeout_s + sw.handoff_slot_wait_s + longest_body_s
         )
+        # Only batches assigned to this validator get past admit; a misrouted header spends a rate token.
+        self.assignment = AssignmentGate(swarm, self.admission.limiter)
         self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
         self.held: dict[DeliveryKey, Job] = {}  # jobs waiting for their checkpoint
         self.bans = BanPublisher(
@@ -129,6 +134,7 @@ class ValidatorService:
         """
         if await self.ledger.active_ban(header.node_id) is not None:
             raise HandoffRefused("the sending node is banned by this validator")
+        await self.assignment.check(header)  # another validator's batch is never read here (assignment.py)
         key = DeliveryKey(header.sha256, header.node_id)
         busy = self.admission.admit(key)
         if busy is not None:

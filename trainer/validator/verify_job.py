@@ -2,10 +2,12 @@
 
 Phase 1 (signature, schema, limits) needs no model, decodes nothing in bulk (the footer, the page headers
 and the policy step column) and tells which checkpoint the file claims: a file over the run's limits is
-rejected here, whichever step it claims, and never waits for a checkpoint. When the validator does not hold
-the claimed checkpoint yet the outcome is `hold`, and the file is retried when the version arrives. Then the
-rows are decoded and the signer checked (a node that re-signs another's rows is named for that, fraud, not
-for repeating work the other node was credited for), and the work is looked up by what it is
+rejected here, whichever step it claims, and never waits for a checkpoint; nor does one whose step is not
+the one its envelope signs (`signer`: the envelope routed it here, trainer/validator/assignment.py). When
+the validator does not hold the claimed checkpoint yet the outcome is `hold`, and the file is retried when
+the version arrives. Then the rows are decoded and the signer checked (a node that re-signs another's rows
+is named for that, fraud, not for repeating work the other node was credited for; so is one whose rows are
+another batch than its envelope signs), and the work is looked up by what it is
 (proofs/work_identity.py): a file whose rows repeat a sample, among themselves or one the ledger already
 accepted in any file, is rejected as `duplicate` before any costly check (the ledger checks again,
 atomically, when it records an acceptance). Phase 2 (every other check, cheapest first) runs against the
@@ -25,6 +27,7 @@ from pathlib import Path
 from ...node.engine import InferenceEngine
 from ...node.run.validation import RunTasks
 from ...proofs.checks import default_checks
+from ...proofs.rollout_file import envelope_batch
 from ...proofs.verifier import CheckResult, VerificationContext, VerifierSettings, run_checks
 from ...proofs.work_identity import SampleId, first_repeat, sample_ids
 
@@ -111,6 +114,13 @@ def verify_spooled(
         return Outcome(False, 0, False, failed, reason, checks=first.checks, seconds=seconds)
     assert ctx.step is not None  # the limits check read it
     step = ctx.step
+    claimed = envelope_batch(ctx.envelope)
+    if claimed is not None and claimed[0] != step:
+        # The signed envelope routed the file by another step than its rows hold: the `signer` check's failure
+        # (fraud), named before the claimed step is looked up, so the lie is never held and excused.
+        reason = f"signer: the rows are policy step {step}, but the envelope signs policy step {claimed[0]}"
+        seconds = time.perf_counter() - start
+        return Outcome(False, step, False, "signer", reason, checks=first.checks, seconds=seconds)
     found = lookup(step)
     if found is None:
         return Outcome(True, step, seconds=time.perf_counter() - start)
