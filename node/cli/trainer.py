@@ -1,8 +1,8 @@
 """`prime-node trainer`: the operator's GRPO trainer (origin of the weights, announcer of policies).
 
 Runs until SIGTERM or Ctrl-C (graceful), or until --max-steps. When ready it prints one JSON line on stdout:
-{"trainer": node id, "step": N, "weights": URL, "maddrs": [...], "metrics": URL}; then one compact line per
-rollout step on stderr (unless --quiet).
+{"trainer": node id, "step": N, "weights": bound URL, "sources": [announced weights URLs], "maddrs": [...],
+"metrics": URL}; then one compact line per rollout step on stderr (unless --quiet).
 """
 
 from __future__ import annotations
@@ -41,11 +41,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         Flag("swarm.run_id", "--swarm-run-id"),
         Flag("swarm.initial_peers", "--peers", metavar="MADDR"),
         Flag("swarm.host_maddrs", "--listen", metavar="MADDR"),
+        Flag("swarm.announce_maddrs", nargs="+", metavar="MADDR"),
     )
     p.add_argument("--no-dht", action="store_true", help="serve weights over HTTP only; announce nothing")
     flags.add(
         Flag("serve.host", "--http-host"),
         Flag("serve.port", "--http-port"),
+        Flag("service.public_sources", "--public-weights-url", nargs="+", metavar="URL"),
+        Flag("service.metrics_host"),
         Flag("service.metrics_port"),
         Flag("service.accepted_dir"),
         Flag("service.max_steps"),

@@ -31,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         Flag("swarm.operator_keys", "--operator-key", append=True, metavar="HEX"),
         Flag("swarm.initial_peers", "--peers", metavar="MADDR"),
         Flag("swarm.host_maddrs", "--listen", metavar="MADDR"),
+        Flag("swarm.announce_maddrs", nargs="+", metavar="MADDR"),
         Flag("verifier.sample_fraction"),
         Flag("validator.accepted_dir"),
         Flag("dashboard.host", "--http-host"),

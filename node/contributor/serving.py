@@ -17,11 +17,11 @@ import random
 from urllib.parse import urlsplit
 
 from ...p2p.swarm import Heartbeat, Swarm
+from ...p2p.urls import routable_url
 from ...p2p.weights.server import WeightsServer
 from ...p2p.weights.store import Store
 from .settings import StartSettings
 from .state import NodeState
-from .urls import routable_url
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...p2p.swarm import Swarm, SwarmError, ValidatorAnnouncement
+from ...p2p.urls import routable_url
 from ...p2p.validator_api import ApiRefused, LeaderboardRow, ValidatorApiClient, ValidatorApiError
 from ...p2p.verdicts import Signed, Verdict
-from .urls import routable_url
 
 
 def api_base(announcement: ValidatorAnnouncement) -> str | None:

@@ -48,7 +48,8 @@ class TrainerServiceSection(Section):
     public_sources: list[SourceUrl] = Field(
         default_factory=list,
         max_length=32,
-        description="Weights URLs announced to peers; default the local server's own URL.",
+        description="Weights URLs announced to peers; default the server's own URL, a 0.0.0.0 host replaced "
+        "by the first announced IP.",
     )
     metrics_host: str = Field("127.0.0.1", description="Address of the Prometheus /metrics endpoint.")
     metrics_port: int | None = Field(

@@ -32,6 +32,7 @@ from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm import PolicyAnnouncement, RecordError, RunParameters, Swarm
 from ...p2p.swarm.records import RecordKind, payload_of
+from ...p2p.urls import loopback_behind, routable_url
 from ...p2p.weights.server import WeightsServer
 from ...p2p.weights.store import Store
 from ..errors import TrainerError
@@ -54,9 +55,10 @@ class Running:
 
     node_id: str
     step: int
-    weights_url: str
+    weights_url: str  # where the server is bound
     maddrs: list[str]
     metrics_url: str | None
+    sources: list[str]  # the weights URLs announced to peers (public, or derived from the bound one)
 
     def ready_line(self) -> str:
         return json.dumps(
@@ -64,6 +66,7 @@ class Running:
                 "trainer": self.node_id,
                 "step": self.step,
                 "weights": self.weights_url,
+                "sources": self.sources,
                 "maddrs": self.maddrs,
                 "metrics": self.metrics_url,
             }
@@ -82,6 +85,33 @@ def check_policy_fits(sources: list[str], run: RunParameters) -> None:
         raise TrainerError(
             f"{exc}: announce fewer or shorter service.public_sources ({len(sources)} now)"
         ) from None
+
+
+def weights_sources(settings: TrainerCommandSettings, bound_url: str) -> list[str]:
+    """The weights URLs each policy announces: the operator's public ones (`--public-weights-url`), else the
+    server's own URL, its host made dialable when it binds every interface (0.0.0.0) by the IP of the first
+    `--announce-maddrs` address. TrainerError at start-up when peers would be told an address nobody can dial."""
+    svc = settings.service
+    if svc.public_sources:
+        return list(svc.public_sources)
+    url = routable_url(bound_url, settings.swarm.announce_maddrs)
+    if url is None:
+        if svc.dht:
+            raise TrainerError(
+                f"the weights server binds every interface ({bound_url}), which no peer can dial: give its "
+                "public address with --public-weights-url http://<public ip or name>:<port>, or "
+                "--announce-maddrs /ip4/<public ip>/tcp/<port> to take the IP from there"
+            )
+        return [bound_url]  # nothing is announced without the DHT: the URL is only shown
+    far = loopback_behind(url, settings.swarm.announce_maddrs)
+    if svc.dht and far is not None:
+        logger.warning(
+            "the weights server listens on %s only, but the trainer announces %s: peers on other machines "
+            "cannot download checkpoints; bind it with --http-host 0.0.0.0 (docs/deploy.md)",
+            url,
+            far,
+        )
+    return [url]
 
 
 class TrainerService:
@@ -148,6 +178,8 @@ class TrainerService:
 
             torch.set_num_threads(svc.threads)
         self.supervisor.on_shutdown("consumed-record", self._close_ledger)
+        # An address no peer can dial stops the trainer now, before the model loads, not after.
+        weights_sources(self.settings, f"http://{self.settings.serve.host}:{self.settings.serve.port}")
         # Reads the run's task set: fails at start-up, not hours later, when it is unreadable.
         task_set = await asyncio.to_thread(open_run_task_set, self.settings.run)
         self.run_parameters = run_parameters(self.settings.run, task_set)
@@ -163,7 +195,7 @@ class TrainerService:
         self.supervisor.on_shutdown("weights-server", server.stop)
         if server.scanner is not None:  # its rescans: a crash stops the trainer instead of serving less
             self.supervisor.supervise(server.scanner)
-        self.sources = list(svc.public_sources) or [url]
+        self.sources = weights_sources(self.settings, url)
         assert self.run_parameters is not None
         check_policy_fits(self.sources, self.run_parameters)
         for source in self.sources:
@@ -183,7 +215,7 @@ class TrainerService:
             runner, metrics_url = await start_metrics_server(self.metrics, svc.metrics_host, svc.metrics_port)
             self.supervisor.on_shutdown("metrics-server", runner.cleanup)
         self.supervisor.spawn("train-loop", self._loop())
-        return Running(self.identity.node_id, step, url, maddrs, metrics_url)
+        return Running(self.identity.node_id, step, url, maddrs, metrics_url, self.sources)
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))

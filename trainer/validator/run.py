@@ -18,6 +18,7 @@ from ...node.runtime.supervisor import Supervisor
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm import Swarm
+from ...p2p.urls import loopback_behind, routable_url
 from ...p2p.validator_api import SwarmNode, SwarmView
 from ..errors import TrainerError
 from .assignment import first_step
@@ -87,9 +88,18 @@ async def start_validator(
     )
     runner, url = await serve(app, settings.dashboard.host, settings.dashboard.port)
     supervisor.on_shutdown("dashboard", runner.cleanup)
-    swarm.api_url = (
-        url  # announced, so that senders can fetch their verdicts and rank (node/contributor/verdicts.py)
-    )
+    # Announced, so that senders can fetch their verdicts and rank (node/contributor/verdicts.py). A dashboard
+    # bound to every interface is announced at the first --announce-maddrs IP; without one, senders take the
+    # first address of the announcement (p2p/urls.py).
+    swarm.api_url = routable_url(url, settings.swarm.announce_maddrs) or url
+    far = loopback_behind(url, settings.swarm.announce_maddrs)
+    if far is not None:
+        logger.warning(
+            "the validator's API listens on %s only, but the validator announces %s: contributors on other "
+            "machines cannot read their verdicts or rank; bind it with --http-host 0.0.0.0 (docs/deploy.md)",
+            url,
+            far,
+        )
     # The first step whose batches it judges (trainer/validator/assignment.py), kept across restarts: a validator
     # joining a running swarm, or coming back after its batches moved, takes nothing another may already have
     # judged. Chosen before its first heartbeat, which would hide an absence, and announced before that
