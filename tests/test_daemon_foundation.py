@@ -156,7 +156,7 @@ def test_preflight_reports_every_failure_with_advice(tmp_path):
 async def test_status_api_serves_json_and_metrics_on_loopback(tmp_path):
     metrics = NodeMetrics()
     metrics.tokens.inc(42)
-    metrics.rollout_files.labels(outcome="accepted").inc()
+    metrics.verdicts.labels(verdict="accepted").inc()
     status = NodeStatus(node_id="ab" * 32, version="test", uptime_s=1.5, state="generating", announced_step=3)
     server = StatusServer(tmp_path, lambda: status, metrics)
     await server.start()
@@ -167,8 +167,8 @@ async def test_status_api_serves_json_and_metrics_on_loopback(tmp_path):
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{server.port}/metrics") as resp:
                 text = await resp.text()
-        assert "prime_node_generated_tokens_total 42.0" in text
-        assert 'prime_node_rollout_files_total{outcome="accepted"} 1.0' in text
+        assert "prime_node_contributor_generated_tokens_total 42.0" in text
+        assert 'prime_node_contributor_verdicts_total{verdict="accepted"} 1.0' in text
     finally:
         await server.stop()
     assert not (tmp_path / STATUS_FILE).exists()

@@ -63,6 +63,8 @@ def _argv(model: Path, key: Path, data: Path, max_steps: int, *extra: str) -> li
         "1",
         "--http-port",
         "0",
+        "--metrics-port",
+        "0",
         "--no-dht",
         "--batch-size",
         BATCH,

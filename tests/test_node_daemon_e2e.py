@@ -161,7 +161,7 @@ async def test_contributor_daemon_end_to_end(tmp_path: Path) -> None:
                 await poll(lambda: len(received) > seen + 1, 60, "more rollouts after the refusal", node)
                 assert all(policy_steps(r.path) == {0} for r in received)
                 assert node_status(data_dir)["local_step"] == 0
-                assert metric(data_dir, "prime_node_checkpoint_verification_failures_total") >= 1
+                assert metric(data_dir, "prime_node_contributor_checkpoint_verification_failures_total") >= 1
 
                 # 6. Step 3 (valid) makes step 0 too old (async window 2): the node moves on and deletes it.
                 await operator.announce(3, await operator.publish(ckpt, 3))
@@ -181,7 +181,7 @@ async def test_contributor_daemon_end_to_end(tmp_path: Path) -> None:
                 text = cli("status", "--data-dir", str(data_dir)).stdout
                 assert "announced 3, local 3 (verified)" in text, text
                 assert (
-                    metric(data_dir, "prime_node_rollout_files_total", 'outcome="handed_off"')
+                    metric(data_dir, "prime_node_contributor_rollout_files_total", 'stage="handed_off"')
                     >= len(received) - 1
                 )
 

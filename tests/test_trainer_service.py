@@ -189,12 +189,12 @@ async def test_trainer_publishes_checkpoints_and_policies_a_fetcher_verifies(
         ).read_bytes()
         # Prometheus gauges follow the steps.
         deadline = time.monotonic() + 20
-        while "prime_trainer_policy_step 1.0" not in (
+        while "prime_node_trainer_policy_step 1.0" not in (
             text := await asyncio.to_thread(_get, ready["metrics"])
         ):
             assert time.monotonic() < deadline, text
             await asyncio.sleep(0.2)
-        assert "prime_trainer_grad_norm" in text and "prime_trainer_task_reward" in text
+        assert "prime_node_trainer_grad_norm" in text and "prime_node_trainer_task_reward" in text
         # A fetcher pinned to another key refuses the trainer's checkpoint.
         with pytest.raises(Exception, match="(?i)sign|key"):
             await Fetcher(policy.sources, Identity.generate().node_id, Store(tmp_path / "other")).fetch(1)

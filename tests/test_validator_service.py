@@ -67,6 +67,18 @@ async def test_honest_file_is_accepted_delivered_and_credited_once(tmp_path: Pat
         rows = _contributions(running, node.node_id)
         assert [(r["accepted"], r["samples"]) for r in rows] == [(1, 2)]
         assert running.service.verdicts == 1
+        # /metrics counts the file once too: one receipt-to-verdict latency, one verification (the resend's
+        # receipt is not a new file).
+        url = f"{running.dashboard_url}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        for line in (
+            "prime_node_validator_files_received_total 1.0",
+            "prime_node_validator_files_accepted_total 1.0",
+            "prime_node_validator_verdict_latency_seconds_count 1.0",
+            "prime_node_validator_verification_seconds_count 1.0",
+            "prime_node_validator_queue_depth 0.0",
+        ):
+            assert line in text.splitlines(), line
 
         url = f"{running.dashboard_url}/api/leaderboard"
         raw = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())

@@ -1,48 +1,67 @@
-"""Prometheus metrics of a node, on a registry of its own (so several nodes can live in one test process)."""
+"""Prometheus metrics of a contributor node, on a registry of its own (so several nodes can live in one test
+process). Pipeline stages (a file generated, handed off) and the validator's verdicts on it are separate
+metrics, so that a rate of one is never summed with the other. docs/metrics.md lists them all.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import Counter, Gauge, Histogram
 
-__all__ = ["NodeMetrics", "CONTENT_TYPE_LATEST"]
+from ...p2p.weights.metrics import WeightsServerMetrics
+from ..runtime.metrics import CONTENT_TYPE_LATEST, DURATION_BUCKETS, render, role_registry
+
+__all__ = ["NodeMetrics", "CONTENT_TYPE_LATEST", "STAGES", "VERDICTS"]
+
+STAGES = ("generated", "handed_off")  # label `stage` of prime_node_contributor_rollout_files_total
+VERDICTS = ("accepted", "rejected")  # label `verdict` of prime_node_contributor_verdicts_total
+P = "prime_node_contributor_"
 
 
 class NodeMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self.registry = r = role_registry("contributor")
         self.announced_step = Gauge(
-            "prime_node_announced_policy_step", "Newest policy step announced by the operator", registry=r
+            P + "announced_policy_step", "Newest policy step announced by the operator", registry=r
         )
         self.local_step = Gauge(
-            "prime_node_local_policy_step", "Newest verified checkpoint step held locally", registry=r
+            P + "local_policy_step", "Newest verified checkpoint step held locally", registry=r
         )
-        self.peers = Gauge("prime_node_peers", "Peers seen in the DHT", registry=r)
-        self.tokens = Counter("prime_node_generated_tokens", "Output tokens generated", registry=r)
+        self.peers = Gauge(P + "peers", "Peers seen in the DHT", registry=r)
+        self.tokens = Counter(P + "generated_tokens_total", "Output tokens generated", registry=r)
         self.rollout_files = Counter(
-            "prime_node_rollout_files", "Rollout files by outcome", ["outcome"], registry=r
-        )  # outcome: generated, handed_off, accepted, rejected
-        self.download_bytes = Counter("prime_node_download_bytes", "Checkpoint bytes downloaded", registry=r)
+            P + "rollout_files_total", "Rollout files through each pipeline stage", ["stage"], registry=r
+        )
+        self.verdicts = Counter(
+            P + "verdicts_total", "Validators' verdicts on this node's files", ["verdict"], registry=r
+        )
+        for stage in STAGES:  # present from the start, so rate() sees the first increment
+            self.rollout_files.labels(stage=stage)
+        for verdict in VERDICTS:
+            self.verdicts.labels(verdict=verdict)
+        self.batch_seconds = Histogram(
+            P + "batch_seconds", "Time to generate one rollout batch", buckets=DURATION_BUCKETS, registry=r
+        )
+        self.download_bytes = Counter(
+            P + "checkpoint_download_bytes_total", "Checkpoint bytes downloaded", registry=r
+        )
         self.verification_failures = Counter(
-            "prime_node_checkpoint_verification_failures",
+            P + "checkpoint_verification_failures_total",
             "Checkpoints or shards that failed verification",
             registry=r,
         )
         self.verdict_lookup_failures = Counter(
-            "prime_node_verdict_lookup_failures",
+            P + "verdict_lookup_failures_total",
             "Verdict lookups that failed: validator unreachable, an error answer, or an unusable verdict",
             registry=r,
         )
-        self.rank = Gauge(
-            "prime_node_leaderboard_rank", "This node's rank on a validator's leaderboard", registry=r
-        )
+        self.rank = Gauge(P + "leaderboard_rank", "This node's rank on a validator's leaderboard", registry=r)
         self.score = Gauge(
-            "prime_node_leaderboard_score", "This node's score on a validator's leaderboard", registry=r
+            P + "leaderboard_score", "This node's score on a validator's leaderboard", registry=r
         )
         self.tokens_per_second = Gauge(
-            "prime_node_tokens_per_second", "Generation throughput of the last batch", registry=r
+            P + "tokens_per_second", "Generation throughput of the last batch", registry=r
         )
+        self.weights = WeightsServerMetrics(r)  # filled when the node serves weights (serve_weights)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.registry)

@@ -49,7 +49,9 @@ class WeightsSharing:
                 "not serving weights: peers cannot dial this node (it runs as a DHT client; see docs/swarm.md)"
             )
             return False
-        server = WeightsServer(self.store, self.settings.serve, self.operator_key)
+        server = WeightsServer(
+            self.store, self.settings.serve, self.operator_key, metrics=self.state.metrics.weights
+        )
         bound = await server.start()
         url = self.settings.weights_public_url or routable_url(bound, await self.swarm.maddrs())
         if url is None:

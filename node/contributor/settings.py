@@ -18,6 +18,7 @@ from ...p2p.wire import is_hex64
 from ..config import CommonSettings
 from ..engine import EngineSettings
 from ..run.settings import MOVED_TO_RUN, RunSettings
+from ..runtime.metrics import PORTS
 
 KEY_FILE_NAME = "node.key"
 
@@ -61,8 +62,16 @@ class StartSettings(CommonSettings):
         le=100_000,
         description="Generate no further while this many files wait for hand-off (the validator's back-pressure).",
     )
-    status_host: str = Field("127.0.0.1", description="Address of the local status API.")
-    status_port: int = Field(0, ge=0, le=65535, description="Port of the status API; 0 picks a free one.")
+    status_host: str = Field(
+        "127.0.0.1",
+        description="Address of the local status API and /metrics; 0.0.0.0 opens it to the network.",
+    )
+    status_port: int = Field(
+        PORTS["contributor"],
+        ge=0,
+        le=65535,
+        description="Port of the status API and /metrics (docs/metrics.md); 0 picks a free one.",
+    )
     shutdown_timeout_s: float = Field(
         30.0, gt=0, le=600, description="Bound on a graceful stop (SIGINT/SIGTERM)."
     )

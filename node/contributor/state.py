@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import __version__
-from .metrics import NodeMetrics
+from .metrics import VERDICTS, NodeMetrics
 from .status import LeaderboardEntry, NodeStatus, RolloutCounts
 
 logger = logging.getLogger(__name__)
@@ -50,15 +50,19 @@ class NodeState:
         self.metrics.peers.set(count)
 
     def count_rollout(self, outcome: str) -> None:
-        """outcome: generated, handed_off, accepted or rejected (the RolloutCounts fields)."""
+        """outcome: generated, handed_off, accepted or rejected (the RolloutCounts fields); the first two are
+        pipeline stages, the last two verdicts, each its own metric."""
         setattr(self.rollouts, outcome, getattr(self.rollouts, outcome) + 1)
-        self.metrics.rollout_files.labels(outcome=outcome).inc()
+        if outcome in VERDICTS:
+            self.metrics.verdicts.labels(verdict=outcome).inc()
+        else:
+            self.metrics.rollout_files.labels(stage=outcome).inc()
 
     def restore_verdicts(self, accepted: int, rejected: int) -> None:
         """Counts learned by earlier runs (from the outbox), so a restart keeps them, metrics included."""
         for outcome, count in (("accepted", accepted), ("rejected", rejected)):
             setattr(self.rollouts, outcome, getattr(self.rollouts, outcome) + count)
-            self.metrics.rollout_files.labels(outcome=outcome).inc(count)
+            self.metrics.verdicts.labels(verdict=outcome).inc(count)
 
     def set_leaderboard(self, entry: LeaderboardEntry | None, status: str) -> None:
         self.leaderboard_status = status[:500]
@@ -69,6 +73,7 @@ class NodeState:
 
     def record_batch(self, tokens: int, seconds: float) -> None:
         self.metrics.tokens.inc(tokens)
+        self.metrics.batch_seconds.observe(seconds)
         if seconds > 0:
             self.tokens_per_second = tokens / seconds
             self.metrics.tokens_per_second.set(self.tokens_per_second)

@@ -7,8 +7,8 @@ file this task asks the validator that signed the receipt, with exponential back
 "not decided yet"), at most `_MAX_PER_ROUND` requests a round, and gives up on a file `timeout_s` after
 its receipt. A checked verdict is stored beside the receipt (`sent/<sha256>.verdict.json`), so a restart
 keeps the counts and asks only about files still undecided; it updates the accepted / rejected counts and
-`prime_node_rollout_files_total{outcome}`. A failed lookup is logged (once per distinct problem), counted in
-`prime_node_verdict_lookup_failures_total` and asked again later; whatever one file's answer raises, the
+`prime_node_contributor_verdicts_total{verdict}`. A failed lookup is logged (once per distinct problem), counted
+in `prime_node_contributor_verdict_lookup_failures_total` and asked again later; whatever one file's answer raises, the
 task goes on with the others (a validator's API is reached over plain HTTP: anyone on the path can answer).
 """
 

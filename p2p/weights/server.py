@@ -11,7 +11,8 @@ arriving: its manifest once verified, each shard once verified; a request for a 
 waits for it a little (pipelining) and then gets 503 with Retry-After. Files go out with sendfile.
 Requests may carry a signed access token (p2p/weights/access.py): a bad one gets 401, and so does a request
 without one when `require_node_auth` is set. Banned clients (the proven node id, or the address) get 403,
-clients over their request rate 429.
+clients over their request rate 429. With `metrics` (p2p/weights/metrics.py), every answer is counted by
+route and status, timed, and shard bytes sent are added up, on the registry of the process that runs it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .access import (
     verify_access_token,
 )
 from .manifest import SignedManifest
+from .metrics import WeightsServerMetrics
 from .store import Store
 from .transfer import SHARD_CONTENT_TYPE
 
@@ -101,9 +103,14 @@ class WeightsServer:
     """Serves the versions of a store; see the module docstring."""
 
     def __init__(
-        self, store: Store, settings: ServeSettings | None = None, trusted_key: str | None = None
+        self,
+        store: Store,
+        settings: ServeSettings | None = None,
+        trusted_key: str | None = None,
+        metrics: WeightsServerMetrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics
         self.settings = settings or ServeSettings()
         self.trusted_key = trusted_key
         self.versions: dict[int, ServedVersion] = {}
@@ -121,7 +128,9 @@ class WeightsServer:
     # ---- lifecycle -------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._access])
+        # Counted outermost, so that refusals (401, 403, 429) are counted too.
+        middlewares = [self._access] if self.metrics is None else [self._count, self._access]
+        app = web.Application(middlewares=middlewares)
         app.router.add_get("/v1/weights/versions", self._versions)
         app.router.add_get("/v1/weights/latest", self._latest)
         app.router.add_get(r"/v1/weights/{step:\d{1,16}}/manifest", self._manifest)
@@ -132,8 +141,13 @@ class WeightsServer:
         """Scan the store, bind, and start the rescanning task; returns the base URL."""
         self.store.root.mkdir(parents=True, exist_ok=True)
         await self.rescan()
-        self._runner = web.AppRunner(self.app(), access_log=None)
-        await self._runner.setup()
+        self._runner = runner = web.AppRunner(self.app(), access_log=None)
+        await runner.setup()
+        if self.metrics is not None:
+            self.metrics.watch(
+                lambda: len(runner.server.connections) if runner.server is not None else 0,
+                lambda: len(self.versions),
+            )
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
         await site.start()
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
@@ -227,6 +241,25 @@ class WeightsServer:
             served.arrived.set()
 
     # ---- handlers ----------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        assert self.metrics is not None  # installed only with metrics
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"  # bounded label values
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            self.metrics.requests.labels(route=route, status=str(status)).inc()
+            self.metrics.request_seconds.labels(route=route).observe(loop.time() - started)
 
     @web.middleware
     async def _access(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -374,3 +407,5 @@ class WeightsServer:
                         )
                         await resp.write(block)
                         pos += len(block)
+            if self.metrics is not None:
+                self.metrics.sent_bytes.inc(hi - lo)

@@ -115,6 +115,8 @@ def node_argv(data_dir: Path, operator_key: str, peers: list[str], *extra: str) 
         "16",
         "--threads",
         "1",
+        "--status-port",
+        "0",  # a free port: the default one is fixed (docs/metrics.md) and tests run side by side
         *extra,
     ]
 

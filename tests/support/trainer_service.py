@@ -120,6 +120,8 @@ def trainer_argv(model: Path, key: Path, data_dir: Path, *extra: str) -> list[st
         "1",
         "--http-port",
         "0",
+        "--metrics-port",
+        "0",  # a free port: the default one is fixed (docs/metrics.md) and tests run side by side
         "--batch-size",
         "6",
         "--log-level",

@@ -220,6 +220,8 @@ class DevnetLayout:
             LOOPBACK,
             "--threads",
             "1",
+            "--status-port",
+            "0",  # several nodes on one host: each its own free port (`prime-node status` reads it)
             *self.sizing.node_flags(),
         ]
 

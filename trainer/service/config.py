@@ -9,6 +9,7 @@ from pydantic import Field, StringConstraints, model_validator
 
 from ...node.config import CommonSettings, Section
 from ...node.run.settings import RunSettings
+from ...node.runtime.metrics import PORTS
 from ...p2p.swarm import SwarmConfig
 from ...p2p.weights.server import ServeSettings
 from ..grpo.config import TrainerSettings
@@ -51,12 +52,15 @@ class TrainerServiceSection(Section):
         description="Weights URLs announced to peers; default the server's own URL, a 0.0.0.0 host replaced "
         "by the first announced IP.",
     )
-    metrics_host: str = Field("127.0.0.1", description="Address of the Prometheus /metrics endpoint.")
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address of the Prometheus /metrics endpoint; 0.0.0.0 opens it to the network.",
+    )
     metrics_port: int | None = Field(
-        0,
+        PORTS["trainer"],
         ge=0,
         le=65535,
-        description="Port of the Prometheus /metrics endpoint (0 picks one; unset: no endpoint).",
+        description="Port of the Prometheus /metrics endpoint (docs/metrics.md; 0 picks one; unset: none).",
     )
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch CPU threads; unset keeps torch's default."

@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import Counter, Gauge, Histogram
+
+from ...node.runtime.metrics import CONTENT_TYPE_LATEST, DURATION_BUCKETS, render, role_registry
+from ...p2p.weights.metrics import WeightsServerMetrics
+
+P = "prime_node_trainer_"
 
 # Reported as gauges (last step's value) and written to the log; names as in docs/trainer.md.
 GAUGES = (
@@ -39,6 +43,7 @@ GAUGES = (
     "samples",
     "groups",
 )
+GAUGE_NAMES = {"tokens_per_s": "tokens_per_second"}  # base units spelled out, as every other metric
 
 
 @dataclass(frozen=True)
@@ -59,29 +64,59 @@ class StepRecord:
 
 
 class TrainerMetrics:
-    """Gauges on a registry of their own (several trainers may live in one test process)."""
+    """The trainer's metrics on a registry of their own (several trainers may live in one test process).
+
+    Gauges carry the last rollout step's values (names as in the JSONL log, except `tokens_per_s`, exposed as
+    `prime_node_trainer_tokens_per_second`); counters and histograms cover every step. docs/metrics.md.
+    """
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.step = Gauge("prime_trainer_policy_step", "Newest policy step published", registry=r)
+        self.registry = r = role_registry("trainer")
+        self.step = Gauge(P + "policy_step", "Newest policy step published", registry=r)
         self.gauges = {
-            name: Gauge(f"prime_trainer_{name}", f"Last rollout step's {name.replace('_', ' ')}", registry=r)
+            name: Gauge(
+                P + GAUGE_NAMES.get(name, name), f"Last rollout step's {name.replace('_', ' ')}", registry=r
+            )
             for name in GAUGES
         }
         self.files = Counter(
-            "prime_trainer_rollout_files", "Accepted rollout files read, by outcome", ["outcome"], registry=r
-        )  # outcome: used, unreadable, deferred
-        self.buffered = Gauge("prime_trainer_buffered_samples", "Samples waiting for a batch", registry=r)
+            P + "rollout_files_total", "Accepted rollout files read, by outcome", ["outcome"], registry=r
+        )
+        for outcome in ("used", "unreadable", "deferred"):  # present from the start, for rate()
+            self.files.labels(outcome=outcome)
+        self.buffered = Gauge(P + "buffered_samples", "Samples waiting for a batch", registry=r)
+        self.samples = Counter(P + "samples_trained_total", "Samples trained on", registry=r)
+        self.tokens = Counter(P + "tokens_trained_total", "Tokens trained on", registry=r)
+        self.step_seconds = Histogram(
+            P + "step_seconds",
+            "One rollout step: training, checkpoint, publication",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.batch_wait_seconds = Histogram(
+            P + "batch_wait_seconds",
+            "Time from the end of a step (or the start) until the next batch was full",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.publish_seconds = Histogram(
+            P + "publish_seconds",
+            "Saving the trainer state and publishing the checkpoint of one step",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.weights = WeightsServerMetrics(r)  # the trainer's weights server
 
     def observe(self, record: StepRecord) -> None:
         self.step.set(record.step)
         for name, gauge in self.gauges.items():
             if name in record.values:
                 gauge.set(record.values[name])
+        self.samples.inc(record.values.get("samples", 0.0))
+        self.step_seconds.observe(record.wall_s)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.registry)
 
 
 class StepLog:
@@ -116,7 +151,8 @@ def progress_line(record: StepRecord) -> str:
 
 
 async def start_metrics_server(metrics: TrainerMetrics, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """GET /metrics on host:port (0 picks a free port); returns the runner (to clean up) and the URL."""
+    """GET /metrics on host:port (0 picks a free port; default docs/metrics.md); returns the runner (to clean
+    up) and the URL."""
 
     async def handler(request: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

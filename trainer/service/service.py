@@ -189,7 +189,7 @@ class TrainerService:
         step = await self._blocking(self.learner.resume)
         self.metrics.step.set(step)
         self.server = server = WeightsServer(
-            self.store, self.settings.serve, trusted_key=self.identity.node_id
+            self.store, self.settings.serve, trusted_key=self.identity.node_id, metrics=self.metrics.weights
         )
         url = await server.start()
         self.supervisor.on_shutdown("weights-server", server.stop)
@@ -285,8 +285,10 @@ class TrainerService:
         except BaseException:
             self.buffer.release(batch)
             raise
-        self.learner.save_and_publish(self.settings.service.keep_states, self.settings.serve.keep)
+        with self.metrics.publish_seconds.time():
+            self.learner.save_and_publish(self.settings.service.keep_states, self.settings.serve.keep)
         self.buffer.commit(batch)
+        self.metrics.tokens.inc(report.tokens)
         values = {**batch.reward_metrics(), **report.summary()}
         if self._rollout_rewards:
             values["rollout_reward"] = sum(self._rollout_rewards) / len(self._rollout_rewards)
@@ -297,6 +299,7 @@ class TrainerService:
     async def _loop(self) -> None:
         svc = self.settings.service
         loop = asyncio.get_running_loop()
+        waiting_since = loop.time()  # for the batch-wait histogram
         while not self.supervisor.stopping:
             if svc.max_steps is not None and self.learner.step >= svc.max_steps:
                 self.supervisor.request_stop(f"reached policy step {self.learner.step} (max_steps)")
@@ -307,6 +310,7 @@ class TrainerService:
                 await self.supervisor.sleep_or_stop(svc.poll_interval_s)
                 continue
             started = loop.time()
+            self.metrics.batch_wait_seconds.observe(started - waiting_since)
             record = await self._blocking(self._train_step, batch)
             record = StepRecord(record.step, record.values, loop.time() - started, record.groups_used)
             if self.server is not None:
@@ -314,6 +318,7 @@ class TrainerService:
             await self._announce()
             await self._blocking(self.log.append, record)
             self.metrics.observe(record)
+            waiting_since = loop.time()
             logger.debug("%s", progress_line(record))
             if self.on_step is not None:
                 self.on_step(record)

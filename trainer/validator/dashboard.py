@@ -22,6 +22,7 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...node.runtime.metrics import PORTS
 from ...p2p.validator_api import (
     DEFAULT_TOP,
     LEADERBOARD_PATH,
@@ -42,7 +43,7 @@ from ..ledger import Ledger
 from ..ledger.leaderboard import NodeLookupError, leaderboard, node_detail, ranked_count
 
 STATIC_DIR = Path(__file__).with_name("dashboard_static")
-DEFAULT_PORT = 8471  # 8470 is the weights server's; a trainer and a validator often share a host
+DEFAULT_PORT = PORTS["validator"]  # the fixed ports of every role: node/runtime/metrics.py
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
     "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",

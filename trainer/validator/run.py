@@ -2,7 +2,8 @@
 
 Named tasks under one Supervisor (node/runtime/supervisor.py): verification worker, hold expiry, policy
 follower (fetches checkpoints), validator announcement, ban re-publication, peer bookkeeping, and a watch
-on the swarm's own heartbeat task. Cleanups run in reverse order: dashboard, swarm, ledger.
+on the swarm's own heartbeat task. Cleanups run in reverse order: dashboard, swarm, ledger. The dashboard's
+server also answers GET /metrics (trainer/validator/metrics.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+from aiohttp import web
 
 from ...node.run.announcement import run_parameters
 from ...node.run.settings import open_run_task_set
@@ -24,6 +28,7 @@ from ..errors import TrainerError
 from .assignment import first_step
 from .config import ValidatorSettings
 from .dashboard import create_app, ledger_rewards, serve
+from .metrics import CONTENT_TYPE_LATEST
 from .run_confirmation import RunConfirmation
 from .service import ValidatorService
 
@@ -86,6 +91,7 @@ async def start_validator(
         swarm=lambda: swarm_view(service),
         rewards=ledger_rewards(service.ledger.ledger),
     )
+    app.router.add_get("/metrics", metrics_handler(service))  # Prometheus, beside the API (docs/metrics.md)
     runner, url = await serve(app, settings.dashboard.host, settings.dashboard.port)
     supervisor.on_shutdown("dashboard", runner.cleanup)
     # Announced, so that senders can fetch their verdicts and rank (node/contributor/verdicts.py). A dashboard
@@ -122,6 +128,13 @@ async def start_validator(
         url,
     )
     return RunningValidator(service, swarm, url, await swarm.maddrs())
+
+
+def metrics_handler(service: ValidatorService) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=service.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return handler
 
 
 async def swarm_view(service: ValidatorService) -> SwarmView:

@@ -44,6 +44,7 @@ from .bans import BanPublisher
 from .checkpoints import CheckpointKeeper
 from .config import ValidatorSettings
 from .intake import Tier, TieredQueue
+from .metrics import ValidatorMetrics
 from .policy_steps import POLICY_STEP, PolicySteps
 from .spool import Spool, SpooledFile, deliver
 from .verify_job import DUPLICATE, Outcome, verify_spooled
@@ -123,6 +124,13 @@ class ValidatorService:
         )
         self.verdicts = 0  # decided by this process (tests and the benchmark read it)
         self.receiver: RolloutReceiver | None = None  # set once the swarm serves hand-offs (validator_run.py)
+        self.metrics = ValidatorMetrics()  # served at /metrics (trainer/validator/run.py)
+        self.metrics.watch(
+            queue=lambda: len(self.queue),
+            held=lambda: len(self.held),
+            slots_in_use=lambda: self.receiver.slots.in_use if self.receiver is not None else 0,
+            slots=lambda: self.receiver.slots.total if self.receiver is not None else 0,
+        )
 
     # ----- intake ----------------------------------------------------------------------------------------
 
@@ -162,6 +170,7 @@ class ValidatorService:
             return
         entry = await asyncio.to_thread(self.spool.make_durable, *key)
         self._enqueue(Job(entry, key.node_id, time.time()))
+        self.metrics.received.inc()
 
     def _enqueue(self, job: Job) -> None:
         job.tier = self.admission.enqueued(job.key)
@@ -227,6 +236,7 @@ class ValidatorService:
                     ),
                 )
                 continue
+            started = time.monotonic()
             try:
                 outcome = await asyncio.to_thread(
                     verify_spooled,
@@ -249,6 +259,7 @@ class ValidatorService:
             if outcome.hold:
                 await self._hold(job, outcome.step)
             else:
+                self.metrics.verification_seconds.observe(time.monotonic() - started)
                 await self._decide(job, outcome)
 
     async def _hold(self, job: Job, step: int) -> None:
@@ -337,6 +348,10 @@ class ValidatorService:
             )
             result = await self.ledger.record(self._verdict(job, outcome), received_at=job.received_at)
         self.verdicts += 0 if result.duplicate else 1
+        if not result.duplicate:
+            signed = result.verdict.document
+            self.metrics.verdict(signed.accepted, signed.failed_check, signed.decided_at - job.received_at)
+            self.metrics.bans.inc(len(result.new_bans))
         if outcome.accepted and not result.duplicate:
             self.admission.note_accepted(job.node_id)  # its next file may count as established
         level = logging.INFO if outcome.accepted else logging.WARNING
