@@ -40,8 +40,8 @@ __all__ = [
 PORTS = {
     "weights": 8470,  # the trainer's weights server (public: contributors fetch checkpoints from it)
     "validator": 8471,  # the validator's API, dashboard and /metrics
-    "trainer": 8472,  # the trainer's /metrics (loopback by default; its weights server is another port)
-    "contributor": 8473,  # a contributor's status API and /metrics
+    "trainer": 8473,  # the trainer's /metrics (loopback by default; its weights server is another port)
+    "contributor": 8472,  # a contributor's status API and /metrics
 }
 
 # Seconds, from a fast HTTP answer to a long training step or a verdict that waited for its checkpoint.
