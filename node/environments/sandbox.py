@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -249,7 +249,7 @@ def _run(runtime: _Runtime, source: bytes, stdin: bytes, limits: SandboxLimits) 
     stdin_fd = _memfd("stdin", stdin)
     seccomp_fd = _memfd("seccomp", runtime.seccomp)
     status_read, status_write = os.pipe2(os.O_CLOEXEC)
-    drop: dict[str, object] = {}
+    drop: dict[str, Any] = {}
     if runtime.run_as is not None:
         drop = {"user": runtime.run_as, "group": runtime.run_as, "extra_groups": []}
     try:
@@ -262,7 +262,7 @@ def _run(runtime: _Runtime, source: bytes, stdin: bytes, limits: SandboxLimits) 
             start_new_session=True,  # bwrap's own process group, so that a kill never reaches us
             cwd="/",
             env={},
-            **drop,  # type: ignore[arg-type]
+            **drop,
         )
     except OSError as exc:
         os.close(status_read)

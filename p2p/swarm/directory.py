@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast, get_args
 
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
@@ -26,6 +26,7 @@ from .records import (
     Heartbeat,
     PolicyAnnouncement,
     RecordKind,
+    Role,
     RolloutAnnouncement,
     RunParameters,
     ValidatorAnnouncement,
@@ -50,7 +51,10 @@ class SwarmDirectory(DHTPeer):
         hardware: Hardware | None = None,
     ) -> None:
         super().__init__(config, identity)
-        self.roles = list(roles)
+        unknown = [r for r in roles if r not in get_args(Role)]
+        if unknown:
+            raise SwarmError(f"unknown role(s) {unknown}; roles are {', '.join(get_args(Role))}")
+        self.roles = [cast(Role, r) for r in roles]
         self.hardware = hardware or local_hardware()
         self.policy_step: int | None = None  # set by the node; published in the next heartbeat
         self.serves_steps: list[int] = []

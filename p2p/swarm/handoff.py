@@ -42,7 +42,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Final, Literal, NamedTuple
 
 from pydantic import Field, StringConstraints, ValidationError, model_serializer, model_validator
 
@@ -58,7 +58,7 @@ from .slots import Claim, Cooldowns, SlotTable, network_of
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 256 * 1024
-SIG_FORMAT = "prime-node/rollout-sig/v2"  # signs the batch too: what every node of this version writes
+SIG_FORMAT: Final = "prime-node/rollout-sig/v2"  # signs the batch too: what every node of this version writes
 SIG_FORMAT_V1 = "prime-node/rollout-sig/v1"  # no batch: still parsed (older files), refused by validators
 FILE_SUFFIX = ".parquet"
 ENVELOPE_SUFFIX = ".parquet.sig"  # the envelope beside each received file, as proofs/rollout_file.py names it
@@ -478,8 +478,9 @@ async def send(
     if isinstance(answer, dict) and isinstance(answer.get("busy"), str):
         hint = answer.get("retry_after_s")
         numeric = isinstance(hint, (int, float)) and not isinstance(hint, bool)
-        valid = numeric and 0 <= hint <= MAX_RETRY_AFTER_S  # NaN fails both comparisons
-        raise HandoffBusy(answer["busy"][:500], float(hint) if valid else 0.0)
+        # NaN fails both comparisons.
+        wait = float(hint) if numeric and 0 <= hint <= MAX_RETRY_AFTER_S else 0.0  # type: ignore[operator,arg-type]
+        raise HandoffBusy(answer["busy"][:500], wait)
     if not isinstance(answer, dict) or "receipt" not in answer:
         raise HandoffError("the validator answered neither a receipt nor a refusal")
     receipt = parse_receipt(answer["receipt"])

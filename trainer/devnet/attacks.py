@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -68,12 +69,17 @@ def _rescore(tasks: RunTasks, row: RolloutRow, output_ids: list[int]) -> Rollout
     )
 
 
+# The model these attacks change in place, returned as the type it came in (a transformers model stays one).
+ModelT = TypeVar("ModelT", bound=torch.nn.Module)
+
+
 def perturb_layer_(
-    model: torch.nn.Module, relative_noise: float, generator: torch.Generator, layer: int | None = None
-) -> torch.nn.Module:
+    model: ModelT, relative_noise: float, generator: torch.Generator, layer: int | None = None
+) -> ModelT:
     """Multiply every parameter of one decoder layer (the middle one by default) by (1 + noise * N(0, 1)),
     in place: a cheaper, stale or tampered copy of the claimed weights."""
-    layers = model.model.layers  # type: ignore[union-attr]
+    decoder: Any = model.model  # a transformers causal LM's decoder, whose layers are a ModuleList
+    layers = decoder.layers
     with torch.no_grad():
         for param in layers[len(layers) // 2 if layer is None else layer].parameters():
             param.mul_(1 + relative_noise * torch.randn(param.shape, generator=generator).to(param.dtype))
@@ -87,7 +93,7 @@ def perturbed(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: Batc
     return produce_rows(HFEngine(model), tasks, node_id, spec).rows
 
 
-def quantize_decoder_(model: torch.nn.Module, bits: int) -> torch.nn.Module:
+def quantize_decoder_(model: ModelT, bits: int) -> ModelT:
     """Round every linear layer of the decoder to `bits`-bit integers and back, in place (symmetric, one
     scale per output channel): what a node running a quantized copy of the checkpoint computes with."""
     top = 2 ** (bits - 1) - 1
@@ -107,7 +113,7 @@ def quantized(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: Batc
     return produce_rows(HFEngine(model), tasks, node_id, spec).rows
 
 
-def _reinitialised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+def _reinitialised(model: ModelT, seed: int) -> ModelT:
     """The same architecture with fresh weights from `seed` (transformers initialises from the global
     generator, which is restored afterwards)."""
     with torch.random.fork_rng(devices=[]):
