@@ -18,14 +18,13 @@ weights (per-channel symmetric), and any --other-model (another seed, an older c
 judged against the calibrated thresholds of both precisions and the pre-warm-start ones; the table
 printed at the end is what docs/proofs.md reports. --sweep runs the same statistics on a finer grid of
 perturbations (and honest float32 / bf16 references), prints where each set of bounds starts catching
-every file, and with --plot-dir draws the curves as PNGs (trainer/devnet/plot.py).
+every file, and with --plot-dir draws the curves as PNGs (matplotlib, trainer/devnet/plot.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from prime_node.node.engine import HFEngine, load_engine  # noqa: E402
@@ -49,7 +49,7 @@ from prime_node.proofs.toploc import (  # noqa: E402
     worst_failure,
 )
 from prime_node.proofs.verifier import VerifierSettings  # noqa: E402
-from prime_node.trainer.devnet.plot import Series, line_plot  # noqa: E402
+from prime_node.trainer.devnet.plot import Level, Series, figure, save  # noqa: E402
 
 from support.attack import NODE, make_checkpoint, run_tasks  # noqa: E402
 from support.proofs import float64_copy, perturbed_copy, quantized_copy  # noqa: E402
@@ -276,43 +276,62 @@ def sweep(checkpoint: Path, tasks, spec: BatchSpec, batches: int, plot_dir: Path
     return results
 
 
+# Statistics below this are drawn on it: the y axis is logarithmic, and honest float32's is exactly 0.
+PLOT_FLOOR = 1e-2
+
+
 def plot_sweep(results: list[dict], plot_dir: Path) -> list[Path]:
-    """Two PNGs, y = log10 of the file typical statistic (-2 .. 1; lower values drawn at -2): min and max
-    over files for each strength (blue, light blue), the float32 and bfloat16 bounds (green, red) and the
-    honest float32 and bfloat16 maxima (grey, orange) as horizontal lines. x: log10(relative noise) in one,
-    bits in the other."""
+    """The two sensitivity PNGs (noise, quantization) of a sweep's results, in `plot_dir`."""
+    return [
+        save(sensitivity_figure(results, kind), plot_dir / f"proofs_sensitivity_{name}.png")
+        for kind, name in (("noise", "noise"), ("quant", "quantization"))
+    ]
 
-    def level(value: float) -> float:
-        return math.log10(max(value, 1e-2))
 
-    honest = {r["config"]: level(r["typical"][1]) for r in results if r["kind"] == "honest"}
-    paths = []
-    for kind, name, x_of in (
-        ("noise", "noise", lambda c: math.log10(float(c))),
-        ("quant", "quantization", lambda c: float(c.removeprefix("int"))),
-    ):
-        points = [r for r in results if r["kind"] == kind]
-        xs = [x_of(r["config"]) for r in points]
-        span = (min(xs), max(xs))
-
-        def flat(y: float, color: tuple[int, int, int], s: tuple[float, float] = span) -> Series:
-            return Series([(s[0], y), (s[1], y)], color)
-
-        series = [
-            flat(level(JUDGES["float32"].max_typical_mant_err_mean), (40, 150, 60)),
-            flat(level(JUDGES["bfloat16"].max_typical_mant_err_mean), (200, 60, 30)),
-            flat(honest["float32"], (150, 150, 150)),
-            flat(honest["bfloat16"], (240, 160, 40)),
-            Series([(x, level(r["typical"][1])) for x, r in zip(xs, points, strict=True)], (150, 190, 240)),
-            Series([(x, level(r["typical"][0])) for x, r in zip(xs, points, strict=True)], (30, 90, 200)),
-        ]
-        # Grid lines every half decade of y (and of noise) and every 2 bits.
-        paths.append(
-            line_plot(
-                plot_dir / f"proofs_sensitivity_{name}.png", series, x_range=span, y_range=(-2.0, 1.0), grid=6
-            )
-        )
-    return paths
+def sensitivity_figure(results: list[dict], kind: str) -> Figure:
+    """The file typical statistic (log scale; values below PLOT_FLOOR drawn on it) against the strength of
+    one cheat (`kind`: noise or quant): its smallest and largest over the files at each point, with the float32
+    and bfloat16 bounds and the honest float32 and bfloat16 maxima as horizontal lines. x: relative noise (log)
+    or weight bits."""
+    honest = {r["config"]: r["typical"][1] for r in results if r["kind"] == "honest"}
+    points = [r for r in results if r["kind"] == kind]
+    if kind == "noise":
+        name, xlabel, xscale = "noise", "relative noise added to one middle layer's weights", "log"
+        xs = [float(r["config"]) for r in points]
+    else:
+        name, xlabel, xscale = "quantization", "weight bits (per-channel int N)", "linear"
+        xs = [float(r["config"].removeprefix("int")) for r in points]
+    files = points[0]["files"] if points else 0
+    bounds = {p: JUDGES[p].max_typical_mant_err_mean for p in ("float32", "bfloat16")}
+    return figure(
+        [
+            Series(
+                f"largest of {files} files",
+                [(x, max(r["typical"][1], PLOT_FLOOR)) for x, r in zip(xs, points, strict=True)],
+                "lightskyblue",
+            ),
+            Series(
+                f"smallest of {files} files",
+                [(x, max(r["typical"][0], PLOT_FLOOR)) for x, r in zip(xs, points, strict=True)],
+                "navy",
+            ),
+        ],
+        levels=[
+            Level(f"float32 bound ({bounds['float32']:g})", bounds["float32"], "tab:green"),
+            Level(f"bfloat16 bound ({bounds['bfloat16']:g})", bounds["bfloat16"], "tab:red"),
+            *(
+                Level(f"honest {p} maximum ({honest[p]:.3f})", max(honest[p], PLOT_FLOOR), colour, ":")
+                for p, colour in (("float32", "grey"), ("bfloat16", "orange"))
+                if p in honest
+            ),
+        ],
+        title=f"TOPLOC file typical mantissa error under {name}",
+        xlabel=xlabel,
+        ylabel=f"file typical mantissa error (below {PLOT_FLOOR:g}: on the axis)",
+        xscale=xscale,
+        yscale="log",
+        ylim=(PLOT_FLOOR * 0.8, 10.0),
+    )
 
 
 def _span(pair: list[float], digits: int = 2) -> str:

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from rich.console import Console
+
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.trainer.devnet.layout import Sizing
 from prime_node.trainer.devnet.monitor import Snapshot
@@ -93,7 +95,7 @@ def main() -> int:
         steps=args.steps,
         sizing=sizing,
     )
-    devnet = Devnet(options, LiveView(args.steps, stream=sys.stderr, tty=False))
+    devnet = Devnet(options, LiveView(args.steps, Console(stderr=True), live=False))
     sampler = Sampler(devnet)
     devnet.on_snapshot = sampler
     report = devnet.run()

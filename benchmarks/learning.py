@@ -18,8 +18,9 @@ once). Everything is seeded (--seed).
         --optimizer-steps 1 --lr 1e-3 --warmup 5 --negative-weight 0 --decay --min-lr-ratio 0 \
         --eval-every 50 --minutes 20 --seed 0
 
-Without --model the warm start runs first (a few minutes). The PNG is drawn by a small pure-Python writer
-(zlib + struct) since matplotlib is not a dependency. Prints one line per step and a summary.
+Without --model the warm start runs first (a few minutes). The PNG is drawn by matplotlib
+(trainer/devnet/plot.py); `--summary FILE` keeps its data, and `--replot FILE --out PNG` redraws it without a
+run. Prints one line per step and a summary.
 """
 
 from __future__ import annotations
@@ -27,15 +28,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import struct
 import sys
 import tempfile
 import time
-import zlib
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
@@ -54,6 +54,7 @@ from prime_node.node.run.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import Store
 from prime_node.proofs.verifier import VerifierSettings
+from prime_node.trainer.devnet.plot import Series, figure, save
 from prime_node.trainer.devnet.tasks import TaskFilter, filtered_tasks
 from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.service.batch_buffer import BatchBuffer, RolloutRecord
@@ -64,48 +65,45 @@ from prime_node.trainer.service.learner import Learner
 RUN_ID = "learning-bench"
 
 
-def write_png(
-    path: Path,
-    series: list[tuple[list[tuple[float, float]], tuple[int, int, int]]],
-    x_max: float,
-    width: int = 480,
-    height: int = 240,
-) -> None:
-    """Line plot of each series of (x, y) points, x in [0, x_max] and y in [0, 1], on white in a grey frame."""
-    pixels = [[(255, 255, 255)] * width for _ in range(height)]
-    for x in range(width):
-        pixels[0][x] = pixels[height - 1][x] = (160, 160, 160)
-    for y in range(height):
-        pixels[y][0] = pixels[y][width - 1] = (160, 160, 160)
-    for values, color in series:
-        if not values:
-            continue
-        pts = [
-            (
-                round((width - 1) * min(max(x / max(x_max, 1e-9), 0.0), 1.0)),
-                round((height - 1) * (1 - min(max(y, 0.0), 1.0))),
-            )
-            for x, y in values
-        ]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:] or pts):
-            steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-            for s in range(steps + 1):
-                x, y = x0 + (x1 - x0) * s // steps, y0 + (y1 - y0) * s // steps
-                for dy in (-1, 0, 1):
-                    if 0 <= y + dy < height:
-                        pixels[y + dy][x] = color
-    raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in pixels)
+HELDOUT_COLOURS = {
+    "mix": "tab:red",
+    "band": "tab:green",
+    "mix-new": "tab:orange",
+    "band-new": "tab:purple",
+    "mix-distinct": "tab:orange",
+    "band-distinct": "tab:purple",
+}
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data))
-            + kind
-            + data
-            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-        )
 
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-    path.write_bytes(png + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+def learning_figure(
+    rewards: list[tuple[float, float]],
+    accuracy: dict[str, list[tuple[float, float]]],
+    sizes: dict[str, int],
+) -> Figure:
+    """The learning curve: rollout reward per step and each held-out set's greedy accuracy per evaluation."""
+    series = [Series("rollout reward (T = 1, before filtering)", rewards, "tab:blue", marker=None)]
+    series += [
+        Series(f"held-out {name} accuracy ({sizes[name]} problems)", points, HELDOUT_COLOURS.get(name))
+        for name, points in accuracy.items()
+    ]
+    steps = max((x for s in series for x, _ in s.points), default=1.0)
+    return figure(
+        series,
+        title="RL on the tiny model: rollout reward and held-out greedy accuracy",
+        xlabel="policy step",
+        integer_x=True,
+        ylabel="reward / exact-match accuracy",
+        xlim=(0.0, max(steps, 1.0)),
+        ylim=(0.0, 1.0),
+    )
+
+
+def replot(summary_path: Path, out: Path) -> None:
+    """Redraw the curve from a --summary file alone (no model, no run): the plot's data is all in it."""
+    curves = json.loads(summary_path.read_text())["curves"]
+    accuracy = {name: [(x, y) for x, y in points] for name, points in curves["heldout"].items()}
+    rewards = [(x, y) for x, y in curves["rollout_reward"]]
+    print(f"wrote {save(learning_figure(rewards, accuracy, curves['problems']), out)}")
 
 
 class HeldOut:
@@ -288,7 +286,17 @@ def main() -> int:
         default=None,
         help="also write the figures printed at the end as JSON (tests/test_learning_record.py reads it)",
     )
+    p.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="SUMMARY",
+        help="instead of a run: redraw --out from the curves of a --summary file",
+    )
     args = p.parse_args()
+    if args.replot:
+        replot(args.replot, args.out)
+        return 0
     begun = time.perf_counter()  # the whole run: warm start and offline filtering included
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="prime-learning-"))
@@ -429,19 +437,8 @@ def main() -> int:
         if out_of_time:
             break
     ledger.close()
-    colors = {
-        "mix": (200, 60, 30),
-        "band": (40, 150, 60),
-        "mix-new": (230, 150, 40),
-        "band-new": (120, 60, 160),
-        "mix-distinct": (230, 150, 40),
-        "band-distinct": (120, 60, 160),
-    }
-    write_png(
-        args.out,
-        [(rewards, (30, 90, 200))] + [(points, colors[name]) for name, points in accuracy.items()],
-        x_max=max(learner.step, 1),
-    )
+    sizes = {name: len(tasks) for name, tasks in held_out.sets.items()}
+    save(learning_figure(rewards, accuracy, sizes), args.out)
     for name, points in accuracy.items():
         first, last = points[0][1], points[-1][1]
         print(
@@ -471,6 +468,8 @@ def main() -> int:
                         }
                         for name, points in accuracy.items()
                     },
+                    # What the plot draws, so that --replot can redraw it without a run.
+                    "curves": {"rollout_reward": rewards, "heldout": accuracy, "problems": sizes},
                 },
                 indent=2,
             )
@@ -478,9 +477,8 @@ def main() -> int:
         )
     print(
         f"{learner.step} steps, {time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_start:.0f} s "
-        f"CPU (1 thread); {time.perf_counter() - begun:.0f} s wall in all (warm start included); reward curve "
-        f"(blue: rollout reward before filtering; held-out red: mix, green: band, orange: mix-new or "
-        f"mix-distinct, purple: band-new or band-distinct) -> {args.out}"
+        f"CPU (1 thread); {time.perf_counter() - begun:.0f} s wall in all (warm start included); learning "
+        f"curve -> {args.out}"
     )
     return 0
 

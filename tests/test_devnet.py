@@ -3,7 +3,8 @@
 One trainer, one validator, two honest nodes and one adversary (inflated rewards) for two policy steps on the
 untrained tiny model: honest files accepted, the adversary slashed and banned, two steps trained, every
 process (and each one's DHT child and p2pd daemon) gone at the end. Plus the pieces the devnet is made of
-that need no swarm: the PNG writer, the attack producers against the real verifier, the live view.
+that need no swarm: the attack producers against the real verifier, the report's arithmetic, the task
+filter. (The live view and the reward figure: tests/test_devnet_view.py, tests/test_figures.py.)
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ import json
 import os
 import random
 import signal
-import struct
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import pytest
@@ -29,11 +28,8 @@ from prime_node.node.run.validation import verify_rollout_file
 from prime_node.p2p.identity import Identity
 from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.devnet.attacks import EXPECTED_CHECKS, attack_producer
-from prime_node.trainer.devnet.monitor import MemberView, Snapshot
-from prime_node.trainer.devnet.plot import Series, line_plot
 from prime_node.trainer.devnet.processes import descendants, still_running
 from prime_node.trainer.devnet.report import format_report
-from prime_node.trainer.devnet.view import LiveView
 
 from support.devnet import SMALL, assert_all_gone, run_devnet, tiny_model
 
@@ -184,54 +180,6 @@ def test_each_attack_file_is_rejected_by_the_expected_check(world, tmp_path: Pat
     failed = [c.name.replace("-", "_") for c in report.checks if c.status == "failed"]
     assert not report.accepted and failed, report.reasons
     assert failed[0] in EXPECTED_CHECKS[kind], (kind, report.reasons)
-
-
-def test_line_plot_writes_a_valid_png(tmp_path: Path) -> None:
-    path = line_plot(tmp_path / "p.png", [Series([(1, 0.2), (2, 0.5), (3, 0.4)])], width=120, height=80)
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
-    assert (width, height) == (120, 80)
-    idat_len = struct.unpack(">I", data[33:37])[0]
-    raw = zlib.decompress(data[41 : 41 + idat_len])
-    assert len(raw) == 80 * (1 + 3 * 120)
-    assert raw.count(bytes((30, 90, 200))) > 10  # the series colour was drawn
-
-
-def test_live_view_prints_one_line_per_change() -> None:
-    import io
-
-    out = io.StringIO()
-    view = LiveView(5, stream=out, tty=False)
-    member = MemberView("node-1", "ab" * 32, None, state="generating batch 0", local_step=0)
-    snap = Snapshot(
-        at=0,
-        step=0,
-        task_reward=None,
-        rollout_reward=None,
-        members=[member],
-        queue_depth=0,
-        accepted_files=0,
-        rejected_files=0,
-    )
-    view.update(snap)
-    view.update(snap)  # nothing changed: nothing printed
-    member.state = "generating batch 1"  # a new batch alone is not a change worth a line
-    view.update(snap)
-    assert len(out.getvalue().splitlines()) == 2
-    member.banned = True
-    view.update(snap)
-    assert out.getvalue().splitlines()[-1].endswith("BANNED")
-    tty = io.StringIO()
-    LiveView(5, stream=tty, tty=True).update(snap)
-    assert tty.getvalue().startswith("\x1b[H\x1b[J") and "step 0/5" in tty.getvalue()
-    snap.step, snap.task_reward, snap.rollout_reward = (
-        1,
-        0.5,
-        0.25,
-    )  # a step: one header line with both rewards
-    view.update(snap)
-    assert "step 1/5  reward: rollouts 0.250 batch 0.500" in out.getvalue().splitlines()[-1]
 
 
 def test_report_counts_excused_rejections_apart_and_averages_the_reward_trend() -> None:

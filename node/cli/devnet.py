@@ -10,7 +10,6 @@ rejected; 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -77,6 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def devnet(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     from ...trainer.devnet.layout import DEVNET_PROMPTS, Sizing
     from ...trainer.devnet.report import format_report
     from ...trainer.devnet.runner import Devnet, DevnetOptions, attack_kinds
@@ -107,9 +108,10 @@ def devnet(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         sizing=sizing,
         task_filter=None if args.all_tasks else TaskFilter(),
+        progress=not args.json,
     )
-    # With --json, stdout carries only the report; the progress lines go to stderr.
-    view = LiveView(args.steps, stream=sys.stderr) if args.json else LiveView(args.steps)
+    # With --json, stdout carries only the report: the view's lines go to stderr, plain, and no bar is drawn.
+    view = LiveView(args.steps, Console(stderr=True), live=False) if args.json else LiveView(args.steps)
     report = Devnet(options, view).run()
     if args.json:
         print_json(report)

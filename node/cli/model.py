@@ -60,12 +60,14 @@ def init(args: argparse.Namespace) -> int:
     out_dir = args.out.expanduser().resolve()
     wall0 = time.perf_counter()
     cpu0 = time.process_time()
+    # The bar goes to stderr, only on a terminal (node/runtime/progress.py); --json keeps every stream quiet.
+    progress = not (args.no_progress or args.json)
     report, info = init_model_dir(
         out_dir,
         settings.seed,
         settings.warm_start,
         force=args.force,
-        progress=not args.no_progress,
+        progress=progress,
         chat=settings.chat,
     )
     summary = {

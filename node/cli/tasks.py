@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -52,7 +51,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def filter_tasks(args: argparse.Namespace) -> int:
     # Heavy imports (torch, transformers) only when the command runs, so `--help` stays fast.
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
     from ..engine import load_engine
@@ -64,6 +62,7 @@ def filter_tasks(args: argparse.Namespace) -> int:
         render_histogram,
         write_task_file,
     )
+    from ..runtime.progress import progress_bar
 
     settings = load_settings(args, FilterSettings)
     if args.gpu:
@@ -84,13 +83,7 @@ def filter_tasks(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     # Enough tasks per engine call to fill its micro-batches, few enough for a lively progress bar.
     per_batch = max(1, settings.engine.max_batch_size // settings.k)
-    with tqdm(
-        total=count,
-        desc="estimating",
-        unit="task",
-        file=sys.stderr,
-        disable=args.no_progress or args.json or None,
-    ) as bar:
+    with progress_bar(count, "estimating", "task", enabled=not (args.no_progress or args.json)) as bar:
         estimates = estimate_pass_rates(
             engine,
             tokenizer,

@@ -5,16 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 from pathlib import Path
 
 from pydantic import Field, field_validator
-from tqdm import tqdm
 
 from ...p2p.identity import Identity
 from ...p2p.weights.errors import FetchError
 from ...p2p.weights.fetch import Fetcher, FetchSettings
-from ...p2p.weights.manifest import SignedManifest
 from ...p2p.weights.publish import DEFAULT_SHARD_SIZE, publish
 from ...p2p.weights.relay import Relay
 from ...p2p.weights.server import ServeSettings, WeightsServer
@@ -22,6 +19,7 @@ from ...p2p.weights.store import Store
 from ...p2p.wire import HEX64_PATTERN
 from ..config import CommonSettings
 from ..errors import ConfigError
+from ..runtime.progress import DownloadProgress
 from ..runtime.supervisor import Supervisor
 from .common import print_json, run_until_stopped
 from .flags import Flag, SettingsFlags, load_settings
@@ -185,25 +183,17 @@ async def _serve(
 def fetch_cmd(args: argparse.Namespace) -> int:
     settings = load_settings(args, WeightsSettings)
     assert settings.trainer_key is not None  # required flag, validated by the settings pattern
-    bar = tqdm(
-        total=0, unit="B", unit_scale=True, unit_divisor=1024, disable=args.json or None, file=sys.stderr
-    )
+    progress = DownloadProgress(enabled=not args.json)
     identity = Identity.load(args.key) if args.key is not None else None
     fetcher = Fetcher(
         args.source,
         settings.trainer_key,
         Store(args.out),
         settings.fetch,
-        on_bytes=bar.update,
+        on_bytes=progress.on_bytes,
         identity=identity,
     )
-
-    def on_manifest(manifest: SignedManifest, resumed: int) -> None:
-        bar.reset(total=manifest.body.total_size)
-        bar.update(resumed)
-        bar.set_description(f"step {manifest.step}")
-
-    fetcher.on_manifest = on_manifest
+    fetcher.on_manifest = progress.on_manifest
     try:
         result = asyncio.run(fetcher.fetch(args.step))
     except FetchError as exc:
@@ -212,7 +202,7 @@ def fetch_cmd(args: argparse.Namespace) -> int:
         print_json({"ok": False, "error": str(exc), "blame": exc.blame})
         return 1
     finally:
-        bar.close()
+        progress.close()
     if args.json:
         print_json({"ok": True, **result.report()})
     elif result.already_held:

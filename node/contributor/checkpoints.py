@@ -18,8 +18,10 @@ from ...p2p.identity import Identity
 from ...p2p.swarm.records import PolicyAnnouncement
 from ...p2p.weights.errors import WeightsError
 from ...p2p.weights.fetch import FetchSettings
+from ...p2p.weights.manifest import SignedManifest
 from ...p2p.weights.pinned import Pin, PinnedFetch, PinRefused
 from ...p2p.weights.store import Store
+from ..runtime.progress import DownloadProgress
 from .policy_window import steps_to_delete, usable_step
 from .state import NodeState
 
@@ -40,6 +42,7 @@ class CheckpointKeeper:
         on_verified: Callable[[int], None] | None = None,
         identity: Identity | None = None,
         peer_sources: Callable[[int], list[str]] | None = None,
+        download_bar_after_s: float | None = None,
     ) -> None:
         self.store = store
         self.operator_key = operator_key
@@ -53,13 +56,18 @@ class CheckpointKeeper:
             operator_key,
             fetch_settings,
             identity=identity,
-            on_bytes=state.metrics.download_bytes.inc,
+            on_bytes=self._on_bytes,
+            on_manifest=self._on_manifest,
             peer_sources=peer_sources,
             retry_s=retry_s,
             max_retry_s=max_retry_s,
         )
         self.announced: PolicyAnnouncement | None = None
         self._verified: set[int] = set()
+        # A bar on stderr for a download still running after this many seconds (None: never, as under
+        # --log-json; tqdm leaves out a stderr that is not a terminal by itself).
+        self.download_bar_after_s = download_bar_after_s
+        self._bar: DownloadProgress | None = None
 
     # ----- local state -----------------------------------------------------------------------------------
 
@@ -96,6 +104,15 @@ class CheckpointKeeper:
     def _publish_local(self) -> None:
         self.state.set_local(max(self._verified) if self._verified else None)
 
+    def _on_bytes(self, count: int) -> None:
+        self.state.metrics.download_bytes.inc(count)
+        if self._bar is not None:
+            self._bar.on_bytes(count)
+
+    def _on_manifest(self, manifest: SignedManifest, resumed: int) -> None:
+        if self._bar is not None:
+            self._bar.on_manifest(manifest, resumed)
+
     # ----- announcements -------------------------------------------------------------------------------
 
     def announce(self, policy: PolicyAnnouncement) -> None:
@@ -115,12 +132,18 @@ class CheckpointKeeper:
 
     async def _try(self, pin: Pin) -> bool:
         self.state.state = f"downloading checkpoint step {pin.step}"
+        if self.download_bar_after_s is not None:
+            self._bar = DownloadProgress(delay_s=self.download_bar_after_s, leave=False)
         try:
             await self.pinned.fetch(pin)
         except PinRefused as refused:
             self.state.metrics.verification_failures.inc()
             self.state.error(str(refused))
             return False
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
         self._verified.add(pin.step)
         await self.prune()
         self._publish_local()

@@ -167,6 +167,8 @@ class ContributorNode:
             max_retry_s=s.max_retry_s,
             identity=identity,
             peer_sources=sharing.sources_for,
+            # A tiny checkpoint arrives in milliseconds: a bar only for a download slower than a second.
+            download_bar_after_s=None if s.log_json else 1.0,
         )
         await keeper.load_local()
         outbox = Outbox(self.data_dir / "rollouts")

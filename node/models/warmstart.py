@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel
-from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..environments.split import ContentSplit
@@ -34,6 +33,7 @@ from ..environments.types import Task
 from ..environments.verifier import get_verifier
 from ..errors import ModelError
 from ..run.prompts import PromptBuilder
+from ..runtime.progress import progress_bar
 from .chat_corpus import CORPUS_VERSION
 from .tiny import TinyModelShape, build_tiny_model, save_model_dir
 from .warmstart_config import WarmStartConfig
@@ -124,7 +124,7 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
     recent: list[float] = []
     model.train()
-    with tqdm(total=config.steps, desc="warm start", unit="step", disable=not progress) as bar:
+    with progress_bar(config.steps, "warm start", "step", enabled=progress) as bar:
         for step in range(config.steps):
             batch = _encode_batch(tokenizer, prompts_of, [next(problems) for _ in range(config.batch_size)])
             loss = model(**batch).loss

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -55,3 +56,8 @@ def configure_logging(level: str = "INFO", json_lines: bool = False) -> None:
     # Third-party libraries are chatty at INFO; keep the operator's log about prime-node.
     for noisy in ("hivemind", "transformers", "urllib3", "aiohttp.access", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    # transformers draws a bar for every model it loads or saves ("Loading weights", a few milliseconds for
+    # these models), even into a log file, where each becomes a line of carriage-return frames per
+    # checkpoint. Our own bars (node/runtime/progress.py) cover the steps that take long. Read when
+    # huggingface_hub is first imported, which the commands do only after this (torch-heavy imports are lazy).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -20,6 +20,7 @@ from typing import Protocol
 from ..identity import Identity
 from .errors import WeightsError
 from .fetch import Fetcher, FetchSettings
+from .manifest import SignedManifest
 from .shardrun import FetchResult
 from .store import Store
 
@@ -74,6 +75,7 @@ class PinnedFetch:
         *,
         identity: Identity | None = None,
         on_bytes: Callable[[int], None] | None = None,
+        on_manifest: Callable[[SignedManifest, int], None] | None = None,
         peer_sources: Callable[[int], list[str]] | None = None,
         retry_s: float = 5.0,
         max_retry_s: float = 120.0,
@@ -84,6 +86,7 @@ class PinnedFetch:
         self.settings = settings or FetchSettings()
         self.identity = identity  # signs access tokens, so weight servers know (and can ban) who fetches
         self.on_bytes = on_bytes  # progress: called with each received chunk's size
+        self.on_manifest = on_manifest  # progress: (manifest, bytes resumed) before its shards are fetched
         # Peers that say they serve a step: extra sources. They need no trust: the manifest must still be the
         # pinned one, signed by the trusted key, and every shard must hash right.
         self.peer_sources = peer_sources
@@ -141,6 +144,7 @@ class PinnedFetch:
             identity=self.identity,
             on_bytes=self.on_bytes,
         )
+        fetcher.on_manifest = self.on_manifest
         try:
             resolution = await fetcher.resolve(pin.step, digest=pin.digest)
             return await fetcher.fetch_version(resolution)

@@ -6,6 +6,8 @@ import io
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.trainer.devnet.layout import Sizing
 from prime_node.trainer.devnet.processes import still_running
@@ -47,7 +49,7 @@ def run_devnet(
         stall_timeout_s=240.0,
         task_filter=task_filter,
     )
-    devnet = Devnet(options, LiveView(steps, stream=out, tty=False))
+    devnet = Devnet(options, LiveView(steps, Console(file=out, width=120), live=False))
     report = devnet.run()
     return report, devnet, out.getvalue()
 

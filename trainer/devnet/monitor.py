@@ -55,6 +55,7 @@ class Snapshot:
     queue_depth: int
     accepted_files: int
     rejected_files: int
+    dashboard_url: str = ""  # the validator's web dashboard, once it is up
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Monitor:
             queue_depth=self.queue_depth(),
             accepted_files=sum(r.accepted_files for r in self.leaderboard),
             rejected_files=sum(r.rejected_files for r in self.leaderboard),
+            dashboard_url=self.dashboard_url,
         )
 
     def queue_depth(self) -> int:

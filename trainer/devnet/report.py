@@ -21,12 +21,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 from ..ledger import Ledger
 from ..ledger.leaderboard import leaderboard
 from ..ledger.slashing import DEFAULT_CHECK_CLASSES, CheckClass
 from .layout import DevnetLayout
 from .monitor import Monitor
-from .plot import PALETTE, Series, line_plot
+from .plot import Series, figure, save
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
@@ -133,6 +135,34 @@ def reward_trend(rewards: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+def reward_figure(rewards: list[dict[str, Any]]) -> Figure | None:
+    """Both rewards per policy step (None with no reward at all). A step with no value, absent from the
+    records or recorded without that reward, is a gap in its line, not a segment to the next step."""
+    by_step = {int(r["step"]): r for r in rewards}
+    if not by_step:
+        return None
+    steps = range(min(by_step), max(by_step) + 1)
+    series = [
+        Series(label, [(step, by_step.get(step, {}).get(key)) for step in steps], color)
+        for key, label, color in (
+            ("rollout_reward", "rollout reward (every sample read for the step)", "tab:blue"),
+            ("task_reward", "batch reward (the samples trained on)", "tab:red"),
+        )
+    ]
+    series = [s for s in series if any(y is not None for _, y in s.points)]
+    if not series:
+        return None
+    values = [y for s in series for _, y in s.points if y is not None]
+    return figure(
+        series,
+        title=f"devnet: mean task reward per policy step ({len(by_step)} steps)",
+        xlabel="policy step",
+        integer_x=True,
+        ylabel="mean task reward",
+        ylim=(min(0.0, *values), max(1.0, *values)),  # the whole 0-1 scale, widened if a reward leaves it
+    )
+
+
 def build_report(
     layout: DevnetLayout,
     monitor: Monitor,
@@ -160,12 +190,8 @@ def build_report(
         for r in monitor.steps
     ]
     plot = None
-    series = [
-        Series([(float(r["step"]), float(v)) for r in rewards if (v := r[key]) is not None], colour)
-        for key, colour in (("rollout_reward", PALETTE[0]), ("task_reward", PALETTE[1]))
-    ]
-    if any(s.points for s in series):
-        plot = str(line_plot(layout.root / "reward.png", [s for s in series if s.points]))
+    if (drawn := reward_figure(rewards)) is not None:
+        plot = str(save(drawn, layout.root / "reward.png"))
 
     def who(node_id: str) -> dict[str, Any]:
         m = names.get(node_id)
@@ -260,7 +286,7 @@ def format_report(r: dict[str, Any]) -> str:
             f"of the last {t['steps_per_window']} {t['last']:.3f} ({t['change']:+.3f})"
         )
     if r["plot"]:
-        lines.append(f"  plot: {r['plot']} (blue: rollout reward, all samples; red: the trained batch's)")
+        lines.append(f"  plot: {r['plot']}")
     lines += ["", "leaderboard:"]
     for row in r["leaderboard"]:
         role = (

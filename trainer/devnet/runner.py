@@ -29,7 +29,7 @@ from .layout import DevnetLayout, Sizing
 from .monitor import Monitor, Snapshot
 from .processes import Child, ProcessGroup, descendants, start_time, still_running
 from .report import build_report
-from .tasks import TaskFilter, filtered_tasks
+from .tasks import TaskFilter, filtered_tasks, task_file_for
 from .view import LiveView
 
 logger = logging.getLogger(__name__)
@@ -105,16 +105,17 @@ class DevnetOptions:
     stall_timeout_s: float = 900.0  # no new policy step for this long: something is wrong, stop
     ban_wait_s: float = 300.0  # after the last step, how long to wait for every adversary to be banned
     poll_s: float = 1.0
+    progress: bool = False  # bars on stderr for the model's warm start and the task filter (a terminal only)
 
 
-def ensure_model(model_dir: Path, view: LiveView) -> None:
+def ensure_model(model_dir: Path, view: LiveView, progress: bool = False) -> None:
     """Create the embedded default model (tiny Qwen2, warm-started) exactly as `prime-node model init` does."""
     if (model_dir / "config.json").is_file():
         return
     from ...node.models.warmstart import init_model_dir  # imports torch: only when needed
 
     view.message(f"creating the default model in {model_dir} (warm start: a few minutes on 2 cores)")
-    report, _ = init_model_dir(model_dir, 0, progress=view.tty)
+    report, _ = init_model_dir(model_dir, 0, progress=progress)
     view.message(f"model ready: {100 * report.heldout_accuracy:.1f}% held-out exact match")
 
 
@@ -166,9 +167,16 @@ class Devnet:
         handlers = _set_handlers(STOP_SIGNALS, _on_stop_signal, keep_ignored=True)
         try:
             try:
-                ensure_model(o.model_dir, self.view)
+                ensure_model(o.model_dir, self.view, o.progress)
                 if o.task_filter is not None:
-                    self.layout.tasks, summary = filtered_tasks(o.model_dir, o.task_filter)
+                    if not task_file_for(o.model_dir, o.task_filter).is_file():
+                        self.view.message(
+                            f"filtering tasks: sampling {o.task_filter.describe()} {o.task_filter.k} times "
+                            "each with the model (once per model; a minute or two on 2 cores)"
+                        )
+                    self.layout.tasks, summary = filtered_tasks(
+                        o.model_dir, o.task_filter, progress=o.progress
+                    )
                     self.view.message(summary)
                 ready_at = self._start()
                 setup_s = ready_at - began
@@ -181,6 +189,8 @@ class Devnet:
                 stopped_by, error = "failed", str(exc)
             finally:
                 _set_handlers(STOP_SIGNALS, signal.SIG_IGN)  # the stop and the report run to their end
+                self.view.close()  # the last frame stays; what follows is printed below it
+                self.view.message(f"stopping ({stopped_by}): every process, in reverse order of start")
                 stop = self._stop_all()
             ended_at = time.time()
             report = build_report(

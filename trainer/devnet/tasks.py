@@ -18,6 +18,7 @@ from pathlib import Path
 from ...node.environments import open_task_set
 from ...node.environments.difficulty import in_band, write_task_file
 from ...node.environments.split import ContentSplit
+from ...node.runtime.progress import progress_bar
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -62,9 +63,10 @@ def task_file_for(model_dir: Path, spec: TaskFilter) -> Path:
     return model_dir.parent / f"{model_dir.name}-tasks-{digest}.jsonl"
 
 
-def filtered_tasks(model_dir: Path, spec: TaskFilter) -> tuple[Path | None, str]:
+def filtered_tasks(model_dir: Path, spec: TaskFilter, *, progress: bool = False) -> tuple[Path | None, str]:
     """The cached task file for this model (built when missing), or None when no problem is in the band;
-    with a one-line summary for the operator."""
+    with a one-line summary for the operator. `progress`: a bar on stderr while the problems are estimated
+    (a minute or two on 2 cores; node/runtime/progress.py)."""
     out = task_file_for(model_dir, spec)
     if out.is_file():
         return out, f"tasks: {out.name} (cached)"
@@ -76,15 +78,18 @@ def filtered_tasks(model_dir: Path, spec: TaskFilter) -> tuple[Path | None, str]
     started = time.perf_counter()
     engine = load_engine(model_dir, threads=1, max_batch_size=128)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    estimates = estimate_pass_rates(
-        engine,
-        tokenizer,
-        open_task_set(None),
-        spec.selected_indices(),
-        k=spec.k,
-        max_new_tokens=spec.max_new_tokens,
-        tasks_per_batch=128 // spec.k,
-    )
+    indices = spec.selected_indices()
+    with progress_bar(len(indices), "filtering tasks", "task", enabled=progress) as bar:
+        estimates = estimate_pass_rates(
+            engine,
+            tokenizer,
+            open_task_set(None),
+            indices,
+            k=spec.k,
+            max_new_tokens=spec.max_new_tokens,
+            tasks_per_batch=128 // spec.k,
+            progress=bar.update,
+        )
     kept = in_band(estimates, spec.low, spec.high)
     took = time.perf_counter() - started
     if not kept:
