@@ -39,6 +39,9 @@ import torch
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
+from prime_node.node.environments import DEFAULT_ENV, open_environment, spec_of_tasks
+from prime_node.node.environments.split import ContentSplit
+from prime_node.node.environments.types import Task
 from prime_node.node.models.warmstart import (
     RUN_INFO_FILE,
     WarmStartConfig,
@@ -48,9 +51,6 @@ from prime_node.node.models.warmstart import (
 )
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
-from prime_node.node.environments import open_task_set
-from prime_node.node.environments.split import ContentSplit
-from prime_node.node.environments.types import Task
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import Store
 from prime_node.proofs.verifier import VerifierSettings
@@ -177,7 +177,7 @@ def band_heldout(model_dir: Path, filter_spec: TaskFilter) -> list[Task]:
     print(f"held-out band: {summary}", flush=True)
     if path is None:
         return []
-    family = open_task_set(None)  # the file's `source_index` column names each problem
+    family = open_environment(DEFAULT_ENV)  # the file's `source_index` column names each problem
     return [family.get(int(index)) for index in task_file_column(path, "source_index")]
 
 
@@ -195,7 +195,7 @@ def without_heldout(
         s
         for s in record.samples
         if int(s.prompt_key) < first_heldout
-        and not split.is_heldout(tasks.task_set.get(int(s.prompt_key)).prompt)
+        and not split.is_heldout(tasks.environment.get(int(s.prompt_key)).prompt)
     )
     return record if len(kept) == len(record.samples) else replace(record, samples=kept)
 
@@ -339,14 +339,14 @@ def main() -> int:
             ),
         )
         print(f"offline filter: {summary}", flush=True)
-    tasks = RunTasks(open_task_set(task_source), learner.tokenizer)
+    tasks = RunTasks(open_environment(spec_of_tasks(task_source and str(task_source))), learner.tokenizer)
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=args.seed, samples_per_prompt=args.samples)
     # A filtered file holds problems of indices below --filter only; otherwise drop the held-out ones.
     held_out_count = max(args.eval_size, args.heldout_filter)
     first_heldout = tasks.task_count if task_source else tasks.task_count - held_out_count
     band: list[Task] = []
     if args.heldout_filter:
-        family_size = len(open_task_set(None))
+        family_size = len(open_environment(DEFAULT_ENV))
         if args.filter and args.filter > family_size - args.heldout_filter:
             raise SystemExit(
                 "--filter and --heldout-filter overlap: the held-out band must lie past the training one"

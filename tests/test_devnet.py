@@ -246,7 +246,7 @@ def test_report_counts_excused_rejections_apart_and_averages_the_reward_trend() 
 
 
 def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tmp_path: Path) -> None:
-    from prime_node.node.environments import open_task_set
+    from prime_node.node.environments import open_environment
     from prime_node.trainer.devnet.tasks import TaskFilter, filtered_tasks
 
     model = tiny_model(tmp_path / "tiny")  # untrained: solves nothing
@@ -254,8 +254,8 @@ def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tm
     everything = TaskFilter(count=16, low=0.0, high=1.0, max_new_tokens=4)
     path, summary = filtered_tasks(model, everything)
     assert path is not None and path.parent == tmp_path and "kept 16 of the first 16" in summary
-    assert [open_task_set(path).get(i).prompt for i in range(16)] == [
-        open_task_set(None).get(i).prompt for i in range(16)
+    assert [open_environment(f"file:{path}").get(i).prompt for i in range(16)] == [
+        open_environment("arithmetic").get(i).prompt for i in range(16)
     ]
     again, summary = filtered_tasks(model, everything)
     assert again == path and "cached" in summary
@@ -264,6 +264,6 @@ def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tm
     later = TaskFilter(count=4, low=0.0, high=1.0, max_new_tokens=4, offset=100)
     other, summary = filtered_tasks(model, later)
     assert other not in (None, path) and "kept 4 of the 4 built-in problems from index 100" in summary
-    assert [open_task_set(other).get(i).prompt for i in range(4)] == [
-        open_task_set(None).get(i).prompt for i in range(100, 104)
+    assert [open_environment(f"file:{other}").get(i).prompt for i in range(4)] == [
+        open_environment("arithmetic").get(i).prompt for i in range(100, 104)
     ]

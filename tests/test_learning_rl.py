@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from prime_node.node.engine import HFEngine, SampleRequest, SamplingParams
+from prime_node.node.environments import open_environment
+from prime_node.node.environments.difficulty import estimate_pass_rates, in_band, write_task_file
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.models.warmstart import WarmStartConfig, warm_start
 from prime_node.node.run.validation import RunTasks
-from prime_node.node.environments import open_task_set
-from prime_node.node.environments.difficulty import estimate_pass_rates, in_band, write_task_file
 from prime_node.trainer.grpo.advantages import group_advantages
 from prime_node.trainer.grpo.config import TrainerSettings
 from prime_node.trainer.grpo.packing import TrainSample
@@ -42,7 +42,7 @@ def test_grpo_raises_the_sampled_reward_of_a_briefly_warm_started_model(tmp_path
         estimate_pass_rates(
             engine,
             tokenizer,
-            open_task_set(None),
+            open_environment("arithmetic"),
             list(range(600)),
             k=8,
             max_new_tokens=MAX_NEW,
@@ -53,7 +53,7 @@ def test_grpo_raises_the_sampled_reward_of_a_briefly_warm_started_model(tmp_path
     )
     assert len(band) >= 60, f"only {len(band)} of 600 tasks in the band: the warm start changed"
     write_task_file(tmp_path / "band.jsonl", band)
-    tasks = RunTasks(open_task_set(tmp_path / "band.jsonl"), tokenizer)
+    tasks = RunTasks(open_environment(f"file:{tmp_path / 'band.jsonl'}"), tokenizer)
     settings = TrainerSettings(
         lr=3e-4,
         warmup_steps=5,

@@ -5,6 +5,7 @@ stops at the first such policy, naming each setting to change, before it produce
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from prime_node.node.run.announcement import (
     differences,
     run_parameters,
 )
-from prime_node.node.run.settings import RunSettings, open_run_task_set
+from prime_node.node.run.settings import RunSettings, open_run_environment
 from prime_node.node.runtime.supervisor import Supervisor
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.processes import end_pids
@@ -75,12 +76,12 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
             length_alpha=0.01,
         )
     )
+    pins = [open_run_environment(RunSettings(task_seed=seed)).identity.pin for seed in (0, 9)]
     assert differences(ours, other) == [
         "run.run_id: 'local' here, 'other' in the run",
         "run.run_seed: 0 here, 1 in the run",
-        "run.tasks (and run.task_seed for builtin:arithmetic): "
-        "'builtin:arithmetic?seed=0&size=16777216&levels=3,3,2,1,1' here, "
-        "'builtin:arithmetic?seed=9&size=16777216&levels=3,3,2,1,1' in the run",
+        f"run.env (or run.tasks, and run.task_seed for generated environments): {pins[0]!r} here, "
+        f"{pins[1]!r} in the run",
         "run.samples: 4 here, 8 in the run",
         "run.temperature: 1.0 here, 0.7 in the run",
         "run.max_new_tokens: 64 here, 128 in the run",
@@ -110,7 +111,8 @@ def test_a_task_file_is_known_by_its_bytes_not_its_path(tmp_path: Path) -> None:
     second.write_text(line)
     changed.write_text(line.replace('"2"', '"3"'))
     same = run_parameters(RunSettings(tasks=str(first))), run_parameters(RunSettings(tasks=str(second)))
-    assert same[0].tasks == same[1].tasks and same[0].tasks.startswith("sha256:")
+    digest = hashlib.sha256(line.encode()).hexdigest()
+    assert same[0].tasks == same[1].tasks and same[0].tasks.endswith(f" sha256:{digest}")
     assert run_parameters(RunSettings(tasks=str(changed))).tasks != same[0].tasks
 
 
@@ -298,7 +300,7 @@ def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) ->
     trainer = announced(layout.trainer_argv(2)[3:], TrainerCommandSettings, trainer_cli.FLAGS)
     assert (trainer.run_id, trainer.samples, trainer.max_new_tokens) == ("devnet", 2, 16)
     assert trainer.length_targets == [3, 9, 17]
-    assert trainer.tasks.startswith("sha256:")
+    assert trainer.tasks.startswith("file prime-node==")
     assert announced(layout.validator_argv(peers)[3:], ValidatorSettings, validator_cli.FLAGS) == trainer
     assert announced(layout.member_argv(honest, peers)[3:], StartSettings, start_cli.FLAGS) == trainer
     # The adversary harness parses its `--attack NAME` and hands the rest to `start`.
@@ -336,17 +338,17 @@ def test_the_validator_checks_the_task_set_it_compared_with_the_run(
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     run = RunSettings(tasks=str(task_file))
-    opened = open_run_task_set(run)
+    opened = open_run_environment(run)
     identity = run_parameters(run, opened).tasks
     store = Store(tmp_path / "weights")
     publish_checkpoint(checkpoint, store.root, 0)
     keeper = CheckpointKeeper(
-        store, OPERATOR.node_id, run, EngineSettings(threads=1), keep=2, task_set=opened
+        store, OPERATOR.node_id, run, EngineSettings(threads=1), keep=2, environment=opened
     )
     task_file.write_text('{"prompt": "1+1=", "answer": "3"}\n')  # edited in place after the comparison
     found = keeper.model_for(0)
     assert found is not None
-    assert found[1].task_set is opened and found[1].task_set.get(0).answer == "2"
+    assert found[1].environment is opened and found[1].environment.get(0).answer == "2"
     assert run_parameters(run).tasks != identity  # what a fresh open would have drawn from instead
 
 

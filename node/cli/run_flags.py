@@ -13,6 +13,7 @@ import argparse
 RUN_FLAGS = {
     "run.run_id": "run_id",
     "run.run_seed": "run_seed",
+    "run.env": "env",
     "run.tasks": "tasks",
     "run.task_seed": "task_seed",
     "run.samples": "samples",
@@ -31,8 +32,14 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--run-id", default=None, help="name of the run (default local)")
     g.add_argument("--run-seed", type=int, default=None, help="seed of the work assignment (default 0)")
-    g.add_argument("--tasks", default=None, help="task file (Parquet/JSONL) or builtin:arithmetic (default)")
-    g.add_argument("--task-seed", type=int, default=None, help="seed of the built-in task family (default 0)")
+    g.add_argument(
+        "--env",
+        default=None,
+        metavar="NAME[:ARGS]",
+        help="task environment (default arithmetic; prime-node tasks list shows the installed ones)",
+    )
+    g.add_argument("--tasks", default=None, help="task file (Parquet/JSONL): shorthand of --env file:PATH")
+    g.add_argument("--task-seed", type=int, default=None, help="seed of generated environments (default 0)")
     g.add_argument("--samples", type=int, default=None, help="completions per prompt, G (default 4)")
     g.add_argument(
         "--length-targets", type=int, nargs="*", default=None, help="thinking-length targets (default off)"

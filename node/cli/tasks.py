@@ -28,7 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(JSONL or Parquet, readable as --tasks).",
     )
     p.add_argument("--model", type=Path, required=True, help="HF model directory to estimate with")
-    p.add_argument("--tasks", default=None, help="task file (Parquet/JSONL) or builtin:arithmetic[?...]")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--env", default=None, metavar="NAME[:ARGS]", help="environment to filter (default arithmetic)"
+    )
+    source.add_argument(
+        "--tasks", default=None, help="task file (Parquet/JSONL): shorthand of --env file:PATH"
+    )
     p.add_argument("--out", type=Path, required=True, help="task file to write (.jsonl or .parquet)")
     p.add_argument("--k", type=int, default=None, help="completions per task (default 8)")
     p.add_argument("--min", dest="min_pass", type=float, default=None, help="lowest pass rate kept (0.125)")
@@ -38,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="most tokens per completion (64)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (1.0)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling noise (0)")
-    p.add_argument("--task-seed", type=int, default=None, help="seed of the built-in task family (0)")
+    p.add_argument("--task-seed", type=int, default=None, help="seed of generated environments (0)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--gpu", action="store_true", default=None, help="generate on CUDA")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -52,7 +58,7 @@ def filter_tasks(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from ..engine import load_engine
-    from ..environments import open_task_set
+    from ..environments import open_environment, spec_of_tasks
     from ..environments.difficulty import (
         FilterSettings,
         estimate_pass_rates,
@@ -78,13 +84,13 @@ def filter_tasks(args: argparse.Namespace) -> int:
     settings = load_settings(args, FilterSettings, flags)
     if args.gpu:
         settings.engine.device = "cuda"
-    task_set = open_task_set(args.tasks, seed=settings.task_seed)
-    total = len(task_set)
+    environment = open_environment(args.env or spec_of_tasks(args.tasks), seed=settings.task_seed)
+    total = len(environment)
     if settings.offset >= total:
-        raise TaskError(f"--offset {settings.offset} is past the end of {task_set.name} ({total} tasks)")
+        raise TaskError(f"--offset {settings.offset} is past the end of {environment.spec} ({total} tasks)")
     count = min(settings.limit or total, total - settings.offset)
     if settings.limit is None and count > MAX_UNLIMITED_TASKS:
-        raise TaskError(f"{task_set.name} has {total} tasks; pass --limit N to estimate only N of them")
+        raise TaskError(f"{environment.spec} has {total} tasks; pass --limit N to estimate only N of them")
     indices = list(range(settings.offset, settings.offset + count))
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
@@ -104,7 +110,7 @@ def filter_tasks(args: argparse.Namespace) -> int:
         estimates = estimate_pass_rates(
             engine,
             tokenizer,
-            task_set,
+            environment,
             indices,
             k=settings.k,
             max_new_tokens=settings.max_new_tokens,
@@ -118,7 +124,7 @@ def filter_tasks(args: argparse.Namespace) -> int:
     counts = histogram(estimates, settings.k)
     summary = {
         "out": str(args.out),
-        "source": task_set.name,
+        "source": environment.spec,
         "estimated": len(estimates),
         "kept": len(kept),
         "k": settings.k,

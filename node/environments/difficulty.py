@@ -4,11 +4,12 @@ INTELLECT-2 (section 3.1) found this decisive for learning: tasks the model alwa
 solves give groups whose rewards are all equal, hence all-zero advantages, and are thrown away by the
 trainer's online filter after costing a whole generation. Filtering once, offline, removes them first.
 
-Each task gets k completions sampled with the engine's Gumbel-max sampler; sample j of task i uses the
-seed SHA-256("prime-node/difficulty/v1" || seed || i || j) (first 8 bytes, top bit cleared), so the same
-command on any machine gives the same estimates. The estimate is the pass rate c / k (the unbiased
-pass@1 estimate from k samples); the band is applied to it, so with k = 8 the default band
-[0.125, 0.5] keeps tasks solved 1 to 4 times out of 8.
+Works for every environment: completions are scored by the environment's own scorer, bounded as it
+says (rewards.py), and a task passes when it scores 1.0. Each task gets k completions sampled with the
+engine's Gumbel-max sampler; sample j of task i uses the seed SHA-256("prime-node/difficulty/v1" || seed
+|| i || j) (first 8 bytes, top bit cleared), so the same command on any machine gives the same estimates.
+The estimate is the pass rate c / k (the unbiased pass@1 estimate from k samples); the band is applied to
+it, so with k = 8 the default band [0.125, 0.5] keeps tasks solved 1 to 4 times out of 8.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from ..config import CommonSettings
 from ..engine import EngineSettings
 from ..engine.types import InferenceEngine, SampleRequest, SamplingParams
 from ..errors import TaskError
+from .environment import Environment
 from .files import JSONL_SUFFIXES, PARQUET_SUFFIXES
-from .types import Task, TaskSet
-from .verifier import score
+from .rewards import EnvironmentScorer
+from .types import Task
 
 _DOMAIN = b"prime-node/difficulty/v1\x00"
 MAX_SEED = 2**63 - 1
@@ -54,7 +56,9 @@ class FilterSettings(CommonSettings):
     max_new_tokens: int = Field(64, ge=1, le=8192, description="Most tokens generated per completion.")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature (use the run's).")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the sampling noise.")
-    task_seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the built-in task family.")
+    task_seed: int = Field(
+        0, ge=0, le=MAX_SEED, description="Seed of generated environments unless the spec gives one."
+    )
     offset: int = Field(0, ge=0, description="First task index to estimate.")
     limit: int | None = Field(
         None,
@@ -72,7 +76,7 @@ class FilterSettings(CommonSettings):
 
 @dataclass(frozen=True)
 class TaskEstimate:
-    index: int  # position of the task in its task set
+    index: int  # position of the task in its environment
     task: Task
     passes: int  # completions the verifier scored 1.0
     k: int
@@ -85,7 +89,7 @@ class TaskEstimate:
 def estimate_pass_rates(
     engine: InferenceEngine,
     tokenizer: PreTrainedTokenizerBase,
-    task_set: TaskSet,
+    environment: Environment,
     indices: Sequence[int],
     *,
     k: int,
@@ -95,13 +99,14 @@ def estimate_pass_rates(
     tasks_per_batch: int = 8,
     progress: Callable[[int], None] | None = None,
 ) -> list[TaskEstimate]:
-    """k seeded completions per task, scored by the task's verifier; `progress(n)` after n more tasks."""
+    """k seeded completions per task, scored by the environment; `progress(n)` after n more tasks."""
     if k < 1 or tasks_per_batch < 1:
         raise TaskError("k and tasks_per_batch must be >= 1")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    scorer = EnvironmentScorer(environment)
     out: list[TaskEstimate] = []
     for start in range(0, len(indices), tasks_per_batch):
-        chunk = [(i, task_set.get(i)) for i in indices[start : start + tasks_per_batch]]
+        chunk = [(i, environment.get(i)) for i in indices[start : start + tasks_per_batch]]
         requests = []
         for i, task in chunk:
             prompt = tuple(tokenizer(task.prompt, add_special_tokens=False)["input_ids"])
@@ -111,7 +116,7 @@ def estimate_pass_rates(
         for n, (i, task) in enumerate(chunk):
             mine = completions[n * k : (n + 1) * k]
             texts = [tokenizer.decode(list(c.output_ids), skip_special_tokens=True) for c in mine]
-            passes = sum(1 for t in texts if score(task.task_type, t, task.answer) == 1.0)
+            passes = sum(1 for t in texts if scorer(t, task) == 1.0)
             out.append(TaskEstimate(i, task, passes, k))
         if progress is not None:
             progress(len(chunk))
@@ -167,6 +172,7 @@ def write_task_file(path: Path, estimates: Sequence[TaskEstimate]) -> None:
             "prompt": e.task.prompt,
             "answer": e.task.answer,
             "task_type": e.task.task_type,
+            "metadata": e.task.metadata,
             "source_index": e.index,
             "pass_rate": e.pass_rate,
         }

@@ -29,6 +29,10 @@ ENTRY_POINT_GROUP = "prime_node.environments"
 # Names of environments in specs, parameters and logs (`--env NAME[:ARGS]`).
 ENV_NAME_PATTERN = r"[a-z][a-z0-9_]{0,63}"
 CONTENT_HASH_PATTERN = r"sha256:[0-9a-f]{64}"
+# A distribution name (PEP 508) and its version (PEP 440 spellings, local versions included): what a peer
+# must `pip install`. Neither may hold a space, so the pin below splits back into its parts.
+PACKAGE_PATTERN = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62}[A-Za-z0-9])?"
+VERSION_PATTERN = r"[A-Za-z0-9][A-Za-z0-9.+!_-]{0,47}"
 
 
 class EnvironmentIdentity(BaseModel):
@@ -44,9 +48,9 @@ class EnvironmentIdentity(BaseModel):
 
     name: str = Field(..., pattern=f"^{ENV_NAME_PATTERN}$", description="Registered environment name.")
     package: str = Field(
-        ..., min_length=1, max_length=128, description="Distribution that provides it (what to install)."
+        ..., pattern=f"^{PACKAGE_PATTERN}$", description="Distribution that provides it (what to install)."
     )
-    version: str = Field(..., min_length=1, max_length=64, description="That distribution's version.")
+    version: str = Field(..., pattern=f"^{VERSION_PATTERN}$", description="That distribution's version.")
     content_hash: str = Field(
         ..., pattern=f"^{CONTENT_HASH_PATTERN}$", description="Hash of what defines its tasks and scores."
     )
@@ -54,6 +58,12 @@ class EnvironmentIdentity(BaseModel):
     def describe(self) -> str:
         """For messages: `reasoning_gym (reasoning-gym 0.1.25, sha256:0123456789ab...)`."""
         return f"{self.name} ({self.package} {self.version}, {self.content_hash[:19]}...)"
+
+    @property
+    def pin(self) -> str:
+        """The one-line form rollout rows carry: `NAME PACKAGE==VERSION sha256:<hex>` (at most 250 characters),
+        the requirement to install in the middle."""
+        return f"{self.name} {self.package}=={self.version} {self.content_hash}"
 
 
 class ScoringLimits(BaseModel):

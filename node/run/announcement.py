@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from ...p2p.swarm.records import PolicyAnnouncement, RunParameters
+from ..environments import Environment
 from ..errors import NodeError, OperatorActionNeeded
-from ..environments import TaskSet
-from .settings import RunSettings, open_run_task_set
+from .settings import RunSettings, open_run_environment
 
 # Announced field -> the setting that gives it (the task set's identity comes from two of them).
 _SETTING_OF = {
     "run_id": "run.run_id",
     "run_seed": "run.run_seed",
-    "tasks": "run.tasks (and run.task_seed for builtin:arithmetic)",
+    "tasks": "run.env (or run.tasks, and run.task_seed for generated environments)",
     "samples": "run.samples",
     "temperature": "run.temperature",
     "max_new_tokens": "run.max_new_tokens",
@@ -35,14 +35,14 @@ class RunMismatchError(NodeError, OperatorActionNeeded):
     """This party's run parameters differ from those the run's operator announces: it stops, naming them."""
 
 
-def run_parameters(run: RunSettings, tasks: TaskSet | None = None) -> RunParameters:
-    """The wire form of `run` with `tasks` (the run's task set, opened with open_run_task_set; None opens it:
+def run_parameters(run: RunSettings, environment: Environment | None = None) -> RunParameters:
+    """The wire form of `run` with `environment` (the run's, opened with open_run_environment; None opens it:
     a file is read and hashed, so call it off the event loop)."""
-    tasks = tasks if tasks is not None else open_run_task_set(run)
+    environment = environment if environment is not None else open_run_environment(run)
     return RunParameters(
         run_id=run.run_id,
         run_seed=run.run_seed,
-        tasks=tasks.identity,
+        tasks=environment.identity.pin,
         samples=run.samples,
         temperature=float(run.temperature),
         max_new_tokens=run.max_new_tokens,

@@ -2,9 +2,11 @@
 
 `RunTasks` is the one place that turns an assigned (task index, sample seed) into prompt tokens and a
 completion into rewards, so the contributor that writes a rollout file and the validator that checks it
-compute the same values. Length rewards follow trainer/grpo/advantages.py: the target is drawn from the
-sample seed, the prompt carries the thinking instruction, and the penalty is alpha * |len(output) -
-target| with len(output) counting every output token (EOS included).
+compute the same values. Task rewards come from the run's environment through its ScoringLimits
+(node/environments/rewards.py: inline, or bounded in a worker). Length rewards follow
+trainer/grpo/advantages.py: the target is drawn from the sample seed, the prompt carries the thinking
+instruction, and the penalty is alpha * |len(output) - target| with len(output) counting every output
+token (EOS included).
 """
 
 from __future__ import annotations
@@ -25,33 +27,35 @@ from ...proofs.verifier import (
     VerifierSettings,
     run_checks,
 )
-from ..environments import TaskSet, score
+from ..environments import Environment
 from ..environments.length import draw_target_length, length_penalty, thinking_suffix
+from ..environments.rewards import EnvironmentScorer
 
 
 class RunTasks:
-    """Prompts and rewards of a run: its task set, tokenizer and length-reward settings."""
+    """Prompts and rewards of a run: its environment, tokenizer and length-reward settings."""
 
     def __init__(
         self,
-        task_set: TaskSet,
+        environment: Environment,
         tokenizer: PreTrainedTokenizerBase,
         *,
         length_targets: Sequence[int] = (),
         length_alpha: float = 0.0,
     ) -> None:
-        self.task_set = task_set
+        self.environment = environment
         self.tokenizer = tokenizer
         self.length_targets = tuple(length_targets)
         self.length_alpha = length_alpha
-        self.task_count = len(task_set)
+        self.task_count = len(environment)
+        self.scorer = EnvironmentScorer(environment)
 
     def target_length(self, sample_seed: int) -> int | None:
         return draw_target_length(sample_seed, self.length_targets) if self.length_targets else None
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 (one RunTasks lives as long as its run)
     def _encoded_prompt(self, sample_index: int, target: int | None) -> tuple[int, ...]:
-        text = self.task_set.get(sample_index).prompt
+        text = self.environment.get(sample_index).prompt
         if target is not None:
             text += thinking_suffix(target)
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -63,9 +67,9 @@ class RunTasks:
         self, sample_index: int, sample_seed: int, output_ids: Sequence[int]
     ) -> tuple[float, float, int | None]:
         """(task reward, length penalty, target length) of one completion."""
-        task = self.task_set.get(sample_index)
+        task = self.environment.get(sample_index)
         text = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
-        task_reward = float(score(task.task_type, text, task.answer))
+        task_reward = self.scorer(text, task)
         target = self.target_length(sample_seed)
         penalty = length_penalty(len(output_ids), target, self.length_alpha) if target is not None else 0.0
         return task_reward, penalty, target

@@ -4,8 +4,8 @@ INTELLECT-2's offline difficulty filtering (node/environments/difficulty.py, `pr
 first `count` built-in problems gets 8 samples from the genesis model, and those it solves 1 to 4 times in 8
 are kept. Problems it always or never solves give groups with equal rewards, which the trainer discards after
 they cost a generation; on the full mix that is most of them, and a few dozen steps show no trend. The file
-is named after the model's weights and the filter's parameters, so a rebuilt model gets a new one; every party of the run (trainer,
-validator, contributors) is given the same file with `--tasks`.
+is named after the model's weights and the filter's parameters, so a rebuilt model gets a new one; every
+party of the run (trainer, validator, contributors) is given the same file with `--tasks`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...node.environments import open_task_set
+from ...node.environments import DEFAULT_ENV, open_environment
 from ...node.environments.difficulty import in_band, write_task_file
 from ...node.environments.split import ContentSplit
 
@@ -45,7 +45,7 @@ class TaskFilter:
     def selected_indices(self) -> list[int]:
         if not self.heldout_fraction:
             return list(self.indices)
-        split, family = ContentSplit(self.heldout_fraction), open_task_set(None)
+        split, family = ContentSplit(self.heldout_fraction), open_environment(DEFAULT_ENV)
         return [i for i in self.indices if split.is_heldout(family.get(i).prompt) == self.heldout]
 
     def describe(self) -> str:
@@ -79,7 +79,7 @@ def filtered_tasks(model_dir: Path, spec: TaskFilter) -> tuple[Path | None, str]
     estimates = estimate_pass_rates(
         engine,
         tokenizer,
-        open_task_set(None),
+        open_environment(DEFAULT_ENV),
         spec.selected_indices(),
         k=spec.k,
         max_new_tokens=spec.max_new_tokens,

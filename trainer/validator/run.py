@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from ...node.run.announcement import run_parameters
-from ...node.run.settings import open_run_task_set
+from ...node.run.settings import open_run_environment
 from ...node.runtime.supervisor import Supervisor
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
@@ -57,14 +57,14 @@ async def start_validator(
     settings: ValidatorSettings, identity: Identity, supervisor: Supervisor
 ) -> RunningValidator:
     settings = check_operator(settings, identity)
-    # The run's task set, opened once (a file is read and hashed; an unreadable one stops the validator before
+    # The run's environment, opened once (a file is read and hashed; an unreadable one stops the validator before
     # it joins): its identity is what policies must announce, and the checks draw from this same object.
-    task_set = await asyncio.to_thread(open_run_task_set, settings.run)
-    ours = run_parameters(settings.run, task_set)
+    environment = await asyncio.to_thread(open_run_environment, settings.run)
+    ours = run_parameters(settings.run, environment)
     swarm = Swarm(settings.swarm, identity, roles=("validator",))
     await swarm.join()
     supervisor.supervise(*swarm.tasks.values())  # its heartbeat: a crash there stops the validator
-    service = ValidatorService(settings, identity, swarm, task_set)
+    service = ValidatorService(settings, identity, swarm, environment)
     supervisor.on_shutdown("ledger", service.ledger.close)
     supervisor.on_shutdown("swarm", swarm.leave)
     # A validator pinned to other run parameters than the trainer's would reject (and slash) every honest file:
