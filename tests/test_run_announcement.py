@@ -76,12 +76,14 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
             length_alpha=0.01,
         )
     )
-    pins = [open_run_environment(RunSettings(task_seed=seed)).identity.pin for seed in (0, 9)]
+    hashes = [open_run_environment(RunSettings(task_seed=seed)).identity.content_hash for seed in (0, 9)]
+    version = ours.environment.version
     assert differences(ours, other) == [
         "run.run_id: 'local' here, 'other' in the run",
         "run.run_seed: 0 here, 1 in the run",
-        f"run.env (or run.tasks, and run.task_seed for generated environments): {pins[0]!r} here, "
-        f"{pins[1]!r} in the run",
+        f"run.env: environment arithmetic (prime-node {version}) is configured otherwise here ({hashes[0]}) than "
+        f"in the run ({hashes[1]}): set run.env (and run.task_seed) as the run does, with the run's task file "
+        "where it has one",
         "run.samples: 4 here, 8 in the run",
         "run.temperature: 1.0 here, 0.7 in the run",
         "run.max_new_tokens: 64 here, 128 in the run",
@@ -92,7 +94,7 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
     assert set(RunParameters.model_fields) == {
         "run_id",
         "run_seed",
-        "tasks",
+        "environment",
         "samples",
         "temperature",
         "max_new_tokens",
@@ -112,8 +114,10 @@ def test_a_task_file_is_known_by_its_bytes_not_its_path(tmp_path: Path) -> None:
     changed.write_text(line.replace('"2"', '"3"'))
     same = run_parameters(RunSettings(tasks=str(first))), run_parameters(RunSettings(tasks=str(second)))
     digest = hashlib.sha256(line.encode()).hexdigest()
-    assert same[0].tasks == same[1].tasks and same[0].tasks.endswith(f" sha256:{digest}")
-    assert run_parameters(RunSettings(tasks=str(changed))).tasks != same[0].tasks
+    assert (
+        same[0].environment == same[1].environment and same[0].environment.content_hash == f"sha256:{digest}"
+    )
+    assert run_parameters(RunSettings(tasks=str(changed))).environment != same[0].environment
 
 
 async def _feed(policies: list[PolicyAnnouncement]) -> AsyncIterator[PolicyAnnouncement]:
@@ -300,7 +304,7 @@ def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) ->
     trainer = announced(layout.trainer_argv(2)[3:], TrainerCommandSettings, trainer_cli.FLAGS)
     assert (trainer.run_id, trainer.samples, trainer.max_new_tokens) == ("devnet", 2, 16)
     assert trainer.length_targets == [3, 9, 17]
-    assert trainer.tasks.startswith("file prime-node==")
+    assert trainer.environment.name == "file"
     assert announced(layout.validator_argv(peers)[3:], ValidatorSettings, validator_cli.FLAGS) == trainer
     assert announced(layout.member_argv(honest, peers)[3:], StartSettings, start_cli.FLAGS) == trainer
     # The adversary harness parses its `--attack NAME` and hands the rest to `start`.
@@ -330,7 +334,7 @@ async def test_a_validator_stops_at_start_up_when_the_current_policy_runs_otherw
     assert report.clean, report
 
 
-def test_the_validator_checks_the_task_set_it_compared_with_the_run(
+def test_the_validator_checks_the_environment_it_compared_with_the_run(
     tmp_path: Path,
     world,  # noqa: ANN001, F811
 ) -> None:
@@ -339,7 +343,7 @@ def test_the_validator_checks_the_task_set_it_compared_with_the_run(
     task_file.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     run = RunSettings(tasks=str(task_file))
     opened = open_run_environment(run)
-    identity = run_parameters(run, opened).tasks
+    identity = run_parameters(run, opened).environment
     store = Store(tmp_path / "weights")
     publish_checkpoint(checkpoint, store.root, 0)
     keeper = CheckpointKeeper(
@@ -349,7 +353,7 @@ def test_the_validator_checks_the_task_set_it_compared_with_the_run(
     found = keeper.model_for(0)
     assert found is not None
     assert found[1].environment is opened and found[1].environment.get(0).answer == "2"
-    assert run_parameters(run).tasks != identity  # what a fresh open would have drawn from instead
+    assert run_parameters(run).environment != identity  # what a fresh open would have drawn from instead
 
 
 def test_policy_sources_too_large_for_the_dht_are_refused_before_any_announcement() -> None:

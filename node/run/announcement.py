@@ -12,16 +12,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from ...p2p.environment_identity import EnvironmentIdentity
 from ...p2p.swarm.records import PolicyAnnouncement, RunParameters
 from ..environments import Environment
 from ..errors import NodeError, OperatorActionNeeded
 from .settings import RunSettings, open_run_environment
 
-# Announced field -> the setting that gives it (the task set's identity comes from two of them).
+# Announced field -> the setting that gives it (the environment's identity: what run.env opens here).
 _SETTING_OF = {
     "run_id": "run.run_id",
     "run_seed": "run.run_seed",
-    "tasks": "run.env (or run.tasks, and run.task_seed for generated environments)",
+    "environment": "run.env",
     "samples": "run.samples",
     "temperature": "run.temperature",
     "max_new_tokens": "run.max_new_tokens",
@@ -42,7 +43,7 @@ def run_parameters(run: RunSettings, environment: Environment | None = None) -> 
     return RunParameters(
         run_id=run.run_id,
         run_seed=run.run_seed,
-        tasks=environment.identity.pin,
+        environment=environment.identity,
         samples=run.samples,
         temperature=float(run.temperature),
         max_new_tokens=run.max_new_tokens,
@@ -52,12 +53,35 @@ def run_parameters(run: RunSettings, environment: Environment | None = None) -> 
     )
 
 
+def environment_difference(ours: EnvironmentIdentity, theirs: EnvironmentIdentity) -> str:
+    """What to do when the run's environment `theirs` is not the installed and configured `ours`."""
+    if ours.name != theirs.name:
+        return (
+            f"run.env: environment {ours.describe()} here, {theirs.describe()} in the run: install "
+            f"{theirs.requirement} and set run.env to the run's {theirs.name} environment"
+        )
+    if (ours.package, ours.version) != (theirs.package, theirs.version):
+        return (
+            f"run.env: environment {ours.name} is {ours.package} {ours.version} here, {theirs.package} "
+            f"{theirs.version} in the run: install {theirs.requirement}"
+        )
+    return (
+        f"run.env: environment {ours.name} ({ours.package} {ours.version}) is configured otherwise here "
+        f"({ours.content_hash}) than in the run ({theirs.content_hash}): set run.env (and run.task_seed) "
+        "as the run does, with the run's task file where it has one"
+    )
+
+
 def differences(ours: RunParameters, announced: RunParameters) -> list[str]:
     """One line per differing parameter: the setting, our value and the run's (empty when they agree)."""
     lines = []
     for name, setting in _SETTING_OF.items():
         mine, theirs = getattr(ours, name), getattr(announced, name)
-        if mine != theirs:
+        if mine == theirs:
+            continue
+        if name == "environment":
+            lines.append(environment_difference(mine, theirs))
+        else:
             lines.append(f"{setting}: {mine!r} here, {theirs!r} in the run")
     return lines
 

@@ -50,6 +50,17 @@ class RunTasks:
         self.task_count = len(environment)
         self.scorer = EnvironmentScorer(environment)
 
+    @property
+    def environment_pin(self) -> str:
+        """What every row of this run carries as `environment` (the validator compares it)."""
+        return self.environment.identity.pin
+
+    @property
+    def prompt_format(self) -> str:
+        """What every row carries as `prompt_format`: "raw" while prompts are the task text as it is (with
+        the length instruction); a chat template makes it the hash of (template, system prompt, mode)."""
+        return "raw"
+
     def target_length(self, sample_seed: int) -> int | None:
         return draw_target_length(sample_seed, self.length_targets) if self.length_targets else None
 
