@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,8 @@ from prime_node.node.errors import ConfigError, TaskError
 from prime_node.node.models.tokenizer import build_char_tokenizer
 from prime_node.node.run.settings import RolloutSettings, RunSettings, open_run_environment
 from prime_node.node.run.validation import RunTasks
+
+from support.environments import distribution, install_toy_words
 
 BAD_SPECS = [
     ("", "got an empty one"),
@@ -89,87 +90,15 @@ def test_the_built_in_environments_are_prime_nodes_own_entry_points() -> None:
     assert found["arithmetic"][0].summary().startswith("Procedurally generated integer arithmetic")
 
 
-def _distribution(site: Path, name: str, version: str, entry_points: dict[str, str]) -> None:
-    """An installed distribution as importlib.metadata finds it on sys.path: its dist-info directory."""
-    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    lines = "".join(f"{key} = {value}\n" for key, value in entry_points.items())
-    (info / "entry_points.txt").write_text(f"[prime_node.environments]\n{lines}")
-
-
-PLUGIN = textwrap.dedent(
-    '''
-    """A third party's environment: every task asks for the length of a word."""
-    import hashlib
-
-    from prime_node.node.environments import EnvironmentIdentity, ScoringLimits, Task
-
-    WORDS = ("a", "bb", "ccc")
-
-
-    class WordLength:
-        def __init__(self, args):
-            self.args = args or "plain"
-
-        @property
-        def spec(self):
-            return "toy_words:" + self.args
-
-        @property
-        def identity(self):
-            digest = hashlib.sha256(self.args.encode()).hexdigest()
-            return EnvironmentIdentity(
-                name="toy_words", package="toy-words", version="1.2.3", content_hash="sha256:" + digest
-            )
-
-        @property
-        def scoring(self):
-            return ScoringLimits(isolation="inline")
-
-        def __len__(self):
-            return len(WORDS)
-
-        def get(self, index):
-            word = WORDS[index]
-            return Task(prompt=f"len({word})=", answer=str(len(word)), task_type="toy")
-
-        def score(self, completion, task):
-            return 1.0 if completion.strip() == task.answer else 0.0
-
-
-    def open_words(args, *, seed=0):
-        """Lengths of words (a toy)."""
-        return WordLength(args)
-
-
-    def not_an_environment(args, *, seed=0):
-        return {"tasks": WORDS}
-
-
-    def refuses(args, *, seed=0):
-        raise ValueError("no ARGS allowed")
-    '''
-)
-
-
 def test_a_third_partys_environment_is_found_through_its_entry_point(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "toy_words_plugin.py").write_text(PLUGIN)
-    _distribution(
-        site,
-        "toy-words",
-        "1.2.3",
-        {
-            "toy_words": "toy_words_plugin:open_words",
-            "toy_broken": "toy_words_plugin:not_an_environment",
-            "toy_refuses": "toy_words_plugin:refuses",
-            "toy_missing": "toy_words_gone:open",
-            "Bad-Name": "toy_words_plugin:open_words",
-        },
+    site = install_toy_words(
+        tmp_path / "site",
+        toy_broken="toy_words_plugin:not_an_environment",
+        toy_refuses="toy_words_plugin:refuses",
+        toy_missing="toy_words_gone:open",
+        **{"Bad-Name": "toy_words_plugin:open_words"},
     )
     monkeypatch.syspath_prepend(str(site))
     found = installed()
@@ -180,7 +109,7 @@ def test_a_third_partys_environment_is_found_through_its_entry_point(
         "1.2.3",
         "toy_words:hard",
     )
-    assert [words.get(i).prompt for i in range(len(words))] == ["len(a)=", "len(bb)=", "len(ccc)="]
+    assert [words.get(i).prompt for i in range(3)] == ["len(a)=", "len(bb)=", "len(ccc)="]
     tasks = RunTasks(words, build_char_tokenizer())
     assert tasks.scorer(" 2 ", words.get(1)) == 1.0 and tasks.scorer("3", words.get(1)) == 0.0
     with pytest.raises(
@@ -196,7 +125,7 @@ def test_a_third_partys_environment_is_found_through_its_entry_point(
     ):
         open_environment("toy_missing")
     # A second package registering the same name: neither is chosen silently.
-    _distribution(site, "toy-words-fork", "0.9", {"toy_words": "toy_words_plugin:open_words"})
+    distribution(site, "toy-words-fork", "0.9", {"toy_words": "toy_words_plugin:open_words"})
     with pytest.raises(
         TaskError, match="registered by more than one package: toy-words 1.2.3 .*, toy-words-fork 0.9"
     ):
@@ -314,3 +243,22 @@ def test_the_run_setting_env_is_checked_at_load_and_opens_the_run_environment(
     monkeypatch.setenv("PRIME_NODE_RUN__TASKS", "t.jsonl")
     with pytest.raises(ConfigError, match="set run.env or run.tasks, not both"):
         load_config(RolloutSettings)
+
+
+def test_options_are_typed_and_a_list_of_one_needs_no_slash() -> None:
+    from pydantic import BaseModel
+
+    from prime_node.node.environments.registry import parse_options
+
+    class Words(BaseModel):
+        words: list[str] = ["a"]
+        weights: tuple[int, ...] | None = None
+        limit: int | None = None
+
+    assert parse_options("w", "words=cat,weights=4,limit=3", Words) == Words(
+        words=["cat"], weights=(4,), limit=3
+    )
+    assert parse_options("w", "words=cat/ox", Words).words == ["cat", "ox"]
+    assert parse_options("w", "", Words) == Words()
+    with pytest.raises(TaskError, match="w: limit: Input should be a valid integer"):
+        parse_options("w", "limit=1/2", Words)

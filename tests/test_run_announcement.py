@@ -292,7 +292,7 @@ def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) ->
         "devnet",
         tmp_path / "model",
         sizing=Sizing(samples=2, max_new_tokens=16, length_targets=(3, 9, 17)),
-        tasks=tasks,
+        env_spec=f"file:{tasks}",
     )
     honest, cheater = layout.add_member("node-1"), layout.add_member("adv-1", attack="inflated-rewards")
     peers = ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWF4NCf4BuFF35ra6sCoMwfpNBVSQppG7VzU6yC98XsiB7"]
@@ -305,6 +305,9 @@ def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) ->
     assert (trainer.run_id, trainer.samples, trainer.max_new_tokens) == ("devnet", 2, 16)
     assert trainer.length_targets == [3, 9, 17]
     assert trainer.environment.name == "file"
+    # Without an environment of its own the devnet's commands are what they always were: no --env, no --tasks.
+    default = DevnetLayout(tmp_path / "default", "devnet", tmp_path / "model", sizing=Sizing(samples=2))
+    assert default.run_flags() == ["--run-id", "devnet", "--samples", "2"]
     assert announced(layout.validator_argv(peers)[3:], ValidatorSettings, validator_cli.FLAGS) == trainer
     assert announced(layout.member_argv(honest, peers)[3:], StartSettings, start_cli.FLAGS) == trainer
     # The adversary harness parses its `--attack NAME` and hands the rest to `start`.

@@ -73,8 +73,12 @@ def test_offline_filter_selects_one_side_of_the_split() -> None:
     trainable = TaskFilter(count=300, heldout_fraction=0.3)
     held = TaskFilter(count=300, heldout_fraction=0.3, heldout=True)
     family = ArithmeticEnvironment()
-    assert sorted(trainable.selected_indices() + held.selected_indices()) == list(range(300))
-    assert all(split.is_heldout(family.get(i).prompt) for i in held.selected_indices())
-    assert not any(split.is_heldout(family.get(i).prompt) for i in trainable.selected_indices())
-    assert TaskFilter(count=5, offset=7).selected_indices() == [7, 8, 9, 10, 11]
+    assert sorted(trainable.selected_indices(family) + held.selected_indices(family)) == list(range(300))
+    assert all(split.is_heldout(family.get(i).prompt) for i in held.selected_indices(family))
+    assert not any(split.is_heldout(family.get(i).prompt) for i in trainable.selected_indices(family))
+    assert TaskFilter(count=5, offset=7).selected_indices(family) == [7, 8, 9, 10, 11]
+    small = ArithmeticEnvironment(
+        ArithmeticConfig(size=10)
+    )  # an environment smaller than the count: all of it
+    assert TaskFilter(count=5, offset=7).selected_indices(small) == [7, 8, 9]
     assert "held-out side of a 0.3 content split" in held.describe()

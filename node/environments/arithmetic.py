@@ -198,11 +198,6 @@ class ArithmeticOptions(BaseModel):
         None, description="Relative frequency of levels 1..5, five integers separated by '/'."
     )
 
-    @field_validator("levels", mode="before")
-    @classmethod
-    def _one_or_more(cls, value: object) -> object:
-        return [value] if isinstance(value, str) else value
-
     @field_validator("levels")
     @classmethod
     def _five(cls, value: list[int] | None) -> list[int] | None:

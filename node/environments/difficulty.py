@@ -33,6 +33,7 @@ from ..engine.types import InferenceEngine, SampleRequest, SamplingParams
 from ..errors import TaskError
 from .environment import Environment
 from .files import JSONL_SUFFIXES, PARQUET_SUFFIXES
+from .filtered import FilteredEnvironment
 from .rewards import EnvironmentScorer
 from .types import Task
 
@@ -150,12 +151,15 @@ def render_histogram(counts: Sequence[int], k: int, low: float, high: float, wid
     return "\n".join(lines)
 
 
-def write_task_file(path: Path, estimates: Sequence[TaskEstimate]) -> None:
-    """Write the kept tasks as JSONL or Parquet (by suffix) in the form node/environments/files.py reads.
+def write_task_file(path: Path, estimates: Sequence[TaskEstimate], environment: Environment) -> None:
+    """Write the kept tasks of `environment` as JSONL or Parquet (by suffix): a file `filtered:PATH` reopens
+    as those tasks of that environment, scored by it (filtered.py), and `file:PATH` reads as a task file
+    where its task types need nothing but the row (arithmetic, integer, exact, math, code).
 
-    `source_index` and `pass_rate` are extra columns the loader ignores; they record where each task
-    came from and why it was kept. Written to a temporary file, then renamed, so a crash leaves no
-    half-written task file behind.
+    `source` (the environment's spec) and `source_index` say where each task came from, `pass_rate` why it
+    was kept; the task-file loader ignores them. A filtered environment's tasks are written as those of its
+    own source, so filtering again narrows the set instead of nesting files. Written to a temporary file,
+    then renamed, so a crash leaves no half-written task file behind.
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -167,13 +171,17 @@ def write_task_file(path: Path, estimates: Sequence[TaskEstimate]) -> None:
             f"no task has a pass rate in the band, so {path} would be empty (the loader refuses empty "
             "files); widen --min/--max, raise --k or filter more tasks"
         )
+    origin: Callable[[int], int] = lambda index: index  # noqa: E731
+    if isinstance(environment, FilteredEnvironment):
+        environment, origin = environment.source, environment.source_index
     records = [
         {
             "prompt": e.task.prompt,
             "answer": e.task.answer,
             "task_type": e.task.task_type,
             "metadata": e.task.metadata,
-            "source_index": e.index,
+            "source": environment.spec,
+            "source_index": origin(e.index),
             "pass_rate": e.pass_rate,
         }
         for e in estimates

@@ -24,6 +24,8 @@ import hashlib
 import importlib.metadata
 import logging
 import re
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -80,7 +82,9 @@ def parse_options(name: str, args: str, model: type[Options]) -> Options:
             raise TaskError(f"{name}: unknown option {key!r} (known: {', '.join(model.model_fields)})")
         if key in values:
             raise TaskError(f"{name}: option {key!r} is given twice")
-        values[key] = value.split("/") if "/" in value else value
+        values[key] = (
+            value.split("/") if "/" in value or _is_list(model.model_fields[key].annotation) else value
+        )
     try:
         return model.model_validate(values)
     except ValidationError as exc:
@@ -89,6 +93,16 @@ def parse_options(name: str, args: str, model: type[Options]) -> Options:
             for err in exc.errors()
         )
         raise TaskError(f"{name}: {problems}") from None
+
+
+def _is_list(annotation: Any) -> bool:
+    """Whether a field takes a list (or tuple), optional or not: one value without '/' is then a list of one."""
+    kinds = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else ()
+    )
+    return any(typing.get_origin(kind) in (list, tuple) for kind in (annotation, *kinds))
 
 
 @functools.cache

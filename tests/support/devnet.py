@@ -34,6 +34,7 @@ def run_devnet(
     model: Path | None = None,
     sizing: Sizing = SMALL,
     task_filter: TaskFilter | None = None,
+    env: str = "arithmetic",
 ) -> tuple[dict[str, Any], Devnet, str]:
     """Run a devnet to completion; returns its report, the Devnet (for its PIDs) and the view's output."""
     out = io.StringIO()
@@ -46,6 +47,7 @@ def run_devnet(
         sizing=sizing,
         stall_timeout_s=240.0,
         task_filter=task_filter,
+        env=env,
     )
     devnet = Devnet(options, LiveView(steps, stream=out, tty=False))
     report = devnet.run()
