@@ -8,6 +8,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 
@@ -193,7 +194,7 @@ def list_environments(args: argparse.Namespace) -> int:
     from ..environments.registry import installed
 
     load_settings(args, CommonSettings)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, entries in sorted(installed().items()):
         for entry in entries:
             try:

@@ -116,7 +116,7 @@ def estimate_pass_rates(
         completions = engine.generate(requests, params, capture_hidden=False)
         for n, (i, task) in enumerate(chunk):
             mine = completions[n * k : (n + 1) * k]
-            texts = [tokenizer.decode(list(c.output_ids), skip_special_tokens=True) for c in mine]
+            texts = [str(tokenizer.decode(list(c.output_ids), skip_special_tokens=True)) for c in mine]
             passes = sum(1 for t in texts if scorer(t, task) == 1.0)
             out.append(TaskEstimate(i, task, passes, k))
         if progress is not None:
@@ -173,7 +173,8 @@ def write_task_file(path: Path, estimates: Sequence[TaskEstimate], environment: 
         )
     origin: Callable[[int], int] = lambda index: index  # noqa: E731
     if isinstance(environment, FilteredEnvironment):
-        environment, origin = environment.source, environment.source_index
+        origin = environment.source_index
+        environment = environment.source
     records = [
         {
             "prompt": e.task.prompt,

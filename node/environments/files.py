@@ -52,7 +52,7 @@ class FileEnvironment:
         for task_type in sorted({t.task_type for t in tasks}):
             self._scorers[task_type], needs = task_scorer(task_type)
             isolation = max(isolation, needs, key=_ISOLATION_ORDER.index)
-        self._scoring = ScoringLimits(isolation=isolation)  # type: ignore[arg-type]
+        self._scoring = ScoringLimits(isolation=isolation)
 
     @property
     def spec(self) -> str:

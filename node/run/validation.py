@@ -79,7 +79,7 @@ class RunTasks:
     ) -> tuple[float, float, int | None]:
         """(task reward, length penalty, target length) of one completion."""
         task = self.environment.get(sample_index)
-        text = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
+        text = str(self.tokenizer.decode(list(output_ids), skip_special_tokens=True))
         task_reward = self.scorer(text, task)
         target = self.target_length(sample_seed)
         penalty = length_penalty(len(output_ids), target, self.length_alpha) if target is not None else 0.0
