@@ -39,7 +39,7 @@ from matplotlib.figure import Figure
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
-from prime_node.node.environments import open_task_set
+from prime_node.node.environments import DEFAULT_ENV, open_environment, spec_of_tasks
 from prime_node.node.environments.split import ContentSplit
 from prime_node.node.environments.types import Task
 from prime_node.node.models.warmstart import (
@@ -175,7 +175,7 @@ def band_heldout(model_dir: Path, filter_spec: TaskFilter) -> list[Task]:
     print(f"held-out band: {summary}", flush=True)
     if path is None:
         return []
-    family = open_task_set(None)  # the file's `source_index` column names each problem
+    family = open_environment(DEFAULT_ENV)  # the file's `source_index` column names each problem
     return [family.get(int(index)) for index in task_file_column(path, "source_index")]
 
 
@@ -193,7 +193,7 @@ def without_heldout(
         s
         for s in record.samples
         if int(s.prompt_key) < first_heldout
-        and not split.is_heldout(tasks.task_set.get(int(s.prompt_key)).prompt)
+        and not split.is_heldout(tasks.environment.get(int(s.prompt_key)).prompt)
     )
     return record if len(kept) == len(record.samples) else replace(record, samples=kept)
 
@@ -347,14 +347,14 @@ def main() -> int:
             ),
         )
         print(f"offline filter: {summary}", flush=True)
-    tasks = RunTasks(open_task_set(task_source), learner.tokenizer)
+    tasks = RunTasks(open_environment(spec_of_tasks(task_source and str(task_source))), learner.tokenizer)
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=args.seed, samples_per_prompt=args.samples)
     # A filtered file holds problems of indices below --filter only; otherwise drop the held-out ones.
     held_out_count = max(args.eval_size, args.heldout_filter)
     first_heldout = tasks.task_count if task_source else tasks.task_count - held_out_count
     band: list[Task] = []
     if args.heldout_filter:
-        family_size = len(open_task_set(None))
+        family_size = len(open_environment(DEFAULT_ENV))
         if args.filter and args.filter > family_size - args.heldout_filter:
             raise SystemExit(
                 "--filter and --heldout-filter overlap: the held-out band must lie past the training one"

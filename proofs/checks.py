@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import groupby
 
+from ..p2p.environment_identity import pin_difference
 from .assignment import AssignmentError, check_assignment
 from .errors import ProofError
 from .rollout_decode import decode_layout, read_policy_step
@@ -30,7 +31,7 @@ from .rollout_file import (
     verify_envelope,
 )
 from .rollout_layout import TOKEN_COLUMNS, check_layout, read_layout
-from .rollout_schema import RolloutFileError, check_rows
+from .rollout_schema import MAX_PROMPT_FORMAT_CHARS, RolloutFileError, check_rows
 from .sampling import (
     distribution_failure,
     distribution_z,
@@ -134,12 +135,26 @@ class BoundsCheck:
 
 class RunParametersCheck:
     """The sampling the run fixed: a node that honestly declares a cooler temperature (higher rewards; every
-    proof still holds at the declared one) or fewer new tokens (cheaper work) is not doing the run's work."""
+    proof still holds at the declared one) or fewer new tokens (cheaper work) is not doing the run's work.
+    And the run's environment and prompt format: a reward computed with another environment (another
+    version, another configuration) or prompts built otherwise (another chat template or system prompt) is
+    not the run's reward, whatever the prompts and rewards checks would find. Rows share both (bounds)."""
 
     name = "run-parameters"
 
     def run(self, ctx: VerificationContext) -> str:
         pinned = ctx.settings
+        first = ctx.rows[0]
+        if first.environment != ctx.tasks.environment_pin:
+            raise CheckFailed(
+                f"reward computed with {pin_difference(first.environment, ctx.tasks.environment_pin)}", 0
+            )
+        if first.prompt_format != ctx.tasks.prompt_format:
+            raise CheckFailed(
+                f"prompts in format {first.prompt_format[:MAX_PROMPT_FORMAT_CHARS]!r}; the run's prompt format "
+                f"is {ctx.tasks.prompt_format!r} (another chat template or system prompt)",
+                0,
+            )
         for i, row in enumerate(ctx.rows):
             if pinned.temperature is not None and row.temperature != pinned.temperature:
                 raise CheckFailed(
@@ -150,7 +165,6 @@ class RunParametersCheck:
                 raise CheckFailed(
                     f"max_new_tokens {row.max_new_tokens}; the run's is {pinned.max_new_tokens}", i
                 )
-        first = ctx.rows[0]
         loose = [name for name in ("temperature", "max_new_tokens") if getattr(pinned, name) is None]
         return f"temperature {first.temperature!r}, max_new_tokens {first.max_new_tokens}" + (
             f" ({' and '.join(loose)} not pinned)" if loose else ""

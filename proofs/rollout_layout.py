@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..p2p.environment_identity import MAX_PIN_CHARS
 from .bounds import proof_size
 from .parquet_meta import (
     CODECS as CODEC_NAMES,
@@ -43,10 +44,10 @@ from .parquet_meta import (
     read_footer,
     walk_pages,
 )
-from .rollout_schema import SCHEMA, RolloutFileError, RolloutLimits, check_schema
+from .rollout_schema import MAX_PROMPT_FORMAT_CHARS, SCHEMA, RolloutFileError, RolloutLimits, check_schema
 
 MAX_FOOTER_BYTES = 4 << 20  # one row group of an honest file takes ~5 kB
-MAX_FOOTER_STRUCTS = 32_768  # an honest row group takes ~220 (16 column chunks and their statistics)
+MAX_FOOTER_STRUCTS = 32_768  # an honest row group takes ~250 (18 column chunks and their statistics)
 MAX_ROW_GROUPS = 64  # pyarrow writes one per 1 Mi rows: an honest file has one
 MAX_PAGES = 16_384  # per file; pyarrow writes a page per 1 MiB or 20,000 values
 
@@ -66,7 +67,7 @@ PAGE_SLACK_PER_VALUE = 8
 PAGE_SLACK = 1024
 
 TOKEN_COLUMNS = ("prompt_ids", "output_ids")
-STRING_COLUMNS = ("run_id", "node_id", "finish_reason")
+STRING_COLUMNS = ("run_id", "node_id", "environment", "prompt_format", "finish_reason")
 BINARY_COLUMNS = (
     *STRING_COLUMNS,
     "proof",
@@ -234,6 +235,8 @@ def longest_value(column: str, limits: RolloutLimits) -> int:
     return {
         "run_id": 4 * limits.max_id_chars,
         "node_id": 64,
+        "environment": 4 * MAX_PIN_CHARS,
+        "prompt_format": 4 * MAX_PROMPT_FORMAT_CHARS,
         "finish_reason": len("length"),
         "proof": proof_size(limits.max_new_tokens),
     }[column]

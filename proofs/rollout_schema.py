@@ -1,7 +1,8 @@
 """The rollout file's pinned Parquet schema, its row type, and the value bounds every reader enforces.
 
 One file holds one batch of one node: every row shares run id, node id, policy step, batch counter,
-temperature and max new tokens. docs/protocol.md (## Rollout files) is the written form of this module.
+temperature, max new tokens, environment and prompt format. docs/protocol.md (## Rollout files) is the
+written form of this module.
 """
 
 from __future__ import annotations
@@ -14,14 +15,27 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..p2p.environment_identity import MAX_PIN_CHARS
 from ..p2p.wire import is_hex64
 from .bounds import proof_size
 from .errors import ProofError
 
-FORMAT = "prime-node/rollout/v1"
+FORMAT = "prime-node/rollout/v2"
 FORMAT_KEY = b"prime_node.format"
 FINISH_REASONS = ("eos", "length")
 MAX_SEED = 2**63 - 1
+MAX_PROMPT_FORMAT_CHARS = 128  # "raw", or "sha256:<hex>" of the chat template, system prompt and mode
+# Columns every row of a file shares.
+SHARED_COLUMNS = (
+    "run_id",
+    "node_id",
+    "policy_step",
+    "batch_counter",
+    "temperature",
+    "max_new_tokens",
+    "environment",
+    "prompt_format",
+)
 
 
 def _tokens() -> pa.DataType:
@@ -38,6 +52,10 @@ SCHEMA = pa.schema(
         pa.field("sample_seed", pa.int64(), nullable=False),  # Gumbel noise seed, assigned
         pa.field("temperature", pa.float64(), nullable=False),
         pa.field("max_new_tokens", pa.int32(), nullable=False),
+        # The environment the rewards were computed with: `NAME PACKAGE==VERSION sha256:<hex>`
+        # (p2p/environment_identity.py), and how prompts became token ids (node/run/validation.py).
+        pa.field("environment", pa.string(), nullable=False),
+        pa.field("prompt_format", pa.string(), nullable=False),
         pa.field("prompt_ids", _tokens(), nullable=False),
         pa.field("output_ids", _tokens(), nullable=False),  # EOS included when finish_reason == "eos"
         pa.field("finish_reason", pa.string(), nullable=False),  # "eos" or "length"
@@ -101,6 +119,8 @@ class RolloutRow:
     sample_seed: int
     temperature: float
     max_new_tokens: int
+    environment: str
+    prompt_format: str
     prompt_ids: tuple[int, ...]
     output_ids: tuple[int, ...]
     finish_reason: str
@@ -151,13 +171,17 @@ def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits) -
     for name in FLOAT_COLUMNS:
         if not math.isfinite(getattr(r, name)):
             raise _bad(i, f"{name} is not a finite number ({getattr(r, name)})")
-    for name in ("run_id", "node_id", "policy_step", "batch_counter", "temperature", "max_new_tokens"):
+    for name in SHARED_COLUMNS:
         if getattr(r, name) != getattr(first, name):
             raise _bad(i, f"{name} {getattr(r, name)!r} differs from row 0 ({getattr(first, name)!r})")
     if not 1 <= len(r.run_id) <= limits.max_id_chars:
         raise _bad(i, f"run id must have 1..{limits.max_id_chars} characters")
     if not is_hex64(r.node_id):
         raise _bad(i, "node id must be 64 lowercase hex digits")
+    if not 1 <= len(r.environment) <= MAX_PIN_CHARS:
+        raise _bad(i, f"environment must have 1..{MAX_PIN_CHARS} characters")
+    if not 1 <= len(r.prompt_format) <= MAX_PROMPT_FORMAT_CHARS:
+        raise _bad(i, f"prompt format must have 1..{MAX_PROMPT_FORMAT_CHARS} characters")
     for name in ("policy_step", "batch_counter", "sample_index"):
         if getattr(r, name) < 0:
             raise _bad(i, f"{name} is negative")

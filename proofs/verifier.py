@@ -48,6 +48,16 @@ class TaskOracle(Protocol):
 
     task_count: int
 
+    @property
+    def environment_pin(self) -> str:
+        """The run's environment as rows carry it (`NAME PACKAGE==VERSION sha256:<hex>`)."""
+        ...
+
+    @property
+    def prompt_format(self) -> str:
+        """How the run's prompts become token ids, as rows carry it."""
+        ...
+
     def prompt_ids(self, sample_index: int, sample_seed: int) -> tuple[int, ...]:
         """The token ids of the prompt assigned to this sample."""
         ...

@@ -23,7 +23,7 @@ import pytest
 
 from prime_node.node.cli.flags import NAMESPACE_KEY
 from prime_node.node.cli.main import build_parser
-from prime_node.node.environments import open_task_set
+from prime_node.node.environments import DEFAULT_ENV, open_environment
 from prime_node.node.errors import NodeError
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.p2p.identity import Identity
@@ -135,7 +135,7 @@ def test_the_deploy_guide_followed_literally_gets_work_accepted(tmp_path: Path) 
     run_dir = guide.home("trainer") / "run"
     model, tokenizer = build_tiny_model(0)
     save_model_dir(model, tokenizer, run_dir / "model")
-    builtin = open_task_set(None)
+    builtin = open_environment(DEFAULT_ENV)
     rows = [builtin.get(i).model_dump() for i in range(64)]
     (run_dir / "tasks.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 

@@ -22,6 +22,7 @@ import pytest
 
 from prime_node.node.cli.devnet import succeeded
 from prime_node.node.engine import load_engine
+from prime_node.node.environments import open_environment
 from prime_node.node.run.producer import BatchSpec
 from prime_node.node.run.settings import RunSettings, load_run_tasks, verifier_for_run
 from prime_node.node.run.validation import verify_rollout_file
@@ -30,6 +31,7 @@ from prime_node.proofs.verifier import VerifierSettings
 from prime_node.trainer.devnet.attacks import EXPECTED_CHECKS, attack_producer
 from prime_node.trainer.devnet.processes import descendants, still_running
 from prime_node.trainer.devnet.report import format_report
+from prime_node.trainer.devnet.tasks import TaskFilter
 
 from support.devnet import SMALL, assert_all_gone, run_devnet, tiny_model
 
@@ -37,9 +39,20 @@ from support.devnet import SMALL, assert_all_gone, run_devnet, tiny_model
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # ~2 min on 2 idle cores; several times that on a shared, loaded machine
 def test_devnet_two_honest_nodes_and_a_cheater(tmp_path: Path) -> None:
-    report, devnet, shown = run_devnet(tmp_path, nodes=2, attacks=["inflated-rewards"], steps=2)
+    # On an environment of its own (`prime-node devnet --env`), filtered for the genesis model: every party is
+    # given `--env filtered:FILE` (a band of [0, 1] keeps the untrained model's 16 tasks, so there is a file).
+    env = "arithmetic:levels=1/1/0/0/0,seed=3"
+    keep_all = TaskFilter(env=env, count=16, low=0.0, high=1.0, max_new_tokens=4)
+    report, devnet, shown = run_devnet(
+        tmp_path, nodes=2, attacks=["inflated-rewards"], steps=2, task_filter=keep_all, env=env
+    )
     text = format_report(report)
     assert report["error"] is None, text
+    spec = devnet.layout.env_spec
+    assert spec is not None and spec.startswith("filtered:"), spec
+    filtered = open_environment(spec)
+    assert filtered.identity.name == "arithmetic" and filtered.spec == spec and len(filtered) == 16
+    assert [filtered.get(i) for i in range(16)] == [open_environment(env).get(i) for i in range(16)]
     assert report["steps"] >= 2 and [r["step"] for r in report["rewards"]][:2] == [1, 2]
     assert report["honest"]["accepted_files"] >= 2 and report["honest"]["rejected_files"] == 0, text
     (adversary,) = report["adversaries"]
@@ -194,7 +207,7 @@ def test_report_counts_excused_rejections_apart_and_averages_the_reward_trend() 
 
 
 def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tmp_path: Path) -> None:
-    from prime_node.node.environments import open_task_set
+    from prime_node.node.environments import open_environment
     from prime_node.trainer.devnet.tasks import TaskFilter, filtered_tasks
 
     model = tiny_model(tmp_path / "tiny")  # untrained: solves nothing
@@ -202,8 +215,8 @@ def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tm
     everything = TaskFilter(count=16, low=0.0, high=1.0, max_new_tokens=4)
     path, summary = filtered_tasks(model, everything)
     assert path is not None and path.parent == tmp_path and "kept 16 of the first 16" in summary
-    assert [open_task_set(path).get(i).prompt for i in range(16)] == [
-        open_task_set(None).get(i).prompt for i in range(16)
+    assert [open_environment(f"file:{path}").get(i).prompt for i in range(16)] == [
+        open_environment("arithmetic").get(i).prompt for i in range(16)
     ]
     again, summary = filtered_tasks(model, everything)
     assert again == path and "cached" in summary
@@ -212,6 +225,6 @@ def test_task_filter_keeps_the_band_caches_by_weights_and_band_and_falls_back(tm
     later = TaskFilter(count=4, low=0.0, high=1.0, max_new_tokens=4, offset=100)
     other, summary = filtered_tasks(model, later)
     assert other not in (None, path) and "kept 4 of the 4 built-in problems from index 100" in summary
-    assert [open_task_set(other).get(i).prompt for i in range(4)] == [
-        open_task_set(None).get(i).prompt for i in range(100, 104)
+    assert [open_environment(f"file:{other}").get(i).prompt for i in range(4)] == [
+        open_environment("arithmetic").get(i).prompt for i in range(100, 104)
     ]

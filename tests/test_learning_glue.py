@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from prime_node.node.engine import HFEngine, SampleRequest, SamplingParams
-from prime_node.node.environments import open_task_set
+from prime_node.node.environments import open_environment
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
@@ -33,7 +33,7 @@ RUN_ID = "glue"
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_trainer_logprobs_are_the_engine_sampling_logprobs(temperature: float) -> None:
     model, tokenizer = build_tiny_model(3)
-    tasks = RunTasks(open_task_set(None), tokenizer, length_targets=(4, 8), length_alpha=0.01)
+    tasks = RunTasks(open_environment("arithmetic"), tokenizer, length_targets=(4, 8), length_alpha=0.01)
     engine = HFEngine(model, max_batch_size=8)
     requests = [SampleRequest(prompt_ids=tasks.prompt_ids(i, 100 + i), seed=100 + i) for i in range(12)]
     completions = engine.generate(requests, SamplingParams(10, temperature), capture_hidden=False)
@@ -52,7 +52,7 @@ def test_trainer_logprobs_are_the_engine_sampling_logprobs(temperature: float) -
 def test_batch_samples_are_the_verified_rows_with_their_own_advantages(tmp_path: Path) -> None:
     model, tokenizer = build_tiny_model(4)
     # Length targets make rewards differ inside groups even for an untrained model (its task reward is 0).
-    tasks = RunTasks(open_task_set(None), tokenizer, length_targets=(2, 9), length_alpha=0.05)
+    tasks = RunTasks(open_environment("arithmetic"), tokenizer, length_targets=(2, 9), length_alpha=0.05)
     engine = HFEngine(model, max_batch_size=16)
     node = Identity.generate()
     inbox = Inbox(tmp_path / "accepted", RUN_ID)

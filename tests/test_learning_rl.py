@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from prime_node.node.engine import HFEngine, SampleRequest, SamplingParams
-from prime_node.node.environments import open_task_set
+from prime_node.node.environments import open_environment
 from prime_node.node.environments.difficulty import estimate_pass_rates, in_band, write_task_file
 from prime_node.node.models.tiny import build_tiny_model
 from prime_node.node.models.warmstart import WarmStartConfig, warm_start
@@ -38,11 +38,12 @@ def test_grpo_raises_the_sampled_reward_of_a_briefly_warm_started_model(tmp_path
     model, tokenizer = build_tiny_model(0)
     warm_start(model, tokenizer, WarmStartConfig(steps=150, eval_size=50))
     engine = HFEngine(model, max_batch_size=128)
+    family = open_environment("arithmetic")
     band = in_band(
         estimate_pass_rates(
             engine,
             tokenizer,
-            open_task_set(None),
+            family,
             list(range(600)),
             k=8,
             max_new_tokens=MAX_NEW,
@@ -52,8 +53,8 @@ def test_grpo_raises_the_sampled_reward_of_a_briefly_warm_started_model(tmp_path
         0.875,
     )
     assert len(band) >= 60, f"only {len(band)} of 600 tasks in the band: the warm start changed"
-    write_task_file(tmp_path / "band.jsonl", band)
-    tasks = RunTasks(open_task_set(tmp_path / "band.jsonl"), tokenizer)
+    write_task_file(tmp_path / "band.jsonl", band, family)
+    tasks = RunTasks(open_environment(f"file:{tmp_path / 'band.jsonl'}"), tokenizer)
     settings = TrainerSettings(
         lr=3e-4,
         warmup_steps=5,

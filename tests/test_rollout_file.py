@@ -47,6 +47,8 @@ def _row(index: int = 0, output_len: int = 40, **changes) -> RolloutRow:
         sample_seed=2**62 + index,
         temperature=1.0,
         max_new_tokens=64,
+        environment="arithmetic prime-node==0.1.0 sha256:" + "0" * 64,
+        prompt_format="raw",
         prompt_ids=(5, 6, 7),
         output_ids=tuple([9] * (output_len - 1) + [1]),
         finish_reason="eos",

@@ -23,7 +23,7 @@ from prime_node.node.run.announcement import (
     differences,
     run_parameters,
 )
-from prime_node.node.run.settings import RunSettings, open_run_task_set
+from prime_node.node.run.settings import RunSettings, open_run_environment
 from prime_node.node.runtime.supervisor import Supervisor
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.processes import end_pids
@@ -78,12 +78,14 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         )
     )
     system_digest = hashlib.sha256(b"Answer after '='.").hexdigest()
+    hashes = [open_run_environment(RunSettings(task_seed=seed)).identity.content_hash for seed in (0, 9)]
+    version = ours.environment.version
     assert differences(ours, other) == [
         "run.run_id: 'local' here, 'other' in the run",
         "run.run_seed: 0 here, 1 in the run",
-        "run.tasks (and run.task_seed for builtin:arithmetic): "
-        "'builtin:arithmetic?seed=0&size=16777216&levels=3,3,2,1,1' here, "
-        "'builtin:arithmetic?seed=9&size=16777216&levels=3,3,2,1,1' in the run",
+        f"run.env: environment arithmetic (prime-node {version}) is configured otherwise here ({hashes[0]}) than "
+        f"in the run ({hashes[1]}): set run.env (and run.task_seed) as the run does, with the run's task file "
+        "where it has one",
         "run.samples: 4 here, 8 in the run",
         "run.temperature: 1.0 here, 0.7 in the run",
         "run.max_new_tokens: 64 here, 128 in the run",
@@ -95,7 +97,7 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
     assert set(RunParameters.model_fields) == {
         "run_id",
         "run_seed",
-        "tasks",
+        "environment",
         "samples",
         "temperature",
         "max_new_tokens",
@@ -115,8 +117,11 @@ def test_a_task_file_is_known_by_its_bytes_not_its_path(tmp_path: Path) -> None:
     second.write_text(line)
     changed.write_text(line.replace('"2"', '"3"'))
     same = run_parameters(RunSettings(tasks=str(first))), run_parameters(RunSettings(tasks=str(second)))
-    assert same[0].tasks == same[1].tasks and same[0].tasks.startswith("sha256:")
-    assert run_parameters(RunSettings(tasks=str(changed))).tasks != same[0].tasks
+    digest = hashlib.sha256(line.encode()).hexdigest()
+    assert (
+        same[0].environment == same[1].environment and same[0].environment.content_hash == f"sha256:{digest}"
+    )
+    assert run_parameters(RunSettings(tasks=str(changed))).environment != same[0].environment
 
 
 async def _feed(policies: list[PolicyAnnouncement]) -> AsyncIterator[PolicyAnnouncement]:
@@ -288,7 +293,7 @@ def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) ->
         "devnet",
         tmp_path / "model",
         sizing=Sizing(samples=2, max_new_tokens=16, length_targets=(3, 9, 17)),
-        tasks=tasks,
+        env_spec=f"file:{tasks}",
     )
     honest, cheater = layout.add_member("node-1"), layout.add_member("adv-1", attack="inflated-rewards")
     peers = ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWF4NCf4BuFF35ra6sCoMwfpNBVSQppG7VzU6yC98XsiB7"]
@@ -300,7 +305,10 @@ def test_the_devnet_gives_every_party_the_same_run_parameters(tmp_path: Path) ->
     trainer = announced(layout.trainer_argv(2)[3:], TrainerCommandSettings)
     assert (trainer.run_id, trainer.samples, trainer.max_new_tokens) == ("devnet", 2, 16)
     assert trainer.length_targets == [3, 9, 17]
-    assert trainer.tasks.startswith("sha256:")
+    assert trainer.environment.name == "file"
+    # Without an environment of its own the devnet's commands are what they always were: no --env, no --tasks.
+    default = DevnetLayout(tmp_path / "default", "devnet", tmp_path / "model", sizing=Sizing(samples=2))
+    assert default.run_flags() == ["--run-id", "devnet", "--samples", "2"]
     assert announced(layout.validator_argv(peers)[3:], ValidatorSettings) == trainer
     assert announced(layout.member_argv(honest, peers)[3:], StartSettings) == trainer
     # The adversary harness parses its `--attack NAME` and hands the rest to `start`.
@@ -327,7 +335,7 @@ async def test_a_validator_stops_at_start_up_when_the_current_policy_runs_otherw
     assert report.clean, report
 
 
-def test_the_validator_checks_the_task_set_it_compared_with_the_run(
+def test_the_validator_checks_the_environment_it_compared_with_the_run(
     tmp_path: Path,
     world,  # noqa: ANN001, F811
 ) -> None:
@@ -335,18 +343,18 @@ def test_the_validator_checks_the_task_set_it_compared_with_the_run(
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     run = RunSettings(tasks=str(task_file))
-    opened = open_run_task_set(run)
-    identity = run_parameters(run, opened).tasks
+    opened = open_run_environment(run)
+    identity = run_parameters(run, opened).environment
     store = Store(tmp_path / "weights")
     publish_checkpoint(checkpoint, store.root, 0)
     keeper = CheckpointKeeper(
-        store, OPERATOR.node_id, run, EngineSettings(threads=1), keep=2, task_set=opened
+        store, OPERATOR.node_id, run, EngineSettings(threads=1), keep=2, environment=opened
     )
     task_file.write_text('{"prompt": "1+1=", "answer": "3"}\n')  # edited in place after the comparison
     found = keeper.model_for(0)
     assert found is not None
-    assert found[1].task_set is opened and found[1].task_set.get(0).answer == "2"
-    assert run_parameters(run).tasks != identity  # what a fresh open would have drawn from instead
+    assert found[1].environment is opened and found[1].environment.get(0).answer == "2"
+    assert run_parameters(run).environment != identity  # what a fresh open would have drawn from instead
 
 
 def test_policy_sources_too_large_for_the_dht_are_refused_before_any_announcement() -> None:

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from prime_node.node.cli.main import main
 from prime_node.node.engine import load_engine
-from prime_node.node.environments import open_task_set
+from prime_node.node.environments import DEFAULT_ENV, open_environment
 from prime_node.node.environments.difficulty import estimate_pass_rates
 from prime_node.node.environments.length import thinking_suffix
 from prime_node.node.errors import PromptError
@@ -86,10 +86,10 @@ def test_raw_prompts_of_a_base_model_are_unchanged(checkpoints: tuple[Path, Path
     for index, seed in PAIRS:
         target = tasks.target_length(seed)
         # The format of every release before chat models: task text + instruction, no special tokens.
-        text = tasks.task_set.get(index).prompt + thinking_suffix(target)
+        text = tasks.environment.get(index).prompt + thinking_suffix(target)
         assert tasks.prompt_ids(index, seed) == tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
     without_targets = load_run_tasks(RunSettings(), tiny)
-    prompt = without_targets.task_set.get(5).prompt
+    prompt = without_targets.environment.get(5).prompt
     assert without_targets.prompt_ids(5, 0) == tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     assert without_targets.prompt_format == RAW_FORMAT
 
@@ -110,7 +110,7 @@ def test_node_and_validator_build_the_same_chat_prompt_ids(
     for index, seed in PAIRS:
         ids = node.prompt_ids(index, seed)
         assert ids == validator.prompt_ids(index, seed)
-        user = node.task_set.get(index).prompt + thinking_suffix(node.target_length(seed))
+        user = node.environment.get(index).prompt + thinking_suffix(node.target_length(seed))
         conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
         # The model's own template, as transformers applies it: same text, same ids.
         expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
@@ -123,7 +123,7 @@ def test_node_and_validator_build_the_same_chat_prompt_ids(
     # A real BPE: the turn markers are single control tokens and words are merged.
     first = node.prompt_ids(0, 3)
     assert first[:2] == tuple(tokenizer.convert_tokens_to_ids(["<|im_start|>", "system"]))
-    assert len(first) < len(node.prompts.text(node.task_set.get(0).prompt, node.target_length(3))) / 2
+    assert len(first) < len(node.prompts.text(node.environment.get(0).prompt, node.target_length(3))) / 2
 
 
 def test_another_template_or_system_prompt_gives_another_format_and_other_ids(
@@ -182,7 +182,10 @@ def test_a_rollout_made_with_another_system_prompt_or_template_is_rejected(
         ),
     ):
         assert report["accepted"] is False
-        assert report["reasons"][0].startswith("prompts: "), report["reasons"]
+        # The rows' prompt_format column names the difference first (run-parameters, before any prompt is
+        # rebuilt); the prompts check would catch the ids themselves.
+        assert report["reasons"][0].startswith("run-parameters: "), report["reasons"]
+        assert "another chat template or system prompt" in report["reasons"][0], report["reasons"]
 
 
 def test_a_system_prompt_without_a_chat_template_stops_at_start_up(
@@ -271,9 +274,9 @@ def test_a_template_failing_on_one_task_names_it(checkpoints: tuple[Path, Path],
         + CHAT_TEMPLATE
     )
     tasks = load_run_tasks(RunSettings(), _copy_with_template(chat, tmp_path / "picky", picky))
-    products = [i for i in range(200) if "*" in tasks.task_set.get(i).prompt]
-    sums = [i for i in range(200) if "*" not in tasks.task_set.get(i).prompt]
-    assert "*" not in tasks.task_set.get(0).prompt and products and sums
+    products = [i for i in range(200) if "*" in tasks.environment.get(i).prompt]
+    sums = [i for i in range(200) if "*" not in tasks.environment.get(i).prompt]
+    assert "*" not in tasks.environment.get(0).prompt and products and sums
     assert tasks.prompt_ids(sums[0], 1)
     with pytest.raises(PromptError, match=rf"task {products[0]}: .*no products"):
         tasks.prompt_ids(products[0], 1)
@@ -340,7 +343,7 @@ def test_run_tasks_built_directly_or_loaded_agree(checkpoints: tuple[Path, Path]
     tiny, chat = checkpoints
     for checkpoint in (tiny, chat):
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        direct = RunTasks(open_task_set(None), tokenizer, length_targets=TARGETS)
+        direct = RunTasks(open_environment(DEFAULT_ENV), tokenizer, length_targets=TARGETS)
         loaded = load_run_tasks(RunSettings(length_targets=TARGETS), checkpoint)
         assert direct.prompt_format == loaded.prompt_format
         assert [direct.prompt_ids(i, s) for i, s in PAIRS] == [loaded.prompt_ids(i, s) for i, s in PAIRS]
@@ -428,7 +431,7 @@ def test_difficulty_filtering_asks_the_model_the_runs_prompts(checkpoints: tuple
     for checkpoint in checkpoints:
         engine = _RecordingEngine(load_engine(checkpoint, threads=1))
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-        task_set = open_task_set(None)
+        task_set = open_environment(DEFAULT_ENV)
         estimate_pass_rates(engine, tokenizer, task_set, [0, 1, 2], k=2, max_new_tokens=3)
         run = RunTasks(task_set, tokenizer)
         assert engine.prompts == [run.prompt_ids(i, 0) for i in (0, 1, 2) for _ in range(2)]

@@ -353,10 +353,22 @@ def _open_policy(run: dict) -> PolicyAnnouncement:
     return _open_policy_payload(canonical_json({**policy().model_dump(mode="json"), "run": run}))
 
 
+ENVIRONMENT = RUN_PARAMETERS.environment.model_dump(mode="json")
 EDGES = [  # (field, accepted at the edge, refused past it)
     ("run_id", "a" * 64, "-leading-dash"),
     ("run_seed", 2**64 - 1, 2**64),
-    ("tasks", "t" * 256, "t" * 257),
+    ("environment", {**ENVIRONMENT, "name": "e" * 64}, {**ENVIRONMENT, "name": "e" * 65}),
+    ("environment", {**ENVIRONMENT, "name": "e_2"}, {**ENVIRONMENT, "name": "Env"}),
+    ("environment", {**ENVIRONMENT, "package": "p" * 64}, {**ENVIRONMENT, "package": "p" * 65}),
+    ("environment", {**ENVIRONMENT, "package": "reasoning-gym"}, {**ENVIRONMENT, "package": "two words"}),
+    ("environment", {**ENVIRONMENT, "version": "1" * 48}, {**ENVIRONMENT, "version": "1" * 49}),
+    ("environment", {**ENVIRONMENT, "version": "1.0+local.2"}, {**ENVIRONMENT, "version": "1.0\n"}),
+    (
+        "environment",
+        {**ENVIRONMENT, "content_hash": "sha256:" + "f" * 64},
+        {**ENVIRONMENT, "content_hash": "F" * 64},
+    ),
+    ("environment", ENVIRONMENT, {**ENVIRONMENT, "extra": "x"}),
     ("samples", 1024, 0),
     ("temperature", 10.0, 0.0),
     ("max_new_tokens", 8192, 8193),

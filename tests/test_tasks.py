@@ -12,14 +12,15 @@ import pytest
 
 from prime_node.node.environments import (
     ArithmeticConfig,
-    ArithmeticTaskSet,
+    ArithmeticEnvironment,
+    Environment,
     Task,
-    TaskSet,
     get_verifier,
     load_task_file,
-    open_task_set,
+    open_environment,
     register_verifier,
     score,
+    spec_of_tasks,
 )
 from prime_node.node.environments.verifier import (
     VERIFIERS,
@@ -38,8 +39,8 @@ def _evaluate(expression: str) -> int:
 
 
 def test_same_seed_and_index_give_the_same_problem() -> None:
-    a = ArithmeticTaskSet(ArithmeticConfig(seed=7))
-    b = ArithmeticTaskSet(ArithmeticConfig(seed=7))
+    a = ArithmeticEnvironment(ArithmeticConfig(seed=7))
+    b = ArithmeticEnvironment(ArithmeticConfig(seed=7))
     forward = [a.get(i) for i in range(300)]
     backward = [b.get(i) for i in reversed(range(300))][::-1]
     assert forward == backward  # order of access does not matter
@@ -47,8 +48,8 @@ def test_same_seed_and_index_give_the_same_problem() -> None:
 
 
 def test_different_seeds_and_indices_differ() -> None:
-    a = ArithmeticTaskSet(ArithmeticConfig(seed=1))
-    b = ArithmeticTaskSet(ArithmeticConfig(seed=2))
+    a = ArithmeticEnvironment(ArithmeticConfig(seed=1))
+    b = ArithmeticEnvironment(ArithmeticConfig(seed=2))
     pairs = [(a.get(i).prompt, b.get(i).prompt) for i in range(200)]
     assert sum(x != y for x, y in pairs) > 180
     assert len({a.get(i).prompt for i in range(200)}) > 150
@@ -56,7 +57,7 @@ def test_different_seeds_and_indices_differ() -> None:
 
 def test_known_problems_are_stable_across_versions() -> None:
     # Pinned values: a change here changes every run's task set and must be a deliberate format bump.
-    tasks = ArithmeticTaskSet(ArithmeticConfig(seed=1, level_weights=(3, 3, 2, 1, 1)))
+    tasks = ArithmeticEnvironment(ArithmeticConfig(seed=1, level_weights=(3, 3, 2, 1, 1)))
     assert [(t.prompt, t.answer, t.difficulty) for t in (tasks.get(0), tasks.get(1), tasks.get(10))] == [
         ("8-3=", "5", 1),
         ("95-14=", "81", 2),
@@ -65,7 +66,7 @@ def test_known_problems_are_stable_across_versions() -> None:
 
 
 def test_answers_are_correct_and_all_levels_appear() -> None:
-    tasks = ArithmeticTaskSet(ArithmeticConfig(seed=3, level_weights=(1, 1, 1, 1, 1)))
+    tasks = ArithmeticEnvironment(ArithmeticConfig(seed=3, level_weights=(1, 1, 1, 1, 1)))
     seen = set()
     for i in range(2000):
         task = tasks.get(i)
@@ -79,15 +80,15 @@ def test_answers_are_correct_and_all_levels_appear() -> None:
 
 
 def test_level_weights_select_levels() -> None:
-    only_one = ArithmeticTaskSet(ArithmeticConfig(seed=0, level_weights=(0, 0, 0, 1, 0)))
+    only_one = ArithmeticEnvironment(ArithmeticConfig(seed=0, level_weights=(0, 0, 0, 1, 0)))
     assert {only_one.get(i).difficulty for i in range(100)} == {4}
     with pytest.raises(ValueError, match="positive sum"):
         ArithmeticConfig(level_weights=(0, 0, 0, 0, 0))
 
 
 def test_index_out_of_range_is_a_task_error() -> None:
-    tasks = ArithmeticTaskSet(ArithmeticConfig(size=10))
-    assert isinstance(tasks, TaskSet) and len(tasks) == 10
+    tasks = ArithmeticEnvironment(ArithmeticConfig(size=10))
+    assert isinstance(tasks, Environment) and len(tasks) == 10
     for bad in (-1, 10, True, 1.0):
         with pytest.raises(TaskError, match="out of range"):
             tasks.get(bad)  # type: ignore[arg-type]
@@ -179,13 +180,16 @@ def test_jsonl_task_file_loads(tmp_path: Path) -> None:
     ]
     path = _write_jsonl(tmp_path / "tasks.jsonl", rows)
     tasks = load_task_file(path)
-    assert isinstance(tasks, TaskSet) and len(tasks) == 3
+    assert isinstance(tasks, Environment) and len(tasks) == 3
     assert tasks.get(0) == Task(prompt="2+2=", answer="4", task_type="arithmetic")
     assert tasks.get(1).task_type == "exact"  # the default for files
     assert tasks.get(2).answer == "9"
-    assert len(tasks.sha256) == 64 and tasks.sha256 in tasks.name
-    assert open_task_set(path).get(1).answer == "Paris"
-    assert open_task_set(None, seed=5).get(0) == ArithmeticTaskSet(ArithmeticConfig(seed=5)).get(0)
+    assert tasks.identity.content_hash == f"sha256:{tasks.sha256}" and tasks.spec == f"file:{path}"
+    assert open_environment(f"file:{path}").get(1).answer == "Paris"
+    assert open_environment(spec_of_tasks(str(path))).get(1).answer == "Paris"  # the --tasks shorthand
+    assert open_environment("arithmetic", seed=5).get(0) == ArithmeticEnvironment(
+        ArithmeticConfig(seed=5)
+    ).get(0)
     with pytest.raises(TaskError, match="out of range"):
         tasks.get(3)
 
@@ -194,10 +198,10 @@ def test_parquet_task_file_loads(tmp_path: Path) -> None:
     path = tmp_path / "tasks.parquet"
     table = pa.table({"prompt": ["1+1=", "9-3="], "answer": [2, 6], "task_type": ["arithmetic", None]})
     pq.write_table(table, path)
-    tasks = load_task_file(path, default_task_type="integer")
+    tasks = load_task_file(path)
     assert [(t.prompt, t.answer, t.task_type) for t in (tasks.get(0), tasks.get(1))] == [
         ("1+1=", "2", "arithmetic"),
-        ("9-3=", "6", "integer"),
+        ("9-3=", "6", "exact"),
     ]
 
 
@@ -257,7 +261,9 @@ def test_parquet_errors(tmp_path: Path) -> None:
     ):
         load_task_file(path)
     pq.write_table(pa.table({"prompt": ["1+1="], "answer": [2.0]}), path)
-    with pytest.raises(TaskError, match=r"column 'answer' has type double; it must be a string column"):
+    with pytest.raises(
+        TaskError, match=r"column 'answer' has type double; it must be a string or integer column"
+    ):
         load_task_file(path)
     pq.write_table(pa.table({"prompt": ["1+1=", None], "answer": ["2", "3"]}), path)
     with pytest.raises(TaskError, match=r"tasks.parquet: row 2: column 'prompt' is missing or null"):
@@ -277,10 +283,10 @@ def test_task_file_path_and_format_errors(tmp_path: Path) -> None:
 
 
 def test_builtin_spec_selects_levels_and_round_trips_its_name() -> None:
-    easy = open_task_set("builtin:arithmetic?levels=1,0,0,0,0&size=50", seed=9)
+    easy = open_environment(spec_of_tasks("builtin:arithmetic?levels=1,0,0,0,0&size=50"), seed=9)
     assert len(easy) == 50 and {easy.get(i).difficulty for i in range(50)} == {1}
-    assert easy.name == "builtin:arithmetic?seed=9&size=50&levels=1,0,0,0,0"
-    again = open_task_set(easy.name, seed=0)  # the seed in the spec wins over the argument
+    assert easy.spec == "arithmetic:seed=9,size=50,levels=1/0/0/0/0"
+    again = open_environment(easy.spec, seed=0)  # the seed in the spec wins over the argument
     assert [again.get(i) for i in range(50)] == [easy.get(i) for i in range(50)]
     for bad, why in [
         ("builtin:arithmetic?levels=1,2", "levels needs 5 weights"),
@@ -290,4 +296,4 @@ def test_builtin_spec_selects_levels_and_round_trips_its_name() -> None:
         ("builtin:arithmetic?seed=x", "invalid literal"),
     ]:
         with pytest.raises(TaskError, match=f"bad built-in task spec.*{why}"):
-            open_task_set(bad)
+            spec_of_tasks(bad)

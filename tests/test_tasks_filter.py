@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from prime_node.node.cli.main import main
 from prime_node.node.engine import load_engine
-from prime_node.node.environments import VERIFIERS, load_task_file, open_task_set, register_verifier
+from prime_node.node.environments import VERIFIERS, load_task_file, open_environment, register_verifier
 from prime_node.node.environments.difficulty import estimate_pass_rates, sample_seed
 
 from support.attack import make_checkpoint
@@ -55,7 +55,7 @@ def test_filter_builtin_keeps_all_in_full_band_and_is_deterministic(checkpoint, 
     assert sum(summary["histogram"].values()) == 5
     _run(capsys, *common, "--min", "0", "--max", "1", "--out", str(out_b))
     assert out_a.read_bytes() == out_b.read_bytes()  # seeded sampling: same estimates every time
-    loaded, source = load_task_file(out_a), open_task_set(None)
+    loaded, source = load_task_file(out_a), open_environment("arithmetic")
 
     # The file loader knows no difficulty levels, so compare what a run uses.
     def triple(t):
@@ -106,9 +106,9 @@ def test_filter_band_matches_direct_estimates(checkpoint, capsys, tmp_path, even
     # The same estimates, computed here without the CLI, one task per engine call (batching must not matter).
     engine = load_engine(checkpoint, threads=1)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-    task_set = load_task_file(tasks)
+    environment = load_task_file(tasks)
     direct = estimate_pass_rates(
-        engine, tokenizer, task_set, list(range(8)), k=4, max_new_tokens=10, seed=5, tasks_per_batch=1
+        engine, tokenizer, environment, list(range(8)), k=4, max_new_tokens=10, seed=5, tasks_per_batch=1
     )
     expected = [e.task for e in direct if 0.25 <= e.pass_rate <= 0.5]
     assert summary["estimated"] == 8 and summary["kept"] == len(expected)

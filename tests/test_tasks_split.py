@@ -7,13 +7,13 @@ import itertools
 
 import pytest
 
-from prime_node.node.environments import ArithmeticConfig, ArithmeticTaskSet
+from prime_node.node.environments import ArithmeticConfig, ArithmeticEnvironment
 from prime_node.node.environments.split import ContentSplit
 from prime_node.node.errors import TaskError
 from prime_node.node.models.warmstart import WarmStartConfig, _training_problems, heldout_tasks
 from prime_node.trainer.devnet.tasks import TaskFilter
 
-LEVEL_1 = ArithmeticTaskSet(ArithmeticConfig(level_weights=(1, 0, 0, 0, 0)))
+LEVEL_1 = ArithmeticEnvironment(ArithmeticConfig(level_weights=(1, 0, 0, 0, 0)))
 
 
 def level_1_prompts() -> set[str]:
@@ -72,9 +72,13 @@ def test_offline_filter_selects_one_side_of_the_split() -> None:
     split = ContentSplit(0.3)
     trainable = TaskFilter(count=300, heldout_fraction=0.3)
     held = TaskFilter(count=300, heldout_fraction=0.3, heldout=True)
-    family = ArithmeticTaskSet()
-    assert sorted(trainable.selected_indices() + held.selected_indices()) == list(range(300))
-    assert all(split.is_heldout(family.get(i).prompt) for i in held.selected_indices())
-    assert not any(split.is_heldout(family.get(i).prompt) for i in trainable.selected_indices())
-    assert TaskFilter(count=5, offset=7).selected_indices() == [7, 8, 9, 10, 11]
+    family = ArithmeticEnvironment()
+    assert sorted(trainable.selected_indices(family) + held.selected_indices(family)) == list(range(300))
+    assert all(split.is_heldout(family.get(i).prompt) for i in held.selected_indices(family))
+    assert not any(split.is_heldout(family.get(i).prompt) for i in trainable.selected_indices(family))
+    assert TaskFilter(count=5, offset=7).selected_indices(family) == [7, 8, 9, 10, 11]
+    small = ArithmeticEnvironment(
+        ArithmeticConfig(size=10)
+    )  # an environment smaller than the count: all of it
+    assert TaskFilter(count=5, offset=7).selected_indices(small) == [7, 8, 9]
     assert "held-out side of a 0.3 content split" in held.describe()

@@ -37,6 +37,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 import prime_node.p2p
+from prime_node.p2p.environment_identity import EnvironmentIdentity
 from prime_node.p2p.errors import SignatureError
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.names import RUN_ID_PATTERN
@@ -294,7 +295,12 @@ CARRIERS = [
             run=RunParameters(
                 run_id=RUN,
                 run_seed=0,
-                tasks="builtin:arithmetic",
+                environment=EnvironmentIdentity(
+                    name="arithmetic",
+                    package="prime-node",
+                    version="0.1.0",
+                    content_hash="sha256:" + "ab" * 32,
+                ),
                 samples=4,
                 temperature=1.0,
                 max_new_tokens=64,

@@ -65,10 +65,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="thinking-length targets of the run (default: the run's)",
     )
     p.add_argument(
+        "--env",
+        default=None,
+        metavar="NAME[:ARGS]",
+        help="the run's task environment (default arithmetic; prime-node tasks list; docs/environments.md)",
+    )
+    p.add_argument(
         "--all-tasks",
         action="store_true",
-        help="train on the whole built-in task set instead of the problems the model solves 1-4 "
-        "times in 8 (offline difficulty filtering, cached beside the model)",
+        help="train on the whole environment instead of the tasks the model solves 1-4 times in 8 "
+        "(offline difficulty filtering of its first 1200, cached beside the model)",
     )
     p.add_argument("--run-id", default="devnet", help="run id (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the final report as JSON (no live view)")
@@ -83,8 +89,11 @@ def devnet(args: argparse.Namespace) -> int:
     from ...trainer.devnet.runner import Devnet, DevnetOptions, attack_kinds
     from ...trainer.devnet.tasks import TaskFilter
     from ...trainer.devnet.view import LiveView
+    from ..environments import DEFAULT_ENV, open_environment
 
     settings = load_settings(args, CommonSettings)
+    env = args.env or DEFAULT_ENV
+    open_environment(env)  # a bad or missing environment stops here, before any process starts
     for name in ("nodes", "steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1")
@@ -107,7 +116,8 @@ def devnet(args: argparse.Namespace) -> int:
         steps=args.steps,
         run_id=args.run_id,
         sizing=sizing,
-        task_filter=None if args.all_tasks else TaskFilter(),
+        env=env,
+        task_filter=None if args.all_tasks else TaskFilter(env=env),
         progress=not args.json,
     )
     # With --json, stdout carries only the report: the view's lines go to stderr, plain, and no bar is drawn.

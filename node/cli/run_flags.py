@@ -12,6 +12,7 @@ from .flags import Flag, SettingsFlags
 RUN_FLAGS = (
     Flag("run.run_id"),
     Flag("run.run_seed"),
+    Flag("run.env", metavar="NAME[:ARGS]"),
     Flag("run.tasks"),
     Flag("run.task_seed"),
     Flag("run.samples"),

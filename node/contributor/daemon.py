@@ -21,7 +21,7 @@ from ...p2p.swarm.hardware import local_hardware
 from ...p2p.weights.store import Store
 from ..errors import ConfigError, NodeError, OperatorActionNeeded
 from ..run.announcement import agreed_policies, run_parameters
-from ..run.settings import engine_for_run, open_run_task_set
+from ..run.settings import engine_for_run, open_run_environment
 from ..runtime.supervisor import Supervisor, TaskCrashed
 from .checkpoints import CheckpointKeeper
 from .delivery import Delivery
@@ -194,13 +194,20 @@ class ContributorNode:
         )
         # Opened once (a file is read and hashed): its identity is compared with every policy's, and the rollout
         # loop draws from this same object, so a task file edited in place cannot change the tasks unnoticed.
-        task_set = await asyncio.to_thread(open_run_task_set, s.run)
+        environment = await asyncio.to_thread(open_run_environment, s.run)
         loop = self.rollout_loop(
-            s, identity, keeper, outbox, state, executor, on_committed=delivery.committed, task_set=task_set
+            s,
+            identity,
+            keeper,
+            outbox,
+            state,
+            executor,
+            on_committed=delivery.committed,
+            environment=environment,
         )
 
         ours = run_parameters(
-            s.run, task_set
+            s.run, environment
         )  # every announced policy must carry these (run_announcement.py)
 
         async def watch_policy() -> None:

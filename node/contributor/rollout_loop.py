@@ -22,7 +22,7 @@ from typing import Any
 from ...p2p.identity import Identity
 from ...proofs.rollout_file import signature_path
 from ..engine import InferenceEngine, load_engine
-from ..environments import TaskSet
+from ..environments import Environment
 from ..errors import NodeError, PromptError
 from ..run.producer import BatchSpec, ProducedBatch, produce_rollout_file
 from ..run.settings import engine_for_run, load_run_tasks
@@ -53,7 +53,7 @@ class RolloutLoop:
         state: NodeState,
         executor: ThreadPoolExecutor,
         on_committed: Any = None,
-        task_set: TaskSet | None = None,
+        environment: Environment | None = None,
     ) -> None:
         self.settings = settings
         self.identity = identity
@@ -62,8 +62,8 @@ class RolloutLoop:
         self.state = state
         self.executor = executor
         self.on_committed = on_committed  # (sha256, summary) after each commit: wakes the hand-off task
-        self.task_set = (
-            task_set  # the run's, opened once by the caller (None: opened at each checkpoint load)
+        self.environment = (
+            environment  # the run's, opened once by the caller (None: opened at each checkpoint load)
         )
         self.batches_done = 0
         self._engine: InferenceEngine | None = None
@@ -115,7 +115,7 @@ class RolloutLoop:
         engine = load_engine(
             directory, **engine_for_run(self.settings.engine, self.settings.run).model_dump()
         )
-        return engine, load_run_tasks(self.settings.run, directory, self.task_set)
+        return engine, load_run_tasks(self.settings.run, directory, self.environment)
 
     def _next_counter(self, step: int) -> int:
         try:

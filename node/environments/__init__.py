@@ -1,39 +1,46 @@
-"""Task sets (the built-in arithmetic family and local task files) and the verifiers that score them."""
+"""Task environments (environment.py: the interface; registry.py: `--env NAME[:ARGS]` through entry points),
+the built-in ones (arithmetic, file), the verifiers that score them, and what every role does with them."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from pydantic import ValidationError
 
 from ..errors import TaskError
-from .arithmetic import LEVELS, ArithmeticConfig, ArithmeticTaskSet
-from .files import FileTaskSet, load_task_file
-from .types import Task, TaskSet
+from .arithmetic import LEVELS, ArithmeticConfig, ArithmeticEnvironment
+from .environment import Environment, EnvironmentIdentity, ScoringLimits
+from .files import FileEnvironment, load_task_file
+from .registry import DEFAULT_ENV, open_environment, parse_spec
+from .types import Task
 from .verifier import VERIFIERS, get_verifier, register_verifier, score
 
+# The `--tasks` spelling of the built-in family, from before environments (run.tasks still takes it).
 BUILTIN_TASKS = "builtin:arithmetic"
 
 __all__ = [
     "BUILTIN_TASKS",
+    "DEFAULT_ENV",
     "VERIFIERS",
     "ArithmeticConfig",
-    "ArithmeticTaskSet",
-    "FileTaskSet",
+    "ArithmeticEnvironment",
+    "Environment",
+    "EnvironmentIdentity",
+    "FileEnvironment",
+    "ScoringLimits",
     "Task",
-    "TaskSet",
     "get_verifier",
     "load_task_file",
-    "open_task_set",
+    "open_environment",
+    "parse_spec",
     "register_verifier",
     "score",
+    "spec_of_tasks",
 ]
 
 
-def _builtin_config(spec: str, seed: int) -> ArithmeticConfig:
-    """`builtin:arithmetic[?levels=3,3,2,1,1][&size=N][&seed=S]`, the form ArithmeticTaskSet.name prints."""
+def _builtin_options(spec: str) -> str:
+    """`builtin:arithmetic[?levels=3,3,2,1,1][&size=N][&seed=S]` as arithmetic's ARGS."""
     _, _, query = spec.partition("?")
-    fields: dict[str, object] = {"seed": seed}
+    options: list[str] = []
     try:
         for item in filter(None, query.split("&")):
             key, sep, value = item.partition("=")
@@ -43,10 +50,12 @@ def _builtin_config(spec: str, seed: int) -> ArithmeticConfig:
                 weights = tuple(int(v) for v in value.split(","))
                 if len(weights) != len(LEVELS):
                     raise ValueError(f"levels needs {len(LEVELS)} weights (levels 1..5), got {len(weights)}")
-                fields["level_weights"] = weights
+                ArithmeticConfig(level_weights=weights)
+                value = "/".join(str(w) for w in weights)
             else:
-                fields[key] = int(value)
-        return ArithmeticConfig.model_validate(fields)
+                ArithmeticConfig.model_validate({key: int(value)})
+            options.append(f"{key}={value}")
+        return ",".join(options)
     except ValidationError as exc:
         problem = "; ".join(f"{err['loc'][0]}: {err['msg']}" for err in exc.errors())
     except ValueError as exc:
@@ -55,8 +64,10 @@ def _builtin_config(spec: str, seed: int) -> ArithmeticConfig:
     raise TaskError(f"bad built-in task spec {spec!r}: {problem}; use {usage}")
 
 
-def open_task_set(tasks: str | Path | None, *, seed: int = 0) -> TaskSet:
-    """The run's task set: the built-in family (None or "builtin:arithmetic[?...]") or a local file."""
-    if tasks is None or str(tasks) == BUILTIN_TASKS or str(tasks).startswith(BUILTIN_TASKS + "?"):
-        return ArithmeticTaskSet(_builtin_config(str(tasks or BUILTIN_TASKS), seed))
-    return load_task_file(Path(tasks))
+def spec_of_tasks(tasks: str | None) -> str:
+    """The environment spec of a `--tasks` value: None or `builtin:arithmetic[?...]` is the arithmetic
+    environment, anything else a task file (`file:PATH`)."""
+    if tasks is None or tasks == BUILTIN_TASKS or tasks.startswith(BUILTIN_TASKS + "?"):
+        options = _builtin_options(tasks or BUILTIN_TASKS)
+        return DEFAULT_ENV + (f":{options}" if options else "")
+    return f"file:{tasks}"

@@ -23,12 +23,17 @@ import operator
 import struct
 from collections.abc import Callable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import TaskError
+from .environment import EnvironmentIdentity, ScoringLimits
+from .registry import builtin_identity, content_hash, parse_options
 from .types import Task
+from .verifier import integer_match
 
+NAME = "arithmetic"
 TASK_TYPE = "arithmetic"
+INLINE = ScoringLimits(isolation="inline")
 LEVELS = (1, 2, 3, 4, 5)
 MAX_SEED = 2**63 - 1
 _DOMAIN = b"prime-node/arithmetic/v1\x00"
@@ -140,20 +145,33 @@ def make_problem(seed: int, index: int, level_weights: tuple[int, ...]) -> Task:
     return Task(prompt=f"{text}=", answer=str(value), task_type=TASK_TYPE, difficulty=level)
 
 
-class ArithmeticTaskSet:
-    """The built-in family as a TaskSet: `size` problems, each fixed by (config.seed, index)."""
+class ArithmeticEnvironment:
+    """The built-in family as an Environment: `size` problems, each fixed by (config.seed, index), scored by
+    integer match (inline: verifier.py bounds its input before parsing)."""
 
     def __init__(self, config: ArithmeticConfig | None = None) -> None:
         self.config = config or ArithmeticConfig()
+        # The generator's version (its domain tag) and whole configuration: nothing local.
+        configuration = {
+            "generator": _DOMAIN.rstrip(b"\x00").decode(),
+            "seed": self.config.seed,
+            "size": self.config.size,
+            "levels": list(self.config.level_weights),
+        }
+        self._identity = builtin_identity(NAME, content_hash(configuration))
 
     @property
-    def name(self) -> str:
-        weights = ",".join(str(w) for w in self.config.level_weights)
-        return f"builtin:arithmetic?seed={self.config.seed}&size={self.config.size}&levels={weights}"
+    def spec(self) -> str:
+        weights = "/".join(str(w) for w in self.config.level_weights)
+        return f"{NAME}:seed={self.config.seed},size={self.config.size},levels={weights}"
 
     @property
-    def identity(self) -> str:
-        return self.name  # the generator's whole configuration, nothing local
+    def identity(self) -> EnvironmentIdentity:
+        return self._identity
+
+    @property
+    def scoring(self) -> ScoringLimits:
+        return INLINE
 
     def __len__(self) -> int:
         return self.config.size
@@ -161,6 +179,43 @@ class ArithmeticTaskSet:
     def get(self, index: int) -> Task:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.config.size:
             raise TaskError(
-                f"task index {index!r} is out of range for {self.name} (0..{self.config.size - 1})"
+                f"task index {index!r} is out of range for {self.spec} (0..{self.config.size - 1})"
             )
         return make_problem(self.config.seed, index, self.config.level_weights)
+
+    def score(self, completion: str, task: Task) -> float:
+        return integer_match(completion, task.answer)
+
+
+class ArithmeticOptions(BaseModel):
+    """`--env arithmetic:seed=S,size=N,levels=3/3/2/1/1`: every key optional (seed: the run's task seed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Task-set seed (default: run.task_seed).")
+    size: int | None = Field(None, ge=1, le=MAX_SEED, description="Number of problems.")
+    levels: list[int] | None = Field(
+        None, description="Relative frequency of levels 1..5, five integers separated by '/'."
+    )
+
+    @field_validator("levels")
+    @classmethod
+    def _five(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(value) != len(LEVELS):
+            raise ValueError(f"needs {len(LEVELS)} weights (levels 1..5) separated by '/', got {len(value)}")
+        return value
+
+
+def open_arithmetic(args: str, *, seed: int = 0) -> ArithmeticEnvironment:
+    """Procedurally generated integer arithmetic in five difficulty levels (built in)."""
+    options = parse_options(NAME, args, ArithmeticOptions)
+    fields: dict[str, object] = {"seed": seed if options.seed is None else options.seed}
+    if options.size is not None:
+        fields["size"] = options.size
+    if options.levels is not None:
+        fields["level_weights"] = tuple(options.levels)
+    try:
+        return ArithmeticEnvironment(ArithmeticConfig.model_validate(fields))
+    except ValidationError as exc:
+        problem = "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors())
+        raise TaskError(f"{NAME}: {problem}") from None

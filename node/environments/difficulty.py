@@ -4,11 +4,12 @@ INTELLECT-2 (section 3.1) found this decisive for learning: tasks the model alwa
 solves give groups whose rewards are all equal, hence all-zero advantages, and are thrown away by the
 trainer's online filter after costing a whole generation. Filtering once, offline, removes them first.
 
-Each task gets k completions sampled with the engine's Gumbel-max sampler; sample j of task i uses the
-seed SHA-256("prime-node/difficulty/v1" || seed || i || j) (first 8 bytes, top bit cleared), so the same
-command on any machine gives the same estimates. The estimate is the pass rate c / k (the unbiased
-pass@1 estimate from k samples); the band is applied to it, so with k = 8 the default band
-[0.125, 0.5] keeps tasks solved 1 to 4 times out of 8.
+Works for every environment: completions are scored by the environment's own scorer, bounded as it
+says (rewards.py), and a task passes when it scores 1.0. Each task gets k completions sampled with the
+engine's Gumbel-max sampler; sample j of task i uses the seed SHA-256("prime-node/difficulty/v1" || seed
+|| i || j) (first 8 bytes, top bit cleared), so the same command on any machine gives the same estimates.
+The estimate is the pass rate c / k (the unbiased pass@1 estimate from k samples); the band is applied to
+it, so with k = 8 the default band [0.125, 0.5] keeps tasks solved 1 to 4 times out of 8.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from ..engine import EngineSettings
 from ..engine.types import InferenceEngine, SampleRequest, SamplingParams
 from ..errors import TaskError
 from ..run.prompts import PromptBuilder
+from .environment import Environment
 from .files import JSONL_SUFFIXES, PARQUET_SUFFIXES
-from .types import Task, TaskSet
-from .verifier import score
+from .filtered import FilteredEnvironment
+from .rewards import EnvironmentScorer
+from .types import Task
 
 if TYPE_CHECKING:  # `prime-node tasks filter` builds its flags from FilterSettings: no transformers at load
     from transformers import PreTrainedTokenizerBase
@@ -58,7 +61,9 @@ class FilterSettings(CommonSettings):
     max_new_tokens: int = Field(64, ge=1, le=8192, description="Most tokens generated per completion.")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature (use the run's).")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the sampling noise.")
-    task_seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the built-in task family.")
+    task_seed: int = Field(
+        0, ge=0, le=MAX_SEED, description="Seed of generated environments unless the spec gives one."
+    )
     offset: int = Field(0, ge=0, description="First task index to estimate.")
     limit: int | None = Field(
         None,
@@ -76,7 +81,7 @@ class FilterSettings(CommonSettings):
 
 @dataclass(frozen=True)
 class TaskEstimate:
-    index: int  # position of the task in its task set
+    index: int  # position of the task in its environment
     task: Task
     passes: int  # completions the verifier scored 1.0
     k: int
@@ -89,7 +94,7 @@ class TaskEstimate:
 def estimate_pass_rates(
     engine: InferenceEngine,
     tokenizer: PreTrainedTokenizerBase,
-    task_set: TaskSet,
+    environment: Environment,
     indices: Sequence[int],
     *,
     k: int,
@@ -100,16 +105,17 @@ def estimate_pass_rates(
     progress: Callable[[int], None] | None = None,
     system_prompt: str = "",
 ) -> list[TaskEstimate]:
-    """k seeded completions per task, scored by the task's verifier; `progress(n)` after n more tasks.
+    """k seeded completions per task, scored by the environment; `progress(n)` after n more tasks.
     Prompts are built as in the run (`system_prompt`: the run's, for a chat model)."""
     if k < 1 or tasks_per_batch < 1:
         raise TaskError("k and tasks_per_batch must be >= 1")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    scorer = EnvironmentScorer(environment)
     # The prompts a run gives this model (node/run/prompts.py): raw text, or its chat template's user turn.
     prompts = PromptBuilder(tokenizer, system_prompt=system_prompt)
     out: list[TaskEstimate] = []
     for start in range(0, len(indices), tasks_per_batch):
-        chunk = [(i, task_set.get(i)) for i in indices[start : start + tasks_per_batch]]
+        chunk = [(i, environment.get(i)) for i in indices[start : start + tasks_per_batch]]
         requests = []
         for i, task in chunk:
             prompt = prompts.ids(task.prompt)
@@ -118,8 +124,8 @@ def estimate_pass_rates(
         completions = engine.generate(requests, params, capture_hidden=False)
         for n, (i, task) in enumerate(chunk):
             mine = completions[n * k : (n + 1) * k]
-            texts = [tokenizer.decode(list(c.output_ids), skip_special_tokens=True) for c in mine]
-            passes = sum(1 for t in texts if score(task.task_type, t, task.answer) == 1.0)
+            texts = [str(tokenizer.decode(list(c.output_ids), skip_special_tokens=True)) for c in mine]
+            passes = sum(1 for t in texts if scorer(t, task) == 1.0)
             out.append(TaskEstimate(i, task, passes, k))
         if progress is not None:
             progress(len(chunk))
@@ -153,12 +159,15 @@ def render_histogram(counts: Sequence[int], k: int, low: float, high: float, wid
     return "\n".join(lines)
 
 
-def write_task_file(path: Path, estimates: Sequence[TaskEstimate]) -> None:
-    """Write the kept tasks as JSONL or Parquet (by suffix) in the form node/environments/files.py reads.
+def write_task_file(path: Path, estimates: Sequence[TaskEstimate], environment: Environment) -> None:
+    """Write the kept tasks of `environment` as JSONL or Parquet (by suffix): a file `filtered:PATH` reopens
+    as those tasks of that environment, scored by it (filtered.py), and `file:PATH` reads as a task file
+    where its task types need nothing but the row (arithmetic, integer, exact, math, code).
 
-    `source_index` and `pass_rate` are extra columns the loader ignores; they record where each task
-    came from and why it was kept. Written to a temporary file, then renamed, so a crash leaves no
-    half-written task file behind.
+    `source` (the environment's spec) and `source_index` say where each task came from, `pass_rate` why it
+    was kept; the task-file loader ignores them. A filtered environment's tasks are written as those of its
+    own source, so filtering again narrows the set instead of nesting files. Written to a temporary file,
+    then renamed, so a crash leaves no half-written task file behind.
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -170,12 +179,18 @@ def write_task_file(path: Path, estimates: Sequence[TaskEstimate]) -> None:
             f"no task has a pass rate in the band, so {path} would be empty (the loader refuses empty "
             "files); widen --min/--max, raise --k or filter more tasks"
         )
+    origin: Callable[[int], int] = lambda index: index  # noqa: E731
+    if isinstance(environment, FilteredEnvironment):
+        origin = environment.source_index
+        environment = environment.source
     records = [
         {
             "prompt": e.task.prompt,
             "answer": e.task.answer,
             "task_type": e.task.task_type,
-            "source_index": e.index,
+            "metadata": e.task.metadata,
+            "source": environment.spec,
+            "source_index": origin(e.index),
             "pass_rate": e.pass_rate,
         }
         for e in estimates

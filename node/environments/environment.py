@@ -23,37 +23,29 @@ from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The identity is a wire type (the run pins it: p2p/environment_identity.py); it is re-exported here, with the
+# patterns of its fields, as part of the interface.
+from ...p2p.environment_identity import (
+    CONTENT_HASH_PATTERN,
+    ENV_NAME_PATTERN,
+    PACKAGE_PATTERN,
+    VERSION_PATTERN,
+    EnvironmentIdentity,
+)
 from .types import Task
 
+__all__ = [
+    "CONTENT_HASH_PATTERN",
+    "ENTRY_POINT_GROUP",
+    "ENV_NAME_PATTERN",
+    "PACKAGE_PATTERN",
+    "VERSION_PATTERN",
+    "Environment",
+    "EnvironmentIdentity",
+    "ScoringLimits",
+]
+
 ENTRY_POINT_GROUP = "prime_node.environments"
-# Names of environments in specs, parameters and logs (`--env NAME[:ARGS]`).
-ENV_NAME_PATTERN = r"[a-z][a-z0-9_]{0,63}"
-CONTENT_HASH_PATTERN = r"sha256:[0-9a-f]{64}"
-
-
-class EnvironmentIdentity(BaseModel):
-    """What peers compare to know they draw the same tasks and score them the same way.
-
-    `version` is the version of the distribution that provides the environment (the package a peer must
-    install); `content_hash` covers the environment's configuration (family, mix, seed, size), the bytes of
-    any task file, and anything else its tasks or rewards depend on, so two machines agree on it exactly
-    when they would draw and score identically.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    name: str = Field(..., pattern=f"^{ENV_NAME_PATTERN}$", description="Registered environment name.")
-    package: str = Field(
-        ..., min_length=1, max_length=128, description="Distribution that provides it (what to install)."
-    )
-    version: str = Field(..., min_length=1, max_length=64, description="That distribution's version.")
-    content_hash: str = Field(
-        ..., pattern=f"^{CONTENT_HASH_PATTERN}$", description="Hash of what defines its tasks and scores."
-    )
-
-    def describe(self) -> str:
-        """For messages: `reasoning_gym (reasoning-gym 0.1.25, sha256:0123456789ab...)`."""
-        return f"{self.name} ({self.package} {self.version}, {self.content_hash[:19]}...)"
 
 
 class ScoringLimits(BaseModel):

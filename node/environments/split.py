@@ -12,7 +12,8 @@ import hashlib
 from collections.abc import Iterator
 
 from ..errors import TaskError
-from .types import Task, TaskSet
+from .environment import Environment
+from .types import Task
 
 _DOMAIN = b"prime-node/heldout-split/v1\x00"
 _SCALE = 1 << 64
@@ -31,20 +32,20 @@ class ContentSplit:
         digest = hashlib.sha256(_DOMAIN + prompt.encode("utf-8")).digest()
         return int.from_bytes(digest[:8], "big") < self._bound
 
-    def trainable(self, task_set: TaskSet, start: int = 0) -> Iterator[Task]:
-        """The problems of `task_set` from index `start` upwards whose prompts are not held out."""
-        for index in range(start, len(task_set)):
-            task = task_set.get(index)
+    def trainable(self, environment: Environment, start: int = 0) -> Iterator[Task]:
+        """The problems of `environment` from index `start` upwards whose prompts are not held out."""
+        for index in range(start, len(environment)):
+            task = environment.get(index)
             if not self.is_heldout(task.prompt):
                 yield task
 
-    def heldout_from_end(self, task_set: TaskSet, count: int, scan_limit: int) -> list[Task]:
+    def heldout_from_end(self, environment: Environment, count: int, scan_limit: int) -> list[Task]:
         """Up to `count` held-out problems, scanning down from the last index (at most `scan_limit` indices):
         the end of the set is where evaluation problems have always come from, far from the training indices."""
         found: list[Task] = []
-        stop = max(len(task_set) - scan_limit, 0)
-        for index in range(len(task_set) - 1, stop - 1, -1):
-            task = task_set.get(index)
+        stop = max(len(environment) - scan_limit, 0)
+        for index in range(len(environment) - 1, stop - 1, -1):
+            task = environment.get(index)
             if self.is_heldout(task.prompt):
                 found.append(task)
                 if len(found) == count:

@@ -1,8 +1,6 @@
-"""What a task is, and the one interface every task set offers (built-in family and local files alike)."""
+"""What a task is: what an environment (environment.py) gives for an index."""
 
 from __future__ import annotations
-
-from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,7 +27,8 @@ class Task(BaseModel):
         min_length=1,
         max_length=MAX_TASK_TYPE_CHARS,
         pattern=r"^[a-z][a-z0-9_]*$",
-        description="Names the verifier (see verifier.VERIFIERS) that turns a completion into a reward.",
+        description="The kind of task; in task files it names the scorer (verifier.py) that turns a completion "
+        "into a reward.",
     )
     difficulty: int = Field(0, ge=0, le=100, description="Difficulty level; 0 when unknown (file tasks).")
     metadata: str = Field(
@@ -37,29 +36,3 @@ class Task(BaseModel):
         max_length=MAX_METADATA_CHARS,
         description="Canonical JSON object the environment's scorer needs besides the answer; {} when none.",
     )
-
-
-@runtime_checkable
-class TaskSet(Protocol):
-    """A finite, indexable collection of tasks; the same index always gives the same task.
-
-    Contributors pick indices with a seeded PRNG and validators re-derive them, so `get` must be a pure
-    function of the index (and the set's own seed or file), never of call order.
-    """
-
-    @property
-    def name(self) -> str:
-        """A short, stable description of where the tasks come from (logged and recorded with models)."""
-        ...
-
-    @property
-    def identity(self) -> str:
-        """What peers compare to know they draw the same tasks: the same on every machine that holds the
-        same tasks, whatever the local path (the run's operator announces it: docs/protocol.md)."""
-        ...
-
-    def __len__(self) -> int: ...
-
-    def get(self, index: int) -> Task:
-        """The task at `index`, 0 <= index < len(self); raises TaskError otherwise."""
-        ...

@@ -9,12 +9,15 @@ Arabic-Indic or full-width digits, which would make "٤٦" score like "46").
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable
 
 from ..errors import TaskError
+from .types import Task
 
 Verifier = Callable[[str, str], float]
+TaskScorer = Callable[[str, Task], float]
 
 # Longest completion a verifier looks at; anything longer earns 0 without being scanned further.
 MAX_COMPLETION_CHARS = 65_536
@@ -98,3 +101,36 @@ def get_verifier(task_type: str) -> Verifier:
 def score(task_type: str, completion: str, answer: str) -> float:
     """The reward of `completion` for a task of `task_type` with reference `answer`."""
     return get_verifier(task_type)(completion, answer)
+
+
+# Task types of task files whose scorer needs the whole task (its metadata: a program's tests) and runs
+# outside the scoring process (environment.py, ScoringLimits): task type -> (module, function, isolation).
+# The modules are node/environments/math.py and code.py; a task file that names one of these types is refused
+# at load where its module is missing, not scored 0 row by row.
+EXTERNAL_TASK_TYPES: dict[str, tuple[str, str, str]] = {
+    "math": ("prime_node.node.environments.math", "score_task", "process"),
+    "code": ("prime_node.node.environments.code", "score_task", "sandbox"),
+}
+
+
+def known_task_types() -> list[str]:
+    return sorted({*VERIFIERS, *EXTERNAL_TASK_TYPES})
+
+
+def task_scorer(task_type: str) -> tuple[TaskScorer, str]:
+    """(scorer of a whole task, isolation it needs: inline, process or sandbox) for `task_type`."""
+    if task_type in VERIFIERS:
+        verifier = VERIFIERS[task_type]
+        return (lambda completion, task: verifier(completion, task.answer)), "inline"
+    if task_type not in EXTERNAL_TASK_TYPES:
+        raise TaskError(
+            f"no verifier for task type {task_type!r}; known task types: {', '.join(known_task_types())}"
+        )
+    module, function, isolation = EXTERNAL_TASK_TYPES[task_type]
+    try:
+        scorer = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as exc:
+        raise TaskError(
+            f"task type {task_type!r} is scored by {module}.{function}, which this install lacks ({exc})"
+        ) from None
+    return scorer, isolation

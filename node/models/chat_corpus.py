@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..environments.arithmetic import ArithmeticConfig, ArithmeticTaskSet
+from ..environments.arithmetic import ArithmeticConfig, ArithmeticEnvironment
 from ..environments.length import thinking_suffix
 
 CORPUS_VERSION = "prime-node/chat-corpus/v1"
@@ -63,7 +63,7 @@ def _pick(options: tuple[str, ...], n: int) -> str:
 
 def corpus_lines() -> Iterator[str]:
     """Every training line, in a fixed order (index-driven choices, no random generator)."""
-    tasks = ArithmeticTaskSet(ArithmeticConfig(seed=0))
+    tasks = ArithmeticEnvironment(ArithmeticConfig(seed=0))
     for i in range(ARITHMETIC_LINES):
         task = tasks.get(i)
         yield f"{task.prompt}{task.answer}"

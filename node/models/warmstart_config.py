@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..environments.arithmetic import ArithmeticConfig, ArithmeticTaskSet
+from ..environments.arithmetic import ArithmeticConfig, ArithmeticEnvironment
 
 
 class WarmStartConfig(BaseModel):
@@ -50,10 +50,12 @@ class WarmStartConfig(BaseModel):
         1, ge=1, le=256, description="torch CPU threads; the weights' hash can depend on it."
     )
 
-    def train_tasks(self) -> ArithmeticTaskSet:
-        return ArithmeticTaskSet(
+    def train_tasks(self) -> ArithmeticEnvironment:
+        return ArithmeticEnvironment(
             ArithmeticConfig(seed=self.task_seed, level_weights=self.train_level_weights)
         )
 
-    def eval_tasks(self) -> ArithmeticTaskSet:
-        return ArithmeticTaskSet(ArithmeticConfig(seed=self.task_seed, level_weights=self.eval_level_weights))
+    def eval_tasks(self) -> ArithmeticEnvironment:
+        return ArithmeticEnvironment(
+            ArithmeticConfig(seed=self.task_seed, level_weights=self.eval_level_weights)
+        )

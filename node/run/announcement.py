@@ -13,16 +13,17 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator
 
+from ...p2p.environment_identity import EnvironmentIdentity
 from ...p2p.swarm.records import PolicyAnnouncement, RunParameters
-from ..environments import TaskSet
+from ..environments import Environment
 from ..errors import NodeError, OperatorActionNeeded
-from .settings import RunSettings, open_run_task_set
+from .settings import RunSettings, open_run_environment
 
-# Announced field -> the setting that gives it (the task set's identity comes from two of them).
+# Announced field -> the setting that gives it (the environment's identity: what run.env opens here).
 _SETTING_OF = {
     "run_id": "run.run_id",
     "run_seed": "run.run_seed",
-    "tasks": "run.tasks (and run.task_seed for builtin:arithmetic)",
+    "environment": "run.env",
     "samples": "run.samples",
     "temperature": "run.temperature",
     "max_new_tokens": "run.max_new_tokens",
@@ -37,14 +38,14 @@ class RunMismatchError(NodeError, OperatorActionNeeded):
     """This party's run parameters differ from those the run's operator announces: it stops, naming them."""
 
 
-def run_parameters(run: RunSettings, tasks: TaskSet | None = None) -> RunParameters:
-    """The wire form of `run` with `tasks` (the run's task set, opened with open_run_task_set; None opens it:
+def run_parameters(run: RunSettings, environment: Environment | None = None) -> RunParameters:
+    """The wire form of `run` with `environment` (the run's, opened with open_run_environment; None opens it:
     a file is read and hashed, so call it off the event loop)."""
-    tasks = tasks if tasks is not None else open_run_task_set(run)
+    environment = environment if environment is not None else open_run_environment(run)
     return RunParameters(
         run_id=run.run_id,
         run_seed=run.run_seed,
-        tasks=tasks.identity,
+        environment=environment.identity,
         samples=run.samples,
         temperature=float(run.temperature),
         max_new_tokens=run.max_new_tokens,
@@ -60,12 +61,35 @@ def system_prompt_sha256(system_prompt: str) -> str | None:
     return hashlib.sha256(system_prompt.encode("utf-8")).hexdigest() if system_prompt else None
 
 
+def environment_difference(ours: EnvironmentIdentity, theirs: EnvironmentIdentity) -> str:
+    """What to do when the run's environment `theirs` is not the installed and configured `ours`."""
+    if ours.name != theirs.name:
+        return (
+            f"run.env: environment {ours.describe()} here, {theirs.describe()} in the run: install "
+            f"{theirs.requirement} and set run.env to the run's {theirs.name} environment"
+        )
+    if (ours.package, ours.version) != (theirs.package, theirs.version):
+        return (
+            f"run.env: environment {ours.name} is {ours.package} {ours.version} here, {theirs.package} "
+            f"{theirs.version} in the run: install {theirs.requirement}"
+        )
+    return (
+        f"run.env: environment {ours.name} ({ours.package} {ours.version}) is configured otherwise here "
+        f"({ours.content_hash}) than in the run ({theirs.content_hash}): set run.env (and run.task_seed) "
+        "as the run does, with the run's task file where it has one"
+    )
+
+
 def differences(ours: RunParameters, announced: RunParameters) -> list[str]:
     """One line per differing parameter: the setting, our value and the run's (empty when they agree)."""
     lines = []
     for name, setting in _SETTING_OF.items():
         mine, theirs = getattr(ours, name), getattr(announced, name)
-        if mine != theirs:
+        if mine == theirs:
+            continue
+        if name == "environment":
+            lines.append(environment_difference(mine, theirs))
+        else:
             lines.append(f"{setting}: {mine!r} here, {theirs!r} in the run")
     return lines
 

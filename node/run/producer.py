@@ -87,6 +87,8 @@ def produce_rows(engine: InferenceEngine, tasks: RunTasks, node_id: str, spec: B
                 sample_seed=seed,
                 temperature=spec.temperature,
                 max_new_tokens=spec.max_new_tokens,
+                environment=tasks.environment_pin,
+                prompt_format=tasks.prompt_format,
                 prompt_ids=completion.prompt_ids,
                 output_ids=completion.output_ids,
                 finish_reason=completion.finish_reason,

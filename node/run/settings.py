@@ -9,15 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ...p2p.names import MAX_LENGTH_TARGET, RUN_ID_PATTERN, RUN_ID_RULE
 from ...proofs.bounds import Precision
 from ...proofs.verifier_settings import VerifierSettings
 from ..config import CommonSettings, Section
 from ..engine import EngineSettings
-from ..environments import TaskSet, open_task_set
-from ..errors import NodeError
+from ..environments import Environment, open_environment, parse_spec, spec_of_tasks
+from ..environments.registry import MAX_SPEC_CHARS
+from ..errors import NodeError, TaskError
 from .prompts import MAX_SYSTEM_PROMPT_CHARS
 
 if TYPE_CHECKING:
@@ -31,8 +32,21 @@ class RunSettings(Section):
     # their swarm's run id from it.
     run_id: str = Field("local", pattern=RUN_ID_PATTERN, description=f"Name of the RL run: {RUN_ID_RULE}.")
     run_seed: int = Field(0, ge=0, lt=2**64, description="Seed of the deterministic work assignment.")
-    tasks: str | None = Field(None, description="Task file (Parquet/JSONL) or builtin:arithmetic (default).")
-    task_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the built-in task family.")
+    env: str | None = Field(
+        None,
+        max_length=MAX_SPEC_CHARS,
+        description="Task environment NAME[:ARGS] (prime-node tasks list; docs/environments.md); default "
+        "arithmetic, or run.tasks.",
+    )
+    tasks: str | None = Field(
+        None, description="Task file (Parquet/JSONL) or builtin:arithmetic: shorthand of env file:PATH."
+    )
+    task_seed: int = Field(
+        0,
+        ge=0,
+        lt=2**63,
+        description="Seed of generated environments (arithmetic) unless env's ARGS give one.",
+    )
     samples: int = Field(4, ge=1, le=1024, description="Completions per prompt (G).")
     length_targets: list[Annotated[int, Field(ge=1, le=MAX_LENGTH_TARGET)]] = Field(
         default_factory=list, max_length=32, description="Thinking-length targets in tokens; empty: off."
@@ -66,6 +80,27 @@ class RunSettings(Section):
         except UnicodeEncodeError as exc:
             raise ValueError(f"not valid UTF-8 text at character {exc.start}") from None
         return text
+
+    @field_validator("env")
+    @classmethod
+    def _spec(cls, env: str | None) -> str | None:
+        if env is not None:
+            try:  # its syntax now, at load; the environment itself is opened by the roles
+                parse_spec(env)
+            except TaskError as exc:
+                raise ValueError(str(exc)) from None
+        return env
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RunSettings:
+        if self.env is not None and self.tasks is not None:
+            raise ValueError("set run.env or run.tasks, not both (run.tasks PATH is run.env file:PATH)")
+        return self
+
+    @property
+    def env_spec(self) -> str:
+        """The run's environment spec: run.env, else run.tasks in environment form (arithmetic by default)."""
+        return self.env if self.env is not None else spec_of_tasks(self.tasks)
 
 
 def engine_for_run(engine: EngineSettings, run: RunSettings) -> EngineSettings:
@@ -145,16 +180,16 @@ class VerifySettings(CommonSettings):
     verifier: VerifierSettings = Field(default_factory=VerifierSettings, description="Checks and thresholds.")
 
 
-def open_run_task_set(run: RunSettings) -> TaskSet:
-    """The run's task set (a file is read, checked and hashed: call it off the event loop)."""
-    return open_task_set(run.tasks, seed=run.task_seed)
+def open_run_environment(run: RunSettings) -> Environment:
+    """The run's environment (a file is read, checked and hashed: call it off the event loop)."""
+    return open_environment(run.env_spec, seed=run.task_seed)
 
 
-def load_run_tasks(run: RunSettings, checkpoint: Path, task_set: TaskSet | None = None) -> RunTasks:
+def load_run_tasks(run: RunSettings, checkpoint: Path, environment: Environment | None = None) -> RunTasks:
     """The run's task rules with the checkpoint's own tokenizer and chat template (PromptError, at once, when
-    the template cannot render the run's prompts). Long-running processes pass the task set they
-    opened once at start (the one whose identity they compared with the run's), so that a task file edited
-    in place later cannot change the tasks under them; None opens it now."""
+    the template cannot render the run's prompts). Long-running processes pass the environment they opened
+    once at start (the one whose identity they compared with the run's), so that a task file edited in place
+    later cannot change the tasks under them; None opens it now."""
     from transformers import AutoTokenizer
 
     from .validation import RunTasks
@@ -164,7 +199,7 @@ def load_run_tasks(run: RunSettings, checkpoint: Path, task_set: TaskSet | None 
     except (OSError, ValueError) as exc:
         raise NodeError(f"cannot load the tokenizer of {checkpoint}: {exc}") from None
     return RunTasks(
-        task_set if task_set is not None else open_run_task_set(run),
+        environment if environment is not None else open_run_environment(run),
         tokenizer,
         length_targets=run.length_targets,
         length_alpha=run.length_alpha,

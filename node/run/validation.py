@@ -3,9 +3,11 @@
 `RunTasks` is the one place that turns an assigned (task index, sample seed) into prompt tokens and a
 completion into rewards, so the contributor that writes a rollout file and the validator that checks it
 compute the same values. Prompts are built by prompts.py (the raw task text, or the checkpoint's chat
-template with the run's system prompt). Length rewards follow trainer/grpo/advantages.py: the target is
-drawn from the sample seed, the prompt carries the thinking instruction, and the penalty is alpha *
-|len(output) - target| with len(output) counting every output token (EOS included).
+template with the run's system prompt). Task rewards come from the run's environment through its
+ScoringLimits (node/environments/rewards.py: inline, or bounded in a worker). Length rewards follow
+trainer/grpo/advantages.py: the target is drawn from the sample seed, the prompt carries the thinking
+instruction, and the penalty is alpha * |len(output) - target| with len(output) counting every output
+token (EOS included).
 """
 
 from __future__ import annotations
@@ -26,38 +28,46 @@ from ...proofs.verifier import (
     VerifierSettings,
     run_checks,
 )
-from ..environments import TaskSet, score
+from ..environments import Environment
 from ..environments.length import draw_target_length, length_penalty
+from ..environments.rewards import EnvironmentScorer
 from ..errors import PromptError
 from .prompts import PromptBuilder
 
 
 class RunTasks:
-    """Prompts and rewards of a run: its task set, tokenizer, system prompt and length-reward settings.
+    """Prompts and rewards of a run: its environment, tokenizer, system prompt and length-reward settings.
 
     Construction renders a probe prompt (PromptBuilder.check): a chat template that cannot render the run's
     prompts raises PromptError here, when a node or validator loads the checkpoint, not mid-run."""
 
     def __init__(
         self,
-        task_set: TaskSet,
+        environment: Environment,
         tokenizer: PreTrainedTokenizerBase,
         *,
         length_targets: Sequence[int] = (),
         length_alpha: float = 0.0,
         system_prompt: str = "",
     ) -> None:
-        self.task_set = task_set
+        self.environment = environment
         self.tokenizer = tokenizer
         self.length_targets = tuple(length_targets)
         self.length_alpha = length_alpha
-        self.task_count = len(task_set)
+        self.task_count = len(environment)
+        self.scorer = EnvironmentScorer(environment)
         self.prompts = PromptBuilder(tokenizer, system_prompt=system_prompt)
-        self.prompts.check([task_set.get(0).prompt] if self.task_count else [], self.length_targets)
+        self.prompts.check([environment.get(0).prompt] if self.task_count else [], self.length_targets)
+
+    @property
+    def environment_pin(self) -> str:
+        """What every row of this run carries as `environment` (the validator compares it)."""
+        return self.environment.identity.pin
 
     @property
     def prompt_format(self) -> str:
-        """The prompt format's name, "sha256:<hex>" of (mode, chat template, system prompt, length instruction)."""
+        """What every row carries as `prompt_format`: "sha256:<hex>" of (mode, chat template, system prompt,
+        length instruction)."""
         return self.prompts.prompt_format
 
     def target_length(self, sample_seed: int) -> int | None:
@@ -66,7 +76,7 @@ class RunTasks:
     @functools.lru_cache(maxsize=4096)  # noqa: B019 (one RunTasks lives as long as its run)
     def _encoded_prompt(self, sample_index: int, target: int | None) -> tuple[int, ...]:
         try:
-            return self.prompts.ids(self.task_set.get(sample_index).prompt, target)
+            return self.prompts.ids(self.environment.get(sample_index).prompt, target)
         except PromptError as exc:  # a template that fails only for some texts: name the task
             raise PromptError(f"task {sample_index}: {exc}") from None
 
@@ -77,9 +87,9 @@ class RunTasks:
         self, sample_index: int, sample_seed: int, output_ids: Sequence[int]
     ) -> tuple[float, float, int | None]:
         """(task reward, length penalty, target length) of one completion."""
-        task = self.task_set.get(sample_index)
-        text = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
-        task_reward = float(score(task.task_type, text, task.answer))
+        task = self.environment.get(sample_index)
+        text = str(self.tokenizer.decode(list(output_ids), skip_special_tokens=True))
+        task_reward = self.scorer(text, task)
         target = self.target_length(sample_seed)
         penalty = length_penalty(len(output_ids), target, self.length_alpha) if target is not None else 0.0
         return task_reward, penalty, target

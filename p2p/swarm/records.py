@@ -25,6 +25,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.utils import MSGPackSerializer
 from pydantic import Field, StringConstraints, ValidationError
 
+from ..environment_identity import EnvironmentIdentity
 from ..identity import Identity
 from ..names import MAX_LENGTH_TARGET, RUN_ID_PATTERN
 from ..signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, canonical_json, is_valid_signature
@@ -100,7 +101,7 @@ class RunParameters(WireModel):
 
     run_id: Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
     run_seed: int = Field(ge=0, lt=1 << 64)
-    tasks: Annotated[str, StringConstraints(min_length=1, max_length=256)]  # the task set's identity
+    environment: EnvironmentIdentity  # the run's task environment (p2p/environment_identity.py)
     samples: int = Field(ge=1, le=1024)
     temperature: float = Field(gt=0, le=10)
     max_new_tokens: int = Field(ge=1, le=8192)

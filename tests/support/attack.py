@@ -13,7 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import HFEngine, SampleRequest, SamplingParams, load_engine
-from prime_node.node.environments import open_task_set
+from prime_node.node.environments import open_environment
 from prime_node.node.models.tiny import TinyModelShape, build_tiny_model, save_model_dir
 from prime_node.node.run.producer import BatchSpec, produce_rows
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
@@ -51,7 +51,9 @@ def make_checkpoint(directory: Path, seed: int = MODEL_SEED, shape: TinyModelSha
 
 
 def run_tasks(checkpoint: Path) -> RunTasks:
-    return RunTasks(open_task_set(None), AutoTokenizer.from_pretrained(checkpoint, local_files_only=True))
+    return RunTasks(
+        open_environment("arithmetic"), AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    )
 
 
 def engine_from(model: torch.nn.Module) -> HFEngine:

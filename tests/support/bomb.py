@@ -34,6 +34,8 @@ def honest_row(node_id: str, index: int = 0, output_len: int = 40, **changes: An
         sample_seed=2**62 + index,
         temperature=1.0,
         max_new_tokens=64,
+        environment="arithmetic prime-node==0.1.0 sha256:" + "0" * 64,
+        prompt_format="raw",
         prompt_ids=tuple(int(t) for t in rng.integers(2, 250, 12)),
         output_ids=tuple(int(t) for t in rng.integers(2, 250, output_len - 1)) + (1,),
         finish_reason="eos",

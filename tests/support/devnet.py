@@ -36,6 +36,7 @@ def run_devnet(
     model: Path | None = None,
     sizing: Sizing = SMALL,
     task_filter: TaskFilter | None = None,
+    env: str = "arithmetic",
 ) -> tuple[dict[str, Any], Devnet, str]:
     """Run a devnet to completion; returns its report, the Devnet (for its PIDs) and the view's output."""
     out = io.StringIO()
@@ -48,6 +49,7 @@ def run_devnet(
         sizing=sizing,
         stall_timeout_s=240.0,
         task_filter=task_filter,
+        env=env,
     )
     devnet = Devnet(options, LiveView(steps, Console(file=out, width=120), live=False))
     report = devnet.run()

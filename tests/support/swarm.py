@@ -11,6 +11,7 @@ from typing import Any
 
 from hivemind.dht.routing import DHTID
 
+from prime_node.p2p.environment_identity import EnvironmentIdentity
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.processes import end_pids, pid_alive
 from prime_node.p2p.swarm import Hardware, RunParameters, Swarm, SwarmConfig
@@ -20,7 +21,9 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 RUN_PARAMETERS = RunParameters(
     run_id="swarmtest",
     run_seed=0,
-    tasks="builtin:arithmetic?seed=0&size=64&levels=3,3,2,1,1",
+    environment=EnvironmentIdentity(
+        name="arithmetic", package="prime-node", version="0.1.0", content_hash="sha256:" + "0" * 64
+    ),
     samples=4,
     temperature=1.0,
     max_new_tokens=64,

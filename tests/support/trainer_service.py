@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
-from prime_node.node.environments import open_task_set
+from prime_node.node.environments import open_environment
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
 from prime_node.p2p.identity import Identity
@@ -31,7 +31,9 @@ LENGTH_ALPHA = 0.02
 
 def run_tasks(checkpoint: Path) -> RunTasks:
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-    return RunTasks(open_task_set(None), tokenizer, length_targets=LENGTH_TARGETS, length_alpha=LENGTH_ALPHA)
+    return RunTasks(
+        open_environment("arithmetic"), tokenizer, length_targets=LENGTH_TARGETS, length_alpha=LENGTH_ALPHA
+    )
 
 
 def every_group_informative(path: Path) -> bool:

@@ -97,12 +97,12 @@ class DevnetLayout:
     sizing: Sizing = field(default_factory=Sizing)
     operator: Identity = field(init=False)
     members: list[Member] = field(default_factory=list)
-    tasks: Path | None = None  # the run's task file, given to every party; None: the built-in set
+    env_spec: str | None = None  # the run's environment, given to every party; None: the built-in arithmetic
 
     def run_flags(self) -> list[str]:
         """The run's parameters, the same for the trainer, the validator and every member."""
-        tasks = [] if self.tasks is None else ["--tasks", str(self.tasks)]
-        return ["--run-id", self.run_id, *tasks, *self.sizing.run_flags()]
+        env = [] if self.env_spec is None else ["--env", self.env_spec]
+        return ["--run-id", self.run_id, *env, *self.sizing.run_flags()]
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

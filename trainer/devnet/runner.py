@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...node.environments.registry import DEFAULT_ENV
 from ...p2p.processes import end_pids
 from ..errors import TrainerError
 from .attacks import ATTACKS
@@ -100,12 +101,18 @@ class DevnetOptions:
     steps: int = 10
     run_id: str = "devnet"
     sizing: Sizing = field(default_factory=Sizing)
-    task_filter: TaskFilter | None = field(default_factory=TaskFilter)  # None: the whole built-in set
+    env: str = DEFAULT_ENV  # the run's environment (its spec)
+    task_filter: TaskFilter | None = field(default_factory=TaskFilter)  # None: the whole environment
     start_timeout_s: float = 300.0  # each of trainer and validator to print its ready line
     stall_timeout_s: float = 900.0  # no new policy step for this long: something is wrong, stop
     ban_wait_s: float = 300.0  # after the last step, how long to wait for every adversary to be banned
     poll_s: float = 1.0
     progress: bool = False  # bars on stderr for the model's warm start and the task filter (a terminal only)
+
+
+def _given(env: str) -> str | None:
+    """The --env flag for `env`: none for the default, so a default devnet's commands are what they always were."""
+    return None if env == DEFAULT_ENV else env
 
 
 def ensure_model(model_dir: Path, view: LiveView, progress: bool = False) -> None:
@@ -149,7 +156,7 @@ class Devnet:
         self.options = options
         self.view = view
         o = options
-        self.layout = DevnetLayout(o.root, o.run_id, o.model_dir, o.sizing)
+        self.layout = DevnetLayout(o.root, o.run_id, o.model_dir, o.sizing, env_spec=_given(o.env))
         for i in range(o.nodes):
             self.layout.add_member(f"node-{i + 1}")
         for j, kind in enumerate(o.attacks):
@@ -174,10 +181,9 @@ class Devnet:
                             f"filtering tasks: sampling {o.task_filter.describe()} {o.task_filter.k} times "
                             "each with the model (once per model; a minute or two on 2 cores)"
                         )
-                    self.layout.tasks, summary = filtered_tasks(
-                        o.model_dir, o.task_filter, progress=o.progress
-                    )
+                    kept, summary = filtered_tasks(o.model_dir, o.task_filter, progress=o.progress)
                     self.view.message(summary)
+                    self.layout.env_spec = _given(o.env) if kept is None else f"filtered:{kept}"
                 ready_at = self._start()
                 setup_s = ready_at - began
                 self._watch()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ...node.run.announcement import run_parameters
-from ...node.run.settings import load_run_tasks, open_run_task_set
+from ...node.run.settings import load_run_tasks, open_run_environment
 from ...node.runtime.supervisor import Supervisor
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
@@ -180,12 +180,12 @@ class TrainerService:
         self.supervisor.on_shutdown("consumed-record", self._close_ledger)
         # An address no peer can dial stops the trainer now, before the model loads, not after.
         weights_sources(self.settings, f"http://{self.settings.serve.host}:{self.settings.serve.port}")
-        # Reads the run's task set: fails at start-up, not hours later, when it is unreadable.
-        task_set = await asyncio.to_thread(open_run_task_set, self.settings.run)
-        self.run_parameters = run_parameters(self.settings.run, task_set)
+        # Opens the run's environment: fails at start-up, not hours later, when it is unreadable.
+        environment = await asyncio.to_thread(open_run_environment, self.settings.run)
+        self.run_parameters = run_parameters(self.settings.run, environment)
         # Builds a prompt as every node and validator will (the model's chat template, the run's system
         # prompt): a template that cannot render them stops the trainer here, before any policy is announced.
-        await asyncio.to_thread(load_run_tasks, self.settings.run, self.model_dir, task_set)
+        await asyncio.to_thread(load_run_tasks, self.settings.run, self.model_dir, environment)
         step = await self._blocking(self.learner.resume)
         self.metrics.step.set(step)
         self.server = server = WeightsServer(

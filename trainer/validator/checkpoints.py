@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterable, Callable
 
 from ...node.engine import EngineSettings, InferenceEngine, load_engine
-from ...node.environments import TaskSet
+from ...node.environments import Environment
 from ...node.run.settings import RunSettings, load_run_tasks, validator_engine
 from ...node.run.validation import RunTasks
 from ...p2p.identity import Identity
@@ -42,12 +42,14 @@ class CheckpointKeeper:
         cached_engines: int = 2,
         fetch: FetchSettings | None = None,
         identity: Identity | None = None,
-        task_set: TaskSet | None = None,
+        environment: Environment | None = None,
         retry_s: float = 5.0,
         max_retry_s: float = 120.0,
     ) -> None:
         self.store = store
-        self.task_set = task_set  # the run's, opened once at start (None: opened with the first checkpoint)
+        self.environment = (
+            environment  # the run's, opened once at start (None: opened with the first checkpoint)
+        )
         self.trusted_key = trusted_key
         self.run = run
         self.engine_settings = validator_engine(engine)
@@ -95,7 +97,7 @@ class CheckpointKeeper:
         engine = load_engine(directory, **self.engine_settings.model_dump())
         with self._lock:
             if self._tasks is None:  # the tokenizer is the run's; it does not change between steps
-                self._tasks = load_run_tasks(self.run, directory, self.task_set)
+                self._tasks = load_run_tasks(self.run, directory, self.environment)
             self._engines[step] = engine
             while len(self._engines) > self.cached_engines:
                 self._engines.popitem(last=False)

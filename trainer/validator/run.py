@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from ...node.run.announcement import run_parameters
-from ...node.run.settings import open_run_task_set
+from ...node.run.settings import open_run_environment
 from ...node.runtime.supervisor import Supervisor
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
@@ -64,14 +64,14 @@ async def start_validator(
     settings: ValidatorSettings, identity: Identity, supervisor: Supervisor
 ) -> RunningValidator:
     settings = check_operator(settings, identity)
-    # The run's task set, opened once (a file is read and hashed; an unreadable one stops the validator before
+    # The run's environment, opened once (a file is read and hashed; an unreadable one stops the validator before
     # it joins): its identity is what policies must announce, and the checks draw from this same object.
-    task_set = await asyncio.to_thread(open_run_task_set, settings.run)
-    ours = run_parameters(settings.run, task_set)
+    environment = await asyncio.to_thread(open_run_environment, settings.run)
+    ours = run_parameters(settings.run, environment)
     swarm = Swarm(settings.swarm, identity, roles=("validator",))
     # No heartbeat yet: whether the previous run's is still live decides which batches it takes (first_step).
     await swarm.join(heartbeat=False)
-    service = ValidatorService(settings, identity, swarm, task_set)
+    service = ValidatorService(settings, identity, swarm, environment)
     supervisor.on_shutdown("ledger", service.ledger.close)
     supervisor.on_shutdown("swarm", swarm.leave)
     # A validator pinned to other run parameters than the trainer's would reject (and slash) every honest file:

@@ -29,7 +29,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ...node.environments import TaskSet
+from ...node.environments import Environment
 from ...node.errors import PromptError
 from ...node.run.settings import verifier_for_run
 from ...p2p.identity import Identity
@@ -73,7 +73,11 @@ class ValidatorService:
     """Owns the ledger, spool, queue and checkpoint keeper; the swarm is joined by the caller."""
 
     def __init__(
-        self, settings: ValidatorSettings, identity: Identity, swarm: Swarm, task_set: TaskSet | None = None
+        self,
+        settings: ValidatorSettings,
+        identity: Identity,
+        swarm: Swarm,
+        environment: Environment | None = None,
     ) -> None:
         self.settings = settings
         self.identity = identity
@@ -94,7 +98,7 @@ class ValidatorService:
             keep=settings.validator.keep_checkpoints,
             fetch=settings.fetch.model_copy(update={"keep": settings.validator.keep_checkpoints}),
             identity=identity,
-            task_set=task_set,
+            environment=environment,
         )
         self.keeper.on_version(self._release)
         self.steps = PolicySteps(
