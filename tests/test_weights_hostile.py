@@ -75,7 +75,12 @@ REASONS: dict[str, tuple[str, ...] | None] = {
     "s-503-unicode": ("Retry-After '²'",),
     "s-redirect": ("HTTP 302",),
     "s-slow": None,  # a correct source, just slow: it may serve shards, but must not slow the fetch
+    "s-garbage-close": ("source ended after",),
+    "s-garbage-stall": None,  # cut below the floor, or its shard verified first from the honest source
+    "s-garbage-resume": None,  # its own resume is rechecked only if it is asked for the same shard again
+    "s-range-shifted": None,
 }
+POISONERS = ["s-garbage-close", "s-garbage-resume", "s-range-shifted", "s-garbage-stall"]
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +171,28 @@ async def test_many_hostile_sources_of_every_kind_and_one_honest(
     assert same_tree(honest.checkpoint_dir, result.checkpoint_dir)
     assert elapsed < BOUND_S, f"{len(sources) - 1} hostile sources held the fetch for {elapsed:.1f} s"
     assert report_of(result.sources, good.url)["shards_ok"] >= 1
+
+
+@pytest.mark.parametrize("mode", POISONERS)
+async def test_sources_that_leave_bad_bytes_on_disk_never_poison_the_honest_source(
+    origin: Path, hostile: str, tmp_path: Path, mode: str
+) -> None:
+    # Four sources (as many as a node takes from peer heartbeats) each answer a correct head, send bytes that
+    # are not the shard's and break off (or stall, or lie on a Range), beside one honest source. Their bytes
+    # stay on disk as a partial shard; before, the honest source was asked to continue them, its digest
+    # failed, it was charged as corrupt, and with four of them the fetch failed and the version was discarded.
+    bad = [f"{hostile}/{mode}~{k}" for k in range(4)]
+    async with serving(origin) as good:
+        began = time.monotonic()
+        result = await asyncio.wait_for(fetcher([*bad, good.url], tmp_path / "out").fetch(), 30)
+        elapsed = time.monotonic() - began
+    assert same_tree(origin / "step-000000000003" / "checkpoint", result.checkpoint_dir)
+    assert elapsed < BOUND_S, f"{mode}: the fetch took {elapsed:.1f} s"
+    honest = report_of(result.sources, good.url)
+    assert honest["shards_failed"] == honest["shards_corrupt"] == 0 and honest["last_errors"] == [], honest
+    assert honest["shards_ok"] >= 1
+    for url in bad:
+        assert report_of(result.sources, url)["shards_ok"] == 0
 
 
 async def test_a_source_url_that_cannot_be_one_is_refused_before_any_connection(

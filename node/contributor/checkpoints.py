@@ -20,7 +20,7 @@ from ...p2p.identity import Identity
 from ...p2p.swarm.records import PolicyAnnouncement
 from ...p2p.weights.errors import WeightsError
 from ...p2p.weights.fetch import Fetcher, FetchSettings
-from ...p2p.weights.shardrun import FetchResult
+from ...p2p.weights.result import FetchResult
 from ...p2p.weights.store import CHECKPOINT_NAME, Store
 from ..errors import NodeError
 from .policy_window import steps_to_delete, usable_step

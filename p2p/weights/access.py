@@ -5,11 +5,11 @@ A fetcher with an identity proves who it is with an access token in the X-Prime-
 `<node id>.<unix time>.<signature>`, an Ed25519 signature over a domain tag, the node id, the time and the
 audience (the server's host:port as the client addressed it). A server accepts only tokens addressed to
 one of its own names (what it bound, plus its configured public URLs), never to whatever Host header a
-request carries, so a server that received a token cannot replay it elsewhere; the time bounds how long a token lives (TOKEN_LIFETIME_S either way, to
-allow for clock skew). Node-id bans apply to the id a token proved, never to an unproven claim, so a banned
-node cannot lift its ban by omitting or changing a header: a server that sets `require_node_auth` refuses
-anonymous requests (401), and one that does not still refuses the banned id whenever it is presented.
-Address bans are enforced on the TCP peer address.
+request carries, so a server that received a token cannot replay it elsewhere; the time bounds how long a
+token lives (TOKEN_LIFETIME_S either way, to allow for clock skew). Node-id bans apply to the id a token
+proved, never to an unproven claim, so a banned node cannot lift its ban by omitting or changing a header: a
+server that sets `require_node_auth` refuses anonymous requests (401), and one that does not still refuses
+the banned id whenever it is presented. Address bans are enforced on the TCP peer address.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import psutil
 
 from ..identity import Identity
 from ..signing import SignatureError, verify_signature
+from ..wire import WireFormatError, parse_uint
 from .errors import WeightsError
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,7 @@ AUTH_HEADER = "X-Prime-Node-Auth"
 TOKEN_LIFETIME_S = 300
 _TOKEN_DOMAIN = b"prime-node/weights-access/v1\x00"
 _MAX_TOKEN_CHARS = 64 + 1 + 12 + 1 + 128  # node id . time . signature: anything longer is refused unread
-# ASCII digits only: str.isdigit() also takes "²" and "١", which int() then refuses or reads as another number.
-_UNIX_TIME = re.compile(r"[0-9]{1,12}")
+_MAX_TOKEN_TIME = 10**12 - 1  # twelve digits: year 33658, far past any clock we accept
 
 
 class AccessDenied(WeightsError):
@@ -92,14 +92,14 @@ def verify_access_token(token: str, audience: str, now: float | None = None) -> 
     if len(token) > _MAX_TOKEN_CHARS:
         raise AccessDenied(f"access token is {len(token)} characters, more than {_MAX_TOKEN_CHARS}")
     parts = token.split(".")
-    if (
-        len(parts) != 3
-        or not _NODE_ID.fullmatch(parts[0])
-        or not _UNIX_TIME.fullmatch(parts[1])
-        or len(parts[2]) != 128
-    ):
-        raise AccessDenied("access token must be <node id hex>.<unix time>.<signature hex>")
-    node_id, issued = parts[0], int(parts[1])
+    shape = "access token must be <node id hex>.<unix time>.<signature hex>"
+    if len(parts) != 3 or not _NODE_ID.fullmatch(parts[0]) or len(parts[2]) != 128:
+        raise AccessDenied(shape)
+    try:
+        issued = parse_uint(parts[1], "access token time", maximum=_MAX_TOKEN_TIME)
+    except WireFormatError as exc:
+        raise AccessDenied(f"{shape}: {exc}") from None
+    node_id = parts[0]
     try:
         signature = bytes.fromhex(parts[2])
     except ValueError:

@@ -2,7 +2,8 @@
 
 `HostileSource` is a real aiohttp server that answers the weights endpoints with the genuine manifest and
 shard bytes from a store, except where told to misbehave (flip a bit, send the wrong length, stall, die
-mid-transfer, answer 404 or HTML, serve another manifest). It is the adversary, not a mock of the code
+mid-transfer with or without sending zeros first, answer 404 or HTML, serve another manifest). Its `fault`
+may be changed while it runs (a source that heals). It is the adversary, not a mock of the code
 under test: the fetcher and relay talk to it over real sockets exactly as they talk to an honest server.
 """
 
@@ -153,9 +154,10 @@ class HostileSource:
         if start:
             resp.headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
         await resp.prepare(request)
-        if fault in ("stall", "die"):
-            await resp.write(body[: len(body) // 2])
-            if fault == "die":
+        if fault in ("stall", "die", "garbage-die"):
+            half = len(body) // 2
+            await resp.write(bytes(half) if fault == "garbage-die" else body[:half])
+            if fault in ("die", "garbage-die"):
                 assert request.transport is not None
                 request.transport.abort()  # the source process dies: connection reset mid-body
                 return resp
