@@ -6,12 +6,17 @@ Endpoints (pinned in docs/protocol.md, ## Weights):
     GET /v1/weights/{step}/manifest              manifest of one version
     GET /v1/weights/{step}/shards/{index}        shard bytes; honours one `Range: bytes=` range (206)
 
+`step` and `index` are ASCII digits only (p2p/wire.py parse_uint): /v1/weights/%D9%A1/manifest is a 404,
+not step 1.
+
 A version is served from its directory in the store. A relay also serves a version that is still
 arriving: its manifest once verified, each shard once verified; a request for a shard not verified yet
 waits for it a little (pipelining) and then gets 503 with Retry-After. Files go out with sendfile.
 Requests may carry a signed access token (p2p/weights/access.py): a bad one gets 401, and so does a request
 without one when `require_node_auth` is set. Banned clients (the proven node id, or the address) get 403,
-clients over their request rate 429.
+clients over their request rate 429. Every connection is admitted and timed by guard.py: caps on connections
+in total and per address, a deadline for each request head, and one for each response from its size and a
+minimum send rate.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from aiohttp.typedefs import Handler
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import P2PError
+from ..wire import WireFormatError, parse_uint
 from .access import (
     AUTH_HEADER,
     AccessDenied,
@@ -38,7 +44,8 @@ from .access import (
     own_audiences,
     verify_access_token,
 )
-from .manifest import SignedManifest
+from .guard import ConnectionGuard, GuardedSite, ServeLimits
+from .manifest import MAX_STEP, SignedManifest
 from .store import CHECKPOINT_NAME, Store
 from .transfer import SHARD_CONTENT_TYPE
 
@@ -74,6 +81,9 @@ class ServeSettings(BaseModel):
     )
     scan_interval_s: float = Field(1.0, gt=0, description="How often the store directory is rescanned.")
     shard_wait_s: float = Field(5.0, ge=0, description="How long a request waits for a shard still arriving.")
+    limits: ServeLimits = Field(
+        default_factory=ServeLimits, description="Connections, request-head and send deadlines per client."
+    )
 
 
 @dataclass
@@ -103,6 +113,7 @@ class WeightsServer:
         self.versions: dict[int, ServedVersion] = {}
         self.bans = BanList(self.settings.ban, self.settings.ban_file)
         self.limiter = RateLimiter(self.settings.rate_per_s, self.settings.rate_burst)
+        self.guard = ConnectionGuard(self.settings.limits)
         self._runner: web.AppRunner | None = None
         self._scanner: asyncio.Task[None] | None = None
         self.port: int | None = None
@@ -113,22 +124,26 @@ class WeightsServer:
     # ---- lifecycle -------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._access])
+        app = web.Application(middlewares=[self.guard.middleware, self._access])
         app.router.add_get("/v1/weights/versions", self._versions)
         app.router.add_get("/v1/weights/latest", self._latest)
-        app.router.add_get(r"/v1/weights/{step:\d{1,16}}/manifest", self._manifest)
-        app.router.add_get(r"/v1/weights/{step:\d{1,16}}/shards/{index:\d{1,9}}", self._shard)
+        # [0-9], never \d (every Unicode digit); the numbers are read by parse_uint in the handlers.
+        app.router.add_get(r"/v1/weights/{step:[0-9]{1,16}}/manifest", self._manifest)
+        app.router.add_get(r"/v1/weights/{step:[0-9]{1,16}}/shards/{index:[0-9]{1,9}}", self._shard)
         return app
 
     async def start(self) -> str:
         """Scan the store, bind, and start the rescanning task; returns the base URL."""
         self.store.root.mkdir(parents=True, exist_ok=True)
         await self.rescan()
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # The guard's header timeout also bounds an idle keep-alive connection; aiohttp's own is a backstop.
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, keepalive_timeout=self.settings.limits.header_timeout_s
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        site = GuardedSite(self._runner, self.settings.host, self.settings.port, self.guard)
         await site.start()
-        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        sockets = site.sockets
         self.addresses = [tuple(s.getsockname()[:2]) for s in sockets]  # what was actually bound
         self.port = sockets[0].getsockname()[1] if sockets else self.settings.port
         self.audiences = own_audiences(self.settings.host, self.addresses, self.port)
@@ -254,7 +269,7 @@ class WeightsServer:
         return await handler(request)
 
     def _version(self, request: web.Request) -> ServedVersion:
-        served = self.versions.get(int(request.match_info["step"]))
+        served = self.versions.get(_number(request, "step", MAX_STEP))
         if served is None:
             raise web.HTTPNotFound(
                 text=json.dumps({"error": "no such version"}), content_type="application/json"
@@ -284,7 +299,7 @@ class WeightsServer:
 
     async def _shard(self, request: web.Request) -> web.StreamResponse:
         served = self._version(request)
-        index = int(request.match_info["index"])
+        index = _number(request, "index", 10**9)
         shards = served.manifest.body.shards
         if index >= len(shards):
             raise web.HTTPNotFound(text='{"error": "no such shard"}', content_type="application/json")
@@ -308,9 +323,9 @@ class WeightsServer:
         resp.headers["ETag"] = f'"{shards[index].sha256}"'
         if partial:
             resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-        await resp.prepare(request)
-        await self._send_range(request, resp, served, index, start, stop)
-        await resp.write_eof()
+        await self.guard.send(
+            request, resp, stop - start, lambda: self._send_range(request, resp, served, index, start, stop)
+        )
         return resp
 
     async def _wait_for(self, served: ServedVersion, index: int) -> ServedVersion:
@@ -370,3 +385,14 @@ class WeightsServer:
                         )
                         await resp.write(block)
                         pos += len(block)
+        await resp.write_eof()
+
+
+def _number(request: web.Request, name: str, maximum: int) -> int:
+    """A route's number (already [0-9] by the route's pattern) within its bound; 404 otherwise."""
+    try:
+        return parse_uint(request.match_info[name], name, maximum=maximum)
+    except WireFormatError:
+        raise web.HTTPNotFound(
+            text=json.dumps({"error": f"no such {name}"}), content_type="application/json"
+        ) from None
