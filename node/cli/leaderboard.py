@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
-from ...p2p.wire import WireFormatError, loads_strict
+from ...p2p.wire import WireFormatError, loads_strict, parse_uint
 from ..config import CommonSettings
 from ..errors import NodeError
 from .common import common_flags, load_settings, print_json
@@ -69,9 +69,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _top(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_TOP:  # "²".isdigit() is True
-        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_TOP}")
-    return int(text)
+    try:
+        return parse_uint(text, "--top", maximum=MAX_TOP, minimum=1)
+    except WireFormatError:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_TOP}") from None
 
 
 def fetch_json(url: str, timeout_s: float) -> Any:

@@ -15,11 +15,12 @@ from tqdm import tqdm
 from ...p2p.identity import Identity
 from ...p2p.weights.errors import FetchError
 from ...p2p.weights.fetch import Fetcher, FetchSettings
-from ...p2p.weights.manifest import SignedManifest
+from ...p2p.weights.manifest import MAX_STEP, SignedManifest
 from ...p2p.weights.publish import DEFAULT_SHARD_SIZE, publish
 from ...p2p.weights.relay import Relay
 from ...p2p.weights.server import ServeSettings, WeightsServer
 from ...p2p.weights.store import Store
+from ...p2p.wire import WireFormatError, parse_uint
 from ..config import CommonSettings
 from ..errors import ConfigError
 from .common import common_flags, load_settings, print_json
@@ -49,9 +50,12 @@ class WeightsSettings(CommonSettings):
 def _step(text: str) -> int | None:
     if text == "latest":
         return None
-    if not (text.isascii() and text.isdigit()):  # "²".isdigit() is True; int() refuses it
-        raise argparse.ArgumentTypeError("--step takes a non-negative integer or 'latest'")
-    return int(text)
+    try:
+        return parse_uint(text, "--step", maximum=MAX_STEP)
+    except WireFormatError:
+        raise argparse.ArgumentTypeError(
+            f"--step takes an integer from 0 to {MAX_STEP} or 'latest'"
+        ) from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from ...p2p.wire import parse_uint
 from ..errors import TaskError
-from .arithmetic import LEVELS, ArithmeticConfig, ArithmeticTaskSet
+from .arithmetic import LEVELS, MAX_SEED, ArithmeticConfig, ArithmeticTaskSet
 from .files import FileTaskSet, load_task_file
 from .types import Task, TaskSet
 from .verifier import VERIFIERS, get_verifier, register_verifier, score
@@ -40,12 +41,12 @@ def _builtin_config(spec: str, seed: int) -> ArithmeticConfig:
             if not sep or key not in ("levels", "size", "seed"):
                 raise ValueError(f"unknown parameter {key!r}")
             if key == "levels":
-                weights = tuple(int(v) for v in value.split(","))
+                weights = tuple(parse_uint(v, "a level weight", maximum=MAX_SEED) for v in value.split(","))
                 if len(weights) != len(LEVELS):
                     raise ValueError(f"levels needs {len(LEVELS)} weights (levels 1..5), got {len(weights)}")
                 fields["level_weights"] = weights
             else:
-                fields[key] = int(value)
+                fields[key] = parse_uint(value, key, maximum=MAX_SEED)
         return ArithmeticConfig.model_validate(fields)
     except ValidationError as exc:
         problem = "; ".join(f"{err['loc'][0]}: {err['msg']}" for err in exc.errors())

@@ -29,6 +29,7 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...p2p.wire import WireFormatError, parse_uint
 from ..ledger import Ledger
 from ..ledger.leaderboard import MAX_TOP, NodeLookupError, leaderboard, node_detail, ranked_count
 
@@ -150,10 +151,14 @@ async def _headers_middleware(
 
 async def _leaderboard(request: web.Request) -> web.Response:
     raw = request.query.get("top", "100")
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_TOP:  # "²".isdigit() is True
-        raise NodeLookupError(f"top must be an integer between 1 and {MAX_TOP}, got {raw[:20]!r}", 400)
+    try:
+        top = parse_uint(raw, "top", maximum=MAX_TOP, minimum=1)
+    except WireFormatError:
+        raise NodeLookupError(
+            f"top must be an integer between 1 and {MAX_TOP}, got {raw[:20]!r}", 400
+        ) from None
     ledger = request.app[LEDGER_KEY]
-    rows = await asyncio.to_thread(leaderboard, ledger, top=int(raw))
+    rows = await asyncio.to_thread(leaderboard, ledger, top=top)
     ranked = await asyncio.to_thread(ranked_count, ledger)
     return web.json_response(
         {"generated_at": time.time(), "ranked": ranked, "nodes": [r.model_dump(mode="json") for r in rows]}
