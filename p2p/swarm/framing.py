@@ -8,6 +8,7 @@ import struct
 import time
 from typing import Any
 
+from ..rate_floor import RateFloor
 from ..signing import canonical_json
 from ..wire import WireFormatError, loads_strict
 from .errors import HandoffError, HandoffTooSlow
@@ -54,18 +55,15 @@ async def read_at_rate(
 ) -> bytes:
     """Exactly `size` bytes, while they keep coming at `min_bytes_per_s` and all arrive within `deadline_s`.
 
-    The floor is kept per window: after each `min_bytes_per_s * window_s` bytes (or the rest of the file,
-    if less) the next such quota must arrive within `window_s`. A per-read timeout is not enough: a sender
-    that trickles one byte just before each read's timeout would hold the reader for ever. HandoffTooSlow
-    when the sender falls below the floor or passes the deadline; HandoffError when it closes early.
+    The floor is p2p/rate_floor.py's, the one every body from a peer keeps. HandoffTooSlow when the sender
+    falls below the floor or passes the deadline; HandoffError when it closes early.
     """
     start = time.monotonic()
     deadline = start + deadline_s
-    quota = max(1, int(min_bytes_per_s * window_s))
+    floor = RateFloor(min_bytes_per_s, window_s, start)
     buffer = bytearray()
-    mark_time, mark_bytes = start, 0  # where the current window began, and what had arrived by then
     while len(buffer) < size:
-        due = min(mark_time + window_s, deadline)
+        due = min(floor.due(), deadline)
         try:
             piece = await asyncio.wait_for(
                 reader.read(min(chunk, size - len(buffer))), max(0.0, due - time.monotonic())
@@ -78,13 +76,9 @@ async def read_at_rate(
         now = time.monotonic()
         if len(buffer) >= size:
             break
-        if len(buffer) - mark_bytes >= quota:
-            mark_time, mark_bytes = now, len(buffer)
-        elif now >= mark_time + window_s:
-            raise HandoffTooSlow(
-                f"sent {len(buffer) - mark_bytes} bytes in {now - mark_time:.1f} s, below the floor of "
-                f"{min_bytes_per_s:.0f} bytes/s over {window_s:g} s ({len(buffer)} of {size} bytes received)"
-            )
+        slow = floor.check(now, len(buffer))
+        if slow is not None:
+            raise HandoffTooSlow(f"{slow} ({len(buffer)} of {size} bytes received)")
         if now >= deadline:
             raise HandoffTooSlow(
                 f"sent {len(buffer)} of {size} bytes in {now - start:.1f} s; the deadline for a file of this "
