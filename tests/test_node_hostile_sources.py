@@ -160,9 +160,14 @@ async def test_a_live_node_fed_a_hostile_weights_url_by_a_peer_stays_up_and_move
                 # heartbeat (with its URL) and asked it, no source can serve the step, so every try waits for
                 # every source's answer and the liar's refusal is logged. Racing an honest source that answered
                 # first, it was cancelled unasked about half the time.
+                # The charge is the liar's alone: its URL and what was wrong with its answer, on one line.
                 await operator.announce(1, staged.digest)
+                charged = f"source {liar.weights_url}: "
                 await poll(
-                    lambda: "is not a number in ASCII digits" in node.log_tail(2000),
+                    lambda: any(
+                        charged in line and "is not a number in ASCII digits" in line
+                        for line in node.log_tail(2000).splitlines()
+                    ),
                     60,
                     "the liar asked and refused",
                     node,
