@@ -18,11 +18,12 @@ import pytest
 
 from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
+from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.sources import SelectionSettings
 from prime_node.p2p.weights.store import Store
 
 from support.hostile_http import MODES
-from support.weights import hostile_process, operator, publish_steps, same_tree, serving
+from support.weights import hostile_process, make_checkpoint, operator, publish_steps, same_tree, serving
 
 # Short deadlines so that every test stays small: a manifest within 1 s, a body at >= 32 KiB/s over each 1 s
 # window. The stall timeout is long on purpose: a stalled source must lose its shards to the honest one
@@ -214,3 +215,51 @@ async def test_a_source_url_that_cannot_be_one_is_refused_before_any_connection(
     assert same_tree(origin / "step-000000000003" / "checkpoint", result.checkpoint_dir)
     for url in bad:
         assert "not usable as a source" in report_of(result.sources, url)["excluded"]
+
+
+async def test_sources_that_hold_every_probe_slot_never_keep_a_late_honest_source_waiting(
+    origin: Path, hostile: str, tmp_path: Path
+) -> None:
+    # Until some source has delivered a verified shard, a transfer that sent half its shard and then nothing
+    # looks fast (its average rate is far above the floor) and cannot be judged slow. Before, unproven
+    # sources shared `concurrency` probe slots: two stalling sources took both, and the honest source, whose
+    # manifest arrived after theirs, waited until the watchdog cut them (~10 s here). Now a source's first
+    # probe never waits for a slot: the honest source is asked as soon as it joins and the fetch ends then.
+    stallers = [f"{hostile}/s-stall~{k}" for k in range(4)]
+    with hostile_process(origin, interval=0.0001) as late_base:
+        late = f"{late_base}/m-drip-body"  # the genuine manifest, one byte per 0.1 ms; then honest shards
+        settings = dict(concurrency=2, min_rate_bytes_s=4096, rate_window_s=10.0, manifest_timeout_s=8.0)
+        began = time.monotonic()
+        result = await asyncio.wait_for(fetcher([*stallers, late], tmp_path / "out", **settings).fetch(), 60)
+        elapsed = time.monotonic() - began
+    assert same_tree(origin / "step-000000000003" / "checkpoint", result.checkpoint_dir)
+    joined_after = report_of(result.sources, late)
+    assert joined_after["shards_ok"] >= 1 and joined_after["shards_failed"] == 0, joined_after
+    assert elapsed < 4.0, f"four stalling sources kept the honest one waiting: the fetch took {elapsed:.1f} s"
+    for url in stallers:
+        assert report_of(result.sources, url)["shards_ok"] == 0
+
+
+async def test_once_every_shard_is_asked_for_the_honest_source_takes_those_held_by_unproven_ones(
+    tmp_path: Path,
+) -> None:
+    # The end game. Four sources each take a probe shard and send half of it; the honest source delivers
+    # every other shard. A held shard used to wait until its transfer could be judged slow against the honest
+    # source's measured rate, or until the floor cut it (here, with hedge_ratio 1000, 1 MiB shards and a 10 s
+    # floor window: ~5-10 s after the rest had arrived); now, once no shard is left to start, the honest
+    # source's free slots take them at once.
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=5, megabytes=6)
+    publish(ckpt, step=4, identity=operator(), out_dir=tmp_path / "origin", shard_size=1 << 20, run_id="test")
+    with hostile_process(tmp_path / "origin") as base:
+        stallers = [f"{base}/s-stall~{k}" for k in range(4)]
+        patient = dict(hedge_ratio=1000, rate_window_s=10.0, min_rate_bytes_s=4096)
+        async with serving(tmp_path / "origin") as good:
+            began = time.monotonic()
+            out = tmp_path / "out"
+            result = await asyncio.wait_for(fetcher([*stallers, good.url], out, **patient).fetch(), 60)
+            elapsed = time.monotonic() - began
+    assert same_tree(ckpt, result.checkpoint_dir)
+    held = sum(report_of(result.sources, url)["shards_lost"] for url in stallers)
+    assert result.hedges >= held >= 1, (result.hedges, result.sources)  # the stallers did hold shards
+    assert elapsed < 3.0, f"shards held by unproven sources waited: the fetch took {elapsed:.1f} s"
+    assert report_of(result.sources, good.url)["shards_ok"] == len(result.manifest.body.shards)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +90,7 @@ class Fetcher:
         # Manifest requests get threads of their own: sources that stall must not queue behind each other (or
         # behind anything else in the loop's default executor) while an honest one waits its turn.
         self._manifest_threads: ThreadPoolExecutor | None = None
+        self._verified: dict[bytes, SignedManifest] = {}  # SHA-256 of a manifest's bytes -> it, verified
 
     async def fetch(self, step: int | None = None) -> FetchResult:
         """Fetch `step` (or the newest step any source serves) and return where it now lies, verified."""
@@ -130,10 +132,20 @@ class Fetcher:
             MAX_MANIFEST_BYTES,
             s.manifest_timeout_s,
         )
-        manifest = await loop.run_in_executor(self._manifest_threads, parse_signed, raw, self.trusted_key)
+        manifest = await loop.run_in_executor(self._manifest_threads, self._verify_manifest, raw)
         if step is not None and manifest.step != step:
             raise ManifestError(f"answered a manifest for step {manifest.step} when asked for step {step}")
         return manifest
+
+    def _verify_manifest(self, raw: bytes) -> SignedManifest:
+        """`raw` parsed and verified against the pinned key, once per distinct document: sources that serve
+        the same bytes (every honest relay and peer, and any source copying them) cost one verification,
+        not one each, while the fetch runs. A failure is not remembered: it is raised for each source."""
+        key = hashlib.sha256(raw).digest()
+        known = self._verified.get(key)
+        if known is None:
+            known = self._verified[key] = parse_signed(raw, self.trusted_key)
+        return known
 
     async def resolve(self, step: int | None = None, *, digest: str | None = None) -> Resolution:
         """Choose the manifest to fetch (of `step`, or the newest; the one whose id is `digest` when given).

@@ -20,7 +20,8 @@ class FetchSettings(BaseModel):
         8,
         ge=1,
         le=256,
-        description="Shard transfers at once from proven sources (and as many probes of others).",
+        description="Shard transfers at once from proven sources (and as many probes of others, "
+        "besides each source's first).",
     )
     connect_timeout_s: float = Field(5.0, gt=0, description="Time allowed to open a connection to a source.")
     stall_timeout_s: float = Field(

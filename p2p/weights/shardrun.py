@@ -2,11 +2,12 @@
 
 One loop on the event loop starts attempts (attempts.py) while there is a free slot: `concurrency` slots for
 sources that have verified a shard in this fetch, as many for probes (one shard at a time per source not
-proven yet). The next missing shard goes to a source drawn by weight (sources.py); a source with a slow
-attempt in flight gets no more. An attempt judged slow gives up its slot, and its shard is also asked of
-another source (a hedge): the first copy that verifies wins, and the other is cut at its next chunk boundary
-and charged its measured rate. The loop wakes when an attempt ends and when the next attempt in flight can
-first be judged slow, not on a fixed tick.
+proven yet; a source's first probe does not wait for a slot). The next missing shard goes to a source drawn
+by weight (sources.py); a source with a slow attempt in flight gets no more. An attempt judged slow gives up
+its slot, and its shard is also asked of another source (a hedge): the first copy that verifies wins, and
+the other is cut at its next chunk boundary and charged its measured rate. Once every shard has been asked
+for (the end game), a proven source's free slot also takes a shard held only by unproven sources. The loop
+wakes when an attempt ends and when the next attempt in flight can first be judged slow, not on a fixed tick.
 
 Each attempt's failure is charged to its source alone (outcomes.py) and the shard goes back to the queue; the
 fetch fails only when every usable source has failed a shard at least once and `max_attempts_per_shard`
@@ -96,6 +97,7 @@ class ShardRun:
         self.queue = collections.deque(i for i in range(len(self.shards)) if i not in partial.done)
         self.inflight: dict[int, list[Attempt]] = {}
         self.tried: dict[int, set[str]] = collections.defaultdict(set)
+        self.asked: set[str] = set()  # sources asked for some shard in this fetch
         self.winners: set[int] = set()  # shards whose first verified copy is being (or has been) kept
         self.reported = {i: p.done_bytes for i, p in partial.progress.items()}  # bytes passed to on_bytes
         self.delayed = 0  # shards waiting out a relay's Retry-After before they are queued again
@@ -275,12 +277,18 @@ class ShardRun:
     def _attempts(self) -> list[Attempt]:
         return [a for attempts in self.inflight.values() for a in attempts]
 
+    def _untried(self) -> set[str]:
+        """Usable sources not asked for any shard yet in this fetch."""
+        return {s.url for s in self.pool.usable()} - self.asked
+
     def _launch(self) -> float:
         """Start transfers while there is room; returns the seconds until a source cooling down may be asked.
         `concurrency` slots serve sources that have verified a shard in this fetch, and as many more serve
-        probes, one at a time per untried source: sources that hold probes without sending anything cannot
-        crowd out an honest source that has not been drawn yet. A slow transfer holds no slot; a source with
-        one in flight gets nothing more."""
+        probes: one shard at a time per source not proven yet. A source never asked in this fetch gets its
+        first probe at once, without waiting for a probe slot (only the cap on transfers in flight bounds
+        it): until some source is proven, a probe that holds its shard without sending it cannot be judged
+        slow before `hedge_after_s`, so `concurrency` such sources drawn first would otherwise keep an honest
+        one waiting that long. A slow transfer holds no slot; a source with one in flight gets nothing more."""
         limit = self.settings.concurrency
         while self.error is None:
             attempts = self._attempts()
@@ -290,7 +298,7 @@ class ShardRun:
             probing = sum(1 for a in attempts if not a.slow and not a.source.shards_ok)
             busy = {a.source.url for a in attempts if a.slow or not a.source.shards_ok}
             unproven = {s.url for s in self.pool.usable() if not s.shards_ok}
-            full = unproven if probing >= limit else set()
+            full = unproven - self._untried() if probing >= limit else set()
             if proven >= limit:
                 full = full | (set(self.pool.sources) - unproven)
             cooling = MAX_IDLE_S
@@ -308,13 +316,23 @@ class ShardRun:
 
     def _hedge(self, taken: set[str], unproven: set[str]) -> bool:
         """Ask another source for a shard whose every transfer is slow; False when there is none to ask.
-        A source that has verified shards in this fetch is preferred: an untried one may be as slow."""
+        A source that has verified shards in this fetch is preferred: an untried one may be as slow.
+
+        The end game: once no shard is left to start, a proven source's free slot also takes a shard whose
+        every transfer is from a source not proven in this fetch, without waiting until that transfer can be
+        judged slow. Otherwise the honest sources finish everything else and then sit idle while the last
+        shards wait on sources that may never deliver (on a fast link, for longer than the whole fetch took).
+        It costs at most one extra copy of each shard in flight at the end, the loser cut at once."""
+        end_game = not self.queue
         for index, attempts in self.inflight.items():
-            if len(attempts) >= MAX_COPIES or not all(a.slow for a in attempts) or index in self.winners:
+            if len(attempts) >= MAX_COPIES or index in self.winners:
+                continue
+            waiting = all(a.slow for a in attempts)
+            if not waiting and not (end_game and all(not a.source.shards_ok for a in attempts)):
                 continue
             forbid = taken | {a.source.url for a in attempts}
             source, _ = self.pool.pick(avoid=self.tried[index], forbid=forbid | unproven)
-            if source is None:
+            if source is None and waiting:  # the end game never gives a shard to another unproven source
                 source, _ = self.pool.pick(avoid=self.tried[index], forbid=forbid)
             if source is not None:
                 self.hedges += 1
@@ -347,6 +365,7 @@ class ShardRun:
         )
         attempt = Attempt(index, source, size, start, watch, side, progress, recheck)
         self.tried[index].add(source.url)
+        self.asked.add(source.url)
         self.inflight.setdefault(index, []).append(attempt)
         attempt.task = asyncio.create_task(self._run(attempt), name=f"weights-shard-{index}")
 
