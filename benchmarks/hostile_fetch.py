@@ -16,7 +16,9 @@ The hostile sources serve the genuine signed manifest (so they are chosen to ser
 every shard. Each scenario is fetched --repeat times, the rounds interleaved (so load from elsewhere on the
 machine falls on every scenario alike), after one unmeasured fetch from every source that warms both
 servers. Each figure is the median of its scenario's fetches, and the ratio is over the median of the
-honest-only ones; `slowest x` is the scenario's slowest fetch over the same median.
+honest-only ones; `slowest x` is the scenario's slowest fetch over the same median, and `cpu x` the median CPU
+time this process spent (all its threads) over the honest-only one: what hostile sources cost in work, which
+load from elsewhere on the machine does not move the way it moves wall-clock times.
 The checkpoint (config.json + random safetensors, --size-mib, --shard-mib shards) lives in a temporary
 directory (on /dev/shm when it has room) deleted at the end.
 """
@@ -81,18 +83,19 @@ async def fetch_once(
 ) -> tuple[float, dict[str, object]]:
     shutil.rmtree(out, ignore_errors=True)
     fetcher = Fetcher(urls, key, Store(out), FetchSettings())
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     try:
         result = await fetcher.fetch_version(await fetcher.resolve(step, digest=digest))
     finally:
         fetcher.close()
-    seconds = time.perf_counter() - began
+    seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     honest = next(s for s in result.sources if s["url"] == urls[0])
     shutil.rmtree(out)
     return seconds, {
         "hedges": result.hedges,
         "hedges_won": result.hedges_won,
         "honest_shards": honest["shards_ok"],
+        "cpu": cpu,
     }
 
 
@@ -151,19 +154,21 @@ def main() -> None:
             for name, hostile in scenarios:
                 runs[name].append(fetch(hostile))
         baseline = statistics.median(seconds for seconds, _ in runs["honest only"])
+        cpu_baseline = statistics.median(float(info["cpu"]) for _, info in runs["honest only"])  # type: ignore[arg-type]
         print(
-            f"{'sources':24s} {'seconds':>8s} {'x honest':>9s} {'slowest x':>10s} {'hedged':>7s} {'won':>4s} "
-            f"{'honest shards':>14s}"
+            f"{'sources':24s} {'seconds':>8s} {'x honest':>9s} {'slowest x':>10s} {'cpu x':>6s} {'hedged':>7s} "
+            f"{'won':>4s} {'honest shards':>14s}"
         )
         worst = slowest = 0.0
         for name, _ in scenarios:
             ordered = sorted(runs[name], key=lambda run: run[0])
             seconds, info = ordered[len(ordered) // 2]  # the median fetch, with its own counts
+            cpu = statistics.median(float(i["cpu"]) for _, i in ordered) / cpu_baseline  # type: ignore[arg-type]
             worst = max(worst, seconds / baseline)
             slowest = max(slowest, ordered[-1][0] / baseline)
             print(
                 f"{name:24s} {seconds:8.3f} {seconds / baseline:9.2f} {ordered[-1][0] / baseline:10.2f} "
-                f"{info['hedges']:7d} {info['hedges_won']:4d} {info['honest_shards']:14d}"
+                f"{cpu:6.2f} {info['hedges']:7d} {info['hedges_won']:4d} {info['honest_shards']:14d}"
             )
         print(
             f"worst ratio to honest-only: {worst:.2f}x (target <= 2x); slowest single fetch {slowest:.2f}x "
