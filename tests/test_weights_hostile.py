@@ -223,21 +223,30 @@ async def test_sources_that_hold_every_probe_slot_never_keep_a_late_honest_sourc
     # Until some source has delivered a verified shard, a transfer that sent half its shard and then nothing
     # looks fast (its average rate is far above the floor) and cannot be judged slow. Before, unproven
     # sources shared `concurrency` probe slots: two stalling sources took both, and the honest source, whose
-    # manifest arrived after theirs, waited until the watchdog cut them (~10 s here). Now a source's first
-    # probe never waits for a slot: the honest source is asked as soon as it joins and the fetch ends then.
+    # manifest arrived after theirs, waited until their average rate fell below the floor or the watchdog
+    # cut them (~30 s here: half of a 64 KiB shard at once, a floor of 1 KiB/s over 30 s windows). Now a
+    # source's first probe never waits for a slot: the honest source is asked as soon as it joins, and the
+    # stallers lose their shards to it instead of being waited for.
     stallers = [f"{hostile}/s-stall~{k}" for k in range(4)]
+    patient = dict(concurrency=2, min_rate_bytes_s=1024, rate_window_s=30.0, stall_timeout_s=60.0)
     with hostile_process(origin, interval=0.0001) as late_base:
         late = f"{late_base}/m-drip-body"  # the genuine manifest, one byte per 0.1 ms; then honest shards
-        settings = dict(concurrency=2, min_rate_bytes_s=4096, rate_window_s=10.0, manifest_timeout_s=8.0)
         began = time.monotonic()
-        result = await asyncio.wait_for(fetcher([*stallers, late], tmp_path / "out", **settings).fetch(), 60)
+        out = tmp_path / "out"
+        result = await asyncio.wait_for(
+            fetcher([*stallers, late], out, manifest_timeout_s=20.0, **patient).fetch(), 120
+        )
         elapsed = time.monotonic() - began
     assert same_tree(origin / "step-000000000003" / "checkpoint", result.checkpoint_dir)
-    joined_after = report_of(result.sources, late)
-    assert joined_after["shards_ok"] >= 1 and joined_after["shards_failed"] == 0, joined_after
-    assert elapsed < 4.0, f"four stalling sources kept the honest one waiting: the fetch took {elapsed:.1f} s"
-    for url in stallers:
-        assert report_of(result.sources, url)["shards_ok"] == 0
+    assert report_of(result.sources, late)["shards_ok"] >= 1
+    held = [report_of(result.sources, url) for url in stallers]
+    assert all(r["shards_ok"] == 0 for r in held)
+    # Nobody waited for a staller: none was cut (a charged failure), each shard it held went to the honest
+    # source. The time says the same with a wide margin (~1 s against over 30 s).
+    assert all(r["shards_failed"] == 0 for r in held) and sum(r["shards_lost"] for r in held) >= 1, held
+    assert elapsed < 15.0, (
+        f"four stalling sources kept the honest one waiting: the fetch took {elapsed:.1f} s"
+    )
 
 
 async def test_once_every_shard_is_asked_for_the_honest_source_takes_those_held_by_unproven_ones(
@@ -245,21 +254,21 @@ async def test_once_every_shard_is_asked_for_the_honest_source_takes_those_held_
 ) -> None:
     # The end game. Four sources each take a probe shard and send half of it; the honest source delivers
     # every other shard. A held shard used to wait until its transfer could be judged slow against the honest
-    # source's measured rate, or until the floor cut it (here, with hedge_ratio 1000, 1 MiB shards and a 10 s
-    # floor window: ~5-10 s after the rest had arrived); now, once no shard is left to start, the honest
-    # source's free slots take them at once.
-    ckpt = make_checkpoint(tmp_path / "ckpt", seed=5, megabytes=6)
-    publish(ckpt, step=4, identity=operator(), out_dir=tmp_path / "origin", shard_size=1 << 20, run_id="test")
+    # source's measured rate (here, with hedge_ratio 1000 and 2 MiB shards, 1000 times the honest source's
+    # time for a shard: over 10 s) or cut; now, once no shard is left to start, the honest source's free
+    # slots take them at once.
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=5, megabytes=16)
+    publish(ckpt, step=4, identity=operator(), out_dir=tmp_path / "origin", shard_size=2 << 20, run_id="test")
+    patient = dict(hedge_ratio=1000, min_rate_bytes_s=4096, rate_window_s=60.0, stall_timeout_s=60.0)
     with hostile_process(tmp_path / "origin") as base:
         stallers = [f"{base}/s-stall~{k}" for k in range(4)]
-        patient = dict(hedge_ratio=1000, rate_window_s=10.0, min_rate_bytes_s=4096)
         async with serving(tmp_path / "origin") as good:
             began = time.monotonic()
             out = tmp_path / "out"
-            result = await asyncio.wait_for(fetcher([*stallers, good.url], out, **patient).fetch(), 60)
+            result = await asyncio.wait_for(fetcher([*stallers, good.url], out, **patient).fetch(), 120)
             elapsed = time.monotonic() - began
     assert same_tree(ckpt, result.checkpoint_dir)
     held = sum(report_of(result.sources, url)["shards_lost"] for url in stallers)
     assert result.hedges >= held >= 1, (result.hedges, result.sources)  # the stallers did hold shards
-    assert elapsed < 3.0, f"shards held by unproven sources waited: the fetch took {elapsed:.1f} s"
     assert report_of(result.sources, good.url)["shards_ok"] == len(result.manifest.body.shards)
+    assert elapsed < 6.0, f"shards held by unproven sources waited: the fetch took {elapsed:.1f} s"
