@@ -58,6 +58,7 @@ from prime_node.p2p.swarm.validator import SwarmRecordValidator
 from prime_node.p2p.verdicts import BanRecord, DocumentError, Signed, Verdict, open_signed
 from prime_node.p2p.weights.errors import ManifestError
 from prime_node.p2p.weights.fetch import FetchSettings
+from prime_node.p2p.weights.guard import ServeLimits
 from prime_node.p2p.weights.manifest import (
     FileEntry,
     ManifestBody,
@@ -78,7 +79,15 @@ VALIDATOR = Identity.from_seed(b"\x23" * 32)
 PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 SHA = "ab" * 32
 # Not wire types: settings the operator writes, and containers built only after a parse has succeeded.
-LOCAL_TYPES = (SwarmConfig, FetchSettings, ServeSettings, SelectionSettings, Signed, SignedManifest)
+LOCAL_TYPES = (
+    SwarmConfig,
+    FetchSettings,
+    ServeSettings,
+    ServeLimits,
+    SelectionSettings,
+    Signed,
+    SignedManifest,
+)
 # Control characters (C0, DEL, C1), Unicode line/paragraph separators, a bidi override, a zero-width space.
 BAD_CHARS = ["\n", "\r", "\t", "\x00", "\x1b", "\x7f", "\x85", "\u2028", "\u2029", "\u202e", "\u200b"]
 
