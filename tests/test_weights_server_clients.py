@@ -100,10 +100,13 @@ async def test_a_client_that_does_not_read_its_shard_is_cut_at_the_send_deadline
 
 
 async def test_connections_over_the_caps_are_closed_at_once(origin: Path, tmp_path: Path) -> None:
-    async with serving(origin, limits=LIMITS) as server:
+    # The admitted connections are held until their head deadline (3 s here), the refused ones closed at once:
+    # the clients watch for 1.5 s after their last connect, time enough on a loaded machine to see every
+    # refusal and not yet the deadline.
+    async with serving(origin, limits=LIMITS.model_copy(update={"header_timeout_s": 3.0})) as server:
         with (
-            hostile_clients(server.url, "silent", 20, source_ip="127.0.0.2", duration=0.3) as first,
-            hostile_clients(server.url, "silent", 20, source_ip="127.0.0.3", duration=0.3) as second,
+            hostile_clients(server.url, "silent", 20, source_ip="127.0.0.2", duration=1.5) as first,
+            hostile_clients(server.url, "silent", 20, source_ip="127.0.0.3", duration=1.5) as second,
         ):
             one = await asyncio.to_thread(first.result, 15)
             two = await asyncio.to_thread(second.result, 15)

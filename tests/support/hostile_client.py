@@ -4,8 +4,9 @@
 
 Opens COUNT connections to URL's host and port (from --source-ip, any 127.x.y.z address on Linux, so that
 one test can be several clients), prints `READY` once they are open, and watches each until the server
-closes it or --for seconds pass. Then prints one JSON line: for each connection, the seconds after which the
-server closed it (null: still open) and the body bytes it had read. Modes:
+closes it or --for seconds pass (counted once all are open). Then prints one JSON line: for each
+connection, the seconds after the first connect at which the server closed it (null: still open) and the
+body bytes it had read. Modes:
 
     silent     connects and sends nothing
     drip-head  sends a request line, then one header byte per --interval, never ending the head
@@ -82,10 +83,10 @@ def main() -> None:
         socks.append(sock)
     print("READY", flush=True)
 
-    closed_at: list[float | None] = [None] * len(socks)
+    closed_at: list[float | None] = [None] * len(socks)  # seconds after the first connect
     received = [0] * len(socks)
-    next_drip = time.monotonic()
-    while time.monotonic() - began < args.duration and any(c is None for c in closed_at):
+    next_drip = watching_since = time.monotonic()  # --for counts from here: connecting may take a while
+    while time.monotonic() - watching_since < args.duration and any(c is None for c in closed_at):
         if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
             break  # the parent closed our stdin: stop now
         now = time.monotonic()
