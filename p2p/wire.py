@@ -12,6 +12,12 @@ Every string of every wire type is also refused if it holds a character that is 
 paragraph separators, bidi overrides and other format characters, surrogates). Names travel into paths,
 logs, terminals and dashboards; none of them has a use for these.
 
+`parse_uint` is the one reader of an unsigned integer written as text by a peer or a user (an HTTP header,
+a URL path, a query parameter, a command-line flag, a token field, a directory name): ASCII digits only,
+matched whole and bounded before `int()` sees them. `str.isdigit()` and a regex's `\\d` accept '²', '١'
+and every other Unicode digit (which `int()` then refuses, or reads as another number), and `int()` itself
+accepts signs, underscores and surrounding whitespace.
+
 `loads_strict` is the JSON decoder for peer bytes that are not parsed by a WireModel directly (frames, signed
 envelopes, manifests): it refuses NaN, Infinity, -Infinity and numbers that overflow to infinity (1e999)
 at the decoder, naming where they were, and refuses duplicate keys (two parsers that keep different copies
@@ -69,25 +75,28 @@ def is_hex64(text: object) -> bool:
     return isinstance(text, str) and HEX64_RE.fullmatch(text) is not None
 
 
-def parse_uint(text: str, *, lo: int, hi: int, what: str) -> int:
-    """`text` as an integer in [lo, hi] written in ASCII digits only; WireFormatError naming `what` otherwise.
-
-    `str.isdigit()` accepts '²' and '١', which `int()` then refuses or reads; `int()` itself accepts signs,
-    underscores and whitespace, and is never asked to read more digits than `hi` has."""
-    if (
-        not isinstance(text, str)
-        or not 0 < len(text) <= len(str(hi))
-        or not text.isascii()
-        or not text.isdigit()
-        or not lo <= int(text) <= hi
-    ):
-        shown = printable(str(text))[:20]
-        raise WireFormatError(f"{what} must be an integer from {lo} to {hi} in ASCII digits, got {shown!r}")
-    return int(text)
-
-
 class WireFormatError(P2PError, ValueError):
-    """Peer bytes that are not strict JSON: a NaN or infinite number, a duplicate key, bad UTF-8, too deep."""
+    """Peer bytes that are not in the strict wire format: JSON with a NaN or infinite number, a duplicate key,
+    bad UTF-8 or too deep; a number that is not plain ASCII digits or is out of bounds."""
+
+
+_DIGITS = re.compile(r"[0-9]+")  # ASCII only: [0-9], never \d (which matches every Unicode digit)
+_MAX_DIGITS = 19  # 2**63 has 19 digits: more is over any bound we use, and int() never reads thousands
+
+
+def parse_uint(text: str, what: str, *, maximum: int, minimum: int = 0, width: int | None = None) -> int:
+    """`text` as an unsigned integer from `minimum` to `maximum`, written in ASCII digits only and nothing
+    else (no sign, space, underscore or other digit); with `width`, exactly that many digits (fixed-width
+    names such as step-000000000003). WireFormatError (a ValueError) naming `what` otherwise."""
+    if not _DIGITS.fullmatch(text) or (width is not None and len(text) != width):
+        shape = f"{width} ASCII digits" if width is not None else "a number in ASCII digits"
+        raise WireFormatError(f"{what} {text[:40]!r} is not {shape}")
+    number = int(text) if len(text) <= _MAX_DIGITS else None
+    if number is None or number > maximum:
+        raise WireFormatError(f"{what} {text[:40]} is over the {maximum} allowed")
+    if number < minimum:
+        raise WireFormatError(f"{what} {number} is under the {minimum} allowed")
+    return number
 
 
 def unprintable(text: str) -> str | None:

@@ -156,6 +156,8 @@ async def test_json_endpoints_on_a_real_server(ledger):
             for path, status in (
                 ("/api/leaderboard?top=0", 400),
                 ("/api/leaderboard?top=abc", 400),
+                ("/api/leaderboard?top=%D9%A3", 400),  # an Arabic-Indic 3: ASCII digits only (p2p/wire.py)
+                ("/api/leaderboard?top=+3", 400),
                 ("/api/node/nothex", 400),
                 (f"/api/node/{'0' * 64}", 404),
                 ("/static/../ledger.py", 404),

@@ -22,11 +22,21 @@ from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import PolicyAnnouncement
 from prime_node.p2p.weights.fetch import FetchSettings
+from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.sources import SelectionSettings
 from prime_node.p2p.weights.store import Store
 from prime_node.trainer.devnet.processes import ProcessGroup
 
-from support.node_daemon import NODE_ENV, NODE_RUN, node_argv, node_status, operator_fleet, policy_steps, poll
+from support.node_daemon import (
+    NODE_ENV,
+    NODE_RUN,
+    RUN_ID,
+    node_argv,
+    node_status,
+    operator_fleet,
+    policy_steps,
+    poll,
+)
 from support.swarm import RUN_PARAMETERS
 from support.weights import hostile_process, operator, publish_steps, same_tree, serving
 
@@ -97,11 +107,26 @@ async def test_a_live_node_fed_a_hostile_weights_url_by_a_peer_stays_up_and_move
     data_dir = tmp_path / "node"
     Identity.generate().save(data_dir / "node.key")
     run = NODE_RUN.model_copy(update={"samples": 1, "max_new_tokens": 4})
-    env = {**NODE_ENV, "PRIME_NODE_MAX_PENDING_FILES": "1000"}  # no validator here: files stay in the outbox
+    env = {
+        **NODE_ENV,
+        "PRIME_NODE_MAX_PENDING_FILES": "1000",  # no validator here: files stay in the outbox
+        "PRIME_NODE_PEER_WEIGHTS_NETWORKS": '["127.0.0.0/8"]',  # every peer here is on this machine
+    }
 
     async with operator_fleet(tmp_path / "operator-store", operator_id, run) as (group, operator):
         await operator.announce(0, await operator.publish(tmp_path / "ckpt", 0))
-        with hostile_process(operator.store.root) as base:
+        # Step 1 is made now but kept off the operator's server until the liar has been asked (below); the
+        # liar's process serves (its broken version of) step 1's manifest from there.
+        staged, _ = await asyncio.to_thread(
+            publish,
+            tmp_path / "ckpt",
+            step=1,
+            identity=operator_id,
+            out_dir=tmp_path / "staging",
+            run_id=RUN_ID,
+            shard_size=1 << 20,
+        )
+        with hostile_process(tmp_path / "staging") as base:
             # A peer whose signed heartbeat says it serves steps 0 and 1 at a URL on its own address.
             liar = await group.add(
                 Identity.generate(),
@@ -131,8 +156,27 @@ async def test_a_live_node_fed_a_hostile_weights_url_by_a_peer_stays_up_and_move
                     node,
                 )
 
-                # Step 1: the node's sources are the operator's server and the liar's URL (from its heartbeat).
-                await operator.announce(1, await operator.publish(tmp_path / "ckpt", 1))
+                # Step 1 is announced before the operator's server has it: until the node has read the liar's
+                # heartbeat (with its URL) and asked it, no source can serve the step, so every try waits for
+                # every source's answer and the liar's refusal is logged. Racing an honest source that answered
+                # first, it was cancelled unasked about half the time.
+                # The charge is the liar's alone: its URL and what was wrong with its answer, on one line.
+                await operator.announce(1, staged.digest)
+                charged = f"source {liar.weights_url}: "
+                await poll(
+                    lambda: any(
+                        charged in line and "is not a number in ASCII digits" in line
+                        for line in node.log_tail(2000).splitlines()
+                    ),
+                    60,
+                    "the liar asked and refused",
+                    node,
+                )
+                version = operator.store.version_dir(1).name
+                os.replace(tmp_path / "staging" / version, operator.store.root / version)
+                await operator.server.rescan()
+
+                # The node moves on: the honest source now serves step 1, and the node generates with it.
                 await poll(
                     lambda: (s := node_status(data_dir)) and s["local_step"] == 1, 90, "step 1 fetched", node
                 )
@@ -143,11 +187,7 @@ async def test_a_live_node_fed_a_hostile_weights_url_by_a_peer_stays_up_and_move
                     "a rollout of step 1",
                     node,
                 )
-                log = node.log_tail(2000)
-                assert "is not a number in ASCII digits" in log, log[
-                    -3000:
-                ]  # the liar was asked, and refused
-                assert "Traceback" not in log
+                assert "Traceback" not in node.log_tail(4000)
 
                 os.kill(node.pid, signal.SIGTERM)
                 assert node.process.wait(30) == 0, node.log_tail(40)

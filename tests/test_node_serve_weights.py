@@ -128,7 +128,11 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
             await operator.server.stop()
             second = await group.add(Identity.generate())
             state = NodeState(second.node_id, operator_id.node_id)
-            settings = StartSettings(operator_key=operator_id.node_id, data_dir=tmp_path / "second")
+            settings = StartSettings(
+                operator_key=operator_id.node_id,
+                data_dir=tmp_path / "second",
+                peer_weights_networks=["127.0.0.0/8"],  # every peer of this test is on this machine
+            )
             sharing = WeightsSharing(Store(tmp_path / "second"), settings, operator_id.node_id, second, state)
             sharing.note_peers(await second.list_peers(), set())
             assert sharing.sources_for(0) == [url] and sharing.sources_for(1) == []
@@ -158,24 +162,23 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
             assert node.process.wait(30) == 0, node.log_tail(40)
 
 
-def test_peer_sources_skip_banned_unreachable_and_foreign_urls(tmp_path: Path) -> None:
+def test_peer_sources_are_public_addresses_of_the_peer_itself_unless_configured(tmp_path: Path) -> None:
     from prime_node.p2p.swarm import Hardware, Heartbeat, Swarm
 
     from support.swarm import config
 
     operator_id, me = Identity.generate(), Identity.generate()
     swarm = Swarm(config(RUN_ID, operator_id), me)  # not joined: only its node id is used here
-    sharing = WeightsSharing(
-        Store(tmp_path),
-        StartSettings(operator_key=operator_id.node_id, data_dir=tmp_path),
-        operator_id.node_id,
-        swarm,
-        NodeState(me.node_id, operator_id.node_id),
-    )
 
-    def beat(
-        ident: Identity, url: str, ip: str = "10.0.0.7", client: bool = False, steps: tuple = (3,)
-    ) -> Heartbeat:
+    def sharing_with(networks: list[str]) -> WeightsSharing:
+        settings = StartSettings(
+            operator_key=operator_id.node_id, data_dir=tmp_path, peer_weights_networks=networks
+        )
+        return WeightsSharing(
+            Store(tmp_path), settings, operator_id.node_id, swarm, NodeState(me.node_id, operator_id.node_id)
+        )
+
+    def beat(ident: Identity, url: str, ip: str, client: bool = False, steps: tuple = (3,)) -> Heartbeat:
         return Heartbeat(
             node_id=ident.node_id,
             peer_id="12D3KooW" + "x" * 44,
@@ -189,17 +192,40 @@ def test_peer_sources_skip_banned_unreachable_and_foreign_urls(tmp_path: Path) -
             weights_url=url,
         )
 
-    good, banned, hidden, liar, other = (Identity.generate() for _ in range(5))
-    sharing.note_peers(
-        {
-            good.node_id: beat(good, "http://10.0.0.7:8470"),
-            banned.node_id: beat(banned, "http://10.0.0.7:8471"),
-            hidden.node_id: beat(hidden, "http://10.0.0.7:8472", client=True),
-            liar.node_id: beat(liar, "http://192.0.2.1:80"),  # not its own address: someone else's server
-            other.node_id: beat(other, "http://10.0.0.8:8470", ip="10.0.0.8", steps=(4,)),
-            me.node_id: beat(me, "http://10.0.0.9:8470", ip="10.0.0.9"),
-        },
-        banned={banned.node_id},
-    )
-    assert sharing.sources_for(3) == ["http://10.0.0.7:8470"]
-    assert sharing.sources_for(4) == ["http://10.0.0.8:8470"] and sharing.sources_for(5) == []
+    ids = {name: Identity.generate() for name in ("good", "banned", "hidden", "liar", "other", "loop", "lan")}
+    ids.update({"link": Identity.generate(), "named": Identity.generate(), "sybil": Identity.generate()})
+    beats = {
+        "good": beat(ids["good"], "http://1.2.3.4:8470", "1.2.3.4"),
+        "banned": beat(ids["banned"], "http://1.2.3.5:8470", "1.2.3.5"),
+        "hidden": beat(ids["hidden"], "http://1.2.3.6:8470", "1.2.3.6", client=True),
+        "liar": beat(ids["liar"], "http://5.6.7.8:80", "1.2.3.7"),  # not its own address: someone else's
+        "other": beat(ids["other"], "http://1.2.3.8:8470", "1.2.3.8", steps=(4,)),
+        "loop": beat(ids["loop"], "http://127.0.0.1:8470", "127.0.0.1"),  # this node's own services
+        "lan": beat(ids["lan"], "http://10.0.0.7:8470", "10.0.0.7"),  # a host on its private network
+        "link": beat(ids["link"], "http://169.254.169.254:80", "169.254.169.254"),  # a cloud metadata service
+        "named": beat(ids["named"], "http://weights.example.org:8470", "1.2.3.9"),
+        "sybil": beat(ids["sybil"], "http://1.2.3.4:8471", "1.2.3.4"),  # a second id on the good peer's host
+    }
+    peers = {ids[name].node_id: b for name, b in beats.items()}
+    peers[me.node_id] = beat(me, "http://1.2.3.10:8470", "1.2.3.10")
+
+    sharing = sharing_with([])
+    sharing.note_peers(peers, banned={ids["banned"].node_id})
+    first_on_host = min(ids["good"].node_id, ids["sybil"].node_id)
+    expected = "http://1.2.3.4:8470" if first_on_host == ids["good"].node_id else "http://1.2.3.4:8471"
+    assert sharing.sources_for(3) == [expected]  # one host is one source, whoever claims it
+    assert sharing.sources_for(4) == ["http://1.2.3.8:8470"] and sharing.sources_for(5) == []
+    refused = {name: sharing.refused.get(ids[name].node_id, "") for name in beats}
+    assert "not one of the peer's own addresses" in refused["liar"]
+    for name in ("loop", "lan", "link"):
+        assert "not a public address" in refused[name], refused
+    assert "a name, not an IP address" in refused["named"]
+    assert "already names 1.2.3.4" in refused["sybil" if expected.endswith("8470") else "good"]
+
+    # An operator whose peers share a private network (or one machine) lists it.
+    sharing = sharing_with(["127.0.0.0/8", "10.0.0.0/8"])
+    sharing.note_peers(peers, banned={ids["banned"].node_id})
+    assert {"http://127.0.0.1:8470", "http://10.0.0.7:8470"} <= set(sharing._peer_urls[3])
+    assert "http://169.254.169.254:80" not in sharing._peer_urls[3]
+    with pytest.raises(ValueError, match="not an IP network"):
+        sharing_with(["10.0.0.0/33"])

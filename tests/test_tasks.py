@@ -293,7 +293,10 @@ def test_builtin_spec_selects_levels_and_round_trips_its_name() -> None:
         ("builtin:arithmetic?levels=0,0,0,0,0", "positive sum"),
         ("builtin:arithmetic?colour=red", "unknown parameter 'colour'"),
         ("builtin:arithmetic?size=0", "size"),
-        ("builtin:arithmetic?seed=x", "invalid literal"),
+        ("builtin:arithmetic?seed=x", "seed 'x' is not a number in ASCII digits"),
+        ("builtin:arithmetic?seed=\u0661", "is not a number in ASCII digits"),  # int() read it as 1
+        ("builtin:arithmetic?size=+5", "size '\\+5' is not a number"),  # int() took the sign
+        ("builtin:arithmetic?levels=1,1,1,1,1_0", "a level weight '1_0' is not a number"),
     ]:
         with pytest.raises(TaskError, match=f"bad built-in task spec.*{why}"):
             spec_of_tasks(bad)

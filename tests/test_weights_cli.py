@@ -149,13 +149,13 @@ async def test_fetch_killed_with_sigkill_resumes_with_range_and_ends_byte_identi
     progress = Store(out).partial_dir(2) / PROGRESS_NAME
     # Small write buffers and a fast journal so that half-received shards are on disk when the kill lands.
     env = {**os.environ, "PRIME_NODE_FETCH__CHUNK_BYTES": "8192", "PRIME_NODE_FETCH__SAVE_INTERVAL_S": "0.1"}
-    async with hostile(tmp_path / "origin", 2, chunk_delay_s=0.05) as slow:
+    async with hostile(tmp_path / "origin", 2, chunk_delay_s=0.05) as source:
         fetch = await asyncio.create_subprocess_exec(
             *CLI,
             "weights",
             "fetch",
             "--source",
-            slow.url,
+            source.url,
             "--trainer-key",
             operator().node_id,
             "--out",
@@ -179,14 +179,17 @@ async def test_fetch_killed_with_sigkill_resumes_with_range_and_ends_byte_identi
         finally:
             fetch.send_signal(signal.SIGKILL)
             await fetch.wait()
-    assert fetch.returncode == -signal.SIGKILL
-    assert Store(out).versions() == []  # nothing visible at the final path after the kill
-    async with hostile(tmp_path / "origin", 2) as fast:
+        assert fetch.returncode == -signal.SIGKILL
+        assert Store(out).versions() == []  # nothing visible at the final path after the kill
+        # The rerun asks the same source, now at full speed: bytes on disk are continued only by the source
+        # that sent them.
+        source.chunk_delay_s = 0.0
+        source.ranges.clear()
         rc, stdout, err = await run_cli(
             "weights",
             "fetch",
             "--source",
-            fast.url,
+            source.url,
             "--trainer-key",
             operator().node_id,
             "--out",
@@ -200,8 +203,8 @@ async def test_fetch_killed_with_sigkill_resumes_with_range_and_ends_byte_identi
             report["resumed_bytes"] > 0
             and report["fetched_bytes"] == report["total_bytes"] - report["resumed_bytes"]
         )
-        assert fast.ranges and all(
-            r.startswith("bytes=") and not r.startswith("bytes=0-") for _, r in fast.ranges
+        assert source.ranges and all(
+            r.startswith("bytes=") and not r.startswith("bytes=0-") for _, r in source.ranges
         )
     assert same_tree(ckpt, Path(report["checkpoint_dir"]))
     assert Store(out).partial_versions() == []

@@ -75,7 +75,9 @@ async def test_wrong_length_shard_is_refused(origin: Path, tmp_path: Path, fault
     assert any("bytes" in e for e in by_url(result, bad.url)["last_errors"])
 
 
-async def test_every_source_corrupt_fails_with_blame_and_discards(origin: Path, tmp_path: Path) -> None:
+async def test_every_source_corrupt_fails_with_blame_and_keeps_only_what_verified(
+    origin: Path, tmp_path: Path
+) -> None:
     async with hostile(origin, 3, "flip", shards={4}) as bad1, hostile(origin, 3, "flip", shards={4}) as bad2:
         with pytest.raises(FetchError, match="shard 4 of step 3") as info:
             await fetcher([bad1.url, bad2.url], tmp_path / "out", max_attempts_per_shard=3).fetch()
@@ -83,7 +85,14 @@ async def test_every_source_corrupt_fails_with_blame_and_discards(origin: Path, 
     assert {(4, bad1.url), (4, bad2.url)} <= blamed
     assert all(b["corrupt"] for b in info.value.blame)
     out = Store(tmp_path / "out")
-    assert out.versions() == [] and out.partial_versions() == []  # discarded, never in place
+    assert out.versions() == []  # never in place
+    # The shards that verified against the signed manifest are kept (whoever sent them); nothing of shard 4 is.
+    journal = json.loads((out.partial_dir(3) / "progress.json").read_bytes())
+    assert "4" not in journal["done"] and journal["partial"] == {} and len(journal["done"]) >= 1
+    async with hostile(origin, 3) as good:
+        result = await fetcher([good.url], tmp_path / "out").fetch()
+    assert same_tree(checkpoint(origin), result.checkpoint_dir)
+    assert result.resumed_bytes > 0 and sum(good.requests.values()) < len(result.manifest.body.shards)
 
 
 async def test_source_serving_an_older_step_is_not_used(tmp_path: Path) -> None:
@@ -139,15 +148,38 @@ async def test_stalling_source_times_out_and_fetch_switches(origin: Path, tmp_pa
     assert hedged.hedges >= 1 and hedged.hedges_won >= 1
 
 
-async def test_source_dying_mid_transfer_is_resumed_elsewhere_with_range(
-    origin: Path, tmp_path: Path
-) -> None:
+async def test_a_source_dying_mid_transfer_is_replaced_from_byte_0(origin: Path, tmp_path: Path) -> None:
     async with hostile(origin, 3) as good, hostile(origin, 3, "die") as dying:
         result = await fetcher([dying.url, good.url], tmp_path / "out").fetch()
     assert same_tree(checkpoint(origin), result.checkpoint_dir)
     assert by_url(result, dying.url)["shards_failed"] >= 1
-    # The half a dying source delivered is kept: the other source is asked only for the rest.
-    assert any(r.startswith("bytes=") for _, r in good.ranges)
+    # The half a dying source delivered is never completed by another source's bytes (its digest could not
+    # say whose bytes were wrong): the other source is asked for whole shards, and is charged nothing.
+    assert good.ranges == []
+    assert by_url(result, good.url)["shards_failed"] == by_url(result, good.url)["shards_corrupt"] == 0
+
+
+async def test_a_prefix_from_an_earlier_run_that_does_not_verify_blames_nobody(
+    origin: Path, tmp_path: Path
+) -> None:
+    async with hostile(origin, 3, "garbage-die") as source:
+        # A first run leaves zeros on disk as the start of some shards, journaled as this source's bytes.
+        with pytest.raises(FetchError):
+            await fetcher([source.url], tmp_path / "out", max_attempts_per_shard=1).fetch()
+        journal = json.loads((Store(tmp_path / "out").partial_dir(3) / "progress.json").read_bytes())
+        assert journal["partial"] and {p["writer"] for p in journal["partial"].values()} == {source.url}
+        # The source heals. Resumed, those shards fail their digest: the same source is asked for the whole
+        # shard, which verifies. The prefix came from an earlier run (our disk may have lost it): nobody is
+        # charged, no attempt is used up, and nothing verified is thrown away.
+        source.fault = None
+        source.requests.clear()
+        source.ranges.clear()
+        result = await fetcher([source.url], tmp_path / "out", max_attempts_per_shard=1).fetch()
+    assert same_tree(checkpoint(origin), result.checkpoint_dir)
+    report = by_url(result, source.url)
+    assert report["shards_corrupt"] == report["shards_failed"] == 0 and report["last_errors"] == []
+    resumed = {index for index, _ in source.ranges}
+    assert resumed and all(source.requests[i] == 2 for i in resumed)  # resumed, then asked from byte 0
 
 
 async def test_unreachable_sources_and_no_sources(origin: Path, tmp_path: Path) -> None:
@@ -228,10 +260,10 @@ async def test_source_with_a_bad_manifest_is_excluded_before_any_shard(
 
 async def test_cancelled_fetch_stops_at_once_and_a_rerun_resumes(origin: Path, tmp_path: Path) -> None:
     loop = asyncio.get_running_loop()
-    async with hostile(origin, 3, "stall") as stalling, hostile(origin, 3) as fast:
+    async with hostile(origin, 3, "stall") as source:
         # Every transfer sends half a shard and then blocks its thread in a read for up to the stall timeout.
         task = asyncio.create_task(
-            fetcher([stalling.url], tmp_path / "out", stall_timeout_s=60, chunk_bytes=8192).fetch()
+            fetcher([source.url], tmp_path / "out", stall_timeout_s=60, chunk_bytes=8192).fetch()
         )
         await asyncio.sleep(1.0)
         began = loop.time()
@@ -240,9 +272,11 @@ async def test_cancelled_fetch_stops_at_once_and_a_rerun_resumes(origin: Path, t
             await task
         assert loop.time() - began < 10  # transfer threads were cut loose, not left to a 60 s stall timeout
         assert Store(tmp_path / "out").versions() == []
-        result = await fetcher([fast.url], tmp_path / "out").fetch()
+        source.fault = None  # the same source, healed: the rerun continues the halves it sent, with Range
+        result = await fetcher([source.url], tmp_path / "out").fetch()
     assert (
         result.resumed_bytes > 0
         and result.fetched_bytes == result.manifest.body.total_size - result.resumed_bytes
     )
     assert same_tree(checkpoint(origin), result.checkpoint_dir)
+    assert source.ranges  # the halves on disk were continued, not fetched again

@@ -18,11 +18,12 @@ import pytest
 
 from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
+from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.sources import SelectionSettings
 from prime_node.p2p.weights.store import Store
 
 from support.hostile_http import MODES
-from support.weights import hostile_process, operator, publish_steps, same_tree, serving
+from support.weights import hostile_process, make_checkpoint, operator, publish_steps, same_tree, serving
 
 # Short deadlines so that every test stays small: a manifest within 1 s, a body at >= 32 KiB/s over each 1 s
 # window. The stall timeout is long on purpose: a stalled source must lose its shards to the honest one
@@ -75,7 +76,12 @@ REASONS: dict[str, tuple[str, ...] | None] = {
     "s-503-unicode": ("Retry-After '²'",),
     "s-redirect": ("HTTP 302",),
     "s-slow": None,  # a correct source, just slow: it may serve shards, but must not slow the fetch
+    "s-garbage-close": ("source ended after",),
+    "s-garbage-stall": None,  # cut below the floor, or its shard verified first from the honest source
+    "s-garbage-resume": None,  # its own resume is rechecked only if it is asked for the same shard again
+    "s-range-shifted": None,
 }
+POISONERS = ["s-garbage-close", "s-garbage-resume", "s-range-shifted", "s-garbage-stall"]
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +174,28 @@ async def test_many_hostile_sources_of_every_kind_and_one_honest(
     assert report_of(result.sources, good.url)["shards_ok"] >= 1
 
 
+@pytest.mark.parametrize("mode", POISONERS)
+async def test_sources_that_leave_bad_bytes_on_disk_never_poison_the_honest_source(
+    origin: Path, hostile: str, tmp_path: Path, mode: str
+) -> None:
+    # Four sources (as many as a node takes from peer heartbeats) each answer a correct head, send bytes that
+    # are not the shard's and break off (or stall, or lie on a Range), beside one honest source. Their bytes
+    # stay on disk as a partial shard; before, the honest source was asked to continue them, its digest
+    # failed, it was charged as corrupt, and with four of them the fetch failed and the version was discarded.
+    bad = [f"{hostile}/{mode}~{k}" for k in range(4)]
+    async with serving(origin) as good:
+        began = time.monotonic()
+        result = await asyncio.wait_for(fetcher([*bad, good.url], tmp_path / "out").fetch(), 30)
+        elapsed = time.monotonic() - began
+    assert same_tree(origin / "step-000000000003" / "checkpoint", result.checkpoint_dir)
+    assert elapsed < BOUND_S, f"{mode}: the fetch took {elapsed:.1f} s"
+    honest = report_of(result.sources, good.url)
+    assert honest["shards_failed"] == honest["shards_corrupt"] == 0 and honest["last_errors"] == [], honest
+    assert honest["shards_ok"] >= 1
+    for url in bad:
+        assert report_of(result.sources, url)["shards_ok"] == 0
+
+
 async def test_a_source_url_that_cannot_be_one_is_refused_before_any_connection(
     origin: Path, tmp_path: Path
 ) -> None:
@@ -187,3 +215,60 @@ async def test_a_source_url_that_cannot_be_one_is_refused_before_any_connection(
     assert same_tree(origin / "step-000000000003" / "checkpoint", result.checkpoint_dir)
     for url in bad:
         assert "not usable as a source" in report_of(result.sources, url)["excluded"]
+
+
+async def test_sources_that_hold_every_probe_slot_never_keep_a_late_honest_source_waiting(
+    origin: Path, hostile: str, tmp_path: Path
+) -> None:
+    # Until some source has delivered a verified shard, a transfer that sent half its shard and then nothing
+    # looks fast (its average rate is far above the floor) and cannot be judged slow. Before, unproven
+    # sources shared `concurrency` probe slots: two stalling sources took both, and the honest source, whose
+    # manifest arrived after theirs, waited until their average rate fell below the floor or the watchdog
+    # cut them (~30 s here: half of a 64 KiB shard at once, a floor of 1 KiB/s over 30 s windows). Now a
+    # source's first probe never waits for a slot: the honest source is asked as soon as it joins, and the
+    # stallers lose their shards to it instead of being waited for.
+    stallers = [f"{hostile}/s-stall~{k}" for k in range(4)]
+    patient = dict(concurrency=2, min_rate_bytes_s=1024, rate_window_s=30.0, stall_timeout_s=60.0)
+    with hostile_process(origin, interval=0.0001) as late_base:
+        late = f"{late_base}/m-drip-body"  # the genuine manifest, one byte per 0.1 ms; then honest shards
+        began = time.monotonic()
+        out = tmp_path / "out"
+        result = await asyncio.wait_for(
+            fetcher([*stallers, late], out, manifest_timeout_s=20.0, **patient).fetch(), 120
+        )
+        elapsed = time.monotonic() - began
+    assert same_tree(origin / "step-000000000003" / "checkpoint", result.checkpoint_dir)
+    assert report_of(result.sources, late)["shards_ok"] >= 1
+    held = [report_of(result.sources, url) for url in stallers]
+    assert all(r["shards_ok"] == 0 for r in held)
+    # Nobody waited for a staller: none was cut (a charged failure), each shard it held went to the honest
+    # source. The time says the same with a wide margin (~1 s against over 30 s).
+    assert all(r["shards_failed"] == 0 for r in held) and sum(r["shards_lost"] for r in held) >= 1, held
+    assert elapsed < 15.0, (
+        f"four stalling sources kept the honest one waiting: the fetch took {elapsed:.1f} s"
+    )
+
+
+async def test_once_every_shard_is_asked_for_the_honest_source_takes_those_held_by_unproven_ones(
+    tmp_path: Path,
+) -> None:
+    # The end game. Four sources each take a probe shard and send half of it; the honest source delivers
+    # every other shard. A held shard used to wait until its transfer could be judged slow against the honest
+    # source's measured rate (here, with hedge_ratio 1000 and 2 MiB shards, 1000 times the honest source's
+    # time for a shard: over 10 s) or cut; now, once no shard is left to start, the honest source's free
+    # slots take them at once.
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=5, megabytes=16)
+    publish(ckpt, step=4, identity=operator(), out_dir=tmp_path / "origin", shard_size=2 << 20, run_id="test")
+    patient = dict(hedge_ratio=1000, min_rate_bytes_s=4096, rate_window_s=60.0, stall_timeout_s=60.0)
+    with hostile_process(tmp_path / "origin") as base:
+        stallers = [f"{base}/s-stall~{k}" for k in range(4)]
+        async with serving(tmp_path / "origin") as good:
+            began = time.monotonic()
+            out = tmp_path / "out"
+            result = await asyncio.wait_for(fetcher([*stallers, good.url], out, **patient).fetch(), 120)
+            elapsed = time.monotonic() - began
+    assert same_tree(ckpt, result.checkpoint_dir)
+    held = sum(report_of(result.sources, url)["shards_lost"] for url in stallers)
+    assert result.hedges >= held >= 1, (result.hedges, result.sources)  # the stallers did hold shards
+    assert report_of(result.sources, good.url)["shards_ok"] == len(result.manifest.body.shards)
+    assert elapsed < 6.0, f"shards held by unproven sources waited: the fetch took {elapsed:.1f} s"

@@ -71,6 +71,7 @@ from prime_node.p2p.validator_api import (
 from prime_node.p2p.verdicts import BanRecord, DocumentError, Signed, Verdict, open_signed
 from prime_node.p2p.weights.errors import ManifestError
 from prime_node.p2p.weights.fetch import FetchSettings
+from prime_node.p2p.weights.guard import ServeLimits
 from prime_node.p2p.weights.manifest import (
     FileEntry,
     ManifestBody,
@@ -92,7 +93,15 @@ STRANGER = Identity.from_seed(b"\x24" * 32)  # a key no reader trusts
 PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 SHA = "ab" * 32
 # Not wire types: settings the operator writes, and containers built only after a parse has succeeded.
-LOCAL_TYPES = (SwarmConfig, FetchSettings, ServeSettings, SelectionSettings, Signed, SignedManifest)
+LOCAL_TYPES = (
+    SwarmConfig,
+    FetchSettings,
+    ServeSettings,
+    ServeLimits,
+    SelectionSettings,
+    Signed,
+    SignedManifest,
+)
 # Control characters (C0, DEL, C1), Unicode line/paragraph separators, a bidi override, a zero-width space,
 # lone surrogates (high and low: no UTF-8 form, so canonical JSON cannot hold them).
 BAD_CHARS = [

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _top(text: str) -> int:
     try:
-        return parse_uint(text, lo=1, hi=MAX_TOP, what="--top")
+        return parse_uint(text, "--top", maximum=MAX_TOP, minimum=1)
     except WireFormatError:
         raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_TOP}") from None
 

@@ -12,11 +12,12 @@ from pydantic import Field, field_validator
 from ...p2p.identity import Identity
 from ...p2p.weights.errors import FetchError
 from ...p2p.weights.fetch import Fetcher, FetchSettings
+from ...p2p.weights.manifest import MAX_STEP
 from ...p2p.weights.publish import DEFAULT_SHARD_SIZE, publish
 from ...p2p.weights.relay import Relay
 from ...p2p.weights.server import ServeSettings, WeightsServer
 from ...p2p.weights.store import Store
-from ...p2p.wire import HEX64_PATTERN
+from ...p2p.wire import HEX64_PATTERN, WireFormatError, parse_uint
 from ..config import CommonSettings
 from ..errors import ConfigError
 from ..runtime.progress import DownloadProgress
@@ -52,9 +53,12 @@ class WeightsSettings(CommonSettings):
 def _step(text: str) -> int | None:
     if text == "latest":
         return None
-    if not (text.isascii() and text.isdigit()):  # "²".isdigit() is True; int() refuses it
-        raise argparse.ArgumentTypeError("--step takes a non-negative integer or 'latest'")
-    return int(text)
+    try:
+        return parse_uint(text, "--step", maximum=MAX_STEP)
+    except WireFormatError:
+        raise argparse.ArgumentTypeError(
+            f"--step takes an integer from 0 to {MAX_STEP} or 'latest'"
+        ) from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -5,19 +5,35 @@ client mode) the node runs a p2p/weights server over its own checkpoint store, s
 versions that verified, and advertises in its heartbeat which steps it serves (`serves_steps`) and where
 (`weights_url`). In the other direction, every node adds the peers that advertise a step as extra sources
 when it fetches that step: they need no trust, as the fetcher still requires the operator-signed manifest
-the announcement pins and checks every shard's hash (docs/weights.md). A peer's URL is used only when its
-host is one of the IP addresses of the same heartbeat, so a peer cannot point the swarm at a third party.
+the announcement pins and checks every shard's hash (docs/weights.md).
+
+What they cannot be trusted with is *where* the node connects. A heartbeat is signed by the peer, but every
+field of it is the peer's own claim, its addresses included, so a peer could name any host as its weights
+server and make every node of the swarm send requests there: to the node's own loopback services, to hosts
+on its private network, or to a third party. So a URL from a heartbeat is used only when (`peer_url_refusal`):
+
+  * its host is an IP address (a DNS name may resolve anywhere, and differently from one lookup to the next)
+    that is one of the libp2p addresses in the same heartbeat;
+  * that address is public (globally routable), or inside one of `peer_weights_networks`: loopback,
+    private, link-local, shared (CGNAT), multicast and reserved ranges are refused unless the operator lists
+    them (a devnet on one machine lists 127.0.0.0/8);
+  * no other peer already names a public host: one host is one source, however many node ids claim it.
+
+What is left is a peer naming a public host that is not its own, with one request per node per fetch to a
+path of /v1/weights/; any source's answers are then bounded and verified like every other's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import random
 from urllib.parse import urlsplit
 
 from ...p2p.swarm import Heartbeat, Swarm
 from ...p2p.urls import routable_url
+from ...p2p.weights.http_head import check_source_url
 from ...p2p.weights.server import WeightsServer
 from ...p2p.weights.store import Store
 from .settings import StartSettings
@@ -39,6 +55,8 @@ class WeightsSharing:
         self.state = state
         self.server: WeightsServer | None = None
         self._peer_urls: dict[int, list[str]] = {}  # step -> weights URLs of live, unbanned peers
+        self.networks = [ipaddress.ip_network(n, strict=False) for n in settings.peer_weights_networks]
+        self.refused: dict[str, str] = {}  # node id -> why its weights URL is not used (status, tests)
 
     async def start(self) -> bool:
         """Start serving when asked to and reachable; False (with the reason logged) otherwise."""
@@ -86,31 +104,60 @@ class WeightsSharing:
     def note_peers(self, peers: dict[str, Heartbeat], banned: set[str]) -> None:
         """Remember which live peers serve which steps (called after each peer scan)."""
         by_step: dict[int, list[str]] = {}
-        for node_id, heartbeat in peers.items():
-            if (
-                node_id == self.swarm.node_id
-                or node_id in banned
-                or heartbeat.client_mode
-                or not heartbeat.weights_url
-            ):
+        refused: dict[str, str] = {}
+        public_hosts: set[str] = set()
+        for node_id, heartbeat in sorted(peers.items()):
+            url = heartbeat.weights_url
+            if node_id == self.swarm.node_id or node_id in banned or heartbeat.client_mode or not url:
                 continue
-            if not _same_host(heartbeat.weights_url, list(heartbeat.addresses)):
-                continue  # a URL elsewhere than the peer itself would turn nodes into someone else's clients
+            why = peer_url_refusal(url, list(heartbeat.addresses), self.networks)
+            host = _host(url)
+            if why is None and host in public_hosts:
+                why = f"another peer already names {host} as its weights server"
+            if why is not None:
+                if self.refused.get(node_id) != why:
+                    logger.info("not fetching from %s (peer %s…): %s", url[:80], node_id[:16], why)
+                refused[node_id] = why
+                continue
+            if not any(ipaddress.ip_address(host) in n for n in self.networks):
+                public_hosts.add(host)
             for step in heartbeat.serves_steps:
-                by_step.setdefault(step, []).append(heartbeat.weights_url)
+                by_step.setdefault(step, []).append(url)
         self._peer_urls = by_step
+        self.refused = refused
 
     def sources_for(self, step: int) -> list[str]:
         urls = self._peer_urls.get(step, [])
         return random.sample(urls, min(MAX_PEER_SOURCES, len(urls)))
 
 
-def _same_host(url: str, maddrs: list[str]) -> bool:
-    """Whether `url`'s host is one of the IP addresses of `maddrs` (the peer's own libp2p addresses)."""
+def _host(url: str) -> str:
+    return urlsplit(url).hostname or ""
+
+
+def peer_url_refusal(
+    url: str, maddrs: list[str], networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network]
+) -> str | None:
+    """Why a weights URL from a peer's heartbeat must not be fetched from (None: it may be); see the module
+    docstring. `maddrs` are the heartbeat's own libp2p addresses, `networks` the ones allowed beyond public."""
+    why = check_source_url(url)
+    if why is not None:
+        return why
+    host = _host(url)
     try:
-        host = urlsplit(url).hostname
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"its host {host[:60]!r} is a name, not an IP address"
+    own = {m.split("/")[2] for m in maddrs if m.startswith(("/ip4/", "/ip6/")) and m.count("/") >= 2}
+    if not any(_same_ip(ip, text) for text in own):
+        return f"{ip} is not one of the peer's own addresses"
+    if not ip.is_global and not any(ip in network for network in networks):
+        return f"{ip} is not a public address (list its network in peer_weights_networks to allow it)"
+    return None
+
+
+def _same_ip(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text) == ip
     except ValueError:
         return False
-    return host is not None and any(
-        m.split("/")[2:3] == [host] for m in maddrs if m.startswith(("/ip4/", "/ip6/"))
-    )

@@ -7,6 +7,7 @@ weights fetch/serve and engine sections are the lower packages' own models, load
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
@@ -45,6 +46,12 @@ class StartSettings(CommonSettings):
         pattern=r"^https?://[^\s/?#]+$",
         description="URL peers use to reach this node's weights server; default: its bound address (an "
         "unspecified one replaced by the node's first announced IP).",
+    )
+    peer_weights_networks: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Networks (CIDR) beyond public addresses that weights URLs from peers' heartbeats may point "
+        "into, e.g. 127.0.0.0/8 for peers on one machine or 10.0.0.0/8 in a cluster; others are never fetched from.",
     )
     serve: ServeSettings = Field(
         default_factory=lambda: ServeSettings(port=0), description="The weights server (when serve_weights)."
@@ -112,6 +119,13 @@ class StartSettings(CommonSettings):
     def _consistent(self) -> StartSettings:
         if self.fetch_retry_s > self.max_retry_s or self.handoff_retry_s > self.max_retry_s:
             raise ValueError("fetch_retry_s and handoff_retry_s must not exceed max_retry_s")
+        for network in self.peer_weights_networks:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"peer_weights_networks: {network[:80]!r} is not an IP network such as 10.0.0.0/8"
+                ) from None
         return self
 
     def key_path(self) -> Path:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from ...p2p.wire import parse_uint
 from ..errors import TaskError
-from .arithmetic import LEVELS, ArithmeticConfig, ArithmeticEnvironment
+from .arithmetic import LEVELS, MAX_SEED, ArithmeticConfig, ArithmeticEnvironment
 from .environment import Environment, EnvironmentIdentity, ScoringLimits
 from .files import FileEnvironment, load_task_file
 from .registry import DEFAULT_ENV, open_environment, parse_spec
@@ -47,13 +48,13 @@ def _builtin_options(spec: str) -> str:
             if not sep or key not in ("levels", "size", "seed"):
                 raise ValueError(f"unknown parameter {key!r}")
             if key == "levels":
-                weights = tuple(int(v) for v in value.split(","))
+                weights = tuple(parse_uint(v, "a level weight", maximum=MAX_SEED) for v in value.split(","))
                 if len(weights) != len(LEVELS):
                     raise ValueError(f"levels needs {len(LEVELS)} weights (levels 1..5), got {len(weights)}")
                 ArithmeticConfig(level_weights=weights)
                 value = "/".join(str(w) for w in weights)
             else:
-                ArithmeticConfig.model_validate({key: int(value)})
+                ArithmeticConfig.model_validate({key: parse_uint(value, key, maximum=MAX_SEED)})
             options.append(f"{key}={value}")
         return ",".join(options)
     except ValidationError as exc:

@@ -82,9 +82,12 @@ def parse_options(name: str, args: str, model: type[Options]) -> Options:
             raise TaskError(f"{name}: unknown option {key!r} (known: {', '.join(model.model_fields)})")
         if key in values:
             raise TaskError(f"{name}: option {key!r} is given twice")
-        values[key] = (
-            value.split("/") if "/" in value or _is_list(model.model_fields[key].annotation) else value
-        )
+        annotation = model.model_fields[key].annotation
+        values[key] = value.split("/") if "/" in value or _is_list(annotation) else value
+        if _takes_ints(annotation):  # pydantic would read "+5", "1_0" and " 7" as numbers
+            for number in values[key] if isinstance(values[key], list) else [values[key]]:
+                if not _INT_TEXT.fullmatch(number):
+                    raise TaskError(f"{name}: {key}: {number[:40]!r} is not a whole number in ASCII digits")
     try:
         return model.model_validate(values)
     except ValidationError as exc:
@@ -93,6 +96,22 @@ def parse_options(name: str, args: str, model: type[Options]) -> Options:
             for err in exc.errors()
         )
         raise TaskError(f"{name}: {problems}") from None
+
+
+_INT_TEXT = re.compile(r"-?[0-9]{1,19}")
+
+
+def _takes_ints(annotation: Any) -> bool:
+    """Whether a field holds integers only (an int, a list or tuple of them, optional or not)."""
+    kinds = [annotation]
+    while any(typing.get_origin(k) in (typing.Union, types.UnionType, list, tuple) for k in kinds):
+        kinds = [
+            a
+            for k in kinds
+            for a in (typing.get_args(k) if typing.get_origin(k) is not None else (k,))
+            if a is not type(None) and a is not Ellipsis
+        ]
+    return bool(kinds) and all(k is int for k in kinds)
 
 
 def _is_list(annotation: Any) -> bool:

@@ -8,6 +8,7 @@ import struct
 import time
 from typing import Any
 
+from ..rate_floor import RateFloor
 from ..signing import canonical_json
 from ..wire import WireFormatError, loads_strict
 from .errors import HandoffError, HandoffTooSlow
@@ -54,24 +55,17 @@ async def read_at_rate(
 ) -> bytes:
     """Exactly `size` bytes, while they keep coming at `min_bytes_per_s` and all arrive within `deadline_s`.
 
-    The floor is kept per window: after each `min_bytes_per_s * window_s` bytes (or the rest of the file,
-    if less) the next such quota must arrive within `window_s`. A per-read timeout is not enough: a sender
-    that trickles one byte just before each read's timeout would hold the reader for ever. HandoffTooSlow
-    when the sender falls below the floor or passes the deadline. A stream that ends early (closed or reset)
-    is HandoffTooSlow too when what arrived since the previous window began is below the floor pro rata:
-    otherwise a sender could hold the reader for free by sending nothing and closing just before each window
-    ends, then open the next stream at once. Measured from the previous window, not the current one, so that
-    a sender above the floor that breaks just after it completed a window's quota is not taken for a slow
-    one. One that was keeping the floor when it broke is a plain HandoffError.
+    The floor is p2p/rate_floor.py's, the one every body from a peer keeps. HandoffTooSlow when the sender
+    falls below the floor or passes the deadline. A stream that ends early (closed or reset) is HandoffTooSlow
+    too when it ended below the floor (RateFloor.ended_below: closing just before each window ends would
+    otherwise hold the reader for free); one that was keeping the floor when it broke is a plain HandoffError.
     """
     start = time.monotonic()
     deadline = start + deadline_s
-    quota = max(1, int(min_bytes_per_s * window_s))
+    floor = RateFloor(min_bytes_per_s, window_s, start)
     buffer = bytearray()
-    mark_time, mark_bytes = start, 0  # where the current window began, and what had arrived by then
-    prev_time, prev_bytes = start, 0  # the same for the window before it (the first window: the start)
     while len(buffer) < size:
-        due = min(mark_time + window_s, deadline)
+        due = min(floor.due(), deadline)
         try:
             piece = await asyncio.wait_for(
                 reader.read(min(chunk, size - len(buffer))), max(0.0, due - time.monotonic())
@@ -82,18 +76,13 @@ async def read_at_rate(
             piece = b""
         now = time.monotonic()
         if piece == b"":
-            _ended_early(len(buffer), size, len(buffer) - prev_bytes, now - prev_time, min_bytes_per_s)
+            _ended_early(len(buffer), size, floor.ended_below(now, len(buffer)))
         buffer += piece or b""
         if len(buffer) >= size:
             break
-        if len(buffer) - mark_bytes >= quota:
-            prev_time, prev_bytes = mark_time, mark_bytes
-            mark_time, mark_bytes = now, len(buffer)
-        elif now >= mark_time + window_s:
-            raise HandoffTooSlow(
-                f"sent {len(buffer) - mark_bytes} bytes in {now - mark_time:.1f} s, below the floor of "
-                f"{min_bytes_per_s:.0f} bytes/s over {window_s:g} s ({len(buffer)} of {size} bytes received)"
-            )
+        slow = floor.check(now, len(buffer))
+        if slow is not None:
+            raise HandoffTooSlow(f"{slow} ({len(buffer)} of {size} bytes received)")
         if now >= deadline:
             raise HandoffTooSlow(
                 f"sent {len(buffer)} of {size} bytes in {now - start:.1f} s; the deadline for a file of this "
@@ -102,14 +91,11 @@ async def read_at_rate(
     return bytes(buffer)
 
 
-def _ended_early(received: int, size: int, recent: int, recent_s: float, floor: float) -> None:
-    """Raise for a body that ended after `received` of `size` bytes: a cut when the `recent` bytes that came
-    in the last `recent_s` are below the floor, else a plain transport failure."""
-    if recent < floor * recent_s:
-        raise HandoffTooSlow(
-            f"closed the stream after {received} of {size} bytes, {recent} of them in the last "
-            f"{recent_s:.1f} s: below the floor of {floor:.0f} bytes/s"
-        )
+def _ended_early(received: int, size: int, below_floor: str | None) -> None:
+    """Raise for a body that ended after `received` of `size` bytes: a cut when it ended below the floor,
+    else a plain transport failure."""
+    if below_floor is not None:
+        raise HandoffTooSlow(f"closed the stream after {received} of {size} bytes, {below_floor}")
     raise HandoffError(f"peer closed the stream after {received} of {size} bytes")
 
 

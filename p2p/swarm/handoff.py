@@ -219,7 +219,9 @@ BanCheck = Callable[[str], Awaitable[bool]]
 # raise HandoffRefused to refuse before the body, HandoffBusy to ask the sender to come back later; None
 # (no admission at all) counts the sender as a newcomer
 AdmitCallback = Callable[[RolloutEnvelope], Awaitable[Admitted | None]]
-MAX_RETRY_AFTER_S = 3600.0
+# The longest wait a hand-off can be told to observe: a validator's busy hint a sender honours, and the longest
+# cooldown a receiver imposes on a cut-off sender (a hint above it is ignored as a hostile one).
+MAX_BUSY_WAIT_S = 3600.0
 
 
 def stored_name(sha256: str, node_id: str) -> str:
@@ -285,7 +287,7 @@ class RolloutReceiver:
             per_sender=config.handoff_slots_per_sender,
             per_network=config.handoff_slots_per_network,
         )
-        self.cooldowns = Cooldowns(config.handoff_cooldown_s, MAX_RETRY_AFTER_S)
+        self.cooldowns = Cooldowns(config.handoff_cooldown_s, MAX_BUSY_WAIT_S)
         self.cut_off = 0  # bodies cut for being too slow (tests and the benchmark read it)
         self._in_progress: set[DeliveryKey] = set()  # being received
 
@@ -479,7 +481,7 @@ async def send(
         hint = answer.get("retry_after_s")
         numeric = isinstance(hint, (int, float)) and not isinstance(hint, bool)
         # NaN fails both comparisons.
-        wait = float(hint) if numeric and 0 <= hint <= MAX_RETRY_AFTER_S else 0.0  # type: ignore[operator,arg-type]
+        wait = float(hint) if numeric and 0 <= hint <= MAX_BUSY_WAIT_S else 0.0  # type: ignore[operator,arg-type]
         raise HandoffBusy(answer["busy"][:500], wait)
     if not isinstance(answer, dict) or "receipt" not in answer:
         raise HandoffError("the validator answered neither a receipt nor a refusal")

@@ -3,20 +3,19 @@ networks); the per-client rate limit is p2p/rate_limit.py.
 
 A fetcher with an identity proves who it is with an access token in the X-Prime-Node-Auth header:
 `<node id>.<unix time>.<signature>`, an Ed25519 signature over a domain tag, the node id, the time and the
-audience (the server's host:port as the client addressed it). A server accepts only tokens addressed to one of
-its own names (what it bound, plus its configured public URLs), never to whatever Host header a request
-carries, so a server that received a token cannot replay it elsewhere; the time bounds how long a token lives
-(TOKEN_LIFETIME_S either way, to allow for clock skew). Node-id bans apply to the id a token proved, never to
-an unproven claim, so a banned node cannot lift its ban by omitting or changing a header: a server that sets
-`require_node_auth` refuses anonymous requests (401), and one that does not still refuses the banned id
-whenever it is presented. Address bans are enforced on the TCP peer address.
+audience (the server's host:port as the client addressed it). A server accepts only tokens addressed to
+one of its own names (what it bound, plus its configured public URLs), never to whatever Host header a
+request carries, so a server that received a token cannot replay it elsewhere; the time bounds how long a
+token lives (TOKEN_LIFETIME_S either way, to allow for clock skew). Node-id bans apply to the id a token
+proved, never to an unproven claim, so a banned node cannot lift its ban by omitting or changing a header: a
+server that sets `require_node_auth` refuses anonymous requests (401), and one that does not still refuses
+the banned id whenever it is presented. Address bans are enforced on the TCP peer address.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-import re
 import socket
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import psutil
 
 from ..identity import Identity
 from ..signing import SignatureError, verify_signature
-from ..wire import is_hex64
+from ..wire import WireFormatError, is_hex64, parse_uint
 from .errors import WeightsError
 
 logger = logging.getLogger(__name__)
@@ -35,8 +34,7 @@ AUTH_HEADER = "X-Prime-Node-Auth"
 TOKEN_LIFETIME_S = 300
 _TOKEN_DOMAIN = b"prime-node/weights-access/v1\x00"
 _MAX_TOKEN_CHARS = 64 + 1 + 12 + 1 + 128  # node id . time . signature: anything longer is refused unread
-# ASCII digits only: str.isdigit() also takes "²" and "١", which int() then refuses or reads as another number.
-_UNIX_TIME = re.compile(r"[0-9]{1,12}")
+_MAX_TOKEN_TIME = 10**12 - 1  # twelve digits: year 33658, far past any clock we accept
 
 
 class AccessDenied(WeightsError):
@@ -90,14 +88,14 @@ def verify_access_token(token: str, audience: str, now: float | None = None) -> 
     if len(token) > _MAX_TOKEN_CHARS:
         raise AccessDenied(f"access token is {len(token)} characters, more than {_MAX_TOKEN_CHARS}")
     parts = token.split(".")
-    if (
-        len(parts) != 3
-        or not is_hex64(parts[0])
-        or not _UNIX_TIME.fullmatch(parts[1])
-        or len(parts[2]) != 128
-    ):
-        raise AccessDenied("access token must be <node id hex>.<unix time>.<signature hex>")
-    node_id, issued = parts[0], int(parts[1])
+    shape = "access token must be <node id hex>.<unix time>.<signature hex>"
+    if len(parts) != 3 or not is_hex64(parts[0]) or len(parts[2]) != 128:
+        raise AccessDenied(shape)
+    try:
+        issued = parse_uint(parts[1], "access token time", maximum=_MAX_TOKEN_TIME)
+    except WireFormatError as exc:
+        raise AccessDenied(f"{shape}: {exc}") from None
+    node_id = parts[0]
     try:
         signature = bytes.fromhex(parts[2])
     except ValueError:

@@ -8,99 +8,34 @@ manifest arrives later joins if it serves the chosen one. Shards are then drawn 
 it (sources.py), scheduled and hedged by shardrun.py, each verified on arrival (transfer.py); a bad shard is
 discarded, its source penalised and the shard fetched elsewhere. A source's failure, whatever it sent, is
 charged to that source and never ends a fetch that another source can still serve; only our own failures
-(the disk, a bug) propagate. Progress is journaled so a rerun resumes with Range requests, and only a version
-whose every shard verified is moved into place.
+(the disk, a bug) propagate. Progress is journaled so a rerun resumes with Range requests (from the source
+that sent the bytes on disk, attempts.py), and only a version whose every shard verified is moved into place.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from ..identity import Identity
 from .access import TokenSource
 from .connections import ConnectionPool
 from .errors import FetchError, ManifestError, StoreError
+from .fetch_settings import FetchSettings
+from .http_head import check_source_url
 from .manifest import MAX_MANIFEST_BYTES, SignedManifest, parse_signed
-from .shardrun import FetchResult, ShardRun
-from .sources import SelectionSettings, SourcePool
+from .result import FetchResult
+from .shardrun import FetchContext, ShardRun
+from .sources import SourcePool
 from .store import Store
 from .transfer import fetch_document
-from .wire import check_source_url
 
 logger = logging.getLogger(__name__)
-
-
-class FetchSettings(BaseModel):
-    """Timeouts, parallelism, deadlines, hedging and retry bounds of a fetch."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    concurrency: int = Field(
-        8,
-        ge=1,
-        le=256,
-        description="Shard transfers at once from proven sources (and as many probes of others).",
-    )
-    connect_timeout_s: float = Field(5.0, gt=0, description="Time allowed to open a connection to a source.")
-    stall_timeout_s: float = Field(
-        15.0, gt=0, description="A source that sends no byte for this long has stalled: another is used."
-    )
-    manifest_timeout_s: float = Field(
-        15.0,
-        gt=0,
-        description="Wall-clock deadline of one manifest request, however the source paces its bytes.",
-    )
-    manifest_grace_s: float = Field(
-        0.5,
-        ge=0,
-        le=60,
-        description="After the first valid manifest, wait this long for others' before choosing.",
-    )
-    min_rate_bytes_s: int = Field(
-        32 << 10,
-        ge=1,
-        description="Throughput floor of a shard transfer: fewer bytes/s over a window cuts it.",
-    )
-    rate_window_s: float = Field(
-        10.0, gt=0, le=600, description="Window over which the throughput floor is measured."
-    )
-    hedge_ratio: float = Field(
-        4.0,
-        ge=1,
-        le=1000,
-        description="A transfer projected to take this many times longer than the shard "
-        "would from the best other source is hedged (the shard is asked of that source too).",
-    )
-    hedge_after_s: float = Field(
-        0.5,
-        ge=0,
-        le=600,
-        description="With no other source measured yet, a transfer under the floor rate is "
-        "hedged after this long.",
-    )
-    max_attempts_per_shard: int = Field(
-        8,
-        ge=1,
-        le=1000,
-        description="Failures of one shard before giving up (once every source has failed it).",
-    )
-    max_not_ready: int = Field(
-        1000, ge=0, description="'Not verified yet' (503) answers from relays tolerated per shard."
-    )
-    chunk_bytes: int = Field(
-        1 << 20, ge=4096, description="Bytes hashed and written at once; also the resume granularity."
-    )
-    save_interval_s: float = Field(1.0, gt=0, description="How often resume progress is journaled to disk.")
-    durable: bool = Field(True, description="fsync the checkpoint before moving it into place.")
-    keep: int = Field(0, ge=0, description="After success keep only this many versions (0: keep all).")
-    selection: SelectionSettings = Field(default_factory=SelectionSettings, description="Source scoring.")
 
 
 def manifest_path(step: int | None) -> str:
@@ -155,6 +90,7 @@ class Fetcher:
         # Manifest requests get threads of their own: sources that stall must not queue behind each other (or
         # behind anything else in the loop's default executor) while an honest one waits its turn.
         self._manifest_threads: ThreadPoolExecutor | None = None
+        self._verified: dict[bytes, SignedManifest] = {}  # SHA-256 of a manifest's bytes -> it, verified
 
     async def fetch(self, step: int | None = None) -> FetchResult:
         """Fetch `step` (or the newest step any source serves) and return where it now lies, verified."""
@@ -196,10 +132,20 @@ class Fetcher:
             MAX_MANIFEST_BYTES,
             s.manifest_timeout_s,
         )
-        manifest = await loop.run_in_executor(self._manifest_threads, parse_signed, raw, self.trusted_key)
+        manifest = await loop.run_in_executor(self._manifest_threads, self._verify_manifest, raw)
         if step is not None and manifest.step != step:
             raise ManifestError(f"answered a manifest for step {manifest.step} when asked for step {step}")
         return manifest
+
+    def _verify_manifest(self, raw: bytes) -> SignedManifest:
+        """`raw` parsed and verified against the pinned key, once per distinct document: sources that serve
+        the same bytes (every honest relay and peer, and any source copying them) cost one verification,
+        not one each, while the fetch runs. A failure is not remembered: it is raised for each source."""
+        key = hashlib.sha256(raw).digest()
+        known = self._verified.get(key)
+        if known is None:
+            known = self._verified[key] = parse_signed(raw, self.trusted_key)
+        return known
 
     async def resolve(self, step: int | None = None, *, digest: str | None = None) -> Resolution:
         """Choose the manifest to fetch (of `step`, or the newest; the one whose id is `digest` when given).
@@ -302,4 +248,7 @@ class Fetcher:
             elif source not in resolution.serving:
                 pool.exclude(source, resolution.errors.get(source, "does not serve this manifest"))
         partial = await asyncio.to_thread(self.store.open_partial, manifest)
-        return await ShardRun(self, partial, pool, resolution.pending).execute()
+        context = FetchContext(
+            self.settings, self.store, self.connections, self.on_bytes, self.on_shard, self.on_manifest
+        )
+        return await ShardRun(context, partial, pool, resolution.pending).execute()

@@ -6,13 +6,19 @@ Endpoints (pinned in docs/protocol.md, ## Weights):
     GET /v1/weights/{step}/manifest              manifest of one version
     GET /v1/weights/{step}/shards/{index}        shard bytes; honours one `Range: bytes=` range (206)
 
+`step` and `index` are ASCII digits only (p2p/wire.py parse_uint): /v1/weights/%D9%A1/manifest is a 404,
+not step 1.
+
 A version is served from its directory in the store. A relay also serves a version that is still
 arriving: its manifest once verified, each shard once verified; a request for a shard not verified yet
 waits for it a little (pipelining) and then gets 503 with Retry-After. Files go out with sendfile.
 Requests may carry a signed access token (p2p/weights/access.py): a bad one gets 401, and so does a request
 without one when `require_node_auth` is set. Banned clients (the proven node id, or the address) get 403,
-clients over their request rate 429. With `metrics` (p2p/weights/metrics.py), every answer is counted by
-route and status, timed, and shard bytes sent are added up, on the registry of the process that runs it.
+clients over their request rate 429. Every connection is admitted and timed by guard.py: caps on connections
+in total and per address, a deadline for each request head, and one for each response from its size and a
+minimum send rate. With `metrics` (p2p/weights/metrics.py), every
+answer is counted by route and status, timed, and shard bytes sent are added up, on the registry of the
+process that runs it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import P2PError
 from ..rate_limit import TokenBuckets
+from ..wire import WireFormatError, parse_uint
 from .access import (
     AUTH_HEADER,
     AccessDenied,
@@ -39,7 +46,8 @@ from .access import (
     own_audiences,
     verify_access_token,
 )
-from .manifest import SignedManifest
+from .guard import ConnectionGuard, GuardedSite, ServeLimits
+from .manifest import MAX_STEP, SignedManifest
 from .metrics import WeightsServerMetrics
 from .store import Store
 from .transfer import SHARD_CONTENT_TYPE
@@ -82,6 +90,9 @@ class ServeSettings(BaseModel):
     )
     scan_interval_s: float = Field(1.0, gt=0, description="How often the store directory is rescanned.")
     shard_wait_s: float = Field(5.0, ge=0, description="How long a request waits for a shard still arriving.")
+    limits: ServeLimits = Field(
+        default_factory=ServeLimits, description="Connections, request-head and send deadlines per client."
+    )
 
 
 @dataclass
@@ -118,6 +129,7 @@ class WeightsServer:
         self.limiter = TokenBuckets(
             self.settings.rate_per_s, self.settings.rate_burst, max_keys=MAX_TRACKED_CLIENTS
         )
+        self.guard = ConnectionGuard(self.settings.limits)
         self._runner: web.AppRunner | None = None
         self._scanner: asyncio.Task[None] | None = None
         self.port: int | None = None
@@ -128,29 +140,33 @@ class WeightsServer:
     # ---- lifecycle -------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        # Counted outermost, so that refusals (401, 403, 429) are counted too.
-        middlewares = [self._access] if self.metrics is None else [self._count, self._access]
-        app = web.Application(middlewares=middlewares)
+        # Counted outermost, so that refusals (the guard's, 401, 403, 429) are counted too.
+        inner = [self.guard.middleware, self._access]
+        app = web.Application(middlewares=inner if self.metrics is None else [self._count, *inner])
         app.router.add_get("/v1/weights/versions", self._versions)
         app.router.add_get("/v1/weights/latest", self._latest)
-        app.router.add_get(r"/v1/weights/{step:\d{1,16}}/manifest", self._manifest)
-        app.router.add_get(r"/v1/weights/{step:\d{1,16}}/shards/{index:\d{1,9}}", self._shard)
+        # [0-9], never \d (every Unicode digit); the numbers are read by parse_uint in the handlers.
+        app.router.add_get(r"/v1/weights/{step:[0-9]{1,16}}/manifest", self._manifest)
+        app.router.add_get(r"/v1/weights/{step:[0-9]{1,16}}/shards/{index:[0-9]{1,9}}", self._shard)
         return app
 
     async def start(self) -> str:
         """Scan the store, bind, and start the rescanning task; returns the base URL."""
         self.store.root.mkdir(parents=True, exist_ok=True)
         await self.rescan()
-        self._runner = runner = web.AppRunner(self.app(), access_log=None)
+        # The guard's header timeout also bounds an idle keep-alive connection; aiohttp's own is a backstop.
+        self._runner = runner = web.AppRunner(
+            self.app(), access_log=None, keepalive_timeout=self.settings.limits.header_timeout_s
+        )
         await runner.setup()
         if self.metrics is not None:
             self.metrics.watch(
                 lambda: len(runner.server.connections) if runner.server is not None else 0,
                 lambda: len(self.versions),
             )
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        site = GuardedSite(self._runner, self.settings.host, self.settings.port, self.guard)
         await site.start()
-        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        sockets = site.sockets
         self.addresses = [tuple(s.getsockname()[:2]) for s in sockets]  # what was actually bound
         self.port = sockets[0].getsockname()[1] if sockets else self.settings.port
         self.audiences = own_audiences(self.settings.host, self.addresses, self.port)
@@ -295,7 +311,7 @@ class WeightsServer:
         return await handler(request)
 
     def _version(self, request: web.Request) -> ServedVersion:
-        served = self.versions.get(int(request.match_info["step"]))
+        served = self.versions.get(_number(request, "step", MAX_STEP))
         if served is None:
             raise web.HTTPNotFound(
                 text=json.dumps({"error": "no such version"}), content_type="application/json"
@@ -325,7 +341,7 @@ class WeightsServer:
 
     async def _shard(self, request: web.Request) -> web.StreamResponse:
         served = self._version(request)
-        index = int(request.match_info["index"])
+        index = _number(request, "index", 10**9)
         shards = served.manifest.body.shards
         if index >= len(shards):
             raise web.HTTPNotFound(text='{"error": "no such shard"}', content_type="application/json")
@@ -349,9 +365,9 @@ class WeightsServer:
         resp.headers["ETag"] = f'"{shards[index].sha256}"'
         if partial:
             resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-        await resp.prepare(request)
-        await self._send_range(request, resp, served, index, start, stop)
-        await resp.write_eof()
+        await self.guard.send(
+            request, resp, stop - start, lambda: self._send_range(request, resp, served, index, start, stop)
+        )
         return resp
 
     async def _wait_for(self, served: ServedVersion, index: int) -> ServedVersion:
@@ -409,3 +425,14 @@ class WeightsServer:
                         pos += len(block)
             if self.metrics is not None:
                 self.metrics.sent_bytes.inc(hi - lo)
+        await resp.write_eof()
+
+
+def _number(request: web.Request, name: str, maximum: int) -> int:
+    """A route's number (already [0-9] by the route's pattern) within its bound; 404 otherwise."""
+    try:
+        return parse_uint(request.match_info[name], name, maximum=maximum)
+    except WireFormatError:
+        raise web.HTTPNotFound(
+            text=json.dumps({"error": f"no such {name}"}), content_type="application/json"
+        ) from None

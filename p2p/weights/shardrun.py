@@ -2,13 +2,18 @@
 
 One loop on the event loop starts attempts (attempts.py) while there is a free slot: `concurrency` slots for
 sources that have verified a shard in this fetch, as many for probes (one shard at a time per source not
-proven yet). The next missing shard goes to a source drawn by weight (sources.py); a source with a slow
-attempt in flight gets no more. An attempt judged slow gives up its slot, and its shard is also asked of
-another source (a hedge): the first copy that verifies wins, and the other is cut at its next chunk boundary
-and charged its measured rate.
-Each attempt's failure is charged to its source alone and the shard goes back to the queue; the fetch fails
-only when every usable source has failed a shard at least once and `max_attempts_per_shard` failures are
-reached. Sources whose manifest arrives after the fetch started join when it is the manifest being fetched.
+proven yet; a source's first probe does not wait for a slot). The next missing shard goes to a source drawn
+by weight (sources.py); a source with a slow attempt in flight gets no more. An attempt judged slow gives up
+its slot, and its shard is also asked of another source (a hedge): the first copy that verifies wins, and
+the other is cut at its next chunk boundary and charged its measured rate. Once every shard has been asked
+for (the end game), a proven source's free slot also takes a shard held only by unproven sources. The loop
+wakes when an attempt ends and when the next attempt in flight can first be judged slow, not on a fixed tick.
+
+Each attempt's failure is charged to its source alone (outcomes.py) and the shard goes back to the queue; the
+fetch fails only when every usable source has failed a shard at least once and `max_attempts_per_shard`
+failures are reached. Verified shards are kept even then: they match the signed manifest whoever sent them,
+and a rerun fetches only what is missing. Sources whose manifest arrives after the fetch started join when it
+is the manifest being fetched.
 
 Every exit path, success or not, cuts the transfers in flight and waits for their threads before the partial
 version's files are closed, so no thread ever writes to a closed (or reused) file descriptor.
@@ -23,67 +28,53 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .attempts import Attempt, fresh_hasher, install_side, is_slow, side_writer
+from .attempts import (
+    Attempt,
+    Recheck,
+    fresh_hasher,
+    install_side,
+    is_slow,
+    judge_at,
+    resume_point,
+    side_writer,
+)
+from .connections import ConnectionPool
 from .errors import FetchError, ManifestError, SourceError
+from .fetch_settings import FetchSettings
 from .manifest import SignedManifest, checkpoint_digest
+from .outcomes import Outcomes
+from .result import FetchResult
 from .sources import SourcePool, SourceState
-from .store import CHECKPOINT_NAME, PartialVersion, ShardProgress
+from .store import PartialVersion, ShardProgress, Store
 from .transfer import ShardResult, TransferCancelled, download_shard, rehash, shard_path
 from .watchdog import Watch
 
-if TYPE_CHECKING:
-    from .fetch import Fetcher
-
 logger = logging.getLogger(__name__)
 
-SCHEDULE_TICK_S = 0.02  # how often transfers in flight are judged (and new ones started) when nothing ends
+SCHEDULE_TICK_S = 0.02  # how often transfers in flight that are sending are judged again
+MAX_IDLE_S = 0.25  # the longest the loop sleeps with nothing to judge (late manifests are polled that often)
 MAX_COPIES = 3  # transfers of one shard at once: the first, and up to two hedges when each before is slow
 HEDGE_DIR = ".hedges"  # side files of hedged copies, inside the partial version; removed before it is moved
 
 
-@dataclass
-class FetchResult:
-    """Where a fetched (or already held) version lies, and how the fetch went."""
+@dataclass(frozen=True)
+class FetchContext:
+    """What a shard run needs of the fetch that started it (fetch.py builds one per version)."""
 
-    manifest: SignedManifest
-    version_dir: Path
-    fetched_bytes: int = 0  # shard bytes this fetch added to the version (total - resumed on success)
-    resumed_bytes: int = 0
-    received_bytes: int = (
-        0  # every body byte received, including discarded copies (hedges lost, corrupt shards)
+    settings: FetchSettings
+    store: Store
+    connections: ConnectionPool
+    on_bytes: Callable[[int], None] | None = None  # each chunk's size, on the event loop (progress bars)
+    on_shard: Callable[[int], None] | None = None  # each shard index once it verified (relays advertise it)
+    on_manifest: Callable[[SignedManifest, int], None] | None = (
+        None  # (manifest, bytes resumed), at the start
     )
-    hedges: int = 0  # shards also asked of a second source because the first was slow
-    hedges_won: int = 0  # ... and that second copy verified first
-    seconds: float = 0.0
-    already_held: bool = False
-    sources: list[dict[str, object]] = field(default_factory=list)
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.version_dir / CHECKPOINT_NAME
-
-    def report(self) -> dict[str, object]:
-        return {
-            "step": self.manifest.step,
-            "run_id": self.manifest.body.run_id,
-            "manifest_sha256": self.manifest.digest,
-            "checkpoint_sha256": self.manifest.body.checkpoint_sha256,
-            "checkpoint_dir": str(self.checkpoint_dir),
-            "total_bytes": self.manifest.body.total_size,
-            "fetched_bytes": self.fetched_bytes,
-            "resumed_bytes": self.resumed_bytes,
-            "received_bytes": self.received_bytes,
-            "hedges": self.hedges,
-            "hedges_won": self.hedges_won,
-            "seconds": round(self.seconds, 3),
-            "already_held": self.already_held,
-            "sources": self.sources,
-        }
 
 
 class ShardRun:
@@ -91,13 +82,13 @@ class ShardRun:
 
     def __init__(
         self,
-        fetcher: Fetcher,
+        context: FetchContext,
         partial: PartialVersion,
         pool: SourcePool,
         joining: dict[str, asyncio.Task[SignedManifest]] | None = None,
     ) -> None:
-        self.f = fetcher
-        self.settings = fetcher.settings
+        self.ctx = context
+        self.settings = context.settings
         self.partial = partial
         self.manifest = partial.manifest
         self.shards = self.manifest.body.shards
@@ -106,13 +97,13 @@ class ShardRun:
         self.queue = collections.deque(i for i in range(len(self.shards)) if i not in partial.done)
         self.inflight: dict[int, list[Attempt]] = {}
         self.tried: dict[int, set[str]] = collections.defaultdict(set)
-        self.failures: collections.Counter[int] = collections.Counter()
-        self.not_ready: collections.Counter[int] = collections.Counter()
+        self.asked: set[str] = set()  # sources asked for some shard in this fetch
         self.winners: set[int] = set()  # shards whose first verified copy is being (or has been) kept
         self.reported = {i: p.done_bytes for i, p in partial.progress.items()}  # bytes passed to on_bytes
         self.delayed = 0  # shards waiting out a relay's Retry-After before they are queued again
-        self.blame: list[dict[str, object]] = []
+        self.outcomes = Outcomes(pool, self.settings, self.manifest.step)
         self.received = self.hedges = self.hedges_won = self._serial = 0
+        self.resumed = sum(self.shards[i].size for i in partial.done)  # + prefixes a winning copy continued
         self.error: BaseException | None = None
         self.dirty = False
         self.changed = asyncio.Event()
@@ -124,6 +115,12 @@ class ShardRun:
             max_workers=3 * self.settings.concurrency + 1, thread_name_prefix="weights-shard"
         )
         self.loop = asyncio.get_running_loop()
+        for task in self.joining.values():
+            task.add_done_callback(lambda _t: self.changed.set())
+
+    @property
+    def blame(self) -> list[dict[str, object]]:
+        return self.outcomes.blame
 
     async def execute(self) -> FetchResult:
         body = self.manifest.body
@@ -131,14 +128,14 @@ class ShardRun:
         on_disk += sum(p.done_bytes for p in self.partial.progress.values())
         began = time.monotonic()
         try:
-            await asyncio.to_thread(self.f.store.ensure_free_space, body.total_size - on_disk)
-            if self.f.on_manifest is not None:
-                self.f.on_manifest(self.manifest, on_disk)
+            await asyncio.to_thread(self.ctx.store.ensure_free_space, body.total_size - on_disk)
+            if self.ctx.on_manifest is not None:
+                self.ctx.on_manifest(self.manifest, on_disk)
             for index in list(self.partial.done):
-                if self.f.on_shard is not None:
-                    self.f.on_shard(index)
+                if self.ctx.on_shard is not None:
+                    self.ctx.on_shard(index)
             logger.info(
-                "fetching step %d: %d of %d shards missing, %d bytes resumed",
+                "fetching step %d: %d of %d shards missing, %d bytes on disk",
                 self.manifest.step,
                 len(self.queue),
                 len(body.shards),
@@ -152,19 +149,20 @@ class ShardRun:
             await asyncio.to_thread(self.partial.close)
             await asyncio.to_thread(shutil.rmtree, self.hedge_dir, True)
         seconds = time.monotonic() - began
+        resumed = self.resumed
         logger.info(
             "step %d verified and stored at %s (%.1f MiB in %.2f s, %d hedged shards)",
             self.manifest.step,
             final,
-            (body.total_size - on_disk) / 2**20,
+            (body.total_size - resumed) / 2**20,
             seconds,
             self.hedges,
         )
         return FetchResult(
             manifest=self.manifest,
             version_dir=final,
-            fetched_bytes=body.total_size - on_disk,
-            resumed_bytes=on_disk,
+            fetched_bytes=body.total_size - resumed,
+            resumed_bytes=resumed,
             received_bytes=self.received,
             hedges=self.hedges,
             hedges_won=self.hedges_won,
@@ -176,18 +174,14 @@ class ShardRun:
         saver = asyncio.create_task(self._journal(), name="weights-fetch-journal")
         try:
             await self._schedule()
-        except FetchError as failure:
-            await self._stop_threads()
-            if any(b.get("corrupt") and b["shard"] == failure.shard for b in self.blame):
-                # No source delivered this shard intact and at least one sent wrong bytes: the version cannot
-                # be verified from these sources. It is discarded, never loaded.
-                self.partial.close()
-                await asyncio.to_thread(self.f.store.discard_partial, self.manifest.step)
-            else:
-                await self._save_progress()
-            raise
         except BaseException:
             await self._stop_threads()
+            # Verified shards stay for a rerun. A prefix is resumed only from its writer, so even a bad one
+            # poisons no other source; those of sources caught sending wrong bytes are not kept at all.
+            for index, progress in list(self.partial.progress.items()):
+                writer = self.pool.sources.get(progress.writer or "")
+                if writer is None or writer.shards_corrupt:
+                    del self.partial.progress[index]
             await self._save_progress()
             raise
         finally:
@@ -196,7 +190,7 @@ class ShardRun:
 
     async def _stop_threads(self) -> None:
         self.cancelled.set()
-        self.f.connections.abort()  # unblock reads now rather than after a stall timeout
+        self.ctx.connections.abort()  # unblock reads now rather than after a stall timeout
         tasks = [a.task for attempts in self.inflight.values() for a in attempts if a.task is not None]
         for task in tasks:
             task.cancel()
@@ -212,16 +206,16 @@ class ShardRun:
             checkpoint_digest(computed) != body.checkpoint_sha256
         ):  # only reachable through a bug: never load it
             self.partial.close()
-            await asyncio.to_thread(self.f.store.discard_partial, self.manifest.step)
+            await asyncio.to_thread(self.ctx.store.discard_partial, self.manifest.step)
             raise FetchError(
                 f"assembled step {self.manifest.step} does not match checkpoint_sha256; discarded", self.blame
             )
         await asyncio.to_thread(
             shutil.rmtree, self.hedge_dir, True
         )  # never moved into place with the version
-        final = await asyncio.to_thread(self.f.store.finalize, self.partial, durable=self.settings.durable)
+        final = await asyncio.to_thread(self.ctx.store.finalize, self.partial, durable=self.settings.durable)
         if self.settings.keep:
-            await asyncio.to_thread(self.f.store.prune, self.settings.keep)
+            await asyncio.to_thread(self.ctx.store.prune, self.settings.keep)
         return final
 
     async def _save_progress(self) -> None:
@@ -239,76 +233,106 @@ class ShardRun:
     async def _schedule(self) -> None:
         while len(self.partial.done) < len(self.shards):
             self._admit_late_sources()
-            now = time.monotonic()
-            for attempt in self._attempts():
-                best = self.pool.best_bandwidth(attempt.source.url)
-                if not attempt.slow and is_slow(attempt, best, now, self.settings):
-                    attempt.slow = True
-                    logger.info(
-                        "shard %d: %s is slow (%.0f bytes/s after %.1f s); asking another source too",
-                        attempt.index,
-                        attempt.source.url,
-                        attempt.watch.rate(now),
-                        now - attempt.watch.started,
-                    )
-            self._launch()
+            wake = self._judge(time.monotonic())
+            wake = min(wake, self._launch())
             if self.error is not None:
                 raise self.error
             if not (self.inflight or self.delayed or (self.queue and (self.pool.usable() or self.joining))):
                 index = self.queue[0] if self.queue else -1
                 raise FetchError(
                     f"shard {index} of step {self.manifest.step} could not be fetched and verified: "
-                    f"{self._blame_text(index) or 'no usable source'}",
+                    f"{self.outcomes.text(index) or 'no usable source'}",
                     self.blame,
                     shard=index,
                 )
             self.changed.clear()
-            try:  # wake on any attempt's end, else every tick to judge the ones in flight
-                await asyncio.wait_for(self.changed.wait(), SCHEDULE_TICK_S)
+            try:  # wake on any attempt's end, or when one in flight can next be judged
+                await asyncio.wait_for(self.changed.wait(), max(0.001, wake))
             except TimeoutError:
                 pass
             if self.error is not None:
                 raise self.error
 
+    def _judge(self, now: float) -> float:
+        """Mark the attempts that became slow; returns the seconds until one in flight can next be judged."""
+        wake = MAX_IDLE_S
+        for attempt in self._attempts():
+            if attempt.slow:
+                continue
+            best = self.pool.best_bandwidth(attempt.source.url)
+            if is_slow(attempt, best, now, self.settings):
+                attempt.slow = True
+                logger.info(
+                    "shard %d: %s is slow (%.0f bytes/s after %.2f s); asking another source too",
+                    attempt.index,
+                    attempt.source.url,
+                    attempt.watch.rate(now),
+                    now - attempt.watch.started,
+                )
+                continue
+            first = judge_at(attempt, best, self.settings)
+            wake = min(wake, first - now if first > now else SCHEDULE_TICK_S)
+        return wake
+
     def _attempts(self) -> list[Attempt]:
         return [a for attempts in self.inflight.values() for a in attempts]
 
-    def _launch(self) -> None:
-        """Start transfers while there is room. `concurrency` slots serve sources that have verified a shard in
-        this fetch, and as many more serve probes, one at a time per untried source: sources that hold probes
-        without sending anything cannot crowd out an honest source that has not been drawn yet. A slow
-        transfer holds no slot; a source with one in flight gets nothing more."""
+    def _untried(self) -> set[str]:
+        """Usable sources not asked for any shard yet in this fetch."""
+        return {s.url for s in self.pool.usable()} - self.asked
+
+    def _launch(self) -> float:
+        """Start transfers while there is room; returns the seconds until a source cooling down may be asked.
+        `concurrency` slots serve sources that have verified a shard in this fetch, and as many more serve
+        probes: one shard at a time per source not proven yet. A source never asked in this fetch gets its
+        first probe at once, without waiting for a probe slot (only the cap on transfers in flight bounds
+        it): until some source is proven, a probe that holds its shard without sending it cannot be judged
+        slow before `hedge_after_s`, so `concurrency` such sources drawn first would otherwise keep an honest
+        one waiting that long. A slow transfer holds no slot; a source with one in flight gets nothing more."""
         limit = self.settings.concurrency
         while self.error is None:
             attempts = self._attempts()
             if len(attempts) >= 3 * limit:
-                return
+                return MAX_IDLE_S
             proven = sum(1 for a in attempts if not a.slow and a.source.shards_ok)
             probing = sum(1 for a in attempts if not a.slow and not a.source.shards_ok)
             busy = {a.source.url for a in attempts if a.slow or not a.source.shards_ok}
             unproven = {s.url for s in self.pool.usable() if not s.shards_ok}
-            full = unproven if probing >= limit else set()
+            full = unproven - self._untried() if probing >= limit else set()
             if proven >= limit:
                 full = full | (set(self.pool.sources) - unproven)
+            cooling = MAX_IDLE_S
             if self.queue:
                 index = self.queue[0]
-                source, _ = self.pool.pick(avoid=self.tried[index], forbid=busy | full)
+                source, wait = self.pool.pick(avoid=self.tried[index], forbid=busy | full)
                 if source is not None:
                     self.queue.popleft()
                     self._start(index, source)
                     continue
+                cooling = wait or MAX_IDLE_S
             if not self._hedge(busy | full, unproven):
-                return
+                return cooling
+        return MAX_IDLE_S
 
     def _hedge(self, taken: set[str], unproven: set[str]) -> bool:
         """Ask another source for a shard whose every transfer is slow; False when there is none to ask.
-        A source that has verified shards in this fetch is preferred: an untried one may be as slow."""
+        A source that has verified shards in this fetch is preferred: an untried one may be as slow.
+
+        The end game: once no shard is left to start, a proven source's free slot also takes a shard whose
+        every transfer is from a source not proven in this fetch, without waiting until that transfer can be
+        judged slow. Otherwise the honest sources finish everything else and then sit idle while the last
+        shards wait on sources that may never deliver (on a fast link, for longer than the whole fetch took).
+        It costs at most one extra copy of each shard in flight at the end, the loser cut at once."""
+        end_game = not self.queue
         for index, attempts in self.inflight.items():
-            if len(attempts) >= MAX_COPIES or not all(a.slow for a in attempts) or index in self.winners:
+            if len(attempts) >= MAX_COPIES or index in self.winners:
+                continue
+            waiting = all(a.slow for a in attempts)
+            if not waiting and not (end_game and all(not a.source.shards_ok for a in attempts)):
                 continue
             forbid = taken | {a.source.url for a in attempts}
             source, _ = self.pool.pick(avoid=self.tried[index], forbid=forbid | unproven)
-            if source is None:
+            if source is None and waiting:  # the end game never gives a shard to another unproven source
                 source, _ = self.pool.pick(avoid=self.tried[index], forbid=forbid)
             if source is not None:
                 self.hedges += 1
@@ -316,19 +340,22 @@ class ShardRun:
                 return True
         return False
 
-    def _start(self, index: int, source: SourceState) -> None:
+    def _start(self, index: int, source: SourceState, recheck: Recheck | None = None) -> None:
         s = self.settings
         in_place = not any(a.in_place for a in self.inflight.get(index, []))
         size = self.shards[index].size
-        progress = self.partial.progress.setdefault(index, ShardProgress()) if in_place else None
-        start = progress.done_bytes if progress is not None else 0
-        side = None
-        if not in_place:
+        start, side, progress = 0, None, None
+        if in_place:
+            held = self.partial.progress.get(index)
+            start = 0 if recheck is not None else resume_point(held, source.url)
+            if start and held is not None:
+                progress = held
+            else:  # another source's prefix (or a failed resume's) is overwritten from byte 0
+                progress = self.partial.progress[index] = ShardProgress(0, source.url)
+        else:
             self.hedge_dir.mkdir(exist_ok=True)
             self._serial += 1
             side = self.hedge_dir / f"{index}.{self._serial}"
-        elif progress is not None:
-            progress.sources.add(source.url)
         head_s = s.connect_timeout_s + s.stall_timeout_s
         watch = Watch(
             deadline_s=head_s + s.rate_window_s + (size - start) / s.min_rate_bytes_s,
@@ -336,8 +363,9 @@ class ShardRun:
             min_rate=s.min_rate_bytes_s,
             window_s=s.rate_window_s,
         )
-        attempt = Attempt(index, source, size, start, watch, side)
+        attempt = Attempt(index, source, size, start, watch, side, progress, recheck)
         self.tried[index].add(source.url)
+        self.asked.add(source.url)
         self.inflight.setdefault(index, []).append(attempt)
         attempt.task = asyncio.create_task(self._run(attempt), name=f"weights-shard-{index}")
 
@@ -356,12 +384,15 @@ class ShardRun:
                 logger.info("source %s joined the fetch of step %d", url, self.manifest.step)
             else:  # a lagging source keeps the reason it was set aside for; a silent one gets its own
                 why = str(error) if error else f"serves another manifest than {self.manifest.digest[:16]}…"
+                if error is not None:
+                    logger.warning("source %s: %s", url, why)
                 before = self.pool.sources[url].excluded or ""
                 self.pool.exclude(url, f"{before} ({why})" if before.startswith("serves step") else why)
 
     # ----- one attempt ------------------------------------------------------------------------------------
 
     async def _run(self, attempt: Attempt) -> None:
+        recheck: Recheck | None = None
         try:
             result = await self.loop.run_in_executor(self.threads, self._transfer, attempt)
             await self._won(attempt, result)
@@ -369,7 +400,7 @@ class ShardRun:
             if attempt.index in self.winners:  # lost the race to a faster copy: that is its measured rate
                 self.pool.record_slow(attempt.source, attempt.watch.rate(time.monotonic()))
         except SourceError as failure:
-            self._failed(attempt, failure)
+            recheck = self._failed(attempt, failure)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # our own failure (the disk, a bug): the fetch stops with it
@@ -384,6 +415,8 @@ class ShardRun:
             if attempt.side_path is not None:
                 attempt.side_path.unlink(missing_ok=True)
             self.changed.set()
+        if recheck is not None:
+            self._recheck(attempt, recheck)
 
     def _transfer(self, attempt: Attempt) -> ShardResult:
         """On a worker thread: the transfer itself, into place or into the attempt's side file."""
@@ -397,8 +430,8 @@ class ShardRun:
             chunk_bytes=self.settings.chunk_bytes,
         )
         path = shard_path(self.manifest.step, index)
-        if attempt.in_place:
-            progress = self.partial.progress[index]
+        progress = attempt.progress
+        if progress is not None:
             hasher = rehash(self.partial, index, attempt.start) if attempt.start else fresh_hasher()
 
             def on_chunk(offset: int, n: int) -> None:
@@ -406,7 +439,7 @@ class ShardRun:
                 self.loop.call_soon_threadsafe(self._count, attempt, n)
 
             return download_shard(
-                self.f.connections,
+                self.ctx.connections,
                 attempt.source.url,
                 path,
                 hasher=hasher,
@@ -418,7 +451,7 @@ class ShardRun:
         fd, sink = side_writer(attempt.side_path)
         try:
             return download_shard(
-                self.f.connections,
+                self.ctx.connections,
                 attempt.source.url,
                 path,
                 hasher=fresh_hasher(),
@@ -436,7 +469,7 @@ class ShardRun:
         self.winners.add(index)  # before any await: a second copy finishing meanwhile is the loser
         others = [a for a in self.inflight.get(index, []) if a is not attempt]
         for other in others:
-            self.f.connections.watchdog.cut(
+            self.ctx.connections.watchdog.cut(
                 other.watch, "a faster copy of the shard verified first", cancelled=True
             )
         if not attempt.in_place:
@@ -446,16 +479,17 @@ class ShardRun:
             )
             await self.loop.run_in_executor(self.threads, install_side, self.partial, attempt)
             self.hedges_won += 1
-        self.pool.record_success(attempt.source, result.received, result.seconds)
+        self.outcomes.verified(attempt, result)
+        self.resumed += attempt.start if attempt.in_place else 0
         self.partial.done[index] = result.digest
         self.partial.progress.pop(index, None)
         rest = self.shards[index].size - self.reported.get(index, 0)
         self.reported[index] = self.shards[index].size
-        if rest > 0 and self.f.on_bytes is not None:
-            self.f.on_bytes(rest)
+        if rest > 0 and self.ctx.on_bytes is not None:
+            self.ctx.on_bytes(rest)
         self.dirty = True
-        if self.f.on_shard is not None:
-            self.f.on_shard(index)
+        if self.ctx.on_shard is not None:
+            self.ctx.on_shard(index)
 
     def _count(self, attempt: Attempt, n: int) -> None:
         """On the event loop, per chunk written: bytes received, and progress of the in-place copy (once)."""
@@ -467,43 +501,44 @@ class ShardRun:
         if add > 0:
             self.reported[attempt.index] = self.reported.get(attempt.index, 0) + add
             self.dirty = True
-            if self.f.on_bytes is not None:
-                self.f.on_bytes(add)
+            if self.ctx.on_bytes is not None:
+                self.ctx.on_bytes(add)
 
-    def _failed(self, attempt: Attempt, failure: SourceError) -> None:
-        s, index, source = self.settings, attempt.index, attempt.source
-        reason = f"shard {index}: {failure.reason}"
+    def _failed(self, attempt: Attempt, failure: SourceError) -> Recheck | None:
+        """Charge a failed attempt and queue its shard again; returns a Recheck when nobody may be charged yet."""
+        index = attempt.index
         others = [a for a in self.inflight.get(index, []) if a is not attempt]
-        if failure.retry_after is not None and self.not_ready[index] < s.max_not_ready:
+        if failure.retry_after is not None and self.outcomes.not_ready(attempt, failure.reason):
             # A relay still mirroring this shard: no penalty and no attempt used; others are preferred meanwhile.
-            self.not_ready[index] += 1
-            self.pool.record_not_ready(source)
             if not others and index not in self.winners:
                 everyone = {u.url for u in self.pool.usable()} <= self.tried[index]
                 self._requeue(index, failure.retry_after if everyone else 0.0)
-            return
-        # A digest over bytes resumed from other transfers cannot be pinned on this source: no corrupt penalty.
-        resumed = attempt.in_place and attempt.start > 0
-        self.pool.record_failure(source, reason, corrupt=failure.corrupt and not resumed)
-        self.blame.append(
-            {"shard": index, "source": source.url, "reason": failure.reason, "corrupt": failure.corrupt}
-        )
-        logger.warning("source %s: %s", source.url, reason)
-        self.failures[index] += 1
-        if failure.corrupt and attempt.in_place:
-            self.partial.progress[index] = ShardProgress()  # refetched from its first byte
-        if others or index in self.winners:
-            return  # the other copy carries on
-        usable = {u.url for u in self.pool.usable()}
-        if self.failures[index] >= s.max_attempts_per_shard and usable <= self.tried[index]:
+            return None
+        if attempt.in_place and (failure.corrupt or attempt.recheck is not None):
+            self.partial.progress.pop(index, None)  # wrong bytes, or bytes no verified copy vouches for
+            self.dirty = True
+        recheck = self.outcomes.failed(attempt, failure)
+        if recheck is not None or others or index in self.winners:
+            return recheck  # the recheck, or the other copy, carries on
+        if self.outcomes.exhausted(index, {u.url for u in self.pool.usable()} <= self.tried[index]):
             self.error = FetchError(
                 f"shard {index} of step {self.manifest.step} could not be fetched and verified: "
-                f"{self._blame_text(index)}",
+                f"{self.outcomes.text(index)}",
                 self.blame,
                 shard=index,
             )
-            return
+            return None
         self._requeue(index, 0.0)
+        return None
+
+    def _recheck(self, attempt: Attempt, recheck: Recheck) -> None:
+        """Ask the same source for the whole shard, once its resumed copy's attempt is gone."""
+        if self.error is not None or self.cancelled.is_set():
+            return
+        if self.inflight.get(attempt.index) or attempt.index in self.winners:
+            self.outcomes.settle_recheck(attempt, recheck)  # another copy decides the shard
+            return
+        self._start(attempt.index, attempt.source, recheck)
 
     def _requeue(self, index: int, delay: float) -> None:
         if delay <= 0:
@@ -517,6 +552,3 @@ class ShardRun:
             self.changed.set()
 
         self.loop.call_later(delay, back)
-
-    def _blame_text(self, index: int) -> str:
-        return "; ".join(f"{b['source']}: {b['reason']}" for b in self.blame if b["shard"] == index)

@@ -7,8 +7,9 @@
 
 Partial data lives only under .partial/ and a version appears at its final path by one atomic rename of
 its directory, so a reader never sees a half-written checkpoint. progress.json records which shards are
-verified and how many bytes of unfinished shards are on disk, so a rerun after kill -9 resumes with Range
-requests. Every call here blocks on disk; async callers run them in a thread.
+verified and how many bytes of unfinished shards are on disk and which source sent them, so a rerun after
+kill -9 resumes with Range requests (from that same source only). Every call here blocks on disk; async
+callers run them in a thread.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..wire import WireFormatError, parse_uint
 from .errors import ReplayError, StoreError
 from .manifest import SignedManifest, parse_signed
 
@@ -33,12 +34,28 @@ MANIFEST_NAME = "manifest.json"
 PROGRESS_NAME = "progress.json"
 CHECKPOINT_NAME = "checkpoint"
 HIGH_WATER_NAME = "high-water.json"
-_VERSION_RE = re.compile(r"step-([0-9]{12})")  # fullmatch: $ and \d would take "\n" and "١"
+_VERSION_PREFIX = "step-"
+_STEP_DIGITS = 12
 FREE_DISK_MARGIN = 64 << 20  # keep some slack so that the store never fills the disk to the last byte
 
 
 def version_name(step: int) -> str:
-    return f"step-{step:012d}"
+    return f"{_VERSION_PREFIX}{step:0{_STEP_DIGITS}d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a version directory's name says (`step-` and exactly 12 ASCII digits), None for any other."""
+    if not name.startswith(_VERSION_PREFIX):
+        return None
+    try:
+        return parse_uint(
+            name[len(_VERSION_PREFIX) :],
+            "version directory",
+            maximum=10**_STEP_DIGITS - 1,
+            width=_STEP_DIGITS,
+        )
+    except WireFormatError:
+        return None
 
 
 def checkpoint_dir_in(version_dir: Path) -> Path:
@@ -56,10 +73,16 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 @dataclass
 class ShardProgress:
-    """Bytes of an unfinished shard already on disk, and who sent them (for blame after a resume)."""
+    """Bytes of an unfinished shard already on disk, and the one source that sent every one of them.
+
+    A shard is resumed only from the source that wrote its prefix (attempts.py): bytes of one source are never
+    completed by another's, so a source that sends garbage and hangs up poisons no one else's download, and a
+    digest mismatch on a resumed shard is all one source's doing (or, for a prefix from an earlier run, our
+    disk's)."""
 
     done_bytes: int = 0
-    sources: set[str] = field(default_factory=set)
+    writer: str | None = None  # the source URL that sent bytes [0, done_bytes); None: nobody may resume it
+    journaled: bool = False  # the prefix comes from an earlier run's journal (not attributable to anyone)
 
 
 class PartialVersion:
@@ -113,16 +136,22 @@ class PartialVersion:
 
     def _apply_progress(self, state: dict[str, object]) -> None:
         shards = self.manifest.body.shards
+        last = len(shards) - 1
         for key, digest in dict(state.get("done", {})).items():  # type: ignore[call-overload]
-            index = int(key)
-            if 0 <= index < len(shards) and digest == shards[index].sha256:
+            index = parse_uint(key, "shard index", maximum=last)
+            if digest == shards[index].sha256:
                 self.done[index] = digest
         for key, entry in dict(state.get("partial", {})).items():  # type: ignore[call-overload]
-            index = int(key)
-            if 0 <= index < len(shards) and index not in self.done:
-                done_bytes = int(entry.get("bytes", 0))
-                if 0 < done_bytes < shards[index].size:
-                    self.progress[index] = ShardProgress(done_bytes, set(map(str, entry.get("sources", []))))
+            index = parse_uint(key, "shard index", maximum=last)
+            done_bytes = entry.get("bytes", 0)
+            writer = entry.get("writer")
+            if (
+                index not in self.done
+                and isinstance(done_bytes, int)
+                and 0 < done_bytes < shards[index].size
+                and isinstance(writer, str)
+            ):
+                self.progress[index] = ShardProgress(done_bytes, writer, journaled=True)
 
     def progress_snapshot(self) -> bytes:
         """The resume journal as bytes; taken on the thread that mutates `done` and `progress` (the event loop)."""
@@ -130,9 +159,9 @@ class PartialVersion:
             "manifest": self.manifest.digest,
             "done": {str(i): d for i, d in self.done.items()},
             "partial": {
-                str(i): {"bytes": p.done_bytes, "sources": sorted(p.sources)}
+                str(i): {"bytes": p.done_bytes, "writer": p.writer}
                 for i, p in self.progress.items()
-                if p.done_bytes > 0
+                if p.done_bytes > 0 and p.writer is not None
             },
         }
         return json.dumps(state).encode()
@@ -197,16 +226,16 @@ class Store:
             return []
         steps = []
         for entry in self.root.iterdir():
-            match = _VERSION_RE.fullmatch(entry.name)
-            if match and (entry / MANIFEST_NAME).is_file():
-                steps.append(int(match.group(1)))
+            step = step_of(entry.name)
+            if step is not None and (entry / MANIFEST_NAME).is_file():
+                steps.append(step)
         return sorted(steps)
 
     def partial_versions(self) -> list[int]:
         base = self.root / PARTIAL
         if not base.is_dir():
             return []
-        return sorted(int(m.group(1)) for e in base.iterdir() if (m := _VERSION_RE.fullmatch(e.name)))
+        return sorted(step for e in base.iterdir() if (step := step_of(e.name)) is not None)
 
     def manifest_bytes(self, step: int, *, partial: bool = False) -> bytes:
         directory = self.partial_dir(step) if partial else self.version_dir(step)

@@ -6,12 +6,12 @@ Watch sees every arrival (its deadline and throughput floor, watchdog.py), and t
 filled buffer to SHA-256 and to its sink (the partial version's files, or a hedge's side file). recv, hashing
 and pwrite all release the GIL, so shards in flight spread over all cores with no event-loop hop per chunk.
 
-The response is hostile: status, content type and every number in the head are checked strictly (wire.py)
+The response is hostile: status, content type and every number in the head are checked strictly (http_head.py)
 before the body is read, the body is read to exactly its announced length (which must be the signed one),
 redirects are not followed and nothing is decompressed. What a source can make go wrong raises SourceError
 (charged to that source); only a failure to write our own disk raises StoreError. A transfer that breaks off
-keeps the bytes received (they are verified with the rest of the shard), so the next attempt asks for the
-remainder with Range.
+keeps the bytes received (they are verified with the rest of the shard), so the same source's next attempt
+asks for the remainder with Range (attempts.py: no other source ever continues them).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import wire
+from . import http_head
 from .connections import NETWORK_ERRORS, ConnectionPool
 from .errors import ManifestError, SourceError, StoreError
 from .manifest import MAX_SHARD_SIZE
@@ -33,11 +33,14 @@ from .store import PartialVersion
 from .watchdog import Watch
 
 SHARD_CONTENT_TYPE = "application/octet-stream"
-MAX_RETRY_AFTER_S = wire.MAX_RETRY_AFTER_S
 
 
 class ShardFailure(SourceError):
     """A shard transfer failed through its source; `corrupt` when it sent wrong bytes rather than no bytes."""
+
+
+class DigestMismatch(ShardFailure):
+    """Every byte of the shard arrived, and their SHA-256 is not the signed one."""
 
 
 class TransferCancelled(Exception):
@@ -104,7 +107,9 @@ def _failure(watch: Watch, error: BaseException | None, cancelled: threading.Eve
 
 def _check_head(resp: http.client.HTTPResponse, start: int, size: int) -> None:
     if resp.status == 503:
-        raise ShardFailure("source has not verified this shard yet (503)", retry_after=wire.retry_after(resp))
+        raise ShardFailure(
+            "source has not verified this shard yet (503)", retry_after=http_head.retry_after(resp)
+        )
     expected = 206 if start else 200
     if resp.status != expected:
         raise ShardFailure(f"source answered HTTP {resp.status} (expected {expected})")
@@ -116,8 +121,8 @@ def _check_head(resp: http.client.HTTPResponse, start: int, size: int) -> None:
             "source answered an encoded (compressed) body; shards are sent as they are", corrupt=True
         )
     if start:
-        wire.content_range(resp, start, size)
-    length = wire.content_length(resp, MAX_SHARD_SIZE, "shard")
+        http_head.content_range(resp, start, size)
+    length = http_head.content_length(resp, MAX_SHARD_SIZE, "shard")
     if length != size - start:
         raise ShardFailure(
             f"source announced {length} bytes, the signed shard has {size - start} from byte {start}",
@@ -180,7 +185,7 @@ def download_shard(
         pool.finish(token, watch, reusable)
     digest = hasher.hexdigest()
     if digest != sha256:
-        raise ShardFailure(f"SHA-256 mismatch (got {digest[:16]}…, signed {sha256[:16]}…)", corrupt=True)
+        raise DigestMismatch(f"SHA-256 mismatch (got {digest[:16]}…, signed {sha256[:16]}…)", corrupt=True)
     return ShardResult(digest=digest, received=offset - start, seconds=time.monotonic() - began)
 
 
@@ -194,7 +199,7 @@ def fetch_document(pool: ConnectionPool, source: str, path: str, limit: int, tim
         resp, token = pool.request(source, path, {}, watch)
         if resp.status != 200:
             raise ManifestError(f"answered HTTP {resp.status} for the manifest")
-        length = wire.content_length(resp, limit, "manifest")
+        length = http_head.content_length(resp, limit, "manifest")
         body = bytearray(length)
         filled, error = _fill(resp, memoryview(body), watch)
         if error is not None or filled < length:

@@ -16,6 +16,8 @@ import socket
 import threading
 import time
 
+from ..rate_floor import RateFloor
+
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.05  # how often deadlines are checked: the slack on every deadline and floor
@@ -34,11 +36,10 @@ class Watch:
         self.head_by = (
             now + head_s if head_s is not None else None
         )  # the response head must have arrived by then
-        self.min_rate = min_rate  # body bytes/s over each window (0: no floor)
-        self.window_s = window_s
         self.received = 0  # body bytes so far (written by the transfer thread only)
         self.body_since: float | None = None  # when the response head arrived
-        self._mark = (now, 0)  # start of the current floor window: (time, received)
+        # The body's floor (p2p/rate_floor.py), from the moment its head arrived; None: no floor.
+        self.floor = RateFloor(min_rate, window_s, now) if min_rate > 0 else None
         self.sock: socket.socket | None = None
         self.reason: str | None = None  # why it was cut; set once, before the socket is shut
         self.cancelled = False  # cut because we no longer want it (not the source's fault)
@@ -46,7 +47,8 @@ class Watch:
     def body_begins(self) -> None:
         now = time.monotonic()
         self.body_since = now
-        self._mark = (now, self.received)
+        if self.floor is not None:
+            self.floor.restart(now, self.received)
 
     def rate(self, now: float) -> float:
         """Body bytes per second since the request started (what a scheduler compares sources by)."""
@@ -60,16 +62,7 @@ class Watch:
             if self.head_by is not None and now >= self.head_by:
                 return f"sent no complete response head within {self.head_by - self.started:.1f} s"
             return None
-        mark_time, mark_bytes = self._mark
-        if self.min_rate > 0 and now - mark_time >= self.window_s:
-            got = self.received - mark_bytes
-            if got < self.min_rate * (now - mark_time):
-                return (
-                    f"sent {got} bytes in {now - mark_time:.1f} s, below the floor of "
-                    f"{self.min_rate:.0f} bytes/s"
-                )
-            self._mark = (now, self.received)
-        return None
+        return self.floor.check(now, self.received) if self.floor is not None else None
 
 
 class Watchdog:

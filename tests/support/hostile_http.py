@@ -59,7 +59,14 @@ SHARD_MODES = {
     "s-503-unicode": "503 with Retry-After: ², for ever",
     "s-redirect": "302 to another address",
     "s-slow": "the honest shard, 1 KiB per interval (slow, but a correct source)",
+    # Resume poisoning: bytes that are kept on disk when the transfer breaks off, for a later one to continue.
+    "s-garbage-close": "an honest head (200, or 206 for a Range), 8 KiB of garbage, then it hangs up",
+    "s-garbage-stall": "an honest head, 8 KiB of garbage, then silence (held until cut)",
+    "s-garbage-resume": "garbage then hang up from byte 0; the honest rest for a Range (its own resume fails)",
+    "s-range-shifted": "half the honest shard then hang up; a Range is answered from byte 0 under the asked "
+    "Content-Range (its own resume fails)",
 }
+GARBAGE_BYTES = 8 << 10
 MODES = {**MANIFEST_MODES, **SHARD_MODES}
 MAX_REQUEST_HEAD = 16 << 10
 
@@ -101,6 +108,17 @@ class Versions:
 def head(status: str, headers: list[tuple[str, str]]) -> bytes:
     lines = [f"HTTP/1.1 {status}"] + [f"{k}: {v}" for k, v in headers]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def partial_head(ctype: str, start: int, total: int) -> bytes:
+    return head(
+        "206 Partial Content",
+        [
+            ("Content-Type", ctype),
+            ("Content-Length", str(total - start)),
+            ("Content-Range", f"bytes {start}-{total - 1}/{total}"),
+        ],
+    )
 
 
 class Handler(socketserver.BaseRequestHandler):
@@ -155,20 +173,11 @@ class Handler(socketserver.BaseRequestHandler):
         ):
             body, broken = content.shards[int(rest[4])], mode if mode.startswith("s-") else None
             ctype = "application/octet-stream"
+            start = int(range_header.removeprefix("bytes=").split("-")[0]) if range_header else 0
+            if broken in ("s-garbage-close", "s-garbage-stall", "s-garbage-resume", "s-range-shifted"):
+                return self.poison(sock, broken, body, start)
             if range_header and broken is None:
-                start = int(range_header.removeprefix("bytes=").split("-")[0])
-                total = len(body)
-                sock.sendall(
-                    head(
-                        "206 Partial Content",
-                        [
-                            ("Content-Type", ctype),
-                            ("Content-Length", str(total - start)),
-                            ("Content-Range", f"bytes {start}-{total - 1}/{total}"),
-                        ],
-                    )
-                )
-                sock.sendall(body[start:])
+                sock.sendall(partial_head(ctype, start, len(body)) + body[start:])
                 return True
         else:
             sock.sendall(head("404 Not Found", [("Content-Length", "0")]))
@@ -177,6 +186,27 @@ class Handler(socketserver.BaseRequestHandler):
             sock.sendall(head("200 OK", [("Content-Type", ctype), ("Content-Length", str(len(body)))]) + body)
             return True
         return self.misbehave(sock, broken.split("-", 1)[1], body, ctype, interval)
+
+    def poison(self, sock: socket.socket, mode: str, body: bytes, start: int) -> bool:
+        """Leave bytes on the fetcher's disk that do not belong there, for a later transfer to continue."""
+        ctype = "application/octet-stream"
+        answer = (
+            partial_head(ctype, start, len(body))
+            if start
+            else head("200 OK", [("Content-Type", ctype), ("Content-Length", str(len(body)))])
+        )
+        garbage = bytes((i * 7 + 13) % 251 for i in range(min(GARBAGE_BYTES, len(body) - start - 1)))
+        if mode == "s-garbage-resume" and start:
+            sock.sendall(answer + body[start:])  # the honest rest: the digest fails over its own garbage
+            return True
+        if mode == "s-range-shifted":
+            # From byte 0: the honest first half, then hang up; for a Range, bytes from 0 under its header.
+            sock.sendall(answer + (body[: len(body) - start] if start else body[: len(body) // 2]))
+            return bool(start)
+        sock.sendall(answer + garbage)
+        if mode == "s-garbage-stall":
+            time.sleep(3600)
+        return False
 
     def misbehave(self, sock: socket.socket, fault: str, body: bytes, ctype: str, interval: float) -> bool:
         ok = [("Content-Type", ctype)]

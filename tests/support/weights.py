@@ -2,7 +2,8 @@
 
 `HostileSource` is a real aiohttp server that answers the weights endpoints with the genuine manifest and
 shard bytes from a store, except where told to misbehave (flip a bit, send the wrong length, stall, die
-mid-transfer, answer 404 or HTML, serve another manifest). It is the adversary, not a mock of the code
+mid-transfer with or without sending zeros first, answer 404 or HTML, serve another manifest). Its `fault`
+may be changed while it runs (a source that heals). It is the adversary, not a mock of the code
 under test: the fetcher and relay talk to it over real sockets exactly as they talk to an honest server.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import select
 import subprocess
@@ -153,9 +155,10 @@ class HostileSource:
         if start:
             resp.headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
         await resp.prepare(request)
-        if fault in ("stall", "die"):
-            await resp.write(body[: len(body) // 2])
-            if fault == "die":
+        if fault in ("stall", "die", "garbage-die"):
+            half = len(body) // 2
+            await resp.write(bytes(half) if fault == "garbage-die" else body[:half])
+            if fault in ("die", "garbage-die"):
                 assert request.transport is not None
                 request.transport.abort()  # the source process dies: connection reset mid-body
                 return resp
@@ -222,6 +225,53 @@ def hostile_process(store_dir: Path, *, interval: float = 0.2) -> Iterator[str]:
         if not line.startswith("PORT "):
             raise RuntimeError(f"the hostile server did not start (said {line!r})")
         yield f"http://127.0.0.1:{int(line.split()[1])}"
+    finally:
+        proc.kill()  # by its pid: only the process this helper started
+        proc.wait(10)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+HOSTILE_CLIENT = Path(__file__).with_name("hostile_client.py")
+
+
+class HostileClients:
+    """A running tests/support/hostile_client.py: `result()` waits for its report (see its docstring)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+
+    def result(self, timeout: float) -> dict[str, list]:
+        assert self.proc.stdout is not None
+        ready = select.select([self.proc.stdout], [], [], timeout)[0]
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("{"):
+            raise RuntimeError(f"the hostile clients did not report within {timeout} s (said {line!r})")
+        return json.loads(line)
+
+
+@contextlib.contextmanager
+def hostile_clients(
+    url: str,
+    mode: str,
+    count: int,
+    *,
+    source_ip: str,
+    path: str = "/v1/weights/latest",
+    duration: float = 10.0,
+) -> Iterator[HostileClients]:
+    """Open `count` hostile connections to `url` from `source_ip` in their own process (returns once open)."""
+    argv = [sys.executable, str(HOSTILE_CLIENT), url, mode, str(count), "--source-ip", source_ip]
+    argv += ["--path", path, "--for", str(duration)]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = select.select([proc.stdout], [], [], 30)[0]
+        line = proc.stdout.readline() if ready else ""
+        if line.strip() != "READY":
+            raise RuntimeError(f"the hostile clients did not start (said {line!r})")
+        yield HostileClients(proc)
     finally:
         proc.kill()  # by its pid: only the process this helper started
         proc.wait(10)

@@ -15,23 +15,34 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import shutil
 from pathlib import Path
 
 import torch
 
 from ...node.runtime.durable import fsync_path, fsync_tree
+from ...p2p.wire import WireFormatError, parse_uint
 from ..errors import TrainerError
 
 STATE_VERSION = 1
-_STEP_DIR = re.compile(r"step-([0-9]{8})")  # fullmatch: $ and \d would take "\n" and "١"
+_STEP_PREFIX, _STEP_DIGITS = "step-", 8
 _META = "trainer_state.json"
 _OPTIM = "optimizer.pt"
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
+    return Path(root) / f"{_STEP_PREFIX}{step:0{_STEP_DIGITS}d}"
+
+
+def _step_of(name: str) -> int | None:
+    """The step a state directory's name says (`step-` and exactly 8 ASCII digits), None for any other."""
+    if not name.startswith(_STEP_PREFIX):
+        return None
+    try:
+        digits = name[len(_STEP_PREFIX) :]
+        return parse_uint(digits, "state directory", maximum=10**_STEP_DIGITS - 1, width=_STEP_DIGITS)
+    except WireFormatError:
+        return None
 
 
 def save_train_state(
@@ -73,9 +84,9 @@ def list_train_states(root: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for child in root.iterdir():
-        m = _STEP_DIR.fullmatch(child.name)
-        if m and (child / _META).is_file():
-            found.append((int(m.group(1)), child))
+        step = _step_of(child.name)
+        if step is not None and (child / _META).is_file():
+            found.append((step, child))
     return sorted(found)
 
 

@@ -142,10 +142,11 @@ async def _headers_middleware(
 
 
 async def _leaderboard(request: web.Request) -> web.Response:
+    raw = request.query.get("top", str(DEFAULT_TOP))
     try:
-        top = parse_uint(request.query.get("top", str(DEFAULT_TOP)), lo=1, hi=MAX_TOP, what="top")
-    except WireFormatError as exc:
-        raise NodeLookupError(str(exc), 400) from None
+        top = parse_uint(raw, "top", maximum=MAX_TOP, minimum=1)
+    except WireFormatError:
+        raise NodeLookupError(f"top must be an integer from 1 to {MAX_TOP}, got {raw[:20]!r}", 400) from None
     ledger = request.app[LEDGER_KEY]
     rows = await asyncio.to_thread(leaderboard, ledger, top=top)
     ranked = await asyncio.to_thread(ranked_count, ledger)

@@ -1,11 +1,10 @@
 """Strict reading of what a weight source says about itself: its URL and the head of each HTTP response.
 
-Everything here is hostile input. Numbers are ASCII digits only, matched whole and bounded before `int()` sees
-them: `str.isdigit()` accepts '²' and other Unicode digits that `int()` then refuses (or reads), and `int()`
-itself accepts signs, underscores and surrounding whitespace. A header that appears twice, a body without a
-Content-Length, or a Transfer-Encoding (no source of ours sends one) are refused, so the body's length is
-known and checked before a byte of it is read. Every refusal is a SourceError naming the header and its
-value, charged to that source alone.
+Everything here is hostile input. Every number goes through the one ASCII-digit parser (p2p/wire.py
+`parse_uint`), after only the blanks HTTP allows around a header value are stripped. A header that appears
+twice, a body without a Content-Length, or a Transfer-Encoding (no source of ours sends one) are refused,
+so the body's length is known and checked before a byte of it is read. Every refusal is a SourceError
+naming the header and its value, charged to that source alone.
 """
 
 from __future__ import annotations
@@ -14,11 +13,12 @@ import http.client
 import re
 from urllib.parse import urlsplit
 
+from ..wire import WireFormatError, parse_uint
 from .errors import SourceError
 
-MAX_RETRY_AFTER_S = 5.0  # a relay's "come back later" is honoured up to this long
-_DIGITS = re.compile(r"[0-9]+")  # ASCII only: [0-9], never \d (which matches every Unicode digit)
-_MAX_DIGITS = 18  # more is over any bound we use, and int() is never asked to read thousands of digits
+# A relay's 503 "come back later" (it has not verified the shard yet) is honoured for up to this long: the
+# shard is asked of the other sources meanwhile, and no relay can park a shard for longer.
+MAX_NOT_READY_WAIT_S = 5.0
 _RETRY_AFTER = re.compile(r"[0-9]{1,30}(?:\.[0-9]{1,6})?")  # capped below, so any length of digits is safe
 _OWS = " \t"  # the only whitespace HTTP allows around a header value
 MAX_URL_CHARS = 512
@@ -42,15 +42,12 @@ def check_source_url(url: str) -> str | None:
     return None
 
 
-def parse_uint(value: str, what: str, maximum: int) -> int:
-    """`value` as a non-negative integer of ASCII digits, at most `maximum`; SourceError otherwise."""
-    text = value.strip(_OWS)
-    if not _DIGITS.fullmatch(text):
-        raise SourceError(f"{what} {value[:40]!r} is not a number in ASCII digits", corrupt=True)
-    number = int(text) if len(text) <= _MAX_DIGITS else None
-    if number is None or number > maximum:
-        raise SourceError(f"{what} {text[:40]} is over the {maximum} allowed", corrupt=True)
-    return number
+def header_uint(value: str, what: str, maximum: int) -> int:
+    """A header's value as a non-negative integer of ASCII digits, at most `maximum`; SourceError otherwise."""
+    try:
+        return parse_uint(value.strip(_OWS), what, maximum=maximum)
+    except WireFormatError as exc:
+        raise SourceError(str(exc), corrupt=True) from None
 
 
 def single_header(resp: http.client.HTTPResponse, name: str) -> str | None:
@@ -70,11 +67,11 @@ def content_length(resp: http.client.HTTPResponse, maximum: int, what: str) -> i
     value = single_header(resp, "Content-Length")
     if value is None:
         raise SourceError(f"sent the {what} without a Content-Length", corrupt=True)
-    return parse_uint(value, f"Content-Length of the {what}", maximum)
+    return header_uint(value, f"Content-Length of the {what}", maximum)
 
 
 def retry_after(resp: http.client.HTTPResponse) -> float:
-    """Seconds a 503 asks us to wait (1 when absent), capped at MAX_RETRY_AFTER_S."""
+    """Seconds a 503 asks us to wait (1 when absent), capped at MAX_NOT_READY_WAIT_S."""
     value = single_header(resp, "Retry-After")
     if value is None:
         return 1.0
@@ -83,7 +80,7 @@ def retry_after(resp: http.client.HTTPResponse) -> float:
         raise SourceError(
             f"answered 503 with Retry-After {value[:40]!r}, not a number of seconds in ASCII digits"
         )
-    return min(MAX_RETRY_AFTER_S, float(match.group(0)))
+    return min(MAX_NOT_READY_WAIT_S, float(match.group(0)))
 
 
 def content_range(resp: http.client.HTTPResponse, start: int, size: int) -> None:

@@ -1,0 +1,112 @@
+"""What the end of a shard attempt means for its source: credit, a charge, or a recheck before any charge.
+
+A failure is charged to the source of the attempt that failed, and recorded in the blame list a failed fetch
+reports. One failure is not charged at once: a resumed copy (bytes on disk continued with a Range request)
+whose SHA-256 does not match. Its prefix was written by the same source (attempts.py `resume_point`), but
+maybe in an earlier run whose bytes our own disk may have lost. So the same source is asked for the whole
+shard again (a recheck) before anyone is charged:
+
+  * the whole shard verifies: the prefix was wrong. Written in this run, it was that source's bytes, and the
+    source is charged as corrupt (it is also credited with the shard it then delivered). From an earlier
+    run's journal, nobody can be blamed: it is logged, and no source is charged.
+  * the whole shard fails its digest too: the source sends wrong bytes, charged as corrupt as always.
+  * the recheck breaks off: charged as a failure, and as corrupt when the failed prefix was written in this
+    run (every byte of the copy that mismatched came from that source).
+
+A mismatch that cannot be attributed never counts against a source, never counts towards the shard's
+`max_attempts_per_shard`, and never discards verified shards.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+from .attempts import Attempt, Recheck
+from .errors import SourceError
+from .fetch_settings import FetchSettings
+from .sources import SourcePool
+from .transfer import DigestMismatch, ShardResult
+
+logger = logging.getLogger(__name__)
+
+
+class Outcomes:
+    """Credits and charges for the attempts of one shard run, and the blame list of a failed fetch."""
+
+    def __init__(self, pool: SourcePool, settings: FetchSettings, step: int) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.step = step
+        # Machine-readable record of what failed where: [{shard, source, reason, corrupt}, ...] (for --json).
+        self.blame: list[dict[str, object]] = []
+        self.failures: collections.Counter[int] = collections.Counter()
+        self._not_ready: collections.Counter[int] = collections.Counter()
+
+    def not_ready(self, attempt: Attempt, reason: str) -> bool:
+        """A relay answered 503 (not verified there yet): True while such answers are tolerated for the shard,
+        without a charge or an attempt used."""
+        if self._not_ready[attempt.index] >= self.settings.max_not_ready:
+            return False
+        self._not_ready[attempt.index] += 1
+        self.pool.record_not_ready(attempt.source)
+        return True
+
+    def verified(self, attempt: Attempt, result: ShardResult) -> None:
+        self.pool.record_success(attempt.source, result.received, result.seconds)
+        if attempt.recheck is not None:
+            self._judge_prefix(attempt, attempt.recheck, "its copy from byte 0 verified")
+
+    def failed(self, attempt: Attempt, failure: SourceError) -> Recheck | None:
+        """Charge `failure` to the attempt's source; or, for a resumed copy that failed its digest, charge no
+        one yet and return the recheck to run."""
+        if isinstance(failure, DigestMismatch) and attempt.resumed and attempt.recheck is None:
+            assert attempt.progress is not None  # a resumed attempt writes in place
+            logger.info(
+                "shard %d: the copy %s resumed at byte %d failed its digest; asking it for the whole shard "
+                "before charging anyone",
+                attempt.index,
+                attempt.source.url,
+                attempt.start,
+            )
+            return Recheck(attempt.start, attempt.progress.journaled, failure.reason)
+        reason, corrupt = failure.reason, failure.corrupt
+        if attempt.recheck is not None and not attempt.recheck.journaled:
+            reason, corrupt = f"{reason}, after its resumed copy failed: {attempt.recheck.reason}", True
+        self._charge(attempt, reason, corrupt=corrupt)
+        return None
+
+    def settle_recheck(self, attempt: Attempt, recheck: Recheck) -> None:
+        """The recheck cannot run (another copy of the shard decides it): judge the failed prefix as it stands."""
+        self._judge_prefix(attempt, recheck, "no recheck was needed")
+
+    def exhausted(self, index: int, everyone_tried: bool) -> bool:
+        """Whether shard `index` has failed often enough, from every usable source, to end the fetch."""
+        return self.failures[index] >= self.settings.max_attempts_per_shard and everyone_tried
+
+    def text(self, index: int) -> str:
+        return "; ".join(f"{b['source']}: {b['reason']}" for b in self.blame if b["shard"] == index)
+
+    def _judge_prefix(self, attempt: Attempt, recheck: Recheck, how: str) -> None:
+        if recheck.journaled:
+            logger.info(
+                "shard %d: the first %d bytes, resumed from an earlier run, did not verify (%s); not "
+                "attributable to %s (the disk may have lost them), so nobody is charged",
+                attempt.index,
+                recheck.prefix_bytes,
+                how,
+                attempt.source.url,
+            )
+            return
+        self._charge(
+            attempt,
+            f"the first {recheck.prefix_bytes} bytes it sent were wrong ({recheck.reason}; {how})",
+            corrupt=True,
+        )
+
+    def _charge(self, attempt: Attempt, reason: str, *, corrupt: bool) -> None:
+        source, index = attempt.source, attempt.index
+        self.pool.record_failure(source, f"shard {index}: {reason}", corrupt=corrupt)
+        self.blame.append({"shard": index, "source": source.url, "reason": reason, "corrupt": corrupt})
+        self.failures[index] += 1
+        logger.warning("source %s: shard %d: %s", source.url, index, reason)
