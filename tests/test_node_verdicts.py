@@ -47,8 +47,8 @@ def commit(outbox: Outbox, rows: list, node: Identity, name: str) -> str:  # noq
     return sha256
 
 
-def metric(state: NodeState, outcome: str) -> float:
-    return state.metrics.rollout_files.labels(outcome=outcome)._value.get()
+def metric(state: NodeState, verdict: str) -> float:
+    return state.metrics.verdicts.labels(verdict=verdict)._value.get()
 
 
 async def serve_json(routes: dict[str, bytes]) -> tuple[web.AppRunner, str]:
