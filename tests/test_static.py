@@ -41,3 +41,28 @@ def test_ruff_finds_nothing():
 def test_the_code_is_formatted():
     result = _run([_tool("ruff"), "format", "--no-cache", "--check", "."], ROOT, 300)
     assert result.returncode == 0, "run `.venv/bin/ruff format .`:\n" + result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_the_type_checker_finds_nothing(tmp_path):
+    package = tmp_path / "prime_node"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in PACKAGES:
+        (package / name).symlink_to(ROOT / name, target_is_directory=True)
+    result = _run(
+        [
+            _tool("mypy"),
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--python-executable",
+            sys.executable,
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "-p",
+            "prime_node",
+        ],
+        tmp_path,
+        900,
+    )
+    assert result.returncode == 0, result.stdout[-20_000:] + result.stderr[-5_000:]

@@ -251,7 +251,10 @@ def reset(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         except OSError:
             pass  # already closed: the abort below is all there is to do
-    transport.abort()
+    if isinstance(transport, asyncio.Transport):
+        transport.abort()
+    else:
+        transport.close()
 
 
 class GuardedSite(web.BaseSite):
@@ -267,7 +270,7 @@ class GuardedSite(web.BaseSite):
 
     @property
     def sockets(self) -> list[Any]:
-        return list(self._server.sockets) if self._server is not None else []
+        return list(self._server.sockets) if isinstance(self._server, asyncio.Server) else []
 
     async def start(self) -> None:
         await super().start()

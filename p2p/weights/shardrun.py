@@ -449,6 +449,10 @@ class ShardRun:
             )
         assert attempt.side_path is not None
         fd, sink = side_writer(attempt.side_path)
+
+        def count(_offset: int, n: int) -> None:
+            self.loop.call_soon_threadsafe(self._count, attempt, n)
+
         try:
             return download_shard(
                 self.ctx.connections,
@@ -456,7 +460,7 @@ class ShardRun:
                 path,
                 hasher=fresh_hasher(),
                 sink=sink,
-                on_chunk=lambda _o, n: self.loop.call_soon_threadsafe(self._count, attempt, n),
+                on_chunk=count,
                 **common,
             )
         finally:

@@ -63,7 +63,7 @@ def save_train_state(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[attr-defined]
+        model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / _OPTIM)
