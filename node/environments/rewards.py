@@ -13,11 +13,15 @@ on every machine alike, and logged, so a broken scorer is seen without costing a
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import math
+import threading
 from collections.abc import Callable
 
-from .environment import Environment
+from .environment import Environment, ScoringLimits
+from .scoring import BoundedScorer
 from .types import Task
 
 logger = logging.getLogger(__name__)
@@ -25,14 +29,29 @@ logger = logging.getLogger(__name__)
 BoundedScore = Callable[[str, Task], float]
 
 
-def isolated_scorer(environment: Environment) -> BoundedScore:
-    """SEAM (issue 19): the scorer of an environment whose ScoringLimits ask for `process` or `sandbox`.
+# One bounded scorer (one worker process) per set of limits, for the life of the process: a contributor
+# rebuilds its RunTasks at every checkpoint, and a worker that has loaded an environment keeps it loaded.
+_BOUNDED: dict[ScoringLimits, BoundedScorer] = {}
+_BOUNDED_LOCK = threading.Lock()
 
-    node/environments/scoring.py's BoundedScorer (worker processes with CPU-time, memory and wall-clock
-    limits, a breach scoring 0) replaces this body: `BoundedScorer(environment.scoring)` bound to
-    `environment`. Until then the scorer runs in this process, still held to [0, 1] by the caller.
-    """
-    return environment.score
+
+def isolated_scorer(environment: Environment) -> BoundedScore:
+    """The scorer of an environment whose ScoringLimits ask for `process` or `sandbox`: run by
+    node/environments/scoring.py's BoundedScorer in a worker process with CPU-time, memory and wall-clock
+    limits, where a breach, a crash or a hang scores 0 and costs a fresh worker, never this process."""
+    with _BOUNDED_LOCK:
+        scorer = _BOUNDED.get(environment.scoring)
+        if scorer is None:
+            scorer = _BOUNDED[environment.scoring] = BoundedScorer(environment.scoring)
+    return functools.partial(scorer.score, environment)
+
+
+@atexit.register
+def _close_workers() -> None:
+    with _BOUNDED_LOCK:
+        for scorer in _BOUNDED.values():
+            scorer.close()
+        _BOUNDED.clear()
 
 
 def checked_reward(value: object, environment: Environment) -> float:
