@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import TaskError
 from .environment import EnvironmentIdentity, ScoringLimits
 from .registry import builtin_identity, content_hash, parse_options
-from .types import Task
+from .types import Task, check_index
 from .verifier import integer_match
 
 NAME = "arithmetic"
@@ -177,10 +177,7 @@ class ArithmeticEnvironment:
         return self.config.size
 
     def get(self, index: int) -> Task:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.config.size:
-            raise TaskError(
-                f"task index {index!r} is out of range for {self.spec} (0..{self.config.size - 1})"
-            )
+        check_index(index, self.config.size, self.spec)
         return make_problem(self.config.seed, index, self.config.level_weights)
 
     def score(self, completion: str, task: Task) -> float:

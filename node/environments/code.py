@@ -53,7 +53,7 @@ from .sandbox import (
     check_sandbox,
     run_sandboxed,
 )
-from .types import MAX_ANSWER_CHARS, MAX_METADATA_CHARS, MAX_PROMPT_CHARS, Task
+from .types import MAX_ANSWER_CHARS, MAX_METADATA_CHARS, MAX_PROMPT_CHARS, Task, check_index
 from .verifier import MAX_COMPLETION_CHARS
 
 log = logging.getLogger(__name__)
@@ -289,10 +289,7 @@ class CodeEnvironment:
         return len(self._tasks)
 
     def get(self, index: int) -> Task:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self._tasks):
-            raise TaskError(
-                f"task index {index!r} is out of range for {self.path} (0..{len(self._tasks) - 1})"
-            )
+        check_index(index, len(self._tasks), self.path)
         return self._tasks[index]
 
     def score(self, completion: str, task: Task) -> float:

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from ..errors import TaskError
 from .environment import EnvironmentIdentity, ScoringLimits
 from .registry import builtin_identity
-from .types import MAX_ANSWER_CHARS, MAX_METADATA_CHARS, MAX_PROMPT_CHARS, Task
+from .types import MAX_ANSWER_CHARS, MAX_METADATA_CHARS, MAX_PROMPT_CHARS, Task, check_index
 from .verifier import TaskScorer, known_task_types, parse_integer, task_scorer
 
 NAME = "file"
@@ -70,10 +70,7 @@ class FileEnvironment:
         return len(self._tasks)
 
     def get(self, index: int) -> Task:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self._tasks):
-            raise TaskError(
-                f"task index {index!r} is out of range for {self.path} (0..{len(self._tasks) - 1})"
-            )
+        check_index(index, len(self._tasks), self.path)
         return self._tasks[index]
 
     def score(self, completion: str, task: Task) -> float:

@@ -22,7 +22,7 @@ from ..errors import TaskError
 from .environment import Environment, EnvironmentIdentity, ScoringLimits
 from .files import read_rows
 from .registry import content_hash, open_environment, parse_spec
-from .types import Task
+from .types import Task, check_index
 
 NAME = "filtered"
 _OPTIONAL = {"source": "string", "source_index": "integer", "task_type": "string", "metadata": "string"}
@@ -55,10 +55,7 @@ class FilteredEnvironment:
 
     def source_index(self, index: int) -> int:
         """The index in the source of task `index` here."""
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.indices):
-            raise TaskError(
-                f"task index {index!r} is out of range for {self.path} (0..{len(self.indices) - 1})"
-            )
+        check_index(index, len(self.indices), self.path)
         return self.indices[index]
 
     def get(self, index: int) -> Task:

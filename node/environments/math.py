@@ -31,7 +31,7 @@ from ...p2p.signing import canonical_json
 from ..errors import TaskError
 from .environment import EnvironmentIdentity, ScoringLimits
 from .files import JSONL_SUFFIXES, MAX_FILE_BYTES, MAX_ROWS, PARQUET_SUFFIXES, _jsonl_rows
-from .types import MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, Task
+from .types import MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, Task, check_index
 from .verifier import MAX_COMPLETION_CHARS
 
 NAME = "math"
@@ -148,10 +148,7 @@ class MathEnvironment:
         return len(self._tasks)
 
     def get(self, index: int) -> Task:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self._tasks):
-            raise TaskError(
-                f"task index {index!r} is out of range for {self.path} (0..{len(self._tasks) - 1})"
-            )
+        check_index(index, len(self._tasks), self.path)
         return self._tasks[index]
 
     def score(self, completion: str, task: Task) -> float:

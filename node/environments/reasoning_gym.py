@@ -38,7 +38,7 @@ from ...p2p.signing import canonical_json
 from ..errors import TaskError
 from .answers import final_answer
 from .environment import EnvironmentIdentity, ScoringLimits
-from .types import MAX_ANSWER_CHARS, MAX_METADATA_CHARS, MAX_PROMPT_CHARS, Task
+from .types import MAX_ANSWER_CHARS, MAX_METADATA_CHARS, MAX_PROMPT_CHARS, Task, check_index
 
 NAME = "reasoning_gym"
 PACKAGE = "reasoning-gym"
@@ -303,8 +303,7 @@ class ReasoningGymEnvironment:
         raise AssertionError("weights sum to the total")  # not reached
 
     def get(self, index: int) -> Task:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.size:
-            raise TaskError(f"task index {index!r} is out of range for {self.spec} (0..{self.size - 1})")
+        check_index(index, self.size, self.spec)
         if index in self._cache:
             self._cache.move_to_end(index)
             return self._cache[index]

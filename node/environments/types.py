@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import TaskError
+
 # Bounds shared by the file loader and anything that builds tasks; a prompt the tiny model could never
 # read (its context is a few hundred tokens) is still allowed up to this, for real models.
 MAX_PROMPT_CHARS = 16_384
@@ -36,3 +38,11 @@ class Task(BaseModel):
         max_length=MAX_METADATA_CHARS,
         description="Canonical JSON object the environment's scorer needs besides the answer; {} when none.",
     )
+
+
+def check_index(index: object, count: int, where: object) -> int:
+    """`index` when it is an int (not a bool) in [0, count); TaskError naming `where` otherwise. Indices come
+    from a seeded PRNG on one side and from a peer's rollout file on the other."""
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+        raise TaskError(f"task index {index!r} is out of range for {where} (0..{count - 1})")
+    return index

@@ -41,7 +41,7 @@ from typing import Any
 from ...p2p.signing import canonical_json
 from ..errors import TaskError
 from .environment import EnvironmentIdentity, ScoringLimits
-from .types import MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, Task
+from .types import MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, Task, check_index
 from .verifier import MAX_COMPLETION_CHARS
 
 NAME = "verifiers"
@@ -199,10 +199,7 @@ class VerifiersEnvironment:
         return len(self._tasks)
 
     def get(self, index: int) -> Task:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self._tasks):
-            raise TaskError(
-                f"task index {index!r} is out of range for {self.spec} (0..{len(self._tasks) - 1})"
-            )
+        check_index(index, len(self._tasks), self.spec)
         return self._tasks[index][1]
 
     def score(self, completion: str, task: Task) -> float:
