@@ -24,7 +24,7 @@ FORMAT = "prime-node/rollout/v2"
 FORMAT_KEY = b"prime_node.format"
 FINISH_REASONS = ("eos", "length")
 MAX_SEED = 2**63 - 1
-MAX_PROMPT_FORMAT_CHARS = 128  # "raw", or "sha256:<hex>" of the chat template, system prompt and mode
+MAX_PROMPT_FORMAT_CHARS = 128  # "sha256:<hex>" of the prompt mode, chat template, system prompt (prompts.py)
 # Columns every row of a file shares.
 SHARED_COLUMNS = (
     "run_id",
