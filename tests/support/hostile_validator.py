@@ -17,10 +17,8 @@ import argparse
 import contextlib
 import gzip
 import json
-import select
 import socket
 import socketserver
-import subprocess
 import sys
 import threading
 import time
@@ -237,25 +235,13 @@ class HostileValidator(socketserver.ThreadingTCPServer):
 @contextlib.contextmanager
 def hostile_validator(*, interval: float = 0.2) -> Iterator[str]:
     """Run this module in its own process; yields its base URL (add `/<mode>`), ends it by its pid."""
-    proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__)), "--interval", str(interval)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+    from support.port_process import (
+        port_process,  # here: this module also runs as a script, without `support`
     )
-    try:
-        assert proc.stdout is not None
-        ready = select.select([proc.stdout], [], [], 30)[0]
-        line = proc.stdout.readline() if ready else ""
-        if not line.startswith("PORT "):
-            raise RuntimeError(f"the hostile validator did not start (said {line!r})")
-        yield f"http://127.0.0.1:{int(line.split()[1])}"
-    finally:
-        proc.kill()  # by its pid: only the process this helper started
-        proc.wait(10)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
+
+    argv = [sys.executable, str(Path(__file__)), "--interval", str(interval)]
+    with port_process(argv, "the hostile validator") as url:
+        yield url
 
 
 def main() -> None:

@@ -30,6 +30,8 @@ from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
 from prime_node.p2p.weights.store import Store
 
+from support.port_process import port_process
+
 SHARD = 64 << 10  # small shards so that a 1-2 MB checkpoint has tens of them
 
 
@@ -212,25 +214,9 @@ HOSTILE_SERVER = Path(__file__).with_name("hostile_http.py")
 @contextlib.contextmanager
 def hostile_process(store_dir: Path, *, interval: float = 0.2) -> Iterator[str]:
     """Run tests/support/hostile_http.py in its own process over `store_dir`; yields its base URL (add `/<mode>`)."""
-    proc = subprocess.Popen(
-        [sys.executable, str(HOSTILE_SERVER), str(store_dir), "--interval", str(interval)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        ready = select.select([proc.stdout], [], [], 30)[0]
-        line = proc.stdout.readline() if ready else ""
-        if not line.startswith("PORT "):
-            raise RuntimeError(f"the hostile server did not start (said {line!r})")
-        yield f"http://127.0.0.1:{int(line.split()[1])}"
-    finally:
-        proc.kill()  # by its pid: only the process this helper started
-        proc.wait(10)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
+    argv = [sys.executable, str(HOSTILE_SERVER), str(store_dir), "--interval", str(interval)]
+    with port_process(argv, "the hostile server") as url:
+        yield url
 
 
 HOSTILE_CLIENT = Path(__file__).with_name("hostile_client.py")
