@@ -43,6 +43,7 @@ def test_a_home_router_lets_its_hosts_out_and_nobody_in(netlab: Lab) -> None:
     home = netlab.home("home")
     inside, neighbour = netlab.host("inside", behind=home), netlab.host("neighbour", behind=home)
     assert inside.public_ip == home.ip != inside.ip
+    home.watch(public.ip)
     for host in (public, inside):
         host.start(f"http-{host.name}", [sys.executable, "-m", "http.server", "8000"])
     _wait_port(public, public.ip, 8000)
@@ -50,6 +51,7 @@ def test_a_home_router_lets_its_hosts_out_and_nobody_in(netlab: Lab) -> None:
     assert can_connect(inside, public.ip, 8000)
     assert not can_connect(public, inside.ip, 8000)  # no route in ...
     assert not can_connect(public, home.ip, 8000)  # ... and nothing forwarded through the router
+    assert home.syns_from(public.ip) == 1  # the router saw that attempt (the first had no route at all)
     fetched = inside.run(
         [sys.executable, "-c", f"import urllib.request as u; u.urlopen('http://{public.ip}:8000/')"]
     )
