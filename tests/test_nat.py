@@ -119,6 +119,10 @@ def accepted(swarm: NetSwarm, host: Host, member: Any) -> dict[str, Any] | None:
     return status if status and status["rollouts"]["accepted"] >= 1 else None
 
 
+def _accepted(swarm: NetSwarm, host: Host, member: Any) -> Any:
+    return lambda: accepted(swarm, host, member)
+
+
 def credited(swarm: NetSwarm, host: Host, node_ids: set[str]) -> dict[str, Any] | None:
     rows = {row["node_id"]: row for row in swarm.leaderboard(host)["nodes"]}
     return rows if all(rows.get(n, {}).get("accepted_files", 0) >= 1 for n in node_ids) else None
@@ -165,9 +169,7 @@ def test_two_contributors_behind_one_nat_both_get_work_accepted(operator: tuple[
     children = [child for _, child in started]
     try:
         for host, (member, _) in zip(hosts, started):
-            wait_for(
-                f"an accepted file of {member.name}", lambda: accepted(swarm, host, member), children, 300
-            )  # noqa: B023
+            wait_for(f"an accepted file of {member.name}", _accepted(swarm, host, member), children, 300)
         ids = {member.node_id for member, _ in started}
         rows = wait_for(
             "the validator's credit of both", lambda: credited(swarm, hosts[0], ids), children, 60
