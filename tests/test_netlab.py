@@ -101,3 +101,15 @@ def test_namespaces_of_a_crashed_maker_are_removed_and_others_kept(tmp_path: Pat
         assert set(owned_namespaces(mine.prefix)) == set(mine.namespaces)
     assert not owned_namespaces(mine.prefix)
     assert os.path.exists(tmp_path / "logs" / "sleeper.log")
+
+
+def test_where_a_lab_cannot_be_made_the_reason_names_what_is_missing(monkeypatch) -> None:  # noqa: ANN001
+    from support.netlab import commands
+
+    monkeypatch.setattr(commands.os, "geteuid", lambda: 1000)
+    assert "need root" in (commands._probe() or "")
+    monkeypatch.setattr(commands.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(
+        commands.shutil, "which", lambda tool: None if tool == "iptables" else f"/usr/sbin/{tool}"
+    )
+    assert "missing system packages ['iptables']" in (commands._probe() or "")
