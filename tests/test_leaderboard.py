@@ -165,7 +165,18 @@ async def test_json_endpoints_on_a_real_server(ledger):
                 async with http.get(url + path) as resp:
                     assert resp.status == status, path
             async with http.get(f"{url}/api/swarm") as resp:
-                assert await resp.json() == {"available": False, "policy_step": None, "nodes": []}
+                view = await resp.json()
+                assert (view["available"], view["nodes"], view["trainer"]) == (False, [], None)
+            # One node's files per policy step (the page's history chart), by id or prefix, as /api/node.
+            async with http.get(f"{url}/api/node/{D[:10]}/history") as resp:
+                history = await resp.json()
+            assert history["node_id"] == D
+            assert [(p["step"], p["accepted"], p["rejected"], p["tokens"]) for p in history["points"]] == [
+                (3, 1, 1, 100)
+            ]
+            for path, status in (("/api/node/nothex/history", 400), (f"/api/node/{'0' * 64}/history", 404)):
+                async with http.get(url + path) as resp:
+                    assert resp.status == status, path
             async with http.get(f"{url}/api/rewards") as resp:
                 assert await resp.json() == {"available": False, "points": []}
             async with http.get(f"{url}/") as resp:
