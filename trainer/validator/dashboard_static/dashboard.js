@@ -56,9 +56,9 @@ function fmt(n, digits) {
 function hardwareText(hw) {
   hw = hw || {};
   const parts = [];
-  if (hw.gpu_model) parts.push(hw.gpu_model + (hw.gpu_memory_mb ? " " + Math.round(hw.gpu_memory_mb / 1024) + " GB" : ""));
+  if (hw.gpu_model) parts.push(hw.gpu_model + (hw.gpu_memory_mb ? " (" + Math.round(hw.gpu_memory_mb / 1024) + " GB)" : ""));
   else if ("gpu_model" in hw) parts.push("no GPU");
-  if (hw.cpu_cores) parts.push(hw.cpu_cores + " CPU cores");
+  if (hw.cpu || hw.cpu_cores) parts.push([hw.cpu, hw.cpu_cores ? hw.cpu_cores + " cores" : ""].filter(Boolean).join(", "));
   if (hw.ram_mb) parts.push(Math.round(hw.ram_mb / 1024) + " GB RAM");
   const known = new Set(["gpu_model", "gpu_memory_mb", "cpu", "cpu_cores", "ram_mb"]);
   for (const [k, v] of Object.entries(hw)) {
@@ -155,12 +155,14 @@ function renderSwarm(view) {
     if (n.ban) state.append(el("span", checkReason(n.ban.failed_check, n.ban.slash_reason) || n.ban.reason, "why"));
     cell(tr, "state", state, "state");
     const work = n.role === "contributor" || n.accepted_files > 0;
-    cell(tr, "throughput", work ? `${fmt(n.tokens_per_s, 1)} tok/s · ${fmt(n.rollouts_per_min, 1)} rollouts/min` : "—", "num");
+    const speed = el("span");
+    speed.append(el("span", `${fmt(n.tokens_per_s, 1)} tok/s`, "line"), el("span", `${fmt(n.rollouts_per_min, 1)} rollouts/min`, "line"));
+    cell(tr, "throughput", work ? speed : "—", "num");
     cell(tr, "files ok / rejected", work ? `${fmt(n.accepted_files)} / ${fmt(n.rejected_files)}` : "—", "num");
     cell(tr, "version", n.version);
     const reach = el("span");
     reach.append(el("span", n.reachability, "reach reach-" + n.reachability), el("span", n.reachability_hint, "hint"));
-    cell(tr, "reachability", reach);
+    cell(tr, "reachability", reach, "reach");
     cell(tr, "hardware", hardwareText(n.hardware), "hw");
     const stale = n.state === "stale" || (n.last_seen !== null && Date.now() / 1000 - n.last_seen > view.stale_after_s);
     cell(tr, "last seen", timeEl("span", n.last_seen, "", stale ? "seen-stale" : ""), "seen");
@@ -232,7 +234,7 @@ function ticks(lo, hi, count) {
   if (hi <= lo) return [lo];
   const raw = (hi - lo) / count;
   const mag = Math.pow(10, Math.floor(Math.log10(raw)));
-  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw);
+  const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => s >= raw);
   const out = [];
   for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(+v.toFixed(10));
   return out;
@@ -286,7 +288,7 @@ function renderRewards(curve) {
   if (!ready) return;
   const pts = curve.points;
   const lo = pts[0].step, hi = pts[pts.length - 1].step;
-  const xs = lo === hi ? [lo - 1, hi + 1] : [lo, hi];
+  const xs = lo === hi ? [lo - 0.5, hi + 0.5] : [lo, hi];
   const { x, y, parts } = frame(640, 260, [52, 16, 44, 42], xs, [0, 1], {
     title: "Mean task reward of accepted rollouts", x: "policy step", y: "task reward", yfmt: (v) => v.toFixed(2),
   });
