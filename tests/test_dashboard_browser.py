@@ -117,9 +117,9 @@ async def _sees_all(running, ids: set[str]) -> bool:  # noqa: ANN001
 def _look(
     url: str, tmp_path: Path, honest: Identity, cheat: Identity, hostile: Identity, quiet: Identity
 ) -> None:
-    from selenium.webdriver.common.by import By  # noqa: PLC0415
+    with chromium(tmp_path / "profile") as driver:  # skips here where selenium or chromium is missing
+        from selenium.webdriver.common.by import By  # noqa: PLC0415
 
-    with chromium(tmp_path / "profile") as driver:
         driver.set_window_size(1400, 1000)
         driver.get(url + "/")
         wait_loaded(driver)

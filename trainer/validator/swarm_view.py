@@ -254,9 +254,13 @@ class SwarmViewSource:
         state: NodeState = {"moving": "active", "stalled": "idle"}.get(trainer.state, "stale")  # type: ignore[assignment]
         reach, hint = reachability(hb, stale=state == "stale")
         if hb is None and state != "stale":
+            shared = trainer.node_id == self.service.swarm.node_id
             reach, hint = (
                 "unknown",
-                "its heartbeat is not in the DHT (a key shared with this validator shows one)",
+                "no trainer heartbeat in the DHT: the trainer shares this validator's key, and the DHT keeps one "
+                "heartbeat per key"
+                if shared
+                else "no trainer heartbeat in the DHT",
             )
         seen = max(trainer.announced_at or 0.0, hb.sent_at if hb else 0.0)
         return SwarmNode.outgoing(

@@ -229,6 +229,14 @@ function svgEl(tag, attrs, text) {
   return node;
 }
 
+// A chart is drawn in the pixels it is shown at (its container's width), so that its text keeps its size on a
+// phone instead of shrinking with the picture.
+function chartSize(svg, height) {
+  const w = Math.round(Math.max(300, Math.min(900, svg.parentElement.clientWidth || 640)));
+  svg.setAttribute("viewBox", `0 0 ${w} ${height}`);
+  return w;
+}
+
 // Round tick values covering [lo, hi], about `count` of them.
 function ticks(lo, hi, count) {
   if (hi <= lo) return [lo];
@@ -250,7 +258,7 @@ function frame(w, h, box, xs, ys, labels) {
     parts.push(svgEl("line", { x1: left, x2: w - right, y1: y(v), y2: y(v), class: "grid" }));
     parts.push(svgEl("text", { x: left - 6, y: y(v) + 4, class: "tick ytick", "text-anchor": "end" }, labels.yfmt(v)));
   }
-  for (const v of ticks(xs[0], xs[1], 6).filter((t) => Number.isInteger(t))) {
+  for (const v of ticks(xs[0], xs[1], Math.max(3, Math.floor((w - left - right) / 70))).filter((t) => Number.isInteger(t))) {
     parts.push(svgEl("line", { x1: x(v), x2: x(v), y1: h - bottom, y2: h - bottom + 4, class: "axis" }));
     parts.push(svgEl("text", { x: x(v), y: h - bottom + 16, class: "tick xtick", "text-anchor": "middle" }, v));
   }
@@ -266,7 +274,7 @@ function frame(w, h, box, xs, ys, labels) {
 
 function legend(items, x0, y) {
   const parts = [];
-  let x = x0;
+  let x = x0; // one row under the title, from the plot's left edge
   for (const [cls, text, kind] of items) {
     const mark = kind === "bar"
       ? svgEl("rect", { x, y: y - 9, width: 12, height: 10, class: cls })
@@ -280,7 +288,11 @@ function legend(items, x0, y) {
 // The curve is the validator's own: the mean task reward per policy step of the files it accepted, from the
 // rewards it recomputed (GET /api/rewards). Steps without a point are gaps: the line breaks there (a dashed
 // line marks the span). One circle per step carries its numbers for tooltips and tests.
+let lastCurve = null;
+let lastHistory = null;
+
 function renderRewards(curve) {
+  lastCurve = curve;
   const svg = document.getElementById("reward-chart");
   const ready = curve.available && curve.points.length > 0;
   document.getElementById("rewards-placeholder").hidden = ready;
@@ -289,7 +301,7 @@ function renderRewards(curve) {
   const pts = curve.points;
   const lo = pts[0].step, hi = pts[pts.length - 1].step;
   const xs = lo === hi ? [lo - 0.5, hi + 0.5] : [lo, hi];
-  const { x, y, parts } = frame(640, 260, [52, 16, 44, 42], xs, [0, 1], {
+  const { x, y, parts } = frame(chartSize(svg, 260), 260, [52, 16, 48, 42], xs, [0, 1], {
     title: "Mean task reward of accepted rollouts", x: "policy step", y: "task reward", yfmt: (v) => v.toFixed(2),
   });
   let run = [];
@@ -312,13 +324,14 @@ function renderRewards(curve) {
     dot.appendChild(svgEl("title", {}, `step ${p.step}: mean task reward ${p.reward.toFixed(3)} over ${p.samples} rollouts`));
     parts.push(dot);
   }
-  parts.push(...legend([["series", "mean task reward", "line"], ["gap", "no accepted rollouts (gap)", "line"]], 300, 34));
+  parts.push(...legend([["series", "mean task reward", "line"], ["gap", "steps without accepted rollouts", "line"]], 52, 36));
   const last = pts[pts.length - 1];
   setText("reward-latest", `latest: step ${last.step}, mean task reward ${last.reward.toFixed(3)} (${last.samples} rollouts)`);
   svg.replaceChildren(...parts);
 }
 
 function renderHistory(history) {
+  lastHistory = history;
   const pts = history.points;
   const svg = document.getElementById("history-chart");
   if (!pts.length) {
@@ -327,7 +340,7 @@ function renderHistory(history) {
   }
   const lo = pts[0].step, hi = pts[pts.length - 1].step;
   const top = Math.max(1, ...pts.map((p) => p.accepted + p.rejected));
-  const { x, y, parts } = frame(640, 220, [52, 16, 44, 42], [lo - 0.5, hi + 0.5], [0, top], {
+  const { x, y, parts } = frame(chartSize(svg, 220), 220, [52, 16, 48, 42], [lo - 0.5, hi + 0.5], [0, top], {
     title: "Files per policy step", x: "policy step", y: "files", yfmt: (v) => (Number.isInteger(v) ? v : ""),
   });
   const width = Math.max(2, Math.min(24, (x(lo + 1) - x(lo)) * 0.7));
@@ -341,7 +354,7 @@ function renderHistory(history) {
       "data-rejected": p.rejected });
     parts.push(ok, bad);
   }
-  parts.push(...legend([["bar-ok", "accepted", "bar"], ["bar-bad", "rejected", "bar"]], 400, 34));
+  parts.push(...legend([["bar-ok", "accepted", "bar"], ["bar-bad", "rejected", "bar"]], 52, 36));
   svg.replaceChildren(...parts);
 }
 
@@ -426,6 +439,10 @@ async function refresh() {
 
 document.getElementById("node-select").addEventListener("change", (e) => {
   if (e.target.value) selectNode(e.target.value);
+});
+window.addEventListener("resize", () => {
+  if (lastCurve) renderRewards(lastCurve);
+  if (lastHistory && selectedNode) renderHistory(lastHistory);
 });
 refresh();
 setInterval(refresh, REFRESH_MS);
