@@ -88,26 +88,21 @@ def trainer_status(
     node_id, announced = policy
     heard = max(announced.published_at, heartbeat_at or 0.0)
     first = step_at if step_at is not None else announced.published_at
-    common = {
-        "node_id": node_id,
-        "step": announced.step,
-        "step_at": first,
-        "announced_at": announced.published_at,
-        "stall_after_s": stall_after_s,
-    }
+    moving = TrainerStatus(
+        state="moving",
+        node_id=node_id,
+        step=announced.step,
+        step_at=first,
+        announced_at=announced.published_at,
+        stall_after_s=stall_after_s,
+    )
     if now - heard > stopped_after_s:
-        return TrainerStatus(
-            state="stopped",
-            hint=f"nothing heard from the trainer for {_span(now - heard)}: its process stopped or lost the DHT",
-            **common,
-        )
+        hint = f"nothing heard from the trainer for {_span(now - heard)}: its process stopped or lost the DHT"
+        return moving.model_copy(update={"state": "stopped", "hint": hint})
     if now - first > stall_after_s:
-        return TrainerStatus(
-            state="stalled",
-            hint=f"alive, but no new policy step for {_span(now - first)}: is it receiving accepted files?",
-            **common,
-        )
-    return TrainerStatus(state="moving", hint="", **common)
+        hint = f"alive, but no new policy step for {_span(now - first)}: is it receiving accepted files?"
+        return moving.model_copy(update={"state": "stalled", "hint": hint})
+    return moving
 
 
 def _span(seconds: float) -> str:
@@ -216,7 +211,7 @@ class SwarmViewSource:
             rows.append(self._trainer_row(trainer, trainer_hb))
         rows += self._peer_rows(peers, ledgered, now, skip={swarm.node_id, *(newest[:1] if newest else ())})
         rows.sort(key=lambda r: (ROLE_ORDER.get(r.role, 9), STATE_ORDER[r.state], -r.tokens_per_s, r.node_id))
-        counts = {state: sum(r.state == state for r in rows) for state in STATE_ORDER}
+        counts: dict[str, int] = {state: sum(r.state == state for r in rows) for state in STATE_ORDER}
         queue = ledgered.queue.model_copy(update={"depth": len(service.queue), "held": len(service.held)})
         return SwarmView(
             available=True,
@@ -251,7 +246,7 @@ class SwarmViewSource:
         )
 
     def _trainer_row(self, trainer: TrainerStatus, hb: Heartbeat | None) -> SwarmNode:
-        state: NodeState = {"moving": "active", "stalled": "idle"}.get(trainer.state, "stale")  # type: ignore[assignment]
+        state: NodeState = {"moving": "active", "stalled": "idle"}.get(trainer.state, "stale")
         reach, hint = reachability(hb, stale=state == "stale")
         if hb is None and state != "stale":
             shared = trainer.node_id == self.service.swarm.node_id
