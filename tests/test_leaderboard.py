@@ -18,6 +18,7 @@ import pytest
 
 from prime_node.node.cli.main import main
 from prime_node.trainer.ledger import Ledger
+from prime_node.trainer.ledger.activity import ban_causes, recent_activity, totals, verdict_pace
 from prime_node.trainer.ledger.leaderboard import NodeLookupError, leaderboard, node_detail
 from prime_node.trainer.validator.dashboard import create_app, ledger_rewards, serve
 
@@ -113,6 +114,26 @@ def test_node_detail_by_id_or_prefix(ledger):
         with pytest.raises(NodeLookupError) as info:
             node_detail(ledger, bad)
         assert info.value.status == status
+
+
+def test_activity_in_a_window_bans_with_their_slash_and_pace(ledger):
+    """What the swarm view reads from the ledger (trainer/ledger/activity.py)."""
+    recent = recent_activity(ledger, since=T0 + 3)  # C's, A's rejection, D's two; C's forged file is not C's
+    assert {n: (a.accepted_files, a.rejected_files, a.tokens) for n, a in recent.items()} == {
+        C: (1, 0, 5000),
+        A: (0, 1, 0),
+        D: (1, 1, 100),
+    }
+    (cause,) = ban_causes(ledger, now=T0 + 10).values()  # D's fraud: the ban with the slash behind it
+    assert (cause.failed_check, cause.reason) == ("sampling", "fraud: sampling check failed")
+    assert cause.since == T0 + 6 and cause.until is not None and cause.until > T0 + 6
+    assert ban_causes(ledger, now=cause.until + 1) == {}  # expired
+    t = totals(ledger)
+    assert (t.accepted_files, t.rejected_files, t.accepted_tokens) == (5, 2, 7100)
+    pace = verdict_pace(ledger, since=T0 + 5)
+    assert (
+        pace.latency_over == 8 and pace.verdicts == 3 and pace.latency_s is not None and pace.latency_s >= 0
+    )
 
 
 @contextmanager
