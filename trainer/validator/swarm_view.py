@@ -246,7 +246,8 @@ class SwarmViewSource:
         )
 
     def _trainer_row(self, trainer: TrainerStatus, hb: Heartbeat | None) -> SwarmNode:
-        state: NodeState = {"moving": "active", "stalled": "idle"}.get(trainer.state, "stale")
+        states: dict[str, NodeState] = {"moving": "active", "stalled": "idle"}
+        state = states.get(trainer.state, "stale")  # stopped (or unknown): no live trainer
         reach, hint = reachability(hb, stale=state == "stale")
         if hb is None and state != "stale":
             shared = trainer.node_id == self.service.swarm.node_id
