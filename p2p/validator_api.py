@@ -11,6 +11,7 @@ devnet's monitor read the ranking, all through `ValidatorApiClient`. Routes (all
   of the file; 404 until decided. `/api/verdict/{file_hash}` (nodes of earlier versions ask it): the same
   while exactly one node delivered those bytes, 409 when several did
 - `/api/swarm`, `/api/rewards`: a `SwarmView` and a `RewardCurve`, for the dashboard page
+- `/api/node/{node_id}/history`: a `NodeHistory` (accepted and rejected files per policy step), same ids
 - an error is `{"error": text}` (`ErrorAnswer`) with its HTTP status
 
 Whoever answers an announced `api_url` or a `--validator URL` may be hostile (plain HTTP, or simply the
@@ -53,11 +54,13 @@ VERDICT_PATH = "/api/verdict/{file_hash}/{node_id}"
 VERDICT_BY_HASH_PATH = "/api/verdict/{file_hash}"
 SWARM_PATH = "/api/swarm"
 REWARDS_PATH = "/api/rewards"
+HISTORY_PATH = "/api/node/{node_id}/history"
 
 MAX_TOP = 1000  # rows of one leaderboard answer
 DEFAULT_TOP = 100  # when `top` is not given
 MIN_PREFIX = 6  # hex digits of a node id prefix accepted by /api/node
 RECENT_LIMIT = 20  # verdicts, slashes and bans of one node in a NodeDetail
+HISTORY_STEPS = 500  # newest policy steps of one node's history
 MAX_HARDWARE_TEXT = 256  # characters of one hardware value (trainer/ledger/records.py checks the same)
 # Byte limits of the answers a client reads: MAX_TOP rows of at most ~5 KB (hardware is at most 4 KiB in the
 # ledger); a node's row with RECENT_LIMIT verdicts, slashes and bans whose reasons may be escaped non-ASCII.
@@ -178,20 +181,114 @@ class NodeDetail(_Answer):
     bans: list[BanEntry] = Field(max_length=RECENT_LIMIT, description="Newest first.")
 
 
+NodeState = Literal["active", "idle", "stale", "banned"]
+Reachability = Literal["direct", "relayed", "unreachable", "unknown"]
+TrainerState = Literal["moving", "stalled", "stopped", "unknown"]
+Hint = Annotated[str, FreeText(240)]
+
+
+class NodeBan(_Answer):
+    """Why and until when a node is banned: the ban in force, and the slash that led to it."""
+
+    reason: Reason = Field(description="The ban's own reason, e.g. 'fraud: rewards check failed'.")
+    failed_check: CheckName | None = Field(None, description="The check of the node's latest slash.")
+    slash_reason: Reason | None = Field(None, description="That slash's reason (the verdict's, once).")
+    since: Timestamp
+    until: Timestamp | None = Field(None, description="End of the ban; null is permanent.")
+
+
 class SwarmNode(_Answer):
+    """One row of the swarm table: a node in one role (a key running trainer and validator has two rows)."""
+
     node_id: NodeId
+    role: Annotated[str, FreeText(32)] = Field("contributor", description="This row's role.")
     roles: list[Annotated[str, FreeText(32)]] = Field(
-        default_factory=list, description="e.g. contributor, relay, validator"
+        default_factory=list, description="Every role its heartbeat announces, e.g. contributor, relay."
     )
+    state: NodeState = Field(
+        "stale",
+        description="active: live with accepted work in the window; idle: live without; stale: no heartbeat "
+        "for stale_after_s; banned: a ban is in force.",
+    )
+    version: Annotated[str, FreeText(64)] | None = Field(None, description="Its software version.")
+    reachability: Reachability = "unknown"
+    reachability_hint: Hint = Field("", description="What the reachability means and how to improve it.")
     hardware: Hardware = Field(default_factory=dict)
     step: Count | None = Field(None, description="Policy step the node works on.")
     last_seen: Timestamp | None = None
+    accepted_files: Count = 0
+    rejected_files: Count = 0
+    accepted_tokens: Count = 0
+    tokens_per_s: float = Field(0.0, ge=0, description="Accepted tokens per second over the window.")
+    rollouts_per_min: float = Field(
+        0.0, ge=0, description="Accepted rollouts (samples) per minute, same window."
+    )
+    slashes: Count = 0
+    ban: NodeBan | None = None
+
+
+class SwarmTotals(_Answer):
+    nodes: Count = Field(0, description="Rows of the swarm table (one per node and role).")
+    active: Count = 0
+    idle: Count = 0
+    stale: Count = 0
+    banned: Count = 0
+    accepted_files: Count = 0
+    rejected_files: Count = Field(0, description="Rejected for the sender's own fault.")
+    accepted_tokens: Count = 0
+    accepted_samples: Count = 0
+
+
+class QueueState(_Answer):
+    """The validator's own backlog and speed."""
+
+    depth: Count = Field(0, description="Received files waiting for verification.")
+    held: Count = Field(0, description="Files waiting for their checkpoint.")
+    verdict_latency_s: float | None = Field(
+        None, ge=0, description="Mean receipt-to-verdict time of the last verdicts; null before any."
+    )
+    latency_over: Count = Field(0, description="How many verdicts that mean is over.")
+    verdicts_per_min: float = Field(0.0, ge=0, description="Verdicts per minute over the window.")
+
+
+class TrainerStatus(_Answer):
+    """Is the trainer moving: read from the operator's policy announcements and the trainer's heartbeat."""
+
+    state: TrainerState
+    node_id: NodeId | None = None
+    step: Count | None = Field(None, description="The newest announced policy step.")
+    step_at: Timestamp | None = Field(None, description="When that step was first seen announced.")
+    announced_at: Timestamp | None = Field(None, description="The newest (re-)announcement of the policy.")
+    stall_after_s: float = Field(gt=0, description="No new step for this long is a stall.")
+    hint: Hint = ""
 
 
 class SwarmView(_Answer):
     available: bool = Field(description="False until the validator service supplies a swarm source.")
     policy_step: Count | None = Field(None, description="Latest announced policy step.")
-    nodes: list[SwarmNode] = Field(default_factory=list)
+    nodes: list[SwarmNode] = Field(default_factory=list, max_length=MAX_TOP + 8)
+    generated_at: Timestamp | None = None
+    window_s: float = Field(600.0, gt=0, description="The window of `active`, throughput and verdict rate.")
+    stale_after_s: float = Field(60.0, gt=0, description="A node unheard for this long is stale.")
+    totals: SwarmTotals = Field(default_factory=SwarmTotals)
+    queue: QueueState | None = None
+    trainer: TrainerStatus | None = None
+
+
+class HistoryPoint(_Answer):
+    step: Count
+    accepted: Count = Field(description="Files accepted at this policy step.")
+    rejected: Count = Field(description="Files rejected for the node's fault at this step.")
+    tokens: Count = Field(description="Accepted tokens at this step.")
+
+
+class NodeHistory(_Answer):
+    """One node's accepted and rejected files per policy step (`/api/node/{node_id}/history`)."""
+
+    node_id: NodeId
+    points: list[HistoryPoint] = Field(
+        default_factory=list, max_length=HISTORY_STEPS, description="Oldest step first."
+    )
 
 
 class RewardPoint(_Answer):

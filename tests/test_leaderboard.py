@@ -17,11 +17,12 @@ import aiohttp
 import pytest
 
 from prime_node.node.cli.main import main
-from prime_node.p2p.validator_api import SwarmNode, SwarmView
 from prime_node.trainer.ledger import Ledger
+from prime_node.trainer.ledger.activity import ban_causes, recent_activity, totals, verdict_pace
 from prime_node.trainer.ledger.leaderboard import NodeLookupError, leaderboard, node_detail
 from prime_node.trainer.validator.dashboard import create_app, ledger_rewards, serve
 
+from support.browser import chromium, severe_console_errors, wait_for, wait_loaded
 from support.ledger import T0, node_id, signed_verdict
 
 C, B, A, D, E = (node_id(20 + i) for i in range(5))
@@ -115,6 +116,26 @@ def test_node_detail_by_id_or_prefix(ledger):
         assert info.value.status == status
 
 
+def test_activity_in_a_window_bans_with_their_slash_and_pace(ledger):
+    """What the swarm view reads from the ledger (trainer/ledger/activity.py)."""
+    recent = recent_activity(ledger, since=T0 + 3)  # C's, A's rejection, D's two; C's forged file is not C's
+    assert {n: (a.accepted_files, a.rejected_files, a.tokens) for n, a in recent.items()} == {
+        C: (1, 0, 5000),
+        A: (0, 1, 0),
+        D: (1, 1, 100),
+    }
+    (cause,) = ban_causes(ledger, now=T0 + 10).values()  # D's fraud: the ban with the slash behind it
+    assert (cause.failed_check, cause.reason) == ("sampling", "fraud: sampling check failed")
+    assert cause.since == T0 + 6 and cause.until is not None and cause.until > T0 + 6
+    assert ban_causes(ledger, now=cause.until + 1) == {}  # expired
+    t = totals(ledger)
+    assert (t.accepted_files, t.rejected_files, t.accepted_tokens) == (5, 2, 7100)
+    pace = verdict_pace(ledger, since=T0 + 5)
+    assert (
+        pace.latency_over == 8 and pace.verdicts == 3 and pace.latency_s is not None and pace.latency_s >= 0
+    )
+
+
 @contextmanager
 def running_dashboard(ledger: Ledger, **sources) -> Iterator[str]:
     """The real aiohttp app on 127.0.0.1 in its own thread and loop, so sync clients (CLI, browser) work."""
@@ -165,7 +186,18 @@ async def test_json_endpoints_on_a_real_server(ledger):
                 async with http.get(url + path) as resp:
                     assert resp.status == status, path
             async with http.get(f"{url}/api/swarm") as resp:
-                assert await resp.json() == {"available": False, "policy_step": None, "nodes": []}
+                view = await resp.json()
+                assert (view["available"], view["nodes"], view["trainer"]) == (False, [], None)
+            # One node's files per policy step (the page's history chart), by id or prefix, as /api/node.
+            async with http.get(f"{url}/api/node/{D[:10]}/history") as resp:
+                history = await resp.json()
+            assert history["node_id"] == D
+            assert [(p["step"], p["accepted"], p["rejected"], p["tokens"]) for p in history["points"]] == [
+                (3, 1, 1, 100)
+            ]
+            for path, status in (("/api/node/nothex/history", 400), (f"/api/node/{'0' * 64}/history", 404)):
+                async with http.get(url + path) as resp:
+                    assert resp.status == status, path
             async with http.get(f"{url}/api/rewards") as resp:
                 assert await resp.json() == {"available": False, "points": []}
             async with http.get(f"{url}/") as resp:
@@ -249,69 +281,13 @@ def test_cli_unreachable_validator_is_one_line_and_nonzero():
     )
 
 
-def _browser():
-    """Headless Debian chromium through selenium, or a skip naming what is missing."""
-    webdriver = pytest.importorskip(
-        "selenium.webdriver", reason="selenium not installed (pip install -e .[dev])"
-    )
-    import shutil  # noqa: PLC0415
-
-    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not chromium or not chromedriver:
-        pytest.skip("chromium and chromium-driver not installed (apt-get install chromium chromium-driver)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--disable-dev-shm-usage",
-    ):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver, options, chromedriver
-
-
-def _click_row(driver, node: str) -> bool:  # noqa: ANN001
-    """Click the node's leaderboard row; False (try again) if a re-render replaced it meanwhile."""
-    from selenium.common.exceptions import StaleElementReferenceException  # noqa: PLC0415
-    from selenium.webdriver.common.by import By  # noqa: PLC0415
-
-    try:
-        driver.find_element(By.CSS_SELECTOR, f'#leaderboard-body tr[data-node-id="{node}"]').click()
-    except StaleElementReferenceException:
-        return False
-    return True
-
-
 def test_dashboard_page_in_a_headless_browser(ledger, tmp_path):
-    webdriver, options, chromedriver = _browser()
-    from selenium.webdriver.common.by import By  # noqa: PLC0415
-    from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
-
-    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
-
-    live = {"on": False}  # the swarm source starts empty, as before the swarm feed exists
-
-    async def swarm() -> SwarmView:
-        if not live["on"]:
-            return SwarmView(available=False)
-        return SwarmView(
-            available=True,
-            policy_step=7,
-            nodes=[
-                SwarmNode(node_id=C, roles=["contributor"], step=7, hardware={"gpu": "H100"}, last_seen=T0)
-            ],
-        )
-
-    # The reward curve is the ledger's: the fixture's verdicts carry no recomputed rewards, so it starts
-    # empty; then accepted files with their rewards arrive, as the validator records them.
+    """The ledger-fed parts of the page (the live swarm view is covered over a real validator in
+    tests/test_dashboard_browser.py): the ranking, the reward curve with its gaps, a node's history."""
+    # The reward curve is the ledger's: the fixture's verdicts carry no recomputed rewards, so it starts empty;
+    # then accepted files with their rewards arrive at steps 0-2 and 5-6 (none at 3 and 4: a gap).
     F, G = node_id(40), node_id(41)
-    curve = {0: 0.2, 1: 0.35, 2: 0.3, 3: 0.65, 4: 0.8}  # mean task reward per step, over both files
+    curve = {0: 0.2, 1: 0.35, 2: 0.3, 5: 0.65, 6: 0.8}  # mean task reward per step, over both files
 
     def record_rewards() -> None:
         for step, mean in curve.items():
@@ -320,64 +296,59 @@ def test_dashboard_page_in_a_headless_browser(ledger, tmp_path):
                     signed_verdict(node, step=step, samples=samples, tokens=samples * 10, at=T0 + 20 + step),
                     task_reward_sum=mean * samples,
                 )
-        ledger.record(signed_verdict(F, step=5, samples=8, at=T0 + 30))  # no recomputed reward: left out
-        ledger.record(signed_verdict(G, step=6, accepted=False, failed_check="rewards", at=T0 + 31))
+        ledger.record(signed_verdict(F, step=7, samples=8, at=T0 + 30))  # no recomputed reward: left out
+        ledger.record(signed_verdict(G, step=8, accepted=False, failed_check="rewards", at=T0 + 31))
 
-    def loaded(driver) -> None:
-        WebDriverWait(driver, 30).until(
-            lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1"
+    with (
+        running_dashboard(ledger, rewards=ledger_rewards(ledger)) as url,
+        chromium(tmp_path / "profile") as driver,
+    ):
+        driver.set_window_size(1200, 900)
+        driver.get(url + "/")
+        wait_loaded(driver)
+        assert driver.execute_script("return document.getElementById('swarm-placeholder').hidden") is False
+        assert driver.execute_script("return document.getElementById('reward-box').hidden") is True
+        rows = driver.execute_script(
+            "return [...document.querySelectorAll('#leaderboard-body tr')].map((tr) =>"
+            " [tr.dataset.nodeId, tr.className, [...tr.cells].map((td) => td.textContent)]);"
+        )
+        assert [node for node, _, _ in rows] == EXPECTED_ORDER
+        assert rows[0][2][:3] == ["1", C[:12] + "…", "5000"] and "row-banned" in rows[3][1]
+        # D's history: one accepted and one rejected file at step 3, and its rejection's reason shown once.
+        driver.execute_script(
+            f"document.querySelector('#leaderboard-body tr[data-node-id=\"{D}\"]').click();"
+        )
+        wait_for(driver, "document.querySelector('#history-chart rect.bar-bad[data-step]')")
+        bars = driver.execute_script(
+            "return [...document.querySelectorAll('#history-chart rect[data-step]')]"
+            ".map((r) => [r.dataset.step, r.dataset.accepted || r.dataset.rejected]);"
+        )
+        assert bars == [["3", "1"], ["3", "1"]], bars
+        verdicts = driver.execute_script("return document.getElementById('node-verdicts').textContent")
+        assert (
+            "rejected — sampling: sampling check failed" in verdicts and "sampling: sampling:" not in verdicts
         )
 
-    with running_dashboard(ledger, swarm=swarm, rewards=ledger_rewards(ledger)) as url:
-        driver = webdriver.Chrome(
-            options=options, service=webdriver.ChromeService(executable_path=chromedriver)
+        record_rewards()
+        driver.refresh()
+        wait_loaded(driver)
+        chart = driver.execute_script(
+            "const s = document.getElementById('reward-chart');"
+            "return {lines: [...s.querySelectorAll('polyline.series')]"
+            " .map((p) => p.getAttribute('points').split(' ').length),"
+            " gaps: s.querySelectorAll('line.gap').length,"
+            " dots: [...s.querySelectorAll('circle')].map((c) => [+c.dataset.step, +c.dataset.reward]),"
+            " xticks: [...s.querySelectorAll('.xtick')].map((t) => t.textContent),"
+            " yticks: [...s.querySelectorAll('.ytick')].map((t) => t.textContent)};"
         )
-        try:
-            driver.set_page_load_timeout(30)
-            driver.get(url + "/")
-            loaded(driver)
-            assert driver.find_element(By.ID, "swarm-placeholder").is_displayed()
-            assert driver.find_element(By.ID, "rewards-placeholder").is_displayed()
-            assert not driver.find_element(By.ID, "reward-chart").is_displayed()
-            # The table is read in one script: the page re-renders every 5 s, which stales element handles
-            # (on loaded CI cores reading it cell by cell can span a re-render).
-            rows = driver.execute_script(
-                "return [...document.querySelectorAll('#leaderboard-body tr')].map((tr) =>"
-                " [tr.dataset.nodeId, tr.className, [...tr.cells].map((td) => td.textContent)]);"
-            )
-            assert [node for node, _, _ in rows] == EXPECTED_ORDER
-            cells = [texts for _, _, texts in rows]
-            assert cells[0][:3] == ["1", C[:12] + "…", "5000"] and "gpu=H100" in cells[0][10]
-            assert cells[3][8].startswith("until ") and "banned" in rows[3][1]
-            WebDriverWait(driver, 10).until(lambda d: _click_row(d, D))
-            WebDriverWait(driver, 10).until(lambda d: D in d.find_element(By.ID, "node-detail").text)
-            assert "sampling" in driver.find_element(By.ID, "node-detail").text
-            # The live sections are fed by their JSON endpoints once their sources have data.
-            live["on"] = True
-            record_rewards()
-            driver.refresh()
-            loaded(driver)
-            assert not driver.find_element(By.ID, "swarm-placeholder").is_displayed()
-            assert driver.find_element(By.ID, "policy-step").text == "(policy step 7)"
-            assert driver.find_element(By.CSS_SELECTOR, "#swarm-body td").text == C[:12] + "…"
-            assert not driver.find_element(By.ID, "rewards-placeholder").is_displayed()
-            # Read in one script each: the page re-renders every 5 s, which stales element handles.
-            points = driver.execute_script(
-                "return document.querySelector('#reward-chart polyline').getAttribute('points');"
-            ).split()
-            dots = driver.execute_script(
-                "return [...document.querySelectorAll('#reward-chart circle')]"
-                ".map((c) => [c.dataset.step, c.dataset.reward]);"
-            )
-            drawn = {int(step): float(reward) for step, reward in dots}
-            assert drawn == pytest.approx(curve)  # exactly the ledger's steps and means, nothing else
-            # The line goes through the data: y = 172 - 144 * reward in the 600x200 chart (28 px margins).
-            ys = [float(p.split(",")[1]) for p in points]
-            assert ys == pytest.approx([172 - 144 * curve[step] for step in sorted(curve)])
-            assert ys[2] > ys[1] and ys[-1] < ys[0]  # the dip at step 2 is drawn, and the rise overall
-            latest = driver.find_element(By.ID, "reward-latest").text
-            assert "step 4, mean task reward 0.800 (32 samples)" in latest
-            errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
-            assert errors == [], errors  # no CSP violation, no failed request
-        finally:
-            driver.quit()
+        assert dict(chart["dots"]) == pytest.approx(curve)  # exactly the ledger's steps and means
+        # Steps 3 and 4 have no point: the line breaks there (two runs), a dashed line marks the gap.
+        assert chart["lines"] == [3, 2] and chart["gaps"] - 1 == 1, (
+            chart
+        )  # the legend's sample is a `gap` too
+        assert chart["yticks"] == ["0.00", "0.25", "0.50", "0.75", "1.00"] and {"0", "6"} <= set(
+            chart["xticks"]
+        )
+        latest = driver.execute_script("return document.getElementById('reward-latest').textContent")
+        assert "step 6, mean task reward 0.800 (32 rollouts)" in latest
+        assert severe_console_errors(driver) == []  # no CSP violation, no failed request

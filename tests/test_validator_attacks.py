@@ -142,14 +142,14 @@ def _cheats(
         "int4": (
             _signed(encode_rows(rows_for(int4, tasks, nodes["int4"])), nodes["int4"]),
             "toploc",
-            "toploc: row",
+            "row ",
         ),
         "other-seed": (
             _signed(
                 encode_rows(rows_for(engine_from(other), tasks, nodes["other-seed"])), nodes["other-seed"]
             ),
             "toploc",
-            "toploc: row",
+            "row ",
         ),
         # Honest work of another node, signed by this one: claiming someone else's samples.
         "another-signer": (
@@ -183,7 +183,10 @@ async def test_malformed_cheating_and_unattributable_files_through_the_handoff(
             node = malformed[name]
             blob = _signed(write(rows_for(engine, tasks, node)), node)
             failed, reason = await _send_and_judge(running, host, blob)
-            assert failed == check and reason.startswith(f"{check}: ") and fragment in reason, (name, reason)
+            assert failed == check and not reason.startswith(f"{check}:") and fragment in reason, (
+                name,
+                reason,
+            )
             record = await _node_record(running, node.node_id)
             assert record == {
                 "score": -policy.fault_penalty,

@@ -154,7 +154,7 @@ async def test_copies_of_accepted_work_are_duplicates_credited_once_also_after_a
         for name, (data, fragment) in copies.items():
             verdict = await _judge(running, sender, data, node)
             assert not verdict.accepted and verdict.failed_check == "duplicate", (name, verdict.reason)
-            assert verdict.reason.startswith("duplicate: row "), (name, verdict.reason)
+            assert verdict.reason.startswith("row "), (name, verdict.reason)
             assert fragment in verdict.reason, (name, verdict.reason)
             if fragment == "already accepted":  # the reason names the sample and the file that holds it
                 assert f"in file {first.file_hash}" in verdict.reason and "sample index" in verdict.reason
@@ -249,9 +249,7 @@ async def test_an_acceptance_that_loses_the_race_for_its_samples_is_recorded_as_
     won, lost = sorted(verdicts, key=lambda v: not v.accepted)
     assert lost.failed_check == "duplicate", lost
     # The ledger's check named it (DuplicateWork), not the early one ("row N: ..." and the full hash).
-    assert lost.reason.startswith("duplicate: sample (") and f"file {won.file_hash[:16]}…" in lost.reason, (
-        lost
-    )
+    assert lost.reason.startswith("sample (") and f"file {won.file_hash[:16]}…" in lost.reason, lost
     with Ledger(shared["path"]) as ledger:
         record = ledger.query(
             "SELECT COALESCE(SUM(accepted), 0) AS files, COALESCE(SUM(samples * accepted), 0) AS samples"

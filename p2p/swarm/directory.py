@@ -252,9 +252,13 @@ class SwarmDirectory(DHTPeer):
     async def list_rollouts(self) -> dict[str, RolloutAnnouncement]:
         return await self._read(RecordKind.ROLLOUT)
 
+    async def list_policies(self) -> dict[str, PolicyAnnouncement]:
+        """The live policy announcement of each pinned operator key that has one, by that key."""
+        return await self._read(RecordKind.POLICY)
+
     async def current_policy(self) -> PolicyAnnouncement | None:
         """The newest policy announced by any pinned operator key, or None."""
-        policies = list((await self._read(RecordKind.POLICY)).values())
+        policies = list((await self.list_policies()).values())
         return max(policies, key=lambda p: (p.step, p.published_at)) if policies else None
 
     async def watch_policy(self) -> AsyncIterator[PolicyAnnouncement]:

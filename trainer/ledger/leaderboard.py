@@ -93,9 +93,7 @@ def leaderboard(ledger: Ledger, *, top: int = 100, now: float | None = None) -> 
 
 def node_detail(ledger: Ledger, node_id: str, *, now: float | None = None) -> NodeDetail:
     """One node's row (with its rank) and its recent verdicts, slashes and bans; `node_id` may be a prefix."""
-    prefix = node_id.lower()
-    if not MIN_PREFIX <= len(prefix) <= 64 or not set(prefix) <= HEX_DIGITS:
-        raise NodeLookupError(f"node id must be {MIN_PREFIX} to 64 hex digits, got {node_id[:80]!r}", 400)
+    prefix = _prefix(node_id)
     now = time.time() if now is None else now
     rows = ledger.query(
         _RANKED + " WHERE node_id >= ? AND node_id < ? ORDER BY rank LIMIT 2",
@@ -131,6 +129,27 @@ def node_detail(ledger: Ledger, node_id: str, *, now: float | None = None) -> No
         slash_log=[SlashEntry.outgoing(**dict(r)) for r in slashes],
         bans=[BanEntry.outgoing(**dict(r)) for r in bans],
     )
+
+
+def resolve_node(ledger: Ledger, node_id: str) -> str:
+    """The full id of the one node `node_id` names (an id or a unique prefix); NodeLookupError otherwise."""
+    prefix = _prefix(node_id)
+    rows = ledger.query(
+        "SELECT node_id FROM nodes WHERE node_id >= ? AND node_id < ? ORDER BY node_id LIMIT 2",
+        (prefix, prefix + "g"),
+    )
+    if not rows:
+        raise NodeLookupError(f"no node {prefix} in the ledger", 404)
+    if len(rows) > 1:
+        raise NodeLookupError(f"node id prefix {prefix} matches several nodes; give more digits", 409)
+    return str(rows[0]["node_id"])
+
+
+def _prefix(node_id: str) -> str:
+    prefix = node_id.lower()
+    if not MIN_PREFIX <= len(prefix) <= 64 or not set(prefix) <= HEX_DIGITS:
+        raise NodeLookupError(f"node id must be {MIN_PREFIX} to 64 hex digits, got {node_id[:80]!r}", 400)
+    return prefix
 
 
 def ranked_count(ledger: Ledger) -> int:

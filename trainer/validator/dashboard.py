@@ -3,9 +3,10 @@
 The API's paths, answer types and limits are p2p/validator_api.py's (its docstring lists the routes); this is
 their server. A verdict belongs to (file hash, sender): a sender fetches its own to learn, verifiably, why
 its file was refused; another node's delivery of the same bytes has its own. `/api/swarm` and
-`/api/rewards` are fed by sources the validator service passes in (the curve: `ledger_rewards`, the mean
-recomputed task reward per policy step of the accepted files, persisted in the ledger); without one they
-answer `available: false` and the page shows a placeholder. Errors are `{"error": text}` with their status.
+`/api/rewards` are fed by sources the validator service passes in (the swarm: trainer/validator/swarm_view.py;
+the curve: `ledger_rewards`, the mean recomputed task reward per policy step of the accepted files, persisted
+in the ledger); without one they answer `available: false` and the page shows a placeholder. Errors are
+`{"error": text}` with their status.
 - `/`: the dashboard page (plain HTML + JS from trainer/validator/dashboard_static/, no external resources; the
   Content-Security-Policy forbids any).
 
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...node.runtime.metrics import PORTS
 from ...p2p.validator_api import (
     DEFAULT_TOP,
+    HISTORY_PATH,
     LEADERBOARD_PATH,
     MAX_TOP,
     NODE_PATH,
@@ -40,6 +42,7 @@ from ...p2p.validator_api import (
 )
 from ...p2p.wire import WireFormatError, is_hex64, parse_uint
 from ..ledger import Ledger
+from ..ledger.activity import node_history
 from ..ledger.leaderboard import NodeLookupError, leaderboard, node_detail, ranked_count
 
 STATIC_DIR = Path(__file__).with_name("dashboard_static")
@@ -68,6 +71,32 @@ class DashboardSettings(BaseModel):
         ge=0,
         le=65535,
         description="TCP port of the leaderboard API and dashboard; 0 picks one.",
+    )
+    window_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="Window of the swarm view: a node with accepted work decided within it is active; "
+        "throughput and the verdict rate are averaged over it.",
+    )
+    stale_after_s: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="A node unheard for this long is stale (shown red); default: the swarm's heartbeat_ttl_s.",
+    )
+    trainer_stall_s: float = Field(
+        900.0,
+        gt=0,
+        le=7 * 86400,
+        description="The trainer is stalled when no new policy step was announced for this long.",
+    )
+    trainer_stopped_s: float = Field(
+        360.0,
+        gt=0,
+        le=7 * 86400,
+        description="The trainer is stopped when neither a policy re-announcement nor a trainer heartbeat came "
+        "for this long (3x the trainer's default announce_interval_s of 120 s).",
     )
 
 
@@ -107,6 +136,7 @@ def create_app(
     app[REWARDS_KEY] = rewards
     app.router.add_get(LEADERBOARD_PATH, _leaderboard)
     app.router.add_get(NODE_PATH, _node)
+    app.router.add_get(HISTORY_PATH, _history)
     app.router.add_get(VERDICT_BY_HASH_PATH, _verdict_by_hash)
     app.router.add_get(VERDICT_PATH, _verdict)
     app.router.add_get(SWARM_PATH, _swarm)
@@ -157,6 +187,11 @@ async def _leaderboard(request: web.Request) -> web.Response:
 async def _node(request: web.Request) -> web.Response:
     detail = await asyncio.to_thread(node_detail, request.app[LEDGER_KEY], request.match_info["node_id"])
     return web.json_response(detail.model_dump(mode="json"))
+
+
+async def _history(request: web.Request) -> web.Response:
+    history = await asyncio.to_thread(node_history, request.app[LEDGER_KEY], request.match_info["node_id"])
+    return web.json_response(history.model_dump(mode="json"))
 
 
 def _hex64(request: web.Request, name: str, what: str) -> str:

@@ -23,7 +23,6 @@ from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm import Swarm
 from ...p2p.urls import loopback_behind, routable_url
-from ...p2p.validator_api import SwarmNode, SwarmView
 from ..errors import TrainerError
 from .assignment import first_step
 from .config import ValidatorSettings
@@ -31,6 +30,7 @@ from .dashboard import create_app, ledger_rewards, serve
 from .metrics import CONTENT_TYPE_LATEST
 from .run_confirmation import RunConfirmation
 from .service import ValidatorService
+from .swarm_view import SwarmViewSource
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ async def start_validator(
     service.receiver = await swarm.serve_rollouts(service.spool.directory, service.accept, service.admit)
     app = create_app(
         service.ledger.ledger,
-        swarm=lambda: swarm_view(service),
+        swarm=SwarmViewSource(service, settings.dashboard),
         rewards=ledger_rewards(service.ledger.ledger),
     )
     app.router.add_get("/metrics", metrics_handler(service))  # Prometheus, beside the API (docs/metrics.md)
@@ -135,21 +135,6 @@ def metrics_handler(service: ValidatorService) -> Callable[[web.Request], Awaita
         return web.Response(body=service.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return handler
-
-
-async def swarm_view(service: ValidatorService) -> SwarmView:
-    peers = await service.swarm.list_peers()
-    nodes = [
-        SwarmNode(
-            node_id=hb.node_id,
-            roles=list(hb.roles),
-            hardware=hb.hardware.model_dump(),
-            step=hb.policy_step,
-            last_seen=hb.sent_at,
-        )
-        for hb in peers.values()
-    ]
-    return SwarmView(available=True, policy_step=service.keeper.latest_policy, nodes=nodes)
 
 
 async def announce_forever(service: ValidatorService) -> None:

@@ -348,7 +348,7 @@ class ValidatorService:
             # Another file claimed one of these samples after this one's early check (a race the ledger's key
             # settles): the acceptance was not written; the file is a duplicate after all.
             outcome = dataclasses.replace(
-                outcome, accepted=False, failed_check=DUPLICATE, reason=f"{DUPLICATE}: {exc}", sample_ids=()
+                outcome, accepted=False, failed_check=DUPLICATE, reason=str(exc), sample_ids=()
             )
             result = await self.ledger.record(self._verdict(job, outcome), received_at=job.received_at)
         self.verdicts += 0 if result.duplicate else 1

@@ -69,7 +69,9 @@ def check_name(name: str) -> str:
 def _failure(results: tuple[CheckResult, ...]) -> tuple[str, str]:
     failed = next(c for c in results if c.status == "failed")
     where = f"row {failed.row}: " if failed.row is not None else ""
-    return check_name(failed.name), f"{failed.name}: {where}{failed.detail}"
+    # The check's name travels in the verdict's `failed_check`; the reason is what went wrong, without it (every
+    # reader shows "check: reason", which a prefix here doubled: "sampling: sampling: ...").
+    return check_name(failed.name), f"{where}{failed.detail}"
 
 
 def duplicate_reason(ids: Sequence[SampleId], accepted: AcceptedLookup | None) -> str | None:
@@ -77,14 +79,11 @@ def duplicate_reason(ids: Sequence[SampleId], accepted: AcceptedLookup | None) -
     repeat = first_repeat(ids)
     if repeat is not None:
         earlier, row = repeat
-        return f"{DUPLICATE}: row {row}: repeats row {earlier} of this file ({ids[row].describe()})"
+        return f"row {row}: repeats row {earlier} of this file ({ids[row].describe()})"
     held = accepted(ids) if accepted is not None else None
     if held is not None:
         sample, holder = held
-        return (
-            f"{DUPLICATE}: row {ids.index(sample)}: sample ({sample.describe()}) was already accepted "
-            f"in file {holder}"
-        )
+        return f"row {ids.index(sample)}: sample ({sample.describe()}) was already accepted in file {holder}"
     return None
 
 
@@ -118,7 +117,7 @@ def verify_spooled(
     if claimed is not None and claimed[0] != step:
         # The signed envelope routed the file by another step than its rows hold: the `signer` check's failure
         # (fraud), named before the claimed step is looked up, so the lie is never held and excused.
-        reason = f"signer: the rows are policy step {step}, but the envelope signs policy step {claimed[0]}"
+        reason = f"the rows are policy step {step}, but the envelope signs policy step {claimed[0]}"
         seconds = time.perf_counter() - start
         return Outcome(False, step, False, "signer", reason, checks=first.checks, seconds=seconds)
     found = lookup(step)
