@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from prime_node.node.cli.devnet import succeeded
+from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.node.run.settings import RunSettings, load_run_tasks
 from prime_node.proofs.rollout_file import read_rollout_file
 from prime_node.trainer.devnet.layout import Sizing
@@ -27,6 +28,9 @@ from support.sandbox import sandbox_skip_reason
 SKIP_CODE = sandbox_skip_reason()
 RUNS = [
     *(pytest.param(name, id=name) for name in sorted(FAMILIES)),
+    # A chat model: the tiny Qwen2 with a BPE tokenizer trained here and a chat template (no hub on these
+    # machines); every party builds its prompts with that template.
+    pytest.param("chat_model", id="chat_model"),
     pytest.param(
         "code",
         id="code",
@@ -47,6 +51,10 @@ def test_devnet_on_an_environment_accepts_honest_files_bans_the_cheater_and_rewa
         # No length targets (their instruction would change the prompts the model was trained on): rewards
         # differ within a group by which sampled programs pass. Four samples a prompt make such groups likely.
         sizing = Sizing(batch_size=16, prompts=2, samples=4, max_new_tokens=CODE_MAX_NEW_TOKENS)
+    elif name == "chat_model":
+        chat, tokenizer = build_tiny_model(0, chat=True)
+        save_model_dir(chat, tokenizer, tmp_path / "model")
+        env, model, sizing = FAMILIES["chain_sum"], tmp_path / "model", SMALL
     else:
         env, model, sizing = FAMILIES[name], tiny_model(tmp_path / "model"), SMALL
     report, devnet, _ = run_devnet(
@@ -80,7 +88,9 @@ def test_devnet_on_an_environment_accepts_honest_files_bans_the_cheater_and_rewa
     task_rewards = []
     for path in accepted:
         rows = read_rollout_file(path).rows
-        assert {r.environment for r in rows} == {tasks.environment_pin}, path
+        assert {(r.environment, r.prompt_format) for r in rows} == {
+            (tasks.environment_pin, tasks.prompt_format)
+        }
         for row in rows:
             task_reward, penalty, target = tasks.rewards(row)
             assert (row.task_reward, row.length_penalty, row.target_length) == (
@@ -92,5 +102,10 @@ def test_devnet_on_an_environment_accepts_honest_files_bans_the_cheater_and_rewa
                 row.sample_index,
             )
             task_rewards.append(task_reward)
+    scored = sum(r > 0 for r in task_rewards)
+    print(
+        f"\n{name}: {len(accepted)} accepted files, {len(task_rewards)} rollouts recomputed equal, {scored} with a task reward above 0"
+    )
+    assert tasks.prompts.mode == ("chat" if name == "chat_model" else "raw"), tasks.prompts.mode
     if name == "code":  # programs passed: the sandbox ran them on the nodes and on the validator alike
         assert 1.0 in task_rewards and 0.0 in task_rewards, task_rewards

@@ -1,6 +1,6 @@
 """Mathematics scored by symbolic equivalence with HF's `math-verify` (PyPI `math-verify`).
 
-    --env math:path=problems.jsonl
+    --env math:problems.jsonl
 
 A completion's answer is what math-verify extracts from it: the last `\\boxed{...}` when there is one (boxes
 joined by commas are one answer, a set), else the last LaTeX or plain expression (`$\\frac{3}{4}$`, `0.75`,
