@@ -104,7 +104,8 @@ def test_devnet_on_an_environment_accepts_honest_files_bans_the_cheater_and_rewa
             task_rewards.append(task_reward)
     scored = sum(r > 0 for r in task_rewards)
     print(
-        f"\n{name}: {len(accepted)} accepted files, {len(task_rewards)} rollouts recomputed equal, {scored} with a task reward above 0"
+        f"\n{name}: {len(accepted)} accepted files, {len(task_rewards)} rollouts recomputed equal, "
+        f"{scored} with a task reward above 0"
     )
     assert tasks.prompts.mode == ("chat" if name == "chat_model" else "raw"), tasks.prompts.mode
     if name == "code":  # programs passed: the sandbox ran them on the nodes and on the validator alike
