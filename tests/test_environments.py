@@ -56,6 +56,12 @@ BAD_SPECS = [
     ),
     ("arithmetic:levels=0/0/0/0/0", "arithmetic: level weights must be integers in \\[0, 1000000\\] with a"),
     ("file", "file: give the task file's path"),
+    ("arithmetic:seed=1,", "arithmetic: empty item 2 in 'seed=1,'"),
+    ("arithmetic:seed=", "arithmetic: option 'seed' has no value"),
+    ("arithmetic:Seed=1", "arithmetic: 'Seed=1' is not key=value"),
+    ("file:a.jsonl,b.jsonl", "file: 'b.jsonl' is not key=value \\(known: path\\)"),
+    ("file:a.jsonl,path=b.jsonl", "file: option 'path' is given twice"),
+    ("file:a.jsonl,seed=1", "file: unknown option 'seed' \\(known: path\\)"),
     ("file:/no/such/tasks.jsonl", "task file /no/such/tasks.jsonl does not exist"),
 ]
 
@@ -265,5 +271,27 @@ def test_options_are_typed_and_a_list_of_one_needs_no_slash() -> None:
     )
     assert parse_options("w", "words=cat/ox", Words).words == ["cat", "ox"]
     assert parse_options("w", "", Words) == Words()
-    with pytest.raises(TaskError, match="w: limit: Input should be a valid integer"):
+    # '/' separates items only where the option takes a list: elsewhere it is part of the value (a path)
+    with pytest.raises(TaskError, match="w: limit: '1/2' is not a whole number"):
         parse_options("w", "limit=1/2", Words)
+
+
+def test_one_grammar_a_main_argument_bare_or_by_name_and_specs_that_reopen(tmp_path: Path) -> None:
+    from prime_node.node.environments.registry import path_arg, split_args
+
+    # NAME[:ARGS], ARGS items key=value separated by ','; a bare first item is the main argument (a path).
+    assert split_args("e", "a/b.jsonl,x=1", positional="path") == {"path": "a/b.jsonl", "x": "1"}
+    assert split_args("e", "path=a=b.jsonl", positional="path") == {"path": "a=b.jsonl"}
+    assert split_args("e", "./a=b.jsonl", positional="path") == {"path": "./a=b.jsonl"}
+    assert split_args("e", "chain_sum.max_digits=1,seed=3") == {"chain_sum.max_digits": "1", "seed": "3"}
+    # A path that reads as an option is written by name; one holding ',' cannot be in a spec at all.
+    assert path_arg("e", "a=b.jsonl") == "path=a=b.jsonl" and path_arg("e", "/t/a=b") == "/t/a=b"
+    with pytest.raises(TaskError, match="^e: the path 'a,b' cannot be named in an environment spec"):
+        path_arg("e", "a,b")
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    (tmp_path / "x=1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for spec in (f"file:{tmp_path}/x=1.jsonl", f"file:path={tmp_path}/x=1.jsonl"):
+        env = open_environment(spec)
+        assert (
+            env.spec == f"file:{tmp_path}/x=1.jsonl" and open_environment(env.spec).identity == env.identity
+        )

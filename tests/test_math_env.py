@@ -115,8 +115,10 @@ def test_bad_task_files_are_refused_naming_row_and_column(
 
 
 def test_bad_specs_are_refused() -> None:
-    with pytest.raises(TaskError, match="path=FILE"):
+    with pytest.raises(TaskError, match="math: unknown option 'file' \\(known: path\\)"):
         open_math("file=x.jsonl", seed=0)
+    with pytest.raises(TaskError, match="math: give the task file, as math:FILE"):
+        open_math("", seed=0)
     with pytest.raises(TaskError, match="does not exist"):
         open_math("path=/nonexistent/x.jsonl", seed=0)
     task = Task(prompt="p", answer="2", task_type="math")

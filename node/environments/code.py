@@ -44,6 +44,7 @@ from .. import __version__
 from ..errors import TaskError
 from .environment import EnvironmentIdentity, ScoringLimits
 from .files import JSONL_SUFFIXES, MAX_FILE_BYTES, MAX_ROWS, PARQUET_SUFFIXES, _jsonl_rows
+from .registry import path_arg, split_args
 from .sandbox import (
     SANDBOX_VERSION,
     START_MARGIN_S,
@@ -270,12 +271,13 @@ class CodeEnvironment:
     @property
     def spec(self) -> str:
         defaults = CodeConfig()
-        options = {}
+        options = [path_arg(NAME, self.path)]
         if self.config.reward != defaults.reward:
-            options["reward"] = self.config.reward
-        options.update(self.config.limits.model_dump(exclude_defaults=True))
-        query = "&".join(f"{key}={value}" for key, value in options.items())
-        return f"{NAME}:{self.path}" + (f"?{query}" if query else "")
+            options.append(f"reward={self.config.reward}")
+        options += [
+            f"{key}={value}" for key, value in self.config.limits.model_dump(exclude_defaults=True).items()
+        ]
+        return f"{NAME}:" + ",".join(options)
 
     @property
     def identity(self) -> EnvironmentIdentity:
@@ -297,34 +299,31 @@ class CodeEnvironment:
 
 
 def open_code_environment(args: str, seed: int = 0) -> CodeEnvironment:
-    """`code:PATH[?reward=all|fraction&wall_s=4&cpu_s=2&...]` (any SandboxLimits field); `seed` is unused:
+    """`code:PATH[,reward=all|fraction,wall_s=4,cpu_s=2,...]` (any SandboxLimits field); `seed` is unused:
     the file fixes the tasks."""
     del seed
-    path, _, query = args.partition("?")
-    if not path:
-        raise TaskError(f"bad code environment {args!r}: the task file's path is missing; use {_USAGE}")
-    fields: dict[str, Any] = {}
-    limits: dict[str, Any] = {}
-    for item in filter(None, query.split("&")):
-        key, sep, value = item.partition("=")
-        if not sep or not value:
-            raise TaskError(f"bad code environment {args!r}: {item!r} is not KEY=VALUE; use {_USAGE}")
-        if key == "reward":
-            fields["reward"] = value
-        elif key in SandboxLimits.model_fields:
-            limits[key] = value
-        else:
-            known = ", ".join(["reward", *SandboxLimits.model_fields])
-            raise TaskError(f"bad code environment {args!r}: unknown option {key!r} (known: {known})")
+    known = ["path", "reward", *SandboxLimits.model_fields]
+    items = split_args(NAME, args, positional="path", known=known)
+    path = items.pop("path", None)
+    if path is None:
+        raise TaskError(f"{NAME}: the task file's path is missing; use {_USAGE}")
+    before, mark, after = path.partition("?")
+    if mark and "=" in after:  # the spelling before one grammar served every environment
+        raise TaskError(
+            f"{NAME}: {'?' + after[:60]!r}: options follow the path after ',' now: "
+            f"{NAME}:{before},{after.replace('&', ',')[:60]}"
+        )
+    reward = items.pop("reward", None)
     try:
-        config = CodeConfig.model_validate({**fields, "limits": SandboxLimits.model_validate(limits)})
+        limits = SandboxLimits.model_validate(items)
+        config = CodeConfig.model_validate({**({"reward": reward} if reward else {}), "limits": limits})
     except ValidationError as exc:
         problem = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise TaskError(f"bad code environment {args!r}: {problem}") from None
+        raise TaskError(f"{NAME}: {problem}") from None
     return CodeEnvironment(path, config)
 
 
-_USAGE = "code:PATH[?reward=all|fraction&wall_s=S&cpu_s=S&memory_mb=M&...]"
+_USAGE = "code:PATH[,reward=all|fraction,wall_s=S,cpu_s=S,memory_mb=M,...]"
 
 
 def load_code_tasks(path: Path) -> tuple[list[Task], str]:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from ..errors import TaskError
 from .environment import EnvironmentIdentity, ScoringLimits
-from .registry import builtin_identity
+from .registry import builtin_identity, path_arg, split_args
 from .types import MAX_ANSWER_CHARS, MAX_METADATA_CHARS, MAX_PROMPT_CHARS, Task, check_index
 from .verifier import TaskScorer, known_task_types, parse_integer, task_scorer
 
@@ -56,7 +56,7 @@ class FileEnvironment:
 
     @property
     def spec(self) -> str:
-        return f"{NAME}:{self.path}"
+        return f"{NAME}:{path_arg(NAME, self.path)}"
 
     @property
     def identity(self) -> EnvironmentIdentity:
@@ -80,9 +80,10 @@ class FileEnvironment:
 
 def open_file(args: str, *, seed: int = 0) -> FileEnvironment:
     """Tasks from a local Parquet or JSONL file: `file:PATH` (columns prompt, answer, task_type, metadata)."""
-    if not args:
-        raise TaskError("file: give the task file's path, as file:PATH")
-    return load_task_file(args)
+    path = split_args(NAME, args, positional="path", known=["path"]).get("path")
+    if path is None:
+        raise TaskError(f"{NAME}: give the task file's path, as {NAME}:PATH")
+    return load_task_file(path)
 
 
 def metadata_text(where: str, value: Any) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import TaskError
 from .environment import Environment, EnvironmentIdentity, ScoringLimits
 from .files import read_rows
-from .registry import content_hash, open_environment, parse_spec
+from .registry import content_hash, open_environment, parse_spec, path_arg, split_args
 from .types import Task, check_index
 
 NAME = "filtered"
@@ -40,7 +40,7 @@ class FilteredEnvironment:
 
     @property
     def spec(self) -> str:
-        return f"{NAME}:{self.path}"
+        return f"{NAME}:{path_arg(NAME, self.path)}"
 
     @property
     def identity(self) -> EnvironmentIdentity:
@@ -67,9 +67,10 @@ class FilteredEnvironment:
 
 def open_filtered(args: str, *, seed: int = 0) -> FilteredEnvironment:
     """The tasks of another environment that `prime-node tasks filter` kept: `filtered:FILE`."""
-    if not args:
-        raise TaskError("filtered: give the filtered task file's path, as filtered:FILE")
-    path, _, numbered = read_rows(args, _OPTIONAL)
+    given = split_args(NAME, args, positional="path", known=["path"]).get("path")
+    if given is None:
+        raise TaskError(f"{NAME}: give the filtered task file's path, as {NAME}:FILE")
+    path, _, numbered = read_rows(given, _OPTIONAL)
     sources = {values.get("source") for _, values in numbered}
     if len(sources) != 1 or not isinstance(next(iter(sources)), str):
         shown = ", ".join(sorted(repr(s)[:80] for s in sources))

@@ -1,6 +1,6 @@
 """Mathematics scored by symbolic equivalence with HF's `math-verify` (PyPI `math-verify`).
 
-    --env math:path=problems.jsonl
+    --env math:problems.jsonl
 
 A completion's answer is what math-verify extracts from it: the last `\\boxed{...}` when there is one (boxes
 joined by commas are one answer, a set), else the last LaTeX or plain expression (`$\\frac{3}{4}$`, `0.75`,
@@ -31,6 +31,7 @@ from ...p2p.signing import canonical_json
 from ..errors import TaskError
 from .environment import EnvironmentIdentity, ScoringLimits
 from .files import JSONL_SUFFIXES, MAX_FILE_BYTES, MAX_ROWS, PARQUET_SUFFIXES, _jsonl_rows
+from .registry import path_arg, split_args
 from .types import MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, Task, check_index
 from .verifier import MAX_COMPLETION_CHARS
 
@@ -134,7 +135,7 @@ class MathEnvironment:
 
     @property
     def spec(self) -> str:
-        return f"{NAME}:path={self.path}"
+        return f"{NAME}:{path_arg(NAME, self.path)}"
 
     @property
     def identity(self) -> EnvironmentIdentity:
@@ -157,9 +158,9 @@ class MathEnvironment:
 
 def open_math(args: str, *, seed: int = 0) -> MathEnvironment:
     """Mathematics problems from a JSONL/Parquet file, scored by symbolic equivalence (math-verify)."""
-    key, eq, value = args.partition("=")
-    if key != "path" or not eq or not value:
-        raise TaskError(f"{NAME}: give the task file as path=FILE (got {args[:80]!r})")
+    value = split_args(NAME, args, positional="path", known=["path"]).get("path")
+    if value is None:
+        raise TaskError(f"{NAME}: give the task file, as {NAME}:FILE")
     path = Path(value).expanduser()
     tasks, sha256 = load_math_tasks(path)
     return MathEnvironment(path, tasks, sha256)

@@ -38,6 +38,7 @@ from ...p2p.signing import canonical_json
 from ..errors import TaskError
 from .answers import final_answer
 from .environment import EnvironmentIdentity, ScoringLimits
+from .registry import split_args
 from .types import MAX_ANSWER_CHARS, MAX_METADATA_CHARS, MAX_PROMPT_CHARS, Task, check_index
 
 NAME = "reasoning_gym"
@@ -121,14 +122,7 @@ def parse_args(args: str, seed: int) -> tuple[tuple[Family, ...], int, int]:
     """(families, seed, size) of the ARGS of `reasoning_gym:ARGS`; TaskError naming what is wrong."""
     from reasoning_gym.factory import DATASETS
 
-    pairs: dict[str, str] = {}
-    for item in args.split(",") if args else []:
-        key, eq, value = item.partition("=")
-        if not eq or not key or not value:
-            raise TaskError(f"{NAME}: {item[:80]!r} is not key=value (e.g. family=spell_backward)")
-        if key in pairs:
-            raise TaskError(f"{NAME}: option {key!r} is given twice")
-        pairs[key] = value
+    pairs = split_args(NAME, args)
     if ("family" in pairs) == ("families" in pairs):
         raise TaskError(f"{NAME}: give exactly one of family=NAME or families=NAME*WEIGHT/NAME*WEIGHT/...")
     weights: dict[str, int] = {}

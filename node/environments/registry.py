@@ -12,9 +12,16 @@ is found; the identity each environment reports (its package, version and conten
 pins (node/run/announcement.py), so two machines that would open different code for one name disagree
 there, not in their rewards.
 
-ARGS are the environment's own. Those of the form `key=value,key=value` (arithmetic, and any environment
-that wants it) go through `parse_options`, which checks them against a pydantic model and names the key
-that is wrong.
+ARGS have one grammar for every environment (docs/environments.md, "Choosing one"):
+
+    SPEC  = NAME [":" ARGS]
+    ARGS  = ITEM *("," ITEM)
+    ITEM  = KEY "=" VALUE | VALUE     a bare VALUE only first: the environment's main argument (a file's path)
+    KEY   = [a-z_][a-z0-9_]* ["." [a-z_][a-z0-9_]*]     (FAMILY.OPTION in a reasoning-gym mix)
+    VALUE = one or more characters other than ","; a list is a/b/c where the option takes a list
+
+`split_args` checks the grammar (one-line errors naming the item that is wrong) and returns the items by
+key; `parse_options` also checks them against a pydantic model and names the key whose value is wrong.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import logging
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -44,7 +51,7 @@ MAX_SPEC_CHARS = 4096
 # The distribution this package is installed as: the `package` of the built-in environments' identities.
 OWN_DISTRIBUTION = "prime-node"
 _NAME = re.compile(ENV_NAME_PATTERN)
-_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_KEY = re.compile(r"[a-z_][a-z0-9_]{0,63}(?:\.[a-z_][a-z0-9_]{0,63})?")
 
 Options = TypeVar("Options", bound=BaseModel)
 Factory = Callable[..., Environment]
@@ -70,20 +77,42 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return name, args
 
 
-def parse_options(name: str, args: str, model: type[Options]) -> Options:
-    """ARGS of the form `key=value,key=value` checked against `model` (its fields are the keys); TaskError
-    naming the key and what is wrong with it. A list value is written with '/' between its items."""
-    values: dict[str, Any] = {}
-    for item in args.split(",") if args else []:
+def split_args(
+    name: str, args: str, *, positional: str | None = None, known: Sequence[str] | None = None
+) -> dict[str, str]:
+    """The items of `args` (`key=value,key=value`, see the module's grammar) by key; TaskError naming the item
+    that is wrong. With `positional`, a first item that is not `key=value` is the value of that key (so
+    `file:tasks.jsonl` is `file:path=tasks.jsonl`); `known`, when given, are the only keys allowed."""
+    values: dict[str, str] = {}
+    keys = f" (known: {', '.join(known)})" if known is not None else ""
+    for number, item in enumerate(args.split(",") if args else [], start=1):
         key, eq, value = item.partition("=")
-        if not eq or not _KEY.fullmatch(key):
-            raise TaskError(f"{name}: {item[:80]!r} is not key=value (keys: {', '.join(model.model_fields)})")
-        if key not in model.model_fields:
-            raise TaskError(f"{name}: unknown option {key!r} (known: {', '.join(model.model_fields)})")
+        if number == 1 and positional is not None and not (eq and _KEY.fullmatch(key)):
+            key, value = positional, item
+        elif not item:
+            raise TaskError(
+                f"{name}: empty item {number} in {args[:80]!r}: items are key=value separated by ','"
+            )
+        elif not eq or not _KEY.fullmatch(key):
+            raise TaskError(f"{name}: {item[:80]!r} is not key=value{keys}")
+        if known is not None and key not in known:
+            raise TaskError(f"{name}: unknown option {key!r}{keys}")
         if key in values:
             raise TaskError(f"{name}: option {key!r} is given twice")
+        if not value:
+            raise TaskError(f"{name}: option {key!r} has no value")
+        values[key] = value
+    return values
+
+
+def parse_options(name: str, args: str, model: type[Options], *, positional: str | None = None) -> Options:
+    """ARGS of the form `key=value,key=value` checked against `model` (its fields are the keys); TaskError
+    naming the key and what is wrong with it. A list value is written with '/' between its items; with
+    `positional`, a first bare value is that field's (see split_args)."""
+    values: dict[str, Any] = {}
+    for key, value in split_args(name, args, positional=positional, known=list(model.model_fields)).items():
         annotation = model.model_fields[key].annotation
-        values[key] = value.split("/") if "/" in value or _is_list(annotation) else value
+        values[key] = value.split("/") if _is_list(annotation) else value
         if _takes_ints(annotation):  # pydantic would read "+5", "1_0" and " 7" as numbers
             for number in values[key] if isinstance(values[key], list) else [values[key]]:
                 if not _INT_TEXT.fullmatch(number):
@@ -96,6 +125,18 @@ def parse_options(name: str, args: str, model: type[Options]) -> Options:
             for err in exc.errors()
         )
         raise TaskError(f"{name}: {problems}") from None
+
+
+def path_arg(name: str, path: object) -> str:
+    """A path as the main argument of a spec that reopens it: bare, or as `path=...` when the bare form would
+    read as an option; TaskError for a path no spec can hold (a ',' separates items)."""
+    text = str(path)
+    if "," in text or not text:
+        raise TaskError(
+            f"{name}: the path {text[:80]!r} cannot be named in an environment spec (it holds a ',')"
+        )
+    key, eq, _ = text.partition("=")
+    return f"path={text}" if eq and _KEY.fullmatch(key) else text
 
 
 _INT_TEXT = re.compile(r"-?[0-9]{1,19}")

@@ -41,6 +41,7 @@ from typing import Any
 from ...p2p.signing import canonical_json
 from ..errors import TaskError
 from .environment import EnvironmentIdentity, ScoringLimits
+from .registry import split_args
 from .types import MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, Task, check_index
 from .verifier import MAX_COMPLETION_CHARS
 
@@ -237,14 +238,10 @@ def _score(task: Any, completion: str) -> float:
 
 def open_verifiers(args: str, *, seed: int = 0) -> VerifiersEnvironment:
     """Single-turn tasksets of the verifiers library (optional extra), scored by their own rewards."""
-    options: dict[str, str] = {}
-    for item in args.split(",") if args else []:
-        key, eq, value = item.partition("=")
-        if not eq or not key or not value or "." in key:
-            raise TaskError(f"{NAME}: {item[:80]!r} is not key=value (e.g. taskset=my_taskset)")
-        if key in options:
-            raise TaskError(f"{NAME}: option {key!r} is given twice")
-        options[key] = value
+    options = split_args(NAME, args)
+    dotted = [key for key in options if "." in key]
+    if dotted:
+        raise TaskError(f"{NAME}: option {dotted[0]!r}: a taskset's options have no '.'")
     taskset_id = options.pop("taskset", "")
     if not taskset_id:
         raise TaskError(f"{NAME}: name the taskset: verifiers:taskset=ID")
