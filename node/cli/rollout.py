@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import NodeError
 from ..run.settings import RolloutSettings
-from .common import print_json
+from .common import model_dir, print_json
 from .flags import Flag, SettingsFlags, load_settings
 from .run_flags import add_run_flags
 
@@ -41,6 +41,7 @@ def rollout(args: argparse.Namespace) -> int:
     from ..run.settings import engine_for_run, load_run_tasks
 
     settings = load_settings(args, RolloutSettings)
+    model_dir(args.checkpoint, "--checkpoint")
     if args.gpu:
         settings.engine.device = "cuda"
     if args.step < 0 or args.batch_counter < 0:

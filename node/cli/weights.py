@@ -20,6 +20,7 @@ from ...p2p.weights.store import Store
 from ...p2p.wire import HEX64_PATTERN, WireFormatError, parse_uint
 from ..config import CommonSettings
 from ..errors import ConfigError
+from ..runtime.ports import Listener, check_ports_free
 from ..runtime.progress import DownloadProgress
 from ..runtime.supervisor import Supervisor
 from .common import print_json, run_until_stopped
@@ -156,6 +157,7 @@ def serve_cmd(args: argparse.Namespace) -> int:
     if args.upstream and not settings.trainer_key:
         raise ConfigError("relay mode (--upstream) needs --trainer-key: a relay verifies what it mirrors")
     identity = Identity.load(args.key) if args.key is not None else None
+    check_ports_free([Listener(settings.serve.host, settings.serve.port, "--port", "the weights server")])
     return asyncio.run(_serve(args.dir, args.upstream or [], settings, identity))
 
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge, Histogram
 
 from ...node.runtime.metrics import CONTENT_TYPE_LATEST, DURATION_BUCKETS, render, role_registry
+from ...node.runtime.ports import Listener, port_in_use
 from ...p2p.weights.metrics import WeightsServerMetrics
 
 P = "prime_node_trainer_"
@@ -162,7 +163,11 @@ async def start_metrics_server(metrics: TrainerMetrics, host: str, port: int) ->
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # taken since the command's probe (node/runtime/ports.py)
+        await runner.cleanup()
+        raise port_in_use(Listener(host, port, "--metrics-port", "the trainer's /metrics"), exc) from None
     sockets = site._server.sockets if isinstance(site._server, asyncio.Server) else []
     bound = sockets[0].getsockname()[1] if sockets else port
     return runner, f"http://{host}:{bound}/metrics"
