@@ -61,7 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__package__}.{name}").register(sub)
+    _name_commands(parser)
     return parser
+
+
+def _name_commands(parser: argparse.ArgumentParser) -> None:
+    """Record each parser's full name (`prime-node weights fetch`) for its errors; the innermost one parsed
+    wins, as argparse lets a subcommand's defaults override its group's."""
+    parser.set_defaults(command_name=parser.prog)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _name_commands(child)
 
 
 def settings_models(parser: argparse.ArgumentParser) -> Iterator[type[BaseModel]]:
@@ -87,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(__name__).debug("fatal error", exc_info=True)
         return _report(args, exc)
     except KeyboardInterrupt:
-        print(f"prime-node {args.command}: interrupted", file=sys.stderr)
+        print(f"{args.command_name}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader is gone: point stdout at /dev/null so that the interpreter's last flush cannot fail again.
@@ -99,10 +110,17 @@ def _report(args: argparse.Namespace, exc: Exception) -> int:
     """One line on stderr (and the JSON object on stdout with --json); the exit status."""
     code = EXIT_USAGE if isinstance(exc, FlagValueError) else getattr(exc, "exit_code", EXIT_ERROR)
     message = str(exc)
-    print(f"prime-node {args.command}: error: {message}", file=sys.stderr)
+    print(f"{args.command_name}: error: {message}", file=sys.stderr)
     if getattr(args, "json", False):
         try:
-            json.dump({"command": args.command, "error": message, "exit_code": code}, sys.stdout)
+            json.dump(
+                {
+                    "command": args.command_name.removeprefix("prime-node "),
+                    "error": message,
+                    "exit_code": code,
+                },
+                sys.stdout,
+            )
             sys.stdout.write("\n")
             sys.stdout.flush()
         except BrokenPipeError:

@@ -17,7 +17,7 @@ from ...p2p.weights.publish import DEFAULT_SHARD_SIZE, publish
 from ...p2p.weights.relay import Relay
 from ...p2p.weights.server import ServeSettings, WeightsServer
 from ...p2p.weights.store import Store
-from ...p2p.wire import HEX64_PATTERN, WireFormatError, parse_uint
+from ...p2p.wire import HEX64_PATTERN, WireFormatError, is_hex64, parse_uint
 from ..config import CommonSettings
 from ..errors import ConfigError
 from ..runtime.ports import Listener, check_ports_free
@@ -48,7 +48,14 @@ class WeightsSettings(CommonSettings):
     @field_validator("trainer_key", mode="before")
     @classmethod
     def _lowercase(cls, value: object) -> object:
-        return value.strip().lower() if isinstance(value, str) else value
+        if not isinstance(value, str):
+            return value
+        key = value.strip().lower()
+        if not is_hex64(key):  # the field's pattern would say only "should match pattern '^[0-9a-f]{64}$'"
+            raise ValueError(
+                "must be the trainer's node id: 64 hex digits, as `prime-node identity --key TRAINER_KEY` prints"
+            )
+        return key
 
 
 def _step(text: str) -> int | None:
