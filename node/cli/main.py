@@ -3,7 +3,7 @@
 Each command group lives in its own module with a `register(subparsers)` function; a module is listed in
 COMMAND_MODULES only once its commands work, so `--help` never shows placeholders.
 
-The one error path of every command (docs/cli.md, Errors): fatal errors that the packages raise on purpose
+The one error path of every command (docs/configuration.md, Errors): fatal errors that the packages raise on purpose
 become one clear line on stderr and a non-zero exit, and with `--json` also a JSON object
 `{"error": ..., "command": ...}` on stdout, so a script reading stdout gets JSON either way; anything else is
 a bug and keeps its traceback. A reader that closes the pipe early (`prime-node leaderboard --json | head`)
