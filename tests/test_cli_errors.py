@@ -78,6 +78,9 @@ def test_a_port_in_use_is_refused_before_the_swarm_is_joined(
     operator = Identity.load(key).node_id
     node_key = tmp_path / "node.key"
     Identity.generate().save(node_key)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
     cases = [
         (
             ["start", "--key", str(node_key), "--operator-key", operator, "--status-port", str(taken_port)],
@@ -88,6 +91,22 @@ def test_a_port_in_use_is_refused_before_the_swarm_is_joined(
             ["validator", "--key", str(key), "--http-port", str(taken_port)],
             "prime-node validator",
             "the API, dashboard and /metrics, --http-port",
+        ),
+        (
+            # The port is probed before the model loads: a directory that only looks like one is enough.
+            [
+                "trainer",
+                "--model",
+                str(model),
+                "--key",
+                str(key),
+                "--http-port",
+                "0",
+                "--metrics-port",
+                str(taken_port),
+            ],
+            "prime-node trainer",
+            "the trainer's /metrics, --metrics-port",
         ),
         (
             ["weights", "serve", str(tmp_path / "store"), "--port", str(taken_port)],
