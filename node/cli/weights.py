@@ -201,7 +201,10 @@ async def _serve(
     async def start(supervisor: Supervisor) -> str:
         metrics = RelayMetrics() if settings.metrics_port is not None else None
         server = WeightsServer(
-            Store(directory), settings.serve, settings.trainer_key, metrics=metrics and metrics.weights
+            Store(directory),
+            settings.serve,
+            settings.trainer_key,
+            metrics=None if metrics is None else metrics.weights,
         )
         url = await server.start()
         supervisor.on_shutdown("weights server", server.stop)
