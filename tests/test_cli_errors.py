@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,9 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from prime_node.node.cli.main import build_parser, settings_models
+from prime_node.node.config import check_env_names
 from prime_node.node.contributor.status import DaemonNotRunning, fetch_status
+from prime_node.node.errors import ConfigError
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.processes import end_pids
+from prime_node.trainer.devnet.layout import NODE_ENV, SWARM_ENV, TRAINER_ENV
 
 from support.validator import running_validator, validator_settings
 
@@ -213,6 +218,20 @@ def test_a_misspelt_environment_variable_is_refused_with_the_closest_name(tmp_pa
     # status goes on to its own answer.
     result = _run("status", "--data-dir", str(tmp_path), PRIME_NODE_TRAINER__LR="0.001")
     assert "no node is running" in one_line(result, 1)
+
+
+def test_every_variable_the_project_sets_is_a_setting() -> None:
+    """What the devnet gives its children and the Dockerfile bakes in must pass the check that refuses typos
+    (or every devnet and container would stop at start-up); the check itself, not a copy of its list."""
+    parser = build_parser()
+    models = list(settings_models(parser))
+    dockerfile = (Path(__file__).resolve().parents[1] / "Dockerfile").read_text()
+    baked = {name: "x" for name in re.findall(r"\b(PRIME_NODE_[A-Z0-9_]+)=", dockerfile)}
+    assert "PRIME_NODE_DATA_DIR" in baked and len(baked) >= 10
+    for env in (SWARM_ENV, NODE_ENV, TRAINER_ENV, baked):
+        check_env_names(models, env)
+    with pytest.raises(ConfigError, match="did you mean PRIME_NODE_TRAINER__LR"):
+        check_env_names(models, {"PRIME_NODE_TRAINER_LR": "1"})  # the honest control: a typo is refused
 
 
 def test_status_json_without_a_node_is_a_json_error(tmp_path: Path) -> None:
