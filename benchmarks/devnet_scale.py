@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 from rich.console import Console
 
 from prime_node.node.models.tiny import build_tiny_model, save_model_dir
@@ -36,12 +37,10 @@ UNTRAINED_SIZING = Sizing(prompts=2, samples=2, max_new_tokens=16, length_target
 def pss_kib(pid: int) -> int:
     """The process's PSS in KiB (0 if it is gone)."""
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
+        info = psutil.Process(pid).memory_full_info()
+    except psutil.Error:
+        return 0
+    return int(getattr(info, "pss", info.rss)) // 1024  # PSS: Linux only
 
 
 class Sampler:

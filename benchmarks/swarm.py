@@ -38,36 +38,32 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+import psutil
 
 RUN_ID = "bench"
 
 
 def _memory_kib(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) in KiB of one process, from /proc/<pid>/smaps_rollup."""
-    rss = pss = 0
+    """(RSS, PSS) in KiB of one process ((0, 0) once it is gone)."""
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Rss:"):
-                rss = int(line.split()[1])
-            elif line.startswith("Pss:"):
-                pss = int(line.split()[1])
-    except OSError:
-        pass
-    return rss, pss
+        info = psutil.Process(pid).memory_full_info()
+    except psutil.Error:
+        return 0, 0
+    return info.rss // 1024, getattr(info, "pss", info.rss) // 1024  # PSS: Linux only
 
 
 def _cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time used so far by `pids` (from /proc/<pid>/stat)."""
-    total = 0
+    """User + system CPU time used so far by `pids`."""
+    total = 0.0
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-        except OSError:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of the full line
-    return total / os.sysconf("SC_CLK_TCK")
+        total += times.user + times.system
+    return total
 
 
 def _tree(pid: int) -> list[int]:
@@ -83,8 +79,8 @@ def _tree(pid: int) -> list[int]:
 
 def _comm(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
+        return psutil.Process(pid).name()
+    except psutil.Error:
         return "?"
 
 

@@ -53,6 +53,7 @@ WIDE = 8192  # the largest max_new_tokens a run may set: the bombs' run
 NODE = Identity.from_seed(b"\x42" * 32)
 
 
+# The kernel's resettable peak RSS (VmHWM, reset by clear_refs 5): psutil reads neither, so /proc it is.
 def _peak_kib() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))

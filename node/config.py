@@ -4,17 +4,20 @@ Each command declares a pydantic model (fields with a one-line description and b
 `load_config`. Environment variables are `PRIME_NODE_<FIELD>` for top-level fields and
 `PRIME_NODE_<SECTION>__<FIELD>` for fields of nested sections. A bad value is reported on one line with
 what is allowed and where it came from: a flag's by the flag (`argument --peers: ...`), an environment
-variable's or a TOML file's by the field's dotted name and the variable or the file.
+variable's or a TOML file's by the field's dotted name and the variable or the file. A `PRIME_NODE_*`
+variable that no command reads is refused before any command runs (`check_env_names`): a typo would
+otherwise be silently ignored and the default used.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,6 +27,10 @@ ENV_PREFIX = "PRIME_NODE_"
 DEFAULT_DATA_DIR = Path("~/.prime-node")
 
 Settings = TypeVar("Settings", bound=BaseModel)
+
+# PRIME_NODE_* variables that are not settings: read by the test suite (tests/test_learning_record.py,
+# tests/test_devnet_learning.py), which runs commands with them set.
+NOT_SETTINGS = frozenset({"PRIME_NODE_LONG_TESTS", "PRIME_NODE_DEVNET_MODEL"})
 
 FLAG_SOURCE = "flag "  # how load_config marks a value a flag gave
 VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix to the message of a validator's ValueError
@@ -94,6 +101,44 @@ def _env_overrides(
             continue  # another command's setting, or a variable this command does not use
         found[".".join(dotted)] = (dotted, _env_value(raw), f"environment variable {name}")
     return found
+
+
+def _section_models(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _section_models(arg)]
+
+
+def env_names(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> set[str]:
+    """Every environment variable that sets a field of `model` (sections too: a table given as JSON), and
+    every old name in its MOVED map (load_config says where those settings live now)."""
+    names = {
+        ENV_PREFIX + "__".join(prefix + tuple(old.split("."))).upper() for old in getattr(model, "MOVED", {})
+    }
+    for name, field in model.model_fields.items():
+        path = prefix + (name,)
+        names.add(ENV_PREFIX + "__".join(path).upper())
+        for section in _section_models(field.annotation):
+            names |= env_names(section, path)
+    return names
+
+
+def check_env_names(models: Iterable[type[BaseModel]], env: Mapping[str, str] | None = None) -> None:
+    """Refuse a PRIME_NODE_* variable that sets nothing in any of `models` (every command's settings: a
+    variable one command reads may be set for all), naming the closest valid name."""
+    env = os.environ if env is None else env
+    given = sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in NOT_SETTINGS)
+    if not given:
+        return
+    known: set[str] = set()
+    for model in models:
+        known |= env_names(model)
+    for name in given:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else "; docs/configuration.md lists the settings"
+        raise ConfigError(f"environment variable {name} is not a setting of any command{hint}")
 
 
 def _flatten(table: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:

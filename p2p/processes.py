@@ -1,7 +1,7 @@
 """Process helpers shared by the swarm, the daemon and the devnet: liveness by PID, children, ending them.
 
-They read /proc directly (Linux), so no third-party process library is needed, and they treat a zombie as
-dead: it has exited and only its parent's wait() is missing.
+They ask psutil (the process table of every platform it supports, instead of parsing /proc by hand), and
+treat a zombie as dead: it has exited and only its parent's wait() is missing.
 """
 
 from __future__ import annotations
@@ -9,37 +9,25 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
+
+import psutil
 
 
 def child_pids(parent: int) -> list[int]:
-    """PIDs whose parent is `parent` (read from /proc; no third-party process library needed)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Field 4 is the parent pid; the command name (field 2) may contain spaces, so split after ')'.
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 1 and int(fields[1]) == parent:
-            found.append(int(entry.name))
-    return found
+    """PIDs whose parent is `parent` (none when `parent` is gone)."""
+    try:
+        return [child.pid for child in psutil.Process(parent).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     try:  # a zombie has exited; only its parent's wait() is missing
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split() or ["?"])[0] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
+    except psutil.AccessDenied:
+        return True  # another user's process: it exists
 
 
 def end_pids(pids: list[int], grace_s: float) -> None:

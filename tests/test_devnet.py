@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from prime_node.node.cli.devnet import succeeded
@@ -120,7 +121,7 @@ def test_a_sigterm_stops_the_devnet_and_everything_below_it(tmp_path: Path) -> N
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    seen: dict[int, int] = {}
+    seen: dict[int, float] = {}
     out = err = ""
     try:
         deadline = time.monotonic() + 150
@@ -156,9 +157,10 @@ def test_a_sigterm_stops_the_devnet_and_everything_below_it(tmp_path: Path) -> N
 
 
 def _cmdline(pid: int) -> bytes:
+    """The command line as the kernel holds it, NUL-separated (empty once the process is gone)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        return "".join(arg + "\0" for arg in psutil.Process(pid).cmdline()).encode()
+    except psutil.Error:
         return b""
 
 

@@ -1,8 +1,10 @@
 """Every role's /metrics, read as Prometheus reads it, and the documents that name those metrics.
 
 The live test starts the trainer as a real process (`prime-node trainer`, its weights server asked once),
-a validator in this process (its swarm, API and dashboard server) and a contributor's status server, and
-parses each /metrics with prometheus-client's own parser. The document tests hold docs/metrics.md and the
+a contributor as a real process (`prime-node start`, waiting for a run), a standalone weights server
+(`prime-node weights serve --metrics-port 0`), a validator in this process (its swarm, API and dashboard
+server) and a contributor's status server with counted batches, and parses each /metrics with
+prometheus-client's own parser. The document tests hold docs/metrics.md and the
 Grafana dashboard (docs/grafana/prime-node.json) to the metric names the roles' modules expose.
 """
 
@@ -12,13 +14,18 @@ import asyncio
 import json
 import os
 import re
+import select
 import signal
+import subprocess
+import sys
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prime_node.node.cli.weights import RelayMetrics
 from prime_node.node.contributor.metrics import NodeMetrics
 from prime_node.node.contributor.state import NodeState
 from prime_node.node.contributor.status import StatusServer
@@ -32,7 +39,12 @@ from support.trainer_service import read_ready, start_trainer, trainer_argv
 from support.validator import running_validator, validator_settings
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-ROLES = {"contributor": NodeMetrics, "trainer": TrainerMetrics, "validator": ValidatorMetrics}
+ROLES = {
+    "contributor": NodeMetrics,
+    "trainer": TrainerMetrics,
+    "validator": ValidatorMetrics,
+    "weights": RelayMetrics,
+}
 SHARED = {"prime_node_build_info": "gauge", "process_cpu_seconds": "counter", "python_info": "gauge"}
 # What an operator alerts on, by role: each must be there with this type.
 REQUIRED = {
@@ -58,6 +70,13 @@ REQUIRED = {
         "prime_node_weights_request_seconds": "histogram",
         "prime_node_weights_sent_bytes": "counter",
         "prime_node_weights_active_connections": "gauge",
+    },
+    "weights": {
+        "prime_node_weights_requests": "counter",
+        "prime_node_weights_request_seconds": "histogram",
+        "prime_node_weights_sent_bytes": "counter",
+        "prime_node_weights_active_connections": "gauge",
+        "prime_node_weights_served_versions": "gauge",
     },
     "contributor": {
         "prime_node_contributor_rollout_files": "counter",
@@ -97,6 +116,52 @@ def check_exposition(role: str, text: str) -> None:
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read().decode()
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PRIME_NODE_")}
+
+
+def _cli(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "prime_node.node.cli.main", *argv],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=_env(),
+            start_new_session=True,
+        )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    end_pids([proc.pid], 10.0)
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
+def _ready_line(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 120.0) -> str:
+    """The first line a command prints on stdout when it is ready (bounded by `timeout_s`)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            return proc.stdout.readline().decode()
+    raise AssertionError(f"no ready line: {log.read_text()[-2000:]}")
+
+
+def _node_metrics(data_dir: Path, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 180.0) -> str:
+    """A running contributor's /metrics, at the port its status file names once its status API is up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            port = json.loads((data_dir / "status.json").read_text())["port"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.5)
+            continue
+        return _get(f"http://127.0.0.1:{port}/metrics")
+    raise AssertionError(f"the node's status API never came up: {log.read_text()[-2000:]}")
 
 
 @pytest.mark.slow
@@ -141,6 +206,32 @@ async def test_every_role_serves_prometheus_metrics_that_parse(tmp_path: Path) -
     check_exposition("contributor", text)
     assert 'prime_node_contributor_rollout_files_total{stage="generated"} 1.0' in text
     assert 'prime_node_contributor_verdicts_total{verdict="rejected"} 1.0' in text
+
+    # A contributor as a person starts one: the same names and types from a real `prime-node start`.
+    node_dir, log = tmp_path / "real-node", tmp_path / "node.log"
+    Identity.generate().save(node_dir / "node.key")
+    operator = Identity.generate().node_id
+    proc = _cli(["start", "--data-dir", str(node_dir), "--operator-key", operator, "--status-port", "0"], log)
+    try:
+        text = await asyncio.to_thread(_node_metrics, node_dir, proc, log)
+    finally:
+        _stop(proc)
+    check_exposition("contributor", text)
+
+    # A standalone weights server (a relay's server too): its /metrics beside its public port, asked once.
+    log = tmp_path / "weights.log"
+    proc = _cli(["weights", "serve", str(tmp_path / "store"), "--port", "0", "--metrics-port", "0"], log)
+    try:
+        line = await asyncio.to_thread(_ready_line, proc, log)
+        weights_url, metrics_url = re.fullmatch(r"serving \S+ at (\S+), metrics at (\S+)\n", line).groups()
+        await asyncio.to_thread(
+            lambda: urllib.request.urlopen(weights_url + "/v1/weights/versions", timeout=10).read()
+        )
+        text = await asyncio.to_thread(_get, metrics_url)
+    finally:
+        _stop(proc)
+    check_exposition("weights", text)
+    assert 'prime_node_weights_requests_total{route="/v1/weights/versions",status="200"} 1.0' in text
 
 
 def exposed_series() -> set[str]:

@@ -178,7 +178,7 @@ def test_bad_settings_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code == 2  # a usage error, as argparse's own
     # The flag the user typed, not the setting it sets (warm_start.steps).
     assert capsys.readouterr().err.splitlines() == [
-        "prime-node model: error: argument --sft-steps: Input should be greater than or equal to 0 (got -5)"
+        "prime-node model init: error: argument --sft-steps: Input should be greater than or equal to 0 (got -5)"
     ]
     assert not (tmp_path / "m").exists()
 

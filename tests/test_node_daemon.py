@@ -120,7 +120,8 @@ def test_start_refuses_clearly_and_status_says_no_node_runs(
 
     assert main(["status", "--json", "--data-dir", str(tmp_path)]) == 1
     out, err = capsys.readouterr()
-    assert "no node is running" in err and out == ""
+    # One line on stderr, and for a script reading stdout the same error as JSON (tests/test_cli_errors.py).
+    assert "no node is running" in err and json.loads(out)["error"] in err
 
 
 async def test_delivery_keeps_receipts_and_sets_refused_files_aside(tmp_path: Path) -> None:

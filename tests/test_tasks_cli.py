@@ -73,7 +73,7 @@ def test_tasks_preview_shows_the_identity_tasks_and_their_scores(capsys: pytest.
     text = capsys.readouterr().out
     assert f"identity     {environment.identity.pin}" in text and "scored inline" in text
     assert main(["tasks", "preview", "--env", "arithmetic:levels=1/2"]) == 1
-    assert "prime-node tasks: error: arithmetic: levels: needs 5 weights" in capsys.readouterr().err
+    assert "prime-node tasks preview: error: arithmetic: levels: needs 5 weights" in capsys.readouterr().err
     assert main(["tasks", "preview", "--env", spec, "--offset", "50"]) == 1
     assert "past the end" in capsys.readouterr().err
 

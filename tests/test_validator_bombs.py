@@ -78,6 +78,7 @@ BOMBS: dict[str, tuple[Callable[[RolloutRow], bytes], str, str]] = {
 }
 
 
+# The kernel's resettable peak RSS (VmHWM, reset by clear_refs 5): psutil reads neither, so /proc it is.
 def _peak_rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))

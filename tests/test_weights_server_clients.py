@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
@@ -41,7 +41,7 @@ async def fetch(url: str, out: Path) -> Path:
 
 
 def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    return psutil.Process().num_fds()
 
 
 @pytest.fixture

@@ -6,9 +6,30 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+from ..errors import NodeError
 from ..runtime.supervisor import Supervisor
+
+
+class ModelDirError(NodeError):
+    """A flag names no HF model directory: said before anything loads (transformers would read the path
+    as a hub repo id and answer about that)."""
+
+
+def model_dir(path: Path, flag: str) -> Path:
+    """`path` if it is a local HF model directory (it has config.json); ModelDirError naming `flag` if not."""
+    path = Path(path).expanduser()
+    advice = "give an HF model directory (config.json, *.safetensors, tokenizer files), e.g. one made by "
+    advice += "`prime-node model init --out DIR`"
+    if not path.exists():
+        raise ModelDirError(f"{flag} {path}: no such directory; {advice}")
+    if not path.is_dir():
+        raise ModelDirError(f"{flag} {path}: a file, not a directory; {advice}")
+    if not (path / "config.json").is_file():
+        raise ModelDirError(f"{flag} {path}: not an HF model directory (no config.json); {advice}")
+    return path
 
 
 def print_json(payload: Any) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import NodeError
 from ..run.settings import RolloutSettings
-from .common import print_json
+from .common import model_dir, print_json
 from .flags import Flag, SettingsFlags, load_settings
 from .run_flags import add_run_flags
 
@@ -34,13 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def rollout(args: argparse.Namespace) -> int:
+    settings = load_settings(args, RolloutSettings)
+    model_dir(args.checkpoint, "--checkpoint")
     # Heavy imports (torch, transformers) only when the command runs, so `--help` stays fast.
     from ...p2p.identity import Identity
     from ..engine import load_engine
     from ..run.producer import BatchSpec, produce_rollout_file
     from ..run.settings import engine_for_run, load_run_tasks
 
-    settings = load_settings(args, RolloutSettings)
     if args.gpu:
         settings.engine.device = "cuda"
     if args.step < 0 or args.batch_counter < 0:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from ..contributor.settings import StartSettings
+from ..runtime.ports import Listener, check_ports_free, dht_listeners
 from .flags import Flag, SettingsFlags, load_settings
 from .run_flags import add_run_flags
 
@@ -38,6 +39,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def start(args: argparse.Namespace) -> int:
     settings = load_settings(args, StartSettings)
+    check_ports_free(
+        [
+            Listener(
+                settings.status_host, settings.status_port, "--status-port", "the status API and /metrics"
+            ),
+            *dht_listeners(settings.swarm.host_maddrs),
+        ]
+        + (
+            [Listener(settings.serve.host, settings.serve.port, "setting serve.port", "the weights server")]
+            if settings.serve_weights
+            else []
+        )
+    )
     # Heavy imports (torch, hivemind) only when the command runs, so `--help` stays fast.
     from ..contributor.daemon import ContributorNode
 

@@ -14,7 +14,7 @@ from pydantic import Field
 from ..config import CommonSettings
 from ..environments.difficulty import FilterSettings
 from ..errors import TaskError
-from .common import print_json
+from .common import model_dir, print_json
 from .flags import Flag, SettingsFlags, load_settings
 
 # Past this many tasks, estimating every one is surely a mistake (the built-in set has 2^24).
@@ -113,6 +113,7 @@ def filter_tasks(args: argparse.Namespace) -> int:
     from ..runtime.progress import progress_bar
 
     settings = load_settings(args, FilterSettings)
+    model_dir(args.model, "--model")
     if args.gpu:
         settings.engine.device = "cuda"
     environment = open_environment(args.env or spec_of_tasks(args.tasks), seed=settings.task_seed)

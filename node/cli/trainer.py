@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from ...trainer.service.config import TrainerCommandSettings
 from ..errors import NodeError
-from .common import run_until_stopped
+from ..runtime.ports import Listener, check_ports_free, dht_listeners
+from .common import model_dir, run_until_stopped
 from .flags import Flag, SettingsFlags, load_settings
 from .run_flags import add_run_flags
 
@@ -71,11 +73,28 @@ def trainer(args: argparse.Namespace) -> int:
     from ...p2p.identity import Identity
 
     settings = load_settings(args, TrainerCommandSettings)
+    model_dir(args.model, "--model")
     if args.no_dht:
         settings.service.dht = False
     if not args.key.is_file():
         raise NodeError(f"key file {args.key} does not exist; create one with `prime-node keygen`")
     identity = Identity.load(args.key)
+    svc = settings.service
+    # Under torchrun only rank 0 listens; another rank's probe could meet rank 0's own server.
+    probe = not args.fsdp or os.environ.get("RANK", "0") == "0"
+    check_ports_free(
+        []
+        if not probe
+        else [
+            Listener(settings.serve.host, settings.serve.port, "--http-port", "the weights server"),
+            *(
+                [Listener(svc.metrics_host, svc.metrics_port, "--metrics-port", "the trainer's /metrics")]
+                if svc.metrics_port is not None
+                else []
+            ),
+            *(dht_listeners(settings.swarm.host_maddrs, "--listen") if svc.dht else []),
+        ]
+    )
     if settings.service.dht and identity.node_id not in settings.swarm.operator_keys:
         # The trainer signs policies, so its own key is an operator key of the run.
         settings.swarm.operator_keys = [*settings.swarm.operator_keys, identity.node_id]

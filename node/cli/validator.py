@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ...trainer.validator.config import ValidatorSettings
 from ..errors import NodeError
+from ..runtime.ports import Listener, check_ports_free, dht_listeners
 from .common import run_until_stopped
 from .flags import Flag, SettingsFlags, load_settings
 from .run_flags import RUN_FLAGS, add_run_flags
@@ -54,6 +55,17 @@ def validator(args: argparse.Namespace) -> int:
     if not args.key.is_file():
         raise NodeError(f"key file {args.key} does not exist; create one with `prime-node keygen`")
     identity = Identity.load(args.key)
+    check_ports_free(
+        [
+            Listener(
+                settings.dashboard.host,
+                settings.dashboard.port,
+                "--http-port",
+                "the API, dashboard and /metrics",
+            ),
+            *dht_listeners(settings.swarm.host_maddrs, "--listen"),
+        ]
+    )
     return asyncio.run(_serve(settings, identity))
 
 

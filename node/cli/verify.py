@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, NodeError
 from ..run.settings import VerifySettings
-from .common import print_json
+from .common import model_dir, print_json
 from .flags import Flag, SettingsFlags, load_settings
 from .run_flags import add_run_flags
 
@@ -48,6 +48,10 @@ def verify(args: argparse.Namespace) -> int:
         raise VerifyIOError(str(exc)) from None
     if not args.file.is_file():  # a missing FILE.sig is a verdict (unsigned), a missing FILE is not
         raise VerifyIOError(f"{args.file} does not exist or is not a file")
+    try:
+        model_dir(args.checkpoint, "--checkpoint")
+    except NodeError as exc:
+        raise VerifyIOError(str(exc)) from None
     run = settings.run
     verifier = verifier_for_run(settings.verifier, run)
     try:

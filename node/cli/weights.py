@@ -13,13 +13,16 @@ from ...p2p.identity import Identity
 from ...p2p.weights.errors import FetchError
 from ...p2p.weights.fetch import Fetcher, FetchSettings
 from ...p2p.weights.manifest import MAX_STEP
+from ...p2p.weights.metrics import WeightsServerMetrics
 from ...p2p.weights.publish import DEFAULT_SHARD_SIZE, publish
 from ...p2p.weights.relay import Relay
 from ...p2p.weights.server import ServeSettings, WeightsServer
 from ...p2p.weights.store import Store
-from ...p2p.wire import HEX64_PATTERN, WireFormatError, parse_uint
+from ...p2p.wire import HEX64_PATTERN, WireFormatError, is_hex64, parse_uint
 from ..config import CommonSettings
 from ..errors import ConfigError
+from ..runtime.metrics import PORTS, render, role_registry, serve_metrics
+from ..runtime.ports import Listener, check_ports_free
 from ..runtime.progress import DownloadProgress
 from ..runtime.supervisor import Supervisor
 from .common import print_json, run_until_stopped
@@ -27,6 +30,18 @@ from .flags import Flag, SettingsFlags, load_settings
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class RelayMetrics:
+    """A standalone weights server's (or relay's) metrics: the weights server's, with build info and process
+    metrics, on a /metrics of its own (its weights port is the public one; docs/metrics.md)."""
+
+    def __init__(self) -> None:
+        self.registry = role_registry("weights")
+        self.weights = WeightsServerMetrics(self.registry)
+
+    def render(self) -> bytes:
+        return render(self.registry)
 
 
 class WeightsSettings(CommonSettings):
@@ -43,11 +58,26 @@ class WeightsSettings(CommonSettings):
     poll_interval_s: float = Field(
         2.0, gt=0, description="How often a relay asks its upstreams for a new version."
     )
+    metrics_host: str = Field("127.0.0.1", description="Address of the server's /metrics.")
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description=f"Port of the server's /metrics (docs/metrics.md; {PORTS['relay']} by convention, 0 picks a "
+        "free one); unset serves none.",
+    )
 
     @field_validator("trainer_key", mode="before")
     @classmethod
     def _lowercase(cls, value: object) -> object:
-        return value.strip().lower() if isinstance(value, str) else value
+        if not isinstance(value, str):
+            return value
+        key = value.strip().lower()
+        if not is_hex64(key):  # the field's pattern would say only "should match pattern '^[0-9a-f]{64}$'"
+            raise ValueError(
+                "must be the trainer's node id: 64 hex digits, as `prime-node identity --key TRAINER_KEY` prints"
+            )
+        return key
 
 
 def _step(text: str) -> int | None:
@@ -100,7 +130,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         Flag("serve.require_node_auth"),
     )
     p.add_argument("--key", type=Path, default=None, help="this relay's key: signs its requests to upstreams")
-    flags.add(Flag("serve.public_urls", "--public-url", append=True))
+    flags.add(
+        Flag("serve.public_urls", "--public-url", append=True), Flag("metrics_host"), Flag("metrics_port")
+    )
     p.set_defaults(handler=serve_cmd)
 
     p = cmds.add_parser("fetch", help="download and verify a checkpoint")
@@ -156,6 +188,10 @@ def serve_cmd(args: argparse.Namespace) -> int:
     if args.upstream and not settings.trainer_key:
         raise ConfigError("relay mode (--upstream) needs --trainer-key: a relay verifies what it mirrors")
     identity = Identity.load(args.key) if args.key is not None else None
+    listeners = [Listener(settings.serve.host, settings.serve.port, "--port", "the weights server")]
+    if settings.metrics_port is not None:
+        listeners.append(Listener(settings.metrics_host, settings.metrics_port, "--metrics-port", "/metrics"))
+    check_ports_free(listeners)
     return asyncio.run(_serve(args.dir, args.upstream or [], settings, identity))
 
 
@@ -163,9 +199,23 @@ async def _serve(
     directory: Path, upstreams: list[str], settings: WeightsSettings, identity: Identity | None
 ) -> int:
     async def start(supervisor: Supervisor) -> str:
-        server = WeightsServer(Store(directory), settings.serve, settings.trainer_key)
+        metrics = RelayMetrics() if settings.metrics_port is not None else None
+        server = WeightsServer(
+            Store(directory),
+            settings.serve,
+            settings.trainer_key,
+            metrics=None if metrics is None else metrics.weights,
+        )
         url = await server.start()
         supervisor.on_shutdown("weights server", server.stop)
+        served = f"serving {server.store.root} at {url}"
+        if metrics is not None:
+            assert settings.metrics_port is not None
+            runner, metrics_url = await serve_metrics(
+                metrics.registry, settings.metrics_host, settings.metrics_port
+            )
+            supervisor.on_shutdown("metrics server", runner.cleanup)
+            served += f", metrics at {metrics_url}"
         if server.scanner is not None:
             supervisor.supervise(server.scanner)
         if upstreams:
@@ -179,7 +229,7 @@ async def _serve(
                 identity=identity,
             )
             supervisor.spawn("weights-relay", relay.run())
-        return f"serving {server.store.root} at {url}"
+        return served
 
     return await run_until_stopped("weights-serve", start, SHUTDOWN_TIMEOUT_S)
 

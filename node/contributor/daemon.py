@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -225,6 +226,7 @@ class ContributorNode:
             sup.request_stop(f"{s.max_batches} batches done")
 
         sup.spawn("policy-watch", watch_policy())
+        sup.spawn("announcement-wait", _report_no_announcement(s.announcement_wait_s, s.max_retry_s, state))
         sup.spawn("checkpoint-fetch", keeper.run())
         sup.spawn("peers-watch", _watch_peers(swarm, state, sharing))
         if sharing.server is not None:
@@ -240,6 +242,38 @@ class ContributorNode:
             status.port,
             self.data_dir,
         )
+
+
+def no_announcement_message(operator_key: str, waited_s: float, peers: int) -> str:
+    """What a node that found no run announcement says: the key it looks for, and the three likely causes."""
+    reach = (
+        "no peers seen: give --peers the address a swarm member printed (`joined swarm ... --peers ...`)"
+        if peers == 0
+        else f"{peers} peers seen: is the trainer running and announcing in this swarm (--run-id)?"
+    )
+    return (
+        f"no run announcement signed by the operator key {operator_key[:16]}… found after {waited_s:.0f} s; "
+        f"check that --operator-key is the trainer's node id (`prime-node identity --key TRAINER_KEY`); {reach}"
+    )
+
+
+async def _report_no_announcement(wait_s: float, max_wait_s: float, state: NodeState) -> None:
+    """A wrong operator key, a missing trainer or unreachable peers all look the same from here: nothing
+    signed by the pinned key ever arrives. Without this the node waits silently for ever ("announced none",
+    "last error: none"); with it, the log and `prime-node status` say which key it waits for and what to check,
+    at wait_s, then at doubling intervals (at most max_wait_s apart) while nothing arrives."""
+    started = time.monotonic()
+    interval = wait_s
+    while True:
+        await asyncio.sleep(interval)
+        if state.announced_step is not None:
+            return  # the announcement arrived: the policy watch carries on from here
+        message = no_announcement_message(
+            state.operator_key or "", time.monotonic() - started, state.peers_seen
+        )
+        state.error(message)
+        logger.warning("%s", message)
+        interval = min(interval * 2, max(max_wait_s, wait_s))
 
 
 async def _watch_peers(swarm: Swarm, state: NodeState, sharing: WeightsSharing) -> None:

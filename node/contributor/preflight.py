@@ -11,7 +11,6 @@ for room on the GPU before it is loaded (`check_cuda_for_model`).
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import psutil
 from ...p2p.errors import KeyFileError
 from ...p2p.identity import Identity
 from ..errors import NodeError
+from ..runtime.disk import free_bytes
 
 GIB = 1024**3
 
@@ -65,7 +65,7 @@ def check_data_dir(data_dir: Path) -> CheckResult:
 
 
 def check_disk(data_dir: Path, needed_bytes: int) -> CheckResult:
-    free = shutil.disk_usage(data_dir if data_dir.exists() else data_dir.parent).free
+    free = free_bytes(data_dir)
     if free < needed_bytes:
         return CheckResult(
             "free disk",

@@ -79,7 +79,11 @@ class RolloutLoop:
         while max_batches is None or self.batches_done < max_batches:
             step = self.keeper.usable_step()
             if step is None:
-                self.state.state = "waiting for a checkpoint within the async window"
+                self.state.state = (
+                    "waiting for a run announcement"
+                    if self.state.announced_step is None
+                    else "waiting for a checkpoint within the async window"
+                )
                 await asyncio.sleep(_IDLE_POLL_S)
                 continue
             pending = await asyncio.to_thread(self.outbox.pending_count)

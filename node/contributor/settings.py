@@ -98,6 +98,13 @@ class StartSettings(CommonSettings):
     leaderboard_refresh_s: float = Field(
         60.0, gt=0, le=86400, description="How often the rank and score are refreshed."
     )
+    announcement_wait_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="Say so (log and status) when no run announcement signed by the operator key has been "
+        "found after this many seconds (a wrong key, no trainer, unreachable peers); again at doubling intervals.",
+    )
     validator_api_timeout_s: float = Field(
         10.0, gt=0, le=300, description="Bound on one request to a validator's API."
     )

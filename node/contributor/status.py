@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...p2p.processes import pid_alive
 from ..errors import NodeError
+from ..runtime.ports import Listener, port_in_use
 from .metrics import CONTENT_TYPE_LATEST, NodeMetrics
 
 STATUS_FILE = "status.json"
@@ -101,7 +102,12 @@ class StatusServer:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # taken since the command's probe (node/runtime/ports.py)
+            await self._runner.cleanup()
+            listener = Listener(self._host, self._port, "--status-port", "the status API and /metrics")
+            raise port_in_use(listener, exc) from None
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         record = {"pid": os.getpid(), "host": self._host, "port": self.port, "started_at": time.time()}
         tmp = self.data_dir / f".{STATUS_FILE}.tmp"

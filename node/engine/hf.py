@@ -66,8 +66,8 @@ def load_hf_model(model_dir: Path, device: str, dtype: torch.dtype) -> PreTraine
     model_dir = Path(model_dir).expanduser()
     if not (model_dir / "config.json").is_file():
         raise EngineError(
-            f"model directory {model_dir} has no config.json; point --model at an HF model directory "
-            "(e.g. one made by `prime-node model init --out DIR`)"
+            f"model directory {model_dir} has no config.json: not an HF model directory (e.g. one made by "
+            "`prime-node model init --out DIR`)"
         )
     try:
         # safetensors only: a pytorch_model.bin would be unpickled, and checkpoints may come from peers.

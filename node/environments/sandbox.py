@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import NodeError, OperatorActionNeeded
@@ -354,9 +355,8 @@ class _Watch:
         except (ValueError, KeyError, TypeError, OSError):
             return -1  # gone already, or a bwrap that says something else: --die-with-parent remains
         try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                parent = int(stat.read().rpartition(b")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
+            parent: int | None = psutil.Process(pid).ppid()
+        except psutil.Error:
             parent = None
         if parent != self.proc.pid:
             os.close(pidfd)

@@ -33,6 +33,8 @@ from ..environments.types import Task
 from ..environments.verifier import get_verifier
 from ..errors import ModelError
 from ..run.prompts import PromptBuilder
+from ..runtime import disk
+from ..runtime.disk import free_bytes
 from ..runtime.progress import progress_bar
 from .chat_corpus import CORPUS_VERSION
 from .tiny import TinyModelShape, build_tiny_model, save_model_dir
@@ -279,6 +281,22 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
         )
 
 
+# Beyond the weights: safetensors' header, the tokenizer (29 kB for the chat BPE), configs, prime_node.json.
+FILES_MARGIN_BYTES = 1024**2
+
+
+def _check_free_disk(out_dir: Path, model: PreTrainedModel) -> None:
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    needed = weights + FILES_MARGIN_BYTES
+    free = free_bytes(out_dir.parent)
+    if free < needed:
+        raise ModelError(
+            f"not enough free disk for the model in {out_dir}: {disk.describe(free)} free on "
+            f"{disk.existing_ancestor(out_dir.parent)}, {disk.describe(needed)} needed; free space or choose "
+            "another --out"
+        )
+
+
 def init_model_dir(
     out_dir: Path,
     seed: int,
@@ -300,6 +318,7 @@ def init_model_dir(
     out_dir = Path(out_dir).expanduser()
     _check_out_dir(out_dir, force)
     model, tokenizer = build_tiny_model(seed, TinyModelShape(), chat=chat)
+    _check_free_disk(out_dir, model)  # before the training, not in safetensors after it
     report = warm_start(model, tokenizer, config, progress=progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"

@@ -11,6 +11,7 @@ docs/metrics.md lists every metric.
 
 from __future__ import annotations
 
+from aiohttp import web
 from prometheus_client import (
     CollectorRegistry,
     Gauge,
@@ -22,6 +23,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .. import __version__
+from .ports import Listener, port_in_use
 
 # No `<counter>_created` series beside every counter and histogram: Prometheus's own text format ignores
 # them, and they would double what an operator reads on /metrics.
@@ -33,6 +35,7 @@ __all__ = [
     "PORTS",
     "render",
     "role_registry",
+    "serve_metrics",
 ]
 
 # Fixed default ports of each role's HTTP endpoints (docs/metrics.md): a scrape config written once keeps
@@ -42,6 +45,7 @@ PORTS = {
     "validator": 8471,  # the validator's API, dashboard and /metrics
     "trainer": 8473,  # the trainer's /metrics (loopback by default; its weights server is another port)
     "contributor": 8472,  # a contributor's status API and /metrics
+    "relay": 8474,  # a standalone weights server's /metrics (`weights serve --metrics-port`; off by default)
 }
 
 # Seconds, from a fast HTTP answer to a long training step or a verdict that waited for its checkpoint.
@@ -65,3 +69,27 @@ def role_registry(role: str) -> CollectorRegistry:
 def render(registry: CollectorRegistry) -> bytes:
     """The registry in Prometheus's text format (served with CONTENT_TYPE_LATEST)."""
     return generate_latest(registry)
+
+
+async def serve_metrics(
+    registry: CollectorRegistry, host: str, port: int, flag: str = "--metrics-port"
+) -> tuple[web.AppRunner, str]:
+    """GET /metrics on host:port (0 picks a free port) for a role without an HTTP API of its own to put it
+    beside; returns the runner (to clean up) and the URL. A port taken since the command's probe is reported
+    as the probe reports it (node/runtime/ports.py)."""
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=render(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise port_in_use(Listener(host, port, flag, "/metrics"), exc) from None
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return runner, f"http://{host}:{bound}/metrics"

@@ -1,8 +1,9 @@
 """Prometheus metrics of a weights server, registered on the registry of the process that runs it.
 
-The weights server has no /metrics of its own: its port is the one contributors reach (often public), and
+The weights server has no /metrics route: its port is the one contributors reach (often public), and
 what it serves is the operator's business. The trainer's /metrics and a serving contributor's /metrics
-carry these (docs/metrics.md).
+carry these, and a standalone `prime-node weights serve --metrics-port` serves them on a port of its own
+(docs/metrics.md).
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 
 _BLOCK = re.compile(r"^<!-- deploy-test: (?P<marker>[^\n]*?) -->\n```bash\n(?P<body>.*?)^```$", re.M | re.S)
@@ -260,16 +262,13 @@ class GuideRun:
         """PIDs of live processes in the sessions of the blocks run so far (what the guide left running)."""
         wanted = set(self.sessions)
         found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
+        for process in psutil.process_iter():
             try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
-            except OSError:
-                continue
-            # After the command name: state, ppid, pgrp, session. A zombie has nothing left to stop.
-            if fields[0] != "Z" and int(fields[3]) in wanted:
-                found.append(int(entry.name))
+                # A zombie has nothing left to stop.
+                if os.getsid(process.pid) in wanted and process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(process.pid)
+            except (OSError, psutil.Error):
+                continue  # ended while we looked
         return found
 
     def wait_all_gone(self, timeout_s: float) -> list[int]:

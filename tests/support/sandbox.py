@@ -41,9 +41,8 @@ def _pid_namespace(pid: int) -> str | None:
 
 def _running(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
         return False
 
 
@@ -52,9 +51,9 @@ def processes_in(namespaces: set[str]) -> list[int]:
     exits once its init has reported the program's status, and the init's zombie is then reaped by the
     host's init like any orphan (promptly where that is systemd; slowly on this test container)."""
     found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and _pid_namespace(int(entry)) in namespaces and _running(int(entry)):
-            found.append(int(entry))
+    for pid in psutil.pids():
+        if _pid_namespace(pid) in namespaces and _running(pid):
+            found.append(pid)
     return found
 
 

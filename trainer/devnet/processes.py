@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from ...p2p.processes import pid_alive
 
 __all__ = ["Child", "ProcessGroup", "StopResult", "descendants", "pid_alive", "start_time", "still_running"]
@@ -24,42 +26,34 @@ __all__ = ["Child", "ProcessGroup", "StopResult", "descendants", "pid_alive", "s
 logger = logging.getLogger(__name__)
 
 
-def _stat_fields(pid: int | str) -> list[str]:
-    # After the command name (field 2, which may hold spaces and parentheses): state, ppid, ... starttime (22).
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-
-
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot: with the PID, it names one process even after the
-    PID is reused. None when there is no such process."""
+def start_time(pid: int) -> float | None:
+    """The process's start time (psutil's create_time, from the kernel's start tick and the boot time, so the
+    same number every time it is asked): with the PID, it names one process even after the PID is reused.
+    None when there is no such process."""
     try:
-        return int(_stat_fields(pid)[19])
-    except (OSError, IndexError, ValueError):
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
         return None
 
 
-def descendants(*roots: int) -> dict[int, int]:
+def descendants(*roots: int) -> dict[int, float]:
     """Every live process below `roots` (children, grandchildren: a DHT child and its p2pd daemon) with its
-    start time, from one pass over /proc."""
-    children: dict[int, list[tuple[int, int]]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+    start time."""
+    found: dict[int, float] = {}
+    for root in roots:
+        try:
+            below = psutil.Process(root).children(recursive=True)
+        except psutil.Error:
+            continue
+        for process in below:
             try:
-                fields = _stat_fields(entry.name)
-                children.setdefault(int(fields[1]), []).append((int(entry.name), int(fields[19])))
-            except (OSError, IndexError, ValueError):
-                continue
-    found: dict[int, int] = {}
-    frontier = list(roots)
-    while frontier:
-        for child, started in children.get(frontier.pop(), []):
-            if child not in found:
-                found[child] = started
-                frontier.append(child)
+                found.setdefault(process.pid, float(process.create_time()))
+            except psutil.Error:
+                continue  # ended while we looked
     return found
 
 
-def still_running(pid: int, started: int) -> bool:
+def still_running(pid: int, started: float) -> bool:
     """The same process (PID and start time) is still alive: a reused PID is not mistaken for it."""
     return start_time(pid) == started and pid_alive(pid)
 

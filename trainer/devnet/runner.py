@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ...node.environments.registry import DEFAULT_ENV
 from ...p2p.processes import end_pids
 from ..errors import TrainerError
@@ -164,7 +166,7 @@ class Devnet:
         self.monitor = Monitor(self.layout)
         self.group = ProcessGroup(self.layout.logs)
         self.on_snapshot: Callable[[Snapshot], None] | None = None  # e.g. a benchmark sampling the run
-        self.seen: dict[int, int] = {}  # pid -> start time of every process the devnet started
+        self.seen: dict[int, float] = {}  # pid -> start time of every process the devnet started
 
     def run(self) -> dict[str, Any]:
         """Run to `steps` (or Ctrl-C, or a failure), stop everything, and return the report."""
@@ -320,12 +322,6 @@ class Devnet:
 
 def _cmdline(pid: int) -> str:
     try:
-        return (
-            Path(f"/proc/{pid}/cmdline")
-            .read_bytes()
-            .replace(b"\0", b" ")
-            .decode(errors="replace")[:120]
-            .strip()
-        )
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())[:120].strip()
+    except psutil.Error:
         return "?"

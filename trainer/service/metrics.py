@@ -8,17 +8,15 @@ holds every step whose checkpoint may have been published.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiohttp import web
 from prometheus_client import Counter, Gauge, Histogram
 
-from ...node.runtime.metrics import CONTENT_TYPE_LATEST, DURATION_BUCKETS, render, role_registry
+from ...node.runtime.metrics import DURATION_BUCKETS, render, role_registry
 from ...p2p.weights.metrics import WeightsServerMetrics
 
 P = "prime_node_trainer_"
@@ -148,21 +146,3 @@ def progress_line(record: StepRecord) -> str:
         f"kl {v('kl', 0.0):.4f} lag {v('policy_lag', 0.0):.1f} {v('tokens_per_s', 0.0):.0f} tok/s "
         f"({record.wall_s:.1f} s)"
     )
-
-
-async def start_metrics_server(metrics: TrainerMetrics, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """GET /metrics on host:port (0 picks a free port; default docs/metrics.md); returns the runner (to clean
-    up) and the URL."""
-
-    async def handler(request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application()
-    app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    sockets = site._server.sockets if isinstance(site._server, asyncio.Server) else []
-    bound = sockets[0].getsockname()[1] if sockets else port
-    return runner, f"http://{host}:{bound}/metrics"

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from ...node.run.announcement import run_parameters
 from ...node.run.settings import load_run_tasks, open_run_environment
+from ...node.runtime.metrics import serve_metrics
 from ...node.runtime.supervisor import Supervisor
 from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
@@ -41,7 +42,7 @@ from .config import TrainerCommandSettings
 from .consumed import ConsumedLedger
 from .inbox import Inbox
 from .learner import Learner
-from .metrics import StepLog, StepRecord, TrainerMetrics, progress_line, start_metrics_server
+from .metrics import StepLog, StepRecord, TrainerMetrics, progress_line
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -212,7 +213,9 @@ class TrainerService:
             self.supervisor.spawn("ban-watch", self._watch_bans())
         metrics_url = None
         if svc.metrics_port is not None:
-            runner, metrics_url = await start_metrics_server(self.metrics, svc.metrics_host, svc.metrics_port)
+            runner, metrics_url = await serve_metrics(
+                self.metrics.registry, svc.metrics_host, svc.metrics_port
+            )
             self.supervisor.on_shutdown("metrics-server", runner.cleanup)
         self.supervisor.spawn("train-loop", self._loop())
         return Running(self.identity.node_id, step, url, maddrs, metrics_url, self.sources)
