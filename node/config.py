@@ -29,8 +29,10 @@ DEFAULT_DATA_DIR = Path("~/.prime-node")
 Settings = TypeVar("Settings", bound=BaseModel)
 
 # PRIME_NODE_* variables that are not settings: read by the test suite (tests/test_learning_record.py,
-# tests/test_devnet_learning.py), which runs commands with them set.
-NOT_SETTINGS = frozenset({"PRIME_NODE_LONG_TESTS", "PRIME_NODE_DEVNET_MODEL"})
+# tests/test_devnet_learning.py, tests/support/browser.py), which runs commands with them set.
+NOT_SETTINGS = frozenset(
+    {"PRIME_NODE_LONG_TESTS", "PRIME_NODE_DEVNET_MODEL", "PRIME_NODE_DASHBOARD_SCREENSHOTS"}
+)
 
 FLAG_SOURCE = "flag "  # how load_config marks a value a flag gave
 VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix to the message of a validator's ValueError
