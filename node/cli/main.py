@@ -34,6 +34,7 @@ COMMAND_MODULES = [
     "tasks",
     "trainer",
     "devnet",
+    "dataset",
 ]
 
 EXPECTED_ERRORS = (NodeError, P2PError, ProofError, TrainerError)
