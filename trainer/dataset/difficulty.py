@@ -33,6 +33,8 @@ def pass_at_k(n: int, c: int, k: int) -> float | None:
         return None
     if n - c < k:
         return 1.0
+    if k == 1:  # exactly c / n, the pass rate, so that the two columns agree to the bit
+        return c / n
     failing = 1.0
     for i in range(n - c + 1, n + 1):
         failing *= 1.0 - k / i
