@@ -35,6 +35,7 @@ COMMAND_MODULES = [
     "trainer",
     "devnet",
     "dataset",
+    "sft",
 ]
 
 EXPECTED_ERRORS = (NodeError, P2PError, ProofError, TrainerError)
