@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -51,7 +52,11 @@ def heldout_accuracy(model_dir: Path, eval_size: int) -> float:
 
 
 def traces(teacher: Path, work: Path, args: argparse.Namespace) -> Path:
-    """A synthetic devnet run of the teacher; its dataset directory."""
+    """A synthetic devnet run of the teacher; its dataset directory (that of an earlier run in `work` if any)."""
+    done = work / "devnet" / "dataset"
+    if (done / "sft.parquet").is_file():
+        print(f"traces: reusing {done}", flush=True)
+        return done
     options = DevnetOptions(
         root=work / "devnet",
         model_dir=teacher,
@@ -75,6 +80,7 @@ def rl(model: Path, out: Path, args: argparse.Namespace) -> dict:
         sys.executable, str(HERE / "learning.py"), "--model", str(model), "--steps", str(args.rl_steps),
         "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size), "--seed", "0",
         "--summary", str(summary), "--out", str(out.with_suffix(".png")), "--minutes", str(args.rl_minutes),
+        *shlex.split(args.rl_args),
     ]  # fmt: skip
     started = time.perf_counter()
     subprocess.run(argv, check=True, stdout=sys.stderr)
@@ -104,6 +110,11 @@ def main() -> int:
     p.add_argument(
         "--target", type=float, default=None, help="held-out accuracy to reach (default: plain + 5 points)"
     )
+    p.add_argument(
+        "--rl-args",
+        default="",
+        help="further benchmarks/learning.py flags, one string: --rl-args='--lr 3e-4'",
+    )
     args = p.parse_args()
     work = args.work.expanduser().resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -122,7 +133,7 @@ def main() -> int:
     fresh = work / "student-fresh"
     init_model_dir(fresh, args.student_seed, WarmStartConfig(steps=0), force=True)
     t0 = time.perf_counter()
-    sft_from_dataset(
+    sft_from_dataset(  # the same SFT steps and batch size as the plain warm start (WarmStartConfig's)
         dataset,
         fresh,
         work / "student-traces",

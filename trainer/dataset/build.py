@@ -173,6 +173,20 @@ def _difficulty_schema(ks: Sequence[int]) -> pa.Schema:
     return pa.schema(fields)
 
 
+_VERDICTS_SCHEMA = pa.schema(
+    [
+        ("verdict_id", pa.string()),
+        ("file_sha256", pa.string()),
+        ("producer", pa.string()),
+        ("validator_id", pa.string()),
+        ("step", pa.int64()),
+        ("samples", pa.int64()),
+        ("decided_at", pa.float64()),
+        ("envelope", pa.string()),  # the signed verdict as JSON: p2p/verdicts.py open_signed checks it
+    ]
+)
+
+
 def build_dataset(
     run: RunSettings, section: DatasetSection, out: Path, *, force: bool = False
 ) -> BuildResult:
@@ -259,7 +273,7 @@ def build_dataset(
         for label in sorted({d.model for d in difficulty}):
             mine = [d for d in difficulty if d.model == label]
             _write(_task_file_rows(mine, environment, ks), tmp / "difficulty" / f"{label}.parquet")
-        _write(list(verdicts.values()), tmp / FILES["verdicts"])
+        _write(list(verdicts.values()), tmp / FILES["verdicts"], _VERDICTS_SCHEMA)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(render_card(meta))
         if out.exists():
