@@ -31,7 +31,8 @@ from pathlib import Path
 from rich.console import Console
 
 from prime_node.node.engine.hf import load_hf_model
-from prime_node.node.models.dataset_sft import SftConfig, sft_from_dataset
+from prime_node.node.models.dataset_sft import sft_from_dataset
+from prime_node.node.models.sft_config import SftConfig
 from prime_node.node.models.warmstart import WarmStartConfig, greedy_accuracy, heldout_tasks, init_model_dir
 from prime_node.trainer.devnet.layout import Sizing
 from prime_node.trainer.devnet.runner import Devnet, DevnetOptions

@@ -17,7 +17,8 @@ import torch
 
 from prime_node.node.environments import open_environment
 from prime_node.node.errors import ModelError
-from prime_node.node.models.dataset_sft import SftConfig, sft_from_dataset
+from prime_node.node.models.dataset_sft import sft_from_dataset
+from prime_node.node.models.sft_config import SftConfig
 from prime_node.node.models.warmstart import file_sha256
 from prime_node.p2p.processes import end_pids
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..models.dataset_sft import SftSettings
+from ..models.sft_config import SftSettings
 from .common import print_json
 from .flags import Flag, SettingsFlags, load_settings
 

@@ -29,15 +29,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from safetensors.torch import load_model, save_model
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..config import CommonSettings
 from ..engine.hf import load_hf_model
 from ..errors import ModelError, NodeError
 from ..run.prompts import PromptBuilder
 from ..runtime.progress import progress_bar
+from .sft_config import SftConfig
 from .sft_loop import SftLoop, SftRecipe
 from .warmstart import IGNORE_INDEX, RUN_INFO_FILE, WEIGHTS_FILE, deterministic_torch, file_sha256
 
@@ -46,26 +46,6 @@ logger = logging.getLogger(__name__)
 SFT_FILE = "sft.parquet"  # the subset `prime-node dataset build` writes (trainer/dataset/card.py FILES)
 MAX_ROWS = 1_000_000
 MAX_SEQUENCE_TOKENS = 16_384
-
-
-class SftConfig(BaseModel):
-    """How `prime-node sft` trains."""
-
-    steps: int = Field(300, ge=1, le=1_000_000, description="Optimizer steps.")
-    batch_size: int = Field(32, ge=1, le=4096, description="Samples per optimizer step.")
-    lr: float = Field(1e-3, gt=0, le=1.0, description="Peak AdamW learning rate.")
-    warmup_steps: int = Field(
-        20, ge=0, description="Steps of linear learning-rate warm-up before cosine decay."
-    )
-    weight_decay: float = Field(0.01, ge=0, le=1.0, description="AdamW decoupled weight decay.")
-    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
-    seed: int = Field(0, ge=0, lt=2**63, description="Seed of the data order.")
-    save_every: int = Field(50, ge=1, description="Steps between resumable states.")
-    threads: int = Field(1, ge=1, le=256, description="torch CPU threads; the weights can depend on it.")
-
-
-class SftSettings(CommonSettings):
-    sft: SftConfig = Field(default_factory=SftConfig, description="The recipe.")
 
 
 class SftResult(BaseModel):
