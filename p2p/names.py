@@ -10,3 +10,8 @@ RUN_ID_RULE = "1-64 of A-Z a-z 0-9 . _ -, starting with a letter or digit"
 
 # Thinking-length targets, in tokens: the run setting and the policy record that announces it share the bound.
 MAX_LENGTH_TARGET = 1_000_000
+
+# A model's label in a synthetic run's annotator list and in a dataset's `model` column (docs/synthetic.md):
+# the same rule as a run id, since each annotating model's rollouts come from a synthetic run of its own.
+MODEL_LABEL_PATTERN = RUN_ID_PATTERN
+MAX_ANNOTATORS = 8

@@ -75,6 +75,8 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
             length_targets=[16],
             length_alpha=0.01,
             system_prompt="Answer after '='.",
+            run_kind="synthetic",
+            annotators=["small"],
         )
     )
     system_digest = hashlib.sha256(b"Answer after '='.").hexdigest()
@@ -93,6 +95,8 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         "run.length_targets: [] here, [16] in the run",
         "run.length_alpha: 0.001 here, 0.01 in the run",
         f"run.system_prompt (compared by its SHA-256): None here, '{system_digest}' in the run",
+        "run.run_kind: 'rl' here, 'synthetic' in the run",
+        "run.annotators: [] here, ['small'] in the run",
     ]
     assert set(RunParameters.model_fields) == {
         "run_id",
@@ -105,6 +109,8 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         "length_targets",
         "length_alpha",
         "system_prompt_sha256",
+        "run_kind",
+        "annotators",
     }
     assert set(_SETTING_OF) == set(RunParameters.model_fields)  # a new field is compared, not skipped
 

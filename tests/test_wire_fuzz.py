@@ -317,7 +317,10 @@ CARRIERS = [
                 length_targets=[10],
                 length_alpha=0.001,
                 system_prompt_sha256=SHA,
+                run_kind="synthetic",
+                annotators=["small"],
             ),
+            frozen=True,
         ),
     ),
     _record(

@@ -76,6 +76,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="train on the whole environment instead of the tasks the model solves 1-4 times in 8 "
         "(offline difficulty filtering of its first 1200, cached beside the model)",
     )
+    p.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="a synthetic run: the model stays frozen, the run stops after --synthetic-files accepted files and "
+        "ends with a dataset directory (<run dir>/dataset; docs/synthetic.md)",
+    )
+    p.add_argument(
+        "--synthetic-files",
+        type=int,
+        default=12,
+        help="accepted files after which a synthetic run stops (default %(default)s)",
+    )
     p.add_argument("--run-id", default="devnet", help="run id (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the final report as JSON (no live view)")
     p.set_defaults(handler=devnet)
@@ -87,6 +99,7 @@ def devnet(args: argparse.Namespace) -> int:
     from ...trainer.devnet.layout import DEVNET_PROMPTS, Sizing
     from ...trainer.devnet.report import format_report
     from ...trainer.devnet.runner import Devnet, DevnetOptions, attack_kinds
+    from ...trainer.devnet.synthetic import SyntheticOptions
     from ...trainer.devnet.tasks import TaskFilter
     from ...trainer.devnet.view import LiveView
     from ..environments import DEFAULT_ENV, open_environment
@@ -97,6 +110,8 @@ def devnet(args: argparse.Namespace) -> int:
     for name in ("nodes", "steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1")
+    if args.synthetic_files < 1:
+        raise ConfigError("--synthetic-files must be at least 1")
     if args.adversaries < 0:
         raise ConfigError("--adversaries must be 0 or more")
     data_dir = settings.resolved_data_dir()
@@ -119,6 +134,7 @@ def devnet(args: argparse.Namespace) -> int:
         env=env,
         task_filter=None if args.all_tasks else TaskFilter(env=env),
         progress=not args.json,
+        synthetic=SyntheticOptions(args.synthetic_files) if args.synthetic else None,
     )
     # With --json, stdout carries only the report: the view's lines go to stderr, plain, and no bar is drawn.
     view = LiveView(args.steps, Console(stderr=True), live=False) if args.json else LiveView(args.steps)
@@ -137,6 +153,7 @@ def succeeded(report: dict) -> bool:
     )
     return (
         report["error"] is None
+        and ("dataset" not in report or report["dataset"] is not None)
         and not report["processes"]["alive"]
         and report["honest"]["rejected_files"] == 0
         and adversaries_ok

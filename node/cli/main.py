@@ -43,6 +43,8 @@ COMMAND_MODULES = [
     "tasks",
     "trainer",
     "devnet",
+    "dataset",
+    "sft",
 ]
 
 EXPECTED_ERRORS = (NodeError, P2PError, ProofError, TrainerError)

@@ -22,6 +22,8 @@ RUN_FLAGS = (
     Flag("run.temperature"),
     Flag("run.max_new_tokens"),
     Flag("run.system_prompt"),
+    Flag("run.run_kind"),
+    Flag("run.annotators", metavar="MODEL"),
 )
 
 

@@ -13,11 +13,9 @@ families give partial credit. Deterministic for a given (model, environment, con
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -26,6 +24,7 @@ from ..environments.split import ContentSplit
 from ..environments.types import Task
 from ..errors import ModelError
 from ..run.prompts import PromptBuilder
+from .sft_loop import SftLoop, SftRecipe
 from .warmstart import _encode_batch, deterministic_torch, greedy_complete
 
 logger = logging.getLogger(__name__)
@@ -78,13 +77,6 @@ def heldout_tasks(environment: Environment, config: EnvWarmStartConfig) -> list[
     return found
 
 
-def _lr_factor(step: int, config: EnvWarmStartConfig) -> float:
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))  # cosine down to 10%
-
-
 def _batches(environment: Environment, config: EnvWarmStartConfig) -> Iterator[list[Task]]:
     problems = ContentSplit(config.heldout_fraction).trainable(environment)
     for _ in range(config.steps):
@@ -101,25 +93,9 @@ def train(
     config: EnvWarmStartConfig,
 ) -> float | None:
     """Supervised training in place on prompt -> reference answer + EOS; the mean loss of the last 20 steps."""
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
-    recent: list[float] = []
-    model.train()
     prompts_of = PromptBuilder(tokenizer)  # the run's format (raw text or the chat template)
-    for step, batch in enumerate(_batches(environment, config)):
-        loss = model(**_encode_batch(tokenizer, prompts_of, batch)).loss
-        if not torch.isfinite(loss):
-            raise ModelError(f"warm start diverged at step {step} (loss {loss.item()}); lower lr")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        recent = (recent + [loss.item()])[-20:]
-    model.eval()
-    return sum(recent) / len(recent) if recent else None
+    batches = (_encode_batch(tokenizer, prompts_of, batch) for batch in _batches(environment, config))
+    return SftLoop(model, SftRecipe.of(config)).run(batches)
 
 
 def greedy_rewards(

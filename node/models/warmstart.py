@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -37,6 +36,7 @@ from ..runtime import disk
 from ..runtime.disk import free_bytes
 from ..runtime.progress import progress_bar
 from .chat_corpus import CORPUS_VERSION
+from .sft_loop import SftLoop, SftRecipe
 from .tiny import TinyModelShape, build_tiny_model, save_model_dir
 from .warmstart_config import WarmStartConfig
 
@@ -94,13 +94,6 @@ def _encode_batch(
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
-def _lr_factor(step: int, config: WarmStartConfig) -> float:
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))  # cosine down to 10%
-
-
 def _training_problems(config: WarmStartConfig) -> Iterator[Task]:
     """Problems in index order from 0, minus held-out prompts under a content split; enough for every step."""
     tasks = config.train_tasks()
@@ -120,31 +113,19 @@ def train(
     """Supervised training in place; returns the mean loss of the last 20 steps (None when steps == 0)."""
     problems = _training_problems(config)
     prompts_of = PromptBuilder(tokenizer)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay
+    loop = SftLoop(model, SftRecipe.of(config))
+    batches = (
+        _encode_batch(tokenizer, prompts_of, [next(problems) for _ in range(config.batch_size)])
+        for _ in range(config.steps)
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
-    recent: list[float] = []
-    model.train()
     with progress_bar(config.steps, "warm start", "step", enabled=progress) as bar:
-        for step in range(config.steps):
-            batch = _encode_batch(tokenizer, prompts_of, [next(problems) for _ in range(config.batch_size)])
-            loss = model(**batch).loss
-            if not torch.isfinite(loss):
-                raise ModelError(
-                    f"warm start diverged at step {step} (loss {loss.item()}); lower warm_start.lr"
-                )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            recent = (recent + [loss.item()])[-20:]
+
+        def shown(done: SftLoop) -> None:
             bar.update(1)
-            if step % 10 == 0 or step == config.steps - 1:
-                bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}")
-    model.eval()
-    return sum(recent) / len(recent) if recent else None
+            if (done.step - 1) % 10 == 0 or done.step == config.steps:
+                bar.set_postfix(loss=f"{done.mean_loss:.3f}")
+
+        return loop.run(batches, shown)
 
 
 @torch.no_grad()

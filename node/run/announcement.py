@@ -31,6 +31,8 @@ _SETTING_OF = {
     "length_targets": "run.length_targets",
     "length_alpha": "run.length_alpha",
     "system_prompt_sha256": "run.system_prompt (compared by its SHA-256)",
+    "run_kind": "run.run_kind",
+    "annotators": "run.annotators",
 }
 
 
@@ -53,6 +55,8 @@ def run_parameters(run: RunSettings, environment: Environment | None = None) -> 
         length_targets=list(run.length_targets),
         length_alpha=float(run.length_alpha),
         system_prompt_sha256=system_prompt_sha256(run.system_prompt),
+        run_kind=run.run_kind,
+        annotators=list(run.annotators),
     )
 
 

@@ -7,11 +7,11 @@ load time: the tokenizer and the task rules load when `load_run_tasks` runs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ...p2p.names import MAX_LENGTH_TARGET, RUN_ID_PATTERN, RUN_ID_RULE
+from ...p2p.names import MAX_ANNOTATORS, MAX_LENGTH_TARGET, MODEL_LABEL_PATTERN, RUN_ID_PATTERN, RUN_ID_RULE
 from ...proofs.bounds import Precision
 from ...proofs.verifier_settings import VerifierSettings
 from ..config import CommonSettings, Section
@@ -32,6 +32,18 @@ class RunSettings(Section):
     # their swarm's run id from it.
     run_id: str = Field("local", pattern=RUN_ID_PATTERN, description=f"Name of the RL run: {RUN_ID_RULE}.")
     run_seed: int = Field(0, ge=0, lt=2**64, description="Seed of the deterministic work assignment.")
+    # A synthetic run (docs/synthetic.md) produces a verified dataset instead of a trained policy: the trainer
+    # publishes its model once and never updates it (the policy record says `frozen`), and everything else
+    # (assignment, proofs, rewards, verification, credit) is the same as in an RL run.
+    run_kind: Literal["rl", "synthetic"] = Field(
+        "rl", description="rl: train the policy; synthetic: frozen model, the output is a verified dataset."
+    )
+    annotators: list[Annotated[str, Field(pattern=MODEL_LABEL_PATTERN)]] = Field(
+        default_factory=list,
+        max_length=MAX_ANNOTATORS,
+        description="Synthetic runs: labels of the models whose verified rollouts annotate task difficulty "
+        "(pass@k per task and model, prime-node dataset build); empty: the run's own model only.",
+    )
     env: str | None = Field(
         None,
         max_length=MAX_SPEC_CHARS,
@@ -95,7 +107,16 @@ class RunSettings(Section):
     def _one_source(self) -> RunSettings:
         if self.env is not None and self.tasks is not None:
             raise ValueError("set run.env or run.tasks, not both (run.tasks PATH is run.env file:PATH)")
+        if self.annotators and self.run_kind != "synthetic":
+            raise ValueError("run.annotators needs run.run_kind = synthetic (an RL run annotates nothing)")
+        if len(set(self.annotators)) != len(self.annotators):
+            raise ValueError("run.annotators names a model twice")
         return self
+
+    @property
+    def frozen(self) -> bool:
+        """True when the trainer never updates the model (a synthetic run)."""
+        return self.run_kind == "synthetic"
 
     @property
     def env_spec(self) -> str:

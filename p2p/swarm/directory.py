@@ -187,7 +187,12 @@ class SwarmDirectory(DHTPeer):
     ) -> bool:
         self._require_operator("a policy")
         body = PolicyAnnouncement(
-            step=step, manifest_sha256=manifest_sha256, sources=sources, published_at=time.time(), run=run
+            step=step,
+            manifest_sha256=manifest_sha256,
+            sources=sources,
+            published_at=time.time(),
+            run=run,
+            frozen=run.run_kind == "synthetic",  # a synthetic run's model never changes
         )
         return await self._publish(RecordKind.POLICY, self.node_id, body, self.config.record_ttl_s)
 

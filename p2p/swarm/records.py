@@ -23,11 +23,11 @@ from typing import Annotated, Any, Literal
 import msgpack
 from hivemind.dht.routing import DHTID
 from hivemind.utils import MSGPackSerializer
-from pydantic import Field, StringConstraints, ValidationError
+from pydantic import Field, StringConstraints, ValidationError, model_validator
 
 from ..environment_identity import EnvironmentIdentity
 from ..identity import Identity
-from ..names import MAX_LENGTH_TARGET, RUN_ID_PATTERN
+from ..names import MAX_ANNOTATORS, MAX_LENGTH_TARGET, MODEL_LABEL_PATTERN, RUN_ID_PATTERN
 from ..signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, canonical_json, is_valid_signature
 from ..wire import (
     FreeText,
@@ -111,6 +111,13 @@ class RunParameters(WireModel):
     # SHA-256 of the run's system prompt (UTF-8), None without one: a digest, not the text, so that a long
     # prompt cannot push the policy record past its size limit, and no free text travels in it.
     system_prompt_sha256: Sha256Hex | None = None
+    # "synthetic": the model is frozen and the run's product is the verified dataset (docs/synthetic.md).
+    # Absent in an older trainer's record: an RL run, as every run then was.
+    run_kind: Literal["rl", "synthetic"] = "rl"
+    # Labels of the models that annotate task difficulty in a synthetic run (empty otherwise).
+    annotators: list[Annotated[str, StringConstraints(pattern=MODEL_LABEL_PATTERN)]] = Field(
+        default_factory=list, max_length=MAX_ANNOTATORS
+    )
 
 
 class PolicyAnnouncement(WireModel):
@@ -119,6 +126,17 @@ class PolicyAnnouncement(WireModel):
     sources: list[Annotated[str, StringConstraints(min_length=1, max_length=512)]] = Field(max_length=32)
     published_at: Timestamp
     run: RunParameters  # what every rollout for this policy must be produced with
+    # The trainer will never publish another step: a synthetic run's model. Required of a synthetic run's
+    # policy, so a record claiming one kind of run and the other behaviour is refused when read.
+    frozen: bool = False
+
+    @model_validator(mode="after")
+    def _frozen_when_synthetic(self) -> PolicyAnnouncement:
+        if self.frozen != (self.run.run_kind == "synthetic"):
+            raise ValueError(
+                f"a {self.run.run_kind} run's policy must say frozen={self.run.run_kind == 'synthetic'}"
+            )
+        return self
 
 
 class ValidatorAnnouncement(WireModel):

@@ -12,6 +12,7 @@ from prime_node.node.models.tiny import build_tiny_model, save_model_dir
 from prime_node.trainer.devnet.layout import Sizing
 from prime_node.trainer.devnet.processes import still_running
 from prime_node.trainer.devnet.runner import Devnet, DevnetOptions
+from prime_node.trainer.devnet.synthetic import SyntheticOptions
 from prime_node.trainer.devnet.tasks import TaskFilter
 from prime_node.trainer.devnet.view import LiveView
 
@@ -37,6 +38,7 @@ def run_devnet(
     sizing: Sizing = SMALL,
     task_filter: TaskFilter | None = None,
     env: str = "arithmetic",
+    synthetic: SyntheticOptions | None = None,
 ) -> tuple[dict[str, Any], Devnet, str]:
     """Run a devnet to completion; returns its report, the Devnet (for its PIDs) and the view's output."""
     out = io.StringIO()
@@ -50,6 +52,7 @@ def run_devnet(
         stall_timeout_s=240.0,
         task_filter=task_filter,
         env=env,
+        synthetic=synthetic,
     )
     devnet = Devnet(options, LiveView(steps, Console(file=out, width=120), live=False))
     report = devnet.run()

@@ -98,11 +98,21 @@ class DevnetLayout:
     operator: Identity = field(init=False)
     members: list[Member] = field(default_factory=list)
     env_spec: str | None = None  # the run's environment, given to every party; None: the built-in arithmetic
+    synthetic: bool = False  # a synthetic run (docs/synthetic.md): frozen model, the product is a dataset
 
     def run_flags(self) -> list[str]:
         """The run's parameters, the same for the trainer, the validator and every member."""
         env = [] if self.env_spec is None else ["--env", self.env_spec]
-        return ["--run-id", self.run_id, *env, *self.sizing.run_flags()]
+        kind = ["--run-kind", "synthetic"] if self.synthetic else []
+        return ["--run-id", self.run_id, *env, *kind, *self.sizing.run_flags()]
+
+    @property
+    def accepted_dir(self) -> Path:
+        return self.trainer_dir / "accepted"
+
+    @property
+    def dataset_dir(self) -> Path:
+        return self.root / "dataset"
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -199,7 +209,7 @@ class DevnetLayout:
             "--threads",
             "1",
             "--accepted-dir",
-            str(self.trainer_dir / "accepted"),
+            str(self.accepted_dir),
             "--peers",
             *peers,
         ]

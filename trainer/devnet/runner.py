@@ -32,6 +32,7 @@ from .layout import DevnetLayout, Sizing
 from .monitor import Monitor, Snapshot
 from .processes import Child, ProcessGroup, descendants, start_time, still_running
 from .report import build_report
+from .synthetic import SyntheticOptions, build_devnet_dataset
 from .tasks import TaskFilter, filtered_tasks, task_file_for
 from .view import LiveView
 
@@ -110,6 +111,7 @@ class DevnetOptions:
     ban_wait_s: float = 300.0  # after the last step, how long to wait for every adversary to be banned
     poll_s: float = 1.0
     progress: bool = False  # bars on stderr for the model's warm start and the task filter (a terminal only)
+    synthetic: SyntheticOptions | None = None  # a synthetic run: stop on accepted files, end with a dataset
 
 
 def _given(env: str) -> str | None:
@@ -158,7 +160,9 @@ class Devnet:
         self.options = options
         self.view = view
         o = options
-        self.layout = DevnetLayout(o.root, o.run_id, o.model_dir, o.sizing, env_spec=_given(o.env))
+        self.layout = DevnetLayout(
+            o.root, o.run_id, o.model_dir, o.sizing, env_spec=_given(o.env), synthetic=o.synthetic is not None
+        )
         for i in range(o.nodes):
             self.layout.add_member(f"node-{i + 1}")
         for j, kind in enumerate(o.attacks):
@@ -211,7 +215,15 @@ class Devnet:
                 stopped_by=stopped_by,
             )
             report["error"] = error
-            report["wall_s"] = round(ended_at - began, 1)
+            if o.synthetic is not None:
+                report["dataset"] = None
+                if error is None:
+                    self.view.message(f"building the dataset in {self.layout.dataset_dir}")
+                    try:
+                        report["dataset"] = build_devnet_dataset(self.layout)
+                    except TrainerError as exc:
+                        report["error"] = f"dataset: {exc}"
+            report["wall_s"] = round(time.time() - began, 1)
             (self.layout.root / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
             return report
         finally:
@@ -246,7 +258,10 @@ class Devnet:
             self.view.update(snapshot)
             if self.on_snapshot is not None:
                 self.on_snapshot(snapshot)
-            if snapshot.step >= o.steps:
+            # A synthetic run's policy never moves: its progress is the work the validator accepted.
+            progress = snapshot.accepted_files if o.synthetic is not None else snapshot.step
+            done = progress >= (o.synthetic.target_files if o.synthetic is not None else o.steps)
+            if done:
                 # Done, once every adversary has been caught (a slow one may not have sent a file yet).
                 pending = [m.name for m in snapshot.members if m.attack is not None and not m.banned]
                 if not pending:
@@ -254,14 +269,15 @@ class Devnet:
                 done_at = done_at or time.monotonic()
                 if time.monotonic() - done_at > o.ban_wait_s:
                     raise DevnetError(
-                        f"{o.steps} steps done, but not banned after {o.ban_wait_s:.0f} s more: "
+                        f"the run is done, but not banned after {o.ban_wait_s:.0f} s more: "
                         + ", ".join(pending)
                     )
-            if snapshot.step != last_step:
-                last_step, last_progress = snapshot.step, time.monotonic()
+            if progress != last_step:
+                last_step, last_progress = progress, time.monotonic()
             elif time.monotonic() - last_progress > o.stall_timeout_s:
+                what = "accepted file" if o.synthetic is not None else "policy step"
                 raise DevnetError(
-                    f"no new policy step for {o.stall_timeout_s:.0f} s (stuck at {last_step}); "
+                    f"no new {what} for {o.stall_timeout_s:.0f} s (stuck at {last_step}); "
                     f"see the logs in {self.layout.logs}"
                 )
             exited = {

@@ -78,7 +78,12 @@ def check_policy_fits(sources: list[str], run: RunParameters) -> None:
     """TrainerError at start-up, not at some later step, when the policy record announcing `sources` and `run`
     would be too large for the DHT (its size grows with the step number): measured with a 16-digit step."""
     widest = PolicyAnnouncement(
-        step=10**15, manifest_sha256="0" * 64, sources=sources, published_at=time.time(), run=run
+        step=10**15,
+        manifest_sha256="0" * 64,
+        sources=sources,
+        published_at=time.time(),
+        run=run,
+        frozen=run.run_kind == "synthetic",
     )
     try:
         payload_of(RecordKind.POLICY, widest)
@@ -217,7 +222,12 @@ class TrainerService:
                 self.metrics.registry, svc.metrics_host, svc.metrics_port
             )
             self.supervisor.on_shutdown("metrics-server", runner.cleanup)
-        self.supervisor.spawn("train-loop", self._loop())
+        if self.settings.run.frozen:
+            # A synthetic run: the model announced above is the run's for good. Accepted files stay in the
+            # inbox, where `prime-node dataset build` reads them (docs/synthetic.md).
+            logger.info("synthetic run: policy step %d is frozen; no training", step)
+        else:
+            self.supervisor.spawn("train-loop", self._loop())
         return Running(self.identity.node_id, step, url, maddrs, metrics_url, self.sources)
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
