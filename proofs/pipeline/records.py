@@ -9,12 +9,13 @@ The record is signed by its own node, so no member can write another's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
 from ...p2p.identity import Identity
-from ...p2p.pipeline.frames import FrameHeader, StreamOpening
+from ...p2p.pipeline.frames import Frame, FrameHeader, StreamOpening, tensor_bytes
 from ...p2p.signing import canonical_json, is_valid_signature
 from ...p2p.wire import NodeId, Sha256Hex, WireModel
 
@@ -54,3 +55,22 @@ class SignedStageRecord(WireModel):
     def is_authentic(self) -> bool:
         payload = RECORD_DOMAIN + canonical_json(self.record.model_dump(mode="json"))
         return is_valid_signature(self.record.node_id, payload, bytes.fromhex(self.signature))
+
+
+@dataclass(frozen=True)
+class HopFraud:
+    """A receiver's evidence that its predecessor signed a frame whose commitment its own tensor belies: the
+    stream up to that frame (signed by the sender through the chain) and the frame's tensor bytes."""
+
+    hop: HopRecord  # headers up to and including the bad frame; head and signature after it
+    tensor: bytes  # the bad frame's raw tensor bytes (they hash to its signed tensor_sha256)
+
+    @classmethod
+    def of(cls, hop: HopRecord, frame: Frame) -> HopFraud:
+        headers = [*hop.headers, frame.header]
+        return cls(
+            hop=hop.model_copy(
+                update={"headers": headers, "head": frame.head.hex(), "signature": frame.signature.hex()}
+            ),
+            tensor=tensor_bytes(frame.tensor, frame.header.dtype),
+        )
