@@ -7,45 +7,16 @@ for fault injection; the validator's evidence (one StageRecord per stage) comes 
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from ...p2p.identity import Identity
+from ...p2p.pipeline.errors import CommitmentMismatch
 from ...p2p.pipeline.frames import ChainReader, Frame, FrameWriter, StreamOpening, split_frames
-from ...p2p.pipeline.layout import StageLayout
-from ...proofs.pipeline.records import HopRecord, SignedStageRecord, StageRecord
+from ...proofs.pipeline.records import GroupSpec, HopFraud, HopRecord, SignedStageRecord, StageRecord
 from ..engine.types import Completion
+from .errors import FraudDetected
 from .stage import Outgoing, StageProcessor
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """Who runs which stage of which batch (what a signed group record names)."""
-
-    run_id: str
-    policy_step: int
-    batch: int
-    layout: StageLayout
-    members: tuple[str, ...]  # node ids in stage order
-
-    @property
-    def group_id(self) -> str:
-        text = f"{self.run_id}|{self.policy_step}|{','.join(self.members)}"
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def opening(self, stage: int) -> StreamOpening:
-        return StreamOpening(
-            protocol="prime-node/pipeline/v1",
-            run_id=self.run_id,
-            group=self.group_id,
-            policy_step=self.policy_step,
-            batch=self.batch,
-            stage=stage,
-            stages=self.layout.stages,
-            sender=self.members[stage],
-        )
 
 
 def hop_record(chain: ChainReader | FrameWriter) -> HopRecord:
@@ -74,6 +45,17 @@ def stage_record(
 
 def deliver(processor: StageProcessor, frame: Frame) -> Outgoing | None:
     return processor.on_tokens(frame) if processor.model.first else processor.on_activation(frame)
+
+
+def deliver_checked(processor: StageProcessor, frame: Frame, chain: ChainReader) -> Outgoing | None:
+    """deliver, turning a commitment that the frame's tensor belies into FraudDetected with the evidence."""
+    try:
+        return deliver(processor, frame)
+    except CommitmentMismatch as exc:
+        # The chain accepted the frame's header before the processor judged it: the evidence is the stream
+        # up to the frame before, plus the frame itself.
+        before = hop_record(chain).model_copy(update={"headers": list(chain.headers[:-1])})
+        raise FraudDetected(str(exc), HopFraud.of(before, frame)) from None
 
 
 # A hook between a stage's computation and its writer: fault injection in tests and the devnet's adversaries.
@@ -111,7 +93,7 @@ def run_loopback(
         )
         receiver = (sender + 1) % stages
         (frame,) = split_frames(readers[receiver], encoded, opening=False)
-        following = deliver(processors[receiver], frame)
+        following = deliver_checked(processors[receiver], frame, readers[receiver])
         if following is not None:
             pending.append((receiver, following))
     for k in range(stages):

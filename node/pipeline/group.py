@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...p2p.identity import Identity
-from ...p2p.pipeline.errors import CommitmentMismatch
 from ...p2p.pipeline.frames import ChainReader, FrameReader, FrameWriter
 from ...p2p.pipeline.transport import DelayedSender, OneConnectionServer, open_tcp
 from ...proofs.pipeline.records import HopFraud, SignedStageRecord
 from ..engine.types import Completion
-from .driver import GroupSpec, Tamper, deliver, hop_record, stage_record
+from .driver import GroupSpec, Tamper, deliver_checked, stage_record
+from .errors import FraudDetected
 from .stage import Outgoing, StageProcessor
 
 logger = logging.getLogger(__name__)
@@ -78,9 +78,9 @@ class StageRunner:
                     break
                 started = time.monotonic()
                 try:
-                    following = await asyncio.to_thread(deliver, self.processor, frame)
-                except CommitmentMismatch:
-                    self.fraud = HopFraud.of(hop_record(self.chain), frame)
+                    following = await asyncio.to_thread(deliver_checked, self.processor, frame, self.chain)
+                except FraudDetected as exc:
+                    self.fraud = exc.fraud
                     raise
                 self.timeline.append(("compute", frame.header.micro_batch, started, time.monotonic()))
                 if following is not None:

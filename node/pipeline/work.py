@@ -13,15 +13,8 @@ from functools import cached_property
 
 import torch
 
+from ...proofs.pipeline.schedule import micro_batches
 from ..engine.types import SampleRequest, SamplingParams
-
-
-def micro_batches(lengths: Sequence[int], size: int) -> list[list[int]]:
-    """Sample indices cut into micro-batches of at most `size`, longest prompts first: the order and cut
-    node/engine/hf.py (HFEngine._micro_batches) uses, so that a pipelined batch computes on the very tensors a
-    monolithic node does and float32 results agree bit for bit."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ The record is signed by its own node, so no member can write another's.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -16,6 +17,7 @@ from pydantic import Field, StringConstraints
 
 from ...p2p.identity import Identity
 from ...p2p.pipeline.frames import Frame, FrameHeader, StreamOpening, tensor_bytes
+from ...p2p.pipeline.layout import StageLayout
 from ...p2p.signing import canonical_json, is_valid_signature
 from ...p2p.wire import NodeId, Sha256Hex, WireModel
 
@@ -24,6 +26,34 @@ RECORD_DOMAIN = b"prime-node/pipeline-stage-record/v1\x00"
 MAX_RECORD_FRAMES = 1 << 16
 MAX_SAMPLES = 4096
 MAX_OUTPUT_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Who runs which stage of which batch (what a signed group record names)."""
+
+    run_id: str
+    policy_step: int
+    batch: int
+    layout: StageLayout
+    members: tuple[str, ...]  # node ids in stage order
+
+    @property
+    def group_id(self) -> str:
+        text = f"{self.run_id}|{self.policy_step}|{','.join(self.members)}"
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def opening(self, stage: int) -> StreamOpening:
+        return StreamOpening(
+            protocol="prime-node/pipeline/v1",
+            run_id=self.run_id,
+            group=self.group_id,
+            policy_step=self.policy_step,
+            batch=self.batch,
+            stage=stage,
+            stages=self.layout.stages,
+            sender=self.members[stage],
+        )
 
 
 class HopRecord(WireModel):
