@@ -77,6 +77,7 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
             system_prompt="Answer after '='.",
             run_kind="synthetic",
             annotators=["small"],
+            pipeline={"boundaries": [0, 2, 4]},
         )
     )
     system_digest = hashlib.sha256(b"Answer after '='.").hexdigest()
@@ -97,6 +98,8 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         f"run.system_prompt (compared by its SHA-256): None here, '{system_digest}' in the run",
         "run.run_kind: 'rl' here, 'synthetic' in the run",
         "run.annotators: [] here, ['small'] in the run",
+        "run.pipeline: None here, StageLayout(boundaries=[0, 2, 4], activation_dtype='float32', "
+        "encoding='raw-le') in the run",
     ]
     assert set(RunParameters.model_fields) == {
         "run_id",
@@ -111,6 +114,7 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         "system_prompt_sha256",
         "run_kind",
         "annotators",
+        "pipeline",
     }
     assert set(_SETTING_OF) == set(RunParameters.model_fields)  # a new field is compared, not skipped
 

@@ -33,6 +33,7 @@ _SETTING_OF = {
     "system_prompt_sha256": "run.system_prompt (compared by its SHA-256)",
     "run_kind": "run.run_kind",
     "annotators": "run.annotators",
+    "pipeline": "run.pipeline",
 }
 
 
@@ -57,6 +58,7 @@ def run_parameters(run: RunSettings, environment: Environment | None = None) -> 
         system_prompt_sha256=system_prompt_sha256(run.system_prompt),
         run_kind=run.run_kind,
         annotators=list(run.annotators),
+        pipeline=run.pipeline,
     )
 
 

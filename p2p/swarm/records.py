@@ -28,6 +28,7 @@ from pydantic import Field, StringConstraints, ValidationError, model_validator
 from ..environment_identity import EnvironmentIdentity
 from ..identity import Identity
 from ..names import MAX_ANNOTATORS, MAX_LENGTH_TARGET, MODEL_LABEL_PATTERN, RUN_ID_PATTERN
+from ..pipeline.layout import StageLayout
 from ..signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, canonical_json, is_valid_signature
 from ..wire import (
     FreeText,
@@ -118,6 +119,9 @@ class RunParameters(WireModel):
     annotators: list[Annotated[str, StringConstraints(pattern=MODEL_LABEL_PATTERN)]] = Field(
         default_factory=list, max_length=MAX_ANNOTATORS
     )
+    # The run's pipeline stage layout (p2p/pipeline/layout.py; docs/pipeline.md), None when the run has no
+    # pipelined groups. Absent in older records: None.
+    pipeline: StageLayout | None = None
 
 
 class PolicyAnnouncement(WireModel):
