@@ -75,6 +75,7 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
             length_targets=[16],
             length_alpha=0.01,
             system_prompt="Answer after '='.",
+            pipeline={"boundaries": [0, 2, 4]},
         )
     )
     system_digest = hashlib.sha256(b"Answer after '='.").hexdigest()
@@ -93,6 +94,8 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         "run.length_targets: [] here, [16] in the run",
         "run.length_alpha: 0.001 here, 0.01 in the run",
         f"run.system_prompt (compared by its SHA-256): None here, '{system_digest}' in the run",
+        "run.pipeline: None here, StageLayout(boundaries=[0, 2, 4], activation_dtype='float32', "
+        "encoding='raw-le') in the run",
     ]
     assert set(RunParameters.model_fields) == {
         "run_id",
@@ -105,6 +108,7 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         "length_targets",
         "length_alpha",
         "system_prompt_sha256",
+        "pipeline",
     }
     assert set(_SETTING_OF) == set(RunParameters.model_fields)  # a new field is compared, not skipped
 

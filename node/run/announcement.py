@@ -31,6 +31,7 @@ _SETTING_OF = {
     "length_targets": "run.length_targets",
     "length_alpha": "run.length_alpha",
     "system_prompt_sha256": "run.system_prompt (compared by its SHA-256)",
+    "pipeline": "run.pipeline",
 }
 
 
@@ -53,6 +54,7 @@ def run_parameters(run: RunSettings, environment: Environment | None = None) -> 
         length_targets=list(run.length_targets),
         length_alpha=float(run.length_alpha),
         system_prompt_sha256=system_prompt_sha256(run.system_prompt),
+        pipeline=run.pipeline,
     )
 
 

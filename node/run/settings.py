@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import Field, field_validator, model_validator
 
 from ...p2p.names import MAX_LENGTH_TARGET, RUN_ID_PATTERN, RUN_ID_RULE
+from ...p2p.pipeline.layout import StageLayout
 from ...proofs.bounds import Precision
 from ...proofs.verifier_settings import VerifierSettings
 from ..config import CommonSettings, Section
@@ -70,6 +71,13 @@ class RunSettings(Section):
         description="Dtype every contributor generates in; it picks the calibrated proof bounds (validators "
         "prefill in float32 either way; docs/proofs.md). float32 catches far subtler cheats; bfloat16 suits GPU "
         "fleets.",
+    )
+    # Pinned like every other run parameter: members of a pipelined group and their validator must cut the
+    # model at the same layers and encode activations alike (docs/pipeline.md).
+    pipeline: StageLayout | None = Field(
+        None,
+        description="Pipeline stage layout: layer boundaries (e.g. [0, 2, 4]) and activation dtype; none: "
+        "no pipelined groups (set in the config file or PRIME_NODE_RUN__PIPELINE as JSON).",
     )
 
     @field_validator("system_prompt")

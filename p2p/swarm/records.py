@@ -28,6 +28,7 @@ from pydantic import Field, StringConstraints, ValidationError
 from ..environment_identity import EnvironmentIdentity
 from ..identity import Identity
 from ..names import MAX_LENGTH_TARGET, RUN_ID_PATTERN
+from ..pipeline.layout import StageLayout
 from ..signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, canonical_json, is_valid_signature
 from ..wire import (
     FreeText,
@@ -111,6 +112,9 @@ class RunParameters(WireModel):
     # SHA-256 of the run's system prompt (UTF-8), None without one: a digest, not the text, so that a long
     # prompt cannot push the policy record past its size limit, and no free text travels in it.
     system_prompt_sha256: Sha256Hex | None = None
+    # The run's pipeline stage layout (p2p/pipeline/layout.py; docs/pipeline.md), None when the run has no
+    # pipelined groups. Absent in older records: None.
+    pipeline: StageLayout | None = None
 
 
 class PolicyAnnouncement(WireModel):

@@ -1,0 +1,23 @@
+"""Errors of pipelined generation (under the node package's base)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import NodeError
+
+if TYPE_CHECKING:
+    from ...proofs.pipeline.records import HopFraud
+
+
+class PipelineError(NodeError):
+    """A stage cannot run its part: a frame that does not fit the batch's schedule, or a group that broke."""
+
+
+class FraudDetected(PipelineError):
+    """A stage received a frame whose signed commitment its tensor belies; `fraud` is the evidence
+    (proofs/pipeline/blame.py check_fraud blames the sender with it)."""
+
+    def __init__(self, message: str, fraud: HopFraud) -> None:
+        super().__init__(message)
+        self.fraud = fraud

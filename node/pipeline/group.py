@@ -1,0 +1,155 @@
+"""A pipelined group over real streams: each stage a task that reads its predecessor's frames, computes off
+the event loop, and streams its own frames to its successor (with an injected per-hop delay).
+
+Micro-batches overlap by construction: a stage handles whichever frame arrives next, so while micro-batch m
+travels a hop or is computed elsewhere, the stage works on m + 1. Any failure (a peer too slow, a bad frame,
+a commitment that does not match its tensor) ends that stage's task; the TaskGroup then cancels every other
+stage: the group dissolves and the batch is abandoned, with the receiver's evidence kept for a fraud report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ...p2p.identity import Identity
+from ...p2p.pipeline.frames import ChainReader, FrameReader, FrameWriter
+from ...p2p.pipeline.transport import DelayedSender, OneConnectionServer, open_tcp
+from ...proofs.pipeline.records import HopFraud, SignedStageRecord
+from ..engine.types import Completion
+from .driver import GroupSpec, Tamper, deliver_checked, stage_record
+from .errors import FraudDetected
+from .stage import Outgoing, StageProcessor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HopSettings:
+    delay_s: float = 0.0  # injected one-way latency per hop
+    frame_timeout_s: float = 30.0  # longest wait for a peer's next frame
+    connect_timeout_s: float = 10.0
+
+
+class StageRunner:
+    def __init__(
+        self,
+        spec: GroupSpec,
+        stage: int,
+        processor: StageProcessor,
+        identity: Identity,
+        hop: HopSettings,
+        tamper: Tamper | None = None,
+    ) -> None:
+        self.spec, self.stage, self.processor, self.identity, self.hop = spec, stage, processor, identity, hop
+        self.tamper = tamper
+        stages = spec.layout.stages
+        self.writer = FrameWriter(identity, spec.opening(stage))
+        self.chain = ChainReader(spec.members[(stage - 1) % stages], spec.layout)
+        self.server = OneConnectionServer()
+        self.fraud: HopFraud | None = None  # evidence when the predecessor sent a frame its commitment belies
+        # (what, micro-batch, start, end) on the monotonic clock: "compute" spans of this stage and "flight"
+        # spans of its frames on the hop; benchmarks/pipeline.py and the tests read the overlap from them.
+        self.timeline: list[tuple[str, int, float, float]] = []
+
+    async def listen(self) -> int:
+        return await self.server.start()
+
+    async def run(self, next_port: int) -> None:
+        reader, writer = await open_tcp("127.0.0.1", next_port, self.hop.connect_timeout_s)
+        out = DelayedSender(writer, self.hop.delay_s, name=f"pipeline-send-stage{self.stage}")
+        try:
+            await out.send(self.writer.opening())
+            inbound, _ = await self.server.accepted(self.hop.connect_timeout_s)
+            frames = FrameReader(inbound, self.chain, timeout_s=self.hop.frame_timeout_s)
+            await frames.read_opening()
+            if self.processor.model.first:
+                for mb in range(len(self.processor.work.schedule)):
+                    started = time.monotonic()
+                    outgoing = await asyncio.to_thread(self.processor.start, mb)
+                    self.timeline.append(("compute", mb, started, time.monotonic()))
+                    await self._send(out, outgoing)
+            while True:
+                frame = await frames.read_frame()
+                if frame.header.kind == "end":
+                    break
+                started = time.monotonic()
+                try:
+                    following = await asyncio.to_thread(deliver_checked, self.processor, frame, self.chain)
+                except FraudDetected as exc:
+                    self.fraud = exc.fraud
+                    raise
+                self.timeline.append(("compute", frame.header.micro_batch, started, time.monotonic()))
+                if following is not None:
+                    await self._send(out, following)
+                if self.processor.model.first and self.processor.done:
+                    await out.send(self.writer.end()[0])
+            if not self.processor.model.first:
+                await out.send(self.writer.end()[0])
+            await out.close(self.hop.frame_timeout_s)
+        finally:
+            out.task.cancel()
+            writer.close()
+            self.server.close()
+
+    async def _send(self, out: DelayedSender, outgoing: Outgoing) -> None:
+        if self.tamper is not None:
+            outgoing = self.tamper(self.stage, outgoing)
+        encoded, _ = await asyncio.to_thread(
+            self.writer.frame,
+            kind=outgoing.kind,
+            micro_batch=outgoing.micro_batch,
+            step=outgoing.step,
+            rows=outgoing.rows,
+            tensor=outgoing.tensor,
+            dtype=outgoing.dtype,
+            commitment=outgoing.commitment,
+        )
+        queued = time.monotonic()
+        await out.send(encoded)
+        self.timeline.append(("flight", outgoing.micro_batch, queued, queued + self.hop.delay_s))
+
+
+@dataclass
+class GroupRun:
+    completions: list[Completion]
+    records: list[SignedStageRecord]
+    runners: list[StageRunner]
+
+
+def overlapped_flights(runners: Sequence[StageRunner]) -> int:
+    """How many frames were in flight on a hop while some stage computed another micro-batch: the latency
+    micro-batching hides (0 with a single micro-batch, whose ring is strictly sequential)."""
+    computes = [(mb, a, b) for r in runners for kind, mb, a, b in r.timeline if kind == "compute"]
+    flights = [(mb, a, b) for r in runners for kind, mb, a, b in r.timeline if kind == "flight"]
+    return sum(
+        any(mb != other and a < end and start < b for other, a, b in computes) for mb, start, end in flights
+    )
+
+
+async def run_group(
+    spec: GroupSpec,
+    processors: Sequence[StageProcessor],
+    identities: Sequence[Identity],
+    hop: HopSettings,
+    *,
+    tamper: Tamper | None = None,
+    runners: list[StageRunner] | None = None,
+) -> GroupRun:
+    """Every stage of one group as tasks of this event loop, over TCP on 127.0.0.1. `runners`: a list this
+    fills with the stage runners before they start, for a caller that inspects them after a failure."""
+    stages = spec.layout.stages
+    made = [StageRunner(spec, k, processors[k], identities[k], hop, tamper) for k in range(stages)]
+    if runners is not None:
+        runners.extend(made)
+    runners = made
+    ports = [await r.listen() for r in runners]
+    async with asyncio.TaskGroup() as tasks:
+        for k, runner in enumerate(runners):
+            tasks.create_task(runner.run(ports[(k + 1) % stages]), name=f"pipeline-stage{k}")
+    outputs = processors[-1].outputs.tokens
+    records = [stage_record(k, identities[k], r.chain, r.writer, outputs) for k, r in enumerate(runners)]
+    return GroupRun(processors[-1].completions(), records, runners)

@@ -1,0 +1,279 @@
+"""One stage's part of a pipelined batch: turn each incoming frame into the frame for the next stage.
+
+Per micro-batch a stage keeps what HFEngine keeps for a batch (node/engine/hf.py _generate_batch): the KV
+cache of its layers, the attention mask, the next position of every row and which samples are still active;
+and it applies the same operations in the same order (drop finished rows from the cache, extend the mask,
+forward one position). Stage 0 embeds prompts and fed-back tokens; the last stage norms, samples with the
+node's seeded Gumbel-max sampler and sends the tokens back to stage 0.
+
+Frames come from a peer: their rows, steps and shapes are checked against the schedule every stage derives
+itself (work.py), and an activation frame's signed commitment is recomputed from its tensor before use; a
+frame whose commitment does not match its bytes is provable fraud by its sender (CommitmentMismatch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ...p2p.pipeline.errors import CommitmentMismatch
+from ...p2p.pipeline.frames import Frame, FrameKind, WireDtype
+from ...proofs.gumbel import gumbel_noise, perturbed_scores
+from ...proofs.toploc import build_proof
+from ..engine.types import Completion, FinishReason
+from .errors import PipelineError
+from .stage_model import StageModel
+from .work import PipelineWork, real_rows
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A frame for the next stage, before it is signed and encoded."""
+
+    kind: FrameKind
+    micro_batch: int
+    step: int
+    rows: list[int]
+    tensor: torch.Tensor
+    dtype: WireDtype
+    commitment: bytes
+
+
+@dataclass
+class _MicroBatch:
+    active: list[int]  # sample ids still generating, in row order
+    mask: torch.Tensor
+    next_position: torch.Tensor
+    cache: DynamicCache
+    step: int = 0  # the next decode step this stage expects (stage 0: the next tokens frame's step)
+
+
+@dataclass
+class _Outputs:
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    reasons: list[FinishReason] = field(default_factory=list)
+
+
+class StageProcessor:
+    """The state machine of one stage for one batch."""
+
+    def __init__(self, model: StageModel, work: PipelineWork, *, commit: bool = True) -> None:
+        self.model = model
+        self.work = work
+        self.commit = commit
+        self.dtype: WireDtype = model.layout.activation_dtype
+        self._compute_dtype = torch.float32 if self.dtype == "float32" else torch.bfloat16
+        self.batches: dict[int, _MicroBatch] = {}
+        n = len(work.requests)
+        self.outputs = _Outputs([[] for _ in range(n)], [[] for _ in range(n)], ["length"] * n)
+        self.finished: set[int] = set()  # micro-batches done (stage 0 and the last stage know)
+
+    # ------------------------------------------------------------------ stage 0
+
+    def start(self, micro_batch: int) -> Outgoing:
+        """Stage 0: prefill one micro-batch of prompts."""
+        self._first_only("start a micro-batch")
+        rows = self.work.schedule[micro_batch]
+        ids, mask = self.work.left_padded(rows)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        state = _MicroBatch(list(rows), mask, self.work.prompt_lengths(rows), self.model.new_cache())
+        self.batches[micro_batch] = state
+        hidden = self.model(ids, mask, positions, state.cache)
+        return self._activation(
+            "prefill", micro_batch, 0, rows, hidden, real_rows(hidden, state.next_position)
+        )
+
+    def on_tokens(self, frame: Frame) -> Outgoing | None:
+        """Stage 0: the last stage's sampled tokens; the next decode frame, or None when the micro-batch ends."""
+        self._first_only("take tokens")
+        header, state = frame.header, self._state(frame)
+        if header.kind != "tokens" or header.step != state.step or header.rows != state.active:
+            raise PipelineError(
+                f"micro-batch {header.micro_batch}: expected the tokens of step {state.step} for rows "
+                f"{state.active}, got a {header.kind} frame of step {header.step}"
+            )
+        tokens = frame.tensor
+        if tokens.shape != (len(state.active),) or bool(
+            ((tokens < 0) | (tokens >= self.model.config.vocab_size)).any()
+        ):
+            raise PipelineError(
+                f"micro-batch {header.micro_batch}: tokens frame of step {header.step} is malformed"
+            )
+        for sample, token in zip(state.active, tokens.tolist(), strict=True):
+            self.outputs.tokens[sample].append(token)
+        step = header.step
+        if step == self.work.params.max_new_tokens - 1:
+            return self._finish(header.micro_batch)
+        keep = [b for b, t in enumerate(tokens.tolist()) if t != self.work.eos_token_id]
+        if not keep:
+            return self._finish(header.micro_batch)
+        self._select(state, keep)
+        hidden = self._decode(state, tokens[keep][:, None])
+        state.step = step + 1
+        return self._activation("decode", header.micro_batch, step, state.active, hidden, hidden[:, -1])
+
+    # ------------------------------------------------------------------ stages 1..S-1
+
+    def on_activation(self, frame: Frame) -> Outgoing:
+        """The previous stage's activations; this stage's (or, on the last stage, the sampled tokens)."""
+        if self.model.first:
+            raise PipelineError("stage 0 takes tokens and prompts, not activations")
+        header = frame.header
+        if header.kind not in ("prefill", "decode") or header.dtype != self.dtype:
+            raise PipelineError(f"frame {header.index}: expected {self.dtype} activations, got {header.kind}")
+        if header.micro_batch >= len(self.work.schedule) or header.micro_batch in self.finished:
+            raise PipelineError(f"frame {header.index}: micro-batch {header.micro_batch} is not in flight")
+        hidden_in = frame.tensor.to(self._compute_dtype)
+        width = self.model.config.hidden_size
+        if header.kind == "prefill":
+            rows = self.work.schedule[header.micro_batch]
+            if header.micro_batch in self.batches or header.rows != rows:
+                raise PipelineError(
+                    f"frame {header.index}: prefill of micro-batch {header.micro_batch} is not due"
+                )
+            ids, mask = self.work.left_padded(rows)
+            if list(hidden_in.shape) != [len(rows), ids.shape[1], width]:
+                raise PipelineError(
+                    f"frame {header.index}: prefill shape {list(hidden_in.shape)} is not the batch's"
+                )
+            self._check_commitment(frame, real_rows(hidden_in, self.work.prompt_lengths(rows)))
+            state = _MicroBatch(list(rows), mask, self.work.prompt_lengths(rows), self.model.new_cache())
+            self.batches[header.micro_batch] = state
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            hidden = self.model(hidden_in, mask, positions, state.cache)
+            return self._emit("prefill", header.micro_batch, 0, rows, hidden, state, prefill=True)
+        state = self._state(frame)
+        if header.step != state.step or not _is_subsequence(header.rows, state.active) or not header.rows:
+            raise PipelineError(
+                f"frame {header.index}: decode step {header.step} rows do not follow the batch"
+            )
+        if list(hidden_in.shape) != [len(header.rows), 1, width]:
+            raise PipelineError(
+                f"frame {header.index}: decode shape {list(hidden_in.shape)} is not [rows, 1, {width}]"
+            )
+        self._check_commitment(frame, hidden_in[:, -1])
+        self._select(state, [state.active.index(r) for r in header.rows])
+        hidden = self._decode(state, hidden_in)
+        state.step = header.step + 1
+        return self._emit(
+            "decode", header.micro_batch, header.step, header.rows, hidden, state, prefill=False
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _emit(
+        self,
+        kind: FrameKind,
+        micro_batch: int,
+        step: int,
+        rows: list[int],
+        hidden: torch.Tensor,
+        state: _MicroBatch,
+        *,
+        prefill: bool,
+    ) -> Outgoing:
+        if not self.model.last:
+            committed = real_rows(hidden, state.next_position) if prefill else hidden[:, -1]
+            return self._activation(kind, micro_batch, step, rows, hidden, committed)
+        # Token t of a sample is argmax(logits_t / T + gumbel(seed, t)), t counting output tokens (proofs/gumbel.py).
+        last = hidden[:, -1]
+        logits = self.model.logits(last)
+        sampled_step = 0 if prefill else step + 1
+        seeds = torch.tensor([self.work.requests[r].seed for r in rows], dtype=torch.int64)
+        temperature = self.work.params.temperature
+        noise = gumbel_noise(seeds, torch.full_like(seeds, sampled_step), logits.shape[-1])
+        tokens = perturbed_scores(logits, temperature, noise).argmax(dim=-1)
+        chosen = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        for sample, token, logprob in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
+            self.outputs.tokens[sample].append(token)
+            self.outputs.logprobs[sample].append(logprob)
+            if token == self.work.eos_token_id:
+                self.outputs.reasons[sample] = "eos"
+        if sampled_step == self.work.params.max_new_tokens - 1 or all(
+            t == self.work.eos_token_id for t in tokens.tolist()
+        ):
+            self.finished.add(micro_batch)
+            self.batches.pop(micro_batch, None)
+        commitment = build_proof(last) if self.commit else b""
+        return Outgoing("tokens", micro_batch, sampled_step, list(rows), tokens, "int64", commitment)
+
+    def _activation(
+        self,
+        kind: FrameKind,
+        micro_batch: int,
+        step: int,
+        rows: list[int],
+        hidden: torch.Tensor,
+        committed: torch.Tensor,
+    ) -> Outgoing:
+        commitment = build_proof(committed) if self.commit else b""
+        return Outgoing(kind, micro_batch, step, list(rows), hidden, self.dtype, commitment)
+
+    def _check_commitment(self, frame: Frame, rows: torch.Tensor) -> None:
+        if not self.commit:
+            return
+        claimed = frame.header.commitment or ""
+        if build_proof(rows).hex() != claimed:
+            raise CommitmentMismatch(
+                f"frame {frame.header.index}: the signed commitment is not the one its tensor gives"
+            )
+
+    def _decode(self, state: _MicroBatch, x: torch.Tensor) -> torch.Tensor:
+        state.mask = torch.cat([state.mask, state.mask.new_ones(state.mask.shape[0], 1)], dim=1)
+        hidden = self.model(x, state.mask, state.next_position[:, None], state.cache)
+        state.next_position = state.next_position + 1
+        return hidden
+
+    @staticmethod
+    def _select(state: _MicroBatch, keep: list[int]) -> None:
+        if len(keep) == len(state.active):
+            return
+        index = torch.tensor(keep)
+        state.cache.batch_select_indices(index)
+        state.active = [state.active[k] for k in keep]
+        state.mask, state.next_position = state.mask[index], state.next_position[index]
+
+    def _state(self, frame: Frame) -> _MicroBatch:
+        state = self.batches.get(frame.header.micro_batch)
+        if state is None:
+            raise PipelineError(
+                f"frame {frame.header.index}: micro-batch {frame.header.micro_batch} is not in flight"
+            )
+        return state
+
+    def _finish(self, micro_batch: int) -> None:
+        self.finished.add(micro_batch)
+        self.batches.pop(micro_batch, None)
+        return None
+
+    def _first_only(self, what: str) -> None:
+        if not self.model.first:
+            raise PipelineError(f"only stage 0 can {what}")
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.work.schedule)
+
+    def completions(self) -> list[Completion]:
+        """The batch's completions (last stage only), in request order."""
+        if not self.model.last:
+            raise PipelineError("only the last stage holds the sampled log-probabilities")
+        return [
+            Completion(
+                prompt_ids=tuple(r.prompt_ids),
+                output_ids=tuple(self.outputs.tokens[i]),
+                finish_reason=self.outputs.reasons[i],
+                seed=r.seed,
+                output_logprobs=tuple(self.outputs.logprobs[i]),
+                hidden_states=None,
+            )
+            for i, r in enumerate(self.work.requests)
+        ]
+
+
+def _is_subsequence(rows: list[int], active: list[int]) -> bool:
+    it = iter(active)
+    return all(r in it for r in rows)

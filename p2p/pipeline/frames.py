@@ -1,0 +1,361 @@
+"""The activation stream between two pipeline stages: a signed opening, then framed tensors on a hash chain.
+
+One stream carries one batch from stage k to stage k + 1 (the last stage's stream goes back to stage 0 and
+carries sampled tokens). On the wire, every frame (the opening included) is
+
+    u32 big-endian header length | header (canonical JSON) | Ed25519 signature (64 bytes) | tensor bytes
+
+The chain starts at head_0 = SHA-256(DOMAIN || opening header) and advances per frame as
+head_i = SHA-256(head_{i-1} || SHA-256(header)); each signature is the sender's over DOMAIN || head_i, so
+every prefix of the stream is signed and a receiver holds the sender's word for everything up to the last
+frame it read, even if the sender stops mid-batch. The tensor bytes enter the chain through the header's
+`tensor_sha256`. The stream ends with an "end" frame whose signed head is the stream's chain head.
+
+A reader treats every byte as hostile: the header length is bounded before anything is read, the signature
+is checked over the raw header bytes before they are parsed, the header is a strict WireModel, the tensor's
+size follows from its shape and dtype and is bounded before its bytes are read, the bytes must hash to
+`tensor_sha256`, and floating tensors must be finite. Tensors are raw little-endian row-major bytes (no
+pickle, no torch serialisation). docs/pipeline.md, "Wire format".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
+
+import numpy as np
+import torch
+from pydantic import Field, StringConstraints, ValidationError
+
+from ..identity import Identity
+from ..names import RUN_ID_PATTERN
+from ..signing import SIGNATURE_BYTES, canonical_json, is_valid_signature
+from ..wire import NodeId, Sha256Hex, WireFormatError, WireModel, describe, loads_strict
+from .errors import PipelineWireError
+from .layout import MAX_STAGES, StageLayout
+
+PROTOCOL = "prime-node/pipeline/v1"
+DOMAIN = b"prime-node/pipeline-chain/v1\x00"
+MAX_HEADER_BYTES = 64 << 10  # a header with a TOPLOC commitment of a 4096-row prefill frame fits easily
+MAX_TENSOR_BYTES = 256 << 20  # one micro-batch's activations; a stage refuses anything larger unread
+MAX_ROWS = 4096  # samples in one frame
+MAX_DIM = 1 << 20
+MAX_FRAMES = 1 << 20  # frames in one stream
+MAX_COMMITMENT_HEX = 2 * 48 * 1024
+_LEN = struct.Struct(">I")
+Parsed = TypeVar("Parsed", bound=WireModel)
+
+FrameKind = Literal["prefill", "decode", "tokens", "end"]
+WireDtype = Literal["float32", "bfloat16", "int64"]
+# Little-endian numpy view of each wire dtype (bfloat16 travels as its 16-bit pattern).
+_NUMPY = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), "int64": np.dtype("<i8")}
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
+
+
+class StreamOpening(WireModel):
+    """The first frame of a stream: which group, batch and hop it belongs to, signed by the sender."""
+
+    protocol: Literal["prime-node/pipeline/v1"]
+    run_id: Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
+    group: Sha256Hex  # the group's id (a digest of its members and policy step)
+    policy_step: int = Field(ge=0, lt=1 << 63)
+    batch: int = Field(ge=0, lt=1 << 63)  # the group's batch counter: the assignment derives from it
+    stage: int = Field(ge=0, lt=MAX_STAGES)  # the sender's stage; the receiver is stage + 1 (mod stages)
+    stages: int = Field(ge=2, le=MAX_STAGES)
+    sender: NodeId  # the key that signs every head of this stream
+
+
+class FrameHeader(WireModel):
+    """What precedes one tensor on the stream."""
+
+    index: int = Field(ge=1, le=MAX_FRAMES)  # 1, 2, ... in stream order (the opening is 0)
+    micro_batch: int = Field(ge=0, lt=MAX_ROWS)
+    # prefill: the prompt's activations; decode: one new position per row; tokens: sampled ids (last stage to
+    # stage 0); end: no tensor, closes the stream.
+    kind: FrameKind
+    step: int = Field(ge=0, le=1 << 16)  # decode step that consumes (decode) or produced (tokens) the rows
+    rows: list[Annotated[int, Field(ge=0, lt=1 << 24)]] = Field(
+        max_length=MAX_ROWS
+    )  # sample ids, in row order
+    shape: list[Annotated[int, Field(ge=0, le=MAX_DIM)]] = Field(max_length=3)
+    dtype: WireDtype
+    tensor_sha256: Sha256Hex
+    # The sender's TOPLOC commitment (hex) to the frame's real rows (docs/pipeline.md); tokens frames: to the
+    # final hidden states that produced the tokens. None on end frames.
+    commitment: (
+        Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{2})*$", max_length=MAX_COMMITMENT_HEX)] | None
+    )
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A frame as read (or about to be written): its header, its tensor, and the signed chain head after it."""
+
+    header: FrameHeader
+    tensor: torch.Tensor
+    head: bytes  # chain head after this frame
+    signature: bytes  # the sender's signature over DOMAIN || head
+
+
+def tensor_bytes(tensor: torch.Tensor, dtype: WireDtype) -> bytes:
+    """Raw little-endian row-major bytes of `tensor` in wire dtype `dtype`."""
+    t = tensor.detach().to("cpu").contiguous()
+    if dtype == "bfloat16":
+        return t.to(torch.bfloat16).view(torch.int16).numpy().astype(_NUMPY[dtype]).tobytes()
+    return t.to(_TORCH[dtype]).numpy().astype(_NUMPY[dtype], copy=False).tobytes()
+
+
+def decode_tensor(data: bytes, shape: list[int], dtype: WireDtype) -> torch.Tensor:
+    """The tensor of raw bytes; PipelineWireError when the size is wrong or a float is not finite."""
+    expected = math.prod(shape) * _NUMPY[dtype].itemsize
+    if len(data) != expected:
+        raise PipelineWireError(f"tensor has {len(data)} bytes; shape {shape} in {dtype} needs {expected}")
+    array = np.frombuffer(data, dtype=_NUMPY[dtype]).reshape(shape)
+    if dtype == "bfloat16":
+        tensor = torch.from_numpy(array.astype(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(array.astype(_NUMPY[dtype].newbyteorder("="), copy=True))
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise PipelineWireError(f"tensor of shape {shape} holds NaN or infinite values")
+    return tensor
+
+
+def chain_start(opening_bytes: bytes) -> bytes:
+    return hashlib.sha256(DOMAIN + opening_bytes).digest()
+
+
+def chain_next(head: bytes, header_bytes: bytes) -> bytes:
+    return hashlib.sha256(head + hashlib.sha256(header_bytes).digest()).digest()
+
+
+def check_header(header: FrameHeader, max_tensor_bytes: int) -> int:
+    """The tensor's byte size; PipelineWireError for a header whose shape, rows and dtype do not agree."""
+    if header.kind == "end":
+        if header.shape != [0] or header.rows or header.commitment is not None:
+            raise PipelineWireError("an end frame carries no rows, no commitment and shape [0]")
+    elif not header.shape or header.shape[0] != len(header.rows):
+        raise PipelineWireError(
+            f"frame {header.index}: shape {header.shape} does not have {len(header.rows)} rows"
+        )
+    if (header.kind in ("tokens", "end")) != (header.dtype == "int64"):
+        raise PipelineWireError(f"frame {header.index}: a {header.kind} frame cannot carry {header.dtype}")
+    if len(set(header.rows)) != len(header.rows):
+        raise PipelineWireError(f"frame {header.index}: a sample appears twice in its rows")
+    size = math.prod(header.shape) * _NUMPY[header.dtype].itemsize
+    if size > max_tensor_bytes:
+        raise PipelineWireError(
+            f"frame {header.index}: a {header.shape} {header.dtype} tensor is {size} bytes; at most "
+            f"{max_tensor_bytes} allowed"
+        )
+    return size
+
+
+class FrameWriter:
+    """Encodes a stream: signs the opening and every frame's chain head with the sender's identity."""
+
+    def __init__(self, identity: Identity, opening: StreamOpening) -> None:
+        if opening.sender != identity.node_id:
+            raise PipelineWireError("the opening names another sender than the signing identity")
+        self.identity = identity
+        self.opening_bytes = canonical_json(opening.model_dump(mode="json"))
+        self.head = chain_start(self.opening_bytes)
+        self.index = 0
+        self.headers: list[FrameHeader] = []  # every frame sent, for the stage's record
+        self.signature = identity.sign(DOMAIN + self.head)  # over the current head
+
+    def opening(self) -> bytes:
+        signature = self.identity.sign(DOMAIN + chain_start(self.opening_bytes))
+        return _LEN.pack(len(self.opening_bytes)) + self.opening_bytes + signature
+
+    def frame(
+        self,
+        *,
+        kind: FrameKind,
+        micro_batch: int,
+        step: int,
+        rows: list[int],
+        tensor: torch.Tensor,
+        dtype: WireDtype,
+        commitment: bytes | None,
+    ) -> tuple[bytes, Frame]:
+        """The encoded frame and its record (header, tensor, signed head)."""
+        self.index += 1
+        data = tensor_bytes(tensor, dtype)
+        header = FrameHeader(
+            index=self.index,
+            micro_batch=micro_batch,
+            kind=kind,
+            step=step,
+            rows=rows,
+            shape=list(tensor.shape),
+            dtype=dtype,
+            tensor_sha256=hashlib.sha256(data).hexdigest(),
+            commitment=commitment.hex() if commitment is not None else None,
+        )
+        header_bytes = canonical_json(header.model_dump(mode="json"))
+        self.head = chain_next(self.head, header_bytes)
+        signature = self.signature = self.identity.sign(DOMAIN + self.head)
+        self.headers.append(header)
+        encoded = _LEN.pack(len(header_bytes)) + header_bytes + signature + data
+        return encoded, Frame(header, tensor, self.head, signature)
+
+    def end(self, micro_batch: int = 0) -> tuple[bytes, Frame]:
+        return self.frame(
+            kind="end",
+            micro_batch=micro_batch,
+            step=0,
+            rows=[],
+            tensor=torch.empty(0, dtype=torch.int64),
+            dtype="int64",
+            commitment=None,
+        )
+
+
+class ChainReader:
+    """Verifies one sender's stream piece by piece (no I/O): the opening, then each header before its tensor.
+
+    Used by FrameReader over a live stream and by anything that holds a stream's bytes (tests, a loopback
+    group); the order of checks is the same for both."""
+
+    def __init__(
+        self, expected_sender: str, layout: StageLayout, max_tensor_bytes: int = MAX_TENSOR_BYTES
+    ) -> None:
+        self.expected_sender = expected_sender
+        self.layout = layout
+        self.max_tensor_bytes = max_tensor_bytes
+        self.opening: StreamOpening | None = None
+        self.head = b""
+        self.index = 0
+        self.headers: list[FrameHeader] = []  # every accepted header, for the stage's record
+        self.signature = b""  # the sender's signature over the current head
+
+    def open(self, raw: bytes, signature: bytes) -> StreamOpening:
+        head = chain_start(raw)
+        if not is_valid_signature(self.expected_sender, DOMAIN + head, signature):
+            raise PipelineWireError("the stream's opening is not signed by the expected sender")
+        opening = _parse(StreamOpening, raw, "opening")
+        if opening.sender != self.expected_sender:
+            raise PipelineWireError("the stream's opening names another sender than the one expected")
+        if opening.stages != self.layout.stages or opening.stage >= opening.stages:
+            raise PipelineWireError(
+                f"the opening is for stage {opening.stage} of {opening.stages}; the run has {self.layout.stages} stages"
+            )
+        self.opening, self.head, self.signature = opening, head, signature
+        return opening
+
+    def header(self, raw: bytes, signature: bytes) -> tuple[FrameHeader, int, bytes]:
+        """(header, tensor size, head after it): the signature is checked over the raw bytes first."""
+        if self.opening is None:
+            raise PipelineWireError("a frame arrived before the stream's opening")
+        head = chain_next(self.head, raw)
+        if not is_valid_signature(self.opening.sender, DOMAIN + head, signature):
+            raise PipelineWireError(f"frame {self.index + 1}: bad signature (broken chain or forged frame)")
+        header = _parse(FrameHeader, raw, f"frame {self.index + 1}")
+        if header.index != self.index + 1:
+            raise PipelineWireError(f"frame {header.index} arrived where frame {self.index + 1} was due")
+        return header, check_header(header, self.max_tensor_bytes), head
+
+    def tensor(self, header: FrameHeader, head: bytes, signature: bytes, data: bytes) -> Frame:
+        if hashlib.sha256(data).hexdigest() != header.tensor_sha256:
+            raise PipelineWireError(
+                f"frame {header.index}: tensor bytes do not hash to the signed tensor_sha256"
+            )
+        tensor = decode_tensor(data, header.shape, header.dtype)
+        self.head, self.index, self.signature = head, header.index, signature
+        self.headers.append(header)
+        return Frame(header, tensor, head, signature)
+
+
+class FrameReader:
+    """Reads a stream from one sender with a deadline on every read, through a ChainReader."""
+
+    def __init__(self, reader: asyncio.StreamReader, chain: ChainReader, *, timeout_s: float) -> None:
+        self.reader = reader
+        self.chain = chain
+        self.timeout_s = timeout_s
+
+    async def read_opening(self) -> StreamOpening:
+        return self.chain.open(*await self._read_signed())
+
+    async def read_frame(self) -> Frame:
+        header, size, head = self.chain.header(*(signed := await self._read_signed()))
+        data = await self._read_exactly(size, f"frame {header.index}'s tensor")
+        return self.chain.tensor(header, head, signed[1], data)
+
+    async def _read_signed(self) -> tuple[bytes, bytes]:
+        (length,) = _LEN.unpack(await self._read_exactly(_LEN.size, "a frame length"))
+        if not 0 < length <= MAX_HEADER_BYTES:
+            raise PipelineWireError(
+                f"peer announced a {length}-byte header; at most {MAX_HEADER_BYTES} allowed"
+            )
+        raw = await self._read_exactly(length, "a header")
+        signature = await self._read_exactly(SIGNATURE_BYTES, "a signature")
+        return raw, signature
+
+    async def _read_exactly(self, size: int, what: str) -> bytes:
+        try:
+            return await asyncio.wait_for(self.reader.readexactly(size), self.timeout_s)
+        except TimeoutError:
+            raise PipelineWireError(f"peer sent no {what} for {self.timeout_s:.1f} s") from None
+        except asyncio.IncompleteReadError as exc:
+            raise PipelineWireError(f"stream ended in {what} ({len(exc.partial)} of {size} bytes)") from None
+        except (OSError, ConnectionError) as exc:
+            raise PipelineWireError(f"stream broke while reading {what}: {exc}") from None
+
+
+def split_frames(chain: ChainReader, data: bytes, *, opening: bool = True) -> list[Frame]:
+    """Every frame of stream bytes held in memory (with the opening first when `opening`), through the same
+    checks as FrameReader; PipelineWireError at the first bad one."""
+    view, frames, at = memoryview(data), [], 0
+
+    def take(size: int, what: str) -> bytes:
+        nonlocal at
+        if at + size > len(view):
+            raise PipelineWireError(f"stream ended in {what} ({len(view) - at} of {size} bytes)")
+        at += size
+        return bytes(view[at - size : at])
+
+    def signed() -> tuple[bytes, bytes]:
+        (length,) = _LEN.unpack(take(_LEN.size, "a frame length"))
+        if not 0 < length <= MAX_HEADER_BYTES:
+            raise PipelineWireError(
+                f"peer announced a {length}-byte header; at most {MAX_HEADER_BYTES} allowed"
+            )
+        return take(length, "a header"), take(SIGNATURE_BYTES, "a signature")
+
+    if opening:
+        chain.open(*signed())
+    while at < len(view):
+        raw, signature = signed()
+        header, size, head = chain.header(raw, signature)
+        frames.append(chain.tensor(header, head, signature, take(size, f"frame {header.index}'s tensor")))
+    return frames
+
+
+def _parse(model: type[Parsed], raw: bytes, what: str) -> Parsed:
+    """A strict WireModel of `raw`, which must also be its canonical JSON: a validator recomputes the chain from
+    parsed headers, so two spellings of one header would let a sender sign one and be judged on another."""
+    try:
+        parsed = model.model_validate(loads_strict(raw, what))
+    except WireFormatError as exc:
+        raise PipelineWireError(f"{what} is not strict JSON: {exc}") from None
+    except ValidationError as exc:
+        raise PipelineWireError(f"{what} is malformed {describe(exc)}") from None
+    if canonical_json(parsed.model_dump(mode="json")) != raw:
+        raise PipelineWireError(f"{what} is not in canonical JSON (sorted keys, no spaces)")
+    return parsed
+
+
+def verify_chain(
+    sender: str, opening: StreamOpening, headers: list[FrameHeader], head: bytes, signature: bytes
+) -> bool:
+    """Whether `headers` (frames 1..n after `opening`) lead to `head` and `sender` signed it: what a validator
+    checks of a stage record's copy of the frames it received, without the tensors."""
+    current = chain_start(canonical_json(opening.model_dump(mode="json")))
+    for header in headers:
+        current = chain_next(current, canonical_json(header.model_dump(mode="json")))
+    return current == head and is_valid_signature(sender, DOMAIN + head, signature)

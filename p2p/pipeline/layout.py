@@ -1,0 +1,56 @@
+"""The stage layout of a pipelined run: which decoder layers each stage holds and how activations travel.
+
+It is a run parameter (RunParameters.pipeline, announced with every policy): every member of a group, and
+the validator that judges it, must cut the model at the same boundaries and encode activations alike, or
+the boundary commitments of honest stages would not compare.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from ..wire import WireModel
+
+MAX_STAGES = 64
+MAX_LAYERS = 1024
+
+ActivationDtype = Literal["float32", "bfloat16"]
+
+
+class StageLayout(WireModel):
+    """Layer boundaries and the activation encoding of a pipelined run."""
+
+    # Stage s holds decoder layers [boundaries[s], boundaries[s + 1]); at least two stages; the first entry is 0,
+    # the last the model's layer count, strictly increasing (no empty stage). [0, 2, 4]: two stages of 4 layers.
+    boundaries: list[int] = Field(min_length=3, max_length=MAX_STAGES + 1)
+    # Dtype activations are computed and sent in; float32 keeps pipelined generation bit-identical to one node.
+    activation_dtype: ActivationDtype = "float32"
+    # Raw little-endian tensor bytes, row-major: the one encoding (no pickle, no torch serialisation).
+    encoding: Literal["raw-le"] = "raw-le"
+
+    @model_validator(mode="after")
+    def _increasing(self) -> StageLayout:
+        bounds = self.boundaries
+        if bounds[0] != 0:
+            raise ValueError(f"boundaries must start at 0, got {bounds[0]}")
+        if bounds[-1] > MAX_LAYERS:
+            raise ValueError(f"boundaries end at {bounds[-1]} layers; at most {MAX_LAYERS}")
+        for left, right in zip(bounds, bounds[1:]):
+            if right <= left:
+                raise ValueError(f"boundaries must strictly increase (no empty stage): {bounds}")
+        return self
+
+    @property
+    def stages(self) -> int:
+        return len(self.boundaries) - 1
+
+    @property
+    def layers(self) -> int:
+        return self.boundaries[-1]
+
+    def layer_range(self, stage: int) -> range:
+        if not 0 <= stage < self.stages:
+            raise ValueError(f"stage {stage} outside [0, {self.stages})")
+        return range(self.boundaries[stage], self.boundaries[stage + 1])

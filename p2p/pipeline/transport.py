@@ -1,0 +1,97 @@
+"""Streams between stages: a sender that holds each frame for an injected one-way delay, and TCP endpoints.
+
+Frames are written to any asyncio (StreamReader, StreamWriter) pair: asyncio TCP on 127.0.0.1 here (tests,
+benchmarks/pipeline.py), and hivemind's binary stream handlers hand out the same pair for libp2p streams
+(p2p/swarm/handoff.py uses them), which is where a swarm's groups will plug in (docs/pipeline.md, "Not built").
+
+The delay models network latency, not bandwidth: every frame is due `delay_s` after it was queued and frames
+queued meanwhile wait concurrently, so several micro-batches can be in flight on one hop at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import suppress
+
+from .errors import PipelineWireError
+
+logger = logging.getLogger(__name__)
+
+MAX_QUEUED_FRAMES = 1024  # frames in flight on one hop; a stage that outruns its link waits
+
+
+class DelayedSender:
+    """Writes frames in order, each no earlier than `delay_s` after it was queued."""
+
+    def __init__(self, writer: asyncio.StreamWriter, delay_s: float, *, name: str) -> None:
+        self.writer = writer
+        self.delay_s = delay_s
+        self.queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue(MAX_QUEUED_FRAMES)
+        self.task = asyncio.create_task(self._run(), name=name)
+
+    async def send(self, data: bytes) -> None:
+        if self.task.done():
+            self.task.result()  # re-raise the writer's failure here, in the stage's own task
+            raise PipelineWireError("the stream to the next stage is closed")
+        await self.queue.put((time.monotonic() + self.delay_s, data))
+
+    async def close(self, timeout_s: float) -> None:
+        """Flush what is queued, then close the stream (within `timeout_s`)."""
+        await self.queue.put(None)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
+        finally:
+            self.writer.close()
+            with suppress(OSError, ConnectionError, asyncio.CancelledError):
+                await asyncio.wait_for(self.writer.wait_closed(), 1.0)
+
+    async def _run(self) -> None:
+        while (item := await self.queue.get()) is not None:
+            due, data = item
+            wait = due - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self.writer.write(data)
+            await self.writer.drain()
+
+
+async def open_tcp(
+    host: str, port: int, timeout_s: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    try:
+        return await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (TimeoutError, OSError) as exc:
+        raise PipelineWireError(f"cannot reach the next stage at {host}:{port}: {exc!r}") from None
+
+
+class OneConnectionServer:
+    """Accepts exactly one inbound stream (from the previous stage) on 127.0.0.1 or another host."""
+
+    def __init__(self) -> None:
+        self._accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] | None = None
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str = "127.0.0.1") -> int:
+        self._accepted = asyncio.get_running_loop().create_future()
+
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if self._accepted is not None and not self._accepted.done():
+                self._accepted.set_result((reader, writer))
+            else:  # a second caller: only the previous stage may stream to us
+                writer.close()
+
+        self._server = await asyncio.start_server(accept, host, 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def accepted(self, timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        assert self._accepted is not None, "start() first"
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._accepted), timeout_s)
+        except TimeoutError:
+            raise PipelineWireError(f"the previous stage did not connect within {timeout_s:.1f} s") from None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()

@@ -1,0 +1,1 @@
+"""Per-stage records of a pipelined group and their verification with blame (docs/pipeline.md)."""

@@ -1,0 +1,106 @@
+"""What each stage of a pipelined group hands the validator: its two streams' headers and the batch's tokens.
+
+A stage's record holds the stream it received (the previous stage's opening and frame headers, with that
+stage's signature over the chain head: the receiver cannot alter it) and the stream it sent (its own, signed
+by itself), plus the output tokens of every sample. Tensors are not kept: the headers carry each frame's
+SHA-256 and TOPLOC commitment, which is what the validator compares (docs/pipeline.md, "Trust").
+The record is signed by its own node, so no member can write another's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field, StringConstraints
+
+from ...p2p.identity import Identity
+from ...p2p.pipeline.frames import Frame, FrameHeader, StreamOpening, tensor_bytes
+from ...p2p.pipeline.layout import StageLayout
+from ...p2p.signing import canonical_json, is_valid_signature
+from ...p2p.wire import NodeId, Sha256Hex, WireModel
+
+SignatureHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+RECORD_DOMAIN = b"prime-node/pipeline-stage-record/v1\x00"
+MAX_RECORD_FRAMES = 1 << 16
+MAX_SAMPLES = 4096
+MAX_OUTPUT_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Who runs which stage of which batch (what a signed group record names)."""
+
+    run_id: str
+    policy_step: int
+    batch: int
+    layout: StageLayout
+    members: tuple[str, ...]  # node ids in stage order
+
+    @property
+    def group_id(self) -> str:
+        text = f"{self.run_id}|{self.policy_step}|{','.join(self.members)}"
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def opening(self, stage: int) -> StreamOpening:
+        return StreamOpening(
+            protocol="prime-node/pipeline/v1",
+            run_id=self.run_id,
+            group=self.group_id,
+            policy_step=self.policy_step,
+            batch=self.batch,
+            stage=stage,
+            stages=self.layout.stages,
+            sender=self.members[stage],
+        )
+
+
+class HopRecord(WireModel):
+    """One stream as its receiver or sender holds it."""
+
+    opening: StreamOpening
+    headers: list[FrameHeader] = Field(max_length=MAX_RECORD_FRAMES)
+    head: Sha256Hex  # chain head after the last header
+    signature: SignatureHex  # the stream sender's signature over DOMAIN || head
+
+
+class StageRecord(WireModel):
+    stage: int = Field(ge=0)
+    node_id: NodeId
+    received: HopRecord  # from stage - 1 (stage 0: the last stage's tokens stream)
+    sent: HopRecord  # to stage + 1 (the last stage: its tokens stream to stage 0)
+    outputs: list[list[Annotated[int, Field(ge=0, lt=1 << 31)]]] = Field(max_length=MAX_SAMPLES)
+
+
+class SignedStageRecord(WireModel):
+    record: StageRecord
+    signature: SignatureHex  # record.node_id's signature over RECORD_DOMAIN || canonical JSON of record
+
+    @classmethod
+    def sign(cls, record: StageRecord, identity: Identity) -> SignedStageRecord:
+        payload = RECORD_DOMAIN + canonical_json(record.model_dump(mode="json"))
+        return cls(record=record, signature=identity.sign(payload).hex())
+
+    def is_authentic(self) -> bool:
+        payload = RECORD_DOMAIN + canonical_json(self.record.model_dump(mode="json"))
+        return is_valid_signature(self.record.node_id, payload, bytes.fromhex(self.signature))
+
+
+@dataclass(frozen=True)
+class HopFraud:
+    """A receiver's evidence that its predecessor signed a frame whose commitment its own tensor belies: the
+    stream up to that frame (signed by the sender through the chain) and the frame's tensor bytes."""
+
+    hop: HopRecord  # headers up to and including the bad frame; head and signature after it
+    tensor: bytes  # the bad frame's raw tensor bytes (they hash to its signed tensor_sha256)
+
+    @classmethod
+    def of(cls, hop: HopRecord, frame: Frame) -> HopFraud:
+        headers = [*hop.headers, frame.header]
+        return cls(
+            hop=hop.model_copy(
+                update={"headers": headers, "head": frame.head.hex(), "signature": frame.signature.hex()}
+            ),
+            tensor=tensor_bytes(frame.tensor, frame.header.dtype),
+        )

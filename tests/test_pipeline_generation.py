@@ -1,0 +1,99 @@
+"""Pipelined generation: stage layout as a run parameter, stage-only weight loading, and token-for-token (and
+log-probability-for-log-probability) identity with a monolithic node in 2 and 4 stages (float32, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from prime_node.node.engine.hf import HFEngine
+from prime_node.node.engine.types import SamplingParams
+from prime_node.node.errors import EngineError
+from prime_node.node.pipeline.driver import run_loopback
+from prime_node.node.pipeline.stage_model import StageModel
+from prime_node.node.pipeline.weights import load_stage_tensors
+from prime_node.node.run.announcement import differences, run_parameters
+from prime_node.node.run.settings import RunSettings
+from prime_node.p2p.pipeline.layout import StageLayout
+
+from support.pipeline import frequent_token, group, random_requests, save_tiny
+
+PARAMS = SamplingParams(max_new_tokens=16, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny-pipeline"))
+
+
+def test_layout_is_a_pinned_run_parameter() -> None:
+    ours = run_parameters(RunSettings(pipeline={"boundaries": [0, 2, 4]}))
+    theirs = run_parameters(RunSettings(pipeline={"boundaries": [0, 1, 4]}))
+    assert ours.pipeline == StageLayout(boundaries=[0, 2, 4])
+    (line,) = differences(ours, theirs)
+    assert line.startswith("run.pipeline:")
+    assert differences(ours, run_parameters(RunSettings())) != []  # pipelined vs not is a mismatch too
+
+
+@pytest.mark.parametrize("boundaries", [[0, 4], [1, 2, 4], [0, 3, 3, 4], [0, 4, 2], [0, 2, 5000]], ids=str)
+def test_bad_layouts_are_refused(boundaries: list[int]) -> None:
+    with pytest.raises(ValidationError):
+        StageLayout(boundaries=boundaries)
+
+
+def test_layout_must_cover_the_model(model_dir: Path) -> None:
+    with pytest.raises(EngineError, match="model has 4 layers"):
+        StageModel.load(model_dir, StageLayout(boundaries=[0, 2, 3]), 0)
+
+
+def test_a_stage_reads_only_its_own_tensors(model_dir: Path) -> None:
+    import torch
+
+    layout = StageLayout(boundaries=[0, 1, 3, 4])
+    first, middle, last = (
+        load_stage_tensors(model_dir, layout, s, torch.float32, tied=True) for s in range(3)
+    )
+    assert "embed.weight" in first and "head.weight" not in first
+    assert {name.split(".")[1] for name in first if name.startswith("layers.")} == {"0"}
+    assert {name.split(".")[1] for name in middle if name.startswith("layers.")} == {"0", "1"}
+    assert not any(name in middle for name in ("embed.weight", "norm.weight", "head.weight"))
+    assert "norm.weight" in last and "head.weight" in last and "embed.weight" not in last
+    # Renumbered from 0 within the stage: stage 1's layer 0 is the checkpoint's layer 1.
+    from safetensors import safe_open
+
+    with safe_open(model_dir / "model.safetensors", framework="pt") as handle:
+        expected = handle.get_tensor("model.layers.1.mlp.up_proj.weight")
+    assert torch.equal(middle["layers.0.mlp.up_proj.weight"], expected)
+
+
+@pytest.mark.parametrize("boundaries", [[0, 2, 4], [0, 1, 2, 3, 4]], ids=["2-stage", "4-stage"])
+@pytest.mark.parametrize("micro_batch_size", [3, 16])
+def test_pipelined_generation_is_identical_to_monolithic(
+    model_dir: Path, boundaries: list[int], micro_batch_size: int, one_torch_thread: None
+) -> None:
+    requests = random_requests(7, seed=len(boundaries) + micro_batch_size)
+    reference_engine = HFEngine.load(model_dir, dtype="float32", max_batch_size=micro_batch_size)
+    # An EOS the model emits often, so that samples finish at different steps and leave the batch (the
+    # cache row selection is exercised on every stage).
+    eos = frequent_token(reference_engine, requests, PARAMS)
+    engine = HFEngine(reference_engine.model, eos_token_id=eos, max_batch_size=micro_batch_size)
+    reference = engine.generate(requests, PARAMS, capture_hidden=False)
+    assert {c.finish_reason for c in reference} == {"eos", "length"}
+    spec, processors, ids = group(
+        model_dir,
+        boundaries,
+        requests,
+        PARAMS,
+        micro_batch_size=micro_batch_size,
+        eos_token_id=eos,
+        pad_token_id=engine.pad_token_id,
+    )
+    completions, records = run_loopback(spec, processors, ids)
+    for ours, theirs in zip(completions, reference, strict=True):
+        assert ours.output_ids == theirs.output_ids
+        assert ours.output_logprobs == theirs.output_logprobs  # bit-identical float32 compute
+        assert ours.finish_reason == theirs.finish_reason
+    assert all(r.is_authentic() for r in records)
+    assert [r.record.stage for r in records] == list(range(len(boundaries) - 1))

@@ -1,0 +1,208 @@
+"""The activation stream's wire format against hostile senders, and a group over real TCP streams on 127.0.0.1
+with an injected per-hop delay: identical output, and micro-batches overlapping stages."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from prime_node.node.engine.hf import HFEngine
+from prime_node.node.engine.types import SamplingParams
+from prime_node.node.pipeline.driver import GroupSpec
+from prime_node.node.pipeline.group import HopSettings, overlapped_flights, run_group
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.pipeline.errors import PipelineWireError
+from prime_node.p2p.pipeline.frames import (
+    DOMAIN,
+    MAX_HEADER_BYTES,
+    ChainReader,
+    FrameReader,
+    FrameWriter,
+    chain_next,
+    split_frames,
+)
+from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.p2p.signing import canonical_json
+
+from support.pipeline import group, identities, random_requests, save_tiny
+
+LAYOUT = StageLayout(boundaries=[0, 2, 4])
+SENDER, OTHER = identities(2)
+SPEC = GroupSpec("local", 3, 7, LAYOUT, (SENDER.node_id, OTHER.node_id))
+
+
+def writer() -> FrameWriter:
+    return FrameWriter(SENDER, SPEC.opening(0))
+
+
+def reader(max_tensor_bytes: int = 1 << 20) -> ChainReader:
+    return ChainReader(SENDER.node_id, LAYOUT, max_tensor_bytes)
+
+
+def activation(w: FrameWriter, tensor: torch.Tensor, **changes: object) -> bytes:
+    fields: dict[str, object] = dict(
+        kind="prefill",
+        micro_batch=0,
+        step=0,
+        rows=list(range(tensor.shape[0])),
+        tensor=tensor,
+        dtype="float32",
+        commitment=b"\x01\x02",
+    )
+    fields.update(changes)
+    return w.frame(**fields)[0]  # type: ignore[arg-type]
+
+
+def forged(w: FrameWriter, header: dict[str, object], data: bytes, *, signer: Identity = SENDER) -> bytes:
+    """A frame with any header the sender (or `signer`) chooses, correctly chained and signed."""
+    raw = canonical_json(header)
+    w.head = chain_next(w.head, raw)
+    w.index += 1
+    return struct.pack(">I", len(raw)) + raw + signer.sign(DOMAIN + w.head) + data
+
+
+def header_of(tensor_bytes: bytes, **fields: object) -> dict[str, object]:
+    base: dict[str, object] = dict(
+        index=1,
+        micro_batch=0,
+        kind="prefill",
+        step=0,
+        rows=[0],
+        shape=[1, 2, 4],
+        dtype="float32",
+        tensor_sha256=hashlib.sha256(tensor_bytes).hexdigest(),
+        commitment=None,
+    )
+    base.update(fields)
+    return base
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_frames_round_trip_exactly(dtype: str) -> None:
+    w = writer()
+    hidden = torch.randn(2, 3, 8)
+    tokens = torch.tensor([5, 9])
+    data = (
+        w.opening()
+        + activation(w, hidden, dtype=dtype)
+        + w.frame(
+            kind="tokens", micro_batch=0, step=0, rows=[0, 1], tensor=tokens, dtype="int64", commitment=b""
+        )[0]
+        + w.end()[0]
+    )
+    chain = reader()
+    first, second, end = split_frames(chain, data)
+    expected = hidden if dtype == "float32" else hidden.to(torch.bfloat16)
+    assert torch.equal(first.tensor, expected) and torch.equal(second.tensor, tokens)
+    assert end.header.kind == "end" and chain.head == w.head and len(chain.headers) == 3
+
+
+def hostile_streams() -> dict[str, tuple[bytes, str]]:
+    """name -> (stream bytes after a valid opening, the error expected)."""
+    cases: dict[str, tuple[bytes, str]] = {}
+    good = torch.zeros(1, 2, 4)
+    raw = good.numpy().tobytes()
+
+    w = writer()
+    cases["header too large"] = (struct.pack(">I", MAX_HEADER_BYTES + 1), "header; at most")
+    w = writer()
+    huge = header_of(b"", shape=[1, 1 << 20, 1 << 10])
+    cases["oversized shape"] = (forged(w, huge, b""), "at most")
+    w = writer()
+    cases["wrong dtype for kind"] = (forged(w, header_of(raw, dtype="int64"), raw), "cannot carry int64")
+    w = writer()
+    cases["rows disagree with shape"] = (forged(w, header_of(raw, rows=[0, 1]), raw), "does not have 2 rows")
+    w = writer()
+    cases["truncated tensor"] = (activation(w, good)[:-3], "stream ended")
+    w = writer()
+    frame = bytearray(activation(w, good))
+    frame[4 + struct.unpack(">I", frame[:4])[0] + 5] ^= 1  # a byte of the signature, not of the header
+    cases["bad signature"] = (bytes(frame), "bad signature")
+    w = writer()
+    activation(w, good)  # frame 1 is never delivered: the chain breaks at frame 2
+    cases["broken chain"] = (activation(w, good), "bad signature")
+    w = writer()
+    nan = torch.full((1, 2, 4), float("nan"))
+    cases["non-finite values"] = (activation(w, nan), "NaN or infinite")
+    w = writer()
+    cases["bytes differ from signed hash"] = (
+        forged(w, header_of(raw), torch.ones(1, 2, 4).numpy().tobytes()),
+        "do not hash",
+    )
+    w = writer()
+    cases["signed by another key"] = (forged(w, header_of(raw), raw, signer=OTHER), "bad signature")
+    w = writer()
+    spaced = canonical_json(header_of(raw)).replace(b",", b", ")
+    w.head = chain_next(w.head, spaced)
+    cases["non-canonical header"] = (
+        struct.pack(">I", len(spaced)) + spaced + SENDER.sign(DOMAIN + w.head) + raw,
+        "canonical",
+    )
+    w = writer()
+    cases["frame out of order"] = (forged(w, header_of(raw, index=2), raw), "arrived where frame 1")
+    return cases
+
+
+@pytest.mark.parametrize("case", list(hostile_streams()))
+def test_hostile_frames_are_refused_with_a_reason(case: str) -> None:
+    data, reason = hostile_streams()[case]
+    with pytest.raises(PipelineWireError, match=reason):
+        split_frames(reader(), writer().opening() + data)
+
+
+def test_an_opening_from_another_sender_or_layout_is_refused() -> None:
+    imposter = FrameWriter(
+        OTHER, GroupSpec("local", 3, 7, LAYOUT, (OTHER.node_id, SENDER.node_id)).opening(0)
+    )
+    with pytest.raises(PipelineWireError, match="not signed by the expected sender"):
+        split_frames(reader(), imposter.opening())
+    four = ChainReader(SENDER.node_id, StageLayout(boundaries=[0, 1, 2, 3, 4]))
+    with pytest.raises(PipelineWireError, match="the run has 4 stages"):
+        split_frames(four, writer().opening())
+
+
+def test_a_silent_peer_times_out() -> None:
+    async def scenario() -> None:
+        stream = asyncio.StreamReader()
+        stream.feed_data(writer().opening()[:10])
+        frames = FrameReader(stream, reader(), timeout_s=0.05)
+        await frames.read_opening()
+
+    with pytest.raises(PipelineWireError, match="sent no"):
+        asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny-pipeline-wire"))
+
+
+def test_group_over_tcp_with_delay_matches_monolithic_and_overlaps(
+    model_dir: Path, one_torch_thread: None
+) -> None:
+    requests = random_requests(8, seed=11)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    engine = HFEngine.load(model_dir, dtype="float32", max_batch_size=2)
+    reference = engine.generate(requests, params, capture_hidden=False)
+    overlaps = {}
+    for micro_batch_size in (8, 2):
+        spec, processors, ids = group(
+            model_dir,
+            [0, 2, 4],
+            requests,
+            params,
+            micro_batch_size=micro_batch_size,
+            eos_token_id=engine.eos_token_id,
+            pad_token_id=engine.pad_token_id,
+        )
+        run = asyncio.run(run_group(spec, processors, ids, HopSettings(delay_s=0.02, frame_timeout_s=20)))
+        assert [c.output_ids for c in run.completions] == [c.output_ids for c in reference]
+        assert all(r.is_authentic() for r in run.records)
+        overlaps[micro_batch_size] = overlapped_flights(run.runners)
+    assert overlaps[8] == 0  # one micro-batch: the ring is strictly sequential
+    assert overlaps[2] > 0  # four: frames travel while the stages compute other micro-batches
