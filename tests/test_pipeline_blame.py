@@ -148,7 +148,7 @@ def test_blame_over_many_faults_and_honest_rollouts(
                 else:
                     assert verdict.blamed == fault.stage, f"{fault}: {verdict.reason}"
                     faults += 1
-    for seed in range(110):  # more honest batches, 4 rollouts each
+    for seed in range(120):  # more honest batches, 4 rollouts each
         layout = [[0, 2, 4], [0, 1, 2, 3, 4]][seed % 2]
         ((_, verdict),) = verdicts(model_dir, engine, layout, [None], seed=1000 + seed)
         assert verdict.accepted, verdict.reason

@@ -8,17 +8,17 @@ from pathlib import Path
 
 from prime_node.node.engine.hf import HFEngine
 from prime_node.node.engine.types import SampleRequest, SamplingParams
-from prime_node.node.models.tiny import build_tiny_model, save_model_dir
-from prime_node.node.pipeline.driver import GroupSpec
+from prime_node.node.models.tiny import TinyModelShape, build_tiny_model, save_model_dir
 from prime_node.node.pipeline.stage import StageProcessor
 from prime_node.node.pipeline.stage_model import StageModel
 from prime_node.node.pipeline.work import PipelineWork
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.proofs.pipeline.records import GroupSpec
 
 
-def save_tiny(out: Path, seed: int = 3) -> Path:
-    save_model_dir(*build_tiny_model(seed=seed), out)
+def save_tiny(out: Path, seed: int = 3, shape: TinyModelShape | None = None) -> Path:
+    save_model_dir(*build_tiny_model(seed=seed, shape=shape), out)
     return out
 
 
@@ -46,10 +46,14 @@ def group(
     eos_token_id: int,
     pad_token_id: int,
     batch: int = 0,
+    commit: bool = True,
 ) -> tuple[GroupSpec, list[StageProcessor], list[Identity]]:
     layout = StageLayout(boundaries=boundaries)
     work = PipelineWork(requests, params, micro_batch_size, eos_token_id, pad_token_id)
-    processors = [StageProcessor(StageModel.load(model_dir, layout, s), work) for s in range(layout.stages)]
+    processors = [
+        StageProcessor(StageModel.load(model_dir, layout, s), work, commit=commit)
+        for s in range(layout.stages)
+    ]
     ids = identities(layout.stages)
     spec = GroupSpec("local", 0, batch, layout, tuple(i.node_id for i in ids))
     return spec, processors, ids
