@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hivemind.utils import get_dht_time
 
 from prime_node.node.engine.hf import HFEngine
 from prime_node.node.engine.types import SamplingParams
@@ -22,7 +23,8 @@ from prime_node.node.pipeline.member import MemberSettings, PipelineMember
 from prime_node.node.pipeline.work import PipelineWork
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
-from prime_node.p2p.swarm.group_records import GroupRecord
+from prime_node.p2p.swarm.group_records import GroupRecord, group_id
+from prime_node.p2p.swarm.records import RecordKind, dht_key, seal
 from prime_node.proofs.pipeline.blame import GroupWork, verify_group
 from prime_node.proofs.pipeline.records import GroupSpec
 from prime_node.trainer.groups.coordinator import GroupCoordinator
@@ -88,6 +90,27 @@ async def test_a_killed_member_dissolves_its_group_and_the_survivors_regroup() -
             spare = next(n for n in nodes if n.node_id not in first.members)
             victim = next(n for n in nodes if n.node_id == first.members[0])
             survivor = next(n for n in nodes if n.node_id == first.members[1])
+            # A member forges a newer-round group for itself and the spare, signed with its own key: every
+            # peer's DHT validator refuses it, so no member ever sees it.
+            pair = [spare.node_id, survivor.node_id]
+            forged = first.model_copy(
+                update={"group_id": group_id("groups", 3, pair), "members": pair, "round": 99}
+            )
+            exp = get_dht_time() + 30
+            value = seal(survivor.identity, "groups", RecordKind.GROUP, forged.group_id, forged, exp)
+            stored = await survivor._await(
+                survivor._dht().store(
+                    dht_key("groups", RecordKind.GROUP),
+                    value,
+                    exp,
+                    subkey=forged.group_id,
+                    return_future=True,
+                )
+            )
+            assert not stored
+            await asyncio.sleep(1.0)  # a few member polls
+            assert forged.group_id not in await spare.list_groups()
+            assert all(m.group is None or m.group.group_id == first.group_id for m in members)
             # Kill: the victim's DHT child and p2p daemon die without a goodbye, and its own tasks stop.
             killed_at = time.monotonic()
             tasks.pop(victim.node_id).cancel()
