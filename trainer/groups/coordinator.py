@@ -71,7 +71,9 @@ class GroupCoordinator:
         bans = await self.directory.read_bans()
         now = time.time()
         view = View(now, step, self.layout, heartbeats, offers, frozenset(bans))
-        plan = plan_round(
+        # Off the event loop: forming groups of a few hundred nodes takes seconds of CPU (docs/pipeline.md).
+        plan = await asyncio.to_thread(
+            plan_round,
             self.directory.config.run_id,
             view,
             self.state.current,

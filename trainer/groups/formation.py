@@ -38,29 +38,45 @@ class Candidate:
     cost_s: float
 
 
-def hop_rtt_ms(offers: Mapping[str, StageAvailability], a: str, b: str, settings: FormationSettings) -> float:
-    """The round trip between a and b: the larger of the two sides' measurements (neither can shrink it by
-    lying about its own), one side's when only one measured, `unknown_rtt_ms` when neither did."""
-    seen = [x for x in (offers[a].rtt_to(b), offers[b].rtt_to(a)) if x is not None]
-    return max(seen) if seen else settings.unknown_rtt_ms
-
-
-def stage_seconds(layout: StageLayout, stage: int, offer: StageAvailability) -> float:
-    return len(layout.layer_range(stage)) / offer.layer_tokens_per_s
-
-
 def group_cost(
     layout: StageLayout,
     members: Sequence[str],
     offers: Mapping[str, StageAvailability],
     settings: FormationSettings,
 ) -> float:
-    slowest = max(stage_seconds(layout, k, offers[m]) for k, m in enumerate(members))
-    ring_ms = sum(
-        hop_rtt_ms(offers, members[k], members[(k + 1) % len(members)], settings) for k in range(len(members))
-    )
-    unreachable = sum(not offers[m].reachable for m in members)
-    return slowest + ring_ms / 1000.0 + unreachable * settings.unreachable_penalty_s
+    return _Prices(layout, offers, settings).cost(members)
+
+
+class _Prices:
+    """group_cost's terms, looked up in tables built once per formation (the search asks for them often)."""
+
+    def __init__(
+        self, layout: StageLayout, offers: Mapping[str, StageAvailability], settings: FormationSettings
+    ) -> None:
+        self.settings = settings
+        self.rtt = {(a, r.node_id): r.rtt_ms for a, offer in offers.items() for r in offer.rtts}
+        self.seconds = {
+            (k, m): len(layout.layer_range(k)) / offer.layer_tokens_per_s
+            for m, offer in offers.items()
+            for k in offer.stages
+            if k < layout.stages
+        }
+        self.penalty = {m: (not o.reachable) * settings.unreachable_penalty_s for m, o in offers.items()}
+
+    def hop_s(self, a: str, b: str) -> float:
+        # The larger of the two sides' measurements (neither end can shrink a hop by lying about its own side),
+        # one side's when only one measured, `unknown_rtt_ms` when neither did.
+        seen = [x for x in (self.rtt.get((a, b)), self.rtt.get((b, a))) if x is not None]
+        return (max(seen) if seen else self.settings.unknown_rtt_ms) / 1000.0
+
+    def path(self, members: Sequence[str]) -> float:
+        """Slowest stage + the open path's hops + penalties (a partial group, in stage order from 0)."""
+        slowest = max(self.seconds[(k, m)] for k, m in enumerate(members))
+        hops = sum(self.hop_s(members[i], members[i + 1]) for i in range(len(members) - 1))
+        return slowest + hops + sum(self.penalty[m] for m in members)
+
+    def cost(self, members: Sequence[str]) -> float:
+        return self.path(members) + self.hop_s(members[-1], members[0])
 
 
 def _eligible(
@@ -69,44 +85,30 @@ def _eligible(
     return [sorted(m for m in pool if k in offers[m].stages) for k in range(layout.stages)]
 
 
-def _exact(
-    layout: StageLayout,
-    offers: Mapping[str, StageAvailability],
-    per_stage: list[list[str]],
-    settings: FormationSettings,
-) -> Candidate | None:
+def _exact(per_stage: list[list[str]], prices: _Prices) -> Candidate | None:
     best: Candidate | None = None
     for members in itertools.product(*per_stage):
         if len(set(members)) != len(members):
             continue
-        cost = group_cost(layout, members, offers, settings)
+        cost = prices.cost(members)
         if best is None or (cost, members) < (best.cost_s, best.members):
             best = Candidate(members, cost)
     return best
 
 
-def _beam(
-    layout: StageLayout,
-    offers: Mapping[str, StageAvailability],
-    per_stage: list[list[str]],
-    settings: FormationSettings,
-) -> Candidate | None:
+def _beam(per_stage: list[list[str]], prices: _Prices, width: int) -> Candidate | None:
     # Partial groups ranked by their slowest stage plus the open path's latency (the closing hop comes last).
     beam: list[tuple[float, tuple[str, ...]]] = [(0.0, ())]
-    for k, eligible in enumerate(per_stage):
-        grown: list[tuple[float, tuple[str, ...]]] = []
-        for _, members in beam:
-            for m in eligible:
-                if m in members:
-                    continue
-                path = members + (m,)
-                slowest = max(stage_seconds(layout, i, offers[x]) for i, x in enumerate(path))
-                hops = sum(hop_rtt_ms(offers, path[i], path[i + 1], settings) for i in range(k)) / 1000.0
-                penalty = sum(not offers[x].reachable for x in path) * settings.unreachable_penalty_s
-                grown.append((slowest + hops + penalty, path))
+    for eligible in per_stage:
+        grown = [
+            (prices.path(members + (m,)), members + (m,))
+            for _, members in beam
+            for m in eligible
+            if m not in members
+        ]
         grown.sort()
-        beam = grown[: settings.beam_width]
-    finished = [Candidate(m, group_cost(layout, m, offers, settings)) for _, m in beam]
+        beam = grown[:width]
+    finished = [Candidate(m, prices.cost(m)) for _, m in beam]
     return min(finished, key=lambda c: (c.cost_s, c.members), default=None)
 
 
@@ -120,9 +122,10 @@ def cheapest_group(
     per_stage = _eligible(layout, offers, pool)
     if any(not eligible for eligible in per_stage):
         return None
-    tuples = math.prod(len(e) for e in per_stage)
-    search = _exact if tuples <= settings.exact_limit else _beam
-    return search(layout, offers, per_stage, settings)
+    prices = _Prices(layout, offers, settings)
+    if math.prod(len(e) for e in per_stage) <= settings.exact_limit:
+        return _exact(per_stage, prices)
+    return _beam(per_stage, prices, settings.beam_width)
 
 
 def form_groups(
