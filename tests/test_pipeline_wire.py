@@ -13,7 +13,7 @@ import torch
 
 from prime_node.node.engine.hf import HFEngine
 from prime_node.node.engine.types import SamplingParams
-from prime_node.node.pipeline.driver import GroupSpec
+from prime_node.node.pipeline.boundaries import BoundaryOracle
 from prime_node.node.pipeline.group import HopSettings, overlapped_flights, run_group
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.errors import PipelineWireError
@@ -28,6 +28,8 @@ from prime_node.p2p.pipeline.frames import (
 )
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.signing import canonical_json
+from prime_node.proofs.pipeline.blame import GroupWork, verify_group
+from prime_node.proofs.pipeline.records import GroupSpec
 
 from support.pipeline import group, identities, random_requests, save_tiny
 
@@ -202,7 +204,16 @@ def test_group_over_tcp_with_delay_matches_monolithic_and_overlaps(
         )
         run = asyncio.run(run_group(spec, processors, ids, HopSettings(delay_s=0.02, frame_timeout_s=20)))
         assert [c.output_ids for c in run.completions] == [c.output_ids for c in reference]
-        assert all(r.is_authentic() for r in run.records)
+        work = GroupWork(
+            [r.prompt_ids for r in requests],
+            [r.seed for r in requests],
+            1.0,
+            params.max_new_tokens,
+            engine.eos_token_id,
+            micro_batch_size,
+        )
+        verdict = verify_group(spec, run.records, work, BoundaryOracle(engine.model, spec.layout))
+        assert verdict.accepted, verdict.reason  # the records of a real-stream run verify end to end
         overlaps[micro_batch_size] = overlapped_flights(run.runners)
     assert overlaps[8] == 0  # one micro-batch: the ring is strictly sequential
     assert overlaps[2] > 0  # four: frames travel while the stages compute other micro-batches
