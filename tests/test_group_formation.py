@@ -7,12 +7,15 @@ import itertools
 import random
 
 import pytest
+from pydantic import ValidationError
 
 from prime_node.node.pipeline.membership import NodeView, choose_group, why_unusable
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.swarm.group_records import GroupRecord, PeerRtt, StageAvailability, group_id
 from prime_node.p2p.swarm.records import Hardware, Heartbeat
+from prime_node.trainer.groups.config import GroupsSection
+from prime_node.trainer.groups.coordinator import adopt
 from prime_node.trainer.groups.formation import FormationSettings, form_groups, group_cost
 from prime_node.trainer.groups.plan import PlanSettings, View, plan_round
 
@@ -215,3 +218,20 @@ def test_a_node_runs_only_a_usable_group_of_the_newest_round_that_names_it() -> 
     # But a member already running it keeps it for the grace while the new round propagates.
     assert choose_group(both, _node_view(a, beats, now=101.0), good.group_id)[0] == good
     assert choose_group(both, _node_view(a, beats, now=103.0), good.group_id)[0] is None
+
+
+def test_a_restarted_coordinator_adopts_the_newest_round() -> None:
+    a, b, c, d = IDS[:4]
+    old = _group([a, b], round_=1)
+    standing = _group([c, d], round_=2)
+    stale_step = _group([a, c], round_=2, policy_step=2, group_id=group_id(RUN, 2, [a, c]))
+    assert adopt([old, standing, stale_step], 3, LAYOUT) == (2, [standing])
+    assert adopt([], 3, LAYOUT) == (0, [])
+
+
+def test_groups_settings_are_bounded_and_checked() -> None:
+    assert GroupsSection().plan_settings().stale_after_s == 45.0
+    with pytest.raises(ValidationError, match="confirm_within_s"):
+        GroupsSection(poll_s=30.0, confirm_within_s=10.0)
+    with pytest.raises(ValidationError):
+        GroupsSection(stale_after_s=float("nan"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ...p2p.errors import P2PError
@@ -35,6 +35,15 @@ class CoordinatorState:
     formed: list[tuple[float, str]] = field(default_factory=list)
 
 
+def adopt(groups: Iterable[GroupRecord], step: int, layout: StageLayout) -> tuple[int, list[GroupRecord]]:
+    """The newest round in the DHT and its groups that fit the current step and layout (kept by plan_round
+    while their members stand), sorted by group id."""
+    found = list(groups)
+    newest = max((g.round for g in found), default=0)
+    current = [g for g in found if g.round == newest and g.policy_step == step and g.layout == layout]
+    return newest, sorted(current, key=lambda g: g.group_id)
+
+
 class GroupCoordinator:
     def __init__(
         self,
@@ -53,10 +62,11 @@ class GroupCoordinator:
         self.state = CoordinatorState()
         self._started = False
 
-    async def _resume(self) -> None:
-        # A restarted coordinator continues the round count, so nodes never see rounds go backwards.
+    async def _resume(self, step: int) -> None:
+        # A restarted coordinator continues the round count, so nodes never see rounds go backwards, and adopts
+        # the groups of the newest round, so that a trainer restart does not break up groups that stand.
         groups = await self.directory.list_groups()
-        self.state.round = max((g.round for g in groups.values()), default=0)
+        self.state.round, self.state.current = adopt(groups.values(), step, self.layout)
 
     async def tick(self) -> Plan | None:
         """One round: read, plan, publish what changed (and republish before the records expire)."""
@@ -64,7 +74,7 @@ class GroupCoordinator:
         if step is None:
             return None
         if not self._started:
-            await self._resume()
+            await self._resume(step)
             self._started = True
         heartbeats = await self.directory.list_peers()
         offers = await self.directory.list_stages()
