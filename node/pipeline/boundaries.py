@@ -35,7 +35,7 @@ class BoundaryOracle:
                 f"the layout covers {layout.layers} layers, the model has {model.config.num_hidden_layers}"
             )
         self.model, self.layout, self.max_batch_size = model.eval(), layout, max_batch_size
-        self.layers = model.base_model.layers
+        self.layers: torch.nn.ModuleList = model.base_model.layers  # type: ignore[assignment]
         self.head = model.get_output_embeddings()
         self.pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 

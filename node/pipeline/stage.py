@@ -106,10 +106,12 @@ class StageProcessor:
             self.outputs.tokens[sample].append(token)
         step = header.step
         if step == self.work.params.max_new_tokens - 1:
-            return self._finish(header.micro_batch)
+            self._finish(header.micro_batch)
+            return None
         keep = [b for b, t in enumerate(tokens.tolist()) if t != self.work.eos_token_id]
         if not keep:
-            return self._finish(header.micro_batch)
+            self._finish(header.micro_batch)
+            return None
         self._select(state, keep)
         hidden = self._decode(state, tokens[keep][:, None])
         state.step = step + 1
@@ -247,7 +249,6 @@ class StageProcessor:
     def _finish(self, micro_batch: int) -> None:
         self.finished.add(micro_batch)
         self.batches.pop(micro_batch, None)
-        return None
 
     def _first_only(self, what: str) -> None:
         if not self.model.first:

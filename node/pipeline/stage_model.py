@@ -94,7 +94,7 @@ class StageModel(nn.Module):
         return DynamicCache(config=self.config)
 
     @torch.inference_mode()
-    def forward(  # type: ignore[override]
+    def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: DynamicCache | None
     ) -> torch.Tensor:
         """Token ids (first stage) or the previous stage's hidden states -> this stage's output: the residual

@@ -25,7 +25,7 @@ import hashlib
 import math
 import struct
 from dataclasses import dataclass
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -52,7 +52,11 @@ Parsed = TypeVar("Parsed", bound=WireModel)
 FrameKind = Literal["prefill", "decode", "tokens", "end"]
 WireDtype = Literal["float32", "bfloat16", "int64"]
 # Little-endian numpy view of each wire dtype (bfloat16 travels as its 16-bit pattern).
-_NUMPY = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), "int64": np.dtype("<i8")}
+_NUMPY: dict[str, np.dtype[Any]] = {
+    "float32": np.dtype("<f4"),
+    "bfloat16": np.dtype("<u2"),
+    "int64": np.dtype("<i8"),
+}
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
 
 

@@ -33,7 +33,7 @@ from ..bounds import CALIBRATED, ToplocThresholds
 from ..errors import ProofError
 from ..gumbel import gumbel_noise, perturbed_scores
 from ..toploc import ChunkStats, build_proof, check_proof, worst_failure
-from .records import GroupSpec, HopFraud, HopRecord, SignedStageRecord
+from .records import GroupSpec, HopFraud, HopRecord, SignedStageRecord, StageRecord
 from .schedule import fed_rows, micro_batches, sampled_rows
 
 
@@ -170,7 +170,9 @@ def _signed(hop: HopRecord, sender: str) -> bool:
         return False
 
 
-def _tokens(present: Sequence, outputs: Sequence[Sequence[int]], work: GroupWork) -> GroupVerdict | None:  # type: ignore[type-arg]
+def _tokens(
+    present: Sequence[StageRecord], outputs: Sequence[Sequence[int]], work: GroupWork
+) -> GroupVerdict | None:
     last = len(present) - 1
     if len(outputs) != len(work.prompts) or any(not 1 <= len(o) <= work.max_new_tokens for o in outputs):
         return GroupVerdict(last, f"stage {last}: its outputs do not fit the batch")
