@@ -1,10 +1,11 @@
 """A pipeline node's side of the groups: offer stages, follow the signed group records, confirm, run.
 
-Every `poll_s` the member republishes its stage offer (as often as its heartbeat: both say it is alive),
-reads the group records and heartbeats, and asks membership.choose_group which group, if any, it runs. When
-the answer changes it names the new group in its heartbeat at once (the confirmation the coordinator waits
-for) and tells its owner through `on_change`: the owner abandons the batch in flight of a group it left
-(its stage task is cancelled: no partial record is ever produced) and starts its stage in the new one.
+Every `poll_s` the member republishes its stage offer when a heartbeat interval has passed (both say it is
+alive), re-measures round trips every `rtt_interval_s`, reads the group records and heartbeats, and asks
+membership.choose_group which group, if any, it runs. When the answer changes it names the new group in its
+heartbeat at once (the confirmation the coordinator waits for) and tells its owner through `on_change`: the
+owner abandons the batch in flight of a group it left (its stage task is cancelled: no partial record is ever
+produced) and starts its stage in the new one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class MemberSettings:
     stale_after_s: float = 45.0  # as the coordinator's PlanSettings.stale_after_s
     round_grace_s: float = 10.0
     measure_rtts: bool = True
+    rtt_interval_s: float = 60.0  # round trips change slowly; measuring them costs 3 handshakes per peer
 
 
 class PipelineMember:
@@ -50,6 +52,8 @@ class PipelineMember:
         self.group: GroupRecord | None = None
         self.rtts: list[PeerRtt] = []
         self.events: list[tuple[float, str | None, str]] = []  # (time, group id or None, why) per change
+        self._measured_at = float("-inf")
+        self._offered_at = float("-inf")
 
     def offer(self) -> StageAvailability:
         return StageAvailability(
@@ -64,9 +68,14 @@ class PipelineMember:
 
     async def tick(self) -> GroupRecord | None:
         heartbeats = await self.directory.list_peers()
-        if self.settings.measure_rtts:
+        now = time.monotonic()
+        if self.settings.measure_rtts and now - self._measured_at >= self.settings.rtt_interval_s:
             self.rtts = await measure_rtts(self.directory.node_id, heartbeats)
-        await self.directory.publish_stages(self.offer())
+            self._measured_at = now
+        # As often as the heartbeat: the coordinator judges both by age (plan.py live_nodes).
+        if now - self._offered_at >= self.directory.config.heartbeat_interval_s:
+            await self.directory.publish_stages(self.offer())
+            self._offered_at = now
         groups = await self.directory.list_groups()
         view = NodeView(
             node_id=self.directory.node_id,
