@@ -20,7 +20,7 @@ from prime_node.node.pipeline.stage import Outgoing
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.proofs.pipeline.blame import GroupWork, check_fraud
 
-from support.pipeline import group, random_requests, save_tiny
+from support.pipeline import group, identities, random_requests, regroup_after_a_kill, save_tiny
 from support.pipeline_attacks import Fault, faults_for, run_case
 
 PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0)
@@ -126,6 +126,16 @@ def test_a_stage_dropping_out_mid_batch_dissolves_the_group(tcp_group, one_torch
     assert failure.group_contains(ConnectionResetError)
     # No stage finished its batch, so none has an "end"-terminated stream to put in a record.
     assert all(not r.writer.headers or r.writer.headers[-1].kind != "end" for r in runners)
+
+
+def test_survivors_regroup_without_the_dead_stage_and_their_work_verifies(
+    model_dir: Path, engine: HFEngine, one_torch_thread: None
+) -> None:
+    pool = identities(4, salt=40)
+    seconds, verdict, dead, members = regroup_after_a_kill(model_dir, engine, PARAMS, pool)
+    assert dead not in members and len(set(members)) == 2
+    assert verdict.accepted, verdict.reason
+    assert seconds > 0
 
 
 @pytest.mark.slow

@@ -97,3 +97,40 @@ def test_pipelined_generation_is_identical_to_monolithic(
         assert ours.finish_reason == theirs.finish_reason
     assert all(r.is_authentic() for r in records)
     assert [r.record.stage for r in records] == list(range(len(boundaries) - 1))
+
+
+def test_a_stage_needs_only_the_shards_of_its_tensors(model_dir: Path, tmp_path: Path) -> None:
+    """With only its shards' bytes present (every other byte of the checkpoint zeroed), a stage loads exactly
+    what it loads from the whole checkpoint; the middle stages need a fraction of the shards."""
+    import shutil
+
+    import torch
+
+    from prime_node.node.pipeline.weights import stage_shards
+
+    names = sorted(p.name for p in model_dir.iterdir() if p.is_file())
+    files = [(name, (model_dir / name).stat().st_size) for name in names]
+    blob = b"".join((model_dir / name).read_bytes() for name in names)
+    shard_size = 16 << 10
+    total_shards = -(-len(blob) // shard_size)
+    headers = {"model.safetensors": (model_dir / "model.safetensors").read_bytes()[: 1 << 16]}
+    layout = StageLayout(boundaries=[0, 1, 2, 3, 4])
+    counts = []
+    for stage in range(layout.stages):
+        shards = stage_shards(files, shard_size, headers, layout, stage, tied=True)
+        counts.append(len(shards))
+        sparse = bytearray(len(blob))
+        for i in shards:
+            sparse[i * shard_size : (i + 1) * shard_size] = blob[i * shard_size : (i + 1) * shard_size]
+        out = tmp_path / f"stage{stage}"
+        out.mkdir()
+        offset = 0
+        for name, size in files:
+            (out / name).write_bytes(bytes(sparse[offset : offset + size]))
+            offset += size
+        full = load_stage_tensors(model_dir, layout, stage, torch.float32, tied=True)
+        partial = load_stage_tensors(out, layout, stage, torch.float32, tied=True)
+        assert full.keys() == partial.keys()
+        assert all(torch.equal(full[k], partial[k]) for k in full)
+        shutil.rmtree(out)
+    assert counts[1] < total_shards / 2 and counts[2] < total_shards / 2, (counts, total_shards)

@@ -95,3 +95,72 @@ def load_stage_tensors(
         except (OSError, SafetensorError) as exc:
             raise EngineError(f"cannot read stage {stage}'s tensors from {path}: {exc}") from None
     return state
+
+
+# ---------------------------------------------------------------------------- which shards a stage needs
+
+MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on its JSON header
+
+
+def safetensors_header_size(prefix: bytes) -> int:
+    """Bytes of a safetensors file before its tensor data (8-byte length + JSON header), from its first 8 bytes."""
+    if len(prefix) < 8:
+        raise EngineError("a safetensors file is shorter than its 8-byte header length")
+    size = int.from_bytes(prefix[:8], "little")
+    if size > MAX_SAFETENSORS_HEADER:
+        raise EngineError(f"a safetensors header claims {size} bytes; at most {MAX_SAFETENSORS_HEADER}")
+    return 8 + size
+
+
+def tensor_ranges(header: bytes) -> dict[str, tuple[int, int]]:
+    """Tensor name -> [start, end) byte range in the file, from the file's header bytes (at least
+    safetensors_header_size of them). The header comes from the signed checkpoint, so it is trusted for
+    content, but its offsets are still checked to lie after the header."""
+    start = safetensors_header_size(header)
+    if len(header) < start:
+        raise EngineError(f"{len(header)} header bytes given, the header has {start}")
+    try:
+        entries = json.loads(header[8:start])
+    except ValueError as exc:
+        raise EngineError(f"a safetensors header is not JSON: {exc}") from None
+    ranges = {}
+    for name, entry in entries.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        if not 0 <= begin <= end:
+            raise EngineError(f"tensor {name} has data offsets {begin}, {end}")
+        ranges[name] = (start + begin, start + end)
+    return ranges
+
+
+def stage_shards(
+    files: list[tuple[str, int]],
+    shard_size: int,
+    headers: dict[str, bytes],
+    layout: StageLayout,
+    stage: int,
+    *,
+    tied: bool,
+) -> list[int]:
+    """Indices of the checkpoint's shards a stage needs: every byte of its tensors and of each safetensors
+    header, and every other file whole (config, tokenizer, index). `files`: (path, size) in manifest order
+    (the checkpoint is their concatenation, cut every `shard_size` bytes); `headers`: each .safetensors
+    file's header bytes (its first shard holds them in practice)."""
+    ranges_of = {path: tensor_ranges(headers[path]) for path, _ in files if path.endswith(".safetensors")}
+    available = {name for ranges in ranges_of.values() for name in ranges}
+    wanted = stage_tensor_names(available, layout, stage, tied)
+    needed: list[tuple[int, int]] = []
+    offset = 0
+    for path, size in files:
+        if path in ranges_of:
+            needed.append((offset, offset + safetensors_header_size(headers[path])))
+            needed += [(offset + a, offset + b) for name, (a, b) in ranges_of[path].items() if name in wanted]
+        elif size:
+            needed.append((offset, offset + size))
+        offset += size
+    shards: set[int] = set()
+    for begin, end in needed:
+        if end > begin:
+            shards.update(range(begin // shard_size, (end - 1) // shard_size + 1))
+    return sorted(shards)

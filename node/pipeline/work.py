@@ -25,6 +25,10 @@ class PipelineWork:
     eos_token_id: int
     pad_token_id: int
 
+    def __post_init__(self) -> None:
+        if not self.requests or self.micro_batch_size < 1:
+            raise ValueError("a pipelined batch needs at least one request and micro_batch_size >= 1")
+
     @cached_property
     def schedule(self) -> list[list[int]]:
         return micro_batches([len(r.prompt_ids) for r in self.requests], self.micro_batch_size)

@@ -4,6 +4,7 @@ benchmarks/pipeline.py."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 from prime_node.node.engine.hf import HFEngine
@@ -14,6 +15,7 @@ from prime_node.node.pipeline.stage_model import StageModel
 from prime_node.node.pipeline.work import PipelineWork
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.proofs.pipeline.blame import GroupVerdict
 from prime_node.proofs.pipeline.records import GroupSpec
 
 
@@ -47,6 +49,7 @@ def group(
     pad_token_id: int,
     batch: int = 0,
     commit: bool = True,
+    members: list[Identity] | None = None,
 ) -> tuple[GroupSpec, list[StageProcessor], list[Identity]]:
     layout = StageLayout(boundaries=boundaries)
     work = PipelineWork(requests, params, micro_batch_size, eos_token_id, pad_token_id)
@@ -54,7 +57,7 @@ def group(
         StageProcessor(StageModel.load(model_dir, layout, s), work, commit=commit)
         for s in range(layout.stages)
     ]
-    ids = identities(layout.stages)
+    ids = members if members is not None else identities(layout.stages)
     spec = GroupSpec("local", 0, batch, layout, tuple(i.node_id for i in ids))
     return spec, processors, ids
 
@@ -66,3 +69,79 @@ def frequent_token(engine: HFEngine, requests: tuple[SampleRequest, ...], params
         for token in completion.output_ids[1:6]:
             counts[token] = counts.get(token, 0) + 1
     return max(counts, key=lambda t: counts[t])
+
+
+def regroup_after_a_kill(
+    model_dir: Path, engine: HFEngine, params: SamplingParams, pool: list[Identity]
+) -> tuple[float, GroupVerdict, str, list[str]]:
+    """Form a 2-stage group from `pool`, kill its last stage mid-batch, regroup the survivors, rerun the batch
+    over TCP and verify it: (seconds from the kill to the verdict, verdict, the dead node, the new members)."""
+    import asyncio
+    import contextlib
+
+    from prime_node.node.pipeline.boundaries import BoundaryOracle
+    from prime_node.node.pipeline.group import HopSettings, run_group
+    from prime_node.node.pipeline.grouping import StageAvailability, choose_group
+    from prime_node.node.pipeline.stage import Outgoing
+    from prime_node.proofs.pipeline.blame import GroupWork, verify_group
+
+    everyone = {i.node_id: i for i in pool}
+    reports = [
+        StageAvailability(
+            node_id=i.node_id,
+            stages=[0, 1],
+            step_ms=10.0 + n,
+            rtt_ms={j.node_id: 4.0 for j in pool if j is not i},
+            reachable=True,
+        )
+        for n, i in enumerate(pool)
+    ]
+    requests = random_requests(4, seed=21)
+    hop = HopSettings(delay_s=0.02, frame_timeout_s=5)
+    killed_at: list[float] = []
+
+    def kill(stage: int, out: Outgoing) -> Outgoing:
+        if stage == 1 and out.step == 2:
+            killed_at.append(time.monotonic())
+            raise ConnectionResetError("the last stage went away")
+        return out
+
+    chosen = choose_group(reports, 2)
+    assert chosen is not None
+    spec, processors, ids = group(
+        model_dir,
+        [0, 2, 4],
+        requests,
+        params,
+        micro_batch_size=2,
+        eos_token_id=engine.eos_token_id,
+        pad_token_id=engine.pad_token_id,
+        members=[everyone[m.node_id] for m in chosen],
+    )
+    with contextlib.suppress(ExceptionGroup):
+        asyncio.run(run_group(spec, processors, ids, hop, tamper=kill))
+    dead = chosen[1].node_id
+    again = choose_group([r for r in reports if r.node_id != dead], 2)
+    assert again is not None
+    spec, processors, ids = group(
+        model_dir,
+        [0, 2, 4],
+        requests,
+        params,
+        micro_batch_size=2,
+        eos_token_id=engine.eos_token_id,
+        pad_token_id=engine.pad_token_id,
+        batch=1,
+        members=[everyone[m.node_id] for m in again],
+    )
+    run = asyncio.run(run_group(spec, processors, ids, hop))
+    work = GroupWork(
+        [r.prompt_ids for r in requests],
+        [r.seed for r in requests],
+        params.temperature,
+        params.max_new_tokens,
+        engine.eos_token_id,
+        2,
+    )
+    verdict = verify_group(spec, run.records, work, BoundaryOracle(engine.model, spec.layout))
+    return time.monotonic() - killed_at[0], verdict, dead, [m.node_id for m in again]
