@@ -14,8 +14,8 @@ peer id from its heartbeat (p2p/pipeline/transport.py, docs/pipeline.md "Not bui
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +37,7 @@ from .work import PipelineWork
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, int, int]  # (group id, batch, stage)
+STOP_TIMEOUT_S = 10.0
 
 
 class Rendezvous(Protocol):
@@ -104,12 +105,24 @@ class StageHost:
             self.task = asyncio.create_task(self._run(group), name=f"pipeline-stage-{group.group_id[:12]}")
 
     async def stop(self, why: str = "stopped") -> None:
-        task, self.task = self.task, None
+        """Cancel the stage task and wait for it to end (PipelineError past STOP_TIMEOUT_S); a batch it had in
+        flight is abandoned. An error the task raised other than its cancellation is raised here."""
+        task, self.task = self.task, None  # from now on the task records nothing (see _run)
         if task is None:
             return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while not task.done():
+            # Again until it ends: a close() that swallows one CancelledError while it waits on a socket would
+            # otherwise let the stage run on into its next batch.
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
+            if time.monotonic() > deadline:
+                raise PipelineError(
+                    f"stage task {task.get_name()} did not stop within {STOP_TIMEOUT_S:.0f} s"
+                )
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
         if self.in_flight is not None:
             self.abandoned.append((*self.in_flight, why))
             self.in_flight = None
@@ -138,6 +151,8 @@ class StageHost:
                 await asyncio.sleep(self.retry_s)
                 batch += 1
                 continue
+            if self.task is not asyncio.current_task():
+                return  # stopped while the batch ended: it counts as abandoned (stop records it), not done
             self.in_flight = None
             outputs = processor.outputs.tokens
             record = stage_record(stage, self.identity, runner.chain, runner.writer, outputs)
