@@ -63,18 +63,24 @@ def live_nodes(view: View, settings: PlanSettings) -> set[str]:
     return live
 
 
-def _why_dissolved(group: GroupRecord, view: View, live: set[str], settings: PlanSettings) -> str | None:
+def _why_dissolved(
+    group: GroupRecord, view: View, live: set[str], settings: PlanSettings
+) -> tuple[str, list[str]] | None:
+    """None while `group` stands; else why, and the members to cool down (those that never confirmed it)."""
     if group.policy_step != view.policy_step:
-        return f"policy step {group.policy_step} is not the current {view.policy_step}"
+        return f"policy step {group.policy_step} is not the current {view.policy_step}", []
     if group.layout != view.layout:
-        return "the run's layout changed"
+        return "the run's layout changed", []
     gone = [m for m in group.members if m not in live]
     if gone:
-        return f"member {gone[0][:16]}… is gone (stale heartbeat, banned or no offer)"
+        return f"member {gone[0][:16]}… is gone (stale heartbeat, banned or no offer)", []
     if view.now - group.formed_at > settings.confirm_within_s:
         silent = [m for m in group.members if view.heartbeats[m].group != group.group_id]
         if silent:
-            return f"member {silent[0][:16]}… did not confirm within {settings.confirm_within_s:.0f} s"
+            return (
+                f"member {silent[0][:16]}… did not confirm within {settings.confirm_within_s:.0f} s",
+                silent,
+            )
     return None
 
 
@@ -92,15 +98,12 @@ def plan_round(
     kept: list[GroupRecord] = []
     dissolved: dict[str, str] = {}
     for group in current:
-        why = _why_dissolved(group, view, live, settings)
-        if why is None:
+        verdict = _why_dissolved(group, view, live, settings)
+        if verdict is None:
             kept.append(group)
             continue
-        dissolved[group.group_id] = why
-        for m in group.members:
-            beat = view.heartbeats.get(m)
-            if m in live and (beat is None or beat.group != group.group_id) and "confirm" in why:
-                cooling[m] = view.now + settings.cooldown_s
+        dissolved[group.group_id], silent = verdict
+        cooling.update(dict.fromkeys(silent, view.now + settings.cooldown_s))
     busy = {m for g in kept for m in g.members}
     free = {n: view.offers[n] for n in sorted(live - busy) if n not in cooling}
     formed = form_groups(view.layout, free, settings.formation)
