@@ -134,3 +134,18 @@ def test_a_stage_needs_only_the_shards_of_its_tensors(model_dir: Path, tmp_path:
         assert all(torch.equal(full[k], partial[k]) for k in full)
         shutil.rmtree(out)
     assert counts[1] < total_shards / 2 and counts[2] < total_shards / 2, (counts, total_shards)
+
+
+def test_the_layout_loads_from_a_config_file_and_the_environment(tmp_path: Path) -> None:
+    from prime_node.node.config import load_config
+    from prime_node.node.errors import ConfigError
+    from prime_node.node.run.settings import RolloutSettings
+
+    toml = tmp_path / "node.toml"
+    toml.write_text('[run]\npipeline = {boundaries = [0, 1, 4], activation_dtype = "bfloat16"}\n')
+    from_file = load_config(RolloutSettings, toml_path=toml, env={})
+    assert from_file.run.pipeline == StageLayout(boundaries=[0, 1, 4], activation_dtype="bfloat16")
+    from_env = load_config(RolloutSettings, env={"PRIME_NODE_RUN__PIPELINE": '{"boundaries": [0, 2, 4]}'})
+    assert from_env.run.pipeline == StageLayout(boundaries=[0, 2, 4])
+    with pytest.raises(ConfigError, match="pipeline"):
+        load_config(RolloutSettings, env={"PRIME_NODE_RUN__PIPELINE": '{"boundaries": [0, 4]}'})

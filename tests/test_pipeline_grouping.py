@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from prime_node.node.pipeline.grouping import (
+    PeerRtt,
     StageAvailability,
     choose_group,
     form_groups,
@@ -23,7 +24,7 @@ def node(
         node_id=f"{n:064x}",
         stages=stages,
         step_ms=step_ms,
-        rtt_ms={f"{peer:064x}": ms for peer, ms in (rtt or {}).items()},
+        rtts=[PeerRtt(node_id=f"{peer:064x}", ms=ms) for peer, ms in (rtt or {}).items()],
         reachable=reachable,
     )
 

@@ -29,7 +29,7 @@ from prime_node.p2p.pipeline.frames import (
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.signing import canonical_json
 from prime_node.proofs.pipeline.blame import GroupWork, verify_group
-from prime_node.proofs.pipeline.records import GroupSpec
+from prime_node.proofs.pipeline.records import GroupSpec, parse_stage_record
 
 from support.pipeline import group, identities, random_requests, save_tiny
 
@@ -212,7 +212,13 @@ def test_group_over_tcp_with_delay_matches_monolithic_and_overlaps(
             engine.eos_token_id,
             micro_batch_size,
         )
-        verdict = verify_group(spec, run.records, work, BoundaryOracle(engine.model, spec.layout))
+        # As the validator receives them: bytes, read back strictly under each member's key.
+        received = [
+            parse_stage_record(canonical_json(r.model_dump(mode="json")), spec.members[k])
+            for k, r in enumerate(run.records)
+        ]
+        assert received == run.records
+        verdict = verify_group(spec, received, work, BoundaryOracle(engine.model, spec.layout))
         assert verdict.accepted, verdict.reason  # the records of a real-stream run verify end to end
         overlaps[micro_batch_size] = overlapped_flights(run.runners)
     assert overlaps[8] == 0  # one micro-batch: the ring is strictly sequential

@@ -37,10 +37,23 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 import prime_node.p2p
+from prime_node.node.pipeline.errors import PipelineError
+from prime_node.node.pipeline.grouping import PeerRtt, StageAvailability, parse_availability
 from prime_node.p2p.environment_identity import EnvironmentIdentity
 from prime_node.p2p.errors import SignatureError
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.names import RUN_ID_PATTERN
+from prime_node.p2p.pipeline.errors import PipelineWireError
+from prime_node.p2p.pipeline.frames import DOMAIN as PIPELINE_DOMAIN
+from prime_node.p2p.pipeline.frames import (
+    ChainReader,
+    FrameHeader,
+    StreamOpening,
+    chain_next,
+    chain_start,
+)
+from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.swarm import SwarmConfig
 from prime_node.p2p.swarm.errors import HandoffError, RecordError
 from prime_node.p2p.swarm.framing import decode_frame
@@ -82,7 +95,15 @@ from prime_node.p2p.weights.manifest import (
 )
 from prime_node.p2p.weights.server import ServeSettings
 from prime_node.p2p.weights.sources import SelectionSettings
-from prime_node.p2p.wire import WireModel
+from prime_node.p2p.wire import WireFormatError, WireModel, loads_strict
+from prime_node.proofs.pipeline.records import (
+    RECORD_DOMAIN,
+    HopRecord,
+    SignedStageRecord,
+    StageRecord,
+    StageRecordError,
+    parse_stage_record,
+)
 
 RUN = "fuzz"
 T = 1_800_000_000.0
@@ -248,6 +269,86 @@ def _receipt() -> Carrier:
     return Carrier(Receipt, receipt.model_dump(mode="json"), parse, HandoffError, (forged(STRANGER),))
 
 
+_OPENING = StreamOpening(
+    protocol="prime-node/pipeline/v1",
+    run_id=RUN,
+    group=SHA,
+    policy_step=1,
+    batch=2,
+    stage=0,
+    stages=2,
+    sender=NODE.node_id,
+)
+
+
+def _pipeline(model: type[WireModel], sample: WireModel) -> Carrier:
+    """A pipeline stream's opening or frame header as the next stage reads it (p2p/pipeline/frames.py): the
+    sender signs the chain head over the bytes it sends (canonical JSON where the document has one)."""
+
+    def canonical(raw: bytes) -> bytes:
+        try:
+            return canonical_json(loads_strict(raw))
+        except (WireFormatError, SignatureError):
+            return raw  # no canonical form (a NaN): sent as it is
+
+    def read(raw: bytes, signer: Identity | None) -> Any:
+        raw = canonical(raw)
+        chain = ChainReader(NODE.node_id, StageLayout(boundaries=[0, 1, 2]))
+        if model is StreamOpening:
+            head = chain_start(raw)
+            return chain.open(raw, signer.sign(PIPELINE_DOMAIN + head) if signer else b"\xab" * 64)
+        opening = canonical_json(_OPENING.model_dump(mode="json"))
+        chain.open(opening, NODE.sign(PIPELINE_DOMAIN + chain_start(opening)))
+        head = chain_next(chain.head, raw)
+        return chain.header(raw, signer.sign(PIPELINE_DOMAIN + head) if signer else b"\xab" * 64)
+
+    return Carrier(
+        model,
+        sample.model_dump(mode="json"),
+        lambda raw: read(raw, NODE),
+        PipelineWireError,
+        (lambda raw: read(raw, STRANGER), lambda raw: read(raw, None)),
+    )
+
+
+def _stage_record() -> Carrier:
+    """A pipeline stage's record as the validator reads it (proofs/pipeline/records.py parse_stage_record)."""
+    header = FrameHeader(
+        index=1,
+        micro_batch=0,
+        kind="tokens",
+        step=0,
+        rows=[0],
+        shape=[1],
+        dtype="int64",
+        tensor_sha256=SHA,
+        commitment="00ff",
+    )
+    hop = HopRecord(opening=_OPENING, headers=[header], head=SHA, signature="cd" * 64)
+    record = StageRecord(stage=0, node_id=NODE.node_id, received=hop, sent=hop, outputs=[[5, 1]])
+
+    sample = SignedStageRecord.sign(record, NODE).model_dump(mode="json")
+
+    def read(raw: bytes, signer: Identity | None) -> Any:
+        try:  # the member signs whatever record it sends, when it has a canonical form
+            document = loads_strict(raw)
+            if document["signature"] == sample["signature"]:  # (a fuzzed signature is sent as it is)
+                payload = RECORD_DOMAIN + canonical_json(document["record"])
+                document["signature"] = signer.sign(payload).hex() if signer else "ab" * 64
+            raw = json.dumps(document).encode()
+        except (WireFormatError, SignatureError):
+            pass
+        return parse_stage_record(raw, NODE.node_id)
+
+    return Carrier(
+        SignedStageRecord,
+        sample,
+        lambda raw: read(raw, NODE),
+        StageRecordError,
+        (lambda raw: read(raw, STRANGER), lambda raw: read(raw, None)),
+    )
+
+
 def _answer(model: type[WireModel], sample: dict[str, Any], what: str) -> Carrier:
     """An answer of the validator's HTTP API as its one client parses it (p2p/validator_api.py)."""
     return Carrier(model, sample, lambda raw: parse_answer(raw, model, what), ValidatorApiError)
@@ -317,6 +418,7 @@ CARRIERS = [
                 length_targets=[10],
                 length_alpha=0.001,
                 system_prompt_sha256=SHA,
+                pipeline=StageLayout(boundaries=[0, 2, 4]),
             ),
         ),
     ),
@@ -373,6 +475,34 @@ CARRIERS = [
     ),
     _receipt(),
     _manifest(),
+    _pipeline(StreamOpening, _OPENING),
+    _stage_record(),
+    Carrier(
+        StageAvailability,
+        StageAvailability(
+            node_id=NODE.node_id,
+            stages=[0, 1],
+            step_ms=12.5,
+            rtts=[PeerRtt(node_id=OPERATOR.node_id, ms=30.0)],
+            reachable=True,
+        ).model_dump(mode="json"),
+        parse_availability,
+        PipelineError,
+    ),
+    _pipeline(
+        FrameHeader,
+        FrameHeader(
+            index=1,
+            micro_batch=0,
+            kind="prefill",
+            step=0,
+            rows=[0],
+            shape=[1, 2, 4],
+            dtype="float32",
+            tensor_sha256=SHA,
+            commitment="00ff",
+        ),
+    ),
     _answer(Leaderboard, {"generated_at": T, "ranked": 1, "nodes": [_ROW]}, "the leaderboard"),
     _answer(
         NodeDetail,

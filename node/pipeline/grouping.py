@@ -15,14 +15,21 @@ import math
 from collections.abc import Sequence
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from ...p2p.pipeline.layout import MAX_STAGES
-from ...p2p.wire import NodeId, WireModel
+from ...p2p.wire import NodeId, WireFormatError, WireModel, describe, loads_strict
+from .errors import PipelineError
 
 MAX_PEERS_MEASURED = 64
+MAX_REPORT_BYTES = 16 << 10
 UNKNOWN_RTT_MS = 500.0  # a pair that never measured each other: assume a long intercontinental hop
 CANDIDATES_PER_STAGE = 8  # fastest nodes considered per stage (the search is exhaustive within them)
+
+
+class PeerRtt(WireModel):
+    node_id: NodeId  # the peer measured
+    ms: float = Field(ge=0, le=600_000)  # round-trip time to it
 
 
 class StageAvailability(WireModel):
@@ -31,16 +38,31 @@ class StageAvailability(WireModel):
     node_id: NodeId
     stages: list[Annotated[int, Field(ge=0, lt=MAX_STAGES)]] = Field(min_length=1, max_length=MAX_STAGES)
     step_ms: float = Field(gt=0, le=600_000)  # measured time of one decode step of one stage, batch included
-    # Round-trip times it measured to peers it knows (node id -> ms).
-    rtt_ms: dict[NodeId, Annotated[float, Field(ge=0, le=600_000)]] = Field(max_length=MAX_PEERS_MEASURED)
+    rtts: list[PeerRtt] = Field(max_length=MAX_PEERS_MEASURED)  # round trips it measured to peers it knows
     reachable: bool  # directly dialable (not behind NAT without a relay)
+
+    def rtt_to(self, node_id: str) -> float | None:
+        return next((p.ms for p in self.rtts if p.node_id == node_id), None)
+
+
+def parse_availability(raw: bytes) -> StageAvailability:
+    """A node's report as a peer sends it: strict JSON, bounded, every field checked (PipelineError naming it).
+    The signed DHT envelope that would carry it (and check its signer first) is not built yet."""
+    if len(raw) > MAX_REPORT_BYTES:
+        raise PipelineError(f"availability report is {len(raw)} bytes; at most {MAX_REPORT_BYTES}")
+    try:
+        return StageAvailability.model_validate(loads_strict(raw, "availability report"))
+    except WireFormatError as exc:
+        raise PipelineError(f"availability report is not strict JSON: {exc}") from None
+    except ValidationError as exc:
+        raise PipelineError(f"availability report is malformed {describe(exc)}") from None
 
 
 def _one_way_ms(a: StageAvailability, b: StageAvailability, relay_penalty_ms: float) -> float:
     """Half the round trip either side measured (the smaller: a peer cannot inflate a pair's latency by lying,
     though it can understate its own; reports are self-declared until the group's operator measures them),
     plus a relay penalty when the receiver cannot be dialled."""
-    measured = [x for x in (a.rtt_ms.get(b.node_id), b.rtt_ms.get(a.node_id)) if x is not None]
+    measured = [x for x in (a.rtt_to(b.node_id), b.rtt_to(a.node_id)) if x is not None]
     rtt = min(measured) if measured else UNKNOWN_RTT_MS
     return rtt / 2 + (0.0 if b.reachable else relay_penalty_ms)
 

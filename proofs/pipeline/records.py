@@ -10,18 +10,22 @@ The record is signed by its own node, so no member can write another's.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import Field, StringConstraints
+from pydantic import Field, StringConstraints, ValidationError
 
+from ...p2p.errors import SignatureError, UnsignableDocument
 from ...p2p.identity import Identity
 from ...p2p.pipeline.frames import Frame, FrameHeader, StreamOpening, tensor_bytes
 from ...p2p.pipeline.layout import StageLayout
 from ...p2p.signing import canonical_json, is_valid_signature
-from ...p2p.wire import NodeId, Sha256Hex, WireModel
+from ...p2p.wire import NodeId, Sha256Hex, WireFormatError, WireModel, describe, loads_strict
+from ..errors import ProofError
 
 SignatureHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+_SIGNATURE = re.compile(r"[0-9a-f]{128}")
 RECORD_DOMAIN = b"prime-node/pipeline-stage-record/v1\x00"
 MAX_RECORD_FRAMES = 1 << 16
 MAX_SAMPLES = 4096
@@ -104,3 +108,41 @@ class HopFraud:
             ),
             tensor=tensor_bytes(frame.tensor, frame.header.dtype),
         )
+
+
+MAX_RECORD_BYTES = 64 << 20  # a stage record of a large batch (headers with TOPLOC commitments) fits
+
+
+class StageRecordError(ProofError):
+    """A stage record that is oversized, not strict JSON, not signed by the member it should be, or malformed."""
+
+
+def parse_stage_record(raw: bytes, member: str, *, max_bytes: int = MAX_RECORD_BYTES) -> SignedStageRecord:
+    """A stage's record as the validator receives it: size bounded first, then the member's signature checked
+    over the record's canonical JSON while looking at nothing but the two top-level keys, then the schema."""
+    if len(raw) > max_bytes:
+        raise StageRecordError(f"stage record is {len(raw)} bytes; at most {max_bytes}")
+    try:
+        document = loads_strict(raw, "stage record")
+    except WireFormatError as exc:
+        raise StageRecordError(f"stage record is not strict JSON: {exc}") from None
+    if not isinstance(document, dict) or set(document) != {"record", "signature"}:
+        raise StageRecordError("stage record must be an object with exactly 'record' and 'signature'")
+    try:  # a text without a UTF-8 form (a lone surrogate) has no canonical JSON: named, and never verified
+        canonical_json(document)
+    except UnsignableDocument as exc:
+        raise StageRecordError(f"stage record cannot be verified: {exc}") from None
+    signature = document["signature"]
+    if not isinstance(signature, str) or _SIGNATURE.fullmatch(signature) is None:
+        raise StageRecordError("stage record is malformed at signature: not 128 lowercase hex digits")
+    try:
+        signed = bytes.fromhex(signature)
+        payload = RECORD_DOMAIN + canonical_json(document["record"])
+    except (ValueError, SignatureError):
+        signed, payload = b"", b""
+    if not payload or not is_valid_signature(member, payload, signed):
+        raise StageRecordError("stage record is not signed by the member of its stage")
+    try:
+        return SignedStageRecord.model_validate(document)
+    except ValidationError as exc:
+        raise StageRecordError(f"stage record is malformed {describe(exc)}") from None

@@ -81,7 +81,7 @@ def regroup_after_a_kill(
 
     from prime_node.node.pipeline.boundaries import BoundaryOracle
     from prime_node.node.pipeline.group import HopSettings, run_group
-    from prime_node.node.pipeline.grouping import StageAvailability, choose_group
+    from prime_node.node.pipeline.grouping import PeerRtt, StageAvailability, choose_group
     from prime_node.node.pipeline.stage import Outgoing
     from prime_node.proofs.pipeline.blame import GroupWork, verify_group
 
@@ -91,7 +91,7 @@ def regroup_after_a_kill(
             node_id=i.node_id,
             stages=[0, 1],
             step_ms=10.0 + n,
-            rtt_ms={j.node_id: 4.0 for j in pool if j is not i},
+            rtts=[PeerRtt(node_id=j.node_id, ms=4.0) for j in pool if j is not i],
             reachable=True,
         )
         for n, i in enumerate(pool)
