@@ -21,7 +21,8 @@ from ...p2p.swarm.group_records import MAX_KNOWN_PEERS, MAX_RTT_MS, MAX_THROUGHP
 from ...p2p.swarm.records import Heartbeat
 from .stage_model import StageModel
 
-_TCP_MADDR = re.compile(r"^/ip4/(\d{1,3}(?:\.\d{1,3}){3})/tcp/(\d{1,5})(?:/|$)")
+# ASCII digits only (a regex's \d also takes other scripts' digits, which int() then reads); matched whole.
+_TCP_MADDR = re.compile(r"/ip4/([0-9]{1,3}(?:\.[0-9]{1,3}){3})/tcp/([0-9]{1,5})(?:/.*)?", re.DOTALL)
 
 
 def measure_layer_throughput(model: StageModel, *, tokens: int = 16, repeats: int = 3) -> float:
@@ -44,7 +45,7 @@ def measure_layer_throughput(model: StageModel, *, tokens: int = 16, repeats: in
 def tcp_endpoint(heartbeat: Heartbeat) -> tuple[str, int] | None:
     """The first /ip4/<host>/tcp/<port> address a heartbeat publishes, or None."""
     for maddr in heartbeat.addresses:
-        found = _TCP_MADDR.match(maddr)
+        found = _TCP_MADDR.fullmatch(maddr)
         if found and 0 < int(found.group(2)) < 65536:
             return found.group(1), int(found.group(2))
     return None
