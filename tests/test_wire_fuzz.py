@@ -57,6 +57,9 @@ from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.swarm import SwarmConfig
 from prime_node.p2p.swarm.errors import HandoffError, RecordError
 from prime_node.p2p.swarm.framing import decode_frame
+from prime_node.p2p.swarm.group_records import GroupRecord, group_id
+from prime_node.p2p.swarm.group_records import PeerRtt as SwarmPeerRtt
+from prime_node.p2p.swarm.group_records import StageAvailability as StageOffer
 from prime_node.p2p.swarm.handoff import Receipt, ReceiptBody, RolloutEnvelope, parse_header, parse_receipt
 from prime_node.p2p.swarm.records import (
     Ban,
@@ -391,6 +394,7 @@ CARRIERS = [
             serves_steps=[1],
             sent_at=T,
             weights_url="http://127.0.0.1:1/w",
+            group=SHA,
         ),
     ),
     _record(
@@ -445,6 +449,34 @@ CARRIERS = [
         f"{NODE.node_id}:{SHA}",
         RolloutAnnouncement(
             node_id=NODE.node_id, sha256=SHA, size_bytes=10, step=1, samples=4, announced_at=T
+        ),
+    ),
+    _record(
+        RecordKind.STAGES,
+        NODE,
+        NODE.node_id,
+        StageOffer(
+            node_id=NODE.node_id,
+            stages=[0, 1],
+            layer_tokens_per_s=1000.0,
+            rtts=[SwarmPeerRtt(node_id=OPERATOR.node_id, rtt_ms=30.0)],
+            reachable=True,
+            policy_step=1,
+            published_at=T,
+        ),
+    ),
+    _record(
+        RecordKind.GROUP,
+        OPERATOR,
+        group_id(RUN, 1, [NODE.node_id, VALIDATOR.node_id]),
+        GroupRecord(
+            group_id=group_id(RUN, 1, [NODE.node_id, VALIDATOR.node_id]),
+            round=1,
+            policy_step=1,
+            layout=StageLayout(boundaries=[0, 2, 4]),
+            members=[NODE.node_id, VALIDATOR.node_id],
+            formed_at=T,
+            signed_at=T,
         ),
     ),
     _signed_document(

@@ -22,6 +22,7 @@ from .hardware import local_hardware, software_version
 from .peer import DHTPeer
 from .records import (
     Ban,
+    GroupRecord,
     Hardware,
     Heartbeat,
     PolicyAnnouncement,
@@ -29,6 +30,7 @@ from .records import (
     Role,
     RolloutAnnouncement,
     RunParameters,
+    StageAvailability,
     ValidatorAnnouncement,
     check_expiration,
     dht_key,
@@ -61,6 +63,7 @@ class SwarmDirectory(DHTPeer):
         self.weights_url: str | None = None  # set by a node serving weights; published with serves_steps
         self.api_url: str | None = None  # set by a validator: its HTTP API, published in its announcement
         self.from_step = 0  # set by a validator: the first policy step it judges (p2p/swarm/routing.py)
+        self.group_id: str | None = None  # set by a pipeline node: the group it confirms (node/pipeline/)
         self._cache: dict[RecordKind, tuple[float, dict[str, Any]]] = {}
 
     async def join(self, *, heartbeat: bool = True) -> None:
@@ -165,6 +168,7 @@ class SwarmDirectory(DHTPeer):
             serves_steps=self.serves_steps[-16:],
             sent_at=time.time(),
             weights_url=self.weights_url if self.serves_steps else None,
+            group=self.group_id,
         )
         return await self._publish(RecordKind.HEARTBEAT, self.node_id, body, self.config.heartbeat_ttl_s)
 
@@ -232,6 +236,21 @@ class SwarmDirectory(DHTPeer):
         return await self._publish(
             RecordKind.ROLLOUT, f"{self.node_id}:{sha256}", body, self.config.record_ttl_s
         )
+
+    async def publish_stages(self, availability: StageAvailability) -> bool:
+        """Offer pipeline stages (group_records.py); lives as long as a heartbeat, so republish with it."""
+        return await self._publish(RecordKind.STAGES, self.node_id, availability, self.config.heartbeat_ttl_s)
+
+    async def list_stages(self) -> dict[str, StageAvailability]:
+        return await self._read(RecordKind.STAGES)
+
+    async def publish_group(self, group: GroupRecord) -> bool:
+        """Sign a group record (operator only): the named members start their stages when they read it."""
+        self._require_operator("a group record")
+        return await self._publish(RecordKind.GROUP, group.group_id, group, self.config.record_ttl_s)
+
+    async def list_groups(self) -> dict[str, GroupRecord]:
+        return await self._read(RecordKind.GROUP)
 
     async def list_peers(self) -> dict[str, Heartbeat]:
         """Live nodes by node id (heartbeats that have not expired), this one included."""

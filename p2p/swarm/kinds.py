@@ -15,6 +15,8 @@ class RecordKind(str, Enum):
     VALIDATOR = "validator"
     BAN = "ban"
     ROLLOUT = "rollout"
+    STAGES = "stages"  # a pipeline-capable node's stage availability (group_records.py)
+    GROUP = "group"  # an operator-signed pipelined group (group_records.py)
 
 
 # Longest lifetime an honest peer accepts per kind (plus records.CLOCK_SKEW_S): longer ones are refused.
@@ -24,4 +26,6 @@ MAX_TTL_S: dict[RecordKind, float] = {
     RecordKind.VALIDATOR: 3600.0,
     RecordKind.BAN: 7 * 86400.0,
     RecordKind.ROLLOUT: 3600.0,
+    RecordKind.STAGES: 300.0,
+    RecordKind.GROUP: 3600.0,
 }

@@ -42,6 +42,7 @@ from ..wire import (
     loads_strict,
 )
 from .errors import RecordError
+from .group_records import GroupRecord, StageAvailability
 from .kinds import MAX_TTL_S, RecordKind
 
 DOMAIN = b"prime-node/swarm-record/v1\x00"
@@ -57,13 +58,15 @@ HttpUrlText = Annotated[str, StringConstraints(max_length=256, pattern=r"^https?
 Role = Literal["contributor", "trainer", "validator", "relay"]
 
 
-OPERATOR_KINDS = frozenset({RecordKind.POLICY, RecordKind.VALIDATOR, RecordKind.BAN})
+OPERATOR_KINDS = frozenset({RecordKind.POLICY, RecordKind.VALIDATOR, RecordKind.BAN, RecordKind.GROUP})
 MAX_PAYLOAD_BYTES: dict[RecordKind, int] = {
     RecordKind.HEARTBEAT: 4096,
     RecordKind.POLICY: 8192,
     RecordKind.VALIDATOR: 4096,
     RecordKind.BAN: 1024,
     RecordKind.ROLLOUT: 1024,
+    RecordKind.STAGES: 4096,
+    RecordKind.GROUP: 8192,
 }
 MAX_VALUE_BYTES = PUBLIC_KEY_BYTES + SIGNATURE_BYTES + max(MAX_PAYLOAD_BYTES.values())
 
@@ -90,6 +93,9 @@ class Heartbeat(WireModel):
     serves_steps: list[Annotated[int, Field(ge=0)]] = Field(max_length=16)  # checkpoints it can serve
     sent_at: Timestamp
     weights_url: HttpUrlText | None = None  # its weights server (p2p/weights) when serves_steps is not empty
+    # The pipelined group this node confirms it runs a stage of (group_records.GroupRecord); None outside a
+    # group. A group is live only while every member's fresh heartbeat names it (trainer/groups/).
+    group: Sha256Hex | None = None
 
 
 class RunParameters(WireModel):
@@ -178,6 +184,8 @@ BODY_TYPES: dict[RecordKind, type[WireModel]] = {
     RecordKind.VALIDATOR: ValidatorAnnouncement,
     RecordKind.BAN: Ban,
     RecordKind.ROLLOUT: RolloutAnnouncement,
+    RecordKind.STAGES: StageAvailability,
+    RecordKind.GROUP: GroupRecord,
 }
 
 
@@ -344,3 +352,5 @@ def _check_binding(kind: RecordKind, subkey: str, owner: str, body: WireModel) -
         raise RecordError(f"{kind.value} body names node {node_id[:16]}… but its subkey names {owner[:16]}…")
     if isinstance(body, RolloutAnnouncement) and subkey != f"{body.node_id}:{body.sha256}":
         raise RecordError("rollout subkey does not match the announced file hash")
+    if isinstance(body, GroupRecord) and subkey != body.group_id:
+        raise RecordError(f"group record under subkey {subkey[:16]}… names group {body.group_id[:16]}…")

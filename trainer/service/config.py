@@ -12,6 +12,7 @@ from ...node.run.settings import RunSettings
 from ...node.runtime.metrics import PORTS
 from ...p2p.swarm import SwarmConfig
 from ...p2p.weights.server import ServeSettings
+from ..groups.config import GroupsSection
 from ..grpo.config import TrainerSettings
 
 # What a policy record allows in its sources (p2p/swarm/records.py): refused here, at start, not at announcement.
@@ -87,6 +88,9 @@ class TrainerCommandSettings(CommonSettings):
     serve: ServeSettings = Field(default_factory=ServeSettings, description="The weights server (origin).")
     service: TrainerServiceSection = Field(
         default_factory=TrainerServiceSection, description="Paths and loop."
+    )
+    groups: GroupsSection = Field(
+        default_factory=GroupsSection, description="Pipelined groups (trainer/groups/; docs/pipeline.md)."
     )
 
     def path(self, value: Path | None, default: str) -> Path:

@@ -37,6 +37,7 @@ from ...p2p.urls import loopback_behind, routable_url
 from ...p2p.weights.server import WeightsServer
 from ...p2p.weights.store import Store
 from ..errors import TrainerError
+from ..groups.coordinator import GroupCoordinator
 from .batch_buffer import Batch, BatchBuffer
 from .config import TrainerCommandSettings
 from .consumed import ConsumedLedger
@@ -216,6 +217,7 @@ class TrainerService:
             await self._announce()
             self.supervisor.spawn("policy-reannounce", self._reannounce())
             self.supervisor.spawn("ban-watch", self._watch_bans())
+            self._start_groups()
         metrics_url = None
         if svc.metrics_port is not None:
             runner, metrics_url = await serve_metrics(
@@ -229,6 +231,21 @@ class TrainerService:
         else:
             self.supervisor.spawn("train-loop", self._loop())
         return Running(self.identity.node_id, step, url, maddrs, metrics_url, self.sources)
+
+    def _start_groups(self) -> None:
+        """The group coordinator (trainer/groups/): here because group records need the operator key."""
+        layout = self.run_parameters.pipeline if self.run_parameters is not None else None
+        if self.swarm is None or layout is None or not self.settings.groups.enabled:
+            return
+        swarm, learner = self.swarm, self.learner
+        coordinator = GroupCoordinator(
+            swarm,
+            layout,
+            lambda: learner.manifest.step if learner.manifest is not None else None,
+            self.settings.groups.plan_settings(),
+            poll_s=self.settings.groups.poll_s,
+        )
+        self.supervisor.spawn("group-coordinator", coordinator.run())
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))

@@ -1,0 +1,86 @@
+"""Which signed group a pipeline node acts on: a pure decision over what it read from the DHT.
+
+Every group record it is given has passed the swarm's checks (a pinned operator key signed it, its payload is
+strict and bounded: p2p/swarm/records.py); a record failing those never reaches here. What remains is whether
+*this* node should run a stage of it. A group is usable when it names this node, its id is the digest of its
+run, step and members (the id every stream of the group opens with), it is cut at the run's layout, it is
+for the checkpoint this node holds, its stage for this node is one the node offered, and every member's
+heartbeat is fresh: a group naming a node the node cannot see (unknown, departed) is not run.
+
+A node joins only a group of the newest round it has seen (the coordinator re-signs every standing group
+under each new round, so an older record is one it dissolved), and stays in its group while the group is
+usable, no newer round places the node elsewhere, and its record is of the newest round (or that round is
+younger than `round_grace_s`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ...p2p.pipeline.layout import StageLayout
+from ...p2p.swarm.group_records import GroupRecord, group_id
+from ...p2p.swarm.records import Heartbeat
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node_id: str
+    run_id: str
+    now: float
+    policy_step: int | None  # the checkpoint this node holds
+    layout: StageLayout  # the run's announced layout
+    offered: frozenset[int]  # the stages this node offered
+    heartbeats: Mapping[str, Heartbeat]
+    stale_after_s: float
+    # How long a group of an older round is still run after a newer round appeared: the coordinator signs a
+    # round's records one by one, so a reader may see a new group before its own group's re-signed record.
+    round_grace_s: float = 10.0
+
+
+def why_unusable(group: GroupRecord, view: NodeView) -> str | None:
+    """None when this node may run its stage of `group`, else a one-line reason."""
+    stage = group.stage_of(view.node_id)
+    if stage is None:
+        return "does not name this node"
+    if group.group_id != group_id(view.run_id, group.policy_step, group.members):
+        return "its id is not the digest of its run, step and members"
+    if group.layout != view.layout:
+        return f"its boundaries {group.layout.boundaries} are not the run's {view.layout.boundaries}"
+    if group.policy_step != view.policy_step:
+        return f"it is for policy step {group.policy_step}; this node holds {view.policy_step}"
+    if stage not in view.offered:
+        return f"it puts this node at stage {stage}, which it did not offer"
+    for member in group.members:
+        beat = view.heartbeats.get(member)
+        if beat is None:
+            return f"member {member[:16]}… has no heartbeat (unknown or departed)"
+        if view.now - beat.sent_at > view.stale_after_s:
+            return f"member {member[:16]}…'s heartbeat is {view.now - beat.sent_at:.0f} s old"
+    return None
+
+
+def choose_group(
+    groups: Mapping[str, GroupRecord], view: NodeView, current: str | None
+) -> tuple[GroupRecord | None, str]:
+    """The group to run (None: none) and why, given the node's current group id."""
+    if not groups:
+        return None, "no group records"
+    newest = max(g.round for g in groups.values())
+    newest_at = max(g.signed_at for g in groups.values() if g.round == newest)
+    mine = sorted(
+        (g for g in groups.values() if view.node_id in g.members), key=lambda g: (-g.round, g.group_id)
+    )
+    if current is not None and current in groups:
+        group = groups[current]
+        elsewhere = [g for g in mine if g.round > group.round and g.group_id != current]
+        why = why_unusable(group, view)
+        current_round = group.round == newest or view.now - newest_at < view.round_grace_s
+        if why is None and not elsewhere and current_round:
+            return group, "still standing"
+    for group in mine:
+        if group.round != newest:
+            break
+        if why_unusable(group, view) is None:
+            return group, f"named at stage {group.stage_of(view.node_id)} in round {group.round}"
+    return None, "no usable group of the newest round names this node"

@@ -1,0 +1,195 @@
+"""Stage-availability and group records on bytes exactly as hivemind hands them to the DHT validator: honest
+ones parse back; forged, misplaced, oversized and non-finite ones are refused with a reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.p2p.signing import canonical_json
+from prime_node.p2p.swarm import RecordError
+from prime_node.p2p.swarm.group_records import (
+    MAX_KNOWN_PEERS,
+    GroupRecord,
+    PeerRtt,
+    StageAvailability,
+    group_id,
+)
+from prime_node.p2p.swarm.records import RecordKind, key_id, payload_of, seal, seal_payload
+from prime_node.p2p.swarm.validator import SwarmRecordValidator
+from prime_node.proofs.pipeline.records import GroupSpec
+
+RUN = "unit-run"
+OPERATOR = Identity.from_seed(bytes(range(32)))
+NODES = [Identity.from_seed(bytes([40 + i]) * 32) for i in range(4)]
+LAYOUT = StageLayout(boundaries=[0, 2, 4])
+
+
+def offer(node: Identity, **changes: object) -> StageAvailability:
+    fields: dict[str, object] = dict(
+        node_id=node.node_id,
+        stages=[0, 1],
+        layer_tokens_per_s=1200.0,
+        rtts=[PeerRtt(node_id=NODES[3].node_id, rtt_ms=12.5)],
+        reachable=True,
+        policy_step=3,
+        published_at=1.0,
+    )
+    fields.update(changes)
+    return StageAvailability(**fields)
+
+
+def group(members: list[str] | None = None, **changes: object) -> GroupRecord:
+    members = members or [NODES[0].node_id, NODES[1].node_id]
+    fields: dict[str, object] = dict(
+        group_id=group_id(RUN, 3, members),
+        round=1,
+        policy_step=3,
+        layout=LAYOUT,
+        members=members,
+        formed_at=1.0,
+        signed_at=1.0,
+    )
+    fields.update(changes)
+    return GroupRecord(**fields)
+
+
+def record(kind: RecordKind, subkey: str, value: bytes, expiration: float) -> DHTRecord:
+    return DHTRecord(
+        key_id(RUN, kind), MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiration
+    )
+
+
+@pytest.fixture()
+def validator() -> SwarmRecordValidator:
+    return SwarmRecordValidator(RUN, [OPERATOR.node_id])
+
+
+def test_honest_offer_and_group_parse_back(validator: SwarmRecordValidator) -> None:
+    exp = get_dht_time() + 60
+    body = offer(NODES[0])
+    value = seal(NODES[0], RUN, RecordKind.STAGES, NODES[0].node_id, body, exp)
+    assert validator.check(record(RecordKind.STAGES, NODES[0].node_id, value, exp)) == body
+    g = group()
+    value = seal(OPERATOR, RUN, RecordKind.GROUP, g.group_id, g, exp)
+    assert validator.check(record(RecordKind.GROUP, g.group_id, value, exp)) == g
+    # The id members derive is the one the group's activation streams open with.
+    assert g.group_id == GroupSpec(RUN, 3, 0, LAYOUT, tuple(g.members)).group_id
+
+
+def test_the_largest_offer_and_group_fit_their_size_limits() -> None:
+    peers = [Identity.from_seed(bytes([90 + i]) * 32).node_id for i in range(MAX_KNOWN_PEERS)]
+    big = offer(
+        NODES[0],
+        stages=list(range(64)),
+        layer_tokens_per_s=1e12 - 1,
+        rtts=[PeerRtt(node_id=p, rtt_ms=59_999.123456) for p in peers],
+        published_at=8_000_000_000.123,
+    )
+    payload_of(RecordKind.STAGES, big)  # raises RecordError when over the limit
+    members = [Identity.from_seed(bytes([120 + i]) * 32).node_id for i in range(64)]
+    layout = StageLayout(boundaries=list(range(0, 65 * 16, 16)))
+    payload_of(RecordKind.GROUP, group(members, group_id=group_id(RUN, 3, members), layout=layout))
+
+
+def _hostile() -> dict[str, tuple[RecordKind, str, bytes]]:
+    exp = get_dht_time() + 60
+    n0, n1 = NODES[0], NODES[1]
+    g = group()
+    fine = canonical_json(offer(n0).model_dump(mode="json"))
+
+    def raw_offer(**changes: object) -> bytes:
+        doc = json.loads(fine)
+        doc.update(changes)
+        return seal_payload(n0, RUN, RecordKind.STAGES, n0.node_id, json.dumps(doc).encode(), exp)
+
+    g_doc = g.model_dump(mode="json")
+
+    def raw_group(signer: Identity = OPERATOR, **changes: object) -> tuple[RecordKind, str, bytes]:
+        doc = dict(g_doc, **changes)
+        subkey = str(doc["group_id"])
+        return (
+            RecordKind.GROUP,
+            subkey,
+            seal_payload(signer, RUN, RecordKind.GROUP, subkey, json.dumps(doc).encode(), exp),
+        )
+
+    forged = bytearray(seal(OPERATOR, RUN, RecordKind.GROUP, g.group_id, g, exp))
+    forged[40] ^= 1
+    other_members = [n0.node_id, NODES[2].node_id]
+    return {
+        "offer signed by another node": (
+            RecordKind.STAGES,
+            n0.node_id,
+            seal(n1, RUN, RecordKind.STAGES, n0.node_id, offer(n0), exp),
+        ),
+        "offer with NaN throughput": (
+            RecordKind.STAGES,
+            n0.node_id,
+            raw_offer(layer_tokens_per_s=float("nan")),
+        ),
+        "offer with infinite throughput": (
+            RecordKind.STAGES,
+            n0.node_id,
+            raw_offer(layer_tokens_per_s=1e999),
+        ),
+        "offer with zero throughput": (RecordKind.STAGES, n0.node_id, raw_offer(layer_tokens_per_s=0.0)),
+        "offer with a negative rtt": (
+            RecordKind.STAGES,
+            n0.node_id,
+            raw_offer(rtts=[{"node_id": n1.node_id, "rtt_ms": -1.0}]),
+        ),
+        "offer with too many rtts": (
+            RecordKind.STAGES,
+            n0.node_id,
+            raw_offer(rtts=[{"node_id": f"{i:064x}", "rtt_ms": 1.0} for i in range(MAX_KNOWN_PEERS + 1)]),
+        ),
+        "offer with repeated stages": (RecordKind.STAGES, n0.node_id, raw_offer(stages=[0, 0])),
+        "offer with no stage": (RecordKind.STAGES, n0.node_id, raw_offer(stages=[])),
+        "offer with an extra field": (RecordKind.STAGES, n0.node_id, raw_offer(gpu_bribe=1)),
+        "offer with a string for a number": (
+            RecordKind.STAGES,
+            n0.node_id,
+            raw_offer(layer_tokens_per_s="9e9"),
+        ),
+        "group with a forged signature": (RecordKind.GROUP, g.group_id, bytes(forged)),
+        "group signed by a node": raw_group(n0),
+        "group signed by a wrong operator key": raw_group(Identity.from_seed(bytes([7]) * 32)),
+        "group under another group's subkey": (
+            RecordKind.GROUP,
+            group_id(RUN, 3, other_members),
+            seal(OPERATOR, RUN, RecordKind.GROUP, group_id(RUN, 3, other_members), g, exp),
+        ),
+        "group naming a node twice": raw_group(members=[n0.node_id, n0.node_id]),
+        "group with more members than stages": raw_group(members=[n.node_id for n in NODES[:3]]),
+        "group with oversized member list": raw_group(members=[f"{i:064x}" for i in range(65)]),
+        "group with a non-hex member": raw_group(members=[n0.node_id, "zz" * 32]),
+        "group with bad boundaries": raw_group(layout={"boundaries": [0, 3, 2]}),
+        "group with a NaN formation time": raw_group(formed_at=float("nan")),
+    }
+
+
+HOSTILE = _hostile()
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_offers_and_groups_are_refused(validator: SwarmRecordValidator, name: str) -> None:
+    kind, subkey, value = HOSTILE[name]
+    exp = get_dht_time() + 60
+    with pytest.raises(RecordError) as refused:
+        validator.check(record(kind, subkey, value, exp))
+    assert str(refused.value).strip() and "\n" not in str(refused.value)
+    assert not validator.validate(record(kind, subkey, value, exp))
+
+
+def test_a_group_outlives_no_longer_than_its_kind_allows(validator: SwarmRecordValidator) -> None:
+    g = group()
+    exp = get_dht_time() + 7 * 86400
+    value = seal(OPERATOR, RUN, RecordKind.GROUP, g.group_id, g, exp)
+    with pytest.raises(RecordError, match="limit"):
+        validator.check(record(RecordKind.GROUP, g.group_id, value, exp))

@@ -1,0 +1,125 @@
+"""One round of the operator's group bookkeeping, as a pure function of what the DHT shows.
+
+The coordinator (coordinator.py) reads heartbeats, stage offers and bans, calls `plan_round`, and signs what
+it returns. A node is *live* when its heartbeat is fresh (`sent_at` within `stale_after_s`: a heartbeat lives
+in the DHT much longer than that, so its age, not its presence, is what says a process died), it is not
+banned, and it has a fresh stage offer. A group is kept while every member is live and, once
+`confirm_within_s` has passed since it was formed, every member's heartbeat names it; otherwise it is
+dissolved (its batch in flight is abandoned by its members, node/pipeline/membership.py) and its live members
+return to the pool. Members that never confirmed sit out `cooldown_s`: a node that accepts groups and does
+not run them would otherwise be drawn again at once. Kept groups are re-signed under the new round, so that
+the newest round is the one set of groups every node may join.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ...p2p.pipeline.layout import StageLayout
+from ...p2p.swarm.group_records import GroupRecord, StageAvailability, group_id
+from ...p2p.swarm.records import Heartbeat
+from .formation import FormationSettings, form_groups
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    stale_after_s: float = 45.0  # a heartbeat older than this is a departed node (3 x the default interval)
+    confirm_within_s: float = 60.0  # members must name a new group in their heartbeat within this
+    cooldown_s: float = 300.0  # how long a member that never confirmed is left out
+    formation: FormationSettings = field(default_factory=FormationSettings)
+
+
+@dataclass(frozen=True)
+class View:
+    """What the coordinator read from the DHT in one pass (all records already signature-checked)."""
+
+    now: float
+    policy_step: int
+    layout: StageLayout
+    heartbeats: Mapping[str, Heartbeat]
+    offers: Mapping[str, StageAvailability]
+    banned: frozenset[str]
+
+
+@dataclass
+class Plan:
+    round: int
+    publish: list[GroupRecord]  # every current group, kept and new, signed under `round`
+    dissolved: dict[str, str]  # group id -> why
+    cooldown: dict[str, float]  # node id -> until when it is left out
+
+
+def live_nodes(view: View, settings: PlanSettings) -> set[str]:
+    live = set()
+    for node_id, offer in view.offers.items():
+        beat = view.heartbeats.get(node_id)
+        if beat is None or node_id in view.banned:
+            continue
+        fresh = view.now - beat.sent_at <= settings.stale_after_s
+        offered = view.now - offer.published_at <= settings.stale_after_s
+        if fresh and offered and offer.policy_step == view.policy_step:
+            live.add(node_id)
+    return live
+
+
+def _why_dissolved(
+    group: GroupRecord, view: View, live: set[str], settings: PlanSettings
+) -> tuple[str, list[str]] | None:
+    """None while `group` stands; else why, and the members to cool down (those that never confirmed it)."""
+    if group.policy_step != view.policy_step:
+        return f"policy step {group.policy_step} is not the current {view.policy_step}", []
+    if group.layout != view.layout:
+        return "the run's layout changed", []
+    gone = [m for m in group.members if m not in live]
+    if gone:
+        return f"member {gone[0][:16]}… is gone (stale heartbeat, banned or no offer)", []
+    if view.now - group.formed_at > settings.confirm_within_s:
+        silent = [m for m in group.members if view.heartbeats[m].group != group.group_id]
+        if silent:
+            return (
+                f"member {silent[0][:16]}… did not confirm within {settings.confirm_within_s:.0f} s",
+                silent,
+            )
+    return None
+
+
+def plan_round(
+    run_id: str,
+    view: View,
+    current: list[GroupRecord],
+    last_round: int,
+    cooldown: Mapping[str, float],
+    settings: PlanSettings,
+) -> Plan:
+    """Keep the groups that still stand, dissolve the rest, form new groups from the free live nodes."""
+    live = live_nodes(view, settings)
+    cooling = {n: t for n, t in cooldown.items() if t > view.now}
+    kept: list[GroupRecord] = []
+    dissolved: dict[str, str] = {}
+    for group in current:
+        verdict = _why_dissolved(group, view, live, settings)
+        if verdict is None:
+            kept.append(group)
+            continue
+        dissolved[group.group_id], silent = verdict
+        cooling.update(dict.fromkeys(silent, view.now + settings.cooldown_s))
+    busy = {m for g in kept for m in g.members}
+    free = {n: view.offers[n] for n in sorted(live - busy) if n not in cooling}
+    formed = form_groups(view.layout, free, settings.formation)
+    changed = bool(dissolved or formed)
+    new_round = last_round + 1 if changed else last_round
+    publish = [g.model_copy(update={"round": new_round, "signed_at": view.now}) for g in kept]
+    for candidate in formed:
+        publish.append(
+            GroupRecord(
+                group_id=group_id(run_id, view.policy_step, candidate.members),
+                round=new_round,
+                policy_step=view.policy_step,
+                layout=view.layout,
+                members=list(candidate.members),
+                formed_at=view.now,
+                signed_at=view.now,
+            )
+        )
+    return Plan(new_round, publish, dissolved, cooling)
