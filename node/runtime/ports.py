@@ -23,7 +23,7 @@ from ..errors import NodeError
 
 # A TCP listen address of the DHT (`--host-maddrs /ip4/0.0.0.0/tcp/31337`); other forms (QUIC, DNS) are
 # left to the DHT's own errors.
-_TCP_MADDR = re.compile(r"^/ip([46])/([^/]+)/tcp/([0-9]{1,5})(?:/|$)")
+_TCP_MADDR = re.compile(r"^/ip([46])/([^/]+)/tcp/([0-9]{1,5})(?:/|\Z)")
 
 
 class PortInUse(NodeError):
