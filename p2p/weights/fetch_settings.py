@@ -69,6 +69,13 @@ class FetchSettings(BaseModel):
     max_not_ready: int = Field(
         1000, ge=0, description="'Not verified yet' (503) answers from relays tolerated per shard."
     )
+    availability_interval_s: float = Field(
+        0.25,
+        ge=0,
+        le=60,
+        description="How often each source is asked which shards it holds (a long poll: the answer comes when "
+        "it holds more), and a source without the version is asked for the manifest again (0: never).",
+    )
     chunk_bytes: int = Field(
         1 << 20, ge=4096, description="Bytes hashed and written at once; also the resume granularity."
     )

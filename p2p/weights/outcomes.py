@@ -52,6 +52,15 @@ class Outcomes:
         self.pool.record_not_ready(attempt.source)
         return True
 
+    def lied(self, attempt: Attempt, reason: str) -> None:
+        """The source's signed availability record claims the shard, and it did not serve it."""
+        source, index = attempt.source, attempt.index
+        why = f"claimed shard {index} in its signed availability record, then answered: {reason}"
+        self.pool.record_lie(source, f"shard {index}: {why}")
+        self.blame.append({"shard": index, "source": source.url, "reason": why, "corrupt": True})
+        self.failures[index] += 1
+        logger.warning("source %s: %s", source.url, why)
+
     def verified(self, attempt: Attempt, result: ShardResult) -> None:
         self.pool.record_success(attempt.source, result.received, result.seconds)
         if attempt.recheck is not None:

@@ -8,6 +8,11 @@ harder than one that merely failed, and a source whose manifest did not verify i
 the manifest it serves turns out to be the chosen one: a late source joins). A transfer that lost its shard
 to a faster copy (a hedge) feeds its measured rate into the bandwidth EMA, so a drip-feeding source that
 never completes a shard still ends up weighing next to nothing.
+
+A source that signs availability records (availability.py) is asked only for the shards it claims; one that
+does not (an origin, a relay without an identity) is taken to hold every shard its manifest lists. A source
+that claimed a shard and then did not serve it (503, 404), or sent a record that does not verify, has lied:
+its weight is multiplied by `lie_penalty` for each lie, on top of the failure's own cooldown.
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ class SelectionSettings(BaseModel):
     )
     backoff_base_s: float = Field(0.25, gt=0, description="Cooldown after the first consecutive failure.")
     backoff_max_s: float = Field(30.0, gt=0, description="Longest cooldown after repeated failures.")
+    lie_penalty: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Weight multiplier per lie about availability (a claimed shard not served).",
+    )
 
 
 @dataclass
@@ -55,6 +66,16 @@ class SourceState:
     not_ready: int = 0  # 503 answers (a relay still mirroring)
     bytes_ok: int = 0
     errors: list[str] = field(default_factory=list)
+    # Availability (availability.py): None until known. `records` False: the source signs none (404), so it is
+    # taken to hold every shard; True: `have` is what its newest verified record claims.
+    records: bool | None = None
+    have: frozenset[int] | None = None
+    record_ms: int = -1  # issued_at_ms of the newest record taken (an older one is a replay: ignored)
+    lies: int = 0  # claimed shards it then did not serve, and records that did not verify
+
+    def holds(self, index: int) -> bool:
+        """Whether this source may be asked for shard `index` (it claims it, or signs no claims at all)."""
+        return self.have is None or index in self.have
 
     def report(self) -> dict[str, object]:
         return {
@@ -66,6 +87,7 @@ class SourceState:
             "shards_corrupt": self.shards_corrupt,
             "shards_lost": self.shards_lost,
             "not_ready": self.not_ready,
+            "lies": self.lies,
             "bytes_ok": self.bytes_ok,
             "excluded": self.excluded,
             "last_errors": self.errors[-3:],
@@ -100,7 +122,7 @@ class SourcePool:
         healed = min(
             1.0, source.success + self.settings.heal_per_second * max(0.0, now - source.last_failure)
         )
-        return bandwidth * healed + self.settings.heal_share * best
+        return (bandwidth * healed + self.settings.heal_share * best) * self.settings.lie_penalty**source.lies
 
     def pick(
         self, avoid: Collection[str] = (), forbid: Collection[str] = ()
@@ -158,6 +180,11 @@ class SourcePool:
             source.shards_failed += 1
         source.errors.append(reason)
         del source.errors[:-10]
+
+    def record_lie(self, source: SourceState, reason: str) -> None:
+        """It claimed what it did not serve (or signed a bad record): a corrupt failure, and demoted for good."""
+        source.lies += 1
+        self.record_failure(source, reason, corrupt=True)
 
     def exclude(self, url: str, reason: str) -> None:
         self.sources[url].excluded = reason

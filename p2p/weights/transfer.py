@@ -27,7 +27,7 @@ from typing import Any
 
 from . import http_head
 from .connections import NETWORK_ERRORS, ConnectionPool
-from .errors import ManifestError, SourceError, StoreError
+from .errors import ManifestAbsent, ManifestError, SourceError, StoreError
 from .manifest import MAX_SHARD_SIZE
 from .store import PartialVersion
 from .watchdog import Watch
@@ -190,15 +190,17 @@ def download_shard(
 
 
 def fetch_document(pool: ConnectionPool, source: str, path: str, limit: int, timeout_s: float) -> bytes:
-    """Blocking GET of a small JSON document (a manifest): at most `limit` bytes, all of it within `timeout_s`
-    of wall-clock time however the source paces it."""
+    """Blocking GET of a small JSON document (a manifest, an availability record): at most `limit` bytes, all
+    of it within `timeout_s` of wall-clock time however the source paces it. ManifestAbsent for 404 and 503."""
     watch = Watch(deadline_s=timeout_s)
     token: Any = None
     reusable = False
     try:
         resp, token = pool.request(source, path, {}, watch)
+        if resp.status in (404, 503):
+            raise ManifestAbsent(f"answered HTTP {resp.status} for {path}")
         if resp.status != 200:
-            raise ManifestError(f"answered HTTP {resp.status} for the manifest")
+            raise ManifestError(f"answered HTTP {resp.status} for {path}")
         length = http_head.content_length(resp, limit, "manifest")
         body = bytearray(length)
         filled, error = _fill(resp, memoryview(body), watch)
