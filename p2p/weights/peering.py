@@ -72,6 +72,9 @@ class Peering:
         self.distrusted: set[str] = set()
         self._polls: dict[str, asyncio.Future[bytes]] = {}
         self._next_poll: dict[str, float] = {}
+        if settings.availability_interval_s <= 0:
+            for source in pool.sources.values():
+                source.records = False  # never asked: every source is taken to hold what its manifest lists
         self._threads = ThreadPoolExecutor(
             max_workers=min(MAX_POLL_THREADS, max(1, len(pool.sources))), thread_name_prefix="weights-avail"
         )
@@ -80,8 +83,13 @@ class Peering:
         self._threads.shutdown(wait=False)  # requests in flight end with the fetch's connection abort
 
     def lacking(self, index: int) -> set[str]:
-        """Usable sources that must not be asked for shard `index`: their records do not claim it."""
+        """Usable sources that must not be asked for shard `index`: their records do not claim it (or have
+        not arrived yet)."""
         return {s.url for s in self.pool.usable() if not s.holds(index)}
+
+    def unknown(self) -> bool:
+        """Whether some usable source has not answered its first availability request yet."""
+        return any(s.records is None and s.url not in self.distrusted for s in self.pool.usable())
 
     def absent_again(self, url: str) -> None:
         """A late manifest request found the source without the version: ask it again later."""

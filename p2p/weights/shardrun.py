@@ -127,6 +127,7 @@ class ShardRun:
             max_workers=3 * self.settings.concurrency + 1, thread_name_prefix="weights-shard"
         )
         self.loop = asyncio.get_running_loop()
+        self.started = time.monotonic()
         for task in self.joining.values():
             task.add_done_callback(lambda _t: self.changed.set())
         self.peering = Peering(
@@ -353,7 +354,8 @@ class ShardRun:
     def _next(self, taken: set[str]) -> tuple[int, SourceState | None, float]:
         """The rarest waiting shard a free source holds, and that source; else (shard, None, seconds to wait).
         When no source claims any of the shards looked at, the first one may go to any source (see the module
-        docstring); when some source claims one but is busy or cooling down, the scheduler waits for it."""
+        docstring), after `availability_wait_s` if some source has not answered yet; when some source claims
+        one but is busy or cooling down, the scheduler waits for it."""
         wait: float | None = None
         orphan: int | None = None
         claimed = False
@@ -370,6 +372,9 @@ class ShardRun:
                 return index, source, 0.0
             if cooling:
                 wait = cooling if wait is None else min(wait, cooling)
+        patience = self.started + self.settings.availability_wait_s - time.monotonic()
+        if orphan is not None and not claimed and self.peering.unknown() and patience > 0:
+            return orphan, None, min(patience, SCHEDULE_TICK_S)  # an answer may be a round trip away
         if orphan is not None and not claimed:
             source, cooling = self.pool.pick(avoid=self.tried[orphan], forbid=taken)
             if source is not None:

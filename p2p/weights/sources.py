@@ -74,7 +74,10 @@ class SourceState:
     lies: int = 0  # claimed shards it then did not serve, and records that did not verify
 
     def holds(self, index: int) -> bool:
-        """Whether this source may be asked for shard `index` (it claims it, or signs no claims at all)."""
+        """Whether this source may be asked for shard `index`: it signs no claims at all, or it claims it.
+        Until its first answer is in (one round trip), nothing: a peer is never asked blind."""
+        if self.records is None:
+            return False
         return self.have is None or index in self.have
 
     def report(self) -> dict[str, object]:
