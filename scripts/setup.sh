@@ -8,7 +8,8 @@ PY=${PYTHON:-python3}
 # System packages features need, installed where apt is available and we are root; otherwise say how and go
 # on (the tests that need one skip, naming it). bubblewrap: code environments run untrusted programs in it
 # (node/environments/sandbox.py) and refuse to start without it. chromium and its driver: the dashboard test
-# looks at the validator's page in headless Chromium (tests/test_leaderboard.py).
+# looks at the validator's page in headless Chromium (tests/test_leaderboard.py). iptables: the home routers
+# of the network-namespace harness NAT with it (tests/support/netlab).
 apt_install() {  # apt_install COMMAND WHAT PACKAGE...
   local command=$1 what=$2
   shift 2
@@ -24,6 +25,8 @@ apt_install() {  # apt_install COMMAND WHAT PACKAGE...
   fi
 }
 apt_install bwrap "code environments will refuse to start" bubblewrap
+apt_install tc "the network-namespace tests will skip" iproute2
+apt_install iptables "the network-namespace tests (tests/support/netlab, docs/network.md) will skip" iptables
 apt_install chromedriver "the dashboard's browser test will skip" chromium chromium-driver
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
