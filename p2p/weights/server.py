@@ -96,6 +96,17 @@ class ServeSettings(BaseModel):
     )
     scan_interval_s: float = Field(1.0, gt=0, description="How often the store directory is rescanned.")
     shard_wait_s: float = Field(5.0, ge=0, description="How long a request waits for a shard still arriving.")
+    upload_slots: int = Field(
+        0,
+        ge=0,
+        le=65536,
+        description="Shards sent at once (0: no limit); more requests get 503 with Retry-After busy_retry_s. "
+        "An origin feeding a swarm of re-serving peers sends a few shards at full speed rather than every "
+        "shard to everyone at a crawl.",
+    )
+    busy_retry_s: float = Field(
+        0.2, gt=0, le=5, description="Retry-After of a 503 for want of an upload slot."
+    )
     limits: ServeLimits = Field(
         default_factory=ServeLimits, description="Connections, request-head and send deadlines per client."
     )
@@ -149,6 +160,7 @@ class WeightsServer:
         self.addresses: list[tuple[str, int]] = []
         self.audiences: set[str] = set()  # host:port names access tokens may be addressed to
         self._unservable: set[int] = set()
+        self.sending = 0  # shard responses in flight (bounded by settings.upload_slots)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -415,6 +427,13 @@ class WeightsServer:
         stop = size if stop is None else min(stop, size)
         if not 0 <= start < stop:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+        slots = self.settings.upload_slots
+        if slots and self.sending >= slots:
+            raise web.HTTPServiceUnavailable(
+                text='{"error": "every upload slot is busy"}',
+                content_type="application/json",
+                headers={"Retry-After": f"{self.settings.busy_retry_s:g}"},
+            )
         partial = "Range" in request.headers
         resp = web.StreamResponse(status=206 if partial else 200)
         resp.content_type = SHARD_CONTENT_TYPE
@@ -423,9 +442,16 @@ class WeightsServer:
         resp.headers["ETag"] = f'"{shards[index].sha256}"'
         if partial:
             resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-        await self.guard.send(
-            request, resp, stop - start, lambda: self._send_range(request, resp, served, index, start, stop)
-        )
+        self.sending += 1
+        try:
+            await self.guard.send(
+                request,
+                resp,
+                stop - start,
+                lambda: self._send_range(request, resp, served, index, start, stop),
+            )
+        finally:
+            self.sending -= 1
         return resp
 
     async def _wait_for(self, served: ServedVersion, index: int) -> ServedVersion:

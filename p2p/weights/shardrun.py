@@ -367,7 +367,12 @@ class ShardRun:
                 orphan = index if orphan is None else orphan
                 continue
             claimed = True
-            source, cooling = self.pool.pick(avoid=self.tried[index], forbid=taken | lacking)
+            # Peers that hold the shard come before sources that sign no records (the origin, relays), so that
+            # those serve what nobody else has yet.
+            avoid = set(self.tried[index])
+            if any(s.records and s.url not in lacking for s in self.pool.usable()):
+                avoid |= {s.url for s in self.pool.usable() if s.records is False}
+            source, cooling = self.pool.pick(avoid=avoid, forbid=taken | lacking)
             if source is not None:
                 return index, source, 0.0
             if cooling:
@@ -592,10 +597,14 @@ class ShardRun:
             if not others and index not in self.winners:
                 self._requeue(index, 0.0)
             return None
-        if failure.retry_after is not None and self.outcomes.not_ready(attempt, failure.reason):
-            # A relay still mirroring this shard: no penalty and no attempt used; others are preferred meanwhile.
+        if failure.retry_after is not None and self.outcomes.not_ready(
+            attempt, failure.reason, failure.retry_after
+        ):
+            # A relay still mirroring this shard, or a server with no free upload slot: no penalty and no
+            # attempt used; other holders are tried at once, and when every holder was, it waits Retry-After.
             if not others and index not in self.winners:
-                everyone = {u.url for u in self.pool.usable()} <= self.tried[index]
+                holders = {u.url for u in self.pool.usable()} - self.peering.lacking(index)
+                everyone = (holders or {u.url for u in self.pool.usable()}) <= self.tried[index]
                 self._requeue(index, failure.retry_after if everyone else 0.0)
             return None
         if attempt.in_place and (failure.corrupt or attempt.recheck is not None):

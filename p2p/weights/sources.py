@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
+NOT_READY_PAUSE_S = (
+    0.25  # longest pause of a source after a 503, whatever its Retry-After (that is per shard)
+)
+
 
 class SelectionSettings(BaseModel):
     """How sources are scored and how failures back off."""
@@ -165,9 +169,12 @@ class SourcePool:
         source.bandwidth = rate if source.bandwidth is None else a * rate + (1 - a) * source.bandwidth
         source.shards_lost += 1
 
-    def record_not_ready(self, source: SourceState) -> None:
-        """A relay has not verified a shard yet (503): counted, not penalised."""
+    def record_not_ready(self, source: SourceState, retry_after: float) -> None:
+        """A relay has not verified a shard yet, or a server has no free upload slot (503): counted, not
+        penalised, and not asked again for a moment (a busy origin must not be hammered with requests)."""
         source.not_ready += 1
+        now = self.clock()
+        source.cooldown_until = max(source.cooldown_until, now + min(retry_after, NOT_READY_PAUSE_S))
 
     def record_failure(self, source: SourceState, reason: str, *, corrupt: bool = False) -> None:
         a = self.settings.ema_alpha
