@@ -33,6 +33,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -115,15 +116,15 @@ async def agent(args: argparse.Namespace) -> None:
         done = time.monotonic()
         if hooks is not None:
             hooks.finished(result)
-        peers = [s for s in result.sources if s["bytes_ok"]]
         say(
             {
                 "id": cmd["id"],
                 "ok": True,
                 "done": done,
                 "received": result.received_bytes,
-                "from_origin": sum(s["bytes_ok"] for s in peers if s["url"] == cmd["sources"][0]),
-                "lies": sum(s["lies"] for s in result.sources),
+                "from_first": sum(s["bytes_ok"] for s in result.sources if s["url"] == cmd["sources"][0]),
+                "hedges": result.hedges,
+                **{k: sum(s[k] for s in result.sources) for k in ("lies", "shards_failed", "not_ready")},
             }
         )
     await server.stop()
@@ -205,14 +206,18 @@ def round_of(
             dict(cmd="fetch", id=step, step=step, digest=digest, sources=sources, serve=mode == "reserve")
         )
     times = []
+    totals: dict[str, float] = {}
     for agent in [*nodes, *(relays if mode == "relays" else [])]:
         reply = agent.receive()
         if not reply.get("ok"):
             raise SystemExit(f"broadcast: {agent.host.name} failed in mode {mode}: {reply.get('error')}")
         if agent in nodes:
             times.append(float(reply["done"]) - began)  # type: ignore[arg-type]
+            for key in ("received", "from_first", "hedges", "lies", "shards_failed", "not_ready"):
+                totals[key] = totals.get(key, 0) + float(reply[key])  # type: ignore[arg-type]
     wall = time.monotonic() - began
-    return times, (sum(a.cpu_s() for a in everyone) - cpu0) / wall
+    totals["cpu"] = (sum(a.cpu_s() for a in everyone) - cpu0) / wall
+    return times, totals
 
 
 def main() -> None:
@@ -235,6 +240,7 @@ def main() -> None:
     if args.agent:
         asyncio.run(agent(args))
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the lab and the agents are removed
 
     from prime_node.node.contributor.serving import MAX_PEER_SOURCES
     from prime_node.p2p.identity import Identity
@@ -247,7 +253,8 @@ def main() -> None:
         raise SystemExit(f"broadcast: {why}")
     operator = Identity.from_seed(os.urandom(32))
     ideal = args.mib * 2**20 * 8 / (args.mbit * 1e6)
-    results: dict[tuple[int, str], tuple[list[float], float]] = {}
+    results: dict[tuple[int, str], tuple[list[float], dict[str, float]]] = {}
+    size = args.mib * 2**20
     with tempfile.TemporaryDirectory(prefix="broadcast-") as tmp, Lab(Path(tmp) / "lab") as lab:
         root = Path(tmp)
         source = root / "ckpt"
@@ -300,10 +307,12 @@ def main() -> None:
                 results[(n, mode)] = round_of(
                     nodes[:n], relays, origin, mode, step, manifest.digest, MAX_PEER_SOURCES
                 )
-                times, cpu = results[(n, mode)]
+                times, t = results[(n, mode)]
                 print(
                     f"  N={n:<3} {mode:<8} last {max(times):6.2f} s  median {statistics.median(times):6.2f} s  "
-                    f"cpu {cpu:.2f} cores",
+                    f"cpu {t['cpu']:.2f} cores; nodes received {t['received'] / size / n:.2f}x the checkpoint, "
+                    f"{t['from_first'] / size:.2f} copies from their first source; hedges {t['hedges']:.0f}, "
+                    f"failed {t['shards_failed']:.0f}, 503s {t['not_ready']:.0f}, lies {t['lies']:.0f}",
                     flush=True,
                 )
         finally:
@@ -314,7 +323,9 @@ def main() -> None:
 
 
 def report(
-    results: dict[tuple[int, str], tuple[list[float], float]], ideal: float, args: argparse.Namespace
+    results: dict[tuple[int, str], tuple[list[float], dict[str, float]]],
+    ideal: float,
+    args: argparse.Namespace,
 ) -> None:
     single = max(results[(1, "origin")][0])
     print(f"\none node alone: {single:.2f} s ({single / ideal:.2f}x the ideal {ideal:.2f} s)\n")
@@ -322,13 +333,13 @@ def report(
         "| N | mode | last node s | median node s | last / ideal | median / ideal | last / one node | cpu (cores) |"
     )
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
-    for (n, mode), (times, cpu) in results.items():
+    for (n, mode), (times, totals) in results.items():
         if n == 1:
             continue
         last, median = max(times), statistics.median(times)
         print(
             f"| {n} | {mode} | {last:.2f} | {median:.2f} | {last / ideal:.2f} | {median / ideal:.2f} | "
-            f"{last / single:.2f} | {cpu:.2f} |"
+            f"{last / single:.2f} | {totals['cpu']:.2f} |"
         )
     biggest = max(n for n, _ in results)
     print(

@@ -170,7 +170,7 @@ async def test_a_source_that_lies_about_availability_is_demoted_and_the_fetch_co
     assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
     assert report[liar.url]["lies"] >= 1 and report[liar.url]["shards_ok"] == 0
     if record == "claims-all":  # one lie demotes it: it is asked for far fewer shards than it claims
-        assert sum(liar.requests.values()) <= 3
+        assert sum(liar.requests.values()) <= count // 3 and report[liar.url]["success"] < 0.5
     else:  # a record that does not verify claims nothing: the source is never asked for a shard
         assert sum(liar.requests.values()) == 0
 

@@ -43,13 +43,13 @@ class Outcomes:
         self.failures: collections.Counter[int] = collections.Counter()
         self._not_ready: collections.Counter[int] = collections.Counter()
 
-    def not_ready(self, attempt: Attempt, reason: str, retry_after: float) -> bool:
+    def not_ready(self, attempt: Attempt, reason: str, pause_s: float) -> bool:
         """A relay answered 503 (not verified there yet): True while such answers are tolerated for the shard,
         without a charge or an attempt used."""
         if self._not_ready[attempt.index] >= self.settings.max_not_ready:
             return False
         self._not_ready[attempt.index] += 1
-        self.pool.record_not_ready(attempt.source, retry_after)
+        self.pool.record_not_ready(attempt.source, pause_s)
         return True
 
     def lied(self, attempt: Attempt, reason: str) -> None:

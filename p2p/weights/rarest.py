@@ -7,7 +7,8 @@ availability records, availability.py), and among equally rare shards a per-fetc
 which spreads nodes that start together over different shards. Sources without records (an origin, a
 relay) hold everything and add the same count to every shard, so they do not change the order.
 
-A shard put back after a failed attempt goes first, as before rarest-first: it was chosen already.
+A shard put back after a failed attempt goes first, as before rarest-first: it was chosen already. One put back
+after a 503 (not there yet, or no free upload slot) rejoins the others in their order instead.
 """
 
 from __future__ import annotations
@@ -55,8 +56,14 @@ class ShardQueue:
         else:
             self._retry.remove(index)
 
-    def put_back(self, index: int) -> None:
-        self._retry.appendleft(index)
+    def put_back(self, index: int, *, first: bool = True) -> None:
+        """Queue `index` again: first (after a failure: it was chosen already), or among the waiting shards in
+        rarest-first order (after a 503: asked first again, it would keep shards the source does hold waiting)."""
+        if first:
+            self._retry.appendleft(index)
+        else:
+            self._waiting.add(index)
+            self._order = None
 
     def claims_changed(self, before: frozenset[int] | None, after: frozenset[int] | None) -> None:
         """A source's record went from claiming `before` to `after` (None: no record counted)."""

@@ -55,7 +55,7 @@ from .guard import ConnectionGuard, GuardedSite, ServeLimits
 from .manifest import MAX_SHARDS, MAX_STEP, SignedManifest
 from .metrics import WeightsServerMetrics
 from .store import Store
-from .transfer import SHARD_CONTENT_TYPE
+from .transfer import BUSY_HEADER, SHARD_CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
 
@@ -432,7 +432,7 @@ class WeightsServer:
             raise web.HTTPServiceUnavailable(
                 text='{"error": "every upload slot is busy"}',
                 content_type="application/json",
-                headers={"Retry-After": f"{self.settings.busy_retry_s:g}"},
+                headers={"Retry-After": f"{self.settings.busy_retry_s:g}", BUSY_HEADER: "upload slots"},
             )
         partial = "Range" in request.headers
         resp = web.StreamResponse(status=206 if partial else 200)

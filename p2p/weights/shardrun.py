@@ -58,7 +58,7 @@ from .rarest import ShardQueue
 from .result import FetchResult
 from .sources import SourcePool, SourceState
 from .store import PartialVersion, ShardProgress, Store
-from .transfer import ShardResult, TransferCancelled, download_shard, rehash, shard_path
+from .transfer import ShardFailure, ShardResult, TransferCancelled, download_shard, rehash, shard_path
 from .watchdog import Watch
 
 logger = logging.getLogger(__name__)
@@ -359,19 +359,31 @@ class ShardRun:
         wait: float | None = None
         orphan: int | None = None
         claimed = False
+        usable = self.pool.usable()
+        now = self.pool.clock()
+        # This runs at every wake-up of the scheduler: the sources that could take a shard now are found once,
+        # and a shard is looked at closely only when one of them holds it.
+        free = [s for s in usable if s.url not in taken and now >= s.cooldown_until]
+        recordless = {s.url for s in usable if s.records is False}
         for n, index in enumerate(self.queue.candidates()):
             if n >= MAX_SCAN:
                 break
-            lacking = self.peering.lacking(index)
-            if len(lacking) == len(self.pool.usable()):
+            holders = [s for s in usable if s.holds(index)]
+            if not holders:
                 orphan = index if orphan is None else orphan
                 continue
             claimed = True
+            if not any(s.holds(index) for s in free):
+                cooling = min(s.cooldown_until for s in holders) - now
+                if cooling > 0:
+                    wait = cooling if wait is None else min(wait, cooling)
+                continue
             # Peers that hold the shard come before sources that sign no records (the origin, relays), so that
             # those serve what nobody else has yet.
             avoid = set(self.tried[index])
-            if any(s.records and s.url not in lacking for s in self.pool.usable()):
-                avoid |= {s.url for s in self.pool.usable() if s.records is False}
+            if any(s.records for s in holders):
+                avoid |= recordless
+            lacking = {s.url for s in usable} - {s.url for s in holders}
             source, cooling = self.pool.pick(avoid=avoid, forbid=taken | lacking)
             if source is not None:
                 return index, source, 0.0
@@ -597,15 +609,16 @@ class ShardRun:
             if not others and index not in self.winners:
                 self._requeue(index, 0.0)
             return None
+        busy = isinstance(failure, ShardFailure) and failure.busy
         if failure.retry_after is not None and self.outcomes.not_ready(
-            attempt, failure.reason, failure.retry_after
+            attempt, failure.reason, failure.retry_after if busy else 0.0
         ):
             # A relay still mirroring this shard, or a server with no free upload slot: no penalty and no
             # attempt used; other holders are tried at once, and when every holder was, it waits Retry-After.
             if not others and index not in self.winners:
                 holders = {u.url for u in self.pool.usable()} - self.peering.lacking(index)
                 everyone = (holders or {u.url for u in self.pool.usable()}) <= self.tried[index]
-                self._requeue(index, failure.retry_after if everyone else 0.0)
+                self._requeue(index, failure.retry_after if everyone else 0.0, first=False)
             return None
         if attempt.in_place and (failure.corrupt or attempt.recheck is not None):
             self.partial.progress.pop(index, None)  # wrong bytes, or bytes no verified copy vouches for
@@ -633,15 +646,15 @@ class ShardRun:
             return
         self._start(attempt.index, attempt.source, recheck)
 
-    def _requeue(self, index: int, delay: float) -> None:
+    def _requeue(self, index: int, delay: float, *, first: bool = True) -> None:
         if delay <= 0:
-            self.queue.put_back(index)
+            self.queue.put_back(index, first=first)
             return
         self.delayed += 1
 
         def back() -> None:
             self.delayed -= 1
-            self.queue.put_back(index)
+            self.queue.put_back(index, first=first)
             self.changed.set()
 
         self.loop.call_later(delay, back)

@@ -120,11 +120,10 @@ class SourcePool:
     def usable(self) -> list[SourceState]:
         return [s for s in self.sources.values() if s.excluded is None]
 
-    def weight(self, source: SourceState, now: float) -> float:
+    def weight(self, source: SourceState, now: float, best: float | None = None) -> float:
         if source.excluded is not None or now < source.cooldown_until:
             return 0.0
-        known = [s.bandwidth for s in self.sources.values() if s.bandwidth]
-        best = max(known) if known else 1.0
+        best = best or self._best()
         bandwidth = source.bandwidth or best  # optimistic for the unmeasured, so every source gets tried
         healed = min(
             1.0, source.success + self.settings.heal_per_second * max(0.0, now - source.last_failure)
@@ -139,12 +138,17 @@ class SourcePool:
         now = self.clock()
         allowed = [s for s in self.usable() if s.url not in forbid]
         candidates = [s for s in allowed if s.url not in avoid] or allowed
-        weights = [self.weight(s, now) for s in candidates]
+        best = self._best()
+        weights = [self.weight(s, now, best) for s in candidates]
         if not candidates:
             return None, 0.0
         if sum(weights) <= 0:
             return None, max(0.01, min(s.cooldown_until for s in candidates) - now)
         return self.rng.choices(candidates, weights=weights, k=1)[0], 0.0
+
+    def _best(self) -> float:
+        known = [s.bandwidth for s in self.sources.values() if s.bandwidth]
+        return max(known) if known else 1.0
 
     def record_success(self, source: SourceState, nbytes: int, seconds: float) -> None:
         a = self.settings.ema_alpha
@@ -169,12 +173,14 @@ class SourcePool:
         source.bandwidth = rate if source.bandwidth is None else a * rate + (1 - a) * source.bandwidth
         source.shards_lost += 1
 
-    def record_not_ready(self, source: SourceState, retry_after: float) -> None:
+    def record_not_ready(self, source: SourceState, pause_s: float = 0.0) -> None:
         """A relay has not verified a shard yet, or a server has no free upload slot (503): counted, not
-        penalised, and not asked again for a moment (a busy origin must not be hammered with requests)."""
+        penalised; a busy server is not asked again for `pause_s` (at most NOT_READY_PAUSE_S), so that it is
+        not hammered with requests it cannot serve."""
         source.not_ready += 1
-        now = self.clock()
-        source.cooldown_until = max(source.cooldown_until, now + min(retry_after, NOT_READY_PAUSE_S))
+        if pause_s > 0:
+            now = self.clock()
+            source.cooldown_until = max(source.cooldown_until, now + min(pause_s, NOT_READY_PAUSE_S))
 
     def record_failure(self, source: SourceState, reason: str, *, corrupt: bool = False) -> None:
         a = self.settings.ema_alpha

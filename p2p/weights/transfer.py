@@ -35,8 +35,14 @@ from .watchdog import Watch
 SHARD_CONTENT_TYPE = "application/octet-stream"
 
 
+BUSY_HEADER = "X-Prime-Node-Busy"  # on a 503: the server holds the shard but has no free upload slot
+
+
 class ShardFailure(SourceError):
-    """A shard transfer failed through its source; `corrupt` when it sent wrong bytes rather than no bytes."""
+    """A shard transfer failed through its source; `corrupt` when it sent wrong bytes rather than no bytes;
+    `busy` for a 503 that says every upload slot was taken (the source is paused, not only the shard)."""
+
+    busy = False
 
 
 class DigestMismatch(ShardFailure):
@@ -107,9 +113,15 @@ def _failure(watch: Watch, error: BaseException | None, cancelled: threading.Eve
 
 def _check_head(resp: http.client.HTTPResponse, start: int, size: int) -> None:
     if resp.status == 503:
-        raise ShardFailure(
-            "source has not verified this shard yet (503)", retry_after=http_head.retry_after(resp)
+        busy = resp.getheader(BUSY_HEADER) is not None
+        failure = ShardFailure(
+            "source has no free upload slot (503)"
+            if busy
+            else "source has not verified this shard yet (503)",
+            retry_after=http_head.retry_after(resp),
         )
+        failure.busy = busy
+        raise failure
     expected = 206 if start else 200
     if resp.status != expected:
         raise ShardFailure(f"source answered HTTP {resp.status} (expected {expected})")
