@@ -74,7 +74,11 @@ async def agent(args: argparse.Namespace) -> None:
     server = WeightsServer(store, settings, args.key, identity=identity)
     await server.start()
     fetch_settings = FetchSettings(
-        concurrency=args.concurrency, min_rate_bytes_s=4096, durable=False, keep=1, stall_timeout_s=30
+        concurrency=args.concurrency,
+        min_rate_bytes_s=4096,
+        durable=False,
+        keep=1,
+        stall_timeout_s=30,
     )
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -87,6 +91,15 @@ async def agent(args: argparse.Namespace) -> None:
             say({"id": cmd["id"], "ok": True})
             continue
         hooks = ServeAsVerified(server) if cmd["serve"] else None
+        arrivals: list[float] = []  # when each shard verified
+
+        def on_shard(
+            index: int, arrivals: list[float] = arrivals, hooks: ServeAsVerified | None = hooks
+        ) -> None:
+            arrivals.append(time.monotonic())
+            if hooks is not None:
+                hooks.on_shard(index)
+
         deadline = time.monotonic() + 60
         while True:  # relays may not hold the manifest yet: asked again, as a node's pinned fetch would
             fetcher = Fetcher(
@@ -94,7 +107,7 @@ async def agent(args: argparse.Namespace) -> None:
                 args.key,
                 store,
                 fetch_settings,
-                on_shard=hooks.on_shard if hooks else None,
+                on_shard=on_shard,
             )
             fetcher.on_manifest = hooks.on_manifest if hooks else None
             try:
@@ -124,6 +137,8 @@ async def agent(args: argparse.Namespace) -> None:
                 "received": result.received_bytes,
                 "from_first": sum(s["bytes_ok"] for s in result.sources if s["url"] == cmd["sources"][0]),
                 "hedges": result.hedges,
+                # When a quarter, half and three quarters of the shards had verified (the pace of the fetch).
+                "quarters": [arrivals[int(len(arrivals) * q)] for q in (0.25, 0.5, 0.75)] if arrivals else [],
                 **{k: sum(s[k] for s in result.sources) for k in ("lies", "shards_failed", "not_ready")},
             }
         )
@@ -142,13 +157,21 @@ class Agent:
     """One agent process on a lab host, spoken to over its stdin/stdout."""
 
     def __init__(
-        self, host, store: Path, key: str, concurrency: int, slots: int, *, origin: bool = False
-    ) -> None:  # noqa: ANN001
+        self,
+        host,  # noqa: ANN001
+        store: Path,
+        key: str,
+        concurrency: int,
+        slots: int,
+        *,
+        origin: bool = False,
+        extra: tuple[str, ...] = (),
+    ) -> None:
         self.host = host
         self.url = f"http://{host.ip}:{PORT}"
         argv = [sys.executable, __file__, "--agent", "--ip", host.ip, "--store", str(store), "--key", key]
         argv += ["--concurrency", str(concurrency)] + (["--origin"] if origin else [])
-        argv += ["--origin-slots", str(slots)]
+        argv += ["--origin-slots", str(slots), *extra]
         log = open(store.parent / f"{host.name}.log", "wb")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
             host.argv(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1
@@ -207,16 +230,20 @@ def round_of(
         )
     times = []
     totals: dict[str, float] = {}
+    quarters: list[list[float]] = []
     for agent in [*nodes, *(relays if mode == "relays" else [])]:
         reply = agent.receive()
         if not reply.get("ok"):
             raise SystemExit(f"broadcast: {agent.host.name} failed in mode {mode}: {reply.get('error')}")
         if agent in nodes:
             times.append(float(reply["done"]) - began)  # type: ignore[arg-type]
+            quarters.append([t - began for t in reply["quarters"]])  # type: ignore[union-attr]
             for key in ("received", "from_first", "hedges", "lies", "shards_failed", "not_ready"):
                 totals[key] = totals.get(key, 0) + float(reply[key])  # type: ignore[arg-type]
     wall = time.monotonic() - began
     totals["cpu"] = (sum(a.cpu_s() for a in everyone) - cpu0) / wall
+    for i, q in enumerate(("q1", "q2", "q3")):
+        totals[q] = statistics.median(row[i] for row in quarters) if quarters and quarters[0] else 0.0
     return times, totals
 
 
@@ -227,18 +254,24 @@ def main() -> None:
     parser.add_argument("--ip", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", help="write a cProfile of the first node's event loop to this file")
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16, 32], help="swarm sizes N")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--mbit", type=float, default=50.0, help="every host's line, both ways")
     parser.add_argument("--mib", type=float, default=16.0, help="checkpoint size")
-    parser.add_argument("--shard-mib", type=float, default=0.25)
+    parser.add_argument("--shard-mib", type=float, default=1.0)
     parser.add_argument("--relays", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4, help="shard transfers at once per fetch")
     parser.add_argument("--origin-slots", type=int, default=4, help="the origin's upload slots (0: no limit)")
     parser.add_argument("--async-level", type=int, default=2, help="for the missed-steps table")
     args = parser.parse_args()
     if args.agent:
-        asyncio.run(agent(args))
+        if args.profile:  # the event loop's thread only: the scheduler, the server, availability
+            import cProfile  # noqa: PLC0415
+
+            cProfile.runctx("asyncio.run(agent(args))", globals(), {"args": args}, args.profile)
+        else:
+            asyncio.run(agent(args))
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the lab and the agents are removed
 
@@ -274,6 +307,7 @@ def main() -> None:
                 args.concurrency,
                 args.origin_slots,
                 origin=origin,
+                extra=("--profile", args.profile) if args.profile and name == "n0" else (),
             )
             agents.append(agent_)
             return agent_
@@ -312,7 +346,8 @@ def main() -> None:
                     f"  N={n:<3} {mode:<8} last {max(times):6.2f} s  median {statistics.median(times):6.2f} s  "
                     f"cpu {t['cpu']:.2f} cores; nodes received {t['received'] / size / n:.2f}x the checkpoint, "
                     f"{t['from_first'] / size:.2f} copies from their first source; hedges {t['hedges']:.0f}, "
-                    f"failed {t['shards_failed']:.0f}, 503s {t['not_ready']:.0f}, lies {t['lies']:.0f}",
+                    f"failed {t['shards_failed']:.0f}, 503s {t['not_ready']:.0f}, lies {t['lies']:.0f}; "
+                    f"median node at 1/4, 1/2, 3/4 of its shards: {t['q1']:.1f}, {t['q2']:.1f}, {t['q3']:.1f} s",
                     flush=True,
                 )
         finally:

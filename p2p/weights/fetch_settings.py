@@ -70,7 +70,7 @@ class FetchSettings(BaseModel):
         1000, ge=0, description="'Not verified yet' (503) answers from relays tolerated per shard."
     )
     availability_interval_s: float = Field(
-        0.25,
+        1.0,
         ge=0,
         le=60,
         description="How often each source is asked which shards it holds (a long poll: the answer comes when "
