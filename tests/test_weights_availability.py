@@ -30,7 +30,7 @@ from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.rarest import ShardQueue
 from prime_node.p2p.weights.serve_verified import ServeAsVerified
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
-from prime_node.p2p.weights.sources import SelectionSettings
+from prime_node.p2p.weights.sources import NOT_READY_PAUSE_S, SelectionSettings, SourcePool
 from prime_node.p2p.weights.store import Store
 
 from support.weights import hostile, operator, publish_steps, same_tree, serving
@@ -236,3 +236,27 @@ def test_the_rarest_shard_goes_first_and_equally_rare_ones_in_a_random_order() -
     # Nodes that start together spread over different shards: the tie-break is random per fetch.
     firsts = {next(ShardQueue(range(64), 64, random.Random(seed)).candidates()) for seed in range(20)}
     assert len(firsts) > 10
+
+
+async def test_a_busy_source_is_not_charged_and_the_fetch_completes(origin, tmp_path: Path) -> None:
+    store_dir, _ = origin
+    async with hostile(store_dir, 3, "busy") as busy, hostile(store_dir, 3, chunk_delay_s=0.01) as honest:
+        result = await Fetcher(
+            [busy.url, honest.url], operator().node_id, Store(tmp_path / "out"), SETTINGS
+        ).fetch(3)
+    report = {s["url"]: s for s in result.sources}
+    assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
+    assert report[busy.url]["not_ready"] >= 1 and report[busy.url]["shards_failed"] == 0
+    assert report[busy.url]["success"] == 1.0 and report[busy.url]["lies"] == 0
+
+
+def test_a_busy_503_pauses_its_source_and_a_not_ready_one_does_not() -> None:
+    now = [100.0]
+    pool = SourcePool(["http://a:1", "http://b:1"], rng=random.Random(0), clock=lambda: now[0])
+    busy, relay = pool.sources["http://a:1"], pool.sources["http://b:1"]
+    pool.record_not_ready(busy, 5.0)  # no free upload slot: paused, at most NOT_READY_PAUSE_S
+    pool.record_not_ready(relay)  # that shard is not there yet: other shards may be asked of it at once
+    assert pool.weight(busy, now[0]) == 0 and pool.weight(relay, now[0]) > 0
+    assert pool.pick()[0] is relay
+    now[0] += NOT_READY_PAUSE_S
+    assert pool.weight(busy, now[0]) > 0 and busy.success == relay.success == 1.0

@@ -146,6 +146,9 @@ class HostileSource:
             return web.Response(status=404, text="no such shard")
         if fault == "503":
             return web.Response(status=503, text="not verified here yet", headers={"Retry-After": "1"})
+        if fault == "busy":  # every upload slot taken (p2p/weights/server.py upload_slots)
+            headers = {"Retry-After": "0.5", "X-Prime-Node-Busy": "upload slots"}
+            return web.Response(status=503, text="every upload slot is busy", headers=headers)
         if fault == "html":
             return web.Response(text="<html>rate limited, try later</html>", content_type="text/html")
         if fault == "flip":
