@@ -204,12 +204,24 @@ def start_our_server(origin: Path) -> tuple[subprocess.Popen[str], str]:
     return proc, line.strip().rsplit(" ", 1)[-1]
 
 
-def fetch_ours(urls: list[str], key: str, out: Path) -> float:
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (a server child; its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+CPU_SPENT: dict[str, float] = {}  # core-seconds of the cheapest fetch per contender (fetcher + its servers)
+
+
+def fetch_ours(urls: list[str], key: str, out: Path, servers: list[int], name: str) -> float:
     shutil.rmtree(out, ignore_errors=True)
     fetcher = Fetcher(urls, key, Store(out), FetchSettings())
+    cpu0 = time.process_time() + sum(process_cpu_s(pid) for pid in servers)
     start = time.perf_counter()
     asyncio.run(fetcher.fetch())
     seconds = time.perf_counter() - start
+    cpu = time.process_time() + sum(process_cpu_s(pid) for pid in servers) - cpu0
+    CPU_SPENT[name] = min(CPU_SPENT.get(name, float("inf")), cpu)
     shutil.rmtree(out)
     return seconds
 
@@ -342,14 +354,15 @@ def main() -> int:
         # Round-robin, so that load from other processes on this machine falls on every contender alike.
         best: dict[str, float] = {}
         costs: dict[str, float] = {}
+        pids = [proc.pid for proc in servers]
         for _ in range(args.repeat):
             for name, cost in cpu_costs(model, work).items():  # the cheapest run: the least disturbed
                 costs[name] = min(costs.get(name, float("inf")), cost)
             runs = {
                 "loopback": lambda: model.stat().st_size / measure_loopback(model),
                 "sha256": lambda: model.stat().st_size / measure_sha256(model),
-                "ours x1": lambda: fetch_ours(urls[:1], key.node_id, work / "out"),
-                "ours x3": lambda: fetch_ours(urls, key.node_id, work / "out"),
+                "ours x1": lambda: fetch_ours(urls[:1], key.node_id, work / "out", pids[:1], "ours x1"),
+                "ours x3": lambda: fetch_ours(urls, key.node_id, work / "out", pids, "ours x3"),
             }
             if shardcast is not None:
                 runs["shardcast"] = shardcast.fetch_once
@@ -399,6 +412,14 @@ def main() -> int:
             f"  ours x1 / physical      {total / one / physical:6.2f}    (target >= 0.85)\n"
             f"  ours x3 / physical      {total / three / physical:6.2f}"
         )
+        # Wall-clock throughput needs the cores to ourselves; on a shared machine the same comparison in CPU
+        # terms says how close the fetch's own work (fetcher + servers) comes to the budget's.
+        for name in ("ours x1", "ours x3"):
+            spent = CPU_SPENT[name] * GIB / total
+            print(
+                f"  {name}: {spent:.2f} core-seconds per GiB (fetcher + servers), budget / ours "
+                f"{budget / spent:.2f}; with the cores to itself: {cores / spent * GIB / MIB:.0f} MiB/s"
+            )
         print(f"  ours x3 / ours x1       {one / three:6.2f}x")
         print(f"load average at the end: {os.getloadavg()[0]:.1f}")
         return 0
