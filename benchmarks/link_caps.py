@@ -7,7 +7,7 @@ line, and moves --mbytes MiB over one TCP connection each way (payload timed at 
 byte to the end of the stream): the client's downlink and uplink. Then the same through a home router
 (the client NAT'd, connecting out), and through the delaying proxy (--delay-ms each way), where a single
 TCP connection's rate is bounded by its window over the round trip. Prints measured Mbit/s and the ratio to
-the cap, all from this one run.
+the cap, all from this one run, after the rate of an uncapped line (the CPU's ceiling for one connection).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--caps", type=float, nargs="+", default=[10, 50, 100])
     parser.add_argument("--mbytes", type=int, default=16, help="MiB moved per measurement")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay of the proxy case")
+    parser.add_argument("--uncapped-mbytes", type=int, default=256, help="MiB moved over an uncapped line")
     args = parser.parse_args()
     why = unavailable_reason()
     if why is not None:
@@ -44,6 +45,9 @@ def main() -> None:
         server = lab.host("server")
         home = lab.home("home")
         port = 5300
+        # The ceiling without caps: what two cores move through veths and a bridge (Python at both ends).
+        free = lab.host("free")
+        uncapped = throughput_mbit(server, free, mbytes=args.uncapped_mbytes, port=port)
         for cap in args.caps:
             client = lab.host(f"c{cap:g}", mbit=cap)
             natted = lab.host(f"n{cap:g}", mbit=cap, behind=home)
@@ -59,6 +63,7 @@ def main() -> None:
             port += 1
             delayed = _through_proxy(lab, client, server, port, args.delay_ms, args.mbytes)
             rows.append((cap, f"uplink via +{2 * args.delay_ms:g} ms RTT proxy", delayed))
+    print(f"uncapped line: {uncapped:.0f} Mbit/s ({args.uncapped_mbytes} MiB over one TCP connection)")
     print(f"{'cap Mbit/s':>10}  {'path':<32} {'measured Mbit/s':>15}  {'ratio':>6}")
     for cap, what, rate in rows:
         print(f"{cap:>10g}  {what:<32} {rate:>15.1f}  {rate / cap:>6.2f}")

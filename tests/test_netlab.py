@@ -43,6 +43,7 @@ def test_a_home_router_lets_its_hosts_out_and_nobody_in(netlab: Lab) -> None:
     home = netlab.home("home")
     inside, neighbour = netlab.host("inside", behind=home), netlab.host("neighbour", behind=home)
     assert inside.public_ip == home.ip != inside.ip
+    home.watch(public.ip)
     for host in (public, inside):
         host.start(f"http-{host.name}", [sys.executable, "-m", "http.server", "8000"])
     _wait_port(public, public.ip, 8000)
@@ -50,6 +51,7 @@ def test_a_home_router_lets_its_hosts_out_and_nobody_in(netlab: Lab) -> None:
     assert can_connect(inside, public.ip, 8000)
     assert not can_connect(public, inside.ip, 8000)  # no route in ...
     assert not can_connect(public, home.ip, 8000)  # ... and nothing forwarded through the router
+    assert home.syns_from(public.ip) == 1  # the router saw that attempt (the first had no route at all)
     fetched = inside.run(
         [sys.executable, "-c", f"import urllib.request as u; u.urlopen('http://{public.ip}:8000/')"]
     )
@@ -99,3 +101,15 @@ def test_namespaces_of_a_crashed_maker_are_removed_and_others_kept(tmp_path: Pat
         assert set(owned_namespaces(mine.prefix)) == set(mine.namespaces)
     assert not owned_namespaces(mine.prefix)
     assert os.path.exists(tmp_path / "logs" / "sleeper.log")
+
+
+def test_where_a_lab_cannot_be_made_the_reason_names_what_is_missing(monkeypatch) -> None:  # noqa: ANN001
+    from support.netlab import commands
+
+    monkeypatch.setattr(commands.os, "geteuid", lambda: 1000)
+    assert "need root" in (commands._probe() or "")
+    monkeypatch.setattr(commands.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(
+        commands.shutil, "which", lambda tool: None if tool == "iptables" else f"/usr/sbin/{tool}"
+    )
+    assert "missing system packages ['iptables']" in (commands._probe() or "")

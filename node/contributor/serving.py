@@ -2,12 +2,16 @@
 
 With `serve_weights` and a node that others can dial (the swarm's reachability check did not put it in
 client mode) the node runs a p2p/weights server over its own checkpoint store and advertises in its heartbeat
-which steps it serves (`serves_steps`) and where (`weights_url`). It serves only what verified, but not only
-whole versions: while it fetches a step, each shard is served as soon as its SHA-256 matched the signed
-manifest (p2p/weights/serve_verified.py), and the step is advertised as soon as its manifest verified. The
-server signs with the node's key which shards it holds (p2p/weights/availability.py), so peers ask it only
-for those, rarest first, and a node that claims a shard it then does not serve is demoted by every fetcher
-that caught it. In the other direction, every node adds the peers that advertise a step as extra sources
+which steps it serves (`serves_steps`) and where (`weights_url`). Before advertising, a bootstrap peer dials
+the weights port back (p2p/swarm/reachability.py) on the address it sees the node at: a node that claims
+reachability it does not have (`--reachability public`, or an announced address whose port is not forwarded)
+would otherwise send every fetcher of the swarm to a dead address, each losing a connect timeout per fetch.
+Unreached, it serves nobody and says what to forward. It serves only what verified, but not only whole
+versions: while it fetches a step, each shard is served as soon as its SHA-256 matched the signed manifest
+(p2p/weights/serve_verified.py), and the step is advertised as soon as its manifest verified. The server
+signs with the node's key which shards it holds (p2p/weights/availability.py), so peers ask it only for
+those, rarest first, and a node that claims a shard it then does not serve is demoted by every fetcher that
+caught it. In the other direction, every node adds the peers that advertise a step as extra sources
 when it fetches that step: they need no trust, as the fetcher still requires the operator-signed manifest
 the announcement pins and checks every shard's hash (docs/weights.md).
 
@@ -97,6 +101,9 @@ class WeightsSharing:
                 "not serving weights: %s is not an address peers can use; set weights_public_url", bound
             )
             return False
+        if not await self._dialled_back(url):
+            await server.stop()
+            return False
         server.accept_audience(url)  # peers address the advertised URL, which may differ from the bound one
         self.server = server
         self.swarm.weights_url = self.state.serving_weights = url
@@ -106,6 +113,30 @@ class WeightsSharing:
     def serve_as_verified(self) -> ServeAsVerified | None:
         """Hooks that serve each shard of a fetch once it verified (None when this node does not serve)."""
         return ServeAsVerified(self.server) if self.server is not None else None
+
+    async def _dialled_back(self, url: str) -> bool:
+        """Whether a bootstrap peer reached the URL's port (True also when none could test it: as the DHT's
+        own self-test, the node then trusts its configuration and says so)."""
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        reached = await self.swarm.dial_back([port])
+        if reached is None:
+            logger.warning(
+                "could not test whether peers can reach the weights server at %s (no bootstrap peer answered "
+                "the dial-back probe); advertising it",
+                url,
+            )
+            return True
+        if not reached:
+            logger.warning(
+                "not serving weights: a peer could not connect to TCP %d on this node's public address, so %s "
+                "is not advertised. Forward TCP %d on your router or firewall to this machine (or set "
+                "weights_public_url to an address that reaches it); see docs/swarm.md.",
+                port,
+                url,
+                port,
+            )
+        return reached
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -74,16 +74,24 @@ class DHTPeer:
             server = reachability.DialBackServer(self.config.run_id, self.config.reachability_timeout_s)
             await self._add_handler(server.name, server.handle)
 
-    async def _self_test(self) -> None:
-        assert self._p2p is not None
-        ports = reachability.tcp_ports(self.config.announce_maddrs or await self.maddrs())
-        reached = await reachability.probe(
+    async def dial_back(self, ports: list[int]) -> bool | None:
+        """Ask up to three bootstrap peers, in turn, to open fresh TCP connections to `ports` on the address
+        they see this node at. True: one was reached; False: a peer tried and reached none; None: no peer
+        answered (no bootstrap peers, or none serves the probe). Works whatever `reachability` says: a
+        node's own claim is exactly what it checks."""
+        if self._p2p is None:
+            raise SwarmError("not joined: call join() first")
+        return await reachability.probe(
             self._p2p,
             self.config.run_id,
             self.config.initial_peers[:3],
             ports,
             self.config.reachability_timeout_s,
         )
+
+    async def _self_test(self) -> None:
+        ports = reachability.tcp_ports(self.config.announce_maddrs or await self.maddrs())
+        reached = await self.dial_back(ports)
         if reached is None:
             logger.warning(
                 "could not test whether this node can be dialled (no bootstrap peer answered the "

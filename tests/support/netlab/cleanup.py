@@ -16,11 +16,10 @@ import re
 import signal
 import time
 
-from .commands import NetlabError, run
+from .commands import FAMILY, NetlabError, run
 
 logger = logging.getLogger(__name__)
 
-FAMILY = "pnl"
 _NAME = re.compile(rf"^{FAMILY}(?P<pid>\d+)x\d+-")
 
 

@@ -16,6 +16,7 @@ TOOLS = {
     "iptables": "iptables",
 }
 COMMAND_TIMEOUT_S = 20.0
+FAMILY = "pnl"  # the start of every namespace name the harness makes (cleanup.py)
 
 
 class NetlabError(RuntimeError):
@@ -61,7 +62,7 @@ def _probe() -> str | None:
     missing = sorted({pkg for tool, pkg in TOOLS.items() if shutil.which(tool) is None})
     if missing:
         return f"missing system packages {missing} (scripts/setup.sh installs them with apt-get)"
-    ns = f"pnlprobe{os.getpid()}"
+    ns = f"{FAMILY}{os.getpid()}x0-probe"  # named as a lab's (cleanup.py), so a crash mid-probe is cleaned up too
     try:
         run(["ip", "netns", "add", ns])
         try:

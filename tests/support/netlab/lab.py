@@ -35,6 +35,8 @@ from .cleanup import FAMILY, remove_namespaces
 from .commands import NetlabError, in_ns, run
 
 INTERNET = ipaddress.ip_network("10.77.0.0/16")
+WATCH_CHAIN = "NETLAB_WATCH"  # on home routers: counts inbound SYNs per watched source (Home.watch)
+_IPT = ["iptables", "-w", "5"]
 _counter = itertools.count(1)
 DELAY_SCRIPT = Path(__file__).with_name("delay.py")
 
@@ -52,6 +54,19 @@ class Home:
     @property
     def gateway(self) -> str:
         return str(self.lan.network_address + 1)
+
+    def watch(self, source_ip: str) -> None:
+        """From now on, count the TCP connections `source_ip` tries to open to this router or through it
+        (SYNs arriving on wan, answered or dropped): `syns_from` reads the count."""
+        run(in_ns(self.ns, [*_IPT, "-A", WATCH_CHAIN, "-s", source_ip, "-j", "RETURN"]))
+
+    def syns_from(self, source_ip: str) -> int:
+        """TCP connection attempts from `source_ip` since `watch(source_ip)`."""
+        listing = run(in_ns(self.ns, [*_IPT, "-L", WATCH_CHAIN, "-v", "-x", "-n"]))
+        counts = [int(f[0]) for f in (line.split() for line in listing.splitlines()[2:]) if f[7] == source_ip]
+        if not counts:
+            raise NetlabError(f"{source_ip} is not watched on {self.name}; call watch({source_ip!r}) first")
+        return sum(counts)
 
 
 @dataclass
@@ -149,7 +164,7 @@ class Lab:
         run(["ip", "-n", ns, "addr", "add", f"{lan.network_address + 1}/{lan.prefixlen}", "dev", "lan"])
         run(["ip", "-n", ns, "link", "set", "lan", "up"])
         run(in_ns(ns, ["sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"]))
-        ipt = ["iptables", "-w", "5"]
+        ipt = _IPT
         # A home router: out through wan with its address; in only what answers a connection from inside.
         run(
             in_ns(
@@ -174,6 +189,9 @@ class Lab:
                 ],
             )
         )
+        run(in_ns(ns, [*ipt, "-N", WATCH_CHAIN]))
+        for chain in ("INPUT", "FORWARD"):  # to the router itself, and through it (were it forwarded)
+            run(in_ns(ns, [*ipt, "-I", chain, "-i", "wan", "-p", "tcp", "--syn", "-j", WATCH_CHAIN]))
         home = Home(name, ns, ip, lan)
         self.homes[name] = home
         return home
