@@ -20,6 +20,7 @@ from ...p2p.weights.errors import WeightsError
 from ...p2p.weights.fetch import FetchSettings
 from ...p2p.weights.manifest import SignedManifest
 from ...p2p.weights.pinned import Pin, PinnedFetch, PinRefused
+from ...p2p.weights.serve_verified import ServeAsVerified
 from ...p2p.weights.store import Store
 from ..runtime.progress import DownloadProgress
 from .policy_window import steps_to_delete, usable_step
@@ -43,12 +44,15 @@ class CheckpointKeeper:
         identity: Identity | None = None,
         peer_sources: Callable[[int], list[str]] | None = None,
         download_bar_after_s: float | None = None,
+        serve: ServeAsVerified | None = None,
     ) -> None:
         self.store = store
         self.operator_key = operator_key
         self.state = state
         self.async_level = async_level
         self.on_verified = on_verified  # e.g. tell the weights server and the heartbeat what we can serve
+        # A node that re-serves weights offers each shard of a version it is fetching as soon as it verified.
+        self.serve = serve
         # identity signs access tokens, so weight servers know (and can ban) this node; peer sources are the
         # peers whose heartbeats say they serve a step.
         self.pinned = PinnedFetch(
@@ -58,6 +62,7 @@ class CheckpointKeeper:
             identity=identity,
             on_bytes=self._on_bytes,
             on_manifest=self._on_manifest,
+            on_shard=serve.on_shard if serve is not None else None,
             peer_sources=peer_sources,
             retry_s=retry_s,
             max_retry_s=max_retry_s,
@@ -110,6 +115,8 @@ class CheckpointKeeper:
             self._bar.on_bytes(count)
 
     def _on_manifest(self, manifest: SignedManifest, resumed: int) -> None:
+        if self.serve is not None:
+            self.serve.on_manifest(manifest, resumed)
         if self._bar is not None:
             self._bar.on_manifest(manifest, resumed)
 
@@ -135,8 +142,10 @@ class CheckpointKeeper:
         if self.download_bar_after_s is not None:
             self._bar = DownloadProgress(delay_s=self.download_bar_after_s, leave=False)
         try:
-            await self.pinned.fetch(pin)
+            result = await self.pinned.fetch(pin)
         except PinRefused as refused:
+            if self.serve is not None:
+                self.serve.abandoned()
             self.state.metrics.verification_failures.inc()
             self.state.error(str(refused))
             return False
@@ -144,6 +153,8 @@ class CheckpointKeeper:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+        if self.serve is not None and not result.already_held:
+            self.serve.finished(result)
         self._verified.add(pin.step)
         await self.prune()
         self._publish_local()

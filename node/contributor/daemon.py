@@ -154,7 +154,7 @@ class ContributorNode:
         await status.start()
         sup.on_shutdown("status API", status.stop)
         store = Store(self.data_dir / "checkpoints")
-        sharing = WeightsSharing(store, s, self.operator_key, swarm, state)
+        sharing = WeightsSharing(store, s, self.operator_key, swarm, state, identity)
         if await sharing.start():
             sup.on_shutdown("weights server", sharing.stop)
             sup.supervise(*sharing.tasks())  # its rescans: a crash stops the node instead of serving less
@@ -168,6 +168,7 @@ class ContributorNode:
             max_retry_s=s.max_retry_s,
             identity=identity,
             peer_sources=sharing.sources_for,
+            serve=sharing.serve_as_verified(),
             # A tiny checkpoint arrives in milliseconds: a bar only for a download slower than a second.
             download_bar_after_s=None if s.log_json else 1.0,
         )

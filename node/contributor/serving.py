@@ -1,13 +1,17 @@
 """Peers serving weights: this node serves its verified checkpoints, and finds peers that serve theirs.
 
 With `serve_weights` and a node that others can dial (the swarm's reachability check did not put it in
-client mode) the node runs a p2p/weights server over its own checkpoint store, so it only ever serves
-versions that verified, and advertises in its heartbeat which steps it serves (`serves_steps`) and where
-(`weights_url`). Before advertising, a bootstrap peer dials the weights port back (p2p/swarm/reachability.py)
-on the address it sees the node at: a node that claims reachability it does not have (`--reachability
-public`, or an announced address whose port is not forwarded) would otherwise send every fetcher of the
-swarm to a dead address, each losing a connect timeout per fetch. Unreached, it serves nobody and says
-what to forward. In the other direction, every node adds the peers that advertise a step as extra sources
+client mode) the node runs a p2p/weights server over its own checkpoint store and advertises in its heartbeat
+which steps it serves (`serves_steps`) and where (`weights_url`). Before advertising, a bootstrap peer dials
+the weights port back (p2p/swarm/reachability.py) on the address it sees the node at: a node that claims
+reachability it does not have (`--reachability public`, or an announced address whose port is not forwarded)
+would otherwise send every fetcher of the swarm to a dead address, each losing a connect timeout per fetch.
+Unreached, it serves nobody and says what to forward. It serves only what verified, but not only whole
+versions: while it fetches a step, each shard is served as soon as its SHA-256 matched the signed manifest
+(p2p/weights/serve_verified.py), and the step is advertised as soon as its manifest verified. The server
+signs with the node's key which shards it holds (p2p/weights/availability.py), so peers ask it only for
+those, rarest first, and a node that claims a shard it then does not serve is demoted by every fetcher that
+caught it. In the other direction, every node adds the peers that advertise a step as extra sources
 when it fetches that step: they need no trust, as the fetcher still requires the operator-signed manifest
 the announcement pins and checks every shard's hash (docs/weights.md).
 
@@ -35,9 +39,11 @@ import logging
 import random
 from urllib.parse import urlsplit
 
+from ...p2p.identity import Identity
 from ...p2p.swarm import Heartbeat, Swarm
 from ...p2p.urls import routable_url
 from ...p2p.weights.http_head import check_source_url
+from ...p2p.weights.serve_verified import ServeAsVerified
 from ...p2p.weights.server import WeightsServer
 from ...p2p.weights.store import Store
 from .settings import StartSettings
@@ -45,18 +51,27 @@ from .state import NodeState
 
 logger = logging.getLogger(__name__)
 
-MAX_PEER_SOURCES = 4  # per fetch, drawn at random: load spreads over the peers that serve a step
+# Per fetch, drawn at random: load spreads over the peers that serve a step, and each fetch has enough peers to
+# trade with (benchmarks/broadcast.py measures the swarm with this many).
+MAX_PEER_SOURCES = 8
 
 
 class WeightsSharing:
     def __init__(
-        self, store: Store, settings: StartSettings, operator_key: str, swarm: Swarm, state: NodeState
+        self,
+        store: Store,
+        settings: StartSettings,
+        operator_key: str,
+        swarm: Swarm,
+        state: NodeState,
+        identity: Identity | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
         self.operator_key = operator_key
         self.swarm = swarm
         self.state = state
+        self.identity = identity  # signs the server's availability records
         self.server: WeightsServer | None = None
         self._peer_urls: dict[int, list[str]] = {}  # step -> weights URLs of live, unbanned peers
         self.networks = [ipaddress.ip_network(n, strict=False) for n in settings.peer_weights_networks]
@@ -72,7 +87,11 @@ class WeightsSharing:
             )
             return False
         server = WeightsServer(
-            self.store, self.settings.serve, self.operator_key, metrics=self.state.metrics.weights
+            self.store,
+            self.settings.serve,
+            self.operator_key,
+            metrics=self.state.metrics.weights,
+            identity=self.identity,
         )
         bound = await server.start()
         url = self.settings.weights_public_url or routable_url(bound, await self.swarm.maddrs())
@@ -90,6 +109,10 @@ class WeightsSharing:
         self.swarm.weights_url = self.state.serving_weights = url
         logger.info("serving verified checkpoints to peers at %s", url)
         return True
+
+    def serve_as_verified(self) -> ServeAsVerified | None:
+        """Hooks that serve each shard of a fetch once it verified (None when this node does not serve)."""
+        return ServeAsVerified(self.server) if self.server is not None else None
 
     async def _dialled_back(self, url: str) -> bool:
         """Whether a bootstrap peer reached the URL's port (True also when none could test it: as the DHT's
@@ -125,10 +148,11 @@ class WeightsSharing:
         return [scanner] if scanner is not None else []
 
     async def advertise(self) -> None:
-        """Supervised task: keep the heartbeat's `serves_steps` equal to what the server serves."""
+        """Supervised task: keep the heartbeat's `serves_steps` equal to what the server serves, a version being
+        fetched included once its manifest verified (its availability record says which shards it holds)."""
         assert self.server is not None
         while True:
-            served = sorted(step for step, version in self.server.versions.items() if version.complete)
+            served = sorted(self.server.versions)
             self.swarm.serves_steps = served
             await asyncio.sleep(self.settings.serve.scan_interval_s)
 

@@ -13,6 +13,11 @@ class ManifestError(WeightsError):
     """A manifest is oversized, malformed, unsigned, signed by the wrong key, or inconsistent."""
 
 
+class ManifestAbsent(ManifestError):
+    """A source does not hold the version (yet): it answered 404 or 503 for the manifest. A peer still fetching
+    it may hold it soon, so the fetch asks it again (shardrun.py) rather than setting it aside for good."""
+
+
 class ReplayError(ManifestError):
     """A manifest names a step older than one already held (a replayed or rolled-back checkpoint)."""
 

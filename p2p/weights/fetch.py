@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from ..identity import Identity
 from .access import TokenSource
 from .connections import ConnectionPool
-from .errors import FetchError, ManifestError, StoreError
+from .errors import FetchError, ManifestAbsent, ManifestError, StoreError
 from .fetch_settings import FetchSettings
 from .http_head import check_source_url
 from .manifest import MAX_MANIFEST_BYTES, SignedManifest, parse_signed
@@ -51,6 +51,8 @@ class Resolution:
     errors: dict[str, str] = field(default_factory=dict)
     # Sources whose manifest had not arrived when the fetch chose: each joins if its manifest is this one.
     pending: dict[str, asyncio.Task[SignedManifest]] = field(default_factory=dict)
+    # Sources that did not hold the version (404/503): asked again while the shards are fetched (peering.py).
+    absent: set[str] = field(default_factory=set)
 
 
 class Fetcher:
@@ -157,6 +159,7 @@ class Fetcher:
         errors = dict(self.invalid)
         pending = {src: self._spawn_manifest(src, step) for src in self.sources if src not in errors}
         found: dict[str, SignedManifest] = {}
+        absent: set[str] = set()
         first_at: float | None = None
         while pending:
             if digest is not None and any(m.digest == digest for m in found.values()):
@@ -174,7 +177,11 @@ class Fetcher:
                     found[source] = pending.pop(source).result()
                 except ManifestError as exc:  # anything else is not the source's doing: it propagates
                     errors[source] = str(exc)
-                    logger.warning("source %s: %s", source, exc)
+                    if isinstance(exc, ManifestAbsent):
+                        absent.add(source)  # e.g. a peer still fetching it: not a fault
+                        logger.info("source %s: %s", source, exc)
+                    else:
+                        logger.warning("source %s: %s", source, exc)
             if found and first_at is None:
                 first_at = loop.time()
         if not found:
@@ -199,7 +206,7 @@ class Fetcher:
                     f"serves manifest {manifest.digest[:16]}… of step {manifest.step}, not "
                     f"{chosen.digest[:16]}… of step {chosen.step}"
                 )
-        return Resolution(chosen, serving, errors, pending)
+        return Resolution(chosen, serving, errors, pending, absent)
 
     def _choose(
         self, found: dict[str, SignedManifest], digest: str | None, errors: dict[str, str]
@@ -249,6 +256,12 @@ class Fetcher:
                 pool.exclude(source, resolution.errors.get(source, "does not serve this manifest"))
         partial = await asyncio.to_thread(self.store.open_partial, manifest)
         context = FetchContext(
-            self.settings, self.store, self.connections, self.on_bytes, self.on_shard, self.on_manifest
+            self.settings,
+            self.store,
+            self.connections,
+            self.on_bytes,
+            self.on_shard,
+            self.on_manifest,
+            ask_manifest=lambda source: self._spawn_manifest(source, manifest.step),
         )
-        return await ShardRun(context, partial, pool, resolution.pending).execute()
+        return await ShardRun(context, partial, pool, resolution.pending, resolution.absent).execute()

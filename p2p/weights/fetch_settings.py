@@ -69,6 +69,20 @@ class FetchSettings(BaseModel):
     max_not_ready: int = Field(
         1000, ge=0, description="'Not verified yet' (503) answers from relays tolerated per shard."
     )
+    availability_interval_s: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="How often each source is asked which shards it holds (a long poll: the answer comes when "
+        "it holds more), and a source without the version is asked for the manifest again (0: never).",
+    )
+    availability_wait_s: float = Field(
+        0.5,
+        ge=0,
+        le=60,
+        description="While no source is known to hold a waiting shard, wait this long for availability "
+        "answers before asking a source that has not answered yet.",
+    )
     chunk_bytes: int = Field(
         1 << 20, ge=4096, description="Bytes hashed and written at once; also the resume granularity."
     )

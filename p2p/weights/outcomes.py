@@ -43,14 +43,23 @@ class Outcomes:
         self.failures: collections.Counter[int] = collections.Counter()
         self._not_ready: collections.Counter[int] = collections.Counter()
 
-    def not_ready(self, attempt: Attempt, reason: str) -> bool:
+    def not_ready(self, attempt: Attempt, reason: str, pause_s: float) -> bool:
         """A relay answered 503 (not verified there yet): True while such answers are tolerated for the shard,
         without a charge or an attempt used."""
         if self._not_ready[attempt.index] >= self.settings.max_not_ready:
             return False
         self._not_ready[attempt.index] += 1
-        self.pool.record_not_ready(attempt.source)
+        self.pool.record_not_ready(attempt.source, pause_s)
         return True
+
+    def lied(self, attempt: Attempt, reason: str) -> None:
+        """The source's signed availability record claims the shard, and it did not serve it."""
+        source, index = attempt.source, attempt.index
+        why = f"claimed shard {index} in its signed availability record, then answered: {reason}"
+        self.pool.record_lie(source, f"shard {index}: {why}")
+        self.blame.append({"shard": index, "source": source.url, "reason": why, "corrupt": True})
+        self.failures[index] += 1
+        logger.warning("source %s: %s", source.url, why)
 
     def verified(self, attempt: Attempt, result: ShardResult) -> None:
         self.pool.record_success(attempt.source, result.received, result.seconds)

@@ -76,6 +76,7 @@ class PinnedFetch:
         identity: Identity | None = None,
         on_bytes: Callable[[int], None] | None = None,
         on_manifest: Callable[[SignedManifest, int], None] | None = None,
+        on_shard: Callable[[int], None] | None = None,
         peer_sources: Callable[[int], list[str]] | None = None,
         retry_s: float = 5.0,
         max_retry_s: float = 120.0,
@@ -87,6 +88,9 @@ class PinnedFetch:
         self.identity = identity  # signs access tokens, so weight servers know (and can ban) who fetches
         self.on_bytes = on_bytes  # progress: called with each received chunk's size
         self.on_manifest = on_manifest  # progress: (manifest, bytes resumed) before its shards are fetched
+        self.on_shard = (
+            on_shard  # each shard index once it verified (a node re-serving it: serve_verified.py)
+        )
         # Peers that say they serve a step: extra sources. They need no trust: the manifest must still be the
         # pinned one, signed by the trusted key, and every shard must hash right.
         self.peer_sources = peer_sources
@@ -143,6 +147,7 @@ class PinnedFetch:
             self.settings,
             identity=self.identity,
             on_bytes=self.on_bytes,
+            on_shard=self.on_shard,
         )
         fetcher.on_manifest = self.on_manifest
         try:

@@ -13,7 +13,7 @@ import logging
 from ..identity import Identity
 from .errors import WeightsError
 from .fetch import Fetcher, FetchSettings
-from .manifest import SignedManifest
+from .serve_verified import ServeAsVerified
 from .server import WeightsServer
 
 logger = logging.getLogger(__name__)
@@ -35,21 +35,13 @@ class Relay:
         self.server = server
         self.poll_interval_s = poll_interval_s
         self.fetcher = Fetcher(upstreams, trusted_key, server.store, fetch_settings, identity=identity)
-        self.fetcher.on_manifest = self._on_manifest
-        self._step: int | None = None
+        self.serving = ServeAsVerified(server)
+        self.fetcher.on_manifest = self.serving.on_manifest
+        self.fetcher.on_shard = self.serving.on_shard
         self.failures: list[str] = []  # recent reasons a version was not mirrored (status, tests)
-
-    def _on_manifest(self, manifest: SignedManifest, _resumed: int) -> None:
-        self._step = manifest.step
-        self.server.add_partial(manifest, self.server.store.checkpoint_dir(manifest.step, partial=True))
-
-    def _on_shard(self, index: int) -> None:
-        if self._step is not None:
-            self.server.shard_ready(self._step, index)
 
     async def run(self) -> None:
         """Follow the upstreams until cancelled; one failed round is logged, never fatal."""
-        self.fetcher.on_shard = self._on_shard
         while True:
             try:
                 await self.follow_once()
@@ -60,7 +52,6 @@ class Relay:
 
     async def follow_once(self) -> int | None:
         """Mirror the upstreams' newest version if it is newer than what is held; returns its step."""
-        self.fetcher.on_shard = self._on_shard
         try:
             resolution = await self.fetcher.resolve(None)
             manifest = resolution.manifest
@@ -69,12 +60,11 @@ class Relay:
             try:
                 result = await self.fetcher.fetch_version(resolution)
             except BaseException:
-                self.server.drop(manifest.step)
+                self.serving.abandoned()
                 raise
         finally:
-            self._step = None
             self.fetcher.close()
-        self.server.mark_complete(result.manifest, result.checkpoint_dir)
+        self.serving.finished(result)
         await self.server.rescan()
         logger.info("relay: mirrored step %d", manifest.step)
         return manifest.step

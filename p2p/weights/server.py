@@ -5,13 +5,16 @@ Endpoints (pinned in docs/protocol.md, ## Weights):
     GET /v1/weights/latest                       manifest of the newest version
     GET /v1/weights/{step}/manifest              manifest of one version
     GET /v1/weights/{step}/shards/{index}        shard bytes; honours one `Range: bytes=` range (206)
+    GET /v1/weights/{step}/availability          the verified shards held, signed by the node (availability.py)
 
 `step` and `index` are ASCII digits only (p2p/wire.py parse_uint): /v1/weights/%D9%A1/manifest is a 404,
 not step 1.
 
 A version is served from its directory in the store. A relay also serves a version that is still
 arriving: its manifest once verified, each shard once verified; a request for a shard not verified yet
-waits for it a little (pipelining) and then gets 503 with Retry-After. Files go out with sendfile.
+waits for it a little (pipelining) and then gets 503 with Retry-After. A server with a node identity signs
+which shards it holds (availability.py), so fetchers ask it only for those; one without answers 404 there
+(an origin, or an older server: fetchers then treat it as holding what its manifest lists). Files go out with sendfile.
 Requests may carry a signed access token (p2p/weights/access.py): a bad one gets 401, and so does a request
 without one when `require_node_auth` is set. Banned clients (the proven node id, or the address) get 403,
 clients over their request rate 429. Every connection is admitted and timed by guard.py: caps on connections
@@ -36,6 +39,7 @@ from aiohttp.typedefs import Handler
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import P2PError
+from ..identity import Identity
 from ..rate_limit import TokenBuckets
 from ..wire import WireFormatError, parse_uint
 from .access import (
@@ -46,14 +50,16 @@ from .access import (
     own_audiences,
     verify_access_token,
 )
+from .availability import MAX_AGE_S, sign_availability
 from .guard import ConnectionGuard, GuardedSite, ServeLimits
-from .manifest import MAX_STEP, SignedManifest
+from .manifest import MAX_SHARDS, MAX_STEP, SignedManifest
 from .metrics import WeightsServerMetrics
 from .store import Store
-from .transfer import SHARD_CONTENT_TYPE
+from .transfer import BUSY_HEADER, SHARD_CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
 
+LONG_POLL_S = 2.0  # how long an availability request with `after` waits for a new shard before answering
 MAX_TRACKED_CLIENTS = 10_000  # bound the rate limiter's memory under a flood of distinct addresses
 
 
@@ -90,6 +96,17 @@ class ServeSettings(BaseModel):
     )
     scan_interval_s: float = Field(1.0, gt=0, description="How often the store directory is rescanned.")
     shard_wait_s: float = Field(5.0, ge=0, description="How long a request waits for a shard still arriving.")
+    upload_slots: int = Field(
+        0,
+        ge=0,
+        le=65536,
+        description="Shards sent at once (0: no limit); more requests get 503 with Retry-After busy_retry_s. "
+        "An origin feeding a swarm of re-serving peers sends a few shards at full speed rather than every "
+        "shard to everyone at a crawl.",
+    )
+    busy_retry_s: float = Field(
+        0.2, gt=0, le=5, description="Retry-After of a 503 for want of an upload slot."
+    )
     limits: ServeLimits = Field(
         default_factory=ServeLimits, description="Connections, request-head and send deadlines per client."
     )
@@ -105,9 +122,14 @@ class ServedVersion:
     complete: bool
     ready: set[int] = field(default_factory=set)  # verified shards of an incomplete version
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # pulsed whenever a shard is verified
+    record: bytes | None = None  # the signed availability record last made, while it is current
+    record_key: tuple[int, float] = (-1, 0.0)  # (shards held, monotonic time) when it was signed
 
     def has(self, index: int) -> bool:
         return self.complete or index in self.ready
+
+    def held(self) -> int:
+        return len(self.manifest.body.shards) if self.complete else len(self.ready)
 
 
 class WeightsServer:
@@ -119,9 +141,11 @@ class WeightsServer:
         settings: ServeSettings | None = None,
         trusted_key: str | None = None,
         metrics: WeightsServerMetrics | None = None,
+        identity: Identity | None = None,
     ) -> None:
         self.store = store
         self.metrics = metrics
+        self.identity = identity  # signs availability records; None: /availability answers 404
         self.settings = settings or ServeSettings()
         self.trusted_key = trusted_key
         self.versions: dict[int, ServedVersion] = {}
@@ -136,6 +160,7 @@ class WeightsServer:
         self.addresses: list[tuple[str, int]] = []
         self.audiences: set[str] = set()  # host:port names access tokens may be addressed to
         self._unservable: set[int] = set()
+        self.sending = 0  # shard responses in flight (bounded by settings.upload_slots)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -148,6 +173,7 @@ class WeightsServer:
         # [0-9], never \d (every Unicode digit); the numbers are read by parse_uint in the handlers.
         app.router.add_get(r"/v1/weights/{step:[0-9]{1,16}}/manifest", self._manifest)
         app.router.add_get(r"/v1/weights/{step:[0-9]{1,16}}/shards/{index:[0-9]{1,9}}", self._shard)
+        app.router.add_get(r"/v1/weights/{step:[0-9]{1,16}}/availability", self._availability)
         return app
 
     async def start(self) -> str:
@@ -339,6 +365,50 @@ class WeightsServer:
     async def _manifest(self, request: web.Request) -> web.Response:
         return web.Response(body=self._version(request).manifest_bytes, content_type="application/json")
 
+    async def _availability(self, request: web.Request) -> web.Response:
+        served = self._version(request)
+        if self.identity is None:
+            raise web.HTTPNotFound(
+                text='{"error": "this server signs no availability records"}', content_type="application/json"
+            )
+        after = request.query.get("after")
+        if after is not None:  # a long poll: answered once more than `after` shards are held, or at its end
+            try:
+                known = parse_uint(after, "after", maximum=MAX_SHARDS, minimum=0) if after != "-1" else -1
+            except WireFormatError as exc:
+                raise web.HTTPBadRequest(
+                    text=json.dumps({"error": str(exc)}), content_type="application/json"
+                ) from None
+            served = await self._wait_held(served, known)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        held, signed_at = served.record_key
+        # Signed again only when the shards held changed (one signature serves every poller meanwhile), and
+        # well before the record would go stale.
+        if served.record is None or held != served.held() or now - signed_at > MAX_AGE_S / 4:
+            shards = range(len(served.manifest.body.shards)) if served.complete else served.ready
+            served.record = sign_availability(self.identity, served.manifest, frozenset(shards))
+            served.record_key = (served.held(), now)
+        return web.Response(body=served.record, content_type="application/json")
+
+    async def _wait_held(self, served: ServedVersion, known: int) -> ServedVersion:
+        """The version once it holds more than `known` shards, or after LONG_POLL_S (404 if it went away)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LONG_POLL_S
+        while served.held() <= known and not served.complete:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(served.arrived.wait(), remaining)
+            except TimeoutError:
+                pass
+            current = self.versions.get(served.manifest.step)
+            if current is None:
+                raise web.HTTPNotFound(text='{"error": "no such version"}', content_type="application/json")
+            served = current
+        return served
+
     async def _shard(self, request: web.Request) -> web.StreamResponse:
         served = self._version(request)
         index = _number(request, "index", 10**9)
@@ -357,6 +427,13 @@ class WeightsServer:
         stop = size if stop is None else min(stop, size)
         if not 0 <= start < stop:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+        slots = self.settings.upload_slots
+        if slots and self.sending >= slots:
+            raise web.HTTPServiceUnavailable(
+                text='{"error": "every upload slot is busy"}',
+                content_type="application/json",
+                headers={"Retry-After": f"{self.settings.busy_retry_s:g}", BUSY_HEADER: "upload slots"},
+            )
         partial = "Range" in request.headers
         resp = web.StreamResponse(status=206 if partial else 200)
         resp.content_type = SHARD_CONTENT_TYPE
@@ -365,14 +442,24 @@ class WeightsServer:
         resp.headers["ETag"] = f'"{shards[index].sha256}"'
         if partial:
             resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-        await self.guard.send(
-            request, resp, stop - start, lambda: self._send_range(request, resp, served, index, start, stop)
-        )
+        self.sending += 1
+        try:
+            await self.guard.send(
+                request,
+                resp,
+                stop - start,
+                lambda: self._send_range(request, resp, served, index, start, stop),
+            )
+        finally:
+            self.sending -= 1
         return resp
 
     async def _wait_for(self, served: ServedVersion, index: int) -> ServedVersion:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.shard_wait_s
+        # A server that signs availability records tells fetchers what it holds, so a shard it does not hold
+        # is refused at once (503) rather than holding the request in the hope that it arrives.
+        wait_s = 0.0 if self.identity is not None else self.settings.shard_wait_s
+        deadline = loop.time() + wait_s
         while not served.has(index):
             remaining = deadline - loop.time()
             if remaining <= 0 or self.versions.get(served.manifest.step) is not served:

@@ -2,8 +2,12 @@
 
 One loop on the event loop starts attempts (attempts.py) while there is a free slot: `concurrency` slots for
 sources that have verified a shard in this fetch, as many for probes (one shard at a time per source not
-proven yet; a source's first probe does not wait for a slot). The next missing shard goes to a source drawn
-by weight (sources.py); a source with a slow attempt in flight gets no more. An attempt judged slow gives up
+proven yet; a source's first probe does not wait for a slot). The next shard is the rarest one some free
+source holds (rarest.py, from the sources' signed availability records kept by peering.py), and it goes to a
+source drawn by weight (sources.py) among those that hold it; a source with a slow attempt in flight gets no
+more. When no source claims any waiting shard, the first one is asked of any source, as before availability
+records existed (a 503 there is "not verified yet", not a fault); a source that claimed a shard and answers
+503 or 404 for it has lied, and is demoted. An attempt judged slow gives up
 its slot, and its shard is also asked of another source (a hedge): the first copy that verifies wins, and
 the other is cut at its next chunk boundary and charged its measured rate. Once every shard has been asked
 for (the end game), a proven source's free slot also takes a shard held only by unproven sources. The loop
@@ -45,20 +49,23 @@ from .attempts import (
     side_writer,
 )
 from .connections import ConnectionPool
-from .errors import FetchError, ManifestError, SourceError
+from .errors import FetchError, ManifestAbsent, ManifestError, SourceError
 from .fetch_settings import FetchSettings
 from .manifest import SignedManifest, checkpoint_digest
 from .outcomes import Outcomes
+from .peering import Peering
+from .rarest import ShardQueue
 from .result import FetchResult
 from .sources import SourcePool, SourceState
 from .store import PartialVersion, ShardProgress, Store
-from .transfer import ShardResult, TransferCancelled, download_shard, rehash, shard_path
+from .transfer import ShardFailure, ShardResult, TransferCancelled, download_shard, rehash, shard_path
 from .watchdog import Watch
 
 logger = logging.getLogger(__name__)
 
 SCHEDULE_TICK_S = 0.02  # how often transfers in flight that are sending are judged again
 MAX_IDLE_S = 0.25  # the longest the loop sleeps with nothing to judge (late manifests are polled that often)
+MAX_SCAN = 64  # waiting shards looked at for one free source, rarest first (bounds the scheduler's work)
 MAX_COPIES = 3  # transfers of one shard at once: the first, and up to two hedges when each before is slow
 HEDGE_DIR = ".hedges"  # side files of hedged copies, inside the partial version; removed before it is moved
 
@@ -75,6 +82,8 @@ class FetchContext:
     on_manifest: Callable[[SignedManifest, int], None] | None = (
         None  # (manifest, bytes resumed), at the start
     )
+    # Asks a source for the manifest being fetched (a peer that did not hold it yet may join); None: never.
+    ask_manifest: Callable[[str], asyncio.Task[SignedManifest]] | None = None
 
 
 class ShardRun:
@@ -86,6 +95,7 @@ class ShardRun:
         partial: PartialVersion,
         pool: SourcePool,
         joining: dict[str, asyncio.Task[SignedManifest]] | None = None,
+        absent: set[str] | None = None,
     ) -> None:
         self.ctx = context
         self.settings = context.settings
@@ -94,7 +104,9 @@ class ShardRun:
         self.shards = self.manifest.body.shards
         self.pool = pool
         self.joining = dict(joining or {})  # manifest requests still running: their sources may join
-        self.queue = collections.deque(i for i in range(len(self.shards)) if i not in partial.done)
+        self.queue = ShardQueue(
+            (i for i in range(len(self.shards)) if i not in partial.done), len(self.shards)
+        )
         self.inflight: dict[int, list[Attempt]] = {}
         self.tried: dict[int, set[str]] = collections.defaultdict(set)
         self.asked: set[str] = set()  # sources asked for some shard in this fetch
@@ -115,8 +127,24 @@ class ShardRun:
             max_workers=3 * self.settings.concurrency + 1, thread_name_prefix="weights-shard"
         )
         self.loop = asyncio.get_running_loop()
+        self.started = time.monotonic()
         for task in self.joining.values():
             task.add_done_callback(lambda _t: self.changed.set())
+        self.peering = Peering(
+            self.settings,
+            context.connections,
+            self.manifest,
+            pool,
+            self.queue,
+            absent=absent or set(),
+            ask_manifest=context.ask_manifest,
+            on_change=self.changed.set,
+            on_join=self._join,
+        )
+
+    def _join(self, url: str, task: asyncio.Task[SignedManifest]) -> None:
+        self.joining[url] = task
+        task.add_done_callback(lambda _t: self.changed.set())
 
     @property
     def blame(self) -> list[dict[str, object]]:
@@ -172,6 +200,8 @@ class ShardRun:
 
     async def _download_all(self) -> None:
         saver = asyncio.create_task(self._journal(), name="weights-fetch-journal")
+        peering = asyncio.create_task(self.peering.run(), name="weights-fetch-peering")
+        peering.add_done_callback(self._peering_ended)
         try:
             await self._schedule()
         except BaseException:
@@ -186,7 +216,14 @@ class ShardRun:
             raise
         finally:
             saver.cancel()
-            await asyncio.gather(saver, return_exceptions=True)
+            peering.cancel()
+            await asyncio.gather(saver, peering, return_exceptions=True)
+            self.peering.close()
+
+    def _peering_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None and self.error is None:
+            self.error = task.exception()  # a bug of ours: the fetch stops with it rather than running blind
+            self.changed.set()
 
     async def _stop_threads(self) -> None:
         self.cancelled.set()
@@ -237,8 +274,9 @@ class ShardRun:
             wake = min(wake, self._launch())
             if self.error is not None:
                 raise self.error
-            if not (self.inflight or self.delayed or (self.queue and (self.pool.usable() or self.joining))):
-                index = self.queue[0] if self.queue else -1
+            waiting_for = self.joining or (self.peering.absent and not self.pool.usable())
+            if not (self.inflight or self.delayed or (self.queue and (self.pool.usable() or waiting_for))):
+                index = self.queue.first() if self.queue else -1
                 raise FetchError(
                     f"shard {index} of step {self.manifest.step} could not be fetched and verified: "
                     f"{self.outcomes.text(index) or 'no usable source'}",
@@ -303,16 +341,63 @@ class ShardRun:
                 full = full | (set(self.pool.sources) - unproven)
             cooling = MAX_IDLE_S
             if self.queue:
-                index = self.queue[0]
-                source, wait = self.pool.pick(avoid=self.tried[index], forbid=busy | full)
+                index, source, wait = self._next(busy | full)
                 if source is not None:
-                    self.queue.popleft()
+                    self.queue.take(index)
                     self._start(index, source)
                     continue
                 cooling = wait or MAX_IDLE_S
             if not self._hedge(busy | full, unproven):
                 return cooling
         return MAX_IDLE_S
+
+    def _next(self, taken: set[str]) -> tuple[int, SourceState | None, float]:
+        """The rarest waiting shard a free source holds, and that source; else (shard, None, seconds to wait).
+        When no source claims any of the shards looked at, the first one may go to any source (see the module
+        docstring), after `availability_wait_s` if some source has not answered yet; when some source claims
+        one but is busy or cooling down, the scheduler waits for it."""
+        wait: float | None = None
+        orphan: int | None = None
+        claimed = False
+        usable = self.pool.usable()
+        now = self.pool.clock()
+        # This runs at every wake-up of the scheduler: the sources that could take a shard now are found once,
+        # and a shard is looked at closely only when one of them holds it.
+        free = [s for s in usable if s.url not in taken and now >= s.cooldown_until]
+        recordless = {s.url for s in usable if s.records is False}
+        for n, index in enumerate(self.queue.candidates()):
+            if n >= MAX_SCAN:
+                break
+            holders = [s for s in usable if s.holds(index)]
+            if not holders:
+                orphan = index if orphan is None else orphan
+                continue
+            claimed = True
+            if not any(s.holds(index) for s in free):
+                cooling = min(s.cooldown_until for s in holders) - now
+                if cooling > 0:
+                    wait = cooling if wait is None else min(wait, cooling)
+                continue
+            # Peers that hold the shard come before sources that sign no records (the origin, relays), so that
+            # those serve what nobody else has yet.
+            avoid = set(self.tried[index])
+            if any(s.records for s in holders):
+                avoid |= recordless
+            lacking = {s.url for s in usable} - {s.url for s in holders}
+            source, cooling = self.pool.pick(avoid=avoid, forbid=taken | lacking)
+            if source is not None:
+                return index, source, 0.0
+            if cooling:
+                wait = cooling if wait is None else min(wait, cooling)
+        patience = self.started + self.settings.availability_wait_s - time.monotonic()
+        if orphan is not None and not claimed and self.peering.unknown() and patience > 0:
+            return orphan, None, min(patience, SCHEDULE_TICK_S)  # an answer may be a round trip away
+        if orphan is not None and not claimed:
+            source, cooling = self.pool.pick(avoid=self.tried[orphan], forbid=taken)
+            if source is not None:
+                return orphan, source, 0.0
+            wait = cooling or wait
+        return orphan if orphan is not None else -1, None, wait or MAX_IDLE_S
 
     def _hedge(self, taken: set[str], unproven: set[str]) -> bool:
         """Ask another source for a shard whose every transfer is slow; False when there is none to ask.
@@ -330,7 +415,7 @@ class ShardRun:
             waiting = all(a.slow for a in attempts)
             if not waiting and not (end_game and all(not a.source.shards_ok for a in attempts)):
                 continue
-            forbid = taken | {a.source.url for a in attempts}
+            forbid = taken | {a.source.url for a in attempts} | self.peering.lacking(index)
             source, _ = self.pool.pick(avoid=self.tried[index], forbid=forbid | unproven)
             if source is None and waiting:  # the end game never gives a shard to another unproven source
                 source, _ = self.pool.pick(avoid=self.tried[index], forbid=forbid)
@@ -379,6 +464,9 @@ class ShardRun:
             error = task.exception()
             if error is not None and not isinstance(error, ManifestError):
                 raise error  # not the source's doing: a bug of ours
+            if isinstance(error, ManifestAbsent):
+                self.peering.absent_again(url)  # still without the version: asked again later
+                continue
             if error is None and task.result().digest == self.manifest.digest:
                 self.pool.include(url)
                 logger.info("source %s joined the fetch of step %d", url, self.manifest.step)
@@ -512,11 +600,25 @@ class ShardRun:
         """Charge a failed attempt and queue its shard again; returns a Recheck when nobody may be charged yet."""
         index = attempt.index
         others = [a for a in self.inflight.get(index, []) if a is not attempt]
-        if failure.retry_after is not None and self.outcomes.not_ready(attempt, failure.reason):
-            # A relay still mirroring this shard: no penalty and no attempt used; others are preferred meanwhile.
+        lied = attempt.source.have is not None and index in attempt.source.have
+        if lied and (failure.retry_after is not None or "HTTP 404" in failure.reason):
+            # It signed that it holds the shard: not serving it is a lie, charged and demoted for good.
+            self.outcomes.lied(attempt, failure.reason)
+            self.queue.claims_changed(attempt.source.have, attempt.source.have - {index})
+            attempt.source.have = attempt.source.have - {index}
             if not others and index not in self.winners:
-                everyone = {u.url for u in self.pool.usable()} <= self.tried[index]
-                self._requeue(index, failure.retry_after if everyone else 0.0)
+                self._requeue(index, 0.0)
+            return None
+        busy = isinstance(failure, ShardFailure) and failure.busy
+        if failure.retry_after is not None and self.outcomes.not_ready(
+            attempt, failure.reason, failure.retry_after if busy else 0.0
+        ):
+            # A relay still mirroring this shard, or a server with no free upload slot: no penalty and no
+            # attempt used; other holders are tried at once, and when every holder was, it waits Retry-After.
+            if not others and index not in self.winners:
+                holders = {u.url for u in self.pool.usable()} - self.peering.lacking(index)
+                everyone = (holders or {u.url for u in self.pool.usable()}) <= self.tried[index]
+                self._requeue(index, failure.retry_after if everyone else 0.0, first=False)
             return None
         if attempt.in_place and (failure.corrupt or attempt.recheck is not None):
             self.partial.progress.pop(index, None)  # wrong bytes, or bytes no verified copy vouches for
@@ -544,15 +646,15 @@ class ShardRun:
             return
         self._start(attempt.index, attempt.source, recheck)
 
-    def _requeue(self, index: int, delay: float) -> None:
+    def _requeue(self, index: int, delay: float, *, first: bool = True) -> None:
         if delay <= 0:
-            self.queue.appendleft(index)
+            self.queue.put_back(index, first=first)
             return
         self.delayed += 1
 
         def back() -> None:
             self.delayed -= 1
-            self.queue.appendleft(index)
+            self.queue.put_back(index, first=first)
             self.changed.set()
 
         self.loop.call_later(delay, back)

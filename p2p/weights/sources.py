@@ -8,6 +8,11 @@ harder than one that merely failed, and a source whose manifest did not verify i
 the manifest it serves turns out to be the chosen one: a late source joins). A transfer that lost its shard
 to a faster copy (a hedge) feeds its measured rate into the bandwidth EMA, so a drip-feeding source that
 never completes a shard still ends up weighing next to nothing.
+
+A source that signs availability records (availability.py) is asked only for the shards it claims; one that
+does not (an origin, a relay without an identity) is taken to hold every shard its manifest lists. A source
+that claimed a shard and then did not serve it (503, 404), or sent a record that does not verify, has lied:
+its weight is multiplied by `lie_penalty` for each lie, on top of the failure's own cooldown.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
+
+NOT_READY_PAUSE_S = (
+    0.25  # longest pause of a source after a 503, whatever its Retry-After (that is per shard)
+)
 
 
 class SelectionSettings(BaseModel):
@@ -35,6 +44,12 @@ class SelectionSettings(BaseModel):
     )
     backoff_base_s: float = Field(0.25, gt=0, description="Cooldown after the first consecutive failure.")
     backoff_max_s: float = Field(30.0, gt=0, description="Longest cooldown after repeated failures.")
+    lie_penalty: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Weight multiplier per lie about availability (a claimed shard not served).",
+    )
 
 
 @dataclass
@@ -55,6 +70,19 @@ class SourceState:
     not_ready: int = 0  # 503 answers (a relay still mirroring)
     bytes_ok: int = 0
     errors: list[str] = field(default_factory=list)
+    # Availability (availability.py): None until known. `records` False: the source signs none (404), so it is
+    # taken to hold every shard; True: `have` is what its newest verified record claims.
+    records: bool | None = None
+    have: frozenset[int] | None = None
+    record_ms: int = -1  # issued_at_ms of the newest record taken (an older one is a replay: ignored)
+    lies: int = 0  # claimed shards it then did not serve, and records that did not verify
+
+    def holds(self, index: int) -> bool:
+        """Whether this source may be asked for shard `index`: it signs no claims at all, or it claims it.
+        Until its first answer is in (one round trip), nothing: a peer is never asked blind."""
+        if self.records is None:
+            return False
+        return self.have is None or index in self.have
 
     def report(self) -> dict[str, object]:
         return {
@@ -66,6 +94,7 @@ class SourceState:
             "shards_corrupt": self.shards_corrupt,
             "shards_lost": self.shards_lost,
             "not_ready": self.not_ready,
+            "lies": self.lies,
             "bytes_ok": self.bytes_ok,
             "excluded": self.excluded,
             "last_errors": self.errors[-3:],
@@ -91,16 +120,15 @@ class SourcePool:
     def usable(self) -> list[SourceState]:
         return [s for s in self.sources.values() if s.excluded is None]
 
-    def weight(self, source: SourceState, now: float) -> float:
+    def weight(self, source: SourceState, now: float, best: float | None = None) -> float:
         if source.excluded is not None or now < source.cooldown_until:
             return 0.0
-        known = [s.bandwidth for s in self.sources.values() if s.bandwidth]
-        best = max(known) if known else 1.0
+        best = best or self._best()
         bandwidth = source.bandwidth or best  # optimistic for the unmeasured, so every source gets tried
         healed = min(
             1.0, source.success + self.settings.heal_per_second * max(0.0, now - source.last_failure)
         )
-        return bandwidth * healed + self.settings.heal_share * best
+        return (bandwidth * healed + self.settings.heal_share * best) * self.settings.lie_penalty**source.lies
 
     def pick(
         self, avoid: Collection[str] = (), forbid: Collection[str] = ()
@@ -110,12 +138,17 @@ class SourcePool:
         now = self.clock()
         allowed = [s for s in self.usable() if s.url not in forbid]
         candidates = [s for s in allowed if s.url not in avoid] or allowed
-        weights = [self.weight(s, now) for s in candidates]
+        best = self._best()
+        weights = [self.weight(s, now, best) for s in candidates]
         if not candidates:
             return None, 0.0
         if sum(weights) <= 0:
             return None, max(0.01, min(s.cooldown_until for s in candidates) - now)
         return self.rng.choices(candidates, weights=weights, k=1)[0], 0.0
+
+    def _best(self) -> float:
+        known = [s.bandwidth for s in self.sources.values() if s.bandwidth]
+        return max(known) if known else 1.0
 
     def record_success(self, source: SourceState, nbytes: int, seconds: float) -> None:
         a = self.settings.ema_alpha
@@ -140,9 +173,14 @@ class SourcePool:
         source.bandwidth = rate if source.bandwidth is None else a * rate + (1 - a) * source.bandwidth
         source.shards_lost += 1
 
-    def record_not_ready(self, source: SourceState) -> None:
-        """A relay has not verified a shard yet (503): counted, not penalised."""
+    def record_not_ready(self, source: SourceState, pause_s: float = 0.0) -> None:
+        """A relay has not verified a shard yet, or a server has no free upload slot (503): counted, not
+        penalised; a busy server is not asked again for `pause_s` (at most NOT_READY_PAUSE_S), so that it is
+        not hammered with requests it cannot serve."""
         source.not_ready += 1
+        if pause_s > 0:
+            now = self.clock()
+            source.cooldown_until = max(source.cooldown_until, now + min(pause_s, NOT_READY_PAUSE_S))
 
     def record_failure(self, source: SourceState, reason: str, *, corrupt: bool = False) -> None:
         a = self.settings.ema_alpha
@@ -158,6 +196,11 @@ class SourcePool:
             source.shards_failed += 1
         source.errors.append(reason)
         del source.errors[:-10]
+
+    def record_lie(self, source: SourceState, reason: str) -> None:
+        """It claimed what it did not serve (or signed a bad record): a corrupt failure, and demoted for good."""
+        source.lies += 1
+        self.record_failure(source, reason, corrupt=True)
 
     def exclude(self, url: str, reason: str) -> None:
         self.sources[url].excluded = reason

@@ -27,7 +27,7 @@ from typing import Any
 
 from . import http_head
 from .connections import NETWORK_ERRORS, ConnectionPool
-from .errors import ManifestError, SourceError, StoreError
+from .errors import ManifestAbsent, ManifestError, SourceError, StoreError
 from .manifest import MAX_SHARD_SIZE
 from .store import PartialVersion
 from .watchdog import Watch
@@ -35,8 +35,14 @@ from .watchdog import Watch
 SHARD_CONTENT_TYPE = "application/octet-stream"
 
 
+BUSY_HEADER = "X-Prime-Node-Busy"  # on a 503: the server holds the shard but has no free upload slot
+
+
 class ShardFailure(SourceError):
-    """A shard transfer failed through its source; `corrupt` when it sent wrong bytes rather than no bytes."""
+    """A shard transfer failed through its source; `corrupt` when it sent wrong bytes rather than no bytes;
+    `busy` for a 503 that says every upload slot was taken (the source is paused, not only the shard)."""
+
+    busy = False
 
 
 class DigestMismatch(ShardFailure):
@@ -107,9 +113,15 @@ def _failure(watch: Watch, error: BaseException | None, cancelled: threading.Eve
 
 def _check_head(resp: http.client.HTTPResponse, start: int, size: int) -> None:
     if resp.status == 503:
-        raise ShardFailure(
-            "source has not verified this shard yet (503)", retry_after=http_head.retry_after(resp)
+        busy = resp.getheader(BUSY_HEADER) is not None
+        failure = ShardFailure(
+            "source has no free upload slot (503)"
+            if busy
+            else "source has not verified this shard yet (503)",
+            retry_after=http_head.retry_after(resp),
         )
+        failure.busy = busy
+        raise failure
     expected = 206 if start else 200
     if resp.status != expected:
         raise ShardFailure(f"source answered HTTP {resp.status} (expected {expected})")
@@ -190,15 +202,17 @@ def download_shard(
 
 
 def fetch_document(pool: ConnectionPool, source: str, path: str, limit: int, timeout_s: float) -> bytes:
-    """Blocking GET of a small JSON document (a manifest): at most `limit` bytes, all of it within `timeout_s`
-    of wall-clock time however the source paces it."""
+    """Blocking GET of a small JSON document (a manifest, an availability record): at most `limit` bytes, all
+    of it within `timeout_s` of wall-clock time however the source paces it. ManifestAbsent for 404 and 503."""
     watch = Watch(deadline_s=timeout_s)
     token: Any = None
     reusable = False
     try:
         resp, token = pool.request(source, path, {}, watch)
+        if resp.status in (404, 503):
+            raise ManifestAbsent(f"answered HTTP {resp.status} for {path}")
         if resp.status != 200:
-            raise ManifestError(f"answered HTTP {resp.status} for the manifest")
+            raise ManifestError(f"answered HTTP {resp.status} for {path}")
         length = http_head.content_length(resp, limit, "manifest")
         body = bytearray(length)
         filled, error = _fill(resp, memoryview(body), watch)

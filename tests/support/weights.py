@@ -99,6 +99,7 @@ class HostileSource:
         shards: set[int] | None = None,
         manifest_bytes: bytes | None = None,
         chunk_delay_s: float = 0.0,
+        availability: bytes | None = None,
     ) -> None:
         self.store = Store(store_dir)
         self.step = step
@@ -107,6 +108,7 @@ class HostileSource:
         self.manifest_bytes = manifest_bytes or self.store.manifest_bytes(step)
         self.manifest = self.store.load_manifest(step, None)
         self.chunk_delay_s = chunk_delay_s
+        self.availability = availability  # served as its availability record when set (404 otherwise)
         self.requests: Counter[int] = Counter()
         self.ranges: list[tuple[int, str]] = []
         self._stalled: list[asyncio.Event] = []
@@ -142,6 +144,11 @@ class HostileSource:
         fault = self.fault if faulty else None
         if fault == "404":
             return web.Response(status=404, text="no such shard")
+        if fault == "503":
+            return web.Response(status=503, text="not verified here yet", headers={"Retry-After": "1"})
+        if fault == "busy":  # every upload slot taken (p2p/weights/server.py upload_slots)
+            headers = {"Retry-After": "0.5", "X-Prime-Node-Busy": "upload slots"}
+            return web.Response(status=503, text="every upload slot is busy", headers=headers)
         if fault == "html":
             return web.Response(text="<html>rate limited, try later</html>", content_type="text/html")
         if fault == "flip":
@@ -176,8 +183,14 @@ class HostileSource:
         await resp.write_eof()
         return resp
 
+    async def _availability(self, request: web.Request) -> web.Response:
+        if self.availability is None:
+            return web.Response(status=404, text="no availability records here")
+        return web.Response(body=self.availability, content_type="application/json")
+
     async def start(self) -> str:
         app = web.Application()
+        app.router.add_get(r"/v1/weights/{step:\d+}/availability", self._availability)
         app.router.add_get("/v1/weights/latest", self._manifest)
         app.router.add_get(r"/v1/weights/{step:\d+}/manifest", self._manifest)
         app.router.add_get(r"/v1/weights/{step:\d+}/shards/{index:\d+}", self._shard)

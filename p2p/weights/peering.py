@@ -1,0 +1,168 @@
+"""What each source holds while a fetch runs: signed availability records, and peers that do not hold it yet.
+
+A shard run (shardrun.py) starts one `Peering` task. For each usable source it keeps one availability request
+in flight (GET /v1/weights/{step}/availability?after=N, which the server answers once it holds more than N
+shards, or after its long-poll time), at most one every `availability_interval_s`, and folds each verified
+record into the source's state (sources.py) and the rarest-first counts (rarest.py):
+
+  * a record that verifies: the source is asked only for the shards it claims; an older record than one
+    already taken (a replay, or answers out of order) is ignored;
+  * 404/503: the source signs no records (an origin, a relay without an identity), so it is taken to hold
+    every shard, as before availability existed;
+  * a record that does not verify, is about another manifest, or is malformed: a lie; the source is demoted
+    (`record_lie`), claims nothing from then on, and is not polled again in this fetch;
+  * a network failure: nothing is concluded; it is asked again later.
+
+Sources that did not hold the version when the fetch chose its manifest (404/503: a peer still fetching
+it, which advertises it in its heartbeat as soon as it holds the manifest) are asked for the manifest again
+every `availability_interval_s`; the shard run admits them when it is the manifest being fetched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from .availability import MAX_AVAILABILITY_BYTES, AvailabilityError, parse_availability
+from .connections import ConnectionPool
+from .errors import ManifestAbsent, ManifestError
+from .fetch_settings import FetchSettings
+from .manifest import SignedManifest
+from .rarest import ShardQueue
+from .sources import SourcePool, SourceState
+from .transfer import fetch_document
+
+logger = logging.getLogger(__name__)
+
+MAX_POLL_THREADS = 32
+
+
+def availability_path(step: int, after: int) -> str:
+    return f"/v1/weights/{step}/availability?after={after}"
+
+
+class Peering:
+    """Availability records and absent sources of one shard run; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: FetchSettings,
+        connections: ConnectionPool,
+        manifest: SignedManifest,
+        pool: SourcePool,
+        queue: ShardQueue,
+        *,
+        absent: set[str],
+        ask_manifest: Callable[[str], asyncio.Task[SignedManifest]] | None,
+        on_change: Callable[[], None],
+        on_join: Callable[[str, asyncio.Task[SignedManifest]], None],
+    ) -> None:
+        self.settings = settings
+        self.connections = connections
+        self.manifest = manifest
+        self.pool = pool
+        self.queue = queue
+        self.absent = set(absent)  # sources without the version: asked for the manifest again
+        self.ask_manifest = ask_manifest
+        self.on_change = on_change
+        self.on_join = on_join
+        self.distrusted: set[str] = set()
+        self._polls: dict[str, asyncio.Future[bytes]] = {}
+        self._next_poll: dict[str, float] = {}
+        if settings.availability_interval_s <= 0:
+            for source in pool.sources.values():
+                source.records = False  # never asked: every source is taken to hold what its manifest lists
+        self._threads = ThreadPoolExecutor(
+            max_workers=min(MAX_POLL_THREADS, max(1, len(pool.sources))), thread_name_prefix="weights-avail"
+        )
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False)  # requests in flight end with the fetch's connection abort
+
+    def lacking(self, index: int) -> set[str]:
+        """Usable sources that must not be asked for shard `index`: their records do not claim it (or have
+        not arrived yet)."""
+        return {s.url for s in self.pool.usable() if not s.holds(index)}
+
+    def unknown(self) -> bool:
+        """Whether some usable source has not answered its first availability request yet."""
+        return any(s.records is None and s.url not in self.distrusted for s in self.pool.usable())
+
+    def absent_again(self, url: str) -> None:
+        """A late manifest request found the source without the version: ask it again later."""
+        if self.ask_manifest is not None:
+            self.absent.add(url)
+            self._next_poll[url] = time.monotonic() + self.settings.availability_interval_s
+
+    async def run(self) -> None:
+        interval = self.settings.availability_interval_s
+        if interval <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            now = time.monotonic()
+            for source in self.pool.usable():
+                url = source.url
+                if url in self._polls or url in self.distrusted or source.records is False:
+                    continue
+                if self._next_poll.get(url, 0.0) > now:
+                    continue
+                self._next_poll[url] = now + interval
+                after = len(source.have) if source.have is not None else -1
+                future = loop.run_in_executor(
+                    self._threads,
+                    fetch_document,
+                    self.connections,
+                    url,
+                    availability_path(self.manifest.step, after),
+                    MAX_AVAILABILITY_BYTES,
+                    self.settings.manifest_timeout_s,
+                )
+                self._polls[url] = future
+                future.add_done_callback(lambda f, s=source: self._answered(s, f))
+            if self.ask_manifest is not None:
+                for url in [u for u in self.absent if self._next_poll.get(u, 0.0) <= now]:
+                    self.absent.discard(url)
+                    self._next_poll[url] = now + interval
+                    self.on_join(url, self.ask_manifest(url))
+            await asyncio.sleep(interval / 2)
+
+    def _answered(self, source: SourceState, future: asyncio.Future[bytes]) -> None:
+        self._polls.pop(source.url, None)
+        if future.cancelled():
+            return
+        error = future.exception()
+        if isinstance(error, ManifestAbsent):
+            if source.records is None:
+                source.records = False  # it signs no records: it holds what its manifest lists
+                self.on_change()
+            elif source.records:  # it signed records and no longer holds the version: claims nothing now
+                self._claim(source, frozenset())
+            return
+        if isinstance(error, ManifestError):  # a network failure: nothing is concluded, it is asked again
+            logger.debug("availability of %s: %s", source.url, error)
+            return
+        if error is not None:  # not the source's doing: a bug of ours, reported, and the source asked again
+            logger.error("availability of %s: unexpected %s: %s", source.url, type(error).__name__, error)
+            return
+        try:
+            record, have = parse_availability(future.result(), self.manifest)
+        except AvailabilityError as exc:
+            self.distrusted.add(source.url)
+            self._claim(source, frozenset())
+            self.pool.record_lie(source, f"availability record: {exc.reason}")
+            logger.warning("source %s: availability record refused: %s", source.url, exc.reason)
+            return
+        if record.issued_at_ms <= source.record_ms:
+            return  # older than one already taken
+        source.record_ms = record.issued_at_ms
+        self._claim(source, have)
+
+    def _claim(self, source: SourceState, have: frozenset[int]) -> None:
+        self.queue.claims_changed(source.have if source.records else None, have)
+        source.records = True
+        source.have = have
+        self.on_change()

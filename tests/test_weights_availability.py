@@ -1,0 +1,262 @@
+"""Serving shards as they verify, signed availability records (and peers that lie in them), rarest first.
+
+A node fetching a version serves each shard once it verified and refuses the others; it signs which shards it
+holds; fetchers ask it only for those; a source whose record claims a shard it then does not serve, or whose
+record does not verify, is demoted while the fetch still completes from honest sources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.signing import canonical_json
+from prime_node.p2p.weights.availability import (
+    MAX_AVAILABILITY_BYTES,
+    AvailabilityError,
+    encode_bitmap,
+    parse_availability,
+    sign_availability,
+)
+from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
+from prime_node.p2p.weights.rarest import ShardQueue
+from prime_node.p2p.weights.serve_verified import ServeAsVerified
+from prime_node.p2p.weights.server import ServeSettings, WeightsServer
+from prime_node.p2p.weights.sources import NOT_READY_PAUSE_S, SelectionSettings, SourcePool
+from prime_node.p2p.weights.store import Store
+
+from support.weights import hostile, operator, publish_steps, same_tree, serving
+
+SETTINGS = FetchSettings(
+    stall_timeout_s=5.0,
+    connect_timeout_s=1.0,
+    manifest_timeout_s=2.0,
+    durable=False,
+    availability_interval_s=0.05,
+    selection=SelectionSettings(backoff_base_s=0.02, backoff_max_s=0.2),
+)
+PEER = Identity.from_seed(b"\x05" * 32)
+
+
+async def get(url: str) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return resp.status, await resp.read()
+
+
+async def until(check, timeout: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout} s")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def origin(tmp_path: Path):  # noqa: ANN201
+    manifest = publish_steps(tmp_path, operator(), [3])[3]
+    return tmp_path / "origin", manifest
+
+
+async def test_a_partially_fetched_node_serves_its_verified_shards_and_refuses_the_others(
+    origin, tmp_path: Path
+) -> None:
+    store_dir, manifest = origin
+    count = len(manifest.body.shards)
+    first = set(range(8))
+    # The upstream sends shards 0-7 and has not verified the rest (503), so the node is caught half-way.
+    async with hostile(store_dir, 3, "503", shards=set(range(8, count))) as upstream:
+        server = WeightsServer(
+            Store(tmp_path / "node"), ServeSettings(port=0), operator().node_id, identity=PEER
+        )
+        url = await server.start()
+        hooks = ServeAsVerified(server)
+        fetcher = Fetcher([upstream.url], operator().node_id, server.store, SETTINGS, on_shard=hooks.on_shard)
+        fetcher.on_manifest = hooks.on_manifest
+        fetch = asyncio.create_task(fetcher.fetch(3))
+        try:
+            await until(lambda: 3 in server.versions and server.versions[3].ready >= first)
+            assert server.versions[3].ready == first and not server.versions[3].complete
+            origin_store = Store(store_dir)
+            for index in sorted(first):
+                status, body = await get(f"{url}/v1/weights/3/shards/{index}")
+                segs = manifest.segments(index)
+                expected = b"".join(
+                    (origin_store.checkpoint_dir(3) / manifest.body.files[s.file_index].path).read_bytes()[
+                        s.file_offset : s.file_offset + s.length
+                    ]
+                    for s in segs
+                )
+                assert status == 200 and body == expected
+            began = time.monotonic()
+            status, _ = await get(f"{url}/v1/weights/3/shards/8")
+            assert status == 503 and time.monotonic() - began < 1.0  # refused at once: its record says so
+            status, raw = await get(f"{url}/v1/weights/3/availability")
+            record, have = parse_availability(raw, manifest, node_id=PEER.node_id)
+            assert status == 200 and have == first and record.shard_count == count
+            # A long poll for more than 8 shards ends at its deadline with the same claim, never a larger one.
+            status, raw = await get(f"{url}/v1/weights/3/availability?after=8")
+            assert status == 200 and parse_availability(raw, manifest)[1] == first
+            assert (await get(f"{url}/v1/weights/3/availability?after=%D9%A1"))[0] == 400
+        finally:
+            fetch.cancel()
+            await asyncio.gather(fetch, return_exceptions=True)
+            hooks.abandoned()
+            assert 3 not in server.versions  # a fetch that did not finish is withdrawn
+            await server.stop()
+
+
+async def test_fetchers_ask_a_peer_only_for_what_it_claims_and_finish_from_the_origin(
+    origin, tmp_path: Path
+) -> None:
+    store_dir, manifest = origin
+    count = len(manifest.body.shards)
+    held = set(range(0, count, 3))
+    peer_store = Store(tmp_path / "peer")
+    async with (
+        hostile(store_dir, 3, "503", shards=set(range(count)) - held) as upstream,
+        serving(store_dir) as honest,
+    ):
+        peer = WeightsServer(peer_store, ServeSettings(port=0), operator().node_id, identity=PEER)
+        peer_url = await peer.start()
+        hooks = ServeAsVerified(peer)
+        feeder = Fetcher([upstream.url], operator().node_id, peer_store, SETTINGS, on_shard=hooks.on_shard)
+        feeder.on_manifest = hooks.on_manifest
+        feeding = asyncio.create_task(feeder.fetch(3))
+        try:
+            await until(lambda: 3 in peer.versions and peer.versions[3].ready >= held)
+            result = await Fetcher(
+                [peer_url, honest.url], operator().node_id, Store(tmp_path / "out"), SETTINGS
+            ).fetch(3)
+        finally:
+            feeding.cancel()
+            await asyncio.gather(feeding, return_exceptions=True)
+            await peer.stop()
+    report = {s["url"]: s for s in result.sources}
+    assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
+    assert report[peer_url]["not_ready"] == 0 and report[peer_url]["lies"] == 0  # never asked blind
+    assert report[peer_url]["shards_failed"] == 0 and report[honest.url]["shards_ok"] > 0
+
+
+@pytest.mark.parametrize("record", ["claims-all", "forged", "other-manifest"])
+async def test_a_source_that_lies_about_availability_is_demoted_and_the_fetch_completes(
+    origin, tmp_path: Path, record: str
+) -> None:
+    store_dir, manifest = origin
+    count = len(manifest.body.shards)
+    raw = sign_availability(PEER, manifest, frozenset(range(count)))
+    if record == "forged":  # claims every shard under someone else's node id
+        doc = json.loads(raw)
+        doc["body"]["node_id"] = operator(11).node_id
+        raw = canonical_json(doc)
+    elif record == "other-manifest":
+        other = publish_steps(tmp_path / "other", operator(), [4])[4]
+        raw = sign_availability(PEER, other, frozenset(range(len(other.body.shards))))
+    async with (
+        hostile(store_dir, 3, "503", availability=raw) as liar,
+        serving(store_dir) as honest,
+    ):
+        result = await Fetcher(
+            [liar.url, honest.url], operator().node_id, Store(tmp_path / "out"), SETTINGS
+        ).fetch(3)
+    report = {s["url"]: s for s in result.sources}
+    assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
+    assert report[liar.url]["lies"] >= 1 and report[liar.url]["shards_ok"] == 0
+    if record == "claims-all":  # one lie demotes it: it is asked for far fewer shards than it claims
+        assert sum(liar.requests.values()) <= count // 3 and report[liar.url]["success"] < 0.5
+    else:  # a record that does not verify claims nothing: the source is never asked for a shard
+        assert sum(liar.requests.values()) == 0
+
+
+def _doc(raw: bytes) -> dict:
+    return json.loads(raw)
+
+
+def _resign(body: dict, key: Identity = PEER) -> bytes:
+    return canonical_json({"body": body, "signature": key.sign_document(body).hex()})
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error"),
+    [
+        (lambda raw: raw + b" " * MAX_AVAILABILITY_BYTES, "over the"),
+        (lambda raw: b"[1, 2]", "exactly the keys"),
+        (lambda raw: raw.replace(b'"body":', b'"body":{},"body":', 1), "duplicate JSON key"),
+        (lambda raw: raw.replace(b'"step":3', b'"step":NaN'), "not valid JSON|NaN"),
+        (lambda raw: raw.replace(b'"step":3', b'"step":4'), "signature does not verify"),
+        (lambda raw: _resign({**_doc(raw)["body"], "step": "3"}), "invalid"),
+        (lambda raw: _resign({**_doc(raw)["body"], "extra": 1}), "invalid"),
+        (lambda raw: _resign({**_doc(raw)["body"], "shard_count": 2}), "counts 2 shards"),
+        (lambda raw: _resign({**_doc(raw)["body"], "have": "!!"}), "not base64"),
+        (
+            lambda raw: _resign({**_doc(raw)["body"], "have": base64.b64encode(b"\xff" * 9999).decode()}),
+            "bytes, not",
+        ),
+        (lambda raw: _resign({**_doc(raw)["body"], "issued_at_ms": 1000}), "signed .* s ago"),
+    ],
+)
+def test_hostile_availability_records_are_refused_with_a_reason(origin, mutate, error: str) -> None:  # noqa: ANN001
+    _, manifest = origin
+    raw = sign_availability(PEER, manifest, frozenset({0, 2}))
+    assert parse_availability(raw, manifest, node_id=PEER.node_id)[1] == {0, 2}
+    with pytest.raises(AvailabilityError, match=error):
+        parse_availability(mutate(raw), manifest)
+    with pytest.raises(AvailabilityError, match="not by"):
+        parse_availability(raw, manifest, node_id=operator().node_id)
+
+
+def test_bitmaps_are_exact_canonical_and_zero_padded() -> None:
+    from prime_node.p2p.weights.availability import decode_bitmap
+
+    for count in (1, 7, 8, 9, 100):
+        held = frozenset(random.Random(count).sample(range(count), count // 2))
+        assert decode_bitmap(encode_bitmap(held, count), count) == held
+    with pytest.raises(AvailabilityError, match="past the last shard"):
+        decode_bitmap(base64.b64encode(b"\x01").decode(), 7)  # bit of a shard 7 that does not exist
+    with pytest.raises(AvailabilityError, match="canonical"):
+        decode_bitmap("AB==", 8)  # decodes to one zero byte, but "AA==" is its only canonical form
+
+
+def test_the_rarest_shard_goes_first_and_equally_rare_ones_in_a_random_order() -> None:
+    queue = ShardQueue(range(6), 6, random.Random(1))
+    queue.claims_changed(None, frozenset({0, 1, 2, 3}))  # two peers hold 0-3 and 0-1; nobody holds 4, 5
+    queue.claims_changed(None, frozenset({0, 1}))
+    order = list(queue.candidates())
+    assert set(order[:2]) == {4, 5} and set(order[2:4]) == {2, 3} and set(order[4:]) == {0, 1}
+    queue.take(4)
+    queue.put_back(4)  # a shard put back after a failure goes first
+    assert next(queue.candidates()) == 4
+    # Nodes that start together spread over different shards: the tie-break is random per fetch.
+    firsts = {next(ShardQueue(range(64), 64, random.Random(seed)).candidates()) for seed in range(20)}
+    assert len(firsts) > 10
+
+
+async def test_a_busy_source_is_not_charged_and_the_fetch_completes(origin, tmp_path: Path) -> None:
+    store_dir, _ = origin
+    async with hostile(store_dir, 3, "busy") as busy, hostile(store_dir, 3, chunk_delay_s=0.01) as honest:
+        result = await Fetcher(
+            [busy.url, honest.url], operator().node_id, Store(tmp_path / "out"), SETTINGS
+        ).fetch(3)
+    report = {s["url"]: s for s in result.sources}
+    assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
+    assert report[busy.url]["not_ready"] >= 1 and report[busy.url]["shards_failed"] == 0
+    assert report[busy.url]["success"] == 1.0 and report[busy.url]["lies"] == 0
+
+
+def test_a_busy_503_pauses_its_source_and_a_not_ready_one_does_not() -> None:
+    now = [100.0]
+    pool = SourcePool(["http://a:1", "http://b:1"], rng=random.Random(0), clock=lambda: now[0])
+    busy, relay = pool.sources["http://a:1"], pool.sources["http://b:1"]
+    pool.record_not_ready(busy, 5.0)  # no free upload slot: paused, at most NOT_READY_PAUSE_S
+    pool.record_not_ready(relay)  # that shard is not there yet: other shards may be asked of it at once
+    assert pool.weight(busy, now[0]) == 0 and pool.weight(relay, now[0]) > 0
+    assert pool.pick()[0] is relay
+    now[0] += NOT_READY_PAUSE_S
+    assert pool.weight(busy, now[0]) > 0 and busy.success == relay.success == 1.0
