@@ -450,6 +450,7 @@ def main() -> int:
         replot(args.replot, args.out)
         return 0
     begun, whole = time.perf_counter(), CpuClock()  # the whole run: warm start and offline filtering included
+    commit = git_commit()  # at the start: the code that ran, whatever is committed while it runs
     torch.set_num_threads(args.threads)
     kernels = describe_cpu_kernels()
     print(f"kernels: {kernels}", flush=True)
@@ -636,7 +637,7 @@ def main() -> int:
             json.dumps(
                 {
                     "command": shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                    "commit": git_commit(),
+                    "commit": commit,
                     "env": args.env or DEFAULT_ENV,
                     "title": title,
                     "kernels": kernels,

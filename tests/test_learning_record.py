@@ -27,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = (
-    "--sft-steps 300 --heldout-fraction 0.2 --filter 4000 --heldout-filter 8000 --steps 400 --files 1 "
+    "--sft-steps 250 --heldout-fraction 0.2 --filter 4000 --heldout-filter 8000 --steps 400 --files 1 "
     "--prompts 64 --samples 8 --batch-size 192 --optimizer-steps 1 --lr 1e-3 --warmup 5 --negative-weight 0 "
     "--decay --min-lr-ratio 0 --eval-every 50 --threads 1 --cpu-minutes 20"
 ).split()
