@@ -1,4 +1,4 @@
-"""Pinned CPU kernels: the same seed gives the same weights on every x86-64 machine, not only on one.
+"""Pinned CPU kernels: the same seed should give the same weights on every x86-64 machine, not only on one.
 
 torch picks its vectorised CPU kernels (softmax, layer norms, element-wise ops, reductions) for the best
 instruction set the processor has (ATen's "CPU capability": AVX-512, AVX2 or scalar). The kernels round
