@@ -273,6 +273,18 @@ def without_heldout(
     return record if len(kept) == len(record.samples) else replace(record, samples=kept)
 
 
+def exact_rewards(record: RolloutRecord) -> RolloutRecord:
+    """The record with every task reward made 1.0 for a right answer and 0.0 otherwise (--exact-reward).
+
+    Some reasoning-gym families give partial credit that rewards wrong answers: `chain_sum` scores a
+    completion containing the right digits len(answer) / len(completion), so "-3" for 3 earns 0.5. In a group
+    where nothing is right, the wrong answer with the most credit then gets a positive advantage and is
+    trained on. Evaluation counts only scores of 1.0, so training on the same criterion is consistent.
+    """
+    samples = tuple(replace(s, task_reward=float(s.task_reward == 1.0)) for s in record.samples)
+    return replace(record, samples=samples)
+
+
 def check_warm_start(model_dir: Path, heldout_fraction: float, env: str | None) -> None:
     """A content split means nothing if the warm start trained on the held-out prompts: refuse a --model
     whose warm start used another split or another environment (its prime_node.json records both)."""
@@ -347,6 +359,11 @@ def parse_args() -> argparse.Namespace:
         help="weight of negative advantages (trainer negative_weight)",
     )
     p.add_argument("--temperature", type=float, default=TrainerSettings().temperature)
+    p.add_argument(
+        "--exact-reward",
+        action="store_true",
+        help="train on 1.0 for a right answer and 0.0 otherwise, not on the environment's partial credit",
+    )
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument(
         "--sft-steps", type=int, default=WarmStartConfig().steps, help="warm start without --model"
@@ -583,6 +600,7 @@ def main() -> int:
                 continue
             record = inbox.read(path)
             if record is not None:
+                record = exact_rewards(record) if args.exact_reward else record
                 raw.extend(smp.task_reward for smp in record.samples)
                 buffer.add(without_heldout(record, first_heldout, tasks, split), learner.step)
                 inbox.mark_done(path)

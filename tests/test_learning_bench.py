@@ -41,3 +41,16 @@ def test_a_model_warm_started_elsewhere_is_refused(tmp_path: Path) -> None:
         bench.check_warm_start(tmp_path, 0.2, "reasoning_gym:family=count_bits")
     with pytest.raises(SystemExit, match="heldout_fraction 0.2"):
         bench.check_warm_start(tmp_path, 0.1, "reasoning_gym:family=gcd")
+
+
+def test_exact_reward_keeps_right_answers_only() -> None:
+    from prime_node.trainer.service.batch_buffer import RolloutRecord, RolloutSample
+
+    def sample(key: str, reward: float) -> RolloutSample:
+        return RolloutSample(prompt_key=key, prompt_ids=(1,), completion_ids=(2,), task_reward=reward)
+
+    # chain_sum's partial credit: "-3" for 3 scores 0.5; only the 1.0 stays a reward.
+    record = RolloutRecord("f" * 64, 0, (sample("1", 1.0), sample("1", 0.5), sample("2", 0.0)))
+    exact = learning().exact_rewards(record)
+    assert [s.task_reward for s in exact.samples] == [1.0, 0.0, 0.0]
+    assert [s.prompt_key for s in exact.samples] == ["1", "1", "2"] and exact.file_id == record.file_id
