@@ -77,7 +77,8 @@ def main() -> int:
         "batch_size": config.batch_size,
         "threads": config.threads,
         "heldout_fraction": config.heldout_fraction,
-        "kernels": describe_cpu_kernels(),
+        "kernels": describe_cpu_kernels()
+        | {"threads": str(config.threads)},  # what trained, not the pool now
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
         "cpus_available": len(os.sched_getaffinity(0)),
         "load_average_1min": os.getloadavg()[0],
