@@ -21,27 +21,54 @@ once). Everything is seeded (--seed).
 Without --model the warm start runs first (a few minutes). The PNG is drawn by matplotlib
 (trainer/devnet/plot.py); `--summary FILE` keeps its data, and `--replot FILE --out PNG` redraws it without a
 run. Prints one line per step and a summary.
+
+Budgets are CPU time, not wall time, so that a run on a shared machine does what it does on an idle one:
+`--cpu-minutes M` stops the RL loop once its process CPU time (every thread, and the scoring workers it
+started) divided by `--threads` passes M minutes, i.e. M minutes of an idle machine with that many cores;
+`--minutes` is an optional wall-clock stop as well. Both are printed per step. Kernels are pinned to AVX2
+(`--cpu-kernels`, node/runtime/numerics.py) so that a seed gives the same warm start on every x86-64 machine.
+
+`--env SPEC` runs the same loop on another environment (a reasoning-gym family, say): the warm start trains
+on that environment's reference answers (node/models/env_warmstart.py), the filter and the held-out sets
+are that environment's, and the environment's scorer grades (exact = reward 1.0).
 """
 
+# ruff: noqa: E402 (the CPU kernels are pinned before torch is imported: the `__main__` block below)
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import os
+import resource
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+if __name__ == "__main__":  # before torch is imported: its CPU kernels are chosen then
+    from prime_node.node.runtime.numerics import pin_cpu_kernels
+
+    _early = argparse.ArgumentParser(add_help=False)
+    _early.add_argument("--cpu-kernels", default="avx2")
+    pin_cpu_kernels(_early.parse_known_args()[0].cpu_kernels)
+
+import psutil
 import torch
 from matplotlib.figure import Figure
 from transformers import AutoTokenizer
 
 from prime_node.node.engine import load_engine
 from prime_node.node.environments import DEFAULT_ENV, open_environment, spec_of_tasks
+from prime_node.node.environments.environment import Environment
 from prime_node.node.environments.split import ContentSplit
 from prime_node.node.environments.types import Task
+from prime_node.node.models.env_warmstart import EnvWarmStartConfig, greedy_rewards, init_env_model_dir
+from prime_node.node.models.env_warmstart import heldout_tasks as env_heldout_tasks
 from prime_node.node.models.warmstart import (
     RUN_INFO_FILE,
     WarmStartConfig,
@@ -51,6 +78,7 @@ from prime_node.node.models.warmstart import (
 )
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
+from prime_node.node.runtime.numerics import describe_cpu_kernels
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.weights.store import Store
 from prime_node.proofs.verifier import VerifierSettings
@@ -79,6 +107,7 @@ def learning_figure(
     rewards: list[tuple[float, float]],
     accuracy: dict[str, list[tuple[float, float]]],
     sizes: dict[str, int],
+    title: str = "RL on the tiny model: rollout reward and held-out greedy accuracy",
 ) -> Figure:
     """The learning curve: rollout reward per step and each held-out set's greedy accuracy per evaluation."""
     series = [Series("rollout reward (T = 1, before filtering)", rewards, "tab:blue", marker=None)]
@@ -89,7 +118,7 @@ def learning_figure(
     steps = max((x for s in series for x, _ in s.points), default=1.0)
     return figure(
         series,
-        title="RL on the tiny model: rollout reward and held-out greedy accuracy",
+        title=title,
         xlabel="policy step",
         integer_x=True,
         ylabel="reward / exact-match accuracy",
@@ -100,40 +129,87 @@ def learning_figure(
 
 def replot(summary_path: Path, out: Path) -> None:
     """Redraw the curve from a --summary file alone (no model, no run): the plot's data is all in it."""
-    curves = json.loads(summary_path.read_text())["curves"]
+    summary = json.loads(summary_path.read_text())
+    curves = summary["curves"]
     accuracy = {name: [(x, y) for x, y in points] for name, points in curves["heldout"].items()}
     rewards = [(x, y) for x, y in curves["rollout_reward"]]
-    print(f"wrote {save(learning_figure(rewards, accuracy, curves['problems']), out)}")
+    title = summary.get("title") or "RL on the tiny model: rollout reward and held-out greedy accuracy"
+    print(f"wrote {save(learning_figure(rewards, accuracy, curves['problems'], title), out)}")
+
+
+class CpuClock:
+    """Process CPU time since creation: every thread of this process plus its child processes (the bounded
+    scorer's workers), live ones read from /proc and finished ones from the kernel's rusage."""
+
+    def __init__(self) -> None:
+        self._start = self.total()
+
+    @staticmethod
+    def total() -> float:
+        children = 0.0
+        for child in psutil.Process().children(recursive=True):
+            try:
+                times = child.cpu_times()
+            except psutil.Error:  # ended between listing and reading: counted by RUSAGE_CHILDREN
+                continue
+            children += times.user + times.system
+        reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + children + reaped.ru_utime + reaped.ru_stime
+
+    def seconds(self) -> float:
+        return self.total() - self._start
+
+
+Scorer = Callable[[torch.nn.Module, object, list[Task], int], tuple[float, dict[int, float]]]
+
+
+def arithmetic_scorer(
+    model, tokenizer, tasks: list[Task], max_new_tokens: int
+) -> tuple[float, dict[int, float]]:  # type: ignore[no-untyped-def]
+    return greedy_accuracy(model, tokenizer, tasks, max_new_tokens)
+
+
+def environment_scorer(environment: Environment) -> Scorer:
+    """Share of greedy completions the environment scores 1.0 (its partial credit is not a right answer)."""
+
+    def score(model, tokenizer, tasks: list[Task], max_new_tokens: int) -> tuple[float, dict[int, float]]:  # type: ignore[no-untyped-def]
+        rewards = greedy_rewards(model, tokenizer, environment, tasks, max_new_tokens)
+        return sum(r == 1.0 for r in rewards) / len(rewards), {}
+
+    return score
 
 
 class HeldOut:
-    """The held-out sets, evaluated by greedy exact match at every evaluation.
+    """The held-out sets, evaluated by greedy decoding at every evaluation.
 
-    `mix`: the last `eval_size` problems of the built-in family (the warm start's own evaluation).
+    `mix`: the last `eval_size` problems of the environment (for arithmetic, the warm start's own evaluation).
     `band`: with --heldout-filter N, those of the last N problems whose pass@8 with the warm start lies in the
     training band: problems of the run's own (filtered) task distribution, filtered exactly as the training set
     was. Neither is ever trained on (`first_heldout` bounds the training indices).
 
     With --heldout-fraction F the split is by content (node/environments/split.py): both sets hold only prompts on
     the held-out side, which neither the warm start nor the RL run ever trains on, so they are wholly new.
-    Both are drawn as the family draws them, so an easy prompt recurs (at level 1, 40 held-out prompts for
-    F = 0.2): accuracy on them estimates accuracy on the held-out part of the task distribution. `-distinct`
-    counts each prompt once, the measure with the effective sample size.
+    Both are drawn as the environment draws them, so an easy prompt recurs (arithmetic level 1: 40 held-out
+    prompts for F = 0.2): accuracy on them estimates accuracy on the held-out part of the task distribution.
+    `-distinct` counts each prompt once, the measure with the effective sample size.
 
-    Held out by index is not held out by content: the family has only 200 distinct level-1 problems (and
-    about 16,000 at level 2), so most held-out level-1 prompts also occur among the training problems. With a
-    training task file the prompts are known, and `mix-new` / `band-new` are the held-out problems whose
+    Held out by index is not held out by content: the arithmetic family has only 200 distinct level-1 problems
+    (and about 16,000 at level 2), so most held-out level-1 prompts also occur among the training problems.
+    With a training task file the prompts are known, and `mix-new` / `band-new` are the held-out problems whose
     prompt text is not in it: what the policy never saw, hence the measure of learning that generalises.
     """
 
     def __init__(
-        self, eval_size: int, band: list[Task], training_prompts: set[str] | None, heldout_fraction: float
+        self,
+        sets: dict[str, list[Task]],
+        training_prompts: set[str] | None,
+        heldout_fraction: float,
+        scorer: Scorer,
+        max_new_tokens: int,
+        threads: int,
     ) -> None:
-        config = WarmStartConfig(eval_size=eval_size, heldout_fraction=heldout_fraction)
-        self.max_new_tokens = config.eval_max_new_tokens
-        self.sets = {"mix": heldout_tasks(config)}
-        if band:
-            self.sets["band"] = band
+        self.sets = dict(sets)
+        self.scorer, self.max_new_tokens, self.threads = scorer, max_new_tokens, threads
         if heldout_fraction:
             for name in list(self.sets):
                 self.sets[f"{name}-distinct"] = list({t.prompt: t for t in self.sets[name]}.values())
@@ -150,16 +226,16 @@ class HeldOut:
                     self.sets[f"{name}-new"] = new
 
     def evaluate(self, checkpoint: Path) -> dict[str, tuple[float, dict[int, float]]]:
-        model = load_engine(checkpoint, threads=1).model  # type: ignore[attr-defined]
+        model = load_engine(checkpoint, threads=self.threads).model  # type: ignore[attr-defined]
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
         return {
-            name: greedy_accuracy(model, tokenizer, tasks, self.max_new_tokens)
+            name: self.scorer(model, tokenizer, tasks, self.max_new_tokens)
             for name, tasks in self.sets.items()
         }
 
     def line(self, step: int, results: dict[str, tuple[float, dict[int, float]]]) -> str:
         return f"step {step} held-out " + "; ".join(
-            f"{name} ({len(self.sets[name])}) {acc:.3f} [{fmt_levels(levels)}]"
+            f"{name} ({len(self.sets[name])}) {acc:.3f}" + (f" [{fmt_levels(levels)}]" if levels else "")
             for name, (acc, levels) in results.items()
         )
 
@@ -169,14 +245,13 @@ def task_file_column(path: Path, column: str) -> list[str]:
     return [json.loads(line)[column] for line in path.read_text().splitlines() if line]
 
 
-def band_heldout(model_dir: Path, filter_spec: TaskFilter) -> list[Task]:
-    """The held-out problems of the training band (indices given by `filter_spec`), as built-in tasks."""
+def band_heldout(model_dir: Path, filter_spec: TaskFilter, environment: Environment) -> list[Task]:
+    """The held-out problems of the training band (indices given by `filter_spec`), as tasks of `environment`."""
     path, summary = filtered_tasks(model_dir, filter_spec)
     print(f"held-out band: {summary}", flush=True)
     if path is None:
         return []
-    family = open_environment(DEFAULT_ENV)  # the file's `source_index` column names each problem
-    return [family.get(int(index)) for index in task_file_column(path, "source_index")]
+    return [environment.get(int(index)) for index in task_file_column(path, "source_index")]
 
 
 def without_heldout(
@@ -198,17 +273,28 @@ def without_heldout(
     return record if len(kept) == len(record.samples) else replace(record, samples=kept)
 
 
-def check_warm_start_split(model_dir: Path, heldout_fraction: float) -> None:
+def exact_rewards(record: RolloutRecord) -> RolloutRecord:
+    """The record with every task reward made 1.0 for a right answer and 0.0 otherwise (--exact-reward).
+
+    Some reasoning-gym families give partial credit that rewards wrong answers: `chain_sum` scores a
+    completion containing the right digits len(answer) / len(completion), so "-3" for 3 earns 0.5. In a group
+    where nothing is right, the wrong answer with the most credit then gets a positive advantage and is
+    trained on. Evaluation counts only scores of 1.0, so training on the same criterion is consistent.
+    """
+    samples = tuple(replace(s, task_reward=float(s.task_reward == 1.0)) for s in record.samples)
+    return replace(record, samples=samples)
+
+
+def check_warm_start(model_dir: Path, heldout_fraction: float, env: str | None) -> None:
     """A content split means nothing if the warm start trained on the held-out prompts: refuse a --model
-    whose warm start used another split (its prime_node.json records it)."""
+    whose warm start used another split or another environment (its prime_node.json records both)."""
+    info_path = model_dir / RUN_INFO_FILE
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    if env is not None and info.get("env") != env:
+        raise SystemExit(f"{model_dir} was warm-started on {info.get('env')!r}, not {env!r}: omit --model")
     if not heldout_fraction:
         return
-    info_path = model_dir / RUN_INFO_FILE
-    used = (
-        json.loads(info_path.read_text()).get("warm_start", {}).get("heldout_fraction", 0.0)
-        if info_path.is_file()
-        else None
-    )
+    used = info.get("warm_start", {}).get("heldout_fraction", 0.0) if info else None
     if used != heldout_fraction:
         raise SystemExit(
             f"{model_dir} was warm-started with heldout_fraction {used} (from {RUN_INFO_FILE}), not "
@@ -221,10 +307,34 @@ def fmt_levels(by_level: dict[int, float]) -> str:
     return " ".join(f"L{k} {v:.2f}" for k, v in sorted(by_level.items()))
 
 
-def main() -> int:
+def git_commit() -> str:
+    """The commit the figures come from (with `+dirty` when the tree differs from it): docs cite it."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--model", type=Path, default=None, help="warm-started model dir (default: warm-start one)"
+    )
+    p.add_argument(
+        "--env",
+        default=None,
+        help="environment spec (e.g. reasoning_gym:family=count_bits,max_n=255); default: built-in arithmetic",
     )
     p.add_argument("--steps", type=int, default=30, help="rollout steps")
     p.add_argument("--files", type=int, default=2, help="rollout files per step")
@@ -249,10 +359,16 @@ def main() -> int:
         help="weight of negative advantages (trainer negative_weight)",
     )
     p.add_argument("--temperature", type=float, default=TrainerSettings().temperature)
+    p.add_argument(
+        "--exact-reward",
+        action="store_true",
+        help="train on 1.0 for a right answer and 0.0 otherwise, not on the environment's partial credit",
+    )
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument(
         "--sft-steps", type=int, default=WarmStartConfig().steps, help="warm start without --model"
     )
+    p.add_argument("--sft-seed", type=int, default=0, help="seed of the tiny model the warm start trains")
     p.add_argument(
         "--filter",
         type=int,
@@ -265,17 +381,36 @@ def main() -> int:
         "--heldout-filter",
         type=int,
         default=0,
-        help="also evaluate on those of the family's last N problems that lie in the training band",
+        help="also evaluate on those of the environment's last N problems that lie in the training band",
     )
     p.add_argument(
         "--heldout-fraction",
         type=float,
         default=0.0,
         help="hold out this share of prompt texts by content: never trained on (warm start and RL), "
-        "the only ones evaluated (0: held out by index)",
+        "the only ones evaluated (0: held out by index; --env needs one)",
     )
     p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--minutes", type=float, default=20.0, help="stop after this much wall time")
+    p.add_argument(
+        "--cpu-minutes",
+        type=float,
+        default=20.0,
+        help="stop the RL loop after this much process CPU time divided by --threads (minutes on that many "
+        "idle cores)",
+    )
+    p.add_argument("--minutes", type=float, default=None, help="also stop after this much wall time")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch CPU threads for everything but the offline filter (which uses one)",
+    )
+    p.add_argument(
+        "--cpu-kernels",
+        default="avx2",
+        help="x86-64 kernels to pin before torch loads (node/runtime/numerics.py): avx2 (reproducible "
+        "across machines), avx512, default (scalar) or native (no pin)",
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="seeds the node and operator keys (hence the task assignment)"
     )
@@ -294,21 +429,53 @@ def main() -> int:
         help="instead of a run: redraw --out from the curves of a --summary file",
     )
     args = p.parse_args()
+    if args.env is not None and not args.heldout_fraction:
+        p.error("--env needs --heldout-fraction F (> 0): its held-out prompts are chosen by content")
+    return args
+
+
+def warm_start(args: argparse.Namespace, work: Path, environment: Environment | None) -> Path:
+    """The model the run starts from: --model, or a fresh warm start (arithmetic, or --env's own answers)."""
+    if args.model is not None:
+        return args.model
+    model_dir = work / "warm"
+    clock = CpuClock()
+    if environment is None:
+        config = WarmStartConfig(
+            steps=args.sft_steps, heldout_fraction=args.heldout_fraction, threads=args.threads
+        )
+        report, _ = init_model_dir(model_dir, args.sft_seed, config)
+        accuracy = report.heldout_accuracy
+    else:
+        env_config = EnvWarmStartConfig(
+            steps=args.sft_steps,
+            heldout_fraction=args.heldout_fraction,
+            threads=args.threads,
+            eval_size=args.eval_size,
+        )
+        accuracy = init_env_model_dir(model_dir, environment, args.sft_seed, env_config).heldout_exact
+    print(
+        f"warm start: {args.sft_steps} steps, held-out {accuracy:.3f}, {clock.seconds():.0f} s CPU",
+        flush=True,
+    )
+    return model_dir
+
+
+def main() -> int:
+    args = parse_args()
     if args.replot:
         replot(args.replot, args.out)
         return 0
-    begun = time.perf_counter()  # the whole run: warm start and offline filtering included
-    torch.set_num_threads(1)
+    begun, whole = time.perf_counter(), CpuClock()  # the whole run: warm start and offline filtering included
+    commit = git_commit()  # at the start: the code that ran, whatever is committed while it runs
+    torch.set_num_threads(args.threads)
+    kernels = describe_cpu_kernels()
+    print(f"kernels: {kernels}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="prime-learning-"))
-    model_dir = args.model
-    cpu0 = time.process_time()
-    if model_dir is None:
-        model_dir = work / "warm"
-        init_model_dir(
-            model_dir, 0, WarmStartConfig(steps=args.sft_steps, heldout_fraction=args.heldout_fraction)
-        )
-        print(f"warm start: {args.sft_steps} steps, {time.process_time() - cpu0:.0f} s CPU", flush=True)
-    check_warm_start_split(model_dir, args.heldout_fraction)
+    environment = open_environment(args.env) if args.env is not None else None
+    base_env = environment or open_environment(DEFAULT_ENV)
+    model_dir = warm_start(args, work, environment)
+    check_warm_start(model_dir, args.heldout_fraction, environment and environment.spec)
     # Seeded identities: the node id seeds the task assignment, so a random key would make every run differ.
     operator, node = (
         Identity.from_seed(hashlib.sha256(f"learning-bench/{who}/{args.seed}".encode()).digest())
@@ -333,9 +500,10 @@ def main() -> int:
     learner.resume()
     buffer = BatchBuffer(ledger, batch_size=settings.batch_size, async_level=settings.async_level)
     inbox = Inbox(work / "accepted", RUN_ID)
+    low, high = args.band
+    env_spec = base_env.spec if environment is not None else DEFAULT_ENV
     task_source = None
     if args.filter:  # offline difficulty filtering, as the devnet does (cached beside the model)
-        low, high = args.band
         task_source, summary = filtered_tasks(
             model_dir,
             TaskFilter(
@@ -344,22 +512,38 @@ def main() -> int:
                 high=high,
                 max_new_tokens=args.max_new_tokens,
                 heldout_fraction=args.heldout_fraction,
+                env=env_spec,
             ),
         )
         print(f"offline filter: {summary}", flush=True)
-    tasks = RunTasks(open_environment(spec_of_tasks(task_source and str(task_source))), learner.tokenizer)
+    torch.set_num_threads(args.threads)  # the filter's engine ran at one thread
+    if environment is None:
+        run_spec = spec_of_tasks(task_source and str(task_source))
+    else:
+        run_spec = f"filtered:{task_source}" if task_source else environment.spec
+    tasks = RunTasks(open_environment(run_spec), learner.tokenizer)
     verifier = VerifierSettings(run_id=RUN_ID, run_seed=args.seed, samples_per_prompt=args.samples)
     # A filtered file holds problems of indices below --filter only; otherwise drop the held-out ones.
     held_out_count = max(args.eval_size, args.heldout_filter)
     first_heldout = tasks.task_count if task_source else tasks.task_count - held_out_count
-    band: list[Task] = []
+    sets: dict[str, list[Task]]
+    if environment is None:
+        config = WarmStartConfig(eval_size=args.eval_size, heldout_fraction=args.heldout_fraction)
+        sets, scorer, eval_tokens = (
+            {"mix": heldout_tasks(config)},
+            arithmetic_scorer,
+            config.eval_max_new_tokens,
+        )
+    else:
+        env_config = EnvWarmStartConfig(eval_size=args.eval_size, heldout_fraction=args.heldout_fraction)
+        sets = {"mix": env_heldout_tasks(environment, env_config)}
+        scorer, eval_tokens = environment_scorer(environment), env_config.eval_max_new_tokens
     if args.heldout_filter:
-        family_size = len(open_environment(DEFAULT_ENV))
+        family_size = len(base_env)
         if args.filter and args.filter > family_size - args.heldout_filter:
             raise SystemExit(
                 "--filter and --heldout-filter overlap: the held-out band must lie past the training one"
             )
-        low, high = args.band
         band = band_heldout(
             model_dir,
             TaskFilter(
@@ -370,21 +554,32 @@ def main() -> int:
                 offset=family_size - args.heldout_filter,
                 heldout_fraction=args.heldout_fraction,
                 heldout=True,
+                env=env_spec,
             ),
+            base_env,
         )
+        torch.set_num_threads(args.threads)
+        if band:
+            sets["band"] = band
     training_prompts = set(task_file_column(task_source, "prompt")) if task_source else None
-    held_out = HeldOut(args.eval_size, band, training_prompts, args.heldout_fraction)
+    held_out = HeldOut(sets, training_prompts, args.heldout_fraction, scorer, eval_tokens, args.threads)
     split = ContentSplit(args.heldout_fraction)
+    setup_cpu = whole.seconds()
     rewards: list[tuple[float, float]] = []
     results = held_out.evaluate(model_dir)
     accuracy = {name: [(0.0, acc)] for name, (acc, _) in results.items()}
     print(held_out.line(0, results), flush=True)
-    started, cpu_start = time.perf_counter(), time.process_time()
+    started, rl = time.perf_counter(), CpuClock()
+
+    def rl_minutes() -> float:  # minutes on `threads` idle cores
+        return rl.seconds() / args.threads / 60
+
     raw: list[float] = []  # task reward of every rollout produced since the last step, before filtering
     counter = 0  # the node's batch counter: never reused, or it would regenerate the same (known) file
+    stopped_by = "steps"
     for step in range(args.steps):
         ckpt = store.checkpoint_dir(learner.step)
-        engine = load_engine(ckpt, threads=1)
+        engine = load_engine(ckpt, threads=args.threads)
         for _ in range(args.files):
             counter += 1
             spec = BatchSpec(
@@ -405,6 +600,7 @@ def main() -> int:
                 continue
             record = inbox.read(path)
             if record is not None:
+                record = exact_rewards(record) if args.exact_reward else record
                 raw.extend(smp.task_reward for smp in record.samples)
                 buffer.add(without_heldout(record, first_heldout, tasks, split), learner.step)
                 inbox.mark_done(path)
@@ -424,36 +620,56 @@ def main() -> int:
         print(
             f"step {learner.step} rollout reward {raw_reward:.3f} batch reward {metrics['task_reward']:.3f} "
             f"groups {metrics['groups']:.0f} clip {summary['clip_fraction']:.3f} |g| {summary['grad_norm']:.3f} "
-            f"H {summary['entropy']:.3f} ({time.perf_counter() - started:.0f} s, "
-            f"{time.process_time() - cpu_start:.0f} s CPU)",
+            f"H {summary['entropy']:.3f} ({time.perf_counter() - started:.0f} s wall, "
+            f"{rl_minutes():.2f} CPU min on {args.threads} threads)",
             flush=True,
         )
-        out_of_time = time.perf_counter() - started > 60 * args.minutes
-        if learner.step % args.eval_every == 0 or step == args.steps - 1 or out_of_time:
+        if rl_minutes() > args.cpu_minutes:
+            stopped_by = "cpu-minutes"
+        elif args.minutes is not None and time.perf_counter() - started > 60 * args.minutes:
+            stopped_by = "minutes"
+        last = stopped_by != "steps" or step == args.steps - 1
+        if learner.step % args.eval_every == 0 or last:
             results = held_out.evaluate(store.checkpoint_dir(learner.step))
             for name, (acc, _) in results.items():
                 accuracy[name].append((float(learner.step), acc))
             print(held_out.line(learner.step, results), flush=True)
-        if out_of_time:
+        if stopped_by != "steps":
             break
     ledger.close()
     sizes = {name: len(tasks) for name, tasks in held_out.sets.items()}
-    save(learning_figure(rewards, accuracy, sizes), args.out)
+    title = "RL on the tiny model: rollout reward and held-out greedy accuracy" + (
+        f"\n{args.env}" if args.env else ""
+    )
+    save(learning_figure(rewards, accuracy, sizes, title), args.out)
     for name, points in accuracy.items():
-        first, last = points[0][1], points[-1][1]
+        first, last_acc = points[0][1], points[-1][1]
         print(
-            f"held-out {name} ({len(held_out.sets[name])} problems) accuracy {first:.3f} -> {last:.3f} "
-            f"({100 * (last - first):+.1f} points, best {max(a for _, a in points):.3f})"
+            f"held-out {name} ({len(held_out.sets[name])} problems) accuracy {first:.3f} -> {last_acc:.3f} "
+            f"({100 * (last_acc - first):+.1f} points, best {max(a for _, a in points):.3f})"
         )
+    rl_wall, rl_cpu = time.perf_counter() - started, rl.seconds()
     if args.summary:
         window = max(1, min(40, len(rewards) // 2))
         args.summary.write_text(
             json.dumps(
                 {
+                    "command": shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+                    "commit": commit,
+                    "env": args.env or DEFAULT_ENV,
+                    "title": title,
+                    "kernels": kernels,
+                    "threads": args.threads,
+                    "cpus_available": len(os.sched_getaffinity(0)),
+                    "load_average_1min_at_end": os.getloadavg()[0],
                     "steps": learner.step,
-                    "rl_wall_s": time.perf_counter() - started,
+                    "stopped_by": stopped_by,
+                    "setup_cpu_s": setup_cpu,
+                    "rl_wall_s": rl_wall,
+                    "rl_cpu_s": rl_cpu,
+                    "rl_cpu_minutes": rl_cpu / args.threads / 60,
                     "total_wall_s": time.perf_counter() - begun,
-                    "rl_cpu_s": time.process_time() - cpu_start,
+                    "total_cpu_s": whole.seconds(),
                     "rollout_reward": {
                         "first": sum(r for _, r in rewards[:window]) / window if rewards else None,
                         "last": sum(r for _, r in rewards[-window:]) / window if rewards else None,
@@ -476,9 +692,10 @@ def main() -> int:
             + "\n"
         )
     print(
-        f"{learner.step} steps, {time.perf_counter() - started:.0f} s wall, {time.process_time() - cpu_start:.0f} s "
-        f"CPU (1 thread); {time.perf_counter() - begun:.0f} s wall in all (warm start included); learning "
-        f"curve -> {args.out}"
+        f"{learner.step} steps (stopped by {stopped_by}), RL: {rl_wall:.0f} s wall, {rl_cpu:.0f} s CPU "
+        f"({rl_cpu / args.threads / 60:.2f} min on {args.threads} threads); in all (warm start and filter "
+        f"included): {time.perf_counter() - begun:.0f} s wall, {whole.seconds():.0f} s CPU; learning curve -> "
+        f"{args.out}"
     )
     return 0
 

@@ -12,10 +12,13 @@ families give partial credit. Deterministic for a given (model, environment, con
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -25,7 +28,15 @@ from ..environments.types import Task
 from ..errors import ModelError
 from ..run.prompts import PromptBuilder
 from .sft_loop import SftLoop, SftRecipe
-from .warmstart import _encode_batch, deterministic_torch, greedy_complete
+from .tiny import build_tiny_model, save_model_dir
+from .warmstart import (
+    RUN_INFO_FILE,
+    WEIGHTS_FILE,
+    _encode_batch,
+    deterministic_torch,
+    file_sha256,
+    greedy_complete,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,3 +156,27 @@ def warm_start_environment(
         train_seconds=trained - started,
         eval_seconds=evaluated - trained,
     )
+
+
+def init_env_model_dir(
+    out_dir: Path, environment: Environment, seed: int = 0, config: EnvWarmStartConfig | None = None
+) -> EnvWarmStartReport:
+    """The tiny model from `seed`, warm-started on `environment`, saved as an HF directory whose prime_node.json
+    records the environment and the split (benchmarks/learning.py refuses a --model warm-started otherwise)."""
+    config = config or EnvWarmStartConfig()
+    model, tokenizer = build_tiny_model(seed)
+    report = warm_start_environment(model, tokenizer, environment, config)
+    save_model_dir(model, tokenizer, out_dir)
+    info = {
+        "format": 1,
+        "seed": seed,
+        "env": environment.spec,
+        "warm_start": config.model_dump(mode="json"),
+        "heldout_exact": report.heldout_exact,
+        "heldout_mean_reward": report.heldout_mean_reward,
+        "final_loss": report.final_loss,
+        "model_sha256": file_sha256(Path(out_dir) / WEIGHTS_FILE),
+        "torch_version": torch.__version__,
+    }
+    (Path(out_dir) / RUN_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    return report
