@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field, model_validator
 
 from ...node.config import Section
-from .formation import FormationSettings
-from .plan import PlanSettings
+
+if TYPE_CHECKING:  # the planner reads swarm records (hivemind): not loaded when the CLI builds its flags
+    from .plan import PlanSettings
 
 
 class GroupsSection(Section):
@@ -42,6 +45,9 @@ class GroupsSection(Section):
         return self
 
     def plan_settings(self) -> PlanSettings:
+        from .formation import FormationSettings
+        from .plan import PlanSettings
+
         formation = FormationSettings(
             unknown_rtt_ms=self.unknown_rtt_ms, unreachable_penalty_s=self.unreachable_penalty_s
         )
