@@ -37,8 +37,6 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 import prime_node.p2p
-from prime_node.node.pipeline.errors import PipelineError
-from prime_node.node.pipeline.grouping import PeerRtt, StageAvailability, parse_availability
 from prime_node.p2p.environment_identity import EnvironmentIdentity
 from prime_node.p2p.errors import SignatureError
 from prime_node.p2p.identity import Identity
@@ -57,9 +55,7 @@ from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.swarm import SwarmConfig
 from prime_node.p2p.swarm.errors import HandoffError, RecordError
 from prime_node.p2p.swarm.framing import decode_frame
-from prime_node.p2p.swarm.group_records import GroupRecord, group_id
-from prime_node.p2p.swarm.group_records import PeerRtt as SwarmPeerRtt
-from prime_node.p2p.swarm.group_records import StageAvailability as StageOffer
+from prime_node.p2p.swarm.group_records import GroupRecord, PeerRtt, StageAvailability, group_id
 from prime_node.p2p.swarm.handoff import Receipt, ReceiptBody, RolloutEnvelope, parse_header, parse_receipt
 from prime_node.p2p.swarm.records import (
     Ban,
@@ -456,11 +452,11 @@ CARRIERS = [
         RecordKind.STAGES,
         NODE,
         NODE.node_id,
-        StageOffer(
+        StageAvailability(
             node_id=NODE.node_id,
             stages=[0, 1],
             layer_tokens_per_s=1000.0,
-            rtts=[SwarmPeerRtt(node_id=OPERATOR.node_id, rtt_ms=30.0)],
+            rtts=[PeerRtt(node_id=OPERATOR.node_id, rtt_ms=30.0)],
             reachable=True,
             policy_step=1,
             published_at=T,
@@ -513,18 +509,6 @@ CARRIERS = [
     _manifest(),
     _pipeline(StreamOpening, _OPENING),
     _stage_record(),
-    Carrier(
-        StageAvailability,
-        StageAvailability(
-            node_id=NODE.node_id,
-            stages=[0, 1],
-            step_ms=12.5,
-            rtts=[PeerRtt(node_id=OPERATOR.node_id, ms=30.0)],
-            reachable=True,
-        ).model_dump(mode="json"),
-        parse_availability,
-        PipelineError,
-    ),
     _pipeline(
         FrameHeader,
         FrameHeader(
