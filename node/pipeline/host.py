@@ -8,7 +8,7 @@ starts the next batch number while the group stands, and the member's next poll 
 
 Where the next stage listens comes from a `Rendezvous`. `LocalRendezvous` serves stages in one process (the
 tests and benchmarks); across machines the stream would open over hivemind's libp2p streams to the member's
-peer id from its heartbeat (p2p/pipeline/transport.py, docs/pipeline.md "Not built").
+peer id from its heartbeat (p2p/pipeline/transport.py, docs/pipeline.md "What is built, what is not").
 """
 
 from __future__ import annotations

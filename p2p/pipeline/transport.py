@@ -2,7 +2,7 @@
 
 Frames are written to any asyncio (StreamReader, StreamWriter) pair: asyncio TCP on 127.0.0.1 here (tests,
 benchmarks/pipeline.py), and hivemind's binary stream handlers hand out the same pair for libp2p streams
-(p2p/swarm/handoff.py uses them), which is where a swarm's groups will plug in (docs/pipeline.md, "Not built").
+(p2p/swarm/handoff.py uses them), where a swarm's groups will plug in (not built: docs/pipeline.md, at the end).
 
 The delay models network latency, not bandwidth: every frame is due `delay_s` after it was queued and frames
 queued meanwhile wait concurrently, so several micro-batches can be in flight on one hop at once.
