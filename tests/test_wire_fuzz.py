@@ -82,6 +82,12 @@ from prime_node.p2p.validator_api import (
     parse_answer,
 )
 from prime_node.p2p.verdicts import BanRecord, DocumentError, Signed, Verdict, open_signed
+from prime_node.p2p.weights.availability import (
+    AvailabilityBody,
+    AvailabilityError,
+    encode_bitmap,
+    parse_availability,
+)
 from prime_node.p2p.weights.errors import ManifestError
 from prime_node.p2p.weights.fetch import FetchSettings
 from prime_node.p2p.weights.guard import ServeLimits
@@ -92,6 +98,7 @@ from prime_node.p2p.weights.manifest import (
     SignedManifest,
     checkpoint_digest,
     parse_signed,
+    sign_manifest,
 )
 from prime_node.p2p.weights.server import ServeSettings
 from prime_node.p2p.weights.sources import SelectionSettings
@@ -221,9 +228,9 @@ def _signed_document(
     )
 
 
-def _manifest() -> Carrier:
+def _manifest_body() -> ManifestBody:
     shard = "cd" * 32
-    body = ManifestBody(
+    return ManifestBody(
         format="prime-node-weights",
         format_version=1,
         run_id=RUN,
@@ -237,6 +244,10 @@ def _manifest() -> Carrier:
         shards=[ShardEntry(size=10, sha256=shard)],
     )
 
+
+def _manifest() -> Carrier:
+    body = _manifest_body()
+
     def parse(raw: bytes, signature: bytes) -> Any:  # a manifest as a weights source serves it
         return parse_signed(
             b'{"body":' + raw + b',"signature":"' + signature.hex().encode() + b'"}', OPERATOR.node_id
@@ -247,6 +258,33 @@ def _manifest() -> Carrier:
         body.model_dump(mode="json"),
         lambda raw: parse(raw, _sign_or_zero(OPERATOR, raw)),  # signed by the pinned key
         ManifestError,
+        (lambda raw: parse(raw, _sign_or_zero(STRANGER, raw)), lambda raw: parse(raw, b"\xab" * 64)),
+    )
+
+
+def _availability() -> Carrier:
+    """A weights server's signed shard availability as a fetcher reads it (GET /v1/weights/{step}/availability)."""
+    manifest = sign_manifest(_manifest_body(), OPERATOR)
+    body = AvailabilityBody(
+        format="prime-node-availability",
+        version=1,
+        node_id=NODE.node_id,
+        step=manifest.step,
+        manifest_sha256=manifest.digest,
+        shard_count=1,
+        have=encode_bitmap({0}, 1),
+        issued_at_ms=int(T * 1000),
+    )
+
+    def parse(raw: bytes, signature: bytes) -> Any:
+        document = b'{"body":' + raw + b',"signature":"' + signature.hex().encode() + b'"}'
+        return parse_availability(document, manifest, node_id=NODE.node_id, now=T)
+
+    return Carrier(
+        AvailabilityBody,
+        body.model_dump(mode="json"),
+        lambda raw: parse(raw, _sign_or_zero(NODE, raw)),  # signed by the node it names
+        AvailabilityError,
         (lambda raw: parse(raw, _sign_or_zero(STRANGER, raw)), lambda raw: parse(raw, b"\xab" * 64)),
     )
 
@@ -507,6 +545,7 @@ CARRIERS = [
     ),
     _receipt(),
     _manifest(),
+    _availability(),
     _pipeline(StreamOpening, _OPENING),
     _stage_record(),
     _pipeline(
