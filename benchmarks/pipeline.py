@@ -10,7 +10,7 @@ hop and the whole batch as one micro-batch, (c) the same group with micro-batche
 tokens/s, ratios, and the frames whose flight overlapped another micro-batch's compute, all from this run.
 Validator cost: process CPU seconds of verify_group (one hooked prefill, every boundary's TOPLOC check, Gumbel
 replay) against the monolithic core (one prefill, TOPLOC check of the final states, Gumbel replay) on the
-same tokens. Regroup: a 2-stage group chosen by node/pipeline/grouping.py loses its last stage mid-batch;
+same tokens. Regroup: a 2-stage group formed by trainer/groups/formation.py loses its last stage mid-batch;
 the survivors regroup with a spare node, rerun the batch and the validator verifies it: seconds from the kill
 to the verdict (4 samples x 8 tokens; in one process, no DHT). Calibration: per boundary, the worst honest
 TOPLOC statistics (micro-batch sizes 1, 2, 4, 8) and the typical error of one stage's weights perturbed

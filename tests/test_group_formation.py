@@ -82,9 +82,42 @@ def test_reachable_nodes_are_preferred_and_stages_must_be_offered() -> None:
 
 
 def test_the_slowest_hop_side_counts_so_no_node_can_shrink_it() -> None:
-    a, b = IDS[:2]
+    a, b, c = IDS[:3]
     honest = {a: offer(a, rtts={b: 300.0}), b: offer(b, rtts={a: 0.0})}  # b lies that it is next door
     assert group_cost(LAYOUT, (a, b), honest, FormationSettings()) == pytest.approx(2 / 1000 + 0.6)
+    assert group_cost(LAYOUT, (b, a), honest, FormationSettings()) == pytest.approx(2 / 1000 + 0.6)
+    # The lie buys b no place: c, honestly 100 ms from a (as a measured too), is chosen over it, although
+    # b is faster and claims to be 0 ms away.
+    offers = {
+        a: offer(a, stages=[0], rtts={b: 300.0, c: 100.0}),
+        b: offer(b, 4000.0, stages=[1], rtts={a: 0.0}),
+        c: offer(c, stages=[1], rtts={a: 100.0}),
+    }
+    (g,) = form_groups(LAYOUT, offers)
+    assert g.members == (a, c)
+    assert g.cost_s == pytest.approx(2 / 1000 + 0.2)
+
+
+def test_a_node_holds_one_stage_so_a_lone_node_forms_no_group() -> None:
+    a, b, c = IDS[:3]
+    assert form_groups(LAYOUT, {a: offer(a)}) == []
+    assert form_groups(LAYOUT, {a: offer(a, stages=[0]), b: offer(b, stages=[0])}) == []
+    (g,) = form_groups(LAYOUT, {a: offer(a), c: offer(c, stages=[1])})
+    assert g.members == (a, c)
+
+
+def test_disjoint_groups_cheapest_first_until_none_is_full() -> None:
+    # Five nodes, stage k on every other one, all 5 ms apart: the fastest pair first, then the next, and the
+    # fifth is left out (no partner for its stage).
+    nodes = IDS[:5]
+    rtt = 5.0
+    offers = {
+        n: offer(n, 4000.0 / (1 + i), {p: rtt for p in nodes if p != n}, stages=[i % 2])
+        for i, n in enumerate(nodes)
+    }
+    groups = form_groups(LAYOUT, offers)
+    assert [g.members for g in groups] == [(nodes[0], nodes[1]), (nodes[2], nodes[3])]
+    assert [g.cost_s for g in groups] == sorted(g.cost_s for g in groups)
 
 
 @pytest.mark.parametrize("seed", range(6))

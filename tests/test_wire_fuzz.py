@@ -37,8 +37,6 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 import prime_node.p2p
-from prime_node.node.pipeline.errors import PipelineError
-from prime_node.node.pipeline.grouping import PeerRtt, StageAvailability, parse_availability
 from prime_node.p2p.environment_identity import EnvironmentIdentity
 from prime_node.p2p.errors import SignatureError
 from prime_node.p2p.identity import Identity
@@ -57,9 +55,7 @@ from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.swarm import SwarmConfig
 from prime_node.p2p.swarm.errors import HandoffError, RecordError
 from prime_node.p2p.swarm.framing import decode_frame
-from prime_node.p2p.swarm.group_records import GroupRecord, group_id
-from prime_node.p2p.swarm.group_records import PeerRtt as SwarmPeerRtt
-from prime_node.p2p.swarm.group_records import StageAvailability as StageOffer
+from prime_node.p2p.swarm.group_records import GroupRecord, PeerRtt, StageAvailability, group_id
 from prime_node.p2p.swarm.handoff import Receipt, ReceiptBody, RolloutEnvelope, parse_header, parse_receipt
 from prime_node.p2p.swarm.records import (
     Ban,
@@ -86,6 +82,12 @@ from prime_node.p2p.validator_api import (
     parse_answer,
 )
 from prime_node.p2p.verdicts import BanRecord, DocumentError, Signed, Verdict, open_signed
+from prime_node.p2p.weights.availability import (
+    AvailabilityBody,
+    AvailabilityError,
+    encode_bitmap,
+    parse_availability,
+)
 from prime_node.p2p.weights.errors import ManifestError
 from prime_node.p2p.weights.fetch import FetchSettings
 from prime_node.p2p.weights.guard import ServeLimits
@@ -96,6 +98,7 @@ from prime_node.p2p.weights.manifest import (
     SignedManifest,
     checkpoint_digest,
     parse_signed,
+    sign_manifest,
 )
 from prime_node.p2p.weights.server import ServeSettings
 from prime_node.p2p.weights.sources import SelectionSettings
@@ -225,9 +228,9 @@ def _signed_document(
     )
 
 
-def _manifest() -> Carrier:
+def _manifest_body() -> ManifestBody:
     shard = "cd" * 32
-    body = ManifestBody(
+    return ManifestBody(
         format="prime-node-weights",
         format_version=1,
         run_id=RUN,
@@ -241,6 +244,10 @@ def _manifest() -> Carrier:
         shards=[ShardEntry(size=10, sha256=shard)],
     )
 
+
+def _manifest() -> Carrier:
+    body = _manifest_body()
+
     def parse(raw: bytes, signature: bytes) -> Any:  # a manifest as a weights source serves it
         return parse_signed(
             b'{"body":' + raw + b',"signature":"' + signature.hex().encode() + b'"}', OPERATOR.node_id
@@ -251,6 +258,33 @@ def _manifest() -> Carrier:
         body.model_dump(mode="json"),
         lambda raw: parse(raw, _sign_or_zero(OPERATOR, raw)),  # signed by the pinned key
         ManifestError,
+        (lambda raw: parse(raw, _sign_or_zero(STRANGER, raw)), lambda raw: parse(raw, b"\xab" * 64)),
+    )
+
+
+def _availability() -> Carrier:
+    """A weights server's signed shard availability as a fetcher reads it (GET /v1/weights/{step}/availability)."""
+    manifest = sign_manifest(_manifest_body(), OPERATOR)
+    body = AvailabilityBody(
+        format="prime-node-availability",
+        version=1,
+        node_id=NODE.node_id,
+        step=manifest.step,
+        manifest_sha256=manifest.digest,
+        shard_count=1,
+        have=encode_bitmap({0}, 1),
+        issued_at_ms=int(T * 1000),
+    )
+
+    def parse(raw: bytes, signature: bytes) -> Any:
+        document = b'{"body":' + raw + b',"signature":"' + signature.hex().encode() + b'"}'
+        return parse_availability(document, manifest, node_id=NODE.node_id, now=T)
+
+    return Carrier(
+        AvailabilityBody,
+        body.model_dump(mode="json"),
+        lambda raw: parse(raw, _sign_or_zero(NODE, raw)),  # signed by the node it names
+        AvailabilityError,
         (lambda raw: parse(raw, _sign_or_zero(STRANGER, raw)), lambda raw: parse(raw, b"\xab" * 64)),
     )
 
@@ -456,11 +490,11 @@ CARRIERS = [
         RecordKind.STAGES,
         NODE,
         NODE.node_id,
-        StageOffer(
+        StageAvailability(
             node_id=NODE.node_id,
             stages=[0, 1],
             layer_tokens_per_s=1000.0,
-            rtts=[SwarmPeerRtt(node_id=OPERATOR.node_id, rtt_ms=30.0)],
+            rtts=[PeerRtt(node_id=OPERATOR.node_id, rtt_ms=30.0)],
             reachable=True,
             policy_step=1,
             published_at=T,
@@ -511,20 +545,9 @@ CARRIERS = [
     ),
     _receipt(),
     _manifest(),
+    _availability(),
     _pipeline(StreamOpening, _OPENING),
     _stage_record(),
-    Carrier(
-        StageAvailability,
-        StageAvailability(
-            node_id=NODE.node_id,
-            stages=[0, 1],
-            step_ms=12.5,
-            rtts=[PeerRtt(node_id=OPERATOR.node_id, ms=30.0)],
-            reachable=True,
-        ).model_dump(mode="json"),
-        parse_availability,
-        PipelineError,
-    ),
     _pipeline(
         FrameHeader,
         FrameHeader(

@@ -8,14 +8,13 @@ starts the next batch number while the group stands, and the member's next poll 
 
 Where the next stage listens comes from a `Rendezvous`. `LocalRendezvous` serves stages in one process (the
 tests and benchmarks); across machines the stream would open over hivemind's libp2p streams to the member's
-peer id from its heartbeat (p2p/pipeline/transport.py, docs/pipeline.md "Not built").
+peer id from its heartbeat (p2p/pipeline/transport.py, docs/pipeline.md "What is built, what is not").
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,10 +90,11 @@ class StageHost:
         on_batch: Callable[[BatchDone], Awaitable[None]],
         *,
         retry_s: float = 0.5,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
     ) -> None:
         self.identity, self.run_id, self.checkpoint, self.layout = identity, run_id, checkpoint, layout
         self.work_for, self.rendezvous, self.hop, self.on_batch = work_for, rendezvous, hop, on_batch
-        self.retry_s = retry_s
+        self.retry_s, self.stop_timeout_s = retry_s, stop_timeout_s
         self.task: asyncio.Task[None] | None = None
         self.in_flight: tuple[str, int] | None = None  # (group id, batch) being generated now
         self.abandoned: list[tuple[str, int, str]] = []  # (group id, batch, why)
@@ -105,21 +105,18 @@ class StageHost:
             self.task = asyncio.create_task(self._run(group), name=f"pipeline-stage-{group.group_id[:12]}")
 
     async def stop(self, why: str = "stopped") -> None:
-        """Cancel the stage task and wait for it to end (PipelineError past STOP_TIMEOUT_S); a batch it had in
-        flight is abandoned. An error the task raised other than its cancellation is raised here."""
+        """Cancel the stage task and wait for it to end (PipelineError past `stop_timeout_s`: something in it
+        swallowed the cancellation, a bug); a batch it had in flight is abandoned. An error the task raised
+        other than its cancellation is raised here."""
         task, self.task = self.task, None  # from now on the task records nothing (see _run)
         if task is None:
             return
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while not task.done():
-            # Again until it ends: a close() that swallows one CancelledError while it waits on a socket would
-            # otherwise let the stage run on into its next batch.
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.1)
-            if time.monotonic() > deadline:
-                raise PipelineError(
-                    f"stage task {task.get_name()} did not stop within {STOP_TIMEOUT_S:.0f} s"
-                )
+        task.cancel()
+        await asyncio.wait({task}, timeout=self.stop_timeout_s)
+        if not task.done():
+            raise PipelineError(
+                f"stage task {task.get_name()} ignored its cancellation for {self.stop_timeout_s:.1f} s"
+            )
         error = None if task.cancelled() else task.exception()
         if error is not None:
             raise error

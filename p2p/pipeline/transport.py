@@ -2,7 +2,7 @@
 
 Frames are written to any asyncio (StreamReader, StreamWriter) pair: asyncio TCP on 127.0.0.1 here (tests,
 benchmarks/pipeline.py), and hivemind's binary stream handlers hand out the same pair for libp2p streams
-(p2p/swarm/handoff.py uses them), which is where a swarm's groups will plug in (docs/pipeline.md, "Not built").
+(p2p/swarm/handoff.py uses them), where a swarm's groups will plug in (not built: docs/pipeline.md, at the end).
 
 The delay models network latency, not bandwidth: every frame is due `delay_s` after it was queued and frames
 queued meanwhile wait concurrently, so several micro-batches can be in flight on one hop at once.
@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import suppress
 
 from .errors import PipelineWireError
 
 logger = logging.getLogger(__name__)
 
 MAX_QUEUED_FRAMES = 1024  # frames in flight on one hop; a stage that outruns its link waits
+# How long a close waits for the socket to shut after the flush: a peer that stops reading would otherwise
+# hold it (and the stage) until its buffers drain; past this the connection is aborted.
+CLOSE_TIMEOUT_S = 1.0
 
 
 class DelayedSender:
@@ -37,15 +39,27 @@ class DelayedSender:
             raise PipelineWireError("the stream to the next stage is closed")
         await self.queue.put((time.monotonic() + self.delay_s, data))
 
-    async def close(self, timeout_s: float) -> None:
-        """Flush what is queued, then close the stream (within `timeout_s`)."""
-        await self.queue.put(None)
+    async def close(self, timeout_s: float, close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Flush what is queued (within `timeout_s`: TimeoutError past it, the writer's failure if it failed),
+        then close the stream (within `close_timeout_s`, aborted past it).
+
+        A cancellation at any point propagates: the stage being stopped must stop here, not finish its batch
+        and start the next one. (asyncio.timeout, not wait_for: on 3.11 wait_for can lose a cancellation that
+        arrives as the awaited call completes.)"""
         try:
-            await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self.queue.put(None)  # may wait for room: bounded by the same deadline
+                await asyncio.shield(self.task)
         finally:
+            self.task.cancel()  # a flush cut short (timeout, cancellation) leaves nothing writing behind
             self.writer.close()
-            with suppress(OSError, ConnectionError, asyncio.CancelledError):
-                await asyncio.wait_for(self.writer.wait_closed(), 1.0)
+            try:
+                async with asyncio.timeout(close_timeout_s):
+                    await self.writer.wait_closed()
+            except TimeoutError:
+                self.writer.transport.abort()  # the peer stopped reading: drop what it never took
+            except (OSError, ConnectionError):
+                pass  # the peer's side failed first; ours is closed either way
 
     async def _run(self) -> None:
         while (item := await self.queue.get()) is not None:

@@ -29,7 +29,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError
 
-from ..errors import SignatureError
+from ..errors import SignatureError, UnsignableDocument
 from ..identity import Identity
 from ..signing import canonical_json, verify_document
 from ..wire import NodeId, Sha256Hex, WireFormatError, WireModel, describe, is_hex64, loads_strict
@@ -139,6 +139,8 @@ def parse_availability(
         )
     try:  # the signature first: nothing of an unsigned or edited body is interpreted
         verify_document(signer, body, bytes.fromhex(signature))
+    except UnsignableDocument as exc:  # e.g. a lone surrogate escape: valid JSON, no UTF-8 form, by name
+        raise AvailabilityError(f"availability record body: {exc}", corrupt=True) from None
     except SignatureError:
         raise AvailabilityError(
             f"availability record signature does not verify for {signer[:16]}…", corrupt=True

@@ -81,21 +81,25 @@ def regroup_after_a_kill(
 
     from prime_node.node.pipeline.boundaries import BoundaryOracle
     from prime_node.node.pipeline.group import HopSettings, run_group
-    from prime_node.node.pipeline.grouping import PeerRtt, StageAvailability, choose_group
     from prime_node.node.pipeline.stage import Outgoing
+    from prime_node.p2p.swarm.group_records import PeerRtt, StageAvailability
     from prime_node.proofs.pipeline.blame import GroupWork, verify_group
+    from prime_node.trainer.groups.formation import form_groups
 
     everyone = {i.node_id: i for i in pool}
-    reports = [
-        StageAvailability(
+    layout = StageLayout(boundaries=[0, 2, 4])
+    offers = {
+        i.node_id: StageAvailability(
             node_id=i.node_id,
             stages=[0, 1],
-            step_ms=10.0 + n,
-            rtts=[PeerRtt(node_id=j.node_id, ms=4.0) for j in pool if j is not i],
+            layer_tokens_per_s=1000.0 - 10 * n,
+            rtts=[PeerRtt(node_id=j.node_id, rtt_ms=4.0) for j in pool if j is not i],
             reachable=True,
+            policy_step=0,
+            published_at=time.time(),
         )
         for n, i in enumerate(pool)
-    ]
+    }
     requests = random_requests(4, seed=21)
     hop = HopSettings(delay_s=0.02, frame_timeout_s=5)
     killed_at: list[float] = []
@@ -106,8 +110,8 @@ def regroup_after_a_kill(
             raise ConnectionResetError("the last stage went away")
         return out
 
-    chosen = choose_group(reports, 2)
-    assert chosen is not None
+    # The coordinator's formation (trainer/groups/formation.py), as the DHT-wired groups use it.
+    chosen = form_groups(layout, offers)[0].members
     spec, processors, ids = group(
         model_dir,
         [0, 2, 4],
@@ -116,13 +120,12 @@ def regroup_after_a_kill(
         micro_batch_size=2,
         eos_token_id=engine.eos_token_id,
         pad_token_id=engine.pad_token_id,
-        members=[everyone[m.node_id] for m in chosen],
+        members=[everyone[m] for m in chosen],
     )
     with contextlib.suppress(ExceptionGroup):
         asyncio.run(run_group(spec, processors, ids, hop, tamper=kill))
-    dead = chosen[1].node_id
-    again = choose_group([r for r in reports if r.node_id != dead], 2)
-    assert again is not None
+    dead = chosen[1]
+    (again, *_) = form_groups(layout, {m: o for m, o in offers.items() if m != dead})
     spec, processors, ids = group(
         model_dir,
         [0, 2, 4],
@@ -132,7 +135,7 @@ def regroup_after_a_kill(
         eos_token_id=engine.eos_token_id,
         pad_token_id=engine.pad_token_id,
         batch=1,
-        members=[everyone[m.node_id] for m in again],
+        members=[everyone[m] for m in again.members],
     )
     run = asyncio.run(run_group(spec, processors, ids, hop))
     work = GroupWork(
@@ -144,4 +147,4 @@ def regroup_after_a_kill(
         2,
     )
     verdict = verify_group(spec, run.records, work, BoundaryOracle(engine.model, spec.layout))
-    return time.monotonic() - killed_at[0], verdict, dead, [m.node_id for m in again]
+    return time.monotonic() - killed_at[0], verdict, dead, list(again.members)
