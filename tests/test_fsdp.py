@@ -114,6 +114,8 @@ def test_fsdp_flag_outside_torchrun_fails_with_a_clear_message(tmp_path: Path, m
         monkeypatch.delenv(name, raising=False)
     key = tmp_path / "op.key"
     Identity.generate().save(key)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")  # passes the CLI's model-directory check
     code = main(
         [
             "trainer",

@@ -22,7 +22,7 @@ PACKAGES = {
 # Units, most specific first: a module belongs to the first unit its dotted name starts with.
 SHARED = ("node.runtime", "node.engine", "node.environments", "node.models", "node.run", "node")
 ROLES = ("node.contributor", "trainer.service", "trainer.validator", "trainer.devnet")
-LIBRARIES = ("trainer.grpo", "trainer.ledger")
+LIBRARIES = ("trainer.grpo", "trainer.ledger", "trainer.groups", "trainer.dataset")
 UNITS = ("node.cli", *ROLES, *LIBRARIES, "trainer", *SHARED, "proofs", "p2p")
 
 BASE = {"p2p", "proofs", *SHARED}
@@ -33,10 +33,12 @@ ALLOWED: dict[str, set[str]] = {
     "trainer": set(),  # trainer/errors.py: the package's exception base
     "trainer.grpo": BASE | {"trainer"},
     "trainer.ledger": {"p2p", "proofs", "trainer"},
+    "trainer.groups": BASE | {"trainer"},
+    "trainer.dataset": BASE | {"trainer"},
     "node.contributor": BASE,
-    "trainer.service": BASE | {"trainer", "trainer.grpo"},
+    "trainer.service": BASE | {"trainer", "trainer.grpo", "trainer.groups"},
     "trainer.validator": BASE | {"trainer", "trainer.ledger"},
-    "trainer.devnet": BASE | {"trainer", "trainer.ledger"},
+    "trainer.devnet": BASE | {"trainer", "trainer.ledger", "trainer.dataset"},
     "node.cli": set(UNITS),
 }
 
