@@ -25,7 +25,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field, ValidationError
 
@@ -36,8 +36,8 @@ from ..wire import NodeId, Sha256Hex, WireFormatError, WireModel, describe, is_h
 from .errors import SourceError
 from .manifest import MAX_SHARDS, MAX_STEP, SignedManifest
 
-FORMAT = "prime-node-availability"
-FORMAT_VERSION = 1
+FORMAT: Final = "prime-node-availability"
+FORMAT_VERSION: Final = 1
 # 100,000 shards are 12,500 bitmap bytes, 16,668 in base64; the rest of the document is under 500 bytes.
 MAX_AVAILABILITY_BYTES = 20 << 10
 MAX_AGE_S = 300.0  # clock skew tolerated either way, as for access tokens
@@ -129,7 +129,12 @@ def parse_availability(
         )
     body, signature = doc["body"], doc["signature"]
     signer = body.get("node_id") if isinstance(body, dict) else None
-    if not is_hex64(signer) or not isinstance(signature, str) or not is_hex128(signature):
+    if (
+        not isinstance(signer, str)
+        or not is_hex64(signer)
+        or not isinstance(signature, str)
+        or not is_hex128(signature)
+    ):
         raise AvailabilityError(
             "availability record needs a body with a 64-hex node_id and a 128-hex signature", corrupt=True
         )

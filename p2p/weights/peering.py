@@ -21,6 +21,7 @@ every `availability_interval_s`; the shard run admits them when it is the manife
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -122,7 +123,7 @@ class Peering:
                     self.settings.manifest_timeout_s,
                 )
                 self._polls[url] = future
-                future.add_done_callback(lambda f, s=source: self._answered(s, f))
+                future.add_done_callback(functools.partial(self._answered, source))
             if self.ask_manifest is not None:
                 for url in [u for u in self.absent if self._next_poll.get(u, 0.0) <= now]:
                     self.absent.discard(url)

@@ -600,12 +600,13 @@ class ShardRun:
         """Charge a failed attempt and queue its shard again; returns a Recheck when nobody may be charged yet."""
         index = attempt.index
         others = [a for a in self.inflight.get(index, []) if a is not attempt]
-        lied = attempt.source.have is not None and index in attempt.source.have
-        if lied and (failure.retry_after is not None or "HTTP 404" in failure.reason):
+        claimed = attempt.source.have
+        refused = failure.retry_after is not None or "HTTP 404" in failure.reason
+        if claimed is not None and index in claimed and refused:
             # It signed that it holds the shard: not serving it is a lie, charged and demoted for good.
             self.outcomes.lied(attempt, failure.reason)
-            self.queue.claims_changed(attempt.source.have, attempt.source.have - {index})
-            attempt.source.have = attempt.source.have - {index}
+            self.queue.claims_changed(claimed, claimed - {index})
+            attempt.source.have = claimed - {index}
             if not others and index not in self.winners:
                 self._requeue(index, 0.0)
             return None
