@@ -111,32 +111,26 @@ def regroup_after_a_kill(
         return out
 
     # The coordinator's formation (trainer/groups/formation.py), as the DHT-wired groups use it.
+    def group_of(members: tuple[str, ...], batch: int):  # noqa: ANN202
+        return group(
+            model_dir,
+            [0, 2, 4],
+            requests,
+            params,
+            micro_batch_size=2,
+            eos_token_id=engine.eos_token_id,
+            pad_token_id=engine.pad_token_id,
+            batch=batch,
+            members=[everyone[m] for m in members],
+        )
+
     chosen = form_groups(layout, offers)[0].members
-    spec, processors, ids = group(
-        model_dir,
-        [0, 2, 4],
-        requests,
-        params,
-        micro_batch_size=2,
-        eos_token_id=engine.eos_token_id,
-        pad_token_id=engine.pad_token_id,
-        members=[everyone[m] for m in chosen],
-    )
+    spec, processors, ids = group_of(chosen, batch=0)
     with contextlib.suppress(ExceptionGroup):
         asyncio.run(run_group(spec, processors, ids, hop, tamper=kill))
     dead = chosen[1]
     (again, *_) = form_groups(layout, {m: o for m, o in offers.items() if m != dead})
-    spec, processors, ids = group(
-        model_dir,
-        [0, 2, 4],
-        requests,
-        params,
-        micro_batch_size=2,
-        eos_token_id=engine.eos_token_id,
-        pad_token_id=engine.pad_token_id,
-        batch=1,
-        members=[everyone[m] for m in again.members],
-    )
+    spec, processors, ids = group_of(again.members, batch=1)
     run = asyncio.run(run_group(spec, processors, ids, hop))
     work = GroupWork(
         [r.prompt_ids for r in requests],
