@@ -1,7 +1,7 @@
 """A contributor node's rollout throughput against the bare engine's, on the same checkpoint and batches.
 
 Usage: .venv/bin/python benchmarks/node.py [--model DIR] [--prompts N] [--samples G] [--new-tokens T]
-       [--pairs K] [--threads N] [--gpu]   (BENCH_NODE_LOG=INFO shows the node's log)
+       [--pairs K] [--threads N] [--gpu] [--compute-dtype D] [--verify]   (BENCH_NODE_LOG=INFO shows the node's log)
 
 A real `prime-node start` subprocess joins a swarm run by this process (operator: publishes, serves and
 announces the checkpoint; validator: receives every file). On a shared machine wall-clock throughput moves
@@ -15,6 +15,8 @@ by more than the 10% the target allows, so the comparison is built to cancel tha
   CPU time of the node's whole process tree from one committed file to the next (generation, proofs,
   Parquet, signing, outbox fsyncs, the previous file's hand-off, heartbeats, DHT), seen by polling its
   outbox every 5 ms. CPU time does not grow when other jobs take the cores.
+- **Accepted work.** With --verify, every file the node handed off is then checked by a CPU validator
+  (float32 prefill, every row) and the count accepted is printed: with --gpu, GPU work against CPU validation.
 - **Median of ratios.** Each pair gives bare/node for the same batch; the median over pairs is reported
   (with its range), so one disturbed pair does not move the figure. Wall-clock ratios are printed beside.
 """
@@ -67,9 +69,13 @@ class Bare:
     def __init__(self, args: argparse.Namespace, ckpt: Path, node_id: str) -> None:
         self.args, self.node_id = args, node_id
         self.engine: InferenceEngine = load_engine(
-            ckpt, device="cuda" if args.gpu else "cpu", threads=args.threads
+            ckpt,
+            device="cuda" if args.gpu else "cpu",
+            threads=args.threads,
+            dtype=args.compute_dtype,  # the run's, as the node's engine resolves it
+            prefer_vllm=args.gpu,
         )
-        self.tasks: RunTasks = load_run_tasks(RunSettings(run_id=RUN_ID, samples=args.samples), ckpt)
+        self.tasks: RunTasks = load_run_tasks(run_settings(args), ckpt)
 
     def batch(self, counter: int) -> Side:
         a = self.args
@@ -147,6 +153,35 @@ class Commits:
             self.poll()
 
 
+def run_settings(args: argparse.Namespace) -> RunSettings:
+    """The run the node is started for (it stops on any other announcement) and the bare engine mirrors."""
+    return RunSettings(
+        run_id=RUN_ID,
+        samples=args.samples,
+        temperature=1.0,
+        max_new_tokens=args.new_tokens,
+        compute_dtype=args.compute_dtype,
+    )
+
+
+def acceptance(args: argparse.Namespace, ckpt: Path, files: list[Path]) -> str:
+    """What a CPU validator makes of the node's files: float32 prefill, every row's expensive checks."""
+    from prime_node.node.run.settings import verifier_for_run
+    from prime_node.node.run.validation import verify_rollout_file
+    from prime_node.proofs.verifier_settings import VerifierSettings
+
+    run = run_settings(args)
+    engine = load_engine(ckpt, device="cpu", dtype="float32", threads=max(os.cpu_count() or 1, 1))
+    verifier = verifier_for_run(VerifierSettings(sample_fraction=1.0), run)
+    tasks = load_run_tasks(run, ckpt)
+    reports = [verify_rollout_file(path, engine, tasks, verifier) for path in files]
+    reasons = sorted({reason for report in reports for reason in report.reasons})
+    accepted = sum(report.accepted for report in reports)
+    return f"CPU validator (float32 prefill, every row): {accepted} of {len(reports)} files accepted" + (
+        f"; reasons: {'; '.join(reasons)[:2000]}" if reasons else ""
+    )
+
+
 async def run_pairs(
     args: argparse.Namespace, ckpt: Path, node_key: Path, work: Path, bare: Bare
 ) -> list[tuple[Side, Side]]:
@@ -172,9 +207,7 @@ async def run_pairs(
         await swarm.serve_rollouts(work / "incoming", lambda r: arrived.__setitem__(r.envelope.sha256, r))
         await swarm.publish_validator()
         # The run parameters the node is started with below: it stops on any other announcement.
-        run = RunSettings(
-            run_id=RUN_ID, samples=args.samples, temperature=1.0, max_new_tokens=args.new_tokens
-        )
+        run = run_settings(args)
         await swarm.publish_policy(0, manifest.digest, [url], run_parameters(run))
         argv = [
             sys.executable,
@@ -203,6 +236,8 @@ async def run_pairs(
             "1.0",
             "--max-new-tokens",
             str(args.new_tokens),
+            "--compute-dtype",
+            args.compute_dtype,
             "--threads",
             str(args.threads),
             "--log-level",
@@ -248,7 +283,7 @@ async def run_pairs(
                 cpu1[1] - cpu0[1],
             )
             pairs.append((bare_side, node_side))
-        return pairs
+        return pairs, [arrived[sha].path for sha in commits.seen]
     finally:
         if proc is not None:
             if proc.poll() is None:
@@ -279,6 +314,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=7, help="interleaved bare/node batch pairs")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--verify", action="store_true", help="also verify every handed-off file on CPU")
     parser.add_argument(
         "--hidden-size",
         type=int,
@@ -310,7 +347,8 @@ def main() -> None:
         key.save(work / "node.key")
         bare = Bare(args, ckpt, key.node_id)
         bare.batch(0)  # warm-up, as the node's first file is not measured either
-        pairs = asyncio.run(run_pairs(args, ckpt, work / "node.key", work, bare))
+        pairs, files = asyncio.run(run_pairs(args, ckpt, work / "node.key", work, bare))
+        verdicts = acceptance(args, ckpt, files) if args.verify else None
     for bare_side, node_side in pairs:
         if bare_side.tokens != node_side.tokens:
             raise SystemExit(
@@ -346,6 +384,8 @@ def main() -> None:
     print(
         f"node / bare, wall time: median {statistics.median(wall):.3f} (pairs {min(wall):.3f} .. {max(wall):.3f})"
     )
+    if verdicts:
+        print(verdicts)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 (where the `toploc` package is installed) our build/verify times against its own, with cross-checks.
 
 Usage: .venv/bin/python benchmarks/proofs.py [--model DIR] [--prompts N] [--samples G] [--new-tokens T]
-       [--batch B] [--repeats R] [--threads K] [--grid] [--prefill-variants]
+       [--batch B] [--repeats R] [--threads K] [--grid] [--prefill-variants] [--device cuda [--dtype D]]
 
 Without --model it builds the embedded tiny model (random init, seed 0). Generation is timed with
 hidden-state capture (what a contributor runs, micro-batches of --batch); proof building covers every
@@ -17,6 +17,9 @@ time of a one-thread process does not; --clock wall measures elapsed time.
 --prefill-variants measures candidate prefill paths (attention kernel, autograd mode, torch.compile) against
 the validator's current one on the same rollouts: whole verification, prefill, one-time cost, and how far
 their hidden states, logits and TOPLOC statistics move (docs/proofs.md, "Costs").
+--device cuda generates and verifies on the GPU (transformers backend; generation in --dtype, bfloat16 by
+default as on a GPU node; the verifier prefills in float32 as a validator does) and times wall seconds after
+a CUDA synchronize; the CPU-only lines (matmul ceiling, toploc comparison) are left out there.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ VERIFIER = VerifierSettings()  # the validator's defaults: prefill calls of this
 VERIFIER_BATCH = VERIFIER.prefill_batch_size
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = CLOCKS["cpu"]  # set from --clock in main
+
+
+def cuda_wall_clock() -> float:
+    """Wall seconds once the GPU has finished what was queued (kernels run asynchronously)."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def best(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
@@ -303,9 +312,21 @@ def main() -> None:
         help="cpu: this process's CPU time (steady on a shared machine; with --threads > 1 it sums "
         "the threads, i.e. CPU cost); wall: elapsed time",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="generation dtype (default: cpu float32, "
+        "cuda bfloat16); the verifier always prefills in float32",
+    )
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        clock = cuda_wall_clock
+        args.clock = "wall (CUDA-synchronized)"
     torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model
@@ -313,8 +334,22 @@ def main() -> None:
         model_dir = Path(tmp.name) / "tiny"
         model, tokenizer = build_tiny_model(0)
         save_model_dir(model, tokenizer, model_dir)
-    engine = load_engine(model_dir, max_batch_size=args.batch, threads=args.threads)
-    verifier = load_engine(model_dir, max_batch_size=VERIFIER_BATCH, threads=args.threads)
+    gen_dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    engine = load_engine(
+        model_dir,
+        max_batch_size=args.batch,
+        threads=args.threads,
+        device=args.device,
+        dtype=gen_dtype,
+        prefer_vllm=False,
+    )
+    verifier = load_engine(
+        model_dir, max_batch_size=VERIFIER_BATCH, threads=args.threads, device=args.device, dtype="float32"
+    )
+    if on_gpu:
+        print(
+            f"device: {torch.cuda.get_device_name()}, generation in {gen_dtype}, verification prefill float32"
+        )
     requests = requests_for(args.prompts, args.samples)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0)
 
@@ -350,6 +385,8 @@ def main() -> None:
         "verification time by part (all repeats): "
         + ", ".join(f"{name} {100 * t / total_parts:.0f}%" for name, t in parts.items())
     )
+    if on_gpu:
+        return  # the ceilings below measure this CPU's matmul rate, and toploc's reference runs on CPU tensors
     prefill_seconds = verify_seconds * parts["prefill"] / total_parts
     floor, flops, rate = prefill_floor(verifier, m["completions"])
     print(

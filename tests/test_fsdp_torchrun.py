@@ -77,11 +77,15 @@ def _argv(model: Path, key: Path, data: Path, max_steps: int, *extra: str) -> li
     ]
 
 
-def _run(argv: list[str], log: Path, timeout: float = 150.0) -> None:
+def _run(argv: list[str], log: Path, timeout: float = 150.0, env: dict[str, str] | None = None) -> None:
     """Run a trainer (or torchrun and its ranks, one process group) to its end; kill the group if it hangs."""
     with open(log, "ab") as err:
         proc = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=err, env={**trainer_env(), **ENV}, start_new_session=True
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**trainer_env(), **ENV, **(env or {})},
+            start_new_session=True,
         )
     try:
         code = proc.wait(timeout)
@@ -131,7 +135,13 @@ def _metrics(data: Path) -> list[dict]:
     return [json.loads(line) for line in (data / "trainer" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_gloo_ranks_train_and_publish_like_one_process(tmp_path: Path) -> None:
+def _torchrun(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+
+
+def _two_trainers(tmp_path: Path) -> tuple[Path, Path, Identity, Path, Path]:
+    """(model, operator key file, operator, single data dir, sharded data dir), both inboxes holding the same
+    accepted files."""
     model = make_checkpoint(tmp_path / "model")
     key = tmp_path / "op.key"
     operator = Identity.generate()
@@ -140,10 +150,13 @@ def test_two_gloo_ranks_train_and_publish_like_one_process(tmp_path: Path) -> No
     node = Identity.from_seed(b"fsdp-test-node-1".ljust(32, b"\0"))
     staged = make_accepted_files(model, 0, 5, tmp_path / "stage", node=node)
     _deliver_copies(staged, [single / "accepted", sharded / "accepted"])
+    return model, key, operator, single, sharded
 
+
+def test_two_gloo_ranks_train_and_publish_like_one_process(tmp_path: Path) -> None:
+    model, key, operator, single, sharded = _two_trainers(tmp_path)
     _run([sys.executable, *_argv(model, key, single, 2)], tmp_path / "single.log")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    _run([*torchrun, *_argv(model, key, sharded, 2, "--fsdp")], tmp_path / "sharded.log")
+    _run([*_torchrun(2), *_argv(model, key, sharded, 2, "--fsdp")], tmp_path / "sharded.log")
     _assert_same_state(single, sharded, 1)
     _assert_same_state(single, sharded, 2)
     want, got = _metrics(single), _metrics(sharded)
@@ -163,3 +176,36 @@ def test_two_gloo_ranks_train_and_publish_like_one_process(tmp_path: Path) -> No
     for name, tensor in loaded.state_dict().items():
         if name in weights:
             assert torch.equal(tensor, weights[name]), name
+
+
+@pytest.mark.gpu
+def test_one_nccl_rank_on_cuda_trains_like_a_cpu_process(tmp_path: Path) -> None:
+    """../shared/GPU_CHECKS.md item 5: `--fsdp` on NCCL (one GPU, world size 1) against one CPU process.
+
+    CUDA and CPU float32 kernels sum in other orders, and AdamW's first steps move a weight by about the
+    learning rate whatever its gradient's size, so a weight can differ by up to 2 steps x lr where a gradient
+    is near zero; almost all must agree far closer (the mean bound), and both runs train the same groups.
+    """
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, key, operator, single, sharded = _two_trainers(tmp_path)
+    _run(
+        [sys.executable, *_argv(model, key, single, 2)],
+        tmp_path / "single.log",
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+    _run([*_torchrun(1), *_argv(model, key, sharded, 2, "--fsdp")], tmp_path / "sharded.log", timeout=300.0)
+    for step in (1, 2):
+        weights, _ = _state(single, step)
+        got, _ = _state(sharded, step)
+        assert weights.keys() == got.keys()
+        diffs = torch.cat([(got[n].float().cpu() - t.float()).abs().flatten() for n, t in weights.items()])
+        print(f"step {step}: |CUDA NCCL - CPU| max {diffs.max():.3e}, mean {diffs.mean():.3e}")
+        assert float(diffs.max()) <= 2 * float(ENV["PRIME_NODE_TRAINER__LR"]) + 1e-6
+        assert float(diffs.mean()) <= 1e-5
+    want, got_metrics = _metrics(single), _metrics(sharded)
+    assert [r["groups_used"] for r in got_metrics] == [r["groups_used"] for r in want] and len(want) == 2
+    store = Store(sharded / "weights")
+    assert store.high_water() == 2
+    assert store.load_manifest(2, operator.node_id).step == 2
+    load_hf_model(store.checkpoint_dir(2), "cpu", torch.float32)

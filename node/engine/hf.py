@@ -53,6 +53,20 @@ def check_device(device: str) -> None:
             "CUDA was requested (--gpu) but torch sees no CUDA device; run without --gpu, "
             "or install a CUDA build of torch and check the driver (nvidia-smi)"
         )
+    if device == "cuda":
+        exact_float32_matmuls()
+
+
+def exact_float32_matmuls() -> None:
+    """Turn TF32 off for float32 matmuls and convolutions on CUDA (process-wide).
+
+    The float32 proof bounds (docs/proofs.md) were calibrated on IEEE float32 arithmetic; TF32 keeps 10
+    mantissa bits, so a float32 node or validator with it on would stray by bfloat16-like amounts. torch's
+    default is already off for matmuls, but any library imported earlier (or an operator's
+    set_float32_matmul_precision) could have turned it on. bfloat16 compute is unaffected.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 # One load at a time per process: from_pretrained builds the model on the meta device under a context that is
