@@ -1,6 +1,6 @@
 """The proof statistics of `prime-node verify --json` reports against the calibrated bounds (docs/proofs.md).
 
-Usage: .venv/bin/python benchmarks/proof_margins.py verify-MADE-on-CHECKED-DTYPE.json ...
+Usage: .venv/bin/python benchmarks/proof_margins.py verify-MADE-on-CHECKED-DTYPE[-bBATCH].json ...
 
 benchmarks/gpu_checks.sh writes one report per direction and dtype (made on CUDA, checked on CPU, and the
 reverse); this prints, per report, the verdict and each statistic beside its bound, with the margin as
@@ -18,7 +18,9 @@ from pathlib import Path
 
 from prime_node.proofs.bounds import SamplingThresholds, ToplocThresholds
 
-NAME = re.compile(r"verify-(?P<made>\w+)-on-(?P<checked>\w+)-(?P<dtype>float32|bfloat16)\.json$")
+NAME = re.compile(
+    r"verify-(?P<made>[a-z]+)-on-(?P<checked>[a-z]+)-(?P<dtype>float32|bfloat16)(-b(?P<batch>\d+))?\.json$"
+)
 
 
 def number(pattern: str, text: str) -> float | None:
@@ -50,7 +52,7 @@ def describe(path: Path) -> str:
     verdict = "ACCEPTED" if report.get("accepted") else "REJECTED: " + "; ".join(report.get("reasons", []))
     return "\n".join(
         [
-            f"{name['made']} -> {name['checked']}, {dtype}: {verdict}",
+            f"{name['made']} -> {name['checked']}, {dtype}, batch {name['batch'] or 0}: {verdict}",
             f"  toploc typical mantissa error {typical} (bound {toploc.max_typical_mant_err_mean}, margin "
             f"{margin(toploc.max_typical_mant_err_mean, typical)}); worst chunk exponent mismatches {worst} "
             f"(cap {toploc.max_exp_mismatches}, margin {margin(toploc.max_exp_mismatches, worst)})",
