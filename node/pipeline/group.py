@@ -12,16 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from ...p2p.identity import Identity
 from ...p2p.pipeline.frames import ChainReader, FrameReader, FrameWriter
-from ...p2p.pipeline.transport import DelayedSender, OneConnectionServer, open_tcp
+from ...p2p.pipeline.transport import DelayedSender, Inbound, Route, StreamPair
 from ...proofs.pipeline.records import HopFraud, SignedStageRecord
 from ..engine.types import Completion
 from .driver import GroupSpec, Tamper, deliver_checked, stage_record
 from .errors import FraudDetected
+from .hops import LoopbackHops
 from .stage import Outgoing, StageProcessor
 
 logger = logging.getLogger(__name__)
@@ -31,7 +33,7 @@ logger = logging.getLogger(__name__)
 class HopSettings:
     delay_s: float = 0.0  # injected one-way latency per hop
     frame_timeout_s: float = 30.0  # longest wait for a peer's next frame
-    connect_timeout_s: float = 10.0
+    connect_timeout_s: float = 10.0  # longest wait for a neighbour's stream, either way
 
 
 class StageRunner:
@@ -49,22 +51,28 @@ class StageRunner:
         stages = spec.layout.stages
         self.writer = FrameWriter(identity, spec.opening(stage))
         self.chain = ChainReader(spec.members[(stage - 1) % stages], spec.layout)
-        self.server = OneConnectionServer()
         self.fraud: HopFraud | None = None  # evidence when the predecessor sent a frame its commitment belies
         # (what, micro-batch, start, end) on the monotonic clock: "compute" spans of this stage and "flight"
         # spans of its frames on the hop; benchmarks/pipeline.py and the tests read the overlap from them.
         self.timeline: list[tuple[str, int, float, float]] = []
 
-    async def listen(self) -> int:
-        return await self.server.start()
+    def route(self, stage: int) -> Route:
+        """The route of this batch's stream into `stage`."""
+        return Route(self.spec.group_id, self.spec.batch, stage)
 
-    async def run(self, next_port: int) -> None:
-        reader, writer = await open_tcp("127.0.0.1", next_port, self.hop.connect_timeout_s)
+    async def run(self, inbound: Inbound, open_next: Callable[[], Awaitable[StreamPair]]) -> None:
+        """Generate the batch: `inbound` brings the predecessor's stream, `open_next` opens ours to the
+        successor (each bounded by `connect_timeout_s`); both are closed when this returns or fails."""
+        try:
+            reader, writer = await open_next()
+        except BaseException:
+            inbound.close()
+            raise
         out = DelayedSender(writer, self.hop.delay_s, name=f"pipeline-send-stage{self.stage}")
         try:
             await out.send(self.writer.opening())
-            inbound, _ = await self.server.accepted(self.hop.connect_timeout_s)
-            frames = FrameReader(inbound, self.chain, timeout_s=self.hop.frame_timeout_s)
+            received, _ = await inbound.accepted(self.hop.connect_timeout_s)
+            frames = FrameReader(received, self.chain, timeout_s=self.hop.frame_timeout_s)
             await frames.read_opening()
             if self.processor.model.first:
                 for mb in range(len(self.processor.work.schedule)):
@@ -93,7 +101,7 @@ class StageRunner:
         finally:
             out.task.cancel()
             writer.close()
-            self.server.close()
+            inbound.close()
 
     async def _send(self, out: DelayedSender, outgoing: Outgoing) -> None:
         if self.tamper is not None:
@@ -146,10 +154,14 @@ async def run_group(
     if runners is not None:
         runners.extend(made)
     runners = made
-    ports = [await r.listen() for r in runners]
+    hops = LoopbackHops()
+    members = spec.members
+    inbound = [await hops.inbound(r.route(k), members[(k - 1) % stages]) for k, r in enumerate(runners)]
     async with asyncio.TaskGroup() as tasks:
         for k, runner in enumerate(runners):
-            tasks.create_task(runner.run(ports[(k + 1) % stages]), name=f"pipeline-stage{k}")
+            nxt = (k + 1) % stages
+            dial = partial(hops.dial, runner.route(nxt), members[nxt], hop.connect_timeout_s)
+            tasks.create_task(runner.run(inbound[k], dial), name=f"pipeline-stage{k}")
     outputs = processors[-1].outputs.tokens
     records = [stage_record(k, identities[k], r.chain, r.writer, outputs) for k, r in enumerate(runners)]
     return GroupRun(processors[-1].completions(), records, runners)
