@@ -10,11 +10,12 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 
 import pytest
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from prime_node.node.engine.hf import HFEngine
@@ -56,6 +57,94 @@ def test_routes_are_fixed_size_and_strict() -> None:
         Route.decode(route.encode()[:-1])
     with pytest.raises(PipelineWireError, match="out of range"):
         Route.decode(route.encode()[:-1] + bytes([200]))
+
+
+@pytest.fixture
+async def daemons() -> AsyncIterator[list[P2P]]:
+    """Three bare libp2p daemons on 127.0.0.1 (no DHT): a stage's node, its group's member, a stranger."""
+    started: list[P2P] = []
+    try:
+        for _ in range(3):
+            started.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        yield started
+    finally:
+        for daemon in started:
+            await daemon.shutdown()
+
+
+async def _open(dialler: P2P, target: P2P) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    addresses = [str(a) for a in await target.get_visible_maddrs()]
+    await dialler._client.connect(target.peer_id, transport_addresses(addresses))
+    _, reader, writer = await dialler.call_binary_stream_handler(target.peer_id, protocol_name(RUN))
+    return reader, writer
+
+
+async def test_a_stage_endpoint_refuses_strangers_unread_and_bounds_what_members_hold(
+    daemons: list[P2P],
+) -> None:
+    node, member_p2p, stranger = daemons
+    limits = StreamLimits(route_timeout_s=30.0, hold_s=30.0, max_held_per_peer=2, retry_s=0.05)
+    streams = StageStreams(node, RUN, limits)
+    await node.add_binary_stream_handler(streams.name, streams.handle)
+    member = StageStreams(member_p2p, RUN, limits)
+    group = "ab" * 32
+    streams.admit(group, 1, member_p2p.peer_id.to_base58())
+    addresses = [str(a) for a in await node.get_visible_maddrs()]
+    node_id = node.peer_id.to_base58()
+
+    # A stranger that sends nothing is refused at once: the stage never waited for (or read) its route, which
+    # it would have for up to 30 s.
+    started = time.monotonic()
+    reader, writer = await _open(stranger, node)
+    assert await asyncio.wait_for(reader.read(1), 10.0) == b""
+    writer.close()
+    assert time.monotonic() - started < 5.0
+    await wait_until(lambda: _now(len(streams.refusals) == 1), timeout=10.0, interval=0.05)
+    assert [why for _, _, why in streams.refusals] == [
+        "not the member a group of this node names as its predecessor"
+    ]
+
+    # The member: a route naming a stage it is not admitted to, and a route cut short, are refused.
+    reader, writer = await _open(member_p2p, node)
+    writer.write(Route(group, 0, 0).encode())
+    assert await asyncio.wait_for(reader.read(1), 10.0) == b""
+    writer.close()
+    reader, writer = await _open(member_p2p, node)
+    writer.write(Route(group, 0, 1).encode()[:20])
+    writer.write_eof()
+    assert await asyncio.wait_for(reader.read(1), 10.0) == b""
+    writer.close()
+    await wait_until(lambda: _now(len(streams.refusals) == 3), timeout=10.0, interval=0.05)
+    reasons = [why for _, _, why in streams.refusals][1:]
+    assert reasons[0].startswith("not admitted to stage 0 of group abab")
+    assert reasons[1] == "closed after 20 of the 41 route bytes"
+
+    # Streams for batches no stage asked for yet are held, two at most; the follower takes the newest and the
+    # older one is closed as stale.
+    held = [await member.dial(node_id, addresses, Route(group, b, 1), timeout_s=10.0) for b in (5, 6)]
+    with pytest.raises(PipelineWireError, match="refused"):
+        await member.dial(node_id, addresses, Route(group, 7, 1), timeout_s=1.0)
+    assert "already holds 2 streams" in streams.refusals[-1][2]
+    inbound = streams.inbound(Route(group, 3, 1), follow=True)
+    await inbound.accepted(5.0)
+    assert inbound.route == Route(group, 6, 1)
+    assert await asyncio.wait_for(held[0][0].read(1), 10.0) == b""  # batch 5: closed
+    held[1][1].write(b"frames")
+    await held[1][1].drain()
+    received, _ = await inbound.accepted(5.0)
+    assert await asyncio.wait_for(received.readexactly(6), 10.0) == b"frames"
+    inbound.close()
+    assert await asyncio.wait_for(held[1][0].read(1), 10.0) == b""
+
+    # A dial to a stage that does not wait for it yet is retried until the stage's node admits its sender.
+    later = "cd" * 32
+    dialled = asyncio.create_task(member.dial(node_id, addresses, Route(later, 0, 1), timeout_s=20.0))
+    await asyncio.sleep(0.5)
+    assert not dialled.done()
+    streams.admit(later, 1, member_p2p.peer_id.to_base58())
+    reader, writer = await asyncio.wait_for(dialled, 20.0)
+    writer.close()
+    streams.close()
 
 
 async def _raw_stranger_stream(stranger: StageStreams, peer_id: str, route: Route) -> tuple[bytes, float]:
