@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, TypeVar
 
 from ...p2p.identity import Identity
+from ...p2p.pipeline.errors import PipelineWireError
 from ...p2p.pipeline.frames import ChainReader, FrameReader, FrameWriter
 from ...p2p.pipeline.transport import DelayedSender, Inbound, Route, StreamPair
 from ...proofs.pipeline.records import HopFraud, SignedStageRecord
@@ -27,6 +29,7 @@ from .hops import LoopbackHops
 from .stage import Outgoing, StageProcessor
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,17 @@ class StageRunner:
             inbound.close()
             raise
         out = DelayedSender(writer, self.hop.delay_s, name=f"pipeline-send-stage{self.stage}")
+        # The successor never writes on our stream: its end (EOF or reset) before we sent our end frame means it
+        # left mid-batch. Watched while we wait for our predecessor, which may be waiting on the same departed
+        # node: the batch is abandoned at once, not when a wait's deadline passes.
+        hangup = asyncio.create_task(reader.read(1), name=f"pipeline-hangup-stage{self.stage}")
+        hangup.add_done_callback(_retrieve)  # a reset is an outcome here, not an error to log
+        ended = False
         try:
             await out.send(self.writer.opening())
-            received, _ = await inbound.accepted(self.hop.connect_timeout_s)
+            received, _ = await self._unless_hung_up(hangup, inbound.accepted(self.hop.connect_timeout_s))
             frames = FrameReader(received, self.chain, timeout_s=self.hop.frame_timeout_s)
-            await frames.read_opening()
+            await self._unless_hung_up(hangup, frames.read_opening())
             if self.processor.model.first:
                 for mb in range(len(self.processor.work.schedule)):
                     started = time.monotonic()
@@ -81,7 +90,9 @@ class StageRunner:
                     self.timeline.append(("compute", mb, started, time.monotonic()))
                     await self._send(out, outgoing)
             while True:
-                frame = await frames.read_frame()
+                frame = await (
+                    frames.read_frame() if ended else self._unless_hung_up(hangup, frames.read_frame())
+                )
                 if frame.header.kind == "end":
                     break
                 started = time.monotonic()
@@ -95,13 +106,29 @@ class StageRunner:
                     await self._send(out, following)
                 if self.processor.model.first and self.processor.done:
                     await out.send(self.writer.end()[0])
+                    ended = True  # from here the successor may close: it has all it needs
             if not self.processor.model.first:
                 await out.send(self.writer.end()[0])
             await out.close(self.hop.frame_timeout_s)
         finally:
+            hangup.cancel()
             out.task.cancel()
             writer.close()
             inbound.close()
+
+    async def _unless_hung_up(self, hangup: asyncio.Task[bytes], waiting: Coroutine[Any, Any, T]) -> T:
+        """`waiting`'s result, or PipelineWireError as soon as the successor closes our stream."""
+        task = asyncio.create_task(waiting, name=f"pipeline-wait-stage{self.stage}")
+        try:
+            await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise PipelineWireError(
+            f"stage {(self.stage + 1) % self.spec.layout.stages} closed its stream mid-batch"
+        )
 
     async def _send(self, out: DelayedSender, outgoing: Outgoing) -> None:
         if self.tamper is not None:
@@ -119,6 +146,11 @@ class StageRunner:
         queued = time.monotonic()
         await out.send(encoded)
         self.timeline.append(("flight", outgoing.micro_batch, queued, queued + self.hop.delay_s))
+
+
+def _retrieve(task: asyncio.Task[bytes]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass

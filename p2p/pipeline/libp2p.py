@@ -39,6 +39,7 @@ from .transport import ROUTE_BYTES, Route, StreamPair
 logger = logging.getLogger(__name__)
 
 ACK = b"\x01"
+CANNOT_OPEN = "cannot open a stream"
 MAX_REFUSALS_KEPT = 256  # the recent refusals kept for the status API and the tests
 
 
@@ -259,14 +260,23 @@ class StageStreams:
         pause, last = self.limits.retry_s, "no attempt"
         try:
             async with asyncio.timeout(timeout_s):
-                try:  # teach our daemon where the peer listens: the DHT may never have talked to it
-                    await self.p2p._client.connect(peer, transport_addresses(addresses))
-                except (ControlFailure, P2PDaemonError, OSError, ValueError) as exc:
-                    logger.debug("connect to %s failed (the stream open reports it): %s", peer_id, exc)
+                connect = True
                 while True:
+                    if (
+                        connect
+                    ):  # teach our daemon where the peer listens: the DHT may never have talked to it
+                        try:
+                            await self.p2p._client.connect(peer, transport_addresses(addresses))
+                        except (ControlFailure, P2PDaemonError, OSError, ValueError) as exc:
+                            logger.debug(
+                                "connect to %s failed (the stream open reports it): %s", peer_id, exc
+                            )
                     pair, last = await self._attempt(peer, route)
                     if pair is not None:
                         return pair
+                    connect = last.startswith(
+                        CANNOT_OPEN
+                    )  # unreachable so far: connect again before the next
                     await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
                     pause = min(2 * pause, 1.0)
         except TimeoutError:
@@ -278,17 +288,14 @@ class StageStreams:
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(peer, self.name)
         except (ControlFailure, P2PDaemonError, OSError) as exc:
-            return None, f"cannot open a stream: {exc}"
+            return None, f"{CANNOT_OPEN}: {exc}"
         try:
             writer.write(route.encode())
             await writer.drain()
             answer = await reader.read(1)  # the caller's deadline bounds it
-        except (OSError, ConnectionError) as exc:
+        except (OSError, ConnectionError) as exc:  # the receiver closes a refused stream unread
             _close(writer)
-            return (
-                None,
-                f"refused (the stream was closed: {exc!r})",
-            )  # the receiver closes a refused one unread
+            return None, f"refused (the stream was closed: {exc!r})"
         if answer != ACK:
             _close(writer)
             return None, "refused" if not answer else f"answered {answer!r}, not the acknowledgement"

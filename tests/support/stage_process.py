@@ -117,7 +117,7 @@ async def main(spec: dict, out: Path) -> None:
                 for d in done
             ],
             "abandoned": [list(a) for a in host.abandoned],
-            "refusals": [[peer, why] for _, peer, why in streams.refusals],
+            "refusals": [[at, peer, why] for at, peer, why in streams.refusals],
         }
         out.write_text(json.dumps(result))
     finally:
