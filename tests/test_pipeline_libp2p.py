@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -57,6 +58,14 @@ def test_routes_are_fixed_size_and_strict() -> None:
         Route.decode(route.encode()[:-1])
     with pytest.raises(PipelineWireError, match="out of range"):
         Route.decode(route.encode()[:-1] + bytes([200]))
+    rng = random.Random(5)
+    for _ in range(2000):  # any bytes: a route or a PipelineWireError, never anything else
+        raw = rng.randbytes(rng.choice([ROUTE_BYTES, ROUTE_BYTES, rng.randrange(0, 100)]))
+        try:
+            decoded = Route.decode(raw)
+        except PipelineWireError:
+            continue
+        assert decoded.encode() == raw and 0 <= decoded.stage < 64 and 0 <= decoded.batch < 1 << 63
 
 
 @pytest.fixture
