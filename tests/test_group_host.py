@@ -13,7 +13,8 @@ import pytest
 
 from prime_node.node.pipeline.errors import PipelineError
 from prime_node.node.pipeline.group import HopSettings
-from prime_node.node.pipeline.host import LocalRendezvous, StageHost
+from prime_node.node.pipeline.hops import LoopbackHops
+from prime_node.node.pipeline.host import StageHost
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.pipeline.transport import DelayedSender
@@ -36,7 +37,7 @@ def _host(stop_timeout_s: float = 10.0) -> StageHost:
         Path("unused"),
         StageLayout(boundaries=[0, 2, 4]),
         work_for,  # type: ignore[arg-type]
-        LocalRendezvous(),
+        LoopbackHops(),
         HopSettings(),
         on_batch,  # type: ignore[arg-type]
         stop_timeout_s=stop_timeout_s,

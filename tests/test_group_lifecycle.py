@@ -18,7 +18,8 @@ from prime_node.node.engine.hf import HFEngine
 from prime_node.node.engine.types import SamplingParams
 from prime_node.node.pipeline.boundaries import BoundaryOracle
 from prime_node.node.pipeline.group import HopSettings
-from prime_node.node.pipeline.host import BatchDone, LocalRendezvous, StageHost
+from prime_node.node.pipeline.hops import LoopbackHops
+from prime_node.node.pipeline.host import BatchDone, StageHost
 from prime_node.node.pipeline.member import MemberSettings, PipelineMember
 from prime_node.node.pipeline.work import PipelineWork
 from prime_node.p2p.identity import Identity
@@ -184,15 +185,13 @@ async def test_a_kill_mid_batch_abandons_it_and_the_regrouped_survivors_produce_
             accepted.append((time.monotonic(), group.group_id, result.batch))
 
     operator = Identity.generate()
-    rendezvous = LocalRendezvous()
+    hops = LoopbackHops()
     hop = HopSettings(delay_s=0.03, frame_timeout_s=3.0, connect_timeout_s=3.0)
     async with fleet("groups", operator) as swarm:
         coordinator_peer = await swarm.add(operator, roles=("trainer",), **FAST)
         identities = [Identity.generate() for _ in range(3)]
         nodes = [await swarm.add(identity, **FAST) for identity in identities]
-        hosts = [
-            StageHost(i, "groups", model_dir, LAYOUT, work_for, rendezvous, hop, on_batch) for i in identities
-        ]
+        hosts = [StageHost(i, "groups", model_dir, LAYOUT, work_for, hops, hop, on_batch) for i in identities]
         members = []
         for node, host in zip(nodes, hosts):
             node.policy_step = 3

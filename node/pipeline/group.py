@@ -12,26 +12,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
 
 from ...p2p.identity import Identity
+from ...p2p.pipeline.errors import PipelineWireError
 from ...p2p.pipeline.frames import ChainReader, FrameReader, FrameWriter
-from ...p2p.pipeline.transport import DelayedSender, OneConnectionServer, open_tcp
+from ...p2p.pipeline.transport import DelayedSender, Inbound, Route, StreamPair
 from ...proofs.pipeline.records import HopFraud, SignedStageRecord
 from ..engine.types import Completion
 from .driver import GroupSpec, Tamper, deliver_checked, stage_record
 from .errors import FraudDetected
+from .hops import LoopbackHops
 from .stage import Outgoing, StageProcessor
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class HopSettings:
     delay_s: float = 0.0  # injected one-way latency per hop
     frame_timeout_s: float = 30.0  # longest wait for a peer's next frame
-    connect_timeout_s: float = 10.0
+    connect_timeout_s: float = 10.0  # longest wait for a neighbour's stream, either way
 
 
 class StageRunner:
@@ -49,23 +54,35 @@ class StageRunner:
         stages = spec.layout.stages
         self.writer = FrameWriter(identity, spec.opening(stage))
         self.chain = ChainReader(spec.members[(stage - 1) % stages], spec.layout)
-        self.server = OneConnectionServer()
         self.fraud: HopFraud | None = None  # evidence when the predecessor sent a frame its commitment belies
         # (what, micro-batch, start, end) on the monotonic clock: "compute" spans of this stage and "flight"
         # spans of its frames on the hop; benchmarks/pipeline.py and the tests read the overlap from them.
         self.timeline: list[tuple[str, int, float, float]] = []
 
-    async def listen(self) -> int:
-        return await self.server.start()
+    def route(self, stage: int) -> Route:
+        """The route of this batch's stream into `stage`."""
+        return Route(self.spec.group_id, self.spec.batch, stage)
 
-    async def run(self, next_port: int) -> None:
-        reader, writer = await open_tcp("127.0.0.1", next_port, self.hop.connect_timeout_s)
+    async def run(self, inbound: Inbound, open_next: Callable[[], Awaitable[StreamPair]]) -> None:
+        """Generate the batch: `inbound` brings the predecessor's stream, `open_next` opens ours to the
+        successor (each bounded by `connect_timeout_s`); both are closed when this returns or fails."""
+        try:
+            reader, writer = await open_next()
+        except BaseException:
+            inbound.close()
+            raise
         out = DelayedSender(writer, self.hop.delay_s, name=f"pipeline-send-stage{self.stage}")
+        # The successor never writes on our stream: its end (EOF or reset) before we sent our end frame means it
+        # left mid-batch. Watched while we wait for our predecessor, which may be waiting on the same departed
+        # node: the batch is abandoned at once, not when a wait's deadline passes.
+        hangup = asyncio.create_task(reader.read(1), name=f"pipeline-hangup-stage{self.stage}")
+        hangup.add_done_callback(_retrieve)  # a reset is an outcome here, not an error to log
+        ended = False
         try:
             await out.send(self.writer.opening())
-            inbound, _ = await self.server.accepted(self.hop.connect_timeout_s)
-            frames = FrameReader(inbound, self.chain, timeout_s=self.hop.frame_timeout_s)
-            await frames.read_opening()
+            received, _ = await self._unless_hung_up(hangup, inbound.accepted(self.hop.connect_timeout_s))
+            frames = FrameReader(received, self.chain, timeout_s=self.hop.frame_timeout_s)
+            await self._unless_hung_up(hangup, frames.read_opening())
             if self.processor.model.first:
                 for mb in range(len(self.processor.work.schedule)):
                     started = time.monotonic()
@@ -73,7 +90,9 @@ class StageRunner:
                     self.timeline.append(("compute", mb, started, time.monotonic()))
                     await self._send(out, outgoing)
             while True:
-                frame = await frames.read_frame()
+                frame = await (
+                    frames.read_frame() if ended else self._unless_hung_up(hangup, frames.read_frame())
+                )
                 if frame.header.kind == "end":
                     break
                 started = time.monotonic()
@@ -87,13 +106,29 @@ class StageRunner:
                     await self._send(out, following)
                 if self.processor.model.first and self.processor.done:
                     await out.send(self.writer.end()[0])
+                    ended = True  # from here the successor may close: it has all it needs
             if not self.processor.model.first:
                 await out.send(self.writer.end()[0])
             await out.close(self.hop.frame_timeout_s)
         finally:
+            hangup.cancel()
             out.task.cancel()
             writer.close()
-            self.server.close()
+            inbound.close()
+
+    async def _unless_hung_up(self, hangup: asyncio.Task[bytes], waiting: Coroutine[Any, Any, T]) -> T:
+        """`waiting`'s result, or PipelineWireError as soon as the successor closes our stream."""
+        task = asyncio.create_task(waiting, name=f"pipeline-wait-stage{self.stage}")
+        try:
+            await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise PipelineWireError(
+            f"stage {(self.stage + 1) % self.spec.layout.stages} closed its stream mid-batch"
+        )
 
     async def _send(self, out: DelayedSender, outgoing: Outgoing) -> None:
         if self.tamper is not None:
@@ -111,6 +146,11 @@ class StageRunner:
         queued = time.monotonic()
         await out.send(encoded)
         self.timeline.append(("flight", outgoing.micro_batch, queued, queued + self.hop.delay_s))
+
+
+def _retrieve(task: asyncio.Task[bytes]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass
@@ -146,10 +186,14 @@ async def run_group(
     if runners is not None:
         runners.extend(made)
     runners = made
-    ports = [await r.listen() for r in runners]
+    hops = LoopbackHops()
+    members = spec.members
+    inbound = [await hops.inbound(r.route(k), members[(k - 1) % stages]) for k, r in enumerate(runners)]
     async with asyncio.TaskGroup() as tasks:
         for k, runner in enumerate(runners):
-            tasks.create_task(runner.run(ports[(k + 1) % stages]), name=f"pipeline-stage{k}")
+            nxt = (k + 1) % stages
+            dial = partial(hops.dial, runner.route(nxt), members[nxt], hop.connect_timeout_s)
+            tasks.create_task(runner.run(inbound[k], dial), name=f"pipeline-stage{k}")
     outputs = processors[-1].outputs.tokens
     records = [stage_record(k, identities[k], r.chain, r.writer, outputs) for k, r in enumerate(runners)]
     return GroupRun(processors[-1].completions(), records, runners)

@@ -6,9 +6,9 @@ end, so nothing partial can be handed to a validator), and joining one starts a 
 fails (a peer gone, a frame late or malformed) is abandoned the same way; the task then waits `retry_s` and
 starts the next batch number while the group stands, and the member's next poll dissolves it otherwise.
 
-Where the next stage listens comes from a `Rendezvous`. `LocalRendezvous` serves stages in one process (the
-tests and benchmarks); across machines the stream would open over hivemind's libp2p streams to the member's
-peer id from its heartbeat (p2p/pipeline/transport.py, docs/pipeline.md "What is built, what is not").
+How a stage reaches its neighbours comes from its `Hops` (hops.py): `LoopbackHops` for stages in one process (the
+tests and benchmarks), `SwarmHops` across nodes (libp2p streams to the peer id each member's signed heartbeat
+names; only the predecessor the group record names may stream to a stage). Leaving a group forgets its hops.
 """
 
 from __future__ import annotations
@@ -17,55 +17,27 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Protocol
 
 from ...p2p.identity import Identity
 from ...p2p.pipeline.errors import PipelineWireError
 from ...p2p.pipeline.layout import StageLayout
+from ...p2p.pipeline.transport import Inbound, Route
 from ...p2p.swarm.group_records import GroupRecord
 from ...proofs.pipeline.records import GroupSpec, SignedStageRecord
 from ..engine.types import Completion
 from .driver import stage_record
 from .errors import PipelineError
 from .group import HopSettings, StageRunner
+from .hops import Hops
 from .stage import StageProcessor
 from .stage_model import StageModel
 from .work import PipelineWork
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, int, int]  # (group id, batch, stage)
 STOP_TIMEOUT_S = 10.0
-
-
-class Rendezvous(Protocol):
-    def offer(self, key: Key, port: int) -> None: ...
-
-    async def port_of(self, key: Key, timeout_s: float) -> int: ...
-
-
-class LocalRendezvous:
-    """Listening ports of the stages of groups whose members all run in this process."""
-
-    def __init__(self) -> None:
-        self._ports: dict[Key, asyncio.Future[int]] = {}
-
-    def _future(self, key: Key) -> asyncio.Future[int]:
-        return self._ports.setdefault(key, asyncio.get_running_loop().create_future())
-
-    def offer(self, key: Key, port: int) -> None:
-        future = self._future(key)
-        if not future.done():
-            future.set_result(port)
-
-    async def port_of(self, key: Key, timeout_s: float) -> int:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._future(key)), timeout_s)
-        except TimeoutError:
-            raise PipelineWireError(
-                f"stage {key[2]} of group {key[0][:16]}… did not listen in {timeout_s:.0f} s"
-            ) from None
 
 
 @dataclass(frozen=True)
@@ -85,7 +57,7 @@ class StageHost:
         checkpoint: Path,
         layout: StageLayout,
         work_for: Callable[[GroupRecord, int], PipelineWork],
-        rendezvous: Rendezvous,
+        hops: Hops,
         hop: HopSettings,
         on_batch: Callable[[BatchDone], Awaitable[None]],
         *,
@@ -93,7 +65,7 @@ class StageHost:
         stop_timeout_s: float = STOP_TIMEOUT_S,
     ) -> None:
         self.identity, self.run_id, self.checkpoint, self.layout = identity, run_id, checkpoint, layout
-        self.work_for, self.rendezvous, self.hop, self.on_batch = work_for, rendezvous, hop, on_batch
+        self.work_for, self.hops, self.hop, self.on_batch = work_for, hops, hop, on_batch
         self.retry_s, self.stop_timeout_s = retry_s, stop_timeout_s
         self.task: asyncio.Task[None] | None = None
         self.in_flight: tuple[str, int] | None = None  # (group id, batch) being generated now
@@ -129,25 +101,58 @@ class StageHost:
         if stage is None:
             raise PipelineError(f"group {group.group_id[:16]}… does not name this node")
         model = await asyncio.to_thread(StageModel.load, self.checkpoint, self.layout, stage)
+        try:
+            await self._batches(group, stage, model)
+        finally:
+            self.hops.leave(group.group_id)
+
+    async def _batches(self, group: GroupRecord, stage: int, model: StageModel) -> None:
+        # Stage 0 leads: it numbers the batches, one after another, a failed one included. Every other stage
+        # follows: it runs the batch its predecessor opens (the newest, if several wait), never one it already
+        # ran. So members that start at different times or fail at different points fall back into step at
+        # the next batch instead of each waiting for a batch number the others have left behind.
+        stages = self.layout.stages
+        previous, following = group.members[(stage - 1) % stages], (stage + 1) % stages
+        leader = stage == 0
         batch = 0
         while True:
-            spec = GroupSpec(self.run_id, group.policy_step, batch, self.layout, tuple(group.members))
-            processor = StageProcessor(model, self.work_for(group, batch))
-            runner = StageRunner(spec, stage, processor, self.identity, self.hop)
-            self.in_flight = (group.group_id, batch)
+            inbound: Inbound | None = None
+            self.in_flight = (group.group_id, batch) if leader else None  # a follower's starts when opened
             try:
-                port = await runner.listen()
-                self.rendezvous.offer((group.group_id, batch, stage), port)
-                following = (group.group_id, batch, (stage + 1) % self.layout.stages)
-                await runner.run(await self.rendezvous.port_of(following, self.hop.connect_timeout_s))
+                inbound = await self.hops.inbound(
+                    Route(group.group_id, batch, stage), previous, follow=not leader
+                )
+                if not leader:
+                    try:
+                        await inbound.accepted(self.hop.connect_timeout_s)
+                    except PipelineWireError as exc:  # nothing opened yet: nothing in flight, wait again
+                        logger.debug("stage %d of group %s… idle: %s", stage, group.group_id[:16], exc)
+                        continue
+                    batch = inbound.route.batch
+                spec = GroupSpec(self.run_id, group.policy_step, batch, self.layout, tuple(group.members))
+                self.in_flight = (group.group_id, batch)
+                processor = StageProcessor(model, self.work_for(group, batch))
+                runner = StageRunner(spec, stage, processor, self.identity, self.hop)
+                dial = partial(
+                    self.hops.dial,
+                    runner.route(following),
+                    group.members[following],
+                    self.hop.connect_timeout_s,
+                )
+                await runner.run(inbound, dial)
             except (PipelineError, PipelineWireError, OSError, EOFError, TimeoutError) as exc:
-                runner.server.close()
-                logger.info("batch %d of group %s… abandoned: %s", batch, group.group_id[:16], exc)
-                self.abandoned.append((group.group_id, batch, str(exc) or type(exc).__name__))
+                if self.in_flight is not None:
+                    logger.info("batch %d of group %s… abandoned: %s", batch, group.group_id[:16], exc)
+                    self.abandoned.append((group.group_id, batch, str(exc) or type(exc).__name__))
+                    batch += 1
+                else:  # a follower that opened no batch: the leader's next one is still to be taken
+                    logger.info("stage %d of group %s… not started: %s", stage, group.group_id[:16], exc)
                 self.in_flight = None
                 await asyncio.sleep(self.retry_s)
-                batch += 1
                 continue
+            finally:
+                if inbound is not None:
+                    inbound.close()
             if self.task is not asyncio.current_task():
                 return  # stopped while the batch ended: it counts as abandoned (stop records it), not done
             self.in_flight = None

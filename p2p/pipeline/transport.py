@@ -1,8 +1,8 @@
-"""Streams between stages: a sender that holds each frame for an injected one-way delay, and TCP endpoints.
+"""Streams between stages: the route a hop's stream serves, a sender that holds each frame for an injected
+one-way delay, and TCP endpoints.
 
-Frames are written to any asyncio (StreamReader, StreamWriter) pair: asyncio TCP on 127.0.0.1 here (tests,
-benchmarks/pipeline.py), and hivemind's binary stream handlers hand out the same pair for libp2p streams
-(p2p/swarm/handoff.py uses them), where a swarm's groups will plug in (not built: docs/pipeline.md, at the end).
+Frames are written to any asyncio (StreamReader, StreamWriter) pair: asyncio TCP on 127.0.0.1 for stages of one
+process (tests, benchmarks/pipeline.py), libp2p streams between processes and machines (libp2p.py).
 
 The delay models network latency, not bandwidth: every frame is due `delay_s` after it was queued and frames
 queued meanwhile wait concurrently, so several micro-batches can be in flight on one hop at once.
@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
 from .errors import PipelineWireError
+from .layout import MAX_STAGES
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +26,46 @@ MAX_QUEUED_FRAMES = 1024  # frames in flight on one hop; a stage that outruns it
 # How long a close waits for the socket to shut after the flush: a peer that stops reading would otherwise
 # hold it (and the stage) until its buffers drain; past this the connection is aborted.
 CLOSE_TIMEOUT_S = 1.0
+StreamPair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+_ROUTE = struct.Struct(">32sQB")
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which hop a stream serves: the batch of a group, and the stage that *receives* it.
+
+    On libp2p, the dialler sends it first (ROUTE_BYTES, fixed size) so the receiving node can hand the stream to
+    the right stage and batch; the signed opening that follows names the same, so a route that lies only
+    misdirects the liar's own stream (the opening check refuses it)."""
+
+    group_id: str  # 64 hex digits (records.GroupSpec.group_id)
+    batch: int
+    stage: int
+
+    def encode(self) -> bytes:
+        return _ROUTE.pack(bytes.fromhex(self.group_id), self.batch, self.stage)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Route:
+        if len(raw) != _ROUTE.size:
+            raise PipelineWireError(f"a route is {_ROUTE.size} bytes, got {len(raw)}")
+        group, batch, stage = _ROUTE.unpack(raw)
+        if stage >= MAX_STAGES or batch >= 1 << 63:
+            raise PipelineWireError(f"route names stage {stage} of batch {batch}: out of range")
+        return cls(group.hex(), batch, stage)
+
+
+ROUTE_BYTES = _ROUTE.size
+
+
+class Inbound(Protocol):
+    """Where a stage waits for its predecessor's stream of one batch (the batch `route` names once accepted)."""
+
+    route: Route
+
+    async def accepted(self, timeout_s: float) -> StreamPair: ...
+
+    def close(self) -> None: ...
 
 
 class DelayedSender:
@@ -84,8 +128,9 @@ class OneConnectionServer:
     """Accepts exactly one inbound stream (from the previous stage) on 127.0.0.1 or another host."""
 
     def __init__(self) -> None:
-        self._accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] | None = None
+        self._accepted: asyncio.Future[StreamPair] | None = None
         self._server: asyncio.base_events.Server | None = None
+        self._writer: asyncio.StreamWriter | None = None
 
     async def start(self, host: str = "127.0.0.1") -> int:
         self._accepted = asyncio.get_running_loop().create_future()
@@ -93,6 +138,7 @@ class OneConnectionServer:
         async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             if self._accepted is not None and not self._accepted.done():
                 self._accepted.set_result((reader, writer))
+                self._writer = writer
             else:  # a second caller: only the previous stage may stream to us
                 writer.close()
 
@@ -109,3 +155,5 @@ class OneConnectionServer:
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._writer is not None:
+            self._writer.close()

@@ -1,4 +1,5 @@
-"""The swarm library API: join, leave, heartbeats, policy, peers, validators, bans, rollout hand-off.
+"""The swarm library API: join, leave, heartbeats, policy, peers, validators, bans, rollout hand-off, and the
+endpoint of pipeline hops.
 
 Usually one Swarm per process (several work side by side: the tests and benchmarks/swarm.py run ten in
 one). `start_dht()` forks the DHT child (call it before CUDA initialises); `join()` does that if needed,
@@ -20,10 +21,11 @@ from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
+from ..pipeline.libp2p import StageStreams, StreamLimits
 from . import handoff
 from .directory import SwarmDirectory
 from .errors import HandoffError, SwarmError
-from .records import RecordKind, ValidatorAnnouncement
+from .records import Heartbeat, RecordKind, ValidatorAnnouncement
 from .routing import Batch, owner
 
 __all__ = ["Swarm"]
@@ -51,9 +53,7 @@ class Swarm(SwarmDirectory):
             )
 
         async def peer_of(node_id: str) -> str | None:
-            heartbeat = (await self._read_cached(RecordKind.HEARTBEAT)).get(node_id)
-            if heartbeat is None:  # maybe it joined after our last read
-                heartbeat = (await self._read(RecordKind.HEARTBEAT)).get(node_id)
+            heartbeat = await self.heartbeat_of(node_id)
             return heartbeat.peer_id if heartbeat else None
 
         async def is_banned(node_id: str) -> bool:
@@ -70,6 +70,28 @@ class Swarm(SwarmDirectory):
         )
         await self._add_handler(handoff.protocol_name(self.config.run_id), receiver.handle)
         return receiver
+
+    async def heartbeat_of(self, node_id: str) -> Heartbeat | None:
+        """`node_id`'s live signed heartbeat (it binds the node id to a libp2p peer id), if the DHT holds one."""
+        heartbeat = (await self._read_cached(RecordKind.HEARTBEAT)).get(node_id)
+        if heartbeat is None:  # maybe it joined after our last read
+            heartbeat = (await self._read(RecordKind.HEARTBEAT)).get(node_id)
+        return heartbeat
+
+    async def serve_pipeline(self, limits: StreamLimits | None = None) -> StageStreams:
+        """This node's endpoint for pipeline hops (p2p/pipeline/libp2p.py); a node in client mode can dial out
+        but only a stage whose predecessor shares a relay with it could be reached (not built: such a node is
+        not offered as reachable, and the coordinator prefers reachable members)."""
+        if self._p2p is None:
+            raise SwarmError("not joined: call join() first")
+        streams = StageStreams(self._p2p, self.config.run_id, limits)
+        await self._add_handler(streams.name, streams.handle)
+        return streams
+
+    async def pipeline_peer(self, node_id: str) -> tuple[str, list[str]] | None:
+        """(libp2p peer id, multiaddrs) of a pipeline member, from its live signed heartbeat."""
+        heartbeat = await self.heartbeat_of(node_id)
+        return (heartbeat.peer_id, list(heartbeat.addresses)) if heartbeat is not None else None
 
     async def owner_of(self, batch: Batch, *, fresh: bool = False) -> ValidatorAnnouncement | None:
         """The validator that judges `batch` in this peer's view of the swarm (routing.py); None if none does."""
