@@ -570,6 +570,11 @@ def main() -> int:
     accuracy = {name: [(0.0, acc)] for name, (acc, _) in results.items()}
     print(held_out.line(0, results), flush=True)
     started, rl = time.perf_counter(), CpuClock()
+    # CPU and wall time of the held-out evaluations inside the RL loop: counted by the budget, not the cost.
+    eval_cpu = eval_wall = 0.0
+    # Per evaluation: the RL step and the RL loop's CPU and wall seconds so far, evaluations excluded, so
+    # that a run can say what reaching an accuracy cost (benchmarks/synthetic_sft.py reads it).
+    timeline: list[tuple[int, float, float]] = [(0, 0.0, 0.0)]
 
     def rl_minutes() -> float:  # minutes on `threads` idle cores
         return rl.seconds() / args.threads / 60
@@ -630,7 +635,10 @@ def main() -> int:
             stopped_by = "minutes"
         last = stopped_by != "steps" or step == args.steps - 1
         if learner.step % args.eval_every == 0 or last:
+            before, began = rl.seconds(), time.perf_counter()
+            timeline.append((learner.step, before - eval_cpu, began - started - eval_wall))
             results = held_out.evaluate(store.checkpoint_dir(learner.step))
+            eval_cpu, eval_wall = eval_cpu + rl.seconds() - before, eval_wall + time.perf_counter() - began
             for name, (acc, _) in results.items():
                 accuracy[name].append((float(learner.step), acc))
             print(held_out.line(learner.step, results), flush=True)
@@ -668,6 +676,11 @@ def main() -> int:
                     "rl_wall_s": rl_wall,
                     "rl_cpu_s": rl_cpu,
                     "rl_cpu_minutes": rl_cpu / args.threads / 60,
+                    "eval_cpu_s": eval_cpu,
+                    "eval_wall_s": eval_wall,
+                    "evaluations": [
+                        {"step": step, "rl_cpu_s": cpu, "rl_wall_s": wall} for step, cpu, wall in timeline
+                    ],
                     "total_wall_s": time.perf_counter() - begun,
                     "total_cpu_s": whole.seconds(),
                     "rollout_reward": {

@@ -1,6 +1,7 @@
 """benchmarks/learning.py's budget and guards, without a run: the CPU clock counts the scoring workers'
 CPU too (a budget that missed them would let a run with a process scorer train longer), and a --model
-warm-started on another environment or another split is refused (it may have trained on held-out prompts)."""
+warm-started on another environment or another split is refused (it may have trained on held-out prompts),
+and benchmarks/synthetic_sft.py reads the RL steps and CPU time to its target from a run's summary."""
 
 from __future__ import annotations
 
@@ -54,3 +55,24 @@ def test_exact_reward_keeps_right_answers_only() -> None:
     exact = learning().exact_rewards(record)
     assert [s.task_reward for s in exact.samples] == [1.0, 0.0, 0.0]
     assert [s.prompt_key for s in exact.samples] == ["1", "1", "2"] and exact.file_id == record.file_id
+
+
+def test_the_synthetic_experiment_reads_steps_and_cpu_to_the_target_from_a_summary() -> None:
+    spec = importlib.util.spec_from_file_location("bench_synthetic_sft", BENCHMARKS / "synthetic_sft.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # The shape benchmarks/learning.py's --summary writes: curves at each evaluation, and their timing.
+    data = {
+        "curves": {"heldout": {"mix": [[0.0, 0.18], [10.0, 0.14], [20.0, 0.235], [30.0, 0.22]]}},
+        "evaluations": [
+            {"step": 0, "rl_cpu_s": 0.0, "rl_wall_s": 0.0},
+            {"step": 10, "rl_cpu_s": 12.5, "rl_wall_s": 30.0},
+            {"step": 20, "rl_cpu_s": 25.0, "rl_wall_s": 61.0},
+            {"step": 30, "rl_cpu_s": 37.0, "rl_wall_s": 90.0},
+        ],
+    }
+    hit = module.reached(data, 0.234)  # the first evaluation at or above it, not a later one
+    assert hit == {"step": 20, "accuracy": 0.235, "rl_cpu_s": 25.0, "rl_wall_s": 61.0}
+    assert module.reached(data, 0.18)["step"] == 0
+    assert module.reached(data, 0.24) is None
