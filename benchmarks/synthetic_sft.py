@@ -32,6 +32,15 @@ import sys
 import time
 from pathlib import Path
 
+if (
+    __name__ == "__main__"
+):  # before torch is imported (its CPU kernels are chosen then), as benchmarks/learning.py
+    # pins them: the teacher, both students and the RL runs (subprocesses inherit the environment) then give
+    # the same weights on every x86-64 machine.
+    from prime_node.node.runtime.numerics import pin_cpu_kernels
+
+    pin_cpu_kernels("avx2")
+
 from rich.console import Console
 
 from prime_node.node.engine.hf import load_hf_model
