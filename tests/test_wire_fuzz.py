@@ -539,7 +539,8 @@ CARRIERS = [
     ),
     Carrier(
         RolloutEnvelope,
-        RolloutEnvelope.sign(NODE, b"rollout bytes", (3, 1)).model_dump(mode="json"),
+        # A stage file's (v3) envelope: every field present, `group` included (v2 leaves it out).
+        RolloutEnvelope.sign(NODE, b"rollout bytes", (3, 1), group=SHA).model_dump(mode="json"),
         lambda raw: parse_header(decode_frame(raw)),
         HandoffError,
     ),

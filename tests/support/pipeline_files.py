@@ -1,0 +1,75 @@
+"""A pipelined group's batch run over a real checkpoint and written as each member's signed stage file: shared by
+the stage-file tests and the validator service's group tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from prime_node.node.engine import HFEngine
+from prime_node.node.pipeline.driver import Tamper, run_loopback
+from prime_node.node.pipeline.rollouts import write_member_file
+from prime_node.node.pipeline.stage import StageProcessor
+from prime_node.node.pipeline.stage_model import StageModel
+from prime_node.node.pipeline.work import GroupBatch, work_for
+from prime_node.node.run.settings import RunSettings
+from prime_node.node.run.validation import RunTasks
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.proofs.pipeline.records import GroupSpec
+
+
+@dataclass(frozen=True)
+class GroupFiles:
+    spec: GroupSpec
+    batch: GroupBatch
+    paths: list[Path]  # one stage file per stage, in stage order (its envelope beside it)
+
+
+def group_files(
+    out: Path,
+    checkpoint: Path,
+    run: RunSettings,
+    tasks: RunTasks,
+    engine: HFEngine,
+    members: list[Identity],
+    *,
+    batch: int = 0,
+    prompts: int = 2,
+    micro_batch_size: int = 1,
+    tamper: Tamper | None = None,
+    corrupt: Callable[[list[StageProcessor]], None] | None = None,
+) -> GroupFiles:
+    """Run batch `batch` of the group of `members` (layout `run.pipeline`) in one process, the assignment from
+    `work_for`, and write every member's stage file into `out`; `tamper` and `corrupt` inject faults (the
+    adversaries of tests/support/pipeline_attacks.py)."""
+    assert run.pipeline is not None
+    layout: StageLayout = run.pipeline
+    spec = GroupSpec(run.run_id, 0, batch, layout, tuple(m.node_id for m in members))
+    group_batch = GroupBatch(spec.group_id, 0, batch, prompts, micro_batch_size)
+    work, assignment = work_for(
+        run, tasks, group_batch, eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
+    )
+    processors = [StageProcessor(StageModel.load(checkpoint, layout, s), work) for s in range(layout.stages)]
+    if corrupt is not None:
+        corrupt(processors)
+    _, records = run_loopback(spec, processors, members, tamper=tamper)
+    paths = []
+    for k, (member, record) in enumerate(zip(members, records, strict=True)):
+        path = out / f"group-{spec.group_id[:8]}-b{batch}-stage{k}.parquet"
+        last = k == layout.stages - 1
+        write_member_file(
+            path,
+            run,
+            tasks,
+            group_batch,
+            work,
+            assignment,
+            spec.members,
+            record,
+            member,
+            processors[k].final_states() if last else None,
+        )
+        paths.append(path)
+    return GroupFiles(spec, group_batch, paths)
