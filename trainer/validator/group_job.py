@@ -27,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-from ...node.engine import InferenceEngine
+from ...node.engine import HFEngine, InferenceEngine
 from ...node.pipeline.boundaries import BoundaryOracle, SampleBoundaries
 from ...node.pipeline.work import GroupBatch, work_for
 from ...node.run.settings import RunSettings
 from ...node.run.validation import RunTasks
 from ...p2p.pipeline.layout import StageLayout
-from ...proofs.pipeline.blame import BlameThresholds, GroupWork, verify_group
+from ...proofs.errors import ProofError
+from ...proofs.pipeline.blame import BlameThresholds, GroupVerdict, GroupWork, verify_group
 from ...proofs.pipeline.records import GroupSpec
 from ...proofs.pipeline.schedule import micro_batches
 from ...proofs.pipeline.stage_file import StageFile, read_stage_file
@@ -73,9 +74,9 @@ class _Recorded:
 
     def __init__(self, oracle: BoundaryOracle) -> None:
         self.oracle = oracle
-        self.last: list[SampleBoundaries] = []
+        self.last: Sequence[SampleBoundaries] = []
 
-    def prefill(self, sequences: Sequence[Sequence[int]]) -> list[SampleBoundaries]:
+    def prefill(self, sequences: Sequence[Sequence[int]]) -> Sequence[SampleBoundaries]:
         self.last = self.oracle.prefill(sequences)
         return self.last
 
@@ -161,7 +162,7 @@ def _proofs(
             stats = check_proof(
                 row.proof, states.states[-1][committed_rows(len(row.prompt_ids), len(row.output_ids))]
             )
-        except Exception as exc:  # noqa: BLE001 - a malformed proof is the file's fault, named
+        except ProofError as exc:  # a malformed proof is the file's fault, named
             return f"row {i}: {exc}"
         failure = worst_failure(stats, thresholds.final)
         if failure is not None:
@@ -214,6 +215,10 @@ def verify_group_files(
     if found is None:
         return GroupOutcome(hold=True, step=step, outcomes=result.outcomes)
     engine, tasks = found
+    if not isinstance(engine, HFEngine):  # the hooked prefill runs the transformers model (vLLM: not built)
+        raise TypeError(
+            f"a group's boundary prefill needs the transformers engine, not {type(engine).__name__}"
+        )
     eos, pad = engine.eos_token_id, engine.pad_token_id
     for stage, d in list(by_stage.items()):  # each file's rows against its own claim of the group's batch
         f = parsed[d]
@@ -223,7 +228,10 @@ def verify_group_files(
         try:
             _, assignment = work_for(run, tasks, claim, eos_token_id=eos, pad_token_id=pad)
             fault = _row_fault(f, run, tasks, list(assignment.rows()))
-        except ValueError as exc:  # AssignmentError (a row count no batch has), PipelineWork's own checks
+        except (
+            ProofError,
+            ValueError,
+        ) as exc:  # AssignmentError (no batch has these many rows), PipelineWork
             fault = "assignment", f"no batch of the group has these rows: {exc}"
         if fault is not None:
             result.outcomes[d] = _reject(step, fault[0], fault[1], f)
@@ -263,18 +271,16 @@ def verify_group_files(
         eos,
         batch.micro_batch_size,
     )
-    model = getattr(engine, "model", None)
-    if model is None:
-        raise TypeError(f"{type(engine).__name__} has no transformers model for the boundary prefill")
-    oracle = _Recorded(BoundaryOracle(model, layout))
+    oracle = _Recorded(BoundaryOracle(engine.model, layout))
     with torch.inference_mode():
         verdict = verify_group(spec, records, group_work, oracle, thresholds)
     last = layout.stages - 1
     if verdict.accepted:
-        reason = _termination(records[last].record.outputs, eos, run.max_new_tokens)
-        reason = reason or _proofs(parsed[by_stage[last]], oracle.last, thresholds)
-        if reason is not None:
-            verdict = type(verdict)(last, f"stage {last}: {reason}")
+        late = _termination(records[last].record.outputs, eos, run.max_new_tokens) or _proofs(
+            parsed[by_stage[last]], oracle.last, thresholds
+        )
+        if late is not None:
+            verdict = GroupVerdict(last, f"stage {last}: {late}")
     for k, d in by_stage.items():
         f = parsed[d]
         if verdict.accepted:
