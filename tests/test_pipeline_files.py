@@ -166,5 +166,5 @@ def test_a_stage_file_signed_by_another_node_or_for_another_group_is_refused(mad
     with pytest.raises(RolloutFileError, match="another group"):
         read_stage_file(path)
     signature_path(path).write_text(json.dumps(sign_bytes(data, members[0], batch=batch)))
-    with pytest.raises(RolloutFileError, match="rollout file's; a stage file is signed as"):
+    with pytest.raises(RolloutFileError, match="rollout file.s; a stage file is signed as"):
         read_stage_file(path)
