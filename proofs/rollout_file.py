@@ -37,9 +37,11 @@ from .rollout_schema import SCHEMA, RolloutFileError, RolloutLimits, RolloutRow,
 
 SIG_FORMAT = "prime-node/rollout-sig/v2"
 SIG_FORMAT_V1 = "prime-node/rollout-sig/v1"
-# A pipeline stage's file (proofs/pipeline/stage_file.py): v2 plus the group whose batch it is, so that every
-# stage file of one group's batch is routed to the same validator (p2p/swarm/routing.py, by group id).
+# A pipelined group's file: v2 plus the group whose batch it is, so that every file of one group's batch is
+# routed to the same validator (p2p/swarm/routing.py, by group id), and its kind: a member's stage file
+# (proofs/pipeline/stage_file.py) or a receiver's fraud evidence against its predecessor (fraud_report.py).
 SIG_FORMAT_STAGE = "prime-node/rollout-sig/v3"
+GROUP_FILE_KINDS = ("stage", "fraud")
 SIG_SUFFIX = ".sig"
 MAX_SIG_BYTES = 4096
 _BATCH_FIELDS = ("policy_step", "batch_counter")
@@ -47,7 +49,7 @@ _BATCH_FIELDS = ("policy_step", "batch_counter")
 _SIG_FIELDS = {
     SIG_FORMAT_V1: ("format", "node_id", "sha256", "size", "signature"),
     SIG_FORMAT: ("format", "node_id", "sha256", "size", *_BATCH_FIELDS, "signature"),
-    SIG_FORMAT_STAGE: ("format", "node_id", "sha256", "size", *_BATCH_FIELDS, "group", "signature"),
+    SIG_FORMAT_STAGE: ("format", "node_id", "sha256", "size", *_BATCH_FIELDS, "group", "kind", "signature"),
 }
 _MAX_BATCH_VALUE = (1 << 63) - 1  # int64 columns: what a row can hold
 
@@ -75,11 +77,16 @@ def encode_rows(rows: list[RolloutRow]) -> bytes:
 
 
 def sign_bytes(
-    data: bytes, identity: Identity, *, batch: tuple[int, int] | None, group: str | None = None
+    data: bytes,
+    identity: Identity,
+    *,
+    batch: tuple[int, int] | None,
+    group: str | None = None,
+    kind: str = "stage",
 ) -> dict[str, Any]:
     """The signature envelope of `data` (a JSON object): v2 signing `batch` (policy step, batch counter), or v1
-    when `batch` is None (what nodes wrote before v2; validators refuse it at the hand-off); v3 (a pipeline
-    stage's file) when `group` names the group whose batch it is."""
+    when `batch` is None (what nodes wrote before v2; validators refuse it at the hand-off); v3 (a pipelined
+    group's file of `kind`) when `group` names the group whose batch it is."""
     body: dict[str, Any] = {
         "format": SIG_FORMAT_STAGE
         if group is not None
@@ -95,7 +102,7 @@ def sign_bytes(
     elif group is not None:
         raise RolloutFileError("a stage file's envelope signs its batch too", check="signature")
     if group is not None:
-        body["group"] = group
+        body["group"], body["kind"] = group, kind
     return {**body, "signature": identity.sign(canonical_json(body)).hex()}
 
 
@@ -190,7 +197,7 @@ def parse_envelope(raw: bytes) -> dict[str, Any]:
         "node_id",
         "sha256",
         "signature",
-        *(("group",) if envelope["format"] == SIG_FORMAT_STAGE else ()),
+        *(("group", "kind") if envelope["format"] == SIG_FORMAT_STAGE else ()),
     )
     if not all(isinstance(envelope[k], str) for k in texts) or not all(
         isinstance(envelope[k], int) and not isinstance(envelope[k], bool) for k in numbers
@@ -198,6 +205,8 @@ def parse_envelope(raw: bytes) -> dict[str, Any]:
         raise RolloutFileError("signature file has fields of the wrong type", check="signature")
     if envelope["format"] == SIG_FORMAT_STAGE and not is_hex64(envelope["group"]):
         raise RolloutFileError("signature file's group is not 64 lowercase hex digits", check="signature")
+    if envelope["format"] == SIG_FORMAT_STAGE and envelope["kind"] not in GROUP_FILE_KINDS:
+        raise RolloutFileError(f"signature file's kind is not one of {GROUP_FILE_KINDS}", check="signature")
     if any(not 0 <= envelope[k] <= _MAX_BATCH_VALUE for k in numbers):
         raise RolloutFileError(f"signature file's {'/'.join(numbers)} out of range", check="signature")
     return envelope

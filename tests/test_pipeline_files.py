@@ -168,3 +168,45 @@ def test_a_stage_file_signed_by_another_node_or_for_another_group_is_refused(mad
     signature_path(path).write_text(json.dumps(sign_bytes(data, members[0], batch=batch)))
     with pytest.raises(RolloutFileError, match="rollout file.s; a stage file is signed as"):
         read_stage_file(path)
+
+
+def test_a_fraud_report_is_read_only_from_the_receiver_and_well_formed(made, tmp_path: Path) -> None:  # noqa: ANN001
+    from prime_node.proofs.pipeline.fraud_report import read_fraud_report
+
+    from support.pipeline_files import fraud_report_file
+
+    _, tasks, engine, members = made
+    model = make_checkpoint(tmp_path / "model")
+    spec, path = fraud_report_file(tmp_path, model, RUN, tasks, engine, members)
+    received = read_fraud_report(path)
+    assert received.signer == members[1].node_id and received.report.group_id == spec.group_id
+    assert received.report.hop.opening.stage == 0 and received.report.hop.headers[-1].kind == "prefill"
+    envelope = json.loads(signature_path(path).read_bytes())
+    batch = (envelope["policy_step"], envelope["batch_counter"])
+    data = path.read_bytes()
+    # Signed by the accused itself, not by the stream's receiver: refused.
+    signature_path(path).write_text(
+        json.dumps(sign_bytes(data, members[0], batch=batch, group=envelope["group"], kind="fraud"))
+    )
+    with pytest.raises(RolloutFileError, match="not the receiver"):
+        read_fraud_report(path)
+    # A stage file's kind, a malformed tensor, a field out of bounds: each named.
+    signature_path(path).write_text(
+        json.dumps(sign_bytes(data, members[1], batch=batch, group=envelope["group"]))
+    )
+    with pytest.raises(RolloutFileError, match="kind 'fraud'"):
+        read_fraud_report(path)
+    for field, value, message in (
+        ("tensor", "!!", "at tensor"),
+        ("prompts", 0, "at prompts"),
+        ("members", ["ab" * 32], "at members"),
+    ):
+        document = json.loads(data)
+        document[field] = value
+        bad = json.dumps(document).encode()
+        path.write_bytes(bad)
+        signature_path(path).write_text(
+            json.dumps(sign_bytes(bad, members[1], batch=batch, group=envelope["group"], kind="fraud"))
+        )
+        with pytest.raises(RolloutFileError, match=message):
+            read_fraud_report(path)

@@ -49,7 +49,7 @@ def test_excused_checks_cost_nothing(check):
     assert decide(many_faults, _rejected(check), POLICY) == ()
 
 
-@pytest.mark.parametrize("check", ["schema", "bounds"])
+@pytest.mark.parametrize("check", ["schema", "bounds", "pipeline_report"])
 def test_a_fault_slashes_the_score_without_a_ban(check):
     actions = decide(NodeHistory(score=10.0), _rejected(check), POLICY)
     assert actions == (Slash(POLICY.fault_penalty, CheckClass.fault, check, f"{check} check failed"),)

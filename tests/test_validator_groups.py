@@ -5,6 +5,8 @@ in its ledger (credit, slash and ban as docs/pipeline.md's verdict policy says).
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,10 @@ import pytest
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.swarm import RolloutEnvelope
-from prime_node.proofs.rollout_file import signature_path
+from prime_node.proofs.rollout_file import sign_bytes, signature_path
 
 from support.pipeline_attacks import perturb_stage_
-from support.pipeline_files import group_files
+from support.pipeline_files import fraud_report_file, group_files
 from support.swarm import fleet, wait_until
 from support.validator import (
     OPERATOR,
@@ -61,6 +63,7 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
     honest = [Identity.generate() for _ in range(2)]
     cheat_group = [Identity.generate() for _ in range(2)]  # stage 0 computes with perturbed weights
     lonely = [Identity.generate() for _ in range(2)]  # stage 1 never hands its file in
+    framed = [Identity.generate() for _ in range(2)]  # stage 0 sends a frame its commitment belies
     made = {
         "honest": group_files(tmp_path / "honest", checkpoint, PIPELINED, tasks, engine, honest),
         "cheat": group_files(
@@ -74,11 +77,16 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         ),
         "lonely": group_files(tmp_path / "lonely", checkpoint, PIPELINED, tasks, engine, lonely),
     }
+    _, report = fraud_report_file(tmp_path / "fraud", checkpoint, PIPELINED, tasks, engine, framed)
+    _, false_report = fraud_report_file(
+        tmp_path / "fraud", checkpoint, PIPELINED, tasks, engine, framed, batch=1
+    )
+    _swap_tensor(false_report, framed[1])  # evidence of a frame that is not the one the accused signed
     settings = _settings(tmp_path / "validator")
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
         senders = {}
-        for member in honest + cheat_group + lonely[:1]:
+        for member in honest + cheat_group + lonely[:1] + framed[1:]:
             senders[member.node_id] = await swarm.add(
                 member, bootstrap=running.maddrs[:1], reachability="public"
             )
@@ -88,6 +96,9 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
                 envelope = _envelope(path)
                 assert envelope.group == made[name].spec.group_id
                 await senders[member.node_id].send_rollout(path, envelope)
+        for path in (report, false_report):
+            assert _envelope(path).kind == "fraud"
+            await senders[framed[1].node_id].send_rollout(path, _envelope(path))
 
         def verdict(name: str, stage: int):  # noqa: ANN202
             path = made[name].paths[stage]
@@ -114,12 +125,39 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         assert not lonely_verdict.accepted and lonely_verdict.failed_check == "pipeline_incomplete"
         assert "stages [1]" in lonely_verdict.reason and "grace period" in lonely_verdict.reason
         assert await _ledger(running, lonely[0].node_id) == ([(0, "pipeline_incomplete")], 0.0, 0, False)
+        # Fraud evidence: the receiver's report blames stage 0 at once (its own signed frame), the reporter is
+        # credited; evidence that proves nothing is its reporter's fault.
+        sha = _envelope(report).sha256
+        upheld = (await wait_verdict(running, sha, 30, node_id=framed[1].node_id)).document
+        assert upheld.accepted and upheld.samples == 0, upheld.reason
+        accused = (await wait_verdict(running, sha, 30, node_id=framed[0].node_id)).document
+        assert not accused.accepted and accused.failed_check == "pipeline", accused.reason
+        assert "belies the commitment it signed" in accused.reason
+        files, score, slashes, banned = await _ledger(running, framed[0].node_id)
+        assert files == [(0, "pipeline")] and slashes == 1 and banned
+        false = (await wait_verdict(running, _envelope(false_report).sha256, 30)).document
+        assert not false.accepted and false.failed_check == "pipeline_report", false.reason
+        files, score, slashes, banned = await _ledger(running, framed[1].node_id)
+        assert sorted(files, key=str) == [(0, "pipeline_report"), (1, None)] and slashes == 1 and not banned
         # Stage files are credited, not delivered to the trainer (it reads rollout files): the spool empties.
         await wait_until(lambda: _spool_empty(running), 10)
         assert not (settings.resolved_data_dir() / "accepted").exists() or not any(
             (settings.resolved_data_dir() / "accepted").iterdir()
         )
         await asyncio.sleep(0)
+
+
+def _swap_tensor(path: Path, reporter: Identity) -> None:
+    """Replace the report's tensor by zeros of the same size and sign it again as `reporter`."""
+    document = json.loads(path.read_bytes())
+    document["tensor"] = base64.b64encode(bytes(len(base64.b64decode(document["tensor"])))).decode()
+    data = json.dumps(document, sort_keys=True).encode()
+    path.write_bytes(data)
+    old = json.loads(signature_path(path).read_bytes())
+    batch = (old["policy_step"], old["batch_counter"])
+    signature_path(path).write_text(
+        json.dumps(sign_bytes(data, reporter, batch=batch, group=old["group"], kind="fraud"))
+    )
 
 
 async def _spool_empty(running) -> bool:  # noqa: ANN001

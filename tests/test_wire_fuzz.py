@@ -23,6 +23,7 @@ import importlib
 import json
 import pkgutil
 import re
+import tempfile
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -103,14 +104,18 @@ from prime_node.p2p.weights.manifest import (
 from prime_node.p2p.weights.server import ServeSettings
 from prime_node.p2p.weights.sources import SelectionSettings
 from prime_node.p2p.wire import WireFormatError, WireModel, loads_strict
+from prime_node.proofs.pipeline.fraud_report import FraudReport, read_fraud_report
 from prime_node.proofs.pipeline.records import (
     RECORD_DOMAIN,
     HopRecord,
     SignedStageRecord,
     StageRecord,
     StageRecordError,
+    group_id_of,
     parse_stage_record,
 )
+from prime_node.proofs.rollout_file import sign_bytes, signature_path
+from prime_node.proofs.rollout_schema import RolloutFileError
 
 RUN = "fuzz"
 T = 1_800_000_000.0
@@ -118,6 +123,7 @@ OPERATOR = Identity.from_seed(b"\x21" * 32)
 NODE = Identity.from_seed(b"\x22" * 32)
 VALIDATOR = Identity.from_seed(b"\x23" * 32)
 STRANGER = Identity.from_seed(b"\x24" * 32)  # a key no reader trusts
+RECEIVER = Identity.from_seed(b"\x25" * 32)  # stage 1 of a pipelined group whose stage 0 is NODE
 PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 SHA = "ab" * 32
 # Not wire types: settings the operator writes, and containers built only after a parse has succeeded.
@@ -387,6 +393,58 @@ def _stage_record() -> Carrier:
     )
 
 
+def _fraud_report() -> Carrier:
+    """A receiver's fraud evidence as the validator reads it (proofs/pipeline/fraud_report.py): the body's bytes
+    under a v3 envelope (kind `fraud`) signed by the stream's receiver, the group and batch it names signed too."""
+    header = FrameHeader(
+        index=1,
+        micro_batch=0,
+        kind="prefill",
+        step=0,
+        rows=[0],
+        shape=[1, 1, 2],
+        dtype="float32",
+        tensor_sha256=SHA,
+        commitment="00ff",
+    )
+    hop = HopRecord(opening=_OPENING, headers=[header], head=SHA, signature="cd" * 64)
+    report = FraudReport(
+        run_id=RUN,
+        policy_step=1,
+        batch=2,
+        members=[NODE.node_id, RECEIVER.node_id],
+        prompts=1,
+        micro_batch_size=1,
+        hop=hop,
+        tensor="AAAAAAAAAAA=",
+    )
+
+    def read(raw: bytes, signer: Identity | None) -> Any:
+        try:  # the envelope signs the group and batch the body names, when it names them
+            document = loads_strict(raw)
+            group = group_id_of(document["run_id"], document["policy_step"], document["members"])
+            batch = (int(document["policy_step"]), int(document["batch"]))
+        except (WireFormatError, KeyError, TypeError, ValueError):
+            group, batch = SHA, (1, 2)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "report.json"
+            path.write_bytes(raw)
+            identity = signer or STRANGER
+            envelope = sign_bytes(raw, identity, batch=batch, group=group, kind="fraud")
+            if signer is None:
+                envelope["signature"] = "ab" * 64
+            signature_path(path).write_text(json.dumps(envelope))
+            return read_fraud_report(path)
+
+    return Carrier(
+        FraudReport,
+        report.model_dump(mode="json"),
+        lambda raw: read(raw, RECEIVER),
+        RolloutFileError,
+        (lambda raw: read(raw, STRANGER), lambda raw: read(raw, None)),
+    )
+
+
 def _answer(model: type[WireModel], sample: dict[str, Any], what: str) -> Carrier:
     """An answer of the validator's HTTP API as its one client parses it (p2p/validator_api.py)."""
     return Carrier(model, sample, lambda raw: parse_answer(raw, model, what), ValidatorApiError)
@@ -549,6 +607,7 @@ CARRIERS = [
     _availability(),
     _pipeline(StreamOpening, _OPENING),
     _stage_record(),
+    _fraud_report(),
     _pipeline(
         FrameHeader,
         FrameHeader(

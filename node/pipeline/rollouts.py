@@ -1,4 +1,6 @@
-"""A member's stage file for a finished batch (proofs/pipeline/stage_file.py): the group's rows plus its record.
+"""What a member hands the validator: its stage file for a finished batch (proofs/pipeline/stage_file.py: the
+group's rows plus its record), or, for a batch abandoned over a frame its commitment belies, the fraud evidence
+against its predecessor (proofs/pipeline/fraud_report.py).
 
 Every member writes the same rows: the assignment `work_for` derived (node/pipeline/work.py), the output tokens
 every stage's record lists (the last stage sampled them and sent them to stage 0; a middle stage lists the
@@ -15,7 +17,8 @@ import torch
 
 from ...p2p.identity import Identity
 from ...proofs.assignment import Assignment
-from ...proofs.pipeline.records import SignedStageRecord
+from ...proofs.pipeline.fraud_report import report_of, write_fraud_report
+from ...proofs.pipeline.records import HopFraud, SignedStageRecord
 from ...proofs.pipeline.stage_file import write_stage_file
 from ...proofs.rollout_schema import RolloutRow
 from ...proofs.toploc import build_proofs
@@ -85,3 +88,22 @@ def write_member_file(
     return write_stage_file(
         out, rows, identity, members=members, micro_batch_size=batch.micro_batch_size, signed=signed
     )
+
+
+def write_member_report(
+    out: Path,
+    run: RunSettings,
+    batch: GroupBatch,
+    members: tuple[str, ...],
+    fraud: HopFraud,
+    identity: Identity,
+) -> Path:
+    """Write and sign the evidence (FraudDetected.fraud) against this member's predecessor; the envelope's path."""
+    report = report_of(
+        fraud,
+        run_id=run.run_id,
+        members=members,
+        prompts=batch.prompts,
+        micro_batch_size=batch.micro_batch_size,
+    )
+    return write_fraud_report(out, report, identity)

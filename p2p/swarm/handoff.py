@@ -99,6 +99,7 @@ class RolloutEnvelope(WireModel):
     # v3 only (a pipeline stage's file): the group whose batch the file is, signed, so that the stage files of one
     # group's batch are routed to one validator (by group, not by sender: routing.py) and judged together.
     group: Sha256Hex | None = None
+    kind: Literal["stage", "fraud"] | None = None  # v3 only: a member's stage file, or fraud evidence
     signature: SignatureHex  # Ed25519 by node_id over canonical JSON of the other fields
 
     @model_validator(mode="after")
@@ -112,8 +113,9 @@ class RolloutEnvelope(WireModel):
                 f"a {self.format} envelope {'signs' if batched else 'has no'} policy_step and batch_counter"
             )
         stage = self.format == SIG_FORMAT_STAGE
-        if (self.group is not None) != stage or (not stage and "group" in self.model_fields_set):
-            raise ValueError(f"a {self.format} envelope {'signs' if stage else 'has no'} group")
+        given = {"group", "kind"} & self.model_fields_set
+        if (self.group is not None, self.kind is not None) != (stage, stage) or (not stage and given):
+            raise ValueError(f"a {self.format} envelope {'signs' if stage else 'has no'} group and kind")
         return self
 
     @model_serializer(mode="wrap")
@@ -125,6 +127,7 @@ class RolloutEnvelope(WireModel):
             data.pop("batch_counter", None)
         if self.format != SIG_FORMAT_STAGE:
             data.pop("group", None)
+            data.pop("kind", None)
         return data
 
     @property
@@ -144,7 +147,7 @@ class RolloutEnvelope(WireModel):
         if self.batch is not None:
             body["policy_step"], body["batch_counter"] = self.batch
         if self.group is not None:
-            body["group"] = self.group
+            body["group"], body["kind"] = self.group, self.kind
         return body
 
     @property
@@ -157,10 +160,15 @@ class RolloutEnvelope(WireModel):
 
     @classmethod
     def sign(
-        cls, identity: Identity, data: bytes, batch: tuple[int, int] | None, group: str | None = None
+        cls,
+        identity: Identity,
+        data: bytes,
+        batch: tuple[int, int] | None,
+        group: str | None = None,
+        kind: Literal["stage", "fraud"] = "stage",
     ) -> RolloutEnvelope:
         """`data`'s envelope: v2 signing `batch` (policy step, batch counter), or v1 when `batch` is None; v3
-        (a pipeline stage's file) when `group` is given."""
+        (a pipelined group's file of `kind`) when `group` is given."""
         body: dict[str, Any] = {
             "format": SIG_FORMAT_STAGE
             if group is not None
@@ -174,7 +182,7 @@ class RolloutEnvelope(WireModel):
         if batch is not None:
             body["policy_step"], body["batch_counter"] = batch
         if group is not None:
-            body["group"] = group
+            body["group"], body["kind"] = group, kind
         return cls(**body, signature=identity.sign_document(body).hex())
 
     def verify(self) -> None:

@@ -185,10 +185,11 @@ def read_stage_file(
     path = Path(path)
     envelope = parse_envelope(read_bounded(signature_path(path), MAX_SIG_BYTES, "signature file"))
     group = envelope_group(envelope)
-    if group is None:
+    if group is None or envelope["kind"] != "stage":
+        what = "a rollout file's" if group is None else f"a group's {envelope['kind']} file's"
         raise RolloutFileError(
-            f"signature format {envelope['format']} is a rollout file's; a stage file is signed as "
-            f"{SIG_FORMAT_STAGE}",
+            f"signature format {envelope['format']} is {what}; a stage file is signed as {SIG_FORMAT_STAGE} "
+            "of kind 'stage'",
             check="signature",
         )
     data = read_bounded(path, limits.max_file_bytes, "stage file")

@@ -3,14 +3,18 @@ the stage-file tests and the validator service's group tests."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from prime_node.node.engine import HFEngine
 from prime_node.node.pipeline.driver import Tamper, run_loopback
-from prime_node.node.pipeline.rollouts import write_member_file
-from prime_node.node.pipeline.stage import StageProcessor
+from prime_node.node.pipeline.errors import FraudDetected
+from prime_node.node.pipeline.rollouts import write_member_file, write_member_report
+from prime_node.node.pipeline.stage import Outgoing, StageProcessor
 from prime_node.node.pipeline.stage_model import StageModel
 from prime_node.node.pipeline.work import GroupBatch, work_for
 from prime_node.node.run.settings import RunSettings
@@ -73,3 +77,50 @@ def group_files(
         )
         paths.append(path)
     return GroupFiles(spec, group_batch, paths)
+
+
+def uncommitted(stage: int, seed: int = 0) -> Tamper:
+    """Stage `stage` sends its first prefill with noise added to the tensor while the frame keeps the honest
+    commitment (the "send-uncommitted" adversary of support/pipeline_attacks.py): its receiver finds the frame's
+    tensor belying the signed commitment."""
+
+    def tamper(sender: int, out: Outgoing) -> Outgoing:
+        if sender != stage or out.kind != "prefill" or out.micro_batch != 0:
+            return out
+        noise = torch.randn(out.tensor.shape, generator=torch.Generator().manual_seed(seed))
+        return dataclasses.replace(out, tensor=out.tensor + 0.05 * out.tensor.std() * noise)
+
+    return tamper
+
+
+def fraud_report_file(
+    out: Path,
+    checkpoint: Path,
+    run: RunSettings,
+    tasks: RunTasks,
+    engine: HFEngine,
+    members: list[Identity],
+    *,
+    cheat: int = 0,
+    batch: int = 0,
+    prompts: int = 2,
+    micro_batch_size: int = 1,
+) -> tuple[GroupSpec, Path]:
+    """Run a batch whose stage `cheat` sends a frame its commitment belies; the receiver's signed fraud report."""
+    assert run.pipeline is not None
+    spec = GroupSpec(run.run_id, 0, batch, run.pipeline, tuple(m.node_id for m in members))
+    group_batch = GroupBatch(spec.group_id, 0, batch, prompts, micro_batch_size)
+    work, _ = work_for(
+        run, tasks, group_batch, eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
+    )
+    processors = [
+        StageProcessor(StageModel.load(checkpoint, run.pipeline, s), work) for s in range(run.pipeline.stages)
+    ]
+    try:
+        run_loopback(spec, processors, members, tamper=uncommitted(cheat))
+    except FraudDetected as detected:
+        receiver = members[(cheat + 1) % len(members)]
+        path = out / f"group-{spec.group_id[:8]}-b{batch}-fraud.json"
+        write_member_report(path, run, group_batch, spec.members, detected.fraud, receiver)
+        return spec, path
+    raise AssertionError("the receiver did not detect the frame its commitment belies")

@@ -77,6 +77,8 @@ DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "pipeline": CheckClass.fraud,
     "pipeline_group": CheckClass.excused,
     "pipeline_incomplete": CheckClass.excused,
+    # Fraud evidence that proves nothing (the accused frame's commitment matches its tensor): a false accusation.
+    "pipeline_report": CheckClass.fault,
 }
 
 

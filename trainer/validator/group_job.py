@@ -34,7 +34,8 @@ from ...node.run.settings import RunSettings
 from ...node.run.validation import RunTasks
 from ...p2p.pipeline.layout import StageLayout
 from ...proofs.errors import ProofError
-from ...proofs.pipeline.blame import BlameThresholds, GroupVerdict, GroupWork, verify_group
+from ...proofs.pipeline.blame import BlameThresholds, GroupVerdict, GroupWork, check_fraud, verify_group
+from ...proofs.pipeline.fraud_report import ReceivedReport, read_fraud_report
 from ...proofs.pipeline.records import GroupSpec
 from ...proofs.pipeline.schedule import micro_batches
 from ...proofs.pipeline.stage_file import StageFile, read_stage_file
@@ -45,19 +46,29 @@ from .verify_job import Outcome, check_name
 
 BLAMED = "pipeline"  # the stage verify_group found faulty: fraud
 GROUP_FAILED = "pipeline_group"  # an honest member of a group that failed elsewhere: excused, not credited
-INCOMPLETE = (
-    "pipeline_incomplete"  # a member of a group whose stages did not all arrive: excused, not credited
-)
+# A member of a group whose stages did not all arrive: excused, not credited.
+INCOMPLETE = "pipeline_incomplete"
+REPORT_FAILED = "pipeline_report"  # fraud evidence that proves nothing: its reporter's fault
 
 ModelLookup = Callable[[int], "tuple[InferenceEngine, RunTasks] | None"]
 
 
 @dataclass(frozen=True)
 class Delivery:
-    """One member's stage file as the validator spooled it."""
+    """One member's file as the validator spooled it: a stage file, or a fraud report."""
 
     path: Path
     sender: str  # the envelope's signer
+    kind: str = "stage"  # the v3 envelope's kind
+
+
+@dataclass(frozen=True)
+class Accusation:
+    """A verdict on a node that delivered nothing: the accused of an upheld fraud report (on the report's hash)."""
+
+    file_hash: str
+    node_id: str
+    outcome: Outcome
 
 
 @dataclass
@@ -67,6 +78,7 @@ class GroupOutcome:
     hold: bool = False
     step: int = 0
     outcomes: dict[int, Outcome] = field(default_factory=dict)
+    accusations: list[Accusation] = field(default_factory=list)
 
 
 class _Recorded:
@@ -170,6 +182,54 @@ def _proofs(
     return None
 
 
+def _judge_reports(
+    reports: dict[int, ReceivedReport],
+    run: RunSettings,
+    layout: StageLayout,
+    tasks: RunTasks,
+    eos: int,
+    pad: int,
+    result: GroupOutcome,
+) -> tuple[int, str] | None:
+    """check_fraud on each report: an upheld one credits its reporter and accuses the stage it names (returned
+    with the reason); one that proves nothing is its reporter's fault (`pipeline_report`)."""
+    upheld = None
+    for d, received in reports.items():
+        report = received.report
+        step = report.policy_step
+        if len(report.members) != layout.stages:
+            result.outcomes[d] = _reject(step, "run_parameters", f"a group of {len(report.members)} stages")
+            continue
+        batch = GroupBatch(report.group_id, step, report.batch, report.prompts, report.micro_batch_size)
+        try:
+            work, _ = work_for(run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
+        except (ProofError, ValueError) as exc:
+            result.outcomes[d] = _reject(
+                step, REPORT_FAILED, f"the report names no batch of the group: {exc}"
+            )
+            continue
+        spec = GroupSpec(run.run_id, step, report.batch, layout, tuple(report.members))
+        group_work = GroupWork(
+            [r.prompt_ids for r in work.requests],
+            [r.seed for r in work.requests],
+            run.temperature,
+            run.max_new_tokens,
+            eos,
+            report.micro_batch_size,
+        )
+        verdict = check_fraud(spec, report.evidence(), group_work)
+        if verdict.blamed is None:
+            result.outcomes[d] = _reject(
+                step, REPORT_FAILED, f"the evidence proves nothing: {verdict.reason}"
+            )
+            continue
+        result.outcomes[d] = Outcome(False, step, True)
+        accused = Outcome(False, step, False, BLAMED, f"{verdict.reason} (fraud evidence by its receiver)")
+        result.accusations.append(Accusation(received.sha256, report.members[verdict.blamed], accused))
+        upheld = upheld or (verdict.blamed, verdict.reason)
+    return upheld
+
+
 def verify_group_files(
     deliveries: Sequence[Delivery],
     run: RunSettings,
@@ -185,14 +245,18 @@ def verify_group_files(
     thresholds = thresholds or BlameThresholds()
     result = GroupOutcome()
     parsed: dict[int, StageFile] = {}
+    reports: dict[int, ReceivedReport] = {}
     for d, delivery in enumerate(deliveries):
         try:
-            parsed[d] = read_stage_file(delivery.path, limits, expected_signer=delivery.sender)
+            if delivery.kind == "fraud":
+                reports[d] = read_fraud_report(delivery.path, expected_signer=delivery.sender)
+            else:
+                parsed[d] = read_stage_file(delivery.path, limits, expected_signer=delivery.sender)
         except RolloutFileError as exc:
             result.outcomes[d] = _reject(0, check_name(exc.check), str(exc))
-    if not parsed:
+    if not parsed and not reports:
         return result
-    step = next(iter(parsed.values())).batch[0]
+    step = next(iter(parsed.values())).batch[0] if parsed else next(iter(reports.values())).report.policy_step
     result.step = step
     by_stage: dict[int, int] = {}
     for d, f in parsed.items():
@@ -209,7 +273,7 @@ def verify_group_files(
             )
         else:
             by_stage[f.stage] = d
-    if not by_stage:
+    if not by_stage and not reports:
         return result
     found = lookup(step)
     if found is None:
@@ -220,6 +284,17 @@ def verify_group_files(
             f"a group's boundary prefill needs the transformers engine, not {type(engine).__name__}"
         )
     eos, pad = engine.eos_token_id, engine.pad_token_id
+    blamed = _judge_reports(reports, run, layout, tasks, eos, pad, result)
+    if blamed is not None:  # proven fraud: the batch is void; the accused's own file (if any) blamed with it
+        stage, reason = blamed
+        for k, d in by_stage.items():
+            check = BLAMED if k == stage else GROUP_FAILED
+            result.outcomes[d] = _reject(
+                step, check, reason if k == stage else f"another stage blamed: {reason}"
+            )
+        return result
+    if not by_stage:
+        return result if complete else GroupOutcome(step=step)  # reports that proved nothing: wait for files
     for stage, d in list(by_stage.items()):  # each file's rows against its own claim of the group's batch
         f = parsed[d]
         claim = GroupBatch(

@@ -29,6 +29,9 @@ class PendingGroup(Generic[T]):
     jobs: list[T] = field(default_factory=list)
     tried_with: int = 0  # files it held when it was last judged early (an incomplete try waits for more)
     holding: bool = False  # its checkpoint is not held: retried on every tick until the hold timeout
+    urgent: bool = (
+        False  # it holds fraud evidence: judged at once (the batch was abandoned, no files will come)
+    )
 
 
 class GroupIntake(Generic[T]):
@@ -50,20 +53,18 @@ class GroupIntake(Generic[T]):
         """Whether a file of a new group must wait (busy): a bound on groups pending, whatever senders claim."""
         return key not in self.pending and len(self.pending) >= self.max_groups
 
-    def add(self, key: GroupKey, job: T, now: float) -> None:
+    def add(self, key: GroupKey, job: T, now: float, *, urgent: bool = False) -> None:
         group = self.pending.setdefault(key, PendingGroup(key, now))
         group.jobs.append(job)
+        group.urgent = group.urgent or urgent
 
     def due(self, now: float) -> list[tuple[PendingGroup[T], bool]]:
         """(group, complete) for every group to judge now: complete when its grace period is over."""
         found = []
         for group in self.pending.values():
             over = now >= group.first_at + self.grace_s
-            if (
-                group.holding
-                or over
-                or (len(group.jobs) >= self.stages and len(group.jobs) > group.tried_with)
-            ):
+            fresh = len(group.jobs) > group.tried_with
+            if group.holding or over or (fresh and (group.urgent or len(group.jobs) >= self.stages)):
                 found.append((group, over))
         return found
 

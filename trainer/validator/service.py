@@ -65,7 +65,10 @@ class Job:
     tier: Tier = Tier.NEWCOMER  # the queue tier it was admitted to (trainer/validator/intake.py)
     step: int | None = None  # known once verification found the file's checkpoint missing
     hold_until: float = 0.0
-    group: GroupKey | None = None  # a pipeline stage's file: judged with its group (groups.py), not queued
+    group: GroupKey | None = None  # a pipelined group's file: judged with its group (groups.py), not queued
+    kind: str = (
+        "stage"  # of a group's file: a member's stage file, or fraud evidence (its v3 envelope's kind)
+    )
 
     @property
     def key(self) -> DeliveryKey:
@@ -199,13 +202,16 @@ class ValidatorService:
             await asyncio.to_thread(self.spool.remove, self.spool.entry(*key))
             return
         entry = await asyncio.to_thread(self.spool.make_durable, *key)
-        self._enqueue(Job(entry, key.node_id, time.time(), group=_group_key(received.envelope)))
+        envelope = received.envelope
+        self._enqueue(
+            Job(entry, key.node_id, time.time(), group=_group_key(envelope), kind=envelope.kind or "stage")
+        )
         self.metrics.received.inc()
 
     def _enqueue(self, job: Job) -> None:
         job.tier = self.admission.enqueued(job.key)
         if job.group is not None and self.groups is not None:
-            self.groups.add(job.group, job, job.received_at)
+            self.groups.add(job.group, job, job.received_at, urgent=job.kind == "fraud")
             return
         self.queue.put(job.tier, job.node_id, job)
 
@@ -244,7 +250,13 @@ class ValidatorService:
             if signed is not None:  # decided before the crash: only delivery and removal may be missing
                 await self._finish(entry, signed, to_trainer=group is None)
                 continue
-            job = Job(entry, envelope.node_id, entry.path.stat().st_mtime, group=group)
+            job = Job(
+                entry,
+                envelope.node_id,
+                entry.path.stat().st_mtime,
+                group=group,
+                kind=envelope.kind or "stage",
+            )
             if group is not None and self.groups is None:  # the run lost its layout: not the sender's doing
                 reason = "a pipeline stage's file, but this run announces no stage layout any more"
                 await self._decide(job, Outcome(False, group.policy_step, False, INTERNAL_ERROR, reason))
@@ -375,7 +387,7 @@ class ValidatorService:
         if group.holding and not self.groups.hold_expired(group, time.time()):
             if step not in await asyncio.to_thread(self.keeper.store.versions):
                 return
-        deliveries = [Delivery(job.entry.path, job.node_id) for job in group.jobs]
+        deliveries = [Delivery(job.entry.path, job.node_id, job.kind) for job in group.jobs]
         started = time.monotonic()
         try:
             async with self.verifying:
@@ -426,13 +438,24 @@ class ValidatorService:
         for d, job in enumerate(group.jobs):
             self.metrics.verification_seconds.observe(seconds / len(group.jobs))
             await self._decide(job, result.outcomes[d])
+        for accusation in result.accusations:  # the accused of upheld fraud evidence: a verdict on the report
+            signed = self._verdict(accusation.file_hash, accusation.node_id, accusation.outcome)
+            recorded = await self.ledger.record(signed, received_at=group.first_at)
+            self.verdicts += 0 if recorded.duplicate else 1
+            for ban in recorded.new_bans:
+                await self.publish_ban(ban)
+            logger.warning(
+                "node %s blamed by its receiver's evidence: %s",
+                accusation.node_id[:16],
+                signed.document.reason[:200],
+            )
 
     # ----- verdicts ---------------------------------------------------------------------------------------
 
-    def _verdict(self, job: Job, outcome: Outcome) -> Signed[Verdict]:
+    def _verdict(self, file_hash: str, node_id: str, outcome: Outcome) -> Signed[Verdict]:
         verdict = Verdict.outgoing(
-            file_hash=job.entry.sha256,
-            node_id=job.node_id,
+            file_hash=file_hash,
+            node_id=node_id,
             step=max(0, min(outcome.step, 2**62)),
             samples=outcome.samples if outcome.accepted else 0,
             tokens=outcome.tokens if outcome.accepted else 0,
@@ -447,7 +470,7 @@ class ValidatorService:
     async def _decide(self, job: Job, outcome: Outcome) -> None:
         try:
             result = await self.ledger.record(
-                self._verdict(job, outcome),
+                self._verdict(job.entry.sha256, job.node_id, outcome),
                 received_at=job.received_at,
                 task_reward_sum=outcome.task_reward_sum if outcome.accepted else None,
                 samples=outcome.sample_ids if outcome.accepted else (),
@@ -458,7 +481,9 @@ class ValidatorService:
             outcome = dataclasses.replace(
                 outcome, accepted=False, failed_check=DUPLICATE, reason=str(exc), sample_ids=()
             )
-            result = await self.ledger.record(self._verdict(job, outcome), received_at=job.received_at)
+            result = await self.ledger.record(
+                self._verdict(job.entry.sha256, job.node_id, outcome), received_at=job.received_at
+            )
         self.verdicts += 0 if result.duplicate else 1
         if not result.duplicate:
             signed = result.verdict.document
