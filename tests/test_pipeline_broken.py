@@ -1,0 +1,130 @@
+"""Blame in a batch that broke mid-way (proofs/pipeline/broken.py): a stage that drops a row breaks the batch
+(stage 0 refuses tokens of other rows than it fed); from the members' partial records the validator names the
+stage that dropped it, even when that stage hands in nothing, and never an honest one."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from prime_node.node.engine.hf import HFEngine
+from prime_node.node.engine.types import SamplingParams
+from prime_node.node.pipeline.driver import run_loopback
+from prime_node.node.pipeline.errors import BatchBroken
+from prime_node.node.pipeline.stage import Outgoing
+from prime_node.proofs.pipeline.blame import GroupWork
+from prime_node.proofs.pipeline.broken import blame_broken
+from prime_node.proofs.toploc import build_proof
+
+from support.pipeline import group, identities, random_requests, save_tiny
+from support.pipeline_attacks import rechain
+
+PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0)
+BOUNDARIES = [0, 1, 3, 4]  # three stages: a relay stage in the middle
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny-pipeline-broken"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> HFEngine:
+    return HFEngine.load(model_dir, dtype="float32")
+
+
+def _drop_a_row(stage: int, kind: str, step: int):  # noqa: ANN202
+    """Stage `stage` leaves the last row out of its `kind` frame of `step` (micro-batch 0), the commitment made
+    to match what it sends (so no commitment check catches it: only the rows do)."""
+
+    def tamper(sender: int, out: Outgoing) -> Outgoing:
+        if (
+            sender != stage
+            or out.kind != kind
+            or out.step != step
+            or out.micro_batch != 0
+            or len(out.rows) < 2
+        ):
+            return out
+        tensor = out.tensor[:-1]
+        commitment = out.commitment if kind == "tokens" else build_proof(tensor[:, -1])
+        return dataclasses.replace(out, rows=out.rows[:-1], tensor=tensor, commitment=commitment)
+
+    return tamper
+
+
+def _broken(model_dir: Path, engine: HFEngine, tamper) -> tuple:  # noqa: ANN001
+    requests = random_requests(4, seed=11)
+    spec, processors, ids = group(
+        model_dir,
+        BOUNDARIES,
+        requests,
+        PARAMS,
+        micro_batch_size=4,
+        eos_token_id=engine.eos_token_id,
+        pad_token_id=engine.pad_token_id,
+    )
+    work = GroupWork(
+        [r.prompt_ids for r in requests],
+        [r.seed for r in requests],
+        PARAMS.temperature,
+        PARAMS.max_new_tokens,
+        engine.eos_token_id,
+        4,
+    )
+    with pytest.raises(BatchBroken) as broken:
+        run_loopback(spec, processors, ids, tamper=tamper)
+    return spec, work, broken.value.partial
+
+
+@pytest.mark.parametrize(
+    ("stage", "kind", "step"),
+    [(1, "decode", 1), (2, "tokens", 1), (0, "decode", 1), (1, "prefill", 0)],
+    ids=["relay-decode", "last-tokens", "first-decode", "relay-prefill"],
+)
+def test_the_stage_that_dropped_a_row_is_named(
+    model_dir: Path, engine: HFEngine, stage: int, kind: str, step: int, one_torch_thread: None
+) -> None:
+    spec, work, partial = _broken(model_dir, engine, _drop_a_row(stage, kind, step))
+    verdict = blame_broken(spec, partial, work)
+    assert verdict.blamed == stage, verdict.reason
+    assert "carries rows" in verdict.reason
+    # The culprit need not cooperate: its neighbours hold what it was given and what it sent.
+    without = [None if k == stage else r for k, r in enumerate(partial)]
+    assert blame_broken(spec, without, work).blamed == stage
+    # With too few records to see both sides of it, nobody is blamed: never an honest stage.
+    for missing in range(3):
+        if missing != stage:
+            thin = [None if k in (stage, missing) else r for k, r in enumerate(partial)]
+            assert blame_broken(spec, thin, work).blamed in (None, stage)
+
+
+def test_a_forged_copy_and_an_equivocation_are_named(
+    model_dir: Path, engine: HFEngine, one_torch_thread: None
+) -> None:
+    spec, work, partial = _broken(model_dir, engine, _drop_a_row(1, "decode", 1))
+    # Stage 2 claims stage 1 sent it other headers: its copy is not signed by 1, so stage 2 forged it.
+    record = partial[2].record
+    headers = [h.model_copy(update={"rows": h.rows[:1]}) for h in record.received.headers]
+    forged = record.model_copy(update={"received": record.received.model_copy(update={"headers": headers})})
+    verdict = blame_broken(
+        spec, [partial[0], partial[1], partial[2].model_copy(update={"record": forged})], work
+    )
+    assert verdict.blamed == 2 and "not signed by 1" in verdict.reason, verdict.reason
+    # Stage 1's own record shows another stream than the one stage 2 holds, both signed by 1: equivocation.
+    sent = partial[1].record.sent
+    other = rechain(sent.model_copy(update={"headers": headers}), ids_of(spec)[1])
+    lying = partial[1].record.model_copy(update={"sent": other})
+    verdict = blame_broken(
+        spec, [partial[0], partial[1].model_copy(update={"record": lying}), partial[2]], work
+    )
+    assert verdict.blamed == 1 and "two different streams" in verdict.reason, verdict.reason
+
+
+def ids_of(spec):  # noqa: ANN001, ANN201
+    """The identities support.pipeline.group signs with (identities(stages)), checked against the spec."""
+    ids = identities(spec.layout.stages)
+    assert tuple(i.node_id for i in ids) == spec.members
+    return ids
