@@ -39,9 +39,10 @@ SIG_FORMAT = "prime-node/rollout-sig/v2"
 SIG_FORMAT_V1 = "prime-node/rollout-sig/v1"
 # A pipelined group's file: v2 plus the group whose batch it is, so that every file of one group's batch is
 # routed to the same validator (p2p/swarm/routing.py, by group id), and its kind: a member's stage file
-# (proofs/pipeline/stage_file.py) or a receiver's fraud evidence against its predecessor (fraud_report.py).
+# (proofs/pipeline/stage_file.py), a receiver's fraud evidence against its predecessor, or a member's partial
+# record of a batch that broke (proofs/pipeline/reports.py).
 SIG_FORMAT_STAGE = "prime-node/rollout-sig/v3"
-GROUP_FILE_KINDS = ("stage", "fraud")
+GROUP_FILE_KINDS = ("stage", "fraud", "partial")
 SIG_SUFFIX = ".sig"
 MAX_SIG_BYTES = 4096
 _BATCH_FIELDS = ("policy_step", "batch_counter")

@@ -4,7 +4,6 @@ stage that dropped it, even when that stage hands in nothing, and never an hones
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,13 +12,11 @@ from prime_node.node.engine.hf import HFEngine
 from prime_node.node.engine.types import SamplingParams
 from prime_node.node.pipeline.driver import run_loopback
 from prime_node.node.pipeline.errors import BatchBroken
-from prime_node.node.pipeline.stage import Outgoing
-from prime_node.proofs.pipeline.blame import GroupWork
-from prime_node.proofs.pipeline.broken import blame_broken
-from prime_node.proofs.toploc import build_proof
+from prime_node.proofs.pipeline.broken import BatchRules, blame_broken, cut_of
 
 from support.pipeline import group, identities, random_requests, save_tiny
 from support.pipeline_attacks import rechain
+from support.pipeline_files import drop_a_row
 
 PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0)
 BOUNDARIES = [0, 1, 3, 4]  # three stages: a relay stage in the middle
@@ -35,26 +32,6 @@ def engine(model_dir: Path) -> HFEngine:
     return HFEngine.load(model_dir, dtype="float32")
 
 
-def _drop_a_row(stage: int, kind: str, step: int):  # noqa: ANN202
-    """Stage `stage` leaves the last row out of its `kind` frame of `step` (micro-batch 0), the commitment made
-    to match what it sends (so no commitment check catches it: only the rows do)."""
-
-    def tamper(sender: int, out: Outgoing) -> Outgoing:
-        if (
-            sender != stage
-            or out.kind != kind
-            or out.step != step
-            or out.micro_batch != 0
-            or len(out.rows) < 2
-        ):
-            return out
-        tensor = out.tensor[:-1]
-        commitment = out.commitment if kind == "tokens" else build_proof(tensor[:, -1])
-        return dataclasses.replace(out, rows=out.rows[:-1], tensor=tensor, commitment=commitment)
-
-    return tamper
-
-
 def _broken(model_dir: Path, engine: HFEngine, tamper) -> tuple:  # noqa: ANN001
     requests = random_requests(4, seed=11)
     spec, processors, ids = group(
@@ -66,14 +43,7 @@ def _broken(model_dir: Path, engine: HFEngine, tamper) -> tuple:  # noqa: ANN001
         eos_token_id=engine.eos_token_id,
         pad_token_id=engine.pad_token_id,
     )
-    work = GroupWork(
-        [r.prompt_ids for r in requests],
-        [r.seed for r in requests],
-        PARAMS.temperature,
-        PARAMS.max_new_tokens,
-        engine.eos_token_id,
-        4,
-    )
+    work = BatchRules(engine.eos_token_id, PARAMS.max_new_tokens, cut_of([r.prompt_ids for r in requests], 4))
     with pytest.raises(BatchBroken) as broken:
         run_loopback(spec, processors, ids, tamper=tamper)
     return spec, work, broken.value.partial
@@ -87,7 +57,7 @@ def _broken(model_dir: Path, engine: HFEngine, tamper) -> tuple:  # noqa: ANN001
 def test_the_stage_that_dropped_a_row_is_named(
     model_dir: Path, engine: HFEngine, stage: int, kind: str, step: int, one_torch_thread: None
 ) -> None:
-    spec, work, partial = _broken(model_dir, engine, _drop_a_row(stage, kind, step))
+    spec, work, partial = _broken(model_dir, engine, drop_a_row(stage, kind, step))
     verdict = blame_broken(spec, partial, work)
     assert verdict.blamed == stage, verdict.reason
     assert "carries rows" in verdict.reason
@@ -104,7 +74,7 @@ def test_the_stage_that_dropped_a_row_is_named(
 def test_a_forged_copy_and_an_equivocation_are_named(
     model_dir: Path, engine: HFEngine, one_torch_thread: None
 ) -> None:
-    spec, work, partial = _broken(model_dir, engine, _drop_a_row(1, "decode", 1))
+    spec, work, partial = _broken(model_dir, engine, drop_a_row(1, "decode", 1))
     # Stage 2 claims stage 1 sent it other headers: its copy is not signed by 1, so stage 2 forged it.
     record = partial[2].record
     headers = [h.model_copy(update={"rows": h.rows[:1]}) for h in record.received.headers]

@@ -171,7 +171,7 @@ def test_a_stage_file_signed_by_another_node_or_for_another_group_is_refused(mad
 
 
 def test_a_fraud_report_is_read_only_from_the_receiver_and_well_formed(made, tmp_path: Path) -> None:  # noqa: ANN001
-    from prime_node.proofs.pipeline.fraud_report import read_fraud_report
+    from prime_node.proofs.pipeline.reports import read_fraud_report
 
     from support.pipeline_files import fraud_report_file
 
@@ -179,7 +179,7 @@ def test_a_fraud_report_is_read_only_from_the_receiver_and_well_formed(made, tmp
     model = make_checkpoint(tmp_path / "model")
     spec, path = fraud_report_file(tmp_path, model, RUN, tasks, engine, members)
     received = read_fraud_report(path)
-    assert received.signer == members[1].node_id and received.report.group_id == spec.group_id
+    assert received.signer == members[1].node_id and received.report.claim.group_id == spec.group_id
     assert received.report.hop.opening.stage == 0 and received.report.hop.headers[-1].kind == "prefill"
     envelope = json.loads(signature_path(path).read_bytes())
     batch = (envelope["policy_step"], envelope["batch_counter"])
@@ -198,11 +198,12 @@ def test_a_fraud_report_is_read_only_from_the_receiver_and_well_formed(made, tmp
         read_fraud_report(path)
     for field, value, message in (
         ("tensor", "!!", "at tensor"),
-        ("prompts", 0, "at prompts"),
-        ("members", ["ab" * 32], "at members"),
+        ("claim.prompts", 0, "at claim.prompts"),
+        ("claim.members", ["ab" * 32], "at claim.members"),
     ):
         document = json.loads(data)
-        document[field] = value
+        holder = document["claim"] if field.startswith("claim.") else document
+        holder[field.removeprefix("claim.")] = value
         bad = json.dumps(document).encode()
         path.write_bytes(bad)
         signature_path(path).write_text(

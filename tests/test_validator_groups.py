@@ -17,7 +17,7 @@ from prime_node.p2p.swarm import RolloutEnvelope
 from prime_node.proofs.rollout_file import sign_bytes, signature_path
 
 from support.pipeline_attacks import perturb_stage_
-from support.pipeline_files import fraud_report_file, group_files
+from support.pipeline_files import drop_a_row, fraud_report_file, group_files, partial_report_files
 from support.swarm import fleet, wait_until
 from support.validator import (
     OPERATOR,
@@ -64,6 +64,7 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
     cheat_group = [Identity.generate() for _ in range(2)]  # stage 0 computes with perturbed weights
     lonely = [Identity.generate() for _ in range(2)]  # stage 1 never hands its file in
     framed = [Identity.generate() for _ in range(2)]  # stage 0 sends a frame its commitment belies
+    broken = [Identity.generate() for _ in range(2)]  # stage 1 drops a row: the batch breaks at stage 0
     made = {
         "honest": group_files(tmp_path / "honest", checkpoint, PIPELINED, tasks, engine, honest),
         "cheat": group_files(
@@ -82,11 +83,14 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         tmp_path / "fraud", checkpoint, PIPELINED, tasks, engine, framed, batch=1
     )
     _swap_tensor(false_report, framed[1])  # evidence of a frame that is not the one the accused signed
+    _, partials = partial_report_files(
+        tmp_path / "broken", checkpoint, PIPELINED, tasks, engine, broken, drop_a_row(1, "tokens", 1)
+    )
     settings = _settings(tmp_path / "validator")
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
         senders = {}
-        for member in honest + cheat_group + lonely[:1] + framed[1:]:
+        for member in honest + cheat_group + lonely[:1] + framed[1:] + broken[:1]:
             senders[member.node_id] = await swarm.add(
                 member, bootstrap=running.maddrs[:1], reachability="public"
             )
@@ -99,6 +103,9 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         for path in (report, false_report):
             assert _envelope(path).kind == "fraud"
             await senders[framed[1].node_id].send_rollout(path, _envelope(path))
+        # The culprit of the broken batch hands in nothing; stage 0 hands in its partial record.
+        assert _envelope(partials[0]).kind == "partial"
+        await senders[broken[0].node_id].send_rollout(partials[0], _envelope(partials[0]))
 
         def verdict(name: str, stage: int):  # noqa: ANN202
             path = made[name].paths[stage]
@@ -139,6 +146,17 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         assert not false.accepted and false.failed_check == "pipeline_report", false.reason
         files, score, slashes, banned = await _ledger(running, framed[1].node_id)
         assert sorted(files, key=str) == [(0, "pipeline_report"), (1, None)] and slashes == 1 and not banned
+        # A broken batch: after the grace period, stage 0's partial record (what it fed, and stage 1's signed
+        # tokens) names stage 1, which dropped a row and handed in nothing; stage 0 is excused.
+        sha = _envelope(partials[0]).sha256
+        excused = (await wait_verdict(running, sha, 60, node_id=broken[0].node_id)).document
+        assert not excused.accepted and excused.failed_check == "pipeline_incomplete", excused.reason
+        dropped = (await wait_verdict(running, sha, 30, node_id=broken[1].node_id)).document
+        assert not dropped.accepted and dropped.failed_check == "pipeline", dropped.reason
+        assert dropped.reason.startswith("stage 1: frame") and "carries rows" in dropped.reason
+        assert (await _ledger(running, broken[0].node_id))[1:] == (0.0, 0, False)
+        files, score, slashes, banned = await _ledger(running, broken[1].node_id)
+        assert files == [(0, "pipeline")] and slashes == 1 and banned
         # Stage files are credited, not delivered to the trainer (it reads rollout files): the spool empties.
         await wait_until(lambda: _spool_empty(running), 10)
         assert not (settings.resolved_data_dir() / "accepted").exists() or not any(

@@ -104,7 +104,6 @@ from prime_node.p2p.weights.manifest import (
 from prime_node.p2p.weights.server import ServeSettings
 from prime_node.p2p.weights.sources import SelectionSettings
 from prime_node.p2p.wire import WireFormatError, WireModel, loads_strict
-from prime_node.proofs.pipeline.fraud_report import FraudReport, read_fraud_report
 from prime_node.proofs.pipeline.records import (
     RECORD_DOMAIN,
     HopRecord,
@@ -113,6 +112,13 @@ from prime_node.proofs.pipeline.records import (
     StageRecordError,
     group_id_of,
     parse_stage_record,
+)
+from prime_node.proofs.pipeline.reports import (
+    BatchClaim,
+    FraudReport,
+    PartialReport,
+    read_fraud_report,
+    read_partial_report,
 )
 from prime_node.proofs.rollout_file import sign_bytes, signature_path
 from prime_node.proofs.rollout_schema import RolloutFileError
@@ -393,9 +399,50 @@ def _stage_record() -> Carrier:
     )
 
 
+def _group_report(
+    model: type[WireModel], sample: WireModel, kind: str, reader: Callable[[Path], Any]
+) -> Carrier:
+    """A pipelined group's report as the validator reads it (proofs/pipeline/reports.py): the body's bytes under a
+    v3 envelope of `kind` signed by the stream's receiver (the record's member), signing the claim's group and batch
+    when the body names them."""
+
+    def read(raw: bytes, signer: Identity | None) -> Any:
+        try:
+            claim = loads_strict(raw)["claim"]
+            group = group_id_of(claim["run_id"], claim["policy_step"], claim["members"])
+            batch = (int(claim["policy_step"]), int(claim["batch"]))
+        except (WireFormatError, KeyError, TypeError, ValueError):
+            group, batch = SHA, (1, 2)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "report.json"
+            path.write_bytes(raw)
+            envelope = sign_bytes(raw, signer or STRANGER, batch=batch, group=group, kind=kind)
+            if signer is None:
+                envelope["signature"] = "ab" * 64
+            signature_path(path).write_text(json.dumps(envelope))
+            return reader(path)
+
+    signer = RECEIVER if kind == "fraud" else NODE
+    return Carrier(
+        model,
+        sample.model_dump(mode="json"),
+        lambda raw: read(raw, signer),
+        RolloutFileError,
+        (lambda raw: read(raw, STRANGER), lambda raw: read(raw, None)),
+    )
+
+
+_CLAIM = BatchClaim(
+    run_id=RUN,
+    policy_step=1,
+    batch=2,
+    members=[NODE.node_id, RECEIVER.node_id],
+    prompts=1,
+    micro_batch_size=1,
+)
+
+
 def _fraud_report() -> Carrier:
-    """A receiver's fraud evidence as the validator reads it (proofs/pipeline/fraud_report.py): the body's bytes
-    under a v3 envelope (kind `fraud`) signed by the stream's receiver, the group and batch it names signed too."""
     header = FrameHeader(
         index=1,
         micro_batch=0,
@@ -408,41 +455,36 @@ def _fraud_report() -> Carrier:
         commitment="00ff",
     )
     hop = HopRecord(opening=_OPENING, headers=[header], head=SHA, signature="cd" * 64)
-    report = FraudReport(
-        run_id=RUN,
-        policy_step=1,
-        batch=2,
-        members=[NODE.node_id, RECEIVER.node_id],
-        prompts=1,
-        micro_batch_size=1,
-        hop=hop,
-        tensor="AAAAAAAAAAA=",
-    )
+    report = FraudReport(claim=_CLAIM, hop=hop, tensor="AAAAAAAAAAA=")
+    return _group_report(FraudReport, report, "fraud", read_fraud_report)
 
-    def read(raw: bytes, signer: Identity | None) -> Any:
-        try:  # the envelope signs the group and batch the body names, when it names them
-            document = loads_strict(raw)
-            group = group_id_of(document["run_id"], document["policy_step"], document["members"])
-            batch = (int(document["policy_step"]), int(document["batch"]))
-        except (WireFormatError, KeyError, TypeError, ValueError):
-            group, batch = SHA, (1, 2)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "report.json"
-            path.write_bytes(raw)
-            identity = signer or STRANGER
-            envelope = sign_bytes(raw, identity, batch=batch, group=group, kind="fraud")
-            if signer is None:
-                envelope["signature"] = "ab" * 64
-            signature_path(path).write_text(json.dumps(envelope))
-            return read_fraud_report(path)
 
-    return Carrier(
-        FraudReport,
-        report.model_dump(mode="json"),
-        lambda raw: read(raw, RECEIVER),
-        RolloutFileError,
-        (lambda raw: read(raw, STRANGER), lambda raw: read(raw, None)),
+def _partial_report() -> Carrier:
+    header = FrameHeader(
+        index=1,
+        micro_batch=0,
+        kind="tokens",
+        step=0,
+        rows=[0],
+        shape=[1],
+        dtype="int64",
+        tensor_sha256=SHA,
+        commitment="00ff",
     )
+    hop = HopRecord(opening=_OPENING, headers=[header], head=SHA, signature="cd" * 64)
+    record = StageRecord(stage=0, node_id=NODE.node_id, received=hop, sent=hop, outputs=[[5]])
+    report = PartialReport(claim=_CLAIM, record=SignedStageRecord.sign(record, NODE))
+
+    def read(path: Path) -> Any:  # the member signs whatever record it sends, when it has a canonical form
+        document = json.loads(path.read_bytes())
+        try:
+            payload = RECORD_DOMAIN + canonical_json(document["record"]["record"])
+            document["record"]["signature"] = NODE.sign(payload).hex()
+        except (KeyError, TypeError, SignatureError):
+            pass
+        return read_partial_report(path)
+
+    return _group_report(PartialReport, report, "partial", read)
 
 
 def _answer(model: type[WireModel], sample: dict[str, Any], what: str) -> Carrier:
@@ -608,6 +650,7 @@ CARRIERS = [
     _pipeline(StreamOpening, _OPENING),
     _stage_record(),
     _fraud_report(),
+    _partial_report(),
     _pipeline(
         FrameHeader,
         FrameHeader(

@@ -1,6 +1,7 @@
 """What a member hands the validator: its stage file for a finished batch (proofs/pipeline/stage_file.py: the
-group's rows plus its record), or, for a batch abandoned over a frame its commitment belies, the fraud evidence
-against its predecessor (proofs/pipeline/fraud_report.py).
+group's rows plus its record); for a batch abandoned over a frame its commitment belies, the fraud evidence
+against its predecessor; for a batch broken over a frame the schedule does not call for, its partial record
+(proofs/pipeline/reports.py).
 
 Every member writes the same rows: the assignment `work_for` derived (node/pipeline/work.py), the output tokens
 every stage's record lists (the last stage sampled them and sent them to stage 0; a middle stage lists the
@@ -17,8 +18,8 @@ import torch
 
 from ...p2p.identity import Identity
 from ...proofs.assignment import Assignment
-from ...proofs.pipeline.fraud_report import report_of, write_fraud_report
 from ...proofs.pipeline.records import HopFraud, SignedStageRecord
+from ...proofs.pipeline.reports import BatchClaim, PartialReport, report_of, write_report
 from ...proofs.pipeline.stage_file import write_stage_file
 from ...proofs.rollout_schema import RolloutRow
 from ...proofs.toploc import build_proofs
@@ -106,4 +107,25 @@ def write_member_report(
         prompts=batch.prompts,
         micro_batch_size=batch.micro_batch_size,
     )
-    return write_fraud_report(out, report, identity)
+    return write_report(out, report, identity)
+
+
+def write_member_partial(
+    out: Path,
+    run: RunSettings,
+    batch: GroupBatch,
+    members: tuple[str, ...],
+    partial: SignedStageRecord,
+    identity: Identity,
+) -> Path:
+    """Write and sign this member's partial record of a broken batch (BatchBroken.partial); the envelope's path."""
+    claim = BatchClaim(
+        run_id=run.run_id,
+        policy_step=batch.policy_step,
+        batch=batch.batch,
+        members=list(members),
+        prompts=batch.prompts,
+        micro_batch_size=batch.micro_batch_size,
+    )
+    report = PartialReport(claim=claim, record=partial)
+    return write_report(out, report, identity)

@@ -99,7 +99,8 @@ class RolloutEnvelope(WireModel):
     # v3 only (a pipeline stage's file): the group whose batch the file is, signed, so that the stage files of one
     # group's batch are routed to one validator (by group, not by sender: routing.py) and judged together.
     group: Sha256Hex | None = None
-    kind: Literal["stage", "fraud"] | None = None  # v3 only: a member's stage file, or fraud evidence
+    # v3 only: a member's stage file, a receiver's fraud evidence, or a member's partial record of a broken batch.
+    kind: Literal["stage", "fraud", "partial"] | None = None
     signature: SignatureHex  # Ed25519 by node_id over canonical JSON of the other fields
 
     @model_validator(mode="after")
@@ -165,7 +166,7 @@ class RolloutEnvelope(WireModel):
         data: bytes,
         batch: tuple[int, int] | None,
         group: str | None = None,
-        kind: Literal["stage", "fraud"] = "stage",
+        kind: Literal["stage", "fraud", "partial"] = "stage",
     ) -> RolloutEnvelope:
         """`data`'s envelope: v2 signing `batch` (policy step, batch counter), or v1 when `batch` is None; v3
         (a pipelined group's file of `kind`) when `group` is given."""

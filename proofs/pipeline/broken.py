@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from ...p2p.pipeline.frames import FrameHeader, verify_chain
-from .blame import GroupVerdict, GroupWork
+from .blame import GroupVerdict
 from .records import GroupSpec, HopRecord, SignedStageRecord
 from .schedule import micro_batches
 
@@ -105,24 +106,27 @@ def _deviation(
     stages: int,
     given: list[FrameHeader],
     sent: list[FrameHeader],
-    work: GroupWork,
+    run: BatchRules,
     tokens: list[list[int]] | None,
 ) -> str | None:
     """Why stage k's output frames do not follow from its input frames, or None."""
     received = _index(given)
-    cut = micro_batches([len(p) for p in work.prompts], work.micro_batch_size)
     for header in sent:
         if header.kind == "end":
             continue
         what = f"frame {header.index} ({header.kind} of micro-batch {header.micro_batch}, step {header.step})"
         if k == 0:
             if header.kind == "prefill":
-                due: list[int] | None = cut[header.micro_batch] if header.micro_batch < len(cut) else None
+                if run.cut is None:  # nobody vouches for the batch's cut: stage 0's prefills are not judged
+                    continue
+                due: list[int] | None = (
+                    run.cut[header.micro_batch] if header.micro_batch < len(run.cut) else None
+                )
             elif header.kind == "decode":
                 source = received.get(("tokens", header.micro_batch, header.step))
                 due = None
-                if source is not None and tokens is not None and header.step < work.max_new_tokens - 1:
-                    due = [r for r in source.rows if tokens[r][header.step] != work.eos_token_id]
+                if source is not None and tokens is not None and header.step < run.max_new_tokens - 1:
+                    due = [r for r in source.rows if tokens[r][header.step] != run.eos_token_id]
                 elif source is not None and tokens is None:  # no confirmed token values: added rows only
                     if not set(header.rows) <= set(source.rows):
                         return f"{what} feeds rows it never received tokens for"
@@ -148,8 +152,23 @@ def _deviation(
     return None
 
 
+@dataclass(frozen=True)
+class BatchRules:
+    """What the check needs of the batch beyond the streams: the run's EOS and max_new_tokens, and the
+    micro-batch cut of the assigned work (None when no trustworthy claim of it is at hand: stage 0's prefills are
+    then not judged)."""
+
+    eos_token_id: int
+    max_new_tokens: int
+    cut: list[list[int]] | None
+
+
+def cut_of(prompts: Sequence[Sequence[int]], micro_batch_size: int) -> list[list[int]]:
+    return micro_batches([len(p) for p in prompts], micro_batch_size)
+
+
 def blame_broken(
-    spec: GroupSpec, records: Sequence[SignedStageRecord | None], work: GroupWork
+    spec: GroupSpec, records: Sequence[SignedStageRecord | None], run: BatchRules
 ) -> GroupVerdict:
     """The first stage whose own signed output deviates from its signed input in a broken batch, or no one.
     `records`: the members' partial records in stage order (None where a member handed in none); each must be
@@ -170,7 +189,7 @@ def blame_broken(
             continue  # nobody holds what it sent: nothing to compare
         if given is None:  # nobody holds what it was given: only stage 0's prefills follow from nothing
             sent = [h for h in sent if k == 0 and h.kind == "prefill"]
-        reason = _deviation(k, stages, given or [], sent, work, tokens)
+        reason = _deviation(k, stages, given or [], sent, run, tokens)
         if reason is not None:
             return GroupVerdict(k, f"stage {k}: {reason}")
     return NO_BLAME

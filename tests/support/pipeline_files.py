@@ -12,8 +12,8 @@ import torch
 
 from prime_node.node.engine import HFEngine
 from prime_node.node.pipeline.driver import Tamper, run_loopback
-from prime_node.node.pipeline.errors import FraudDetected
-from prime_node.node.pipeline.rollouts import write_member_file, write_member_report
+from prime_node.node.pipeline.errors import BatchBroken, FraudDetected
+from prime_node.node.pipeline.rollouts import write_member_file, write_member_partial, write_member_report
 from prime_node.node.pipeline.stage import Outgoing, StageProcessor
 from prime_node.node.pipeline.stage_model import StageModel
 from prime_node.node.pipeline.work import GroupBatch, work_for
@@ -22,6 +22,7 @@ from prime_node.node.run.validation import RunTasks
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.proofs.pipeline.records import GroupSpec
+from prime_node.proofs.toploc import build_proof
 
 
 @dataclass(frozen=True)
@@ -124,3 +125,59 @@ def fraud_report_file(
         write_member_report(path, run, group_batch, spec.members, detected.fraud, receiver)
         return spec, path
     raise AssertionError("the receiver did not detect the frame its commitment belies")
+
+
+def drop_a_row(stage: int, kind: str, step: int) -> Tamper:
+    """Stage `stage` leaves the last row out of its `kind` frame of `step` (micro-batch 0), the commitment made to
+    match what it sends (so no commitment check catches it: only the rows do); the batch breaks when stage 0
+    gets the tokens of other rows than it fed."""
+
+    def tamper(sender: int, out: Outgoing) -> Outgoing:
+        if (
+            sender != stage
+            or out.kind != kind
+            or out.step != step
+            or out.micro_batch != 0
+            or len(out.rows) < 2
+        ):
+            return out
+        tensor = out.tensor[:-1]
+        commitment = out.commitment if kind == "tokens" else build_proof(tensor[:, -1])
+        return dataclasses.replace(out, rows=out.rows[:-1], tensor=tensor, commitment=commitment)
+
+    return tamper
+
+
+def partial_report_files(
+    out: Path,
+    checkpoint: Path,
+    run: RunSettings,
+    tasks: RunTasks,
+    engine: HFEngine,
+    members: list[Identity],
+    tamper: Tamper,
+    *,
+    batch: int = 0,
+    prompts: int = 2,
+    micro_batch_size: int = 4,
+) -> tuple[GroupSpec, list[Path]]:
+    """Run a batch that `tamper` breaks; every member's signed partial report, in stage order."""
+    assert run.pipeline is not None
+    spec = GroupSpec(run.run_id, 0, batch, run.pipeline, tuple(m.node_id for m in members))
+    group_batch = GroupBatch(spec.group_id, 0, batch, prompts, micro_batch_size)
+    work, _ = work_for(
+        run, tasks, group_batch, eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
+    )
+    processors = [
+        StageProcessor(StageModel.load(checkpoint, run.pipeline, s), work) for s in range(run.pipeline.stages)
+    ]
+    try:
+        run_loopback(spec, processors, members, tamper=tamper)
+    except BatchBroken as broken:
+        paths = []
+        for k, (member, record) in enumerate(zip(members, broken.partial, strict=True)):
+            path = out / f"group-{spec.group_id[:8]}-b{batch}-partial{k}.json"
+            write_member_partial(path, run, group_batch, spec.members, record, member)
+            paths.append(path)
+        return spec, paths
+    raise AssertionError("the batch did not break")

@@ -35,8 +35,9 @@ from ...node.run.validation import RunTasks
 from ...p2p.pipeline.layout import StageLayout
 from ...proofs.errors import ProofError
 from ...proofs.pipeline.blame import BlameThresholds, GroupVerdict, GroupWork, check_fraud, verify_group
-from ...proofs.pipeline.fraud_report import ReceivedReport, read_fraud_report
-from ...proofs.pipeline.records import GroupSpec
+from ...proofs.pipeline.broken import BatchRules, blame_broken, cut_of
+from ...proofs.pipeline.records import GroupSpec, SignedStageRecord
+from ...proofs.pipeline.reports import ReceivedPartial, ReceivedReport, read_fraud_report, read_partial_report
 from ...proofs.pipeline.schedule import micro_batches
 from ...proofs.pipeline.stage_file import StageFile, read_stage_file
 from ...proofs.rollout_schema import RolloutFileError, RolloutLimits
@@ -195,12 +196,12 @@ def _judge_reports(
     with the reason); one that proves nothing is its reporter's fault (`pipeline_report`)."""
     upheld = None
     for d, received in reports.items():
-        report = received.report
-        step = report.policy_step
-        if len(report.members) != layout.stages:
-            result.outcomes[d] = _reject(step, "run_parameters", f"a group of {len(report.members)} stages")
+        report, claim = received.report, received.report.claim
+        step = claim.policy_step
+        if len(claim.members) != layout.stages:
+            result.outcomes[d] = _reject(step, "run_parameters", f"a group of {len(claim.members)} stages")
             continue
-        batch = GroupBatch(report.group_id, step, report.batch, report.prompts, report.micro_batch_size)
+        batch = GroupBatch(claim.group_id, step, claim.batch, claim.prompts, claim.micro_batch_size)
         try:
             work, _ = work_for(run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
         except (ProofError, ValueError) as exc:
@@ -208,14 +209,14 @@ def _judge_reports(
                 step, REPORT_FAILED, f"the report names no batch of the group: {exc}"
             )
             continue
-        spec = GroupSpec(run.run_id, step, report.batch, layout, tuple(report.members))
+        spec = GroupSpec(run.run_id, step, claim.batch, layout, tuple(claim.members))
         group_work = GroupWork(
             [r.prompt_ids for r in work.requests],
             [r.seed for r in work.requests],
             run.temperature,
             run.max_new_tokens,
             eos,
-            report.micro_batch_size,
+            claim.micro_batch_size,
         )
         verdict = check_fraud(spec, report.evidence(), group_work)
         if verdict.blamed is None:
@@ -225,9 +226,72 @@ def _judge_reports(
             continue
         result.outcomes[d] = Outcome(False, step, True)
         accused = Outcome(False, step, False, BLAMED, f"{verdict.reason} (fraud evidence by its receiver)")
-        result.accusations.append(Accusation(received.sha256, report.members[verdict.blamed], accused))
+        result.accusations.append(Accusation(received.sha256, claim.members[verdict.blamed], accused))
         upheld = upheld or (verdict.blamed, verdict.reason)
     return upheld
+
+
+def _judge_broken(
+    partials: dict[int, ReceivedPartial],
+    parsed: dict[int, StageFile],
+    by_stage: dict[int, int],
+    run: RunSettings,
+    layout: StageLayout,
+    tasks: RunTasks,
+    eos: int,
+    pad: int,
+    result: GroupOutcome,
+) -> GroupOutcome:
+    """A batch that broke: blame_broken over every member's record as it stood (a partial report, or the stage
+    file of a member that finished), one verdict per delivery, an accusation on a culprit that sent nothing."""
+    step = result.step
+    records: list[SignedStageRecord | None] = [None] * layout.stages
+    holder: dict[int, int] = {}  # stage -> the delivery its record came from
+    for k, d in by_stage.items():
+        records[k], holder[k] = parsed[d].record, d
+    claim = None
+    for d, partial in partials.items():
+        k = partial.stage
+        if len(partial.report.claim.members) != layout.stages:
+            result.outcomes[d] = _reject(
+                step, "run_parameters", f"a group of {len(partial.report.claim.members)} stages"
+            )
+        elif k in holder:
+            result.outcomes[d] = _reject(step, "duplicate", f"a second record for stage {k} of this batch")
+        else:
+            records[k], holder[k] = partial.report.record, d
+            claim = partial.report.claim if k == 0 else claim
+    members = next(iter(partials.values())).report.claim.members
+    if len(members) != layout.stages:  # every record of the group names the same members: all refused above
+        return result
+    spec = GroupSpec(
+        run.run_id, step, next(iter(partials.values())).report.claim.batch, layout, tuple(members)
+    )
+    cut = None
+    if (
+        claim is not None
+    ):  # stage 0's own claim of the batch it cut (signed by it): its prefills are judged by it
+        try:
+            batch = GroupBatch(claim.group_id, step, claim.batch, claim.prompts, claim.micro_batch_size)
+            work, _ = work_for(run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
+            cut = cut_of([r.prompt_ids for r in work.requests], claim.micro_batch_size)
+        except (ProofError, ValueError):
+            cut = None
+    verdict = blame_broken(spec, records, BatchRules(eos, run.max_new_tokens, cut))
+    for k, d in holder.items():
+        if verdict.blamed == k:
+            result.outcomes[d] = _reject(step, BLAMED, verdict.reason)
+        else:
+            result.outcomes[d] = _reject(step, INCOMPLETE, f"the batch broke mid-way: {verdict.reason}")
+    if (
+        verdict.blamed is not None and verdict.blamed not in holder
+    ):  # it sent nothing: judged on a neighbour's
+        receiver = (verdict.blamed + 1) % layout.stages
+        witness = holder.get(receiver, next(iter(holder.values())))
+        sha = partials[witness].sha256 if witness in partials else parsed[witness].sha256
+        outcome = Outcome(False, step, False, BLAMED, f"{verdict.reason} (its neighbours' partial records)")
+        result.accusations.append(Accusation(sha, members[verdict.blamed], outcome))
+    return result
 
 
 def verify_group_files(
@@ -246,17 +310,21 @@ def verify_group_files(
     result = GroupOutcome()
     parsed: dict[int, StageFile] = {}
     reports: dict[int, ReceivedReport] = {}
+    partials: dict[int, ReceivedPartial] = {}
     for d, delivery in enumerate(deliveries):
         try:
             if delivery.kind == "fraud":
                 reports[d] = read_fraud_report(delivery.path, expected_signer=delivery.sender)
+            elif delivery.kind == "partial":
+                partials[d] = read_partial_report(delivery.path, expected_signer=delivery.sender)
             else:
                 parsed[d] = read_stage_file(delivery.path, limits, expected_signer=delivery.sender)
         except RolloutFileError as exc:
             result.outcomes[d] = _reject(0, check_name(exc.check), str(exc))
-    if not parsed and not reports:
+    if not parsed and not reports and not partials:
         return result
-    step = next(iter(parsed.values())).batch[0] if parsed else next(iter(reports.values())).report.policy_step
+    claims = [r.report.claim for r in reports.values()] + [p.report.claim for p in partials.values()]
+    step = next(iter(parsed.values())).batch[0] if parsed else claims[0].policy_step
     result.step = step
     by_stage: dict[int, int] = {}
     for d, f in parsed.items():
@@ -273,7 +341,7 @@ def verify_group_files(
             )
         else:
             by_stage[f.stage] = d
-    if not by_stage and not reports:
+    if not by_stage and not reports and not partials:
         return result
     found = lookup(step)
     if found is None:
@@ -292,7 +360,16 @@ def verify_group_files(
             result.outcomes[d] = _reject(
                 step, check, reason if k == stage else f"another stage blamed: {reason}"
             )
+        for d in partials:
+            result.outcomes[d] = _reject(step, GROUP_FAILED, f"another stage blamed: {reason}")
         return result
+    if (
+        partials
+    ):  # the batch broke: blame from the members' partial records, once they are all in or time is up
+        stages_in = {p.stage for p in partials.values()} | set(by_stage)
+        if not complete and len(stages_in) < layout.stages:
+            return GroupOutcome(step=step)
+        return _judge_broken(partials, parsed, by_stage, run, layout, tasks, eos, pad, result)
     if not by_stage:
         return result if complete else GroupOutcome(step=step)  # reports that proved nothing: wait for files
     for stage, d in list(by_stage.items()):  # each file's rows against its own claim of the group's batch
