@@ -225,13 +225,18 @@ def _check(
     if not 1 <= micro <= limits.max_rows:
         raise _bad("micro_batch_size", f"{micro} is outside [1, {limits.max_rows}]")
     check_rows(rows, limits, proof=stage == len(members) - 1)
-    check_signer(rows, signer, batch)
+    try:  # rows that are not the signer's, or another batch than its envelope routed: fraud, as for rollout files
+        check_signer(rows, signer, batch)
+    except RolloutFileError as exc:
+        raise RolloutFileError(str(exc), check="signer") from None
     if members[stage] != signer:
-        raise _bad("group_members", f"stage {stage}'s member is not the file's signer")
+        raise RolloutFileError(
+            f"column 'group_members': stage {stage}'s member is not the file's signer", check="signer"
+        )
     if group_id_of(rows[0].run_id, rows[0].policy_step, members) != group:
         raise RolloutFileError(
             "the envelope signs another group than the file's members, run and policy step make",
-            check="signature",
+            check="signer",
         )
     streams = [_stream(name, values[name]) for name in ("received_stream", "sent_stream")]
     signature = values["stage_signature"][0]

@@ -398,6 +398,7 @@ class ValidatorService:
                     self.settings.run.pipeline,
                     self.keeper.model_for,
                     complete=complete,
+                    limits=self.verifier.file_limits(),
                 )
         except PromptError:
             raise  # the run's prompts cannot be built with its model: no file can be judged (run_worker)
