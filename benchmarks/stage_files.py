@@ -2,6 +2,10 @@
 costs the validator (process CPU seconds, one torch thread), from one run.
 
     .venv/bin/python benchmarks/stage_files.py [--prompts 4] [--samples 4] [--new-tokens 32] [--stages 2]
+                                               [--honest-batches N]
+
+With --honest-batches N it also runs N more honest batches (other batch numbers, so other assigned problems and
+seeds) and counts the files the judgement rejects: false rejections, which must be 0.
 
 The group runs in one process (node/pipeline/driver.py) over the tiny embedded model; the files are what each
 member writes (node/pipeline/rollouts.py), the judgement is the validator service's (trainer/validator/group_job.py).
@@ -43,6 +47,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--stages", type=int, default=2, choices=(2, 4))
+    parser.add_argument("--honest-batches", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     boundaries = [0, 2, 4] if args.stages == 2 else [0, 1, 2, 3, 4]
@@ -89,6 +94,30 @@ def main() -> None:
         print(
             f"  group judgement (every file read, work derived, verify_group, last-stage proofs): {judge:.3f} s CPU"
         )
+        rejected, rollouts = 0, 0
+        for batch in range(1, args.honest_batches + 1):
+            more = group_files(
+                out / f"b{batch}",
+                checkpoint,
+                run,
+                tasks,
+                engine,
+                members,
+                batch=batch,
+                prompts=args.prompts,
+                micro_batch_size=4,
+            )
+            deliveries = [Delivery(p, m.node_id) for p, m in zip(more.paths, members, strict=True)]
+            judged = verify_group_files(deliveries, run, run.pipeline, lookup, complete=True)
+            rollouts += args.prompts * args.samples
+            for o in judged.outcomes.values():
+                if not o.accepted:
+                    rejected += 1
+                    print(f"  batch {batch}: rejected ({o.failed_check}: {o.reason[:160]})")
+        if args.honest_batches:
+            print(
+                f"  honest: {args.honest_batches} more batches, {rollouts} rollouts, {rejected} files rejected"
+            )
 
 
 if __name__ == "__main__":
