@@ -1,11 +1,13 @@
 """Blame in a batch that broke mid-way (proofs/pipeline/broken.py): a stage that drops a row breaks the batch
 (stage 0 refuses tokens of other rows than it fed); from the members' partial records the validator names the
-stage that dropped it, even when that stage hands in nothing, and never an honest one."""
+stage that dropped it, judged on its own record, and never an honest one, even one that hands in nothing."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from prime_node.node.engine.hf import HFEngine
@@ -61,14 +63,37 @@ def test_the_stage_that_dropped_a_row_is_named(
     verdict = blame_broken(spec, partial, work)
     assert verdict.blamed == stage, verdict.reason
     assert "carries rows" in verdict.reason
-    # The culprit need not cooperate: its neighbours hold what it was given and what it sent.
-    without = [None if k == stage else r for k, r in enumerate(partial)]
-    assert blame_broken(spec, without, work).blamed == stage
-    # With too few records to see both sides of it, nobody is blamed: never an honest stage.
+    # A culprit that withholds its record is not judged (its input would rest on its predecessor's word alone),
+    # and with fewer records no honest stage is ever blamed.
     for missing in range(3):
-        if missing != stage:
-            thin = [None if k in (stage, missing) else r for k, r in enumerate(partial)]
-            assert blame_broken(spec, thin, work).blamed in (None, stage)
+        thin = [None if k in (stage, missing) else r for k, r in enumerate(partial)]
+        assert blame_broken(spec, thin, work).blamed is None
+    without_witness = [None if k == (stage + 1) % 3 and stage != 0 else r for k, r in enumerate(partial)]
+    if stage == 1:  # its output is also in its own record: blamed without its successor's copy
+        assert blame_broken(spec, without_witness, work).blamed == stage
+
+
+def test_a_stage_that_hands_in_nothing_cannot_be_framed(
+    model_dir: Path, engine: HFEngine, one_torch_thread: None
+) -> None:
+    """Stage 1 drops a row. The last stage then signs a tokens stream whose token, for a row stage 0 fed on,
+    is EOS (its own outputs say so): judged on that stream alone, stage 0 would have fed a finished sample.
+    Stage 0 hands in nothing: it is not judged, and stage 1 is still named."""
+    spec, work, partial = _broken(model_dir, engine, drop_a_row(1, "decode", 1))
+    record = partial[2].record
+    outputs = [list(o) for o in record.outputs]
+    headers = list(record.sent.headers)
+    at = next(i for i, h in enumerate(headers) if h.kind == "tokens" and h.step == 0)
+    row = headers[at].rows[0]
+    outputs[row][0] = work.eos_token_id
+    tokens = np.array([outputs[r][0] for r in headers[at].rows], dtype="<i8").tobytes()
+    headers[at] = headers[at].model_copy(update={"tensor_sha256": hashlib.sha256(tokens).hexdigest()})
+    lie = rechain(record.sent.model_copy(update={"headers": headers}), ids_of(spec)[2])
+    framing = partial[2].model_copy(
+        update={"record": record.model_copy(update={"sent": lie, "outputs": outputs})}
+    )
+    verdict = blame_broken(spec, [None, partial[1], framing], work)
+    assert verdict.blamed == 1, verdict.reason
 
 
 def test_a_forged_copy_and_an_equivocation_are_named(

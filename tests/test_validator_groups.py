@@ -90,7 +90,7 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
         senders = {}
-        for member in honest + cheat_group + lonely[:1] + framed[1:] + broken[:1]:
+        for member in honest + cheat_group + lonely[:1] + framed[1:] + broken:
             senders[member.node_id] = await swarm.add(
                 member, bootstrap=running.maddrs[:1], reachability="public"
             )
@@ -103,9 +103,10 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         for path in (report, false_report):
             assert _envelope(path).kind == "fraud"
             await senders[framed[1].node_id].send_rollout(path, _envelope(path))
-        # The culprit of the broken batch hands in nothing; stage 0 hands in its partial record.
-        assert _envelope(partials[0]).kind == "partial"
-        await senders[broken[0].node_id].send_rollout(partials[0], _envelope(partials[0]))
+        # Both members of the broken batch hand in their partial records (the culprit's software reports too).
+        for member, path in zip(broken, partials, strict=True):
+            assert _envelope(path).kind == "partial"
+            await senders[member.node_id].send_rollout(path, _envelope(path))
 
         def verdict(name: str, stage: int):  # noqa: ANN202
             path = made[name].paths[stage]
@@ -146,12 +147,11 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         assert not false.accepted and false.failed_check == "pipeline_report", false.reason
         files, score, slashes, banned = await _ledger(running, framed[1].node_id)
         assert sorted(files, key=str) == [(0, "pipeline_report"), (1, None)] and slashes == 1 and not banned
-        # A broken batch: after the grace period, stage 0's partial record (what it fed, and stage 1's signed
-        # tokens) names stage 1, which dropped a row and handed in nothing; stage 0 is excused.
-        sha = _envelope(partials[0]).sha256
-        excused = (await wait_verdict(running, sha, 60, node_id=broken[0].node_id)).document
+        # A broken batch: the partial records name stage 1, which sampled fewer rows than it was given; stage 0
+        # is excused.
+        excused = (await wait_verdict(running, _envelope(partials[0]).sha256, 60)).document
         assert not excused.accepted and excused.failed_check == "pipeline_incomplete", excused.reason
-        dropped = (await wait_verdict(running, sha, 30, node_id=broken[1].node_id)).document
+        dropped = (await wait_verdict(running, _envelope(partials[1]).sha256, 30)).document
         assert not dropped.accepted and dropped.failed_check == "pipeline", dropped.reason
         assert dropped.reason.startswith("stage 1: frame") and "carries rows" in dropped.reason
         assert (await _ledger(running, broken[0].node_id))[1:] == (0.0, 0, False)

@@ -2,10 +2,13 @@
 
 When a batch breaks (a stage refuses a frame: stage 0 finds the tokens of other rows than it fed; a stage
 stops), the members hand the validator their **partial** records: the streams they received and sent so far,
-each prefix signed by its sender through the chain head, and the tokens they know. No member needs the culprit's
-cooperation: what stage k received is signed by k - 1 (k - 1 holds it as sent, k as received), what k sent is
-signed by k (k holds it, k + 1 holds its copy). From the longest validly signed copy of each hop, stage k's
-output frames are checked against its input frames (`blame_broken`):
+each prefix signed by its sender through the chain head, and the tokens they know. What stage k sent is signed
+by k: the longest validly signed copy (k's own, or k + 1's) is k's output. What k was given is judged from k's
+own record only: k - 1 signs whatever it likes, so its copy alone could be a stream it never sent, which would
+frame an absent k. So a stage is judged only when it handed in its record; one that withholds it escapes, like
+one that stops (closing that gap needs each frame to carry the sender's latest received chain head, so that k's
+signed output acknowledges its input: not built). Stage k's output frames are checked against its input frames
+(`blame_broken`):
 
 - a relay stage (0 < k < last) sends, for each frame it received, the frame of the same kind, micro-batch and
   step with exactly the same rows;
@@ -15,10 +18,11 @@ output frames are checked against its input frames (`blame_broken`):
   rows of the tokens of step t it received whose token is not EOS (none at t = max_new_tokens - 1); the token
   values come from a record whose outputs match the token frames' signed hashes (stage 0's or the last stage's).
 
-An output frame without its input frame, or with other rows, is that stage's own signed deviation: it alone is
-blamed. Two validly signed copies of one hop that diverge are the sender's equivocation; a copy not signed by
-its sender is its holder's forgery. A stage that merely stops sends nothing wrong and is never blamed here (a
-silent peer proves nothing: the network may have failed it).
+An output frame without its input frame, or with other rows, is that stage's own signed deviation, against the
+input it acknowledges by its own record: it alone is blamed. Two validly signed copies of one hop that diverge
+are the sender's equivocation; a copy not signed by its sender is its holder's forgery. A stage that merely
+stops sends nothing wrong and is never blamed here (a silent peer proves nothing: the network may have failed
+it).
 """
 
 from __future__ import annotations
@@ -98,7 +102,13 @@ def _tokens(
 
 
 def _index(headers: list[FrameHeader]) -> dict[tuple[str, int, int], FrameHeader]:
-    return {(h.kind, h.micro_batch, h.step): h for h in headers if h.kind != "end"}
+    """Frames by (kind, micro-batch, step), the first of each: a stage refuses a repeat, so it computed on the
+    first (and a repeat appended by the sender cannot stand for it)."""
+    index: dict[tuple[str, int, int], FrameHeader] = {}
+    for h in headers:
+        if h.kind != "end":
+            index.setdefault((h.kind, h.micro_batch, h.step), h)
+    return index
 
 
 def _deviation(
@@ -182,14 +192,15 @@ def blame_broken(
         if verdict is not None:
             return verdict
         hops.append(stream)
-    tokens = _tokens(records, hops[-1])
     for k in range(stages):
-        given, sent = hops[(k - 1) % stages], hops[k]
-        if sent is None:
-            continue  # nobody holds what it sent: nothing to compare
-        if given is None:  # nobody holds what it was given: only stage 0's prefills follow from nothing
-            sent = [h for h in sent if k == 0 and h.kind == "prefill"]
-        reason = _deviation(k, stages, given or [], sent, run, tokens)
+        sent, own = hops[k], records[k]
+        if sent is None or own is None:
+            continue  # what it sent, or its own copy of what it was given, is not at hand: k is not judged
+        # Its input is its own copy (signed by k - 1, checked above): the predecessor's copy alone could be a
+        # stream k - 1 signed but never sent, which would frame an absent k.
+        given = list(own.record.received.headers)
+        tokens = _tokens(records, given) if k == 0 else None
+        reason = _deviation(k, stages, given, sent, run, tokens)
         if reason is not None:
             return GroupVerdict(k, f"stage {k}: {reason}")
     return NO_BLAME

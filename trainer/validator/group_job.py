@@ -243,7 +243,7 @@ def _judge_broken(
     result: GroupOutcome,
 ) -> GroupOutcome:
     """A batch that broke: blame_broken over every member's record as it stood (a partial report, or the stage
-    file of a member that finished), one verdict per delivery, an accusation on a culprit that sent nothing."""
+    file of a member that finished), one verdict per delivery (a stage is judged only on its own record)."""
     step = result.step
     records: list[SignedStageRecord | None] = [None] * layout.stages
     holder: dict[int, int] = {}  # stage -> the delivery its record came from
@@ -283,14 +283,6 @@ def _judge_broken(
             result.outcomes[d] = _reject(step, BLAMED, verdict.reason)
         else:
             result.outcomes[d] = _reject(step, INCOMPLETE, f"the batch broke mid-way: {verdict.reason}")
-    if (
-        verdict.blamed is not None and verdict.blamed not in holder
-    ):  # it sent nothing: judged on a neighbour's
-        receiver = (verdict.blamed + 1) % layout.stages
-        witness = holder.get(receiver, next(iter(holder.values())))
-        sha = partials[witness].sha256 if witness in partials else parsed[witness].sha256
-        outcome = Outcome(False, step, False, BLAMED, f"{verdict.reason} (its neighbours' partial records)")
-        result.accusations.append(Accusation(sha, members[verdict.blamed], outcome))
     return result
 
 
