@@ -355,9 +355,13 @@ def verify_group_files(
         for d in partials:
             result.outcomes[d] = _reject(step, GROUP_FAILED, f"another stage blamed: {reason}")
         return result
-    if (
-        partials
-    ):  # the batch broke: blame from the members' partial records, once they are all in or time is up
+    if partials and len(by_stage) == layout.stages:  # every stage finished: a partial record cannot void that
+        for d in partials:
+            result.outcomes[d] = _reject(
+                step, "duplicate", "a partial record of a batch whose stages all finished"
+            )
+        partials = {}
+    if partials:  # the batch broke: judged from the partial records once all are in, or when time is up
         stages_in = {p.stage for p in partials.values()} | set(by_stage)
         if not complete and len(stages_in) < layout.stages:
             return GroupOutcome(step=step)
