@@ -211,3 +211,30 @@ def test_a_fraud_report_is_read_only_from_the_receiver_and_well_formed(made, tmp
         )
         with pytest.raises(RolloutFileError, match=message):
             read_fraud_report(path)
+
+
+def test_a_finished_batch_is_judged_whole_and_a_partial_record_cannot_void_it(made, tmp_path: Path) -> None:  # noqa: ANN001
+    from prime_node.proofs.pipeline.reports import BatchClaim, PartialReport, write_report
+    from prime_node.trainer.validator.group_job import Delivery, verify_group_files
+
+    files, tasks, engine, members = made
+    first = read_stage_file(files.paths[0])
+    claim = BatchClaim(
+        run_id=RUN.run_id,
+        policy_step=0,
+        batch=0,
+        members=list(files.spec.members),
+        prompts=2,
+        micro_batch_size=1,
+    )
+    partial = tmp_path / "partial.json"
+    write_report(partial, PartialReport(claim=claim, record=first.record), members[0])
+    deliveries = [Delivery(p, m.node_id) for p, m in zip(files.paths, members, strict=True)]
+    deliveries.append(Delivery(partial, members[0].node_id, "partial"))
+    assert RUN.pipeline is not None
+    judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=False)
+    assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == [
+        (True, None),
+        (True, None),
+        (False, "duplicate"),
+    ], judged.outcomes
