@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from .errors import ProofError
 
 _DOMAIN = b"prime-node/assignment/v1\x00"
+# A pipelined group's batch (node/pipeline/work.py): keyed by the group id, which is a digest of run, step and
+# members (proofs/pipeline/records.py GroupSpec), under its own domain so no group id can stand for a node id.
+_GROUP_DOMAIN = b"prime-node/group-assignment/v1\x00"
 _U64 = 1 << 64
 MAX_SEED = (1 << 63) - 1
 
@@ -42,7 +45,7 @@ class Assignment:
                 yield index, seed
 
 
-def _key(run_seed: int, node_id: str, policy_step: int, batch_counter: int) -> bytes:
+def _key(run_seed: int, node_id: str, policy_step: int, batch_counter: int, domain: bytes = _DOMAIN) -> bytes:
     try:
         node = bytes.fromhex(node_id)
     except ValueError:
@@ -55,7 +58,7 @@ def _key(run_seed: int, node_id: str, policy_step: int, batch_counter: int) -> b
         if not 0 <= value < _U64:
             raise AssignmentError(f"{name} {value} is outside [0, 2^64)")
     return hashlib.sha256(
-        _DOMAIN
+        domain
         + struct.pack(">Q", run_seed)
         + struct.pack(">H", len(node))
         + node
@@ -81,13 +84,17 @@ def assign(
     task_count: int,
     prompts: int,
     samples: int,
+    group: bool = False,
 ) -> Assignment:
-    """The assignment of one batch: `prompts` distinct problems of [0, task_count), `samples` seeds each."""
+    """The assignment of one batch: `prompts` distinct problems of [0, task_count), `samples` seeds each.
+
+    With `group`, `node_id` is a pipelined group's id (64 hex digits) and the batch is the group's: every member
+    and the validator derive the same work from it, and no member can choose it."""
     if task_count < 1 or not 1 <= prompts <= task_count or samples < 1:
         raise AssignmentError(
             f"cannot assign {prompts} distinct prompts x {samples} samples from {task_count} tasks"
         )
-    key = _key(run_seed, node_id, policy_step, batch_counter)
+    key = _key(run_seed, node_id, policy_step, batch_counter, _GROUP_DOMAIN if group else _DOMAIN)
     limit = _U64 - _U64 % task_count  # words at or above this would bias the modulo: drawn again
     chosen: list[int] = []
     seen: set[int] = set()
@@ -115,6 +122,7 @@ def check_assignment(
     task_count: int,
     samples: int,
     prompts: int | None = None,
+    group: bool = False,
 ) -> None:
     """Raise AssignmentError unless `rows` ((index, seed) in file order) are exactly the assignment.
 
@@ -135,6 +143,7 @@ def check_assignment(
             task_count=task_count,
             prompts=expected_prompts,
             samples=samples,
+            group=group,
         ).rows()
     )
     for row, (got, want) in enumerate(zip(rows, expected, strict=True)):

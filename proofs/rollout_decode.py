@@ -20,7 +20,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .rollout_layout import BINARY_COLUMNS, TOKEN_COLUMNS, Layout, check_layout, longest_value, read_layout
+from .rollout_layout import (
+    TOKEN_COLUMNS,
+    Extra,
+    Layout,
+    binary_columns,
+    check_layout,
+    longest_value,
+    read_layout,
+)
 from .rollout_schema import COLUMNS, SCHEMA, RolloutFileError, RolloutLimits, RolloutRow
 
 
@@ -75,29 +83,49 @@ def _entries(column: str, array: pa.ChunkedArray, most: int | None) -> Iterator[
                     check="limits",
                 )
         entries = chunk.dictionary.to_pylist()
+        if chunk.null_count:  # a nullable column (a stage file's streams): None where the row holds none
+            for position in chunk.indices.to_pylist():
+                yield None if position is None else entries[position]
+            continue
         for index in chunk.indices.to_numpy(zero_copy_only=False):
             yield entries[index]
 
 
 def decode_layout(parquet: pq.ParquetFile, layout: Layout, limits: RolloutLimits) -> list[RolloutRow]:
     """The rows of a file whose layout passed check_layout(layout, limits)."""
+    values = decode_columns(parquet, layout, limits, SCHEMA)
+    return [
+        RolloutRow(**dict(zip(COLUMNS, fields, strict=True))) for fields in zip(*values.values(), strict=True)
+    ]
+
+
+def decode_columns(
+    parquet: pq.ParquetFile,
+    layout: Layout,
+    limits: RolloutLimits,
+    pinned: pa.Schema,
+    extra: Extra | None = None,
+) -> dict[str, list[Any]]:
+    """Every column of `pinned` (SCHEMA's first, then those a format adds, bounded by `extra`), as Python values
+    per row, of a file whose layout passed check_layout(layout, limits, extra)."""
     values: dict[str, list[Any]] = {}
     per_row = {
         "prompt_ids": ("max_prompt_tokens", limits.max_prompt_tokens),
         "output_ids": ("max_new_tokens", limits.max_new_tokens),
     }
-    for column in COLUMNS:
+    binary = binary_columns(pinned)
+    for column in pinned.names:
         array = _read(parquet, column)
         if column in TOKEN_COLUMNS:
             name, most = per_row[column]
             values[column] = list(_tokens(column, array, most, name))
-        elif column in BINARY_COLUMNS:
+        elif column in binary:
             # The proof's byte limit is per row (its output's length): the layout bounded the column's total,
             # the bounds check compares every proof with its exact size.
-            longest = None if column == "proof" else longest_value(column, limits)
+            longest = None if column == "proof" else longest_value(column, limits, extra)
             values[column] = list(_entries(column, array, longest))
         else:
-            if not array.type.equals(SCHEMA.field(column).type):
+            if not array.type.equals(pinned.field(column).type):
                 raise RolloutFileError(f"column {column!r} decodes as {array.type}", check="schema")
             values[column] = array.to_pylist()
         del array  # its Arrow buffers go before the next column is decoded
@@ -105,9 +133,7 @@ def decode_layout(parquet: pq.ParquetFile, layout: Layout, limits: RolloutLimits
             raise RolloutFileError(
                 f"column {column!r} decodes to {len(values[column])} rows, not {layout.rows}"
             )
-    return [
-        RolloutRow(**dict(zip(COLUMNS, fields, strict=True))) for fields in zip(*values.values(), strict=True)
-    ]
+    return values
 
 
 def decode_file(data: bytes, limits: RolloutLimits) -> list[RolloutRow]:

@@ -31,12 +31,18 @@ import pyarrow.parquet as pq
 from ..p2p.errors import SignatureError
 from ..p2p.identity import Identity
 from ..p2p.signing import canonical_json, verify_signature
-from ..p2p.wire import WireFormatError, loads_strict
+from ..p2p.wire import WireFormatError, is_hex64, loads_strict
 from .rollout_decode import decode_file
 from .rollout_schema import SCHEMA, RolloutFileError, RolloutLimits, RolloutRow, check_rows
 
 SIG_FORMAT = "prime-node/rollout-sig/v2"
 SIG_FORMAT_V1 = "prime-node/rollout-sig/v1"
+# A pipelined group's file: v2 plus the group whose batch it is, so that every file of one group's batch is
+# routed to the same validator (p2p/swarm/routing.py, by group id), and its kind: a member's stage file
+# (proofs/pipeline/stage_file.py), a receiver's fraud evidence against its predecessor, or a member's partial
+# record of a batch that broke (proofs/pipeline/reports.py).
+SIG_FORMAT_STAGE = "prime-node/rollout-sig/v3"
+GROUP_FILE_KINDS = ("stage", "fraud", "partial")
 SIG_SUFFIX = ".sig"
 MAX_SIG_BYTES = 4096
 _BATCH_FIELDS = ("policy_step", "batch_counter")
@@ -44,6 +50,7 @@ _BATCH_FIELDS = ("policy_step", "batch_counter")
 _SIG_FIELDS = {
     SIG_FORMAT_V1: ("format", "node_id", "sha256", "size", "signature"),
     SIG_FORMAT: ("format", "node_id", "sha256", "size", *_BATCH_FIELDS, "signature"),
+    SIG_FORMAT_STAGE: ("format", "node_id", "sha256", "size", *_BATCH_FIELDS, "group", "kind", "signature"),
 }
 _MAX_BATCH_VALUE = (1 << 63) - 1  # int64 columns: what a row can hold
 
@@ -70,17 +77,33 @@ def encode_rows(rows: list[RolloutRow]) -> bytes:
     return sink.getvalue()
 
 
-def sign_bytes(data: bytes, identity: Identity, *, batch: tuple[int, int] | None) -> dict[str, Any]:
+def sign_bytes(
+    data: bytes,
+    identity: Identity,
+    *,
+    batch: tuple[int, int] | None,
+    group: str | None = None,
+    kind: str = "stage",
+) -> dict[str, Any]:
     """The signature envelope of `data` (a JSON object): v2 signing `batch` (policy step, batch counter), or v1
-    when `batch` is None (what nodes wrote before v2; validators refuse it at the hand-off)."""
+    when `batch` is None (what nodes wrote before v2; validators refuse it at the hand-off); v3 (a pipelined
+    group's file of `kind`) when `group` names the group whose batch it is."""
     body: dict[str, Any] = {
-        "format": SIG_FORMAT if batch is not None else SIG_FORMAT_V1,
+        "format": SIG_FORMAT_STAGE
+        if group is not None
+        else SIG_FORMAT
+        if batch is not None
+        else SIG_FORMAT_V1,
         "node_id": identity.node_id,
         "sha256": hashlib.sha256(data).hexdigest(),
         "size": len(data),
     }
     if batch is not None:
         body["policy_step"], body["batch_counter"] = batch
+    elif group is not None:
+        raise RolloutFileError("a stage file's envelope signs its batch too", check="signature")
+    if group is not None:
+        body["group"], body["kind"] = group, kind
     return {**body, "signature": identity.sign(canonical_json(body)).hex()}
 
 
@@ -96,7 +119,12 @@ def envelope_batch(envelope: dict[str, Any]) -> tuple[int, int] | None:
     return envelope["policy_step"], envelope["batch_counter"]
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def envelope_group(envelope: dict[str, Any]) -> str | None:
+    """The group a parsed v3 (stage file) envelope signs; None for the other formats."""
+    return envelope["group"] if envelope["format"] == SIG_FORMAT_STAGE else None
+
+
+def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_bytes(data)
@@ -120,10 +148,10 @@ def write_rollout_file(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = encode_rows(rows)
-    _write_atomic(path, data)
+    write_atomic(path, data)
     sig_path = signature_path(path)
     envelope = sign_bytes(data, identity, batch=batch_of(rows))
-    _write_atomic(sig_path, json.dumps(envelope, sort_keys=True).encode() + b"\n")
+    write_atomic(sig_path, json.dumps(envelope, sort_keys=True).encode() + b"\n")
     return sig_path
 
 
@@ -142,7 +170,7 @@ def sign_again(path: Path, sig_path: Path, identity: Identity) -> dict[str, Any]
     if len(batches) != 1:
         raise RolloutFileError(f"{path} holds {len(batches)} batches, not one", check="bounds")
     envelope = sign_bytes(data, identity, batch=batches.pop())
-    _write_atomic(Path(sig_path), json.dumps(envelope, sort_keys=True).encode() + b"\n")
+    write_atomic(Path(sig_path), json.dumps(envelope, sort_keys=True).encode() + b"\n")
     return envelope
 
 
@@ -158,18 +186,28 @@ def parse_envelope(raw: bytes) -> dict[str, Any]:
     if fields is None:
         raise RolloutFileError(
             f"signature format {str(envelope.get('format'))[:80]!r}, expected {SIG_FORMAT} "
-            f"(or {SIG_FORMAT_V1})",
+            f"(or {SIG_FORMAT_V1}, or {SIG_FORMAT_STAGE} for a pipeline stage's file)",
             check="signature",
         )
     if sorted(envelope) != sorted(fields):
         raise RolloutFileError(
             f"a {envelope['format']} signature file must hold exactly the fields {fields}", check="signature"
         )
-    numbers = ("size", *(_BATCH_FIELDS if envelope["format"] == SIG_FORMAT else ()))
-    if not all(isinstance(envelope[k], str) for k in ("node_id", "sha256", "signature")) or not all(
+    numbers = ("size", *(_BATCH_FIELDS if envelope["format"] != SIG_FORMAT_V1 else ()))
+    texts = (
+        "node_id",
+        "sha256",
+        "signature",
+        *(("group", "kind") if envelope["format"] == SIG_FORMAT_STAGE else ()),
+    )
+    if not all(isinstance(envelope[k], str) for k in texts) or not all(
         isinstance(envelope[k], int) and not isinstance(envelope[k], bool) for k in numbers
     ):
         raise RolloutFileError("signature file has fields of the wrong type", check="signature")
+    if envelope["format"] == SIG_FORMAT_STAGE and not is_hex64(envelope["group"]):
+        raise RolloutFileError("signature file's group is not 64 lowercase hex digits", check="signature")
+    if envelope["format"] == SIG_FORMAT_STAGE and envelope["kind"] not in GROUP_FILE_KINDS:
+        raise RolloutFileError(f"signature file's kind is not one of {GROUP_FILE_KINDS}", check="signature")
     if any(not 0 <= envelope[k] <= _MAX_BATCH_VALUE for k in numbers):
         raise RolloutFileError(f"signature file's {'/'.join(numbers)} out of range", check="signature")
     return envelope
@@ -228,6 +266,12 @@ def read_rollout_file(
     limits = limits or RolloutLimits()
     path = Path(path)
     envelope = parse_envelope(read_bounded(signature_path(path), MAX_SIG_BYTES, "signature file"))
+    if envelope["format"] == SIG_FORMAT_STAGE:
+        raise RolloutFileError(
+            f"{SIG_FORMAT_STAGE} signs a pipeline stage's file, which a group verdict judges "
+            "(proofs/pipeline/stage_file.py), not a rollout file",
+            check="schema",
+        )
     data = read_bounded(path, limits.max_file_bytes, "rollout file")
     signer = verify_envelope(data, envelope, expected_signer)
     rows = decode_rows(data, limits)

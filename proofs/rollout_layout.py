@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import io
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -67,19 +68,14 @@ PAGE_SLACK_PER_VALUE = 8
 PAGE_SLACK = 1024
 
 TOKEN_COLUMNS = ("prompt_ids", "output_ids")
-STRING_COLUMNS = ("run_id", "node_id", "environment", "prompt_format", "finish_reason")
-BINARY_COLUMNS = (
-    *STRING_COLUMNS,
-    "proof",
-)  # read as dictionaries: checked before their values are copied out
 _WIDTH = {"INT32": 4, "INT64": 8, "DOUBLE": 8}
 
 
 @functools.cache
-def _pinned_leaves() -> tuple[tuple[str, str, int, int], ...]:
-    """(path, physical type, max definition level, max repetition level) of every leaf pyarrow writes SCHEMA as."""
+def _pinned_leaves(pinned: pa.Schema = SCHEMA) -> tuple[tuple[str, str, int, int], ...]:
+    """(path, physical type, max definition level, max repetition level) of every leaf pyarrow writes `pinned` as."""
     sink = io.BytesIO()
-    pq.write_table(SCHEMA.empty_table(), sink)
+    pq.write_table(pinned.empty_table(), sink)
     schema = pq.ParquetFile(pa.BufferReader(sink.getvalue())).schema
     return tuple(_leaf(schema.column(i)) for i in range(len(schema)))
 
@@ -134,8 +130,13 @@ def _footer(data: bytes) -> FooterMeta:
     return read_footer(data[-8 - length : -8], MAX_FOOTER_STRUCTS)
 
 
-def open_parquet(data: bytes) -> tuple[pq.ParquetFile, FooterMeta]:
-    """The file and its footer, checked before Arrow parses it, its Arrow schema exactly the pinned one; binary
+def binary_columns(pinned: pa.Schema) -> tuple[str, ...]:
+    """The string and binary columns of a schema: read as dictionaries, checked before their values are copied."""
+    return tuple(f.name for f in pinned if pa.types.is_string(f.type) or pa.types.is_binary(f.type))
+
+
+def open_parquet(data: bytes, pinned: pa.Schema = SCHEMA) -> tuple[pq.ParquetFile, FooterMeta]:
+    """The file and its footer, checked before Arrow parses it, its Arrow schema exactly `pinned`; binary
     columns are read as dictionaries (proofs/rollout_decode.py)."""
     footer = _footer(data)
     try:
@@ -145,15 +146,15 @@ def open_parquet(data: bytes) -> tuple[pq.ParquetFile, FooterMeta]:
             thrift_string_size_limit=MAX_FOOTER_BYTES,
             thrift_container_size_limit=MAX_FOOTER_STRUCTS,
         )
-        check_schema(plain.schema_arrow)  # as written, before read_dictionary turns strings into dictionaries
+        check_schema(plain.schema_arrow, pinned)  # as written, before read_dictionary makes dictionaries
         leaves = tuple(_leaf(plain.schema.column(i)) for i in range(len(plain.schema)))
-        if leaves != _pinned_leaves():
-            raise _schema_error(f"Parquet columns {leaves} differ from the pinned {_pinned_leaves()}")
+        if leaves != _pinned_leaves(pinned):
+            raise _schema_error(f"Parquet columns {leaves} differ from the pinned {_pinned_leaves(pinned)}")
         return pq.ParquetFile(
             pa.BufferReader(data),
             metadata=plain.metadata,
             pre_buffer=False,
-            read_dictionary=list(BINARY_COLUMNS),
+            read_dictionary=list(binary_columns(pinned)),
         ), footer
     except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: pyarrow decoding a name as UTF-8
         raise _schema_error(f"not a readable Parquet file: {exc}") from None
@@ -203,10 +204,10 @@ def _chunk(
     return Chunk(column, group, rows, meta.num_values, physical_type, tuple(pages))
 
 
-def read_layout(data: bytes) -> tuple[pq.ParquetFile, Layout]:
+def read_layout(data: bytes, pinned: pa.Schema = SCHEMA) -> tuple[pq.ParquetFile, Layout]:
     """The opened file and its verified layout; RolloutFileError (check `schema`) if it is malformed."""
-    parquet, footer = open_parquet(data)
-    leaves = _pinned_leaves()
+    parquet, footer = open_parquet(data, pinned)
+    leaves = _pinned_leaves(pinned)
     if len(footer.row_groups) > MAX_ROW_GROUPS:
         raise _schema_error(f"{len(footer.row_groups)} row groups, at most {MAX_ROW_GROUPS}")
     chunks: list[Chunk] = []
@@ -230,8 +231,14 @@ def read_layout(data: bytes) -> tuple[pq.ParquetFile, Layout]:
     return parquet, Layout(rows, len(footer.row_groups), tuple(chunks))
 
 
-def longest_value(column: str, limits: RolloutLimits) -> int:
+# Bytes of the longest value of each binary column a format adds to SCHEMA's (proofs/pipeline/stage_file.py).
+Extra = Mapping[str, int]
+
+
+def longest_value(column: str, limits: RolloutLimits, extra: Extra | None = None) -> int:
     """Bytes of the longest value a binary column may hold (UTF-8: four a character at most)."""
+    if extra is not None and column in extra:
+        return extra[column]
     return {
         "run_id": 4 * limits.max_id_chars,
         "node_id": 64,
@@ -242,9 +249,9 @@ def longest_value(column: str, limits: RolloutLimits) -> int:
     }[column]
 
 
-def value_bytes(column: str, physical_type: str, limits: RolloutLimits) -> int:
+def value_bytes(column: str, physical_type: str, limits: RolloutLimits, extra: Extra | None = None) -> int:
     """The most bytes one value of `column` may take encoded as PLAIN (binary: its 4-byte length first)."""
-    return _WIDTH.get(physical_type) or 4 + longest_value(column, limits)
+    return _WIDTH.get(physical_type) or 4 + longest_value(column, limits, extra)
 
 
 def proof_bytes(output_tokens: int, rows: int) -> int:
@@ -257,7 +264,7 @@ def _limit_error(message: str) -> RolloutFileError:
     return RolloutFileError(message, check="limits")
 
 
-def check_layout(layout: Layout, limits: RolloutLimits) -> None:
+def check_layout(layout: Layout, limits: RolloutLimits, extra: Extra | None = None) -> None:
     """Hold the verified layout to `limits` (RolloutFileError, check `limits`), so that decoding stays within
     what honest files of those limits need (docs/protocol.md, "Rollout files (the validator's judgement)")."""
     if not 1 <= layout.rows <= limits.max_rows:
@@ -283,7 +290,7 @@ def check_layout(layout: Layout, limits: RolloutLimits) -> None:
             f"the pages decompress to {layout.uncompressed} bytes, over the limit {limits.max_decoded_bytes}"
         )
     for chunk in layout.chunks:
-        widest = value_bytes(chunk.column, chunk.physical_type, limits) + PAGE_SLACK_PER_VALUE
+        widest = value_bytes(chunk.column, chunk.physical_type, limits, extra) + PAGE_SLACK_PER_VALUE
         for i, page in enumerate(chunk.pages):
             most = page.values * widest + PAGE_SLACK
             if page.uncompressed > most:

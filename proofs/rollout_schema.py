@@ -141,32 +141,36 @@ class RolloutRow:
         return {name: (list(v) if isinstance(v, tuple) else v) for name, v in self.__dict__.items()}
 
 
-def check_schema(schema: pa.Schema) -> None:
-    """Exactly the pinned columns, in order, with the pinned types and nullability."""
+def check_schema(schema: pa.Schema, pinned: pa.Schema = SCHEMA) -> None:
+    """Exactly the pinned columns, in order, with the pinned types and nullability (`pinned`: SCHEMA, or
+    another format's, such as a pipeline stage's file, proofs/pipeline/stage_file.py)."""
+    fmt = (pinned.metadata or {}).get(FORMAT_KEY, b"").decode()
+    columns = tuple(pinned.names)
     names = list(schema.names)
-    missing = [c for c in COLUMNS if c not in names]
-    extra = [c for c in names if c not in COLUMNS]
+    missing = [c for c in columns if c not in names]
+    extra = [c for c in names if c not in columns]
     if missing or extra:
-        raise RolloutFileError(f"columns differ from {FORMAT}: missing {missing}, unexpected {extra}")
-    for want in SCHEMA:
+        raise RolloutFileError(f"columns differ from {fmt}: missing {missing}, unexpected {extra}")
+    for want in pinned:
         got = schema.field(want.name)
         if not got.type.equals(want.type) or got.nullable != want.nullable:
             null = lambda f: "nullable" if f.nullable else "not null"  # noqa: E731
             raise RolloutFileError(
                 f"column {want.name!r} is {got.type} ({null(got)}), expected {want.type} ({null(want)})"
             )
-    if names != list(COLUMNS):
+    if names != list(columns):
         raise RolloutFileError(f"columns are out of order: {names}")
-    if (schema.metadata or {}).get(FORMAT_KEY) != FORMAT.encode():
-        raise RolloutFileError(f"schema metadata does not declare {FORMAT}")
+    if (schema.metadata or {}).get(FORMAT_KEY) != fmt.encode():
+        raise RolloutFileError(f"schema metadata does not declare {fmt}")
 
 
 def _bad(row: int, message: str) -> RolloutFileError:
     return RolloutFileError(f"row {row}: {message}", check="bounds")
 
 
-def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits) -> None:
-    """Value bounds of one row; `first` carries the values every row of a file must share."""
+def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits, *, proof: bool = True) -> None:
+    """Value bounds of one row; `first` carries the values every row of a file must share. Without `proof` the
+    row carries none (a pipeline stage's file other than the last stage's): its proof must be empty."""
     # Finiteness first: NaN differs from itself, so the shared-field comparison would misname the fault.
     for name in FLOAT_COLUMNS:
         if not math.isfinite(getattr(r, name)):
@@ -213,13 +217,16 @@ def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits) -
         raise _bad(i, "a length penalty without a target length")
     if r.target_length is not None and not 1 <= r.target_length <= limits.max_new_tokens:
         raise _bad(i, f"target length {r.target_length} outside [1, {limits.max_new_tokens}]")
-    if len(r.proof) != proof_size(len(r.output_ids)):
+    if not proof:
+        if r.proof:
+            raise _bad(i, f"proof is {len(r.proof)} bytes; this file carries none")
+    elif len(r.proof) != proof_size(len(r.output_ids)):
         raise _bad(
             i, f"proof is {len(r.proof)} bytes, expected {proof_size(len(r.output_ids))} (258 per 32 tokens)"
         )
 
 
-def check_rows(rows: Sequence[RolloutRow], limits: RolloutLimits) -> None:
+def check_rows(rows: Sequence[RolloutRow], limits: RolloutLimits, *, proof: bool = True) -> None:
     if not 1 <= len(rows) <= limits.max_rows:
         raise RolloutFileError(f"{len(rows)} rows, allowed 1..{limits.max_rows}", check="bounds")
     tokens = sum(len(r.prompt_ids) + len(r.output_ids) for r in rows)
@@ -228,4 +235,4 @@ def check_rows(rows: Sequence[RolloutRow], limits: RolloutLimits) -> None:
             f"{tokens} token ids, over the limit of {limits.max_file_tokens} per file", check="bounds"
         )
     for i, row in enumerate(rows):
-        check_row(i, row, rows[0], limits)
+        check_row(i, row, rows[0], limits, proof=proof)

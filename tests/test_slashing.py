@@ -32,13 +32,24 @@ def test_accepted_file_credits_the_score():
     assert decide(NodeHistory(), make_verdict(NODE), SlashingPolicy(accept_credit=0)) == ()
 
 
-@pytest.mark.parametrize("check", ["signature", "size", "checkpoint_unavailable", "internal_error", "banned"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        "signature",
+        "size",
+        "checkpoint_unavailable",
+        "internal_error",
+        "banned",
+        "pipeline_group",
+        "pipeline_incomplete",
+    ],
+)
 def test_excused_checks_cost_nothing(check):
     many_faults = NodeHistory(recent_rejections=tuple(PastRejection(T0 - i, "schema") for i in range(1, 20)))
     assert decide(many_faults, _rejected(check), POLICY) == ()
 
 
-@pytest.mark.parametrize("check", ["schema", "bounds"])
+@pytest.mark.parametrize("check", ["schema", "bounds", "pipeline_report"])
 def test_a_fault_slashes_the_score_without_a_ban(check):
     actions = decide(NodeHistory(score=10.0), _rejected(check), POLICY)
     assert actions == (Slash(POLICY.fault_penalty, CheckClass.fault, check, f"{check} check failed"),)
@@ -56,6 +67,7 @@ def test_a_fault_slashes_the_score_without_a_ban(check):
         "signer",
         "eos_probability",
         "distribution",
+        "pipeline",
     ],
 )
 def test_fraud_slashes_and_bans_at_once(check):

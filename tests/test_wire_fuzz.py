@@ -23,6 +23,7 @@ import importlib
 import json
 import pkgutil
 import re
+import tempfile
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -109,8 +110,18 @@ from prime_node.proofs.pipeline.records import (
     SignedStageRecord,
     StageRecord,
     StageRecordError,
+    group_id_of,
     parse_stage_record,
 )
+from prime_node.proofs.pipeline.reports import (
+    BatchClaim,
+    FraudReport,
+    PartialReport,
+    read_fraud_report,
+    read_partial_report,
+)
+from prime_node.proofs.rollout_file import sign_bytes, signature_path
+from prime_node.proofs.rollout_schema import RolloutFileError
 
 RUN = "fuzz"
 T = 1_800_000_000.0
@@ -118,6 +129,7 @@ OPERATOR = Identity.from_seed(b"\x21" * 32)
 NODE = Identity.from_seed(b"\x22" * 32)
 VALIDATOR = Identity.from_seed(b"\x23" * 32)
 STRANGER = Identity.from_seed(b"\x24" * 32)  # a key no reader trusts
+RECEIVER = Identity.from_seed(b"\x25" * 32)  # stage 1 of a pipelined group whose stage 0 is NODE
 PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 SHA = "ab" * 32
 # Not wire types: settings the operator writes, and containers built only after a parse has succeeded.
@@ -387,6 +399,94 @@ def _stage_record() -> Carrier:
     )
 
 
+def _group_report(
+    model: type[WireModel], sample: WireModel, kind: str, reader: Callable[[Path], Any]
+) -> Carrier:
+    """A pipelined group's report as the validator reads it (proofs/pipeline/reports.py): the body's bytes under a
+    v3 envelope of `kind` signed by the stream's receiver (the record's member), signing the claim's group and batch
+    when the body names them."""
+
+    def read(raw: bytes, signer: Identity | None) -> Any:
+        try:
+            claim = loads_strict(raw)["claim"]
+            group = group_id_of(claim["run_id"], claim["policy_step"], claim["members"])
+            batch = (int(claim["policy_step"]), int(claim["batch"]))
+        except (WireFormatError, KeyError, TypeError, ValueError):
+            group, batch = SHA, (1, 2)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "report.json"
+            path.write_bytes(raw)
+            envelope = sign_bytes(raw, signer or STRANGER, batch=batch, group=group, kind=kind)
+            if signer is None:
+                envelope["signature"] = "ab" * 64
+            signature_path(path).write_text(json.dumps(envelope))
+            return reader(path)
+
+    signer = RECEIVER if kind == "fraud" else NODE
+    return Carrier(
+        model,
+        sample.model_dump(mode="json"),
+        lambda raw: read(raw, signer),
+        RolloutFileError,
+        (lambda raw: read(raw, STRANGER), lambda raw: read(raw, None)),
+    )
+
+
+_CLAIM = BatchClaim(
+    run_id=RUN,
+    policy_step=1,
+    batch=2,
+    members=[NODE.node_id, RECEIVER.node_id],
+    prompts=1,
+    micro_batch_size=1,
+)
+
+
+def _fraud_report() -> Carrier:
+    header = FrameHeader(
+        index=1,
+        micro_batch=0,
+        kind="prefill",
+        step=0,
+        rows=[0],
+        shape=[1, 1, 2],
+        dtype="float32",
+        tensor_sha256=SHA,
+        commitment="00ff",
+    )
+    hop = HopRecord(opening=_OPENING, headers=[header], head=SHA, signature="cd" * 64)
+    report = FraudReport(claim=_CLAIM, hop=hop, tensor="AAAAAAAAAAA=")
+    return _group_report(FraudReport, report, "fraud", read_fraud_report)
+
+
+def _partial_report() -> Carrier:
+    header = FrameHeader(
+        index=1,
+        micro_batch=0,
+        kind="tokens",
+        step=0,
+        rows=[0],
+        shape=[1],
+        dtype="int64",
+        tensor_sha256=SHA,
+        commitment="00ff",
+    )
+    hop = HopRecord(opening=_OPENING, headers=[header], head=SHA, signature="cd" * 64)
+    record = StageRecord(stage=0, node_id=NODE.node_id, received=hop, sent=hop, outputs=[[5]])
+    report = PartialReport(claim=_CLAIM, record=SignedStageRecord.sign(record, NODE))
+
+    def read(path: Path) -> Any:  # the member signs whatever record it sends, when it has a canonical form
+        document = json.loads(path.read_bytes())
+        try:
+            payload = RECORD_DOMAIN + canonical_json(document["record"]["record"])
+            document["record"]["signature"] = NODE.sign(payload).hex()
+        except (KeyError, TypeError, SignatureError):
+            pass
+        return read_partial_report(path)
+
+    return _group_report(PartialReport, report, "partial", read)
+
+
 def _answer(model: type[WireModel], sample: dict[str, Any], what: str) -> Carrier:
     """An answer of the validator's HTTP API as its one client parses it (p2p/validator_api.py)."""
     return Carrier(model, sample, lambda raw: parse_answer(raw, model, what), ValidatorApiError)
@@ -539,7 +639,8 @@ CARRIERS = [
     ),
     Carrier(
         RolloutEnvelope,
-        RolloutEnvelope.sign(NODE, b"rollout bytes", (3, 1)).model_dump(mode="json"),
+        # A stage file's (v3) envelope: every field present, `group` included (v2 leaves it out).
+        RolloutEnvelope.sign(NODE, b"rollout bytes", (3, 1), group=SHA).model_dump(mode="json"),
         lambda raw: parse_header(decode_frame(raw)),
         HandoffError,
     ),
@@ -548,6 +649,8 @@ CARRIERS = [
     _availability(),
     _pipeline(StreamOpening, _OPENING),
     _stage_record(),
+    _fraud_report(),
+    _partial_report(),
     _pipeline(
         FrameHeader,
         FrameHeader(

@@ -15,7 +15,7 @@ from ...p2p.pipeline.errors import CommitmentMismatch
 from ...p2p.pipeline.frames import ChainReader, Frame, FrameWriter, StreamOpening, split_frames
 from ...proofs.pipeline.records import GroupSpec, HopFraud, HopRecord, SignedStageRecord, StageRecord
 from ..engine.types import Completion
-from .errors import FraudDetected
+from .errors import BatchBroken, FraudDetected, PipelineError
 from .stage import Outgoing, StageProcessor
 
 
@@ -78,6 +78,39 @@ def run_loopback(
     pending: deque[tuple[int, Outgoing]] = deque(
         (0, processors[0].start(mb)) for mb in range(len(processors[0].work.schedule))
     )
+    try:
+        _relay(spec, processors, writers, readers, pending, tamper)
+    except FraudDetected:
+        raise
+    except PipelineError as exc:  # a frame the schedule does not call for: every member's partial record
+        partial = [
+            stage_record(k, identities[k], readers[k], writers[k], _known_tokens(processors[k]))
+            for k in range(stages)
+        ]
+        raise BatchBroken(str(exc), partial) from exc
+    for k in range(stages):
+        encoded, _ = writers[k].end()
+        split_frames(readers[(k + 1) % stages], encoded, opening=False)
+    outputs = processors[-1].outputs.tokens
+    records = [stage_record(k, identities[k], readers[k], writers[k], outputs) for k in range(stages)]
+    return processors[-1].completions(), records
+
+
+def _known_tokens(processor: StageProcessor) -> list[list[int]]:
+    """The tokens a stage knows mid-batch: stage 0 those it received, the last stage those it sampled."""
+    first_or_last = processor.model.first or processor.model.last
+    return [list(t) for t in processor.outputs.tokens] if first_or_last else []
+
+
+def _relay(
+    spec: GroupSpec,
+    processors: Sequence[StageProcessor],
+    writers: list[FrameWriter],
+    readers: list[ChainReader],
+    pending: deque[tuple[int, Outgoing]],
+    tamper: Tamper | None,
+) -> None:
+    stages = spec.layout.stages
     while pending:
         sender, out = pending.popleft()
         if tamper is not None:
@@ -96,9 +129,3 @@ def run_loopback(
         following = deliver_checked(processors[receiver], frame, readers[receiver])
         if following is not None:
             pending.append((receiver, following))
-    for k in range(stages):
-        encoded, _ = writers[k].end()
-        split_frames(readers[(k + 1) % stages], encoded, opening=False)
-    outputs = processors[-1].outputs.tokens
-    records = [stage_record(k, identities[k], readers[k], writers[k], outputs) for k in range(stages)]
-    return processors[-1].completions(), records

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from ..errors import NodeError
 
 if TYPE_CHECKING:
-    from ...proofs.pipeline.records import HopFraud
+    from ...proofs.pipeline.records import HopFraud, SignedStageRecord
 
 
 class PipelineError(NodeError):
@@ -21,3 +21,12 @@ class FraudDetected(PipelineError):
     def __init__(self, message: str, fraud: HopFraud) -> None:
         super().__init__(message)
         self.fraud = fraud
+
+
+class BatchBroken(PipelineError):
+    """A stage refused a frame the schedule does not call for, so the batch broke; `partial` is every member's
+    partial record at that moment (what each hands the validator: proofs/pipeline/broken.py blame_broken)."""
+
+    def __init__(self, message: str, partial: list[SignedStageRecord]) -> None:
+        super().__init__(message)
+        self.partial = partial

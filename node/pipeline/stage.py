@@ -55,6 +55,9 @@ class _Outputs:
     tokens: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
     reasons: list[FinishReason] = field(default_factory=list)
+    # The final normed state that produced each output token (last stage): the rollout proof's rows, as a
+    # monolithic node's hidden states at proofs/toploc.py committed_rows (the last stage's file carries it).
+    states: list[list[torch.Tensor]] = field(default_factory=list)
 
 
 class StageProcessor:
@@ -68,7 +71,9 @@ class StageProcessor:
         self._compute_dtype = torch.float32 if self.dtype == "float32" else torch.bfloat16
         self.batches: dict[int, _MicroBatch] = {}
         n = len(work.requests)
-        self.outputs = _Outputs([[] for _ in range(n)], [[] for _ in range(n)], ["length"] * n)
+        self.outputs = _Outputs(
+            [[] for _ in range(n)], [[] for _ in range(n)], ["length"] * n, [[] for _ in range(n)]
+        )
         self.finished: set[int] = set()  # micro-batches done (stage 0 and the last stage know)
 
     # ------------------------------------------------------------------ stage 0
@@ -189,9 +194,12 @@ class StageProcessor:
         noise = gumbel_noise(seeds, torch.full_like(seeds, sampled_step), logits.shape[-1])
         tokens = perturbed_scores(logits, temperature, noise).argmax(dim=-1)
         chosen = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
-        for sample, token, logprob in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
+        for b, (sample, token, logprob) in enumerate(
+            zip(rows, tokens.tolist(), chosen.tolist(), strict=True)
+        ):
             self.outputs.tokens[sample].append(token)
             self.outputs.logprobs[sample].append(logprob)
+            self.outputs.states[sample].append(last[b].float().clone())
             if token == self.work.eos_token_id:
                 self.outputs.reasons[sample] = "eos"
         if sampled_step == self.work.params.max_new_tokens - 1 or all(
@@ -273,6 +281,13 @@ class StageProcessor:
             )
             for i, r in enumerate(self.work.requests)
         ]
+
+    def final_states(self) -> list[torch.Tensor]:
+        """Per sample, the final normed states that produced its output tokens (output_len, hidden): what the
+        rollout proof commits to (last stage only)."""
+        if not self.model.last:
+            raise PipelineError("only the last stage holds the final hidden states")
+        return [torch.stack(states) for states in self.outputs.states]
 
 
 def _is_subsequence(rows: list[int], active: list[int]) -> bool:

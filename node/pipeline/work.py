@@ -1,8 +1,9 @@
 """What one group generates for one batch, as every member derives it: the requests and the schedule.
 
-Every stage holds the same `PipelineWork` (the assignment comes from the group and batch, not from any
-member), so each can check that the rows a peer sends belong where the schedule puts them, and none needs
-prompts or seeds from a peer.
+Every stage holds the same `PipelineWork` (`work_for`: the assignment comes from the group id and batch through
+proofs/assignment.py, not from any member), so each can check that the rows a peer sends belong where the
+schedule puts them, none needs prompts or seeds from a peer, and the validator derives the same work to check
+the group's files against.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from functools import cached_property
 
 import torch
 
+from ...proofs.assignment import Assignment, assign
 from ...proofs.pipeline.schedule import micro_batches
 from ..engine.types import SampleRequest, SamplingParams
+from ..run.settings import RunSettings
+from ..run.validation import RunTasks
 
 
 @dataclass(frozen=True)
@@ -52,3 +56,38 @@ def real_rows(states: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """The unpadded rows of a left-padded (B, L, H) prefill tensor, sample after sample: (sum(lengths), H)."""
     width = states.shape[1]
     return torch.cat([states[b, width - int(n) :] for b, n in enumerate(lengths)])
+
+
+@dataclass(frozen=True)
+class GroupBatch:
+    """Which batch of which group, and how it is cut: what `work_for` needs beyond the run."""
+
+    group_id: str  # 64 hex digits: GroupSpec.group_id (a digest of run, policy step and members)
+    policy_step: int
+    batch: int  # the group's batch counter at that step
+    prompts: int  # problems in the batch (each with the run's `samples` completions)
+    micro_batch_size: int
+
+
+def work_for(
+    run: RunSettings, tasks: RunTasks, batch: GroupBatch, *, eos_token_id: int, pad_token_id: int
+) -> tuple[PipelineWork, Assignment]:
+    """The work of a group's batch, as every member and the validator derive it: the problems and seeds of
+    `assign(..., group=True)` over the run's tasks (rows in assignment order), sampled with the run's settings."""
+    assignment = assign(
+        run.run_seed,
+        batch.group_id,
+        batch.policy_step,
+        batch.batch,
+        task_count=tasks.task_count,
+        prompts=batch.prompts,
+        samples=run.samples,
+        group=True,
+    )
+    requests = tuple(
+        SampleRequest(prompt_ids=tasks.prompt_ids(index, seed), seed=seed)
+        for index, seed in assignment.rows()
+    )
+    params = SamplingParams(run.max_new_tokens, run.temperature)
+    work = PipelineWork(requests, params, batch.micro_batch_size, eos_token_id, pad_token_id)
+    return work, assignment

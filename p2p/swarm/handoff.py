@@ -53,6 +53,7 @@ from .config import SwarmConfig
 from .errors import HandoffBusy, HandoffError, HandoffRefused, HandoffTooSlow
 from .framing import close_writer, read_at_rate, read_frame, write_frame
 from .records import NodeId, Sha256Hex
+from .routing import Batch
 from .slots import Claim, Cooldowns, SlotTable, network_of
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 256 * 1024
 SIG_FORMAT: Final = "prime-node/rollout-sig/v2"  # signs the batch too: what every node of this version writes
 SIG_FORMAT_V1 = "prime-node/rollout-sig/v1"  # no batch: still parsed (older files), refused by validators
+SIG_FORMAT_STAGE: Final = (
+    "prime-node/rollout-sig/v3"  # a pipeline stage's file: v2 plus the group it belongs to
+)
 FILE_SUFFIX = ".parquet"
 ENVELOPE_SUFFIX = ".parquet.sig"  # the envelope beside each received file, as proofs/rollout_file.py names it
 MAX_CONTROL_FRAME = 4096
@@ -82,7 +86,9 @@ def protocol_name(run_id: str) -> str:
 class RolloutEnvelope(WireModel):
     """The detached signature envelope of a rollout file, exactly as proofs/rollout_file.py writes it."""
 
-    format: Literal["prime-node/rollout-sig/v1", "prime-node/rollout-sig/v2"] = SIG_FORMAT
+    format: Literal["prime-node/rollout-sig/v1", "prime-node/rollout-sig/v2", "prime-node/rollout-sig/v3"] = (
+        SIG_FORMAT
+    )
     node_id: NodeId  # the author, whose key signs
     sha256: Sha256Hex  # of the file's bytes
     size: int = Field(ge=0, le=1 << 40)  # of the file, in bytes
@@ -90,29 +96,39 @@ class RolloutEnvelope(WireModel):
     # before the body arrives; a validator rejects a file whose rows are another batch (`signer`, fraud).
     policy_step: int | None = Field(None, ge=0, lt=1 << 63)
     batch_counter: int | None = Field(None, ge=0, lt=1 << 63)
+    # v3 only (a pipeline stage's file): the group whose batch the file is, signed, so that the stage files of one
+    # group's batch are routed to one validator (by group, not by sender: routing.py) and judged together.
+    group: Sha256Hex | None = None
+    # v3 only: a member's stage file, a receiver's fraud evidence, or a member's partial record of a broken batch.
+    kind: Literal["stage", "fraud", "partial"] | None = None
     signature: SignatureHex  # Ed25519 by node_id over canonical JSON of the other fields
 
     @model_validator(mode="after")
     def _batch_follows_format(self) -> RolloutEnvelope:
-        # v1 has no batch fields at all (not even nulls: exactly what v1 readers accept); v2 has both.
+        # v1 has no batch fields at all (not even nulls: exactly what v1 readers accept); v2 and v3 have both.
         given = {"policy_step", "batch_counter"} & self.model_fields_set
         present = (self.policy_step is not None, self.batch_counter is not None)
-        if present != ((True, True) if self.format == SIG_FORMAT else (False, False)) or (
-            self.format == SIG_FORMAT_V1 and given
-        ):
+        batched = self.format != SIG_FORMAT_V1
+        if present != ((True, True) if batched else (False, False)) or (not batched and given):
             raise ValueError(
-                f"a {self.format} envelope {'signs' if self.format == SIG_FORMAT else 'has no'} "
-                "policy_step and batch_counter"
+                f"a {self.format} envelope {'signs' if batched else 'has no'} policy_step and batch_counter"
             )
+        stage = self.format == SIG_FORMAT_STAGE
+        given = {"group", "kind"} & self.model_fields_set
+        if (self.group is not None, self.kind is not None) != (stage, stage) or (not stage and given):
+            raise ValueError(f"a {self.format} envelope {'signs' if stage else 'has no'} group and kind")
         return self
 
     @model_serializer(mode="wrap")
     def _without_absent_batch(self, handler: Any) -> dict[str, Any]:
-        # A v1 envelope is written exactly as v1 readers expect it: no batch fields, not nulls.
+        # Each format is written exactly as its readers expect it: absent fields left out, not nulls.
         data = handler(self)
         if self.format == SIG_FORMAT_V1:
             data.pop("policy_step", None)
             data.pop("batch_counter", None)
+        if self.format != SIG_FORMAT_STAGE:
+            data.pop("group", None)
+            data.pop("kind", None)
         return data
 
     @property
@@ -131,19 +147,43 @@ class RolloutEnvelope(WireModel):
         }
         if self.batch is not None:
             body["policy_step"], body["batch_counter"] = self.batch
+        if self.group is not None:
+            body["group"], body["kind"] = self.group, self.kind
         return body
 
+    @property
+    def routed_as(self) -> Batch | None:
+        """What routing.py assigns a validator by: a stage file's group batch (the group id in place of a node's),
+        or the sender's batch; None for a v1 envelope."""
+        if self.batch is None:
+            return None
+        return Batch(self.group if self.group is not None else self.node_id, *self.batch)
+
     @classmethod
-    def sign(cls, identity: Identity, data: bytes, batch: tuple[int, int] | None) -> RolloutEnvelope:
-        """`data`'s envelope: v2 signing `batch` (policy step, batch counter), or v1 when `batch` is None."""
+    def sign(
+        cls,
+        identity: Identity,
+        data: bytes,
+        batch: tuple[int, int] | None,
+        group: str | None = None,
+        kind: Literal["stage", "fraud", "partial"] = "stage",
+    ) -> RolloutEnvelope:
+        """`data`'s envelope: v2 signing `batch` (policy step, batch counter), or v1 when `batch` is None; v3
+        (a pipelined group's file of `kind`) when `group` is given."""
         body: dict[str, Any] = {
-            "format": SIG_FORMAT if batch is not None else SIG_FORMAT_V1,
+            "format": SIG_FORMAT_STAGE
+            if group is not None
+            else SIG_FORMAT
+            if batch is not None
+            else SIG_FORMAT_V1,
             "node_id": identity.node_id,
             "sha256": hashlib.sha256(data).hexdigest(),
             "size": len(data),
         }
         if batch is not None:
             body["policy_step"], body["batch_counter"] = batch
+        if group is not None:
+            body["group"], body["kind"] = group, kind
         return cls(**body, signature=identity.sign_document(body).hex())
 
     def verify(self) -> None:

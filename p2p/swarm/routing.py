@@ -32,9 +32,11 @@ DOMAIN = b"prime-node/validator-assignment/v1\x00"
 
 
 class Batch(NamedTuple):
-    """The unit of work a validator owns: one node's batch at one policy step (rows carry all three)."""
+    """The unit of work a validator owns: one node's batch at one policy step (rows carry all three), or one
+    pipelined group's batch, by its group id (every stage file of it goes to one validator, which judges the
+    group as a whole; a group id is a SHA-256 digest, so it names no node's batch)."""
 
-    node_id: str  # 64 hex digits
+    node_id: str  # 64 hex digits: the node's id, or the group's
     policy_step: int
     batch_counter: int
 

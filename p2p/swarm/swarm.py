@@ -105,7 +105,8 @@ class Swarm(SwarmDirectory):
                 f"envelope format {envelope.format} names no batch, so it has no validator; sign the file "
                 f"again as {handoff.SIG_FORMAT}"
             )
-        batch = Batch(envelope.node_id, *envelope.batch)
+        batch = envelope.routed_as
+        assert batch is not None  # a batch is signed (checked above)
         found = await self.owner_of(batch)
         if found is None:
             raise HandoffError("no live validator is announced in the DHT yet; retry later")

@@ -38,8 +38,14 @@ from .schedule import fed_rows, micro_batches, sampled_rows
 
 
 class Boundaries(Protocol):
-    states: list[torch.Tensor]  # [j - 1]: what stage j - 1 sends, j = 1 .. stages (the last: final normed)
-    logits: torch.Tensor
+    @property
+    def states(
+        self,
+    ) -> list[torch.Tensor]:  # [j - 1]: what stage j - 1 sends, j = 1 .. stages (last: final normed)
+        ...
+
+    @property
+    def logits(self) -> torch.Tensor: ...
 
 
 class BoundaryPrefill(Protocol):

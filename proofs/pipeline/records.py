@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -32,6 +33,11 @@ MAX_SAMPLES = 4096
 MAX_OUTPUT_TOKENS = 8192
 
 
+def group_id_of(run_id: str, policy_step: int, members: Sequence[str]) -> str:
+    """A group's id: the digest of its run, policy step and members in stage order (what its record names)."""
+    return hashlib.sha256(f"{run_id}|{policy_step}|{','.join(members)}".encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """Who runs which stage of which batch (what a signed group record names)."""
@@ -44,8 +50,7 @@ class GroupSpec:
 
     @property
     def group_id(self) -> str:
-        text = f"{self.run_id}|{self.policy_step}|{','.join(self.members)}"
-        return hashlib.sha256(text.encode()).hexdigest()
+        return group_id_of(self.run_id, self.policy_step, self.members)
 
     def opening(self, stage: int) -> StreamOpening:
         return StreamOpening(

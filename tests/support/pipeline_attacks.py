@@ -45,7 +45,7 @@ def _noisy(tensor: torch.Tensor, seed: int) -> torch.Tensor:
     return tensor + 0.05 * tensor.std() * torch.randn(tensor.shape, generator=generator)
 
 
-def _rechain(hop: HopRecord, identity: Identity) -> HopRecord:
+def rechain(hop: HopRecord, identity: Identity) -> HopRecord:
     head = chain_start(canonical_json(hop.opening.model_dump(mode="json")))
     for header in hop.headers:
         head = chain_next(head, canonical_json(header.model_dump(mode="json")))
@@ -161,7 +161,7 @@ def _equivocated(
         h.model_copy(update={"commitment": honest[h.index].hex()}) if h.index in honest else h
         for h in signed.record.sent.headers
     ]
-    sent = _rechain(signed.record.sent.model_copy(update={"headers": headers}), identity)
+    sent = rechain(signed.record.sent.model_copy(update={"headers": headers}), identity)
     return SignedStageRecord.sign(signed.record.model_copy(update={"sent": sent}), identity)
 
 

@@ -71,6 +71,14 @@ DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "eos_probability": CheckClass.fraud,
     "sampling": CheckClass.fraud,
     "distribution": CheckClass.fraud,
+    # Pipelined groups (trainer/validator/group_job.py, docs/pipeline.md "Verdicts"): the stage verify_group
+    # blames produced wrong work (or signed two streams, or forged a copy): fraud. The group's other members are
+    # not to blame; the batch passed through a faulty stage, or some stage never came: excused, and not credited.
+    "pipeline": CheckClass.fraud,
+    "pipeline_group": CheckClass.excused,
+    "pipeline_incomplete": CheckClass.excused,
+    # Fraud evidence that proves nothing (the accused frame's commitment matches its tensor): a false accusation.
+    "pipeline_report": CheckClass.fault,
 }
 
 

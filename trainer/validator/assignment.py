@@ -44,7 +44,6 @@ from ...p2p.errors import P2PError
 from ...p2p.rate_limit import TokenBuckets
 from ...p2p.swarm import HandoffBusy, HandoffRefused, RolloutEnvelope, Swarm
 from ...p2p.swarm.handoff import SIG_FORMAT
-from ...p2p.swarm.routing import Batch
 from ..errors import TrainerError
 
 logger = logging.getLogger(__name__)
@@ -146,7 +145,8 @@ class AssignmentGate:
                 f"envelope format {header.format} names no batch, so no validator can tell whether the work is "
                 f"its own; this validator takes {SIG_FORMAT} (upgrade the node and sign the file again)"
             )
-        batch = Batch(header.node_id, *header.batch)
+        batch = header.routed_as  # a stage file goes by its group (p2p/swarm/routing.py)
+        assert batch is not None  # a batch is signed (checked above)
         owner = await self.swarm.owner_of(batch)
         if owner is not None and owner.node_id == self.swarm.node_id:
             return

@@ -66,6 +66,19 @@ class IntakeSettings(Section):
     hold_timeout_s: float = Field(
         600.0, gt=0, le=86400, description="How long a file waits for its checkpoint before it is rejected."
     )
+    group_grace_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="How long a pipelined group's stage files wait, from the first, for the group's other "
+        "stages before the group is judged incomplete (docs/pipeline.md, 'Verdicts').",
+    )
+    max_pending_groups: int = Field(
+        256,
+        ge=1,
+        le=1_000_000,
+        description="Pipelined groups collecting stage files at once; more wait (busy).",
+    )
     step_margin: int = Field(
         2,
         ge=0,

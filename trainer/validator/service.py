@@ -43,6 +43,8 @@ from .assignment import AssignmentGate
 from .bans import BanPublisher
 from .checkpoints import CheckpointKeeper
 from .config import ValidatorSettings
+from .group_job import Delivery, GroupOutcome, verify_group_files
+from .groups import GroupIntake, GroupKey, PendingGroup
 from .intake import Tier, TieredQueue
 from .metrics import ValidatorMetrics
 from .policy_steps import POLICY_STEP, PolicySteps
@@ -63,6 +65,10 @@ class Job:
     tier: Tier = Tier.NEWCOMER  # the queue tier it was admitted to (trainer/validator/intake.py)
     step: int | None = None  # known once verification found the file's checkpoint missing
     hold_until: float = 0.0
+    group: GroupKey | None = None  # a pipelined group's file: judged with its group (groups.py), not queued
+    kind: str = (
+        "stage"  # of a group's file: a member's stage file, or fraud evidence (its v3 envelope's kind)
+    )
 
     @property
     def key(self) -> DeliveryKey:
@@ -119,6 +125,20 @@ class ValidatorService:
         self.assignment = AssignmentGate(swarm, self.admission.limiter)
         self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
         self.held: dict[DeliveryKey, Job] = {}  # jobs waiting for their checkpoint
+        # Pipeline stage files wait here for their group (trainer/validator/groups.py); only in a run with a
+        # stage layout. One verification runs at a time, a file's or a group's (both are torch-heavy).
+        layout = settings.run.pipeline
+        self.groups: GroupIntake[Job] | None = (
+            GroupIntake(
+                layout.stages,
+                settings.intake.group_grace_s,
+                settings.intake.hold_timeout_s,
+                settings.intake.max_pending_groups,
+            )
+            if layout is not None
+            else None
+        )
+        self.verifying = asyncio.Lock()
         self.bans = BanPublisher(
             self.ledger,
             swarm,
@@ -146,6 +166,15 @@ class ValidatorService:
         """
         if await self.ledger.active_ban(header.node_id) is not None:
             raise HandoffRefused("the sending node is banned by this validator")
+        group = _group_key(header)
+        if group is not None:
+            if self.groups is None:
+                raise HandoffRefused("a pipeline stage's file, but this run announces no stage layout")
+            if self.groups.full(group):
+                raise HandoffBusy(
+                    f"{len(self.groups)} pipelined groups are collecting their stage files here",
+                    self.settings.intake.busy_retry_s,
+                )
         await self.assignment.check(header)  # another validator's batch is never read here (assignment.py)
         key = DeliveryKey(header.sha256, header.node_id)
         busy = self.admission.admit(key)
@@ -173,11 +202,17 @@ class ValidatorService:
             await asyncio.to_thread(self.spool.remove, self.spool.entry(*key))
             return
         entry = await asyncio.to_thread(self.spool.make_durable, *key)
-        self._enqueue(Job(entry, key.node_id, time.time()))
+        envelope = received.envelope
+        self._enqueue(
+            Job(entry, key.node_id, time.time(), group=_group_key(envelope), kind=envelope.kind or "stage")
+        )
         self.metrics.received.inc()
 
     def _enqueue(self, job: Job) -> None:
         job.tier = self.admission.enqueued(job.key)
+        if job.group is not None and self.groups is not None:
+            self.groups.add(job.group, job, job.received_at, urgent=job.kind == "fraud")
+            return
         self.queue.put(job.tier, job.node_id, job)
 
     # ----- announced steps -------------------------------------------------------------------------------
@@ -211,10 +246,22 @@ class ValidatorService:
                 continue
             entry = dataclasses.replace(entry, node_id=envelope.node_id)  # a legacy entry learns its sender
             signed = await self.ledger.verdict_for(entry.sha256, envelope.node_id)
+            group = _group_key(envelope)
             if signed is not None:  # decided before the crash: only delivery and removal may be missing
-                await self._finish(entry, signed)
+                await self._finish(entry, signed, to_trainer=group is None)
                 continue
-            self._enqueue(Job(entry, envelope.node_id, entry.path.stat().st_mtime))
+            job = Job(
+                entry,
+                envelope.node_id,
+                entry.path.stat().st_mtime,
+                group=group,
+                kind=envelope.kind or "stage",
+            )
+            if group is not None and self.groups is None:  # the run lost its layout: not the sender's doing
+                reason = "a pipeline stage's file, but this run announces no stage layout any more"
+                await self._decide(job, Outcome(False, group.policy_step, False, INTERNAL_ERROR, reason))
+                continue
+            self._enqueue(job)
         if entries:
             logger.info("recovered %d spooled files", len(entries))
         return len(entries)
@@ -242,13 +289,14 @@ class ValidatorService:
                 continue
             started = time.monotonic()
             try:
-                outcome = await asyncio.to_thread(
-                    verify_spooled,
-                    job.entry.path,
-                    self.keeper.model_for,
-                    self.verifier,
-                    accepted=self.ledger.ledger.accepted_holder,
-                )
+                async with self.verifying:
+                    outcome = await asyncio.to_thread(
+                        verify_spooled,
+                        job.entry.path,
+                        self.keeper.model_for,
+                        self.verifier,
+                        accepted=self.ledger.ledger.accepted_holder,
+                    )
             except PromptError:
                 # The run's prompts cannot be built with its model (docs/model.md, "Prompts"): no file can be
                 # judged, so the validator stops and says why rather than excusing every file as its own failure.
@@ -319,12 +367,96 @@ class ValidatorService:
                         )
                     await self._decide(job, outcome)
 
+    # ----- pipelined groups ------------------------------------------------------------------------------
+
+    async def run_groups(self, run_confirmed: asyncio.Event | None = None) -> None:
+        """Judge pipelined groups as their stage files complete them or their grace period ends (groups.py)."""
+        if self.groups is None:
+            return
+        if run_confirmed is not None:
+            await run_confirmed.wait()
+        tick = min(1.0, self.settings.intake.group_grace_s / 4)
+        while True:
+            await asyncio.sleep(tick)
+            for group, complete in self.groups.due(time.time()):
+                await self._judge_group(group, complete)
+
+    async def _judge_group(self, group: PendingGroup[Job], complete: bool) -> None:
+        assert self.groups is not None and self.settings.run.pipeline is not None
+        step = group.key.policy_step
+        if group.holding and not self.groups.hold_expired(group, time.time()):
+            if step not in await asyncio.to_thread(self.keeper.store.versions):
+                return
+        deliveries = [Delivery(job.entry.path, job.node_id, job.kind) for job in group.jobs]
+        started = time.monotonic()
+        try:
+            async with self.verifying:
+                result = await asyncio.to_thread(
+                    verify_group_files,
+                    deliveries,
+                    self.settings.run,
+                    self.settings.run.pipeline,
+                    self.keeper.model_for,
+                    complete=complete,
+                    limits=self.verifier.file_limits(),
+                )
+        except PromptError:
+            raise  # the run's prompts cannot be built with its model: no file can be judged (run_worker)
+        except Exception as exc:  # noqa: BLE001 - one group's judgement must never end the task
+            logger.exception("could not verify group %s", group.key.group[:16])
+            reason = f"the validator failed: {exc!r}"
+            result = GroupOutcome(
+                step=step,
+                outcomes={
+                    d: Outcome(False, step, False, INTERNAL_ERROR, reason) for d in range(len(deliveries))
+                },
+            )
+        if result.hold:
+            if not self.groups.hold_expired(group, time.time()):
+                group.holding = True
+                return
+            fault = await self.steps.never_announced(step)
+            for d in range(len(deliveries)):
+                result.outcomes.setdefault(
+                    d,
+                    Outcome(False, step, False, POLICY_STEP, fault)
+                    if fault is not None
+                    else Outcome(
+                        False,
+                        step,
+                        False,
+                        "checkpoint_unavailable",
+                        f"no checkpoint for step {step} arrived in time; the group expired unverified",
+                    ),
+                )
+        if len(result.outcomes) < len(
+            deliveries
+        ):  # an early try without every stage: wait for more or the grace
+            group.tried_with = len(group.jobs)
+            return
+        self.groups.done(group.key)
+        seconds = time.monotonic() - started
+        for d, job in enumerate(group.jobs):
+            self.metrics.verification_seconds.observe(seconds / len(group.jobs))
+            await self._decide(job, result.outcomes[d])
+        for accusation in result.accusations:  # the accused of upheld fraud evidence: a verdict on the report
+            signed = self._verdict(accusation.file_hash, accusation.node_id, accusation.outcome)
+            recorded = await self.ledger.record(signed, received_at=group.first_at)
+            self.verdicts += 0 if recorded.duplicate else 1
+            for ban in recorded.new_bans:
+                await self.publish_ban(ban)
+            logger.warning(
+                "node %s blamed by its receiver's evidence: %s",
+                accusation.node_id[:16],
+                signed.document.reason[:200],
+            )
+
     # ----- verdicts ---------------------------------------------------------------------------------------
 
-    def _verdict(self, job: Job, outcome: Outcome) -> Signed[Verdict]:
+    def _verdict(self, file_hash: str, node_id: str, outcome: Outcome) -> Signed[Verdict]:
         verdict = Verdict.outgoing(
-            file_hash=job.entry.sha256,
-            node_id=job.node_id,
+            file_hash=file_hash,
+            node_id=node_id,
             step=max(0, min(outcome.step, 2**62)),
             samples=outcome.samples if outcome.accepted else 0,
             tokens=outcome.tokens if outcome.accepted else 0,
@@ -339,7 +471,7 @@ class ValidatorService:
     async def _decide(self, job: Job, outcome: Outcome) -> None:
         try:
             result = await self.ledger.record(
-                self._verdict(job, outcome),
+                self._verdict(job.entry.sha256, job.node_id, outcome),
                 received_at=job.received_at,
                 task_reward_sum=outcome.task_reward_sum if outcome.accepted else None,
                 samples=outcome.sample_ids if outcome.accepted else (),
@@ -350,7 +482,9 @@ class ValidatorService:
             outcome = dataclasses.replace(
                 outcome, accepted=False, failed_check=DUPLICATE, reason=str(exc), sample_ids=()
             )
-            result = await self.ledger.record(self._verdict(job, outcome), received_at=job.received_at)
+            result = await self.ledger.record(
+                self._verdict(job.entry.sha256, job.node_id, outcome), received_at=job.received_at
+            )
         self.verdicts += 0 if result.duplicate else 1
         if not result.duplicate:
             signed = result.verdict.document
@@ -368,11 +502,12 @@ class ValidatorService:
         )
         for ban in result.new_bans:
             await self.publish_ban(ban)
-        await self._finish(job.entry, result.verdict)
+        await self._finish(job.entry, result.verdict, to_trainer=job.group is None)
         self.admission.finished(job.key)
 
-    async def _finish(self, entry: SpooledFile, signed: Signed[Verdict]) -> None:
-        if signed.document.accepted:
+    async def _finish(self, entry: SpooledFile, signed: Signed[Verdict], *, to_trainer: bool = True) -> None:
+        # A stage file is credited but not delivered: the trainer reads rollout files (v2), not stage files (v3).
+        if signed.document.accepted and to_trainer:
             await asyncio.to_thread(deliver, entry, self.accepted_dir)
         await asyncio.to_thread(self.spool.remove, entry)
 
@@ -382,3 +517,10 @@ class ValidatorService:
         The publisher's loop (`bans.run`, trainer/validator/bans.py) keeps it there while it is in force.
         """
         await self.bans.publish(ban)
+
+
+def _group_key(envelope: RolloutEnvelope) -> GroupKey | None:
+    """The group batch a stage file's (v3) envelope signs; None for a rollout file's."""
+    if envelope.group is None or envelope.batch is None:
+        return None
+    return GroupKey(envelope.group, *envelope.batch)

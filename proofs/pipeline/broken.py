@@ -1,0 +1,206 @@
+"""Blame in a batch that broke mid-way: which stage, if any, provably relayed other rows than it was given.
+
+When a batch breaks (a stage refuses a frame: stage 0 finds the tokens of other rows than it fed; a stage
+stops), the members hand the validator their **partial** records: the streams they received and sent so far,
+each prefix signed by its sender through the chain head, and the tokens they know. What stage k sent is signed
+by k: the longest validly signed copy (k's own, or k + 1's) is k's output. What k was given is judged from k's
+own record only: k - 1 signs whatever it likes, so its copy alone could be a stream it never sent, which would
+frame an absent k. So a stage is judged only when it handed in its record; one that withholds it escapes, like
+one that stops (closing that gap needs each frame to carry the sender's latest received chain head, so that k's
+signed output acknowledges its input: not built). Stage k's output frames are checked against its input frames
+(`blame_broken`):
+
+- a relay stage (0 < k < last) sends, for each frame it received, the frame of the same kind, micro-batch and
+  step with exactly the same rows;
+- the last stage sends the tokens of step s for exactly the rows of the activation of step s - 1 it received
+  (of the prefill at s = 0);
+- stage 0 sends a prefill per micro-batch with exactly the batch's cut, and the decode of step t for exactly the
+  rows of the tokens of step t it received whose token is not EOS (none at t = max_new_tokens - 1); the token
+  values come from a record whose outputs match the token frames' signed hashes (stage 0's or the last stage's).
+
+An output frame without its input frame, or with other rows, is that stage's own signed deviation, against the
+input it acknowledges by its own record: it alone is blamed. Two validly signed copies of one hop that diverge
+are the sender's equivocation; a copy not signed by its sender is its holder's forgery. A stage that merely
+stops sends nothing wrong and is never blamed here (a silent peer proves nothing: the network may have failed
+it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...p2p.pipeline.frames import FrameHeader, verify_chain
+from .blame import GroupVerdict
+from .records import GroupSpec, HopRecord, SignedStageRecord
+from .schedule import micro_batches
+
+NO_BLAME = GroupVerdict(None, "no stage provably deviated before the batch broke")
+
+
+def _signed(hop: HopRecord, sender: str) -> bool:
+    try:
+        return verify_chain(
+            sender, hop.opening, list(hop.headers), bytes.fromhex(hop.head), bytes.fromhex(hop.signature)
+        )
+    except ValueError:
+        return False
+
+
+def _hop(
+    spec: GroupSpec, records: Sequence[SignedStageRecord | None], k: int
+) -> tuple[list[FrameHeader] | None, GroupVerdict | None]:
+    """The longest validly signed copy of hop k -> k + 1 (None when no member holds one), or a verdict: a copy
+    its holder forged, or two copies that diverge (the sender signed both)."""
+    stages = spec.layout.stages
+    receiver = (k + 1) % stages
+    copies: list[list[FrameHeader]] = []
+    for holder, hop in ((k, "sent"), (receiver, "received")):
+        signed = records[holder]
+        if signed is None:
+            continue
+        copy: HopRecord = getattr(signed.record, hop)
+        if copy.opening != spec.opening(k) or not _signed(copy, spec.members[k]):
+            return None, GroupVerdict(
+                holder, f"stage {holder}: its copy of hop {k} -> {receiver} is not signed by {k}"
+            )
+        copies.append(list(copy.headers))
+    if not copies:
+        return None, None
+    longest = max(copies, key=len)
+    if any(c != longest[: len(c)] for c in copies):
+        return None, GroupVerdict(k, f"stage {k}: it signed two different streams on hop {k} -> {receiver}")
+    return longest, None
+
+
+def _tokens(
+    records: Sequence[SignedStageRecord | None], tokens_stream: list[FrameHeader] | None
+) -> list[list[int]] | None:
+    """The sampled tokens, from a record whose outputs the token frames' signed hashes confirm."""
+    if tokens_stream is None:
+        return None
+    for signed in (records[-1], records[0]):
+        if signed is None:
+            continue
+        outputs = signed.record.outputs
+        try:
+            if all(
+                hashlib.sha256(
+                    np.array([outputs[r][h.step] for r in h.rows], dtype="<i8").tobytes()
+                ).hexdigest()
+                == h.tensor_sha256
+                for h in tokens_stream
+                if h.kind == "tokens"
+            ):
+                return [list(o) for o in outputs]
+        except IndexError:
+            continue
+    return None
+
+
+def _index(headers: list[FrameHeader]) -> dict[tuple[str, int, int], FrameHeader]:
+    """Frames by (kind, micro-batch, step), the first of each: a stage refuses a repeat, so it computed on the
+    first (and a repeat appended by the sender cannot stand for it)."""
+    index: dict[tuple[str, int, int], FrameHeader] = {}
+    for h in headers:
+        if h.kind != "end":
+            index.setdefault((h.kind, h.micro_batch, h.step), h)
+    return index
+
+
+def _deviation(
+    k: int,
+    stages: int,
+    given: list[FrameHeader],
+    sent: list[FrameHeader],
+    run: BatchRules,
+    tokens: list[list[int]] | None,
+) -> str | None:
+    """Why stage k's output frames do not follow from its input frames, or None."""
+    received = _index(given)
+    for header in sent:
+        if header.kind == "end":
+            continue
+        what = f"frame {header.index} ({header.kind} of micro-batch {header.micro_batch}, step {header.step})"
+        if k == 0:
+            if header.kind == "prefill":
+                if run.cut is None:  # nobody vouches for the batch's cut: stage 0's prefills are not judged
+                    continue
+                due: list[int] | None = (
+                    run.cut[header.micro_batch] if header.micro_batch < len(run.cut) else None
+                )
+            elif header.kind == "decode":
+                source = received.get(("tokens", header.micro_batch, header.step))
+                due = None
+                if source is not None and tokens is not None and header.step < run.max_new_tokens - 1:
+                    due = [r for r in source.rows if tokens[r][header.step] != run.eos_token_id]
+                elif source is not None and tokens is None:  # no confirmed token values: added rows only
+                    if not set(header.rows) <= set(source.rows):
+                        return f"{what} feeds rows it never received tokens for"
+                    continue
+            else:
+                due = None
+        elif k == stages - 1:
+            if header.kind != "tokens":
+                due = None
+            elif header.step == 0:
+                source = received.get(("prefill", header.micro_batch, 0))
+                due = None if source is None else list(source.rows)
+            else:
+                source = received.get(("decode", header.micro_batch, header.step - 1))
+                due = None if source is None else list(source.rows)
+        else:
+            source = received.get((header.kind, header.micro_batch, header.step))
+            due = None if source is None else list(source.rows)
+        if due is None:
+            return f"{what} follows from no frame it received"
+        if list(header.rows) != due:
+            return f"{what} carries rows {list(header.rows)[:8]}, its input calls for {due[:8]}"
+    return None
+
+
+@dataclass(frozen=True)
+class BatchRules:
+    """What the check needs of the batch beyond the streams: the run's EOS and max_new_tokens, and the
+    micro-batch cut of the assigned work (None when no trustworthy claim of it is at hand: stage 0's prefills are
+    then not judged)."""
+
+    eos_token_id: int
+    max_new_tokens: int
+    cut: list[list[int]] | None
+
+
+def cut_of(prompts: Sequence[Sequence[int]], micro_batch_size: int) -> list[list[int]]:
+    return micro_batches([len(p) for p in prompts], micro_batch_size)
+
+
+def blame_broken(
+    spec: GroupSpec, records: Sequence[SignedStageRecord | None], run: BatchRules
+) -> GroupVerdict:
+    """The first stage whose own signed output deviates from its signed input in a broken batch, or no one.
+    `records`: the members' partial records in stage order (None where a member handed in none); each must be
+    authentic and its member's (the caller's reader checks it)."""
+    stages = spec.layout.stages
+    if len(records) != stages:
+        return GroupVerdict(None, f"{len(records)} partial records for {stages} stages")
+    hops: list[list[FrameHeader] | None] = []
+    for k in range(stages):
+        stream, verdict = _hop(spec, records, k)
+        if verdict is not None:
+            return verdict
+        hops.append(stream)
+    for k in range(stages):
+        sent, own = hops[k], records[k]
+        if sent is None or own is None:
+            continue  # what it sent, or its own copy of what it was given, is not at hand: k is not judged
+        # Its input is its own copy (signed by k - 1, checked above): the predecessor's copy alone could be a
+        # stream k - 1 signed but never sent, which would frame an absent k.
+        given = list(own.record.received.headers)
+        tokens = _tokens(records, given) if k == 0 else None
+        reason = _deviation(k, stages, given, sent, run, tokens)
+        if reason is not None:
+            return GroupVerdict(k, f"stage {k}: {reason}")
+    return NO_BLAME

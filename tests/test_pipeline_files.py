@@ -1,0 +1,240 @@
+"""Pipeline stage files (prime-node/rollout/v3): the group's assignment, what every member writes, and a reader
+that refuses every malformed stage column with an error naming it."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from prime_node.node.engine import HFEngine
+from prime_node.node.models.tiny import build_tiny_model
+from prime_node.node.pipeline.work import GroupBatch, work_for
+from prime_node.node.run.settings import RunSettings
+from prime_node.node.run.validation import RunTasks
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.proofs.assignment import assign
+from prime_node.proofs.pipeline.stage_file import STAGE_SCHEMA, read_stage_file
+from prime_node.proofs.rollout_file import read_rollout_file, sign_bytes, signature_path
+from prime_node.proofs.rollout_schema import RolloutFileError
+from prime_node.proofs.toploc import check_proof
+
+from support.attack import engine_from, make_checkpoint, run_tasks
+from support.pipeline import identities
+from support.pipeline_files import GroupFiles, group_files
+
+RUN = RunSettings(
+    run_id="stage-files", run_seed=5, samples=2, max_new_tokens=8, pipeline=StageLayout(boundaries=[0, 2, 4])
+)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[GroupFiles, RunTasks, HFEngine, list[Identity]]:
+    checkpoint = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "model")
+    tasks, engine, members = (
+        run_tasks(checkpoint),
+        engine_from(build_tiny_model(0)[0]),
+        identities(2, salt=40),
+    )
+    files = group_files(tmp_path_factory.mktemp("files"), checkpoint, RUN, tasks, engine, members)
+    return files, tasks, engine, members
+
+
+def test_every_stage_file_holds_the_groups_assignment_and_tokens(made) -> None:  # noqa: ANN001
+    files, tasks, engine, members = made
+    first, last = (read_stage_file(p) for p in files.paths)
+    assert [f.signer for f in (first, last)] == [m.node_id for m in members]
+    assert first.group_id == last.group_id == files.spec.group_id and first.members == files.spec.members
+    strip = lambda f: [(r.sample_index, r.sample_seed, r.prompt_ids, r.output_ids, r.reward) for r in f.rows]  # noqa: E731
+    assert strip(first) == strip(last)
+    expected = assign(
+        RUN.run_seed, files.spec.group_id, 0, 0, task_count=tasks.task_count, prompts=2, samples=2, group=True
+    )
+    assert [(r.sample_index, r.sample_seed) for r in first.rows] == list(expected.rows())
+    assert all(r.proof == b"" for r in first.rows) and all(r.proof for r in last.rows)
+    assert first.record.record.sent == last.record.record.received  # the hop both ends recorded
+    # The last stage's proofs are today's: the monolithic model's final states at the output positions pass.
+    row = last.rows[0]
+    ids = list(row.prompt_ids + row.output_ids)
+    hidden = engine.model.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    n = len(row.prompt_ids)
+    assert all(
+        s.exp_mismatches <= 8 for s in check_proof(row.proof, hidden[n - 1 : n - 1 + len(row.output_ids)])
+    )
+
+
+def test_the_group_assignment_is_the_groups_alone(made) -> None:  # noqa: ANN001
+    files, tasks, engine, _ = made
+    derive = lambda group, batch: work_for(  # noqa: E731
+        RUN, tasks, GroupBatch(group, 0, batch, 2, 1), eos_token_id=engine.eos_token_id, pad_token_id=0
+    )[1]
+    group = files.spec.group_id
+    assert derive(group, 0) == derive(group, 0)  # every member and the validator derive the same
+    assert derive(group, 1) != derive(group, 0)
+    # A group's work is keyed in its own domain: no member's own (node) assignment is its group's.
+    member = files.spec.members[0]
+    node_work = assign(RUN.run_seed, member, 0, 0, task_count=tasks.task_count, prompts=2, samples=2)
+    assert derive(member, 0) != node_work
+
+
+def test_a_rollout_reader_refuses_a_stage_file_and_the_reverse(made, tmp_path: Path) -> None:  # noqa: ANN001
+    files, *_ = made
+    with pytest.raises(RolloutFileError, match="pipeline stage's file"):
+        read_rollout_file(files.paths[0])
+
+
+def _rewrite(
+    source: Path, target: Path, identity: Identity, change: Callable[[dict[str, list[Any]]], None]
+) -> Path:
+    """`source`'s table with `change` applied to its columns, written and signed again by `identity`."""
+    table = pq.read_table(source)
+    columns = {name: table.column(name).to_pylist() for name in table.column_names}
+    change(columns)
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pydict(columns, schema=STAGE_SCHEMA), sink)
+    data = sink.getvalue()
+    target.write_bytes(data)
+    envelope = json.loads(signature_path(source).read_bytes())
+    signed = sign_bytes(
+        data, identity, batch=(envelope["policy_step"], envelope["batch_counter"]), group=envelope["group"]
+    )
+    signature_path(target).write_text(json.dumps(signed))
+    return target
+
+
+def _set(name: str, value: Any, row: int | None = None) -> Callable[[dict[str, list[Any]]], None]:
+    def change(columns: dict[str, list[Any]]) -> None:
+        rows = range(len(columns[name])) if row is None else [row]
+        for i in rows:
+            columns[name][i] = value(columns[name][i]) if callable(value) else value
+
+    return change
+
+
+CASES = {
+    "members-short": (_set("group_members", lambda v: v.split(",")[0]), "group_members.*2\\.\\.64"),
+    "members-hex": (_set("group_members", lambda v: v.upper()), "group_members.*64 lowercase hex"),
+    "members-twice": (_set("group_members", lambda v: ",".join([v.split(",")[0]] * 2)), "group_members"),
+    "members-differ": (_set("group_members", lambda v: v[::-1], row=1), "group_members.*row 1 differs"),
+    "stage-range": (_set("stage", 7), "'stage': 7 is outside"),
+    "micro-batch": (_set("micro_batch_size", 0), "'micro_batch_size': 0 is outside"),
+    "stream-rows": (_set("sent_stream", lambda v: b"{}", row=1), "'sent_stream': row 0 holds the stream"),
+    "stream-missing": (_set("received_stream", None, row=0), "'received_stream': row 0 holds"),
+    "stream-json": (_set("sent_stream", b"{not json", row=0), "'sent_stream': not strict JSON"),
+    "stream-schema": (_set("received_stream", b'{"head": 1}', row=0), "'received_stream': malformed"),
+    "stream-canonical": (
+        _set("sent_stream", lambda v: json.dumps(json.loads(v), indent=1).encode(), row=0),
+        "'sent_stream': not the canonical JSON",
+    ),
+    "signature-hex": (_set("stage_signature", "zz" * 64), "'stage_signature': not 128 lowercase hex"),
+    "signature-other": (_set("stage_signature", "ab" * 64), "'stage_signature': not the signer's signature"),
+    "proof-middle": (_set("proof", b"\x01" * 258), "this file carries none"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_malformed_stage_columns_are_refused_naming_the_column(made, tmp_path: Path, case: str) -> None:  # noqa: ANN001
+    files, _, _, members = made
+    change, message = CASES[case]
+    path = _rewrite(files.paths[0], tmp_path / "bad.parquet", members[0], change)
+    with pytest.raises(RolloutFileError, match=message):
+        read_stage_file(path)
+
+
+def test_a_stage_file_signed_by_another_node_or_for_another_group_is_refused(made, tmp_path: Path) -> None:  # noqa: ANN001
+    files, _, _, members = made
+    path = tmp_path / "copy.parquet"
+    shutil.copy(files.paths[0], path)
+    data = path.read_bytes()
+    envelope = json.loads(signature_path(files.paths[0]).read_bytes())
+    batch = (envelope["policy_step"], envelope["batch_counter"])
+    signature_path(path).write_text(
+        json.dumps(sign_bytes(data, members[1], batch=batch, group=envelope["group"]))
+    )
+    with pytest.raises(RolloutFileError, match="rows claim node"):
+        read_stage_file(path)
+    signature_path(path).write_text(json.dumps(sign_bytes(data, members[0], batch=batch, group="ab" * 32)))
+    with pytest.raises(RolloutFileError, match="another group"):
+        read_stage_file(path)
+    signature_path(path).write_text(json.dumps(sign_bytes(data, members[0], batch=batch)))
+    with pytest.raises(RolloutFileError, match="rollout file.s; a stage file is signed as"):
+        read_stage_file(path)
+
+
+def test_a_fraud_report_is_read_only_from_the_receiver_and_well_formed(made, tmp_path: Path) -> None:  # noqa: ANN001
+    from prime_node.proofs.pipeline.reports import read_fraud_report
+
+    from support.pipeline_files import fraud_report_file
+
+    _, tasks, engine, members = made
+    model = make_checkpoint(tmp_path / "model")
+    spec, path = fraud_report_file(tmp_path, model, RUN, tasks, engine, members)
+    received = read_fraud_report(path)
+    assert received.signer == members[1].node_id and received.report.claim.group_id == spec.group_id
+    assert received.report.hop.opening.stage == 0 and received.report.hop.headers[-1].kind == "prefill"
+    envelope = json.loads(signature_path(path).read_bytes())
+    batch = (envelope["policy_step"], envelope["batch_counter"])
+    data = path.read_bytes()
+    # Signed by the accused itself, not by the stream's receiver: refused.
+    signature_path(path).write_text(
+        json.dumps(sign_bytes(data, members[0], batch=batch, group=envelope["group"], kind="fraud"))
+    )
+    with pytest.raises(RolloutFileError, match="not the receiver"):
+        read_fraud_report(path)
+    # A stage file's kind, a malformed tensor, a field out of bounds: each named.
+    signature_path(path).write_text(
+        json.dumps(sign_bytes(data, members[1], batch=batch, group=envelope["group"]))
+    )
+    with pytest.raises(RolloutFileError, match="kind 'fraud'"):
+        read_fraud_report(path)
+    for field, value, message in (
+        ("tensor", "!!", "at tensor"),
+        ("claim.prompts", 0, "at claim.prompts"),
+        ("claim.members", ["ab" * 32], "at claim.members"),
+    ):
+        document = json.loads(data)
+        holder = document["claim"] if field.startswith("claim.") else document
+        holder[field.removeprefix("claim.")] = value
+        bad = json.dumps(document).encode()
+        path.write_bytes(bad)
+        signature_path(path).write_text(
+            json.dumps(sign_bytes(bad, members[1], batch=batch, group=envelope["group"], kind="fraud"))
+        )
+        with pytest.raises(RolloutFileError, match=message):
+            read_fraud_report(path)
+
+
+def test_a_finished_batch_is_judged_whole_and_a_partial_record_cannot_void_it(made, tmp_path: Path) -> None:  # noqa: ANN001
+    from prime_node.proofs.pipeline.reports import BatchClaim, PartialReport, write_report
+    from prime_node.trainer.validator.group_job import Delivery, verify_group_files
+
+    files, tasks, engine, members = made
+    first = read_stage_file(files.paths[0])
+    claim = BatchClaim(
+        run_id=RUN.run_id,
+        policy_step=0,
+        batch=0,
+        members=list(files.spec.members),
+        prompts=2,
+        micro_batch_size=1,
+    )
+    partial = tmp_path / "partial.json"
+    write_report(partial, PartialReport(claim=claim, record=first.record), members[0])
+    deliveries = [Delivery(p, m.node_id) for p, m in zip(files.paths, members, strict=True)]
+    deliveries.append(Delivery(partial, members[0].node_id, "partial"))
+    assert RUN.pipeline is not None
+    judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=False)
+    assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == [
+        (True, None),
+        (True, None),
+        (False, "duplicate"),
+    ], judged.outcomes

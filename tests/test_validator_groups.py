@@ -1,0 +1,198 @@
+"""Pipelined groups through the real validator service on 127.0.0.1: each member hands in its signed stage file
+over the swarm, the validator collects the group, judges it with verify_group and records one verdict per file
+in its ledger (credit, slash and ban as docs/pipeline.md's verdict policy says)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.p2p.swarm import RolloutEnvelope
+from prime_node.proofs.rollout_file import sign_bytes, signature_path
+
+from support.pipeline_attacks import perturb_stage_
+from support.pipeline_files import drop_a_row, fraud_report_file, group_files, partial_report_files
+from support.swarm import fleet, wait_until
+from support.validator import (
+    OPERATOR,
+    RUN,
+    VALIDATOR_RUN,
+    publish_checkpoint,
+    running_validator,
+    sees_a_validator,
+    validator_settings,
+    wait_verdict,
+)
+
+PIPELINED = VALIDATOR_RUN.model_copy(update={"pipeline": StageLayout(boundaries=[0, 2, 4])})
+GRACE_S = 4.0
+
+
+def _settings(data_dir: Path):  # noqa: ANN202
+    settings = validator_settings(data_dir, group_grace_s=GRACE_S)
+    return settings.model_copy(update={"run": PIPELINED})
+
+
+def _envelope(path: Path) -> RolloutEnvelope:
+    return RolloutEnvelope.model_validate_json(signature_path(path).read_bytes())
+
+
+async def _ledger(running, node_id: str) -> tuple[list[tuple[int, str | None]], float, int, bool]:  # noqa: ANN001
+    """(accepted, failed check) of the node's files, its score, its slashes, and whether it is banned."""
+    ledger = running.service.ledger.ledger
+    files = ledger.query("SELECT accepted, failed_check FROM contributions WHERE node_id = ?", (node_id,))
+    score = ledger.query("SELECT score FROM nodes WHERE node_id = ?", (node_id,))
+    slashes = ledger.query("SELECT COUNT(*) AS n FROM slashes WHERE node_id = ?", (node_id,))[0]["n"]
+    banned = await running.service.ledger.active_ban(node_id) is not None
+    return (
+        [(r["accepted"], r["failed_check"]) for r in files],
+        score[0]["score"] if score else 0.0,
+        slashes,
+        banned,
+    )
+
+
+async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tmp_path: Path, world) -> None:  # noqa: ANN001
+    checkpoint, engine, tasks = world
+    honest = [Identity.generate() for _ in range(2)]
+    cheat_group = [Identity.generate() for _ in range(2)]  # stage 0 computes with perturbed weights
+    lonely = [Identity.generate() for _ in range(2)]  # stage 1 never hands its file in
+    framed = [Identity.generate() for _ in range(2)]  # stage 0 sends a frame its commitment belies
+    broken = [Identity.generate() for _ in range(2)]  # stage 1 drops a row: the batch breaks at stage 0
+    made = {
+        "honest": group_files(tmp_path / "honest", checkpoint, PIPELINED, tasks, engine, honest),
+        "cheat": group_files(
+            tmp_path / "cheat",
+            checkpoint,
+            PIPELINED,
+            tasks,
+            engine,
+            cheat_group,
+            corrupt=lambda processors: perturb_stage_(processors[0], 1e-2, seed=1),
+        ),
+        "lonely": group_files(tmp_path / "lonely", checkpoint, PIPELINED, tasks, engine, lonely),
+    }
+    _, report = fraud_report_file(tmp_path / "fraud", checkpoint, PIPELINED, tasks, engine, framed)
+    _, false_report = fraud_report_file(
+        tmp_path / "fraud", checkpoint, PIPELINED, tasks, engine, framed, batch=1
+    )
+    _swap_tensor(false_report, framed[1])  # evidence of a frame that is not the one the accused signed
+    _, partials = partial_report_files(
+        tmp_path / "broken", checkpoint, PIPELINED, tasks, engine, broken, drop_a_row(1, "tokens", 1)
+    )
+    settings = _settings(tmp_path / "validator")
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
+        senders = {}
+        for member in honest + cheat_group + lonely[:1] + framed[1:] + broken:
+            senders[member.node_id] = await swarm.add(
+                member, bootstrap=running.maddrs[:1], reachability="public"
+            )
+        await wait_until(lambda: sees_a_validator(senders[honest[0].node_id]), 15)
+        for name, members in (("honest", honest), ("cheat", cheat_group), ("lonely", lonely[:1])):
+            for member, path in zip(members, made[name].paths, strict=False):
+                envelope = _envelope(path)
+                assert envelope.group == made[name].spec.group_id
+                await senders[member.node_id].send_rollout(path, envelope)
+        for path in (report, false_report):
+            assert _envelope(path).kind == "fraud"
+            await senders[framed[1].node_id].send_rollout(path, _envelope(path))
+        # Both members of the broken batch hand in their partial records (the culprit's software reports too).
+        for member, path in zip(broken, partials, strict=True):
+            assert _envelope(path).kind == "partial"
+            await senders[member.node_id].send_rollout(path, _envelope(path))
+
+        def verdict(name: str, stage: int):  # noqa: ANN202
+            path = made[name].paths[stage]
+            return wait_verdict(running, _envelope(path).sha256, 60 + GRACE_S)
+
+        # Honest: every member's file accepted, every member credited.
+        for stage in range(2):
+            v = (await verdict("honest", stage)).document
+            assert v.accepted and v.samples == 4, v.reason
+        for member in honest:
+            assert await _ledger(running, member.node_id) == ([(1, None)], 1.0, 0, False)
+        # Corrupting stage 0: its file rejected as the blamed stage, slashed and banned; stage 1 is neither
+        # blamed nor penalised (and not credited: the batch is unusable).
+        blamed = (await verdict("cheat", 0)).document
+        assert not blamed.accepted and blamed.failed_check == "pipeline", blamed.reason
+        assert blamed.reason.startswith("stage 0: its activations are not the checkpoint's"), blamed.reason
+        successor = (await verdict("cheat", 1)).document
+        assert not successor.accepted and successor.failed_check == "pipeline_group", successor.reason
+        files, score, slashes, banned = await _ledger(running, cheat_group[0].node_id)
+        assert files == [(0, "pipeline")] and score < 0 and slashes == 1 and banned
+        assert await _ledger(running, cheat_group[1].node_id) == ([(0, "pipeline_group")], 0.0, 0, False)
+        # A missing stage: after the grace period the present member's file is rejected without penalty.
+        lonely_verdict = (await verdict("lonely", 0)).document
+        assert not lonely_verdict.accepted and lonely_verdict.failed_check == "pipeline_incomplete"
+        assert "stages [1]" in lonely_verdict.reason and "grace period" in lonely_verdict.reason
+        assert await _ledger(running, lonely[0].node_id) == ([(0, "pipeline_incomplete")], 0.0, 0, False)
+        # Fraud evidence: the receiver's report blames stage 0 at once (its own signed frame), the reporter is
+        # credited; evidence that proves nothing is its reporter's fault.
+        sha = _envelope(report).sha256
+        upheld = (await wait_verdict(running, sha, 30, node_id=framed[1].node_id)).document
+        assert upheld.accepted and upheld.samples == 0, upheld.reason
+        accused = (await wait_verdict(running, sha, 30, node_id=framed[0].node_id)).document
+        assert not accused.accepted and accused.failed_check == "pipeline", accused.reason
+        assert "belies the commitment it signed" in accused.reason
+        files, score, slashes, banned = await _ledger(running, framed[0].node_id)
+        assert files == [(0, "pipeline")] and slashes == 1 and banned
+        false = (await wait_verdict(running, _envelope(false_report).sha256, 30)).document
+        assert not false.accepted and false.failed_check == "pipeline_report", false.reason
+        files, score, slashes, banned = await _ledger(running, framed[1].node_id)
+        assert sorted(files, key=str) == [(0, "pipeline_report"), (1, None)] and slashes == 1 and not banned
+        # A broken batch: the partial records name stage 1, which sampled fewer rows than it was given; stage 0
+        # is excused.
+        excused = (await wait_verdict(running, _envelope(partials[0]).sha256, 60)).document
+        assert not excused.accepted and excused.failed_check == "pipeline_incomplete", excused.reason
+        dropped = (await wait_verdict(running, _envelope(partials[1]).sha256, 30)).document
+        assert not dropped.accepted and dropped.failed_check == "pipeline", dropped.reason
+        assert dropped.reason.startswith("stage 1: frame") and "carries rows" in dropped.reason
+        assert (await _ledger(running, broken[0].node_id))[1:] == (0.0, 0, False)
+        files, score, slashes, banned = await _ledger(running, broken[1].node_id)
+        assert files == [(0, "pipeline")] and slashes == 1 and banned
+        # Stage files are credited, not delivered to the trainer (it reads rollout files): the spool empties.
+        await wait_until(lambda: _spool_empty(running), 10)
+        assert not (settings.resolved_data_dir() / "accepted").exists() or not any(
+            (settings.resolved_data_dir() / "accepted").iterdir()
+        )
+        await asyncio.sleep(0)
+
+
+def _swap_tensor(path: Path, reporter: Identity) -> None:
+    """Replace the report's tensor by zeros of the same size and sign it again as `reporter`."""
+    document = json.loads(path.read_bytes())
+    document["tensor"] = base64.b64encode(bytes(len(base64.b64decode(document["tensor"])))).decode()
+    data = json.dumps(document, sort_keys=True).encode()
+    path.write_bytes(data)
+    old = json.loads(signature_path(path).read_bytes())
+    batch = (old["policy_step"], old["batch_counter"])
+    signature_path(path).write_text(
+        json.dumps(sign_bytes(data, reporter, batch=batch, group=old["group"], kind="fraud"))
+    )
+
+
+async def _spool_empty(running) -> bool:  # noqa: ANN001
+    return not list(running.service.spool.directory.iterdir())
+
+
+@pytest.mark.parametrize("stages", [2])
+def test_group_intake_waits_for_every_stage_then_the_grace(stages: int) -> None:
+    from prime_node.trainer.validator.groups import GroupIntake, GroupKey
+
+    intake: GroupIntake[str] = GroupIntake(stages, grace_s=5.0, hold_timeout_s=60.0, max_groups=1)
+    key = GroupKey("ab" * 32, 0, 0)
+    intake.add(key, "stage 0", now=100.0)
+    assert intake.due(101.0) == []  # one of two stages, within the grace period
+    assert [(g.key, complete) for g, complete in intake.due(105.0)] == [(key, True)]
+    intake.add(key, "stage 1", now=102.0)
+    assert [(g.key, complete) for g, complete in intake.due(102.0)] == [(key, False)]  # complete: at once
+    assert intake.full(GroupKey("cd" * 32, 0, 0)) and not intake.full(key)
+    intake.done(key)
+    assert len(intake) == 0

@@ -1,0 +1,445 @@
+"""One pipelined group's batch: its members' stage files judged together, one verdict per file.
+
+Cheapest first (docs/pipeline.md, "Verdicts"):
+1. each file alone (proofs/pipeline/stage_file.py): signature, schema, limits, the stage columns, the rows
+   naming its signer; a file that fails is rejected for that check, as a rollout file would be;
+2. the group: one file per stage of the run's layout (a second file for a stage is a `duplicate`); a group cut
+   into another number of stages than the run's is every file's `run_parameters`;
+3. each file's rows against the work `work_for` derives from the group (node/pipeline/work.py): the run's
+   sampling settings (`run_parameters`), the assignment (`assignment`), the prompts (`prompts`), the rewards
+   recomputed (`rewards`): each file is its signer's own claim, so a failure is that file's;
+4. every stage present (else the group is incomplete: nobody is blamed, nobody credited);
+5. `verify_group` (proofs/pipeline/blame.py) on the records, with one hooked prefill of the whole checkpoint;
+   when it verifies, the last stage's termination and its rollout proofs (today's, per sample) against the
+   same prefill.
+Verdict policy: the group verifies, every file is accepted (each member credited); a stage is blamed, its file
+is rejected (`pipeline`, fraud: slashed and banned) and every other member's is rejected without penalty
+(`pipeline_group`, excused): the batch passed through a faulty stage, so nobody is paid for it.
+Blocking (Parquet, torch): run it in the verification thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ...node.engine import HFEngine, InferenceEngine
+from ...node.pipeline.boundaries import BoundaryOracle, SampleBoundaries
+from ...node.pipeline.work import GroupBatch, work_for
+from ...node.run.settings import RunSettings
+from ...node.run.validation import RunTasks
+from ...p2p.pipeline.layout import StageLayout
+from ...proofs.errors import ProofError
+from ...proofs.pipeline.blame import BlameThresholds, GroupVerdict, GroupWork, check_fraud, verify_group
+from ...proofs.pipeline.broken import BatchRules, blame_broken, cut_of
+from ...proofs.pipeline.records import GroupSpec, SignedStageRecord
+from ...proofs.pipeline.reports import ReceivedPartial, ReceivedReport, read_fraud_report, read_partial_report
+from ...proofs.pipeline.schedule import micro_batches
+from ...proofs.pipeline.stage_file import StageFile, read_stage_file
+from ...proofs.rollout_schema import RolloutFileError, RolloutLimits
+from ...proofs.toploc import check_proof, committed_rows, worst_failure
+from ...proofs.work_identity import sample_ids
+from .verify_job import Outcome, check_name
+
+BLAMED = "pipeline"  # the stage verify_group found faulty: fraud
+GROUP_FAILED = "pipeline_group"  # an honest member of a group that failed elsewhere: excused, not credited
+# A member of a group whose stages did not all arrive: excused, not credited.
+INCOMPLETE = "pipeline_incomplete"
+REPORT_FAILED = "pipeline_report"  # fraud evidence that proves nothing: its reporter's fault
+
+ModelLookup = Callable[[int], "tuple[InferenceEngine, RunTasks] | None"]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One member's file as the validator spooled it: a stage file, or a fraud report."""
+
+    path: Path
+    sender: str  # the envelope's signer
+    kind: str = "stage"  # the v3 envelope's kind
+
+
+@dataclass(frozen=True)
+class Accusation:
+    """A verdict on a node that delivered nothing: the accused of an upheld fraud report (on the report's hash)."""
+
+    file_hash: str
+    node_id: str
+    outcome: Outcome
+
+
+@dataclass
+class GroupOutcome:
+    """Per delivery (index into the deliveries), its outcome; or `hold`: the checkpoint is not held yet."""
+
+    hold: bool = False
+    step: int = 0
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+    accusations: list[Accusation] = field(default_factory=list)
+
+
+class _Recorded:
+    """The oracle, keeping its last prefill: the last stage's rollout proofs are checked against it too."""
+
+    def __init__(self, oracle: BoundaryOracle) -> None:
+        self.oracle = oracle
+        self.last: Sequence[SampleBoundaries] = []
+
+    def prefill(self, sequences: Sequence[Sequence[int]]) -> Sequence[SampleBoundaries]:
+        self.last = self.oracle.prefill(sequences)
+        return self.last
+
+
+def _reject(step: int, check: str, reason: str, parsed: StageFile | None = None) -> Outcome:
+    samples = len(parsed.rows) if parsed is not None else 0
+    return Outcome(False, step, False, check, reason, samples=samples)
+
+
+def _accept(step: int, parsed: StageFile, last: bool) -> Outcome:
+    rows = parsed.rows
+    rewards = sum(r.task_reward for r in rows)
+    return Outcome(
+        False,
+        step,
+        True,
+        None,
+        "",
+        len(rows),
+        sum(len(r.output_ids) for r in rows),
+        # The reward curve counts a group's samples once: from the last stage's file.
+        task_reward_sum=min(float(len(rows)), max(0.0, rewards)) if last else None,
+        sample_ids=sample_ids(rows),
+    )
+
+
+def _row_fault(
+    parsed: StageFile, run: RunSettings, tasks: RunTasks, work_rows: list[tuple[int, int]]
+) -> tuple[str, str] | None:
+    """The first check a file's rows fail against the group's derived work: (check, reason), or None."""
+    rows = parsed.rows
+    for i, r in enumerate(rows):
+        if (
+            r.run_id != run.run_id
+            or r.temperature != run.temperature
+            or r.max_new_tokens != run.max_new_tokens
+        ):
+            return "run_parameters", f"row {i}: run id, temperature or max_new_tokens is not the run's"
+        if r.environment != tasks.environment_pin or r.prompt_format != tasks.prompt_format:
+            return "run_parameters", f"row {i}: environment or prompt format is not the run's"
+    if [(r.sample_index, r.sample_seed) for r in rows] != work_rows:
+        return "assignment", "the rows are not the samples and seeds the group's batch is assigned"
+    for i, r in enumerate(rows):
+        if r.prompt_ids != tasks.prompt_ids(r.sample_index, r.sample_seed):
+            return "prompts", f"row {i}: the prompt is not the task's"
+        task_reward, penalty, target = tasks.rewards_for(r.sample_index, r.sample_seed, r.output_ids)
+        if (
+            not math.isclose(r.task_reward, task_reward, abs_tol=1e-9)
+            or not math.isclose(r.length_penalty, penalty, abs_tol=1e-9)
+            or r.target_length != target
+        ):
+            return (
+                "rewards",
+                f"row {i}: rewards differ from the run's verifiers ({r.task_reward} vs {task_reward})",
+            )
+    return None
+
+
+def _cut(stage0: StageFile) -> tuple[list[int], list[list[int]]]:
+    """(samples, micro-batches) the group ran, read from stage 0's sent prefill frames."""
+    prefills = [h for h in stage0.record.record.sent.headers if h.kind == "prefill"]
+    cut = [list(h.rows) for h in sorted(prefills, key=lambda h: h.micro_batch)]
+    return sorted(r for rows in cut for r in rows), cut
+
+
+def _termination(outputs: Sequence[Sequence[int]], eos: int, max_new_tokens: int) -> str | None:
+    for i, tokens in enumerate(outputs):
+        if eos in tokens[:-1]:
+            return f"sample {i} goes on after EOS"
+        if tokens[-1] != eos and len(tokens) != max_new_tokens:
+            return (
+                f"sample {i} stops after {len(tokens)} tokens without EOS (max_new_tokens {max_new_tokens})"
+            )
+    return None
+
+
+def _proofs(
+    parsed: StageFile, recomputed: Sequence[SampleBoundaries], thresholds: BlameThresholds
+) -> str | None:
+    """The last stage's rollout proofs against the recomputed final normed states at the output positions."""
+    for i, (row, states) in enumerate(zip(parsed.rows, recomputed, strict=True)):
+        try:
+            stats = check_proof(
+                row.proof, states.states[-1][committed_rows(len(row.prompt_ids), len(row.output_ids))]
+            )
+        except ProofError as exc:  # a malformed proof is the file's fault, named
+            return f"row {i}: {exc}"
+        failure = worst_failure(stats, thresholds.final)
+        if failure is not None:
+            return f"row {i}: the rollout proof is not the checkpoint's final states ({failure})"
+    return None
+
+
+def _judge_reports(
+    reports: dict[int, ReceivedReport],
+    run: RunSettings,
+    layout: StageLayout,
+    tasks: RunTasks,
+    eos: int,
+    pad: int,
+    result: GroupOutcome,
+) -> tuple[int, str] | None:
+    """check_fraud on each report: an upheld one credits its reporter and accuses the stage it names (returned
+    with the reason); one that proves nothing is its reporter's fault (`pipeline_report`)."""
+    upheld = None
+    for d, received in reports.items():
+        report, claim = received.report, received.report.claim
+        step = claim.policy_step
+        if len(claim.members) != layout.stages:
+            result.outcomes[d] = _reject(step, "run_parameters", f"a group of {len(claim.members)} stages")
+            continue
+        batch = GroupBatch(claim.group_id, step, claim.batch, claim.prompts, claim.micro_batch_size)
+        try:
+            work, _ = work_for(run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
+        except (ProofError, ValueError) as exc:
+            result.outcomes[d] = _reject(
+                step, REPORT_FAILED, f"the report names no batch of the group: {exc}"
+            )
+            continue
+        spec = GroupSpec(run.run_id, step, claim.batch, layout, tuple(claim.members))
+        group_work = GroupWork(
+            [r.prompt_ids for r in work.requests],
+            [r.seed for r in work.requests],
+            run.temperature,
+            run.max_new_tokens,
+            eos,
+            claim.micro_batch_size,
+        )
+        verdict = check_fraud(spec, report.evidence(), group_work)
+        if verdict.blamed is None:
+            result.outcomes[d] = _reject(
+                step, REPORT_FAILED, f"the evidence proves nothing: {verdict.reason}"
+            )
+            continue
+        result.outcomes[d] = Outcome(False, step, True)
+        accused = Outcome(False, step, False, BLAMED, f"{verdict.reason} (fraud evidence by its receiver)")
+        result.accusations.append(Accusation(received.sha256, claim.members[verdict.blamed], accused))
+        upheld = upheld or (verdict.blamed, verdict.reason)
+    return upheld
+
+
+def _judge_broken(
+    partials: dict[int, ReceivedPartial],
+    parsed: dict[int, StageFile],
+    by_stage: dict[int, int],
+    run: RunSettings,
+    layout: StageLayout,
+    tasks: RunTasks,
+    eos: int,
+    pad: int,
+    result: GroupOutcome,
+) -> GroupOutcome:
+    """A batch that broke: blame_broken over every member's record as it stood (a partial report, or the stage
+    file of a member that finished), one verdict per delivery (a stage is judged only on its own record)."""
+    step = result.step
+    records: list[SignedStageRecord | None] = [None] * layout.stages
+    holder: dict[int, int] = {}  # stage -> the delivery its record came from
+    for k, d in by_stage.items():
+        records[k], holder[k] = parsed[d].record, d
+    claim = None
+    for d, partial in partials.items():
+        k = partial.stage
+        if len(partial.report.claim.members) != layout.stages:
+            result.outcomes[d] = _reject(
+                step, "run_parameters", f"a group of {len(partial.report.claim.members)} stages"
+            )
+        elif k in holder:
+            result.outcomes[d] = _reject(step, "duplicate", f"a second record for stage {k} of this batch")
+        else:
+            records[k], holder[k] = partial.report.record, d
+            claim = partial.report.claim if k == 0 else claim
+    members = next(iter(partials.values())).report.claim.members
+    if len(members) != layout.stages:  # every record of the group names the same members: all refused above
+        return result
+    spec = GroupSpec(
+        run.run_id, step, next(iter(partials.values())).report.claim.batch, layout, tuple(members)
+    )
+    cut = None
+    if (
+        claim is not None
+    ):  # stage 0's own claim of the batch it cut (signed by it): its prefills are judged by it
+        try:
+            batch = GroupBatch(claim.group_id, step, claim.batch, claim.prompts, claim.micro_batch_size)
+            work, _ = work_for(run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
+            cut = cut_of([r.prompt_ids for r in work.requests], claim.micro_batch_size)
+        except (ProofError, ValueError):
+            cut = None
+    verdict = blame_broken(spec, records, BatchRules(eos, run.max_new_tokens, cut))
+    for k, d in holder.items():
+        if verdict.blamed == k:
+            result.outcomes[d] = _reject(step, BLAMED, verdict.reason)
+        else:
+            result.outcomes[d] = _reject(step, INCOMPLETE, f"the batch broke mid-way: {verdict.reason}")
+    return result
+
+
+def verify_group_files(
+    deliveries: Sequence[Delivery],
+    run: RunSettings,
+    layout: StageLayout,
+    lookup: ModelLookup,
+    *,
+    complete: bool,
+    limits: RolloutLimits | None = None,
+    thresholds: BlameThresholds | None = None,
+) -> GroupOutcome:
+    """Judge one group's batch from its members' deliveries; `complete`: the grace period is over (or every
+    stage is in), so a missing stage makes the group incomplete."""
+    thresholds = thresholds or BlameThresholds()
+    result = GroupOutcome()
+    parsed: dict[int, StageFile] = {}
+    reports: dict[int, ReceivedReport] = {}
+    partials: dict[int, ReceivedPartial] = {}
+    for d, delivery in enumerate(deliveries):
+        try:
+            if delivery.kind == "fraud":
+                reports[d] = read_fraud_report(delivery.path, expected_signer=delivery.sender)
+            elif delivery.kind == "partial":
+                partials[d] = read_partial_report(delivery.path, expected_signer=delivery.sender)
+            else:
+                parsed[d] = read_stage_file(delivery.path, limits, expected_signer=delivery.sender)
+        except RolloutFileError as exc:
+            result.outcomes[d] = _reject(0, check_name(exc.check), str(exc))
+    if not parsed and not reports and not partials:
+        return result
+    claims = [r.report.claim for r in reports.values()] + [p.report.claim for p in partials.values()]
+    step = next(iter(parsed.values())).batch[0] if parsed else claims[0].policy_step
+    result.step = step
+    by_stage: dict[int, int] = {}
+    for d, f in parsed.items():
+        if len(f.members) != layout.stages:
+            result.outcomes[d] = _reject(
+                step,
+                "run_parameters",
+                f"a group of {len(f.members)} stages; the run's layout has {layout.stages}",
+                f,
+            )
+        elif f.stage in by_stage:
+            result.outcomes[d] = _reject(
+                step, "duplicate", f"a second file for stage {f.stage} of this batch", f
+            )
+        else:
+            by_stage[f.stage] = d
+    if not by_stage and not reports and not partials:
+        return result
+    found = lookup(step)
+    if found is None:
+        return GroupOutcome(hold=True, step=step, outcomes=result.outcomes)
+    engine, tasks = found
+    if not isinstance(engine, HFEngine):  # the hooked prefill runs the transformers model (vLLM: not built)
+        raise TypeError(
+            f"a group's boundary prefill needs the transformers engine, not {type(engine).__name__}"
+        )
+    eos, pad = engine.eos_token_id, engine.pad_token_id
+    blamed = _judge_reports(reports, run, layout, tasks, eos, pad, result)
+    if blamed is not None:  # proven fraud: the batch is void; the accused's own file (if any) blamed with it
+        stage, reason = blamed
+        for k, d in by_stage.items():
+            check = BLAMED if k == stage else GROUP_FAILED
+            result.outcomes[d] = _reject(
+                step, check, reason if k == stage else f"another stage blamed: {reason}"
+            )
+        for d in partials:
+            result.outcomes[d] = _reject(step, GROUP_FAILED, f"another stage blamed: {reason}")
+        return result
+    if partials and len(by_stage) == layout.stages:  # every stage finished: a partial record cannot void that
+        for d in partials:
+            result.outcomes[d] = _reject(
+                step, "duplicate", "a partial record of a batch whose stages all finished"
+            )
+        partials = {}
+    if partials:  # the batch broke: judged from the partial records once all are in, or when time is up
+        stages_in = {p.stage for p in partials.values()} | set(by_stage)
+        if not complete and len(stages_in) < layout.stages:
+            return GroupOutcome(step=step)
+        return _judge_broken(partials, parsed, by_stage, run, layout, tasks, eos, pad, result)
+    if not by_stage:
+        return result if complete else GroupOutcome(step=step)  # reports that proved nothing: wait for files
+    for stage, d in list(by_stage.items()):  # each file's rows against its own claim of the group's batch
+        f = parsed[d]
+        claim = GroupBatch(
+            f.group_id, step, f.batch[1], max(1, len(f.rows) // run.samples), f.micro_batch_size
+        )
+        try:
+            _, assignment = work_for(run, tasks, claim, eos_token_id=eos, pad_token_id=pad)
+            fault = _row_fault(f, run, tasks, list(assignment.rows()))
+        except (
+            ProofError,
+            ValueError,
+        ) as exc:  # AssignmentError (no batch has these many rows), PipelineWork
+            fault = "assignment", f"no batch of the group has these rows: {exc}"
+        if fault is not None:
+            result.outcomes[d] = _reject(step, fault[0], fault[1], f)
+            del by_stage[stage]
+    if (
+        0 in by_stage
+    ):  # the cut the group ran is stage 0's: its signed prefill frames (hops bind the others to it)
+        ran = _cut(parsed[by_stage[0]])
+        for stage, d in list(by_stage.items()):
+            f = parsed[d]
+            lengths = [len(r.prompt_ids) for r in f.rows]
+            if len(f.rows) != len(ran[0]) or micro_batches(lengths, f.micro_batch_size) != ran[1]:
+                result.outcomes[d] = _reject(
+                    step, "assignment", "the rows or their micro-batch cut are not the batch the group ran", f
+                )
+                del by_stage[stage]
+    if len(by_stage) < layout.stages:
+        if not complete:
+            return GroupOutcome(hold=False, step=step, outcomes={})  # wait for the rest (the caller's grace)
+        missing = sorted(set(range(layout.stages)) - set(by_stage))
+        reason = f"stages {missing} of the group did not hand in a valid file within the grace period"
+        for d in by_stage.values():
+            result.outcomes[d] = _reject(step, INCOMPLETE, reason, parsed[d])
+        return result
+    first = parsed[by_stage[0]]
+    batch = GroupBatch(
+        first.group_id, step, first.batch[1], len(first.rows) // run.samples, first.micro_batch_size
+    )
+    work, _ = work_for(run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
+    spec = GroupSpec(run.run_id, step, batch.batch, layout, first.members)
+    records = [parsed[by_stage[k]].record for k in range(layout.stages)]
+    group_work = GroupWork(
+        [r.prompt_ids for r in work.requests],
+        [r.seed for r in work.requests],
+        run.temperature,
+        run.max_new_tokens,
+        eos,
+        batch.micro_batch_size,
+    )
+    oracle = _Recorded(BoundaryOracle(engine.model, layout))
+    with torch.inference_mode():
+        verdict = verify_group(spec, records, group_work, oracle, thresholds)
+    last = layout.stages - 1
+    if verdict.accepted:
+        late = _termination(records[last].record.outputs, eos, run.max_new_tokens) or _proofs(
+            parsed[by_stage[last]], oracle.last, thresholds
+        )
+        if late is not None:
+            verdict = GroupVerdict(last, f"stage {last}: {late}")
+    for k, d in by_stage.items():
+        f = parsed[d]
+        if verdict.accepted:
+            result.outcomes[d] = _accept(step, f, k == last)
+        elif verdict.blamed == k:
+            result.outcomes[d] = _reject(step, BLAMED, verdict.reason, f)
+        else:
+            result.outcomes[d] = _reject(
+                step,
+                GROUP_FAILED,
+                f"the group's batch was rejected, another stage blamed: {verdict.reason}",
+                f,
+            )
+    return result

@@ -1,0 +1,75 @@
+"""Stage files waiting for the rest of their group: the grace period, and when a group is judged.
+
+A pipelined group's batch is judged as a whole (trainer/validator/group_job.py), so its members' stage files are
+collected here by (group id, policy step, batch), the key their v3 envelopes sign, instead of joining the
+validator's file queue. A group is judged as soon as it has a file per stage, and in any case once
+`group_grace_s` has passed since its first file arrived: then a stage still missing makes the group
+incomplete (docs/pipeline.md, "Verdicts"). A group whose checkpoint the validator does not hold waits like a
+rollout file does, up to `hold_timeout_s` from its first file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, NamedTuple, TypeVar
+
+T = TypeVar("T")
+
+
+class GroupKey(NamedTuple):
+    group: str  # the group id its envelopes sign
+    policy_step: int
+    batch: int
+
+
+@dataclass
+class PendingGroup(Generic[T]):
+    key: GroupKey
+    first_at: float  # when its first file was accepted (time.time())
+    jobs: list[T] = field(default_factory=list)
+    tried_with: int = 0  # files it held when it was last judged early (an incomplete try waits for more)
+    holding: bool = False  # its checkpoint is not held: retried on every tick until the hold timeout
+    urgent: bool = (
+        False  # it holds fraud evidence: judged at once (the batch was abandoned, no files will come)
+    )
+
+
+class GroupIntake(Generic[T]):
+    """Pending groups; `due` says which to judge now. Not thread-safe: the event loop's."""
+
+    def __init__(self, stages: int, grace_s: float, hold_timeout_s: float, max_groups: int) -> None:
+        self.stages, self.grace_s, self.hold_timeout_s, self.max_groups = (
+            stages,
+            grace_s,
+            hold_timeout_s,
+            max_groups,
+        )
+        self.pending: dict[GroupKey, PendingGroup[T]] = {}
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def full(self, key: GroupKey) -> bool:
+        """Whether a file of a new group must wait (busy): a bound on groups pending, whatever senders claim."""
+        return key not in self.pending and len(self.pending) >= self.max_groups
+
+    def add(self, key: GroupKey, job: T, now: float, *, urgent: bool = False) -> None:
+        group = self.pending.setdefault(key, PendingGroup(key, now))
+        group.jobs.append(job)
+        group.urgent = group.urgent or urgent
+
+    def due(self, now: float) -> list[tuple[PendingGroup[T], bool]]:
+        """(group, complete) for every group to judge now: complete when its grace period is over."""
+        found = []
+        for group in self.pending.values():
+            over = now >= group.first_at + self.grace_s
+            fresh = len(group.jobs) > group.tried_with
+            if group.holding or over or (fresh and (group.urgent or len(group.jobs) >= self.stages)):
+                found.append((group, over))
+        return found
+
+    def hold_expired(self, group: PendingGroup[T], now: float) -> bool:
+        return now >= group.first_at + self.hold_timeout_s
+
+    def done(self, key: GroupKey) -> None:
+        self.pending.pop(key, None)
