@@ -175,6 +175,31 @@ async def test_a_source_that_lies_about_availability_is_demoted_and_the_fetch_co
         assert sum(liar.requests.values()) == 0
 
 
+@pytest.mark.parametrize(("fault", "lie"), [("404", True), ("busy", False)])
+async def test_a_claimed_shard_answered_404_is_a_lie_and_a_busy_503_is_not(
+    origin, tmp_path: Path, fault: str, lie: bool
+) -> None:
+    # The fetcher reads the answer's HTTP status (and the busy header), never its text: 404 denies holding a
+    # shard the record claims; a busy 503 says it is held and every upload slot is taken.
+    store_dir, manifest = origin
+    raw = sign_availability(PEER, manifest, frozenset(range(len(manifest.body.shards))))
+    async with (
+        hostile(store_dir, 3, fault, availability=raw) as claimer,
+        hostile(store_dir, 3, chunk_delay_s=0.01) as honest,
+    ):
+        result = await Fetcher(
+            [claimer.url, honest.url], operator().node_id, Store(tmp_path / "out"), SETTINGS
+        ).fetch(3)
+    report = {s["url"]: s for s in result.sources}
+    assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
+    assert sum(claimer.requests.values()) >= 1
+    if lie:
+        assert report[claimer.url]["lies"] >= 1 and report[claimer.url]["shards_corrupt"] >= 1
+    else:
+        assert report[claimer.url]["lies"] == 0 and report[claimer.url]["not_ready"] >= 1
+        assert report[claimer.url]["shards_corrupt"] == 0 and report[claimer.url]["shards_failed"] == 0
+
+
 def _doc(raw: bytes) -> dict:
     return json.loads(raw)
 

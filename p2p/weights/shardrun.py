@@ -601,7 +601,10 @@ class ShardRun:
         index = attempt.index
         others = [a for a in self.inflight.get(index, []) if a is not attempt]
         claimed = attempt.source.have
-        refused = failure.retry_after is not None or "HTTP 404" in failure.reason
+        busy = isinstance(failure, ShardFailure) and failure.busy
+        # 404 or a plain 503 ("not verified here") deny holding the shard; a busy 503 says it is held but every
+        # upload slot is taken, which is no lie.
+        refused = failure.status == 404 or (failure.status == 503 and not busy)
         if claimed is not None and index in claimed and refused:
             # It signed that it holds the shard: not serving it is a lie, charged and demoted for good.
             self.outcomes.lied(attempt, failure.reason)
@@ -610,7 +613,6 @@ class ShardRun:
             if not others and index not in self.winners:
                 self._requeue(index, 0.0)
             return None
-        busy = isinstance(failure, ShardFailure) and failure.busy
         if failure.retry_after is not None and self.outcomes.not_ready(
             attempt, failure.reason, failure.retry_after if busy else 0.0
         ):
