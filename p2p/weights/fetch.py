@@ -10,6 +10,11 @@ discarded, its source penalised and the shard fetched elsewhere. A source's fail
 charged to that source and never ends a fetch that another source can still serve; only our own failures
 (the disk, a bug) propagate. Progress is journaled so a rerun resumes with Range requests (from the source
 that sent the bytes on disk, attempts.py), and only a version whose every shard verified is moved into place.
+
+Peers the swarm advertised (`peers`: URL -> node id, from their signed heartbeats) are sources with less
+standing than the ones the caller names: each is asked for a shard only once a current availability record
+signed by that node id verified and claims it (peering.py), and one that sends bytes not matching the
+manifest is dropped from the fetch and charged (outcomes.py).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import asyncio
 import collections
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -68,10 +73,16 @@ class Fetcher:
         identity: Identity | None = None,
         on_bytes: Callable[[int], None] | None = None,
         on_shard: Callable[[int], None] | None = None,
+        peers: Mapping[str, str] | None = None,
     ) -> None:
         if not sources:
             raise FetchError("no sources given; pass at least one --source URL")
         self.sources = list(dict.fromkeys(s.rstrip("/") for s in sources))
+        # Advertised peers among the sources: URL -> the node id that must sign their availability records.
+        self.peers = {url.rstrip("/"): node_id for url, node_id in (peers or {}).items()}
+        unknown = set(self.peers) - set(self.sources)
+        if unknown:
+            raise FetchError(f"peers {sorted(unknown)[:3]} are not among the sources")
         # A URL that cannot be a source (a bad port, a non-ASCII host) is refused here, before any connection.
         self.invalid = {
             s: f"not usable as a source: {why}" for s in self.sources if (why := check_source_url(s))
@@ -248,6 +259,8 @@ class Fetcher:
                 )
             return FetchResult(manifest=manifest, version_dir=held, already_held=True)
         pool = SourcePool(self.sources, self.settings.selection)
+        for url, node_id in self.peers.items():
+            pool.sources[url].node_id = node_id
         for source in self.sources:
             if source in resolution.pending:  # until it joins; the reason stays if it never does
                 why = resolution.errors.get(source, "its manifest had not arrived when the fetch started")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -77,7 +77,7 @@ class PinnedFetch:
         on_bytes: Callable[[int], None] | None = None,
         on_manifest: Callable[[SignedManifest, int], None] | None = None,
         on_shard: Callable[[int], None] | None = None,
-        peer_sources: Callable[[int], list[str]] | None = None,
+        peer_sources: Callable[[int], Mapping[str, str]] | None = None,
         retry_s: float = 5.0,
         max_retry_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
@@ -91,8 +91,9 @@ class PinnedFetch:
         self.on_shard = (
             on_shard  # each shard index once it verified (a node re-serving it: serve_verified.py)
         )
-        # Peers that say they serve a step: extra sources. They need no trust: the manifest must still be the
-        # pinned one, signed by the trusted key, and every shard must hash right.
+        # Peers that say they serve a step (URL -> node id): extra sources. They need no trust: the manifest must
+        # still be the pinned one, signed by the trusted key, each is asked only for the shards its own signed
+        # availability record claims, and every shard must hash right (fetch.py).
         self.peer_sources = peer_sources
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
@@ -136,8 +137,11 @@ class PinnedFetch:
 
     async def _fetch(self, pin: Pin) -> FetchResult:
         sources = list(pin.sources)
+        peers: dict[str, str] = {}
         if self.peer_sources is not None:
-            sources += [url for url in self.peer_sources(pin.step) if url not in sources]
+            # A URL the operator announced stays an announced source even if a peer names it too.
+            peers = {u: n for u, n in self.peer_sources(pin.step).items() if u not in sources}
+            sources += list(peers)
         if not sources:
             raise WeightsError("the announcement names no sources")
         fetcher = Fetcher(
@@ -148,6 +152,7 @@ class PinnedFetch:
             identity=self.identity,
             on_bytes=self.on_bytes,
             on_shard=self.on_shard,
+            peers=peers,
         )
         fetcher.on_manifest = self.on_manifest
         try:

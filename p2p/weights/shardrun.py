@@ -113,7 +113,9 @@ class ShardRun:
         self.winners: set[int] = set()  # shards whose first verified copy is being (or has been) kept
         self.reported = {i: p.done_bytes for i, p in partial.progress.items()}  # bytes passed to on_bytes
         self.delayed = 0  # shards waiting out a relay's Retry-After before they are queued again
-        self.outcomes = Outcomes(pool, self.settings, self.manifest.step)
+        self.outcomes = Outcomes(
+            pool, self.settings, self.manifest.step, on_drop=lambda s: self.peering.drop(s)
+        )
         self.received = self.hedges = self.hedges_won = self._serial = 0
         self.resumed = sum(self.shards[i].size for i in partial.done)  # + prefixes a winning copy continued
         self.error: BaseException | None = None
@@ -393,7 +395,9 @@ class ShardRun:
         if orphan is not None and not claimed and self.peering.unknown() and patience > 0:
             return orphan, None, min(patience, SCHEDULE_TICK_S)  # an answer may be a round trip away
         if orphan is not None and not claimed:
-            source, cooling = self.pool.pick(avoid=self.tried[orphan], forbid=taken)
+            # Asked blind, as before records existed: never an advertised peer, which gets only what it signed.
+            peers = {s.url for s in usable if s.node_id is not None}
+            source, cooling = self.pool.pick(avoid=self.tried[orphan], forbid=taken | peers)
             if source is not None:
                 return orphan, source, 0.0
             wait = cooling or wait
