@@ -35,7 +35,8 @@ from .fetch_settings import FetchSettings
 from .http_head import check_source_url
 from .manifest import MAX_MANIFEST_BYTES, SignedManifest, parse_signed
 from .result import FetchResult
-from .shardrun import FetchContext, ShardRun
+from .run_state import FetchContext
+from .shardrun import ShardRun
 from .sources import SourcePool
 from .store import Store
 from .transfer import fetch_document

@@ -21,7 +21,7 @@ from ..identity import Identity
 from .errors import WeightsError
 from .fetch import Fetcher, FetchSettings
 from .manifest import SignedManifest
-from .shardrun import FetchResult
+from .result import FetchResult
 from .store import Store
 
 logger = logging.getLogger(__name__)
