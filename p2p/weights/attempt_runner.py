@@ -24,6 +24,10 @@ from .store import ShardProgress
 from .transfer import ShardFailure, ShardResult, TransferCancelled, download_shard, rehash, shard_path
 from .watchdog import Watch
 
+REPORT_INTERVAL_S = (
+    0.05  # the longest received bytes wait on a worker thread before the event loop counts them
+)
+
 
 class AttemptRunner:
     """Starts and settles the shard attempts of one run; see the module docstring."""
@@ -120,40 +124,49 @@ class AttemptRunner:
         )
         path = shard_path(self.manifest.step, index)
         progress = attempt.progress
-        if progress is not None:
-            hasher = rehash(self.partial, index, attempt.start) if attempt.start else fresh_hasher()
+        # Received bytes reach the event loop at most every REPORT_INTERVAL_S (and once at the end), not per
+        # chunk: each report wakes the loop through its self-pipe, which cost more CPU than the count is worth.
+        unreported, reported_at = 0, time.monotonic()
 
-            def on_chunk(offset: int, n: int) -> None:
+        def on_chunk(offset: int, n: int) -> None:
+            nonlocal unreported, reported_at
+            if progress is not None:
                 progress.done_bytes = offset  # only after the bytes are written: the journal never runs ahead
-                self.loop.call_soon_threadsafe(self._count, attempt, n)
+            unreported += n
+            now = time.monotonic()
+            if now - reported_at >= REPORT_INTERVAL_S:
+                self.loop.call_soon_threadsafe(self._count, attempt, unreported)
+                unreported, reported_at = 0, now
 
-            return download_shard(
-                self.ctx.connections,
-                attempt.source.url,
-                path,
-                hasher=hasher,
-                sink=lambda offset, data: self.partial.write(index, offset, data),
-                on_chunk=on_chunk,
-                **common,
-            )
-        assert attempt.side_path is not None
-        fd, sink = side_writer(attempt.side_path)
-
-        def count(_offset: int, n: int) -> None:
-            self.loop.call_soon_threadsafe(self._count, attempt, n)
-
+        fd: int | None = None
         try:
+            if progress is not None:
+                hasher = rehash(self.partial, index, attempt.start) if attempt.start else fresh_hasher()
+                return download_shard(
+                    self.ctx.connections,
+                    attempt.source.url,
+                    path,
+                    hasher=hasher,
+                    sink=lambda offset, data: self.partial.write(index, offset, data),
+                    on_chunk=on_chunk,
+                    **common,
+                )
+            assert attempt.side_path is not None
+            fd, sink = side_writer(attempt.side_path)
             return download_shard(
                 self.ctx.connections,
                 attempt.source.url,
                 path,
                 hasher=fresh_hasher(),
                 sink=sink,
-                on_chunk=count,
+                on_chunk=on_chunk,
                 **common,
             )
         finally:
-            os.close(fd)  # by the thread that wrote it, after its last write
+            if fd is not None:
+                os.close(fd)  # by the thread that wrote it, after its last write
+            if unreported:  # before the attempt's result: the loop runs callbacks in the order they came
+                self.loop.call_soon_threadsafe(self._count, attempt, unreported)
 
     async def _won(self, attempt: Attempt, result: ShardResult) -> None:
         index = attempt.index

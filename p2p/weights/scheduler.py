@@ -10,8 +10,9 @@ peer, as before availability records existed (a 503 there is "not verified yet",
 judged slow gives up its slot, and its shard is also asked of another source (a hedge): the first copy that
 verifies wins. Once every shard has been asked for (the end game), a proven source's free slot also takes a
 shard held only by unproven sources. The loop wakes when an attempt ends and when the next attempt in flight
-can first be judged slow, not on a fixed tick. Sources whose manifest arrives after the fetch started join
-when it is the manifest being fetched.
+could first be judged slow were no further byte to arrive (attempts.py `next_judgment`), not on a tick: a few
+wake-ups per attempt instead of one every 20 ms while any transfer runs. Sources whose manifest arrives after
+the fetch started join when it is the manifest being fetched.
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ import logging
 import time
 
 from .attempt_runner import AttemptRunner
-from .attempts import is_slow, judge_at
+from .attempts import is_slow, next_judgment
 from .errors import FetchError, ManifestAbsent, ManifestError
 from .run_state import RunState
 from .sources import SourceState
 
 logger = logging.getLogger(__name__)
 
-SCHEDULE_TICK_S = 0.02  # how often transfers in flight that are sending are judged again
+SCHEDULE_TICK_S = (
+    0.02  # how soon a source that has not answered its first availability request is looked at again
+)
+MIN_WAKE_S = 0.002  # the shortest sleep: an attempt at its judgment time is judged again just after it
 MAX_IDLE_S = 0.25  # the longest the loop sleeps with nothing to judge (late manifests are polled that often)
 MAX_SCAN = 64  # waiting shards looked at for one free source, rarest first (bounds the scheduler's work)
 MAX_COPIES = 3  # transfers of one shard at once: the first, and up to two hedges when each before is slow
@@ -100,8 +104,7 @@ class Scheduler:
                     now - attempt.watch.started,
                 )
                 continue
-            first = judge_at(attempt, best, self.settings)
-            wake = min(wake, first - now if first > now else SCHEDULE_TICK_S)
+            wake = min(wake, max(MIN_WAKE_S, next_judgment(attempt, best, self.settings) - now))
         return wake
 
     def _untried(self) -> set[str]:
