@@ -156,16 +156,23 @@ class Scheduler:
         # This runs at every wake-up of the scheduler: the sources that could take a shard now are found once,
         # and a shard is looked at closely only when one of them holds it.
         free = [s for s in usable if s.url not in taken and now >= s.cooldown_until]
-        recordless = {s.url for s in usable if s.records is False}
+        if not free and all(s.cooldown_until <= now for s in usable):
+            # Every source is busy: nothing can start before an attempt ends or a record arrives, and either
+            # wakes the scheduler. (The common case while transfers fill every slot: no scan at all.)
+            return -1, None, MAX_IDLE_S
+        everything = [s for s in usable if s.records is False]  # they sign no records: hold every shard
+        recordless = {s.url for s in everything}
+        claims = [(s, s.have) for s in usable if s.records and s.have]  # SourceState.holds, unrolled
+        free_urls = {s.url for s in free}
         for n, index in enumerate(self.queue.candidates()):
             if n >= MAX_SCAN:
                 break
-            holders = [s for s in usable if s.holds(index)]
+            holders = everything + [s for s, have in claims if index in have]
             if not holders:
                 orphan = index if orphan is None else orphan
                 continue
             claimed = True
-            if not any(s.holds(index) for s in free):
+            if not any(s.url in free_urls for s in holders):
                 cooling = min(s.cooldown_until for s in holders) - now
                 if cooling > 0:
                     wait = cooling if wait is None else min(wait, cooling)
