@@ -105,6 +105,9 @@ class Fetcher:
         # behind anything else in the loop's default executor) while an honest one waits its turn.
         self._manifest_threads: ThreadPoolExecutor | None = None
         self._verified: dict[bytes, SignedManifest] = {}  # SHA-256 of a manifest's bytes -> it, verified
+        # Advertised peers this fetcher dropped for sending wrong bytes (node id -> why), success or not: the
+        # caller can leave them out of its next fetches (pinned.py does).
+        self.dropped_peers: dict[str, str] = {}
 
     async def fetch(self, step: int | None = None) -> FetchResult:
         """Fetch `step` (or the newest step any source serves) and return where it now lies, verified."""
@@ -278,4 +281,8 @@ class Fetcher:
             self.on_manifest,
             ask_manifest=lambda source: self._spawn_manifest(source, manifest.step),
         )
-        return await ShardRun(context, partial, pool, resolution.pending, resolution.absent).execute()
+        run = ShardRun(context, partial, pool, resolution.pending, resolution.absent)
+        try:
+            return await run.execute()
+        finally:
+            self.dropped_peers.update(run.outcomes.dropped)

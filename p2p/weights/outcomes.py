@@ -49,6 +49,7 @@ class Outcomes:
     ) -> None:
         self.pool = pool
         self.on_drop = on_drop  # a dropped peer's claims are withdrawn (peering.py `drop`)
+        self.dropped: dict[str, str] = {}  # node id -> why: advertised peers caught sending wrong bytes
         self.settings = settings
         self.step = step
         # Machine-readable record of what failed where: [{shard, source, reason, corrupt}, ...] (for --json).
@@ -133,10 +134,9 @@ class Outcomes:
         self.failures[index] += 1
         logger.warning("source %s: shard %d: %s", source.url, index, reason)
         if corrupt and source.node_id is not None and source.excluded is None:
-            self.pool.exclude(
-                source.url,
-                f"peer {source.node_id[:16]}… sent shard {index} not matching the signed manifest; dropped",
-            )
+            why = f"peer {source.node_id[:16]}… sent shard {index} not matching the signed manifest; dropped"
+            self.pool.exclude(source.url, why)
+            self.dropped[source.node_id] = why
             if self.on_drop is not None:
                 self.on_drop(source)
             logger.warning(

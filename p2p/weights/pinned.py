@@ -99,6 +99,9 @@ class PinnedFetch:
         self.max_retry_s = max_retry_s
         self._clock = clock
         self._retry_at: dict[int, tuple[float, float]] = {}  # step -> (clock time of next try, last delay)
+        # Peers a fetch caught sending bytes that do not match the signed manifest (node id -> why): never a
+        # source again for this object's life, so a hostile peer costs at most one shard, once.
+        self.dropped_peers: dict[str, str] = {}
         self.pinned: Pin | None = None  # the newest pin `run` follows
         self._changed = asyncio.Event()
 
@@ -140,7 +143,11 @@ class PinnedFetch:
         peers: dict[str, str] = {}
         if self.peer_sources is not None:
             # A URL the operator announced stays an announced source even if a peer names it too.
-            peers = {u: n for u, n in self.peer_sources(pin.step).items() if u not in sources}
+            peers = {
+                u: n
+                for u, n in self.peer_sources(pin.step).items()
+                if u not in sources and n not in self.dropped_peers
+            }
             sources += list(peers)
         if not sources:
             raise WeightsError("the announcement names no sources")
@@ -160,6 +167,10 @@ class PinnedFetch:
             return await fetcher.fetch_version(resolution)
         finally:
             fetcher.close()
+            for node_id, why in fetcher.dropped_peers.items():
+                if node_id not in self.dropped_peers:
+                    logger.warning("not fetching from peer %s… again: %s", node_id[:16], why)
+                    self.dropped_peers[node_id] = why
 
     def _refused(self, step: int, reason: str) -> PinRefused:
         _, delay = self._retry_at.get(step, (0.0, self.retry_s / 2))
