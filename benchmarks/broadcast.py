@@ -79,6 +79,7 @@ async def agent(args: argparse.Namespace) -> None:
         durable=False,
         keep=1,
         stall_timeout_s=30,
+        availability_interval_s=args.availability_interval,
     )
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -274,6 +275,12 @@ def main() -> None:
     parser.add_argument("--shard-mib", type=float, default=1.0)
     parser.add_argument("--relays", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4, help="shard transfers at once per fetch")
+    parser.add_argument(
+        "--availability-interval",
+        type=float,
+        default=1.0,
+        help="seconds between a node's availability polls of one source (fetch.availability_interval_s)",
+    )
     parser.add_argument("--origin-slots", type=int, default=4, help="the origin's upload slots (0: no limit)")
     parser.add_argument("--async-level", type=int, default=2, help="for the missed-steps table")
     args = parser.parse_args()
@@ -324,7 +331,11 @@ def main() -> None:
                 args.concurrency,
                 args.origin_slots,
                 origin=origin,
-                extra=("--profile", args.profile) if args.profile and name == "n0" else (),
+                extra=(
+                    "--availability-interval",
+                    str(args.availability_interval),
+                    *(("--profile", args.profile) if args.profile and name == "n0" else ()),
+                ),
             )
             agents.append(agent_)
             return agent_
