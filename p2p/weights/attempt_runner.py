@@ -24,9 +24,8 @@ from .store import ShardProgress
 from .transfer import ShardFailure, ShardResult, TransferCancelled, download_shard, rehash, shard_path
 from .watchdog import Watch
 
-REPORT_INTERVAL_S = (
-    0.05  # the longest received bytes wait on a worker thread before the event loop counts them
-)
+# The longest received bytes wait on a worker thread before the event loop counts them.
+REPORT_INTERVAL_S = 0.05
 
 
 class AttemptRunner:
