@@ -37,9 +37,8 @@ class FetchContext:
     connections: ConnectionPool
     on_bytes: Callable[[int], None] | None = None  # each chunk's size, on the event loop (progress bars)
     on_shard: Callable[[int], None] | None = None  # each shard index once it verified (relays advertise it)
-    on_manifest: Callable[[SignedManifest, int], None] | None = (
-        None  # (manifest, bytes resumed), at the start
-    )
+    # (manifest, bytes resumed), at the start.
+    on_manifest: Callable[[SignedManifest, int], None] | None = None
     # Asks a source for the manifest being fetched (a peer that did not hold it yet may join); None: never.
     ask_manifest: Callable[[str], asyncio.Task[SignedManifest]] | None = None
 

@@ -29,9 +29,9 @@ from .sources import SourceState
 
 logger = logging.getLogger(__name__)
 
-SCHEDULE_TICK_S = (
-    0.02  # how soon a source that has not answered its first availability request is looked at again
-)
+# How soon the first waiting shard is looked at again while some source has not answered its first
+# availability request (it may claim the shard a round trip from now).
+SCHEDULE_TICK_S = 0.02
 MIN_WAKE_S = 0.002  # the shortest sleep: an attempt at its judgment time is judged again just after it
 MAX_IDLE_S = 0.25  # the longest the loop sleeps with nothing to judge (late manifests are polled that often)
 MAX_SCAN = 64  # waiting shards looked at for one free source, rarest first (bounds the scheduler's work)
