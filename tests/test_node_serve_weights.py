@@ -135,7 +135,9 @@ async def test_a_reachable_node_serves_and_advertises_its_verified_checkpoints(
             )
             sharing = WeightsSharing(Store(tmp_path / "second"), settings, operator_id.node_id, second, state)
             sharing.note_peers(await second.list_peers(), set())
-            assert sharing.sources_for(0) == [url] and sharing.sources_for(1) == []
+            # With the node id that must sign its availability records: the fetch below uses the first node
+            # only on a current record of its own key.
+            assert sharing.sources_for(0) == {url: status.node_id} and sharing.sources_for(1) == {}
             keeper = CheckpointKeeper(
                 Store(tmp_path / "second"),
                 operator_id.node_id,
@@ -213,8 +215,9 @@ def test_peer_sources_are_public_addresses_of_the_peer_itself_unless_configured(
     sharing.note_peers(peers, banned={ids["banned"].node_id})
     first_on_host = min(ids["good"].node_id, ids["sybil"].node_id)
     expected = "http://1.2.3.4:8470" if first_on_host == ids["good"].node_id else "http://1.2.3.4:8471"
-    assert sharing.sources_for(3) == [expected]  # one host is one source, whoever claims it
-    assert sharing.sources_for(4) == ["http://1.2.3.8:8470"] and sharing.sources_for(5) == []
+    assert sharing.sources_for(3) == {expected: first_on_host}  # one host is one source, whoever claims it
+    assert sharing.sources_for(4) == {"http://1.2.3.8:8470": ids["other"].node_id}
+    assert sharing.sources_for(5) == {}
     refused = {name: sharing.refused.get(ids[name].node_id, "") for name in beats}
     assert "not one of the peer's own addresses" in refused["liar"]
     for name in ("loop", "lan", "link"):

@@ -175,6 +175,87 @@ async def test_a_source_that_lies_about_availability_is_demoted_and_the_fetch_co
         assert sum(liar.requests.values()) == 0
 
 
+@pytest.mark.parametrize(("fault", "lie"), [("404", True), ("busy", False)])
+async def test_a_claimed_shard_answered_404_is_a_lie_and_a_busy_503_is_not(
+    origin, tmp_path: Path, fault: str, lie: bool
+) -> None:
+    # The fetcher reads the answer's HTTP status (and the busy header), never its text: 404 denies holding a
+    # shard the record claims; a busy 503 says it is held and every upload slot is taken.
+    store_dir, manifest = origin
+    raw = sign_availability(PEER, manifest, frozenset(range(len(manifest.body.shards))))
+    async with (
+        hostile(store_dir, 3, fault, availability=raw) as claimer,
+        hostile(store_dir, 3, chunk_delay_s=0.01) as honest,
+    ):
+        result = await Fetcher(
+            [claimer.url, honest.url], operator().node_id, Store(tmp_path / "out"), SETTINGS
+        ).fetch(3)
+    report = {s["url"]: s for s in result.sources}
+    assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
+    assert sum(claimer.requests.values()) >= 1
+    if lie:
+        assert report[claimer.url]["lies"] >= 1 and report[claimer.url]["shards_corrupt"] >= 1
+    else:
+        assert report[claimer.url]["lies"] == 0 and report[claimer.url]["not_ready"] >= 1
+        assert report[claimer.url]["shards_corrupt"] == 0 and report[claimer.url]["shards_failed"] == 0
+
+
+@pytest.mark.parametrize("advertiser", ["impostor", "stale", "unsigned"])
+async def test_an_advertised_peer_is_used_only_on_a_current_record_signed_by_its_own_node_id(
+    origin, tmp_path: Path, advertiser: str
+) -> None:
+    # The swarm named PEER's node id for this URL. What answers there signs with another valid key (a host
+    # answering for someone else's URL), or with PEER's key long ago (a replay), or signs nothing: in each case
+    # it is never asked for a shard (it would serve every one correctly), and the fetch completes from the origin.
+    store_dir, manifest = origin
+    every = frozenset(range(len(manifest.body.shards)))
+    record = {
+        "impostor": sign_availability(operator(12), manifest, every),
+        "stale": sign_availability(PEER, manifest, every, now=time.time() - 400),
+        "unsigned": None,
+    }[advertiser]
+    async with (
+        hostile(store_dir, 3, availability=record) as advertised,
+        hostile(store_dir, 3, chunk_delay_s=0.01) as honest,
+    ):
+        result = await Fetcher(
+            [honest.url, advertised.url],
+            operator().node_id,
+            Store(tmp_path / "out"),
+            SETTINGS,
+            peers={advertised.url: PEER.node_id},
+        ).fetch(3)
+    report = {s["url"]: s for s in result.sources}
+    assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
+    assert sum(advertised.requests.values()) == 0, advertised.requests
+    assert report[advertised.url]["node_id"] == PEER.node_id and report[advertised.url]["shards_ok"] == 0
+    # A record that does not verify is charged as a lie; a peer that signs nothing is simply not used.
+    assert report[advertised.url]["lies"] == (0 if advertiser == "unsigned" else 1)
+
+
+async def test_an_advertised_peer_that_sends_wrong_bytes_is_dropped_and_charged(
+    origin, tmp_path: Path
+) -> None:
+    store_dir, manifest = origin
+    record = sign_availability(PEER, manifest, frozenset(range(len(manifest.body.shards))))
+    async with (
+        hostile(store_dir, 3, "flip", availability=record) as flipper,
+        hostile(store_dir, 3, chunk_delay_s=0.01) as honest,
+    ):
+        result = await Fetcher(
+            [honest.url, flipper.url],
+            operator().node_id,
+            Store(tmp_path / "out"),
+            SETTINGS,
+            peers={flipper.url: PEER.node_id},
+        ).fetch(3)
+    report = {s["url"]: s for s in result.sources}
+    assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
+    # One shard of wrong bytes, and it is out: never asked again although it still claims every shard.
+    assert sum(flipper.requests.values()) == 1 and report[flipper.url]["shards_corrupt"] == 1
+    assert "not matching the signed manifest; dropped" in (report[flipper.url]["excluded"] or "")
+
+
 def _doc(raw: bytes) -> dict:
     return json.loads(raw)
 

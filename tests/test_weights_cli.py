@@ -9,9 +9,12 @@ import signal
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
+from prime_node.p2p.identity import Identity
 from prime_node.p2p.signing import canonical_json
+from prime_node.p2p.weights.availability import parse_availability
 from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher
 from prime_node.p2p.weights.publish import publish
@@ -362,3 +365,47 @@ async def test_serve_stops_non_zero_when_its_relay_task_crashes(tmp_path: Path) 
         )
     assert out.startswith("serving ") and rc != 0
     assert "task 'weights-relay' crashed" in err
+
+
+async def test_a_relay_started_with_a_key_signs_which_shards_it_holds(tmp_path: Path) -> None:
+    # Relays serve each shard once verified, like re-serving nodes; with --key they also sign which ones they
+    # hold, so fetchers ask them only for those and a claimed shard not served is a lie under the relay's key.
+    manifest = publish_steps(tmp_path, operator(), [1], megabytes=0.3)[1]
+    relay_key = Identity.from_seed(b"\x21" * 32)
+    relay_key.save(tmp_path / "relay.key")
+    async with serving(tmp_path / "origin", operator().node_id) as origin:
+        relay = await asyncio.create_subprocess_exec(
+            *CLI,
+            "weights",
+            "serve",
+            str(tmp_path / "relay"),
+            "--port",
+            "0",
+            "--upstream",
+            origin.url,
+            "--trainer-key",
+            operator().node_id,
+            "--key",
+            str(tmp_path / "relay.key"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            assert relay.stdout is not None
+            line = (await asyncio.wait_for(relay.stdout.readline(), 180)).decode().strip()
+            relay_url = line.rsplit(" ", 1)[-1]
+            raw = b""
+            async with aiohttp.ClientSession() as session:
+                for _ in range(200):  # the relay polls its upstream every 2 s; bounded at 40 s
+                    async with session.get(f"{relay_url}/v1/weights/1/availability") as resp:
+                        raw = await resp.read()
+                        if resp.status == 200:
+                            _, have = parse_availability(raw, manifest, node_id=relay_key.node_id)
+                            if len(have) == len(manifest.body.shards):
+                                break
+                    await asyncio.sleep(0.2)
+            record, have = parse_availability(raw, manifest, node_id=relay_key.node_id)
+            assert have == frozenset(range(len(manifest.body.shards))) and record.step == 1
+        finally:
+            relay.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(relay.wait(), 20) == 0

@@ -14,7 +14,9 @@ import pytest
 
 from prime_node.node.engine import EngineSettings
 from prime_node.node.run.settings import RunSettings
+from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import PolicyAnnouncement
+from prime_node.p2p.weights.availability import sign_availability
 from prime_node.p2p.weights.fetch import FetchSettings
 from prime_node.p2p.weights.pinned import Pin, PinnedFetch, PinRefused
 from prime_node.p2p.weights.sources import SelectionSettings
@@ -22,7 +24,7 @@ from prime_node.p2p.weights.store import Store
 from prime_node.trainer.validator.checkpoints import CheckpointKeeper
 
 from support.swarm import RUN_PARAMETERS, wait_until
-from support.weights import operator, publish_steps, same_tree, serving
+from support.weights import hostile, operator, publish_steps, same_tree, serving
 
 FAST = FetchSettings(
     stall_timeout_s=1.0,
@@ -131,3 +133,30 @@ async def test_the_validator_retries_an_announced_checkpoint_until_its_source_an
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_peer_caught_sending_wrong_bytes_is_never_a_source_again(tmp_path: Path) -> None:
+    # Advertised peers come and go with the heartbeats; one that sent a shard not matching the signed manifest
+    # is remembered by node id, so it costs at most one shard once, not one per fetch.
+    manifests = publish_steps(tmp_path, operator(), [3, 4])
+    store_dir = tmp_path / "origin"
+    peer = Identity.from_seed(b"\x33" * 32)
+    record = sign_availability(peer, manifests[3], frozenset(range(len(manifests[3].body.shards))))
+    settings = FAST.model_copy(update={"availability_interval_s": 0.05})
+    async with (
+        hostile(store_dir, 3, "flip", availability=record) as flipper,
+        hostile(store_dir, 3, chunk_delay_s=0.01) as slow_origin,
+        serving(store_dir) as origin,
+    ):
+        pinned = PinnedFetch(
+            Store(tmp_path / "node"),
+            operator().node_id,
+            settings,
+            peer_sources=lambda _step: {flipper.url: peer.node_id},
+        )
+        first = await pinned.fetch(Pin(3, manifests[3].digest, (slow_origin.url,)))
+        assert sum(flipper.requests.values()) == 1 and peer.node_id in pinned.dropped_peers
+        second = await pinned.fetch(Pin(4, manifests[4].digest, (origin.url,)))
+    assert same_tree(first.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
+    assert same_tree(second.checkpoint_dir, store_dir / "step-000000000004" / "checkpoint")
+    assert [s["url"] for s in second.sources] == [origin.url]  # the dropped peer was not even asked

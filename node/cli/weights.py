@@ -129,7 +129,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         Flag("serve.rate_per_s", "--rate-limit"),
         Flag("serve.require_node_auth"),
     )
-    p.add_argument("--key", type=Path, default=None, help="this relay's key: signs its requests to upstreams")
+    p.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        help="this server's key: signs which verified shards it holds (as nodes do) and its requests to upstreams",
+    )
     flags.add(
         Flag("serve.public_urls", "--public-url", append=True), Flag("metrics_host"), Flag("metrics_port")
     )
@@ -205,6 +210,10 @@ async def _serve(
             settings.serve,
             settings.trainer_key,
             metrics=None if metrics is None else metrics.weights,
+            # Signed availability, as re-serving nodes give: fetchers ask a relay only for the shards it has
+            # verified (no 503 round trips while it mirrors), and a relay that claims a shard it then does not
+            # serve is caught under its own key.
+            identity=identity,
         )
         url = await server.start()
         supervisor.on_shutdown("weights server", server.stop)

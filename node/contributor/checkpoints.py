@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ...p2p.identity import Identity
 from ...p2p.swarm.records import PolicyAnnouncement
@@ -42,7 +42,7 @@ class CheckpointKeeper:
         max_retry_s: float = 120.0,
         on_verified: Callable[[int], None] | None = None,
         identity: Identity | None = None,
-        peer_sources: Callable[[int], list[str]] | None = None,
+        peer_sources: Callable[[int], Mapping[str, str]] | None = None,
         download_bar_after_s: float | None = None,
         serve: ServeAsVerified | None = None,
     ) -> None:

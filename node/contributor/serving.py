@@ -73,7 +73,9 @@ class WeightsSharing:
         self.state = state
         self.identity = identity  # signs the server's availability records
         self.server: WeightsServer | None = None
-        self._peer_urls: dict[int, list[str]] = {}  # step -> weights URLs of live, unbanned peers
+        self._peer_urls: dict[
+            int, dict[str, str]
+        ] = {}  # step -> {weights URL: node id} of live, unbanned peers
         self.networks = [ipaddress.ip_network(n, strict=False) for n in settings.peer_weights_networks]
         self.refused: dict[str, str] = {}  # node id -> why its weights URL is not used (status, tests)
 
@@ -158,7 +160,7 @@ class WeightsSharing:
 
     def note_peers(self, peers: dict[str, Heartbeat], banned: set[str]) -> None:
         """Remember which live peers serve which steps (called after each peer scan)."""
-        by_step: dict[int, list[str]] = {}
+        by_step: dict[int, dict[str, str]] = {}
         refused: dict[str, str] = {}
         public_hosts: set[str] = set()
         for node_id, heartbeat in sorted(peers.items()):
@@ -177,13 +179,16 @@ class WeightsSharing:
             if not any(ipaddress.ip_address(host) in n for n in self.networks):
                 public_hosts.add(host)
             for step in heartbeat.serves_steps:
-                by_step.setdefault(step, []).append(url)
+                by_step.setdefault(step, {})[url] = node_id
         self._peer_urls = by_step
         self.refused = refused
 
-    def sources_for(self, step: int) -> list[str]:
-        urls = self._peer_urls.get(step, [])
-        return random.sample(urls, min(MAX_PEER_SOURCES, len(urls)))
+    def sources_for(self, step: int) -> dict[str, str]:
+        """Up to MAX_PEER_SOURCES peers serving `step`, drawn at random: {weights URL: the node id that must
+        sign its availability records} (the fetcher uses a peer only on a current record of that node)."""
+        peers = self._peer_urls.get(step, {})
+        drawn = random.sample(sorted(peers), min(MAX_PEER_SOURCES, len(peers)))
+        return {url: peers[url] for url in drawn}
 
 
 def _host(url: str) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +92,25 @@ def judge_at(attempt: Attempt, best_bandwidth: float | None, settings: FetchSett
     if best_bandwidth is None:
         return attempt.watch.started + settings.hedge_after_s
     return attempt.watch.started + max(attempt.size / best_bandwidth, MIN_JUDGE_S)
+
+
+def next_judgment(attempt: Attempt, best_bandwidth: float | None, settings: FetchSettings) -> float:
+    """The earliest time `attempt` can be found slow if no further byte arrives: the scheduler sleeps until
+    then instead of judging every attempt on a fixed tick. Bytes that do arrive only move that time later
+    (the projection below improves with every byte), so waking then and judging again misses nothing; a
+    new bandwidth measurement (which can move it earlier) comes with an attempt's end, which wakes the
+    scheduler anyway. Solves `_too_slow` for the age at which it turns true with `received` held fixed."""
+    first = judge_at(attempt, best_bandwidth, settings)
+    got = attempt.watch.received
+    if best_bandwidth is None:  # slow once its average rate falls under the floor
+        return max(first, attempt.watch.started + got / settings.min_rate_bytes_s)
+    left = attempt.size - attempt.start - got
+    if got <= 0:
+        return first
+    if left <= 0:
+        return math.inf  # every byte is in: it is being verified, never slow
+    budget = settings.hedge_ratio * attempt.size / best_bandwidth  # the remaining time it may project
+    return max(first, attempt.watch.started + budget * got / left)
 
 
 def _too_slow(attempt: Attempt, best_bandwidth: float | None, now: float, settings: FetchSettings) -> bool:

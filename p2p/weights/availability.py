@@ -10,7 +10,7 @@ only for those and fetch the rarest shards first. The answer is a small signed d
 
 `have` is a bitmap of K bits, shard i in bit 7 - i % 8 of byte i // 8, padding bits zero, in canonical base64.
 
-Why signed: a claim is attributable. A server that claims a shard and then answers 503 or 404 for it has
+Why signed: a claim is attributable. A server that claims a shard and then answers 404 or a plain 503 has
 lied under its own key; the fetcher demotes it (sources.py `record_lie`) and keeps the record for the report.
 The record names the manifest digest and shard count, so a claim about another build of the step is refused.
 

@@ -34,9 +34,19 @@ class SourceError(WeightsError):
     """One source's answer broke the protocol (a malformed header, a wrong length, a missed deadline): a failure
     of that source alone, which the fetcher records against it before trying another; never the fetch's end."""
 
-    def __init__(self, reason: str, *, corrupt: bool = False, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        *,
+        corrupt: bool = False,
+        retry_after: float | None = None,
+        status: int | None = None,
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
+        # The HTTP status of an answer that refused the request (404, 503, ...); None when the failure is not
+        # a refusal (a broken body, a malformed head, a timeout). Decisions read this, never the reason text.
+        self.status = status
         # The source sent wrong bytes or lied about them (penalised harder than sending nothing).
         self.corrupt = corrupt
         # Set when a relay answered 503: it has the version but has not verified this shard yet. That is not

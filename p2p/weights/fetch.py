@@ -10,6 +10,11 @@ discarded, its source penalised and the shard fetched elsewhere. A source's fail
 charged to that source and never ends a fetch that another source can still serve; only our own failures
 (the disk, a bug) propagate. Progress is journaled so a rerun resumes with Range requests (from the source
 that sent the bytes on disk, attempts.py), and only a version whose every shard verified is moved into place.
+
+Peers the swarm advertised (`peers`: URL -> node id, from their signed heartbeats) are sources with less
+standing than the ones the caller names: each is asked for a shard only once a current availability record
+signed by that node id verified and claims it (peering.py), and one that sends bytes not matching the
+manifest is dropped from the fetch and charged (outcomes.py).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import asyncio
 import collections
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -30,7 +35,8 @@ from .fetch_settings import FetchSettings
 from .http_head import check_source_url
 from .manifest import MAX_MANIFEST_BYTES, SignedManifest, parse_signed
 from .result import FetchResult
-from .shardrun import FetchContext, ShardRun
+from .run_state import FetchContext
+from .shardrun import ShardRun
 from .sources import SourcePool
 from .store import Store
 from .transfer import fetch_document
@@ -68,10 +74,16 @@ class Fetcher:
         identity: Identity | None = None,
         on_bytes: Callable[[int], None] | None = None,
         on_shard: Callable[[int], None] | None = None,
+        peers: Mapping[str, str] | None = None,
     ) -> None:
         if not sources:
             raise FetchError("no sources given; pass at least one --source URL")
         self.sources = list(dict.fromkeys(s.rstrip("/") for s in sources))
+        # Advertised peers among the sources: URL -> the node id that must sign their availability records.
+        self.peers = {url.rstrip("/"): node_id for url, node_id in (peers or {}).items()}
+        unknown = set(self.peers) - set(self.sources)
+        if unknown:
+            raise FetchError(f"peers {sorted(unknown)[:3]} are not among the sources")
         # A URL that cannot be a source (a bad port, a non-ASCII host) is refused here, before any connection.
         self.invalid = {
             s: f"not usable as a source: {why}" for s in self.sources if (why := check_source_url(s))
@@ -93,6 +105,9 @@ class Fetcher:
         # behind anything else in the loop's default executor) while an honest one waits its turn.
         self._manifest_threads: ThreadPoolExecutor | None = None
         self._verified: dict[bytes, SignedManifest] = {}  # SHA-256 of a manifest's bytes -> it, verified
+        # Advertised peers this fetcher dropped for sending wrong bytes (node id -> why), success or not: the
+        # caller can leave them out of its next fetches (pinned.py does).
+        self.dropped_peers: dict[str, str] = {}
 
     async def fetch(self, step: int | None = None) -> FetchResult:
         """Fetch `step` (or the newest step any source serves) and return where it now lies, verified."""
@@ -248,6 +263,8 @@ class Fetcher:
                 )
             return FetchResult(manifest=manifest, version_dir=held, already_held=True)
         pool = SourcePool(self.sources, self.settings.selection)
+        for url, node_id in self.peers.items():
+            pool.sources[url].node_id = node_id
         for source in self.sources:
             if source in resolution.pending:  # until it joins; the reason stays if it never does
                 why = resolution.errors.get(source, "its manifest had not arrived when the fetch started")
@@ -264,4 +281,8 @@ class Fetcher:
             self.on_manifest,
             ask_manifest=lambda source: self._spawn_manifest(source, manifest.step),
         )
-        return await ShardRun(context, partial, pool, resolution.pending, resolution.absent).execute()
+        run = ShardRun(context, partial, pool, resolution.pending, resolution.absent)
+        try:
+            return await run.execute()
+        finally:
+            self.dropped_peers.update(run.outcomes.dropped)

@@ -13,6 +13,7 @@ and only then validates the body's schema and consistency. docs/protocol.md (## 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import re
 from functools import cached_property
@@ -174,12 +175,30 @@ class SignedManifest(BaseModel):
             pos += entry.size
         return starts
 
-    def segments(self, index: int) -> list[Segment]:
-        """The file pieces that make up shard `index` (a shard may span several files)."""
+    @cached_property
+    def _segments_memo(self) -> dict[int, tuple[Segment, ...]]:
+        return {}
+
+    def segments(self, index: int) -> tuple[Segment, ...]:
+        """The file pieces that make up shard `index` (a shard may span several files). Asked for every chunk
+        written and every range served, so each shard's answer is kept (a few segments per shard)."""
+        found = self._segments_memo.get(index)
+        if found is None:
+            found = self._segments_memo[index] = tuple(self._find_segments(index))
+        return found
+
+    def _find_segments(self, index: int) -> list[Segment]:
         start = self.shard_offset(index)
         end = start + self.body.shards[index].size
         out: list[Segment] = []
-        for file_index, (fstart, entry) in enumerate(zip(self._file_starts, self.body.files)):
+        first = max(
+            0, bisect.bisect_right(self._file_starts, start) - 1
+        )  # the file holding the shard's start
+        files = self.body.files
+        for file_index in range(first, len(files)):
+            fstart, entry = self._file_starts[file_index], files[file_index]
+            if fstart >= end:
+                break
             lo, hi = max(start, fstart), min(end, fstart + entry.size)
             if lo < hi:
                 out.append(

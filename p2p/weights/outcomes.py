@@ -15,17 +15,23 @@ shard again (a recheck) before anyone is charged:
 
 A mismatch that cannot be attributed never counts against a source, never counts towards the shard's
 `max_attempts_per_shard`, and never discards verified shards.
+
+A peer the swarm advertised (`SourceState.node_id`) that is charged with wrong bytes is also dropped from the
+fetch (excluded, its claims withdrawn): nobody vouched for it, and every further shard it sends would have
+to be received and hashed before it could be refused again. An origin or relay the caller named is only
+penalised, since it may be the one source there is.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 
 from .attempts import Attempt, Recheck
 from .errors import SourceError
 from .fetch_settings import FetchSettings
-from .sources import SourcePool
+from .sources import SourcePool, SourceState
 from .transfer import DigestMismatch, ShardResult
 
 logger = logging.getLogger(__name__)
@@ -34,8 +40,16 @@ logger = logging.getLogger(__name__)
 class Outcomes:
     """Credits and charges for the attempts of one shard run, and the blame list of a failed fetch."""
 
-    def __init__(self, pool: SourcePool, settings: FetchSettings, step: int) -> None:
+    def __init__(
+        self,
+        pool: SourcePool,
+        settings: FetchSettings,
+        step: int,
+        on_drop: Callable[[SourceState], None] | None = None,
+    ) -> None:
         self.pool = pool
+        self.on_drop = on_drop  # a dropped peer's claims are withdrawn (peering.py `drop`)
+        self.dropped: dict[str, str] = {}  # node id -> why: advertised peers caught sending wrong bytes
         self.settings = settings
         self.step = step
         # Machine-readable record of what failed where: [{shard, source, reason, corrupt}, ...] (for --json).
@@ -119,3 +133,12 @@ class Outcomes:
         self.blame.append({"shard": index, "source": source.url, "reason": reason, "corrupt": corrupt})
         self.failures[index] += 1
         logger.warning("source %s: shard %d: %s", source.url, index, reason)
+        if corrupt and source.node_id is not None and source.excluded is None:
+            why = f"peer {source.node_id[:16]}… sent shard {index} not matching the signed manifest; dropped"
+            self.pool.exclude(source.url, why)
+            self.dropped[source.node_id] = why
+            if self.on_drop is not None:
+                self.on_drop(source)
+            logger.warning(
+                "peer %s (%s…) dropped from the fetch of step %d", source.url, source.node_id[:16], self.step
+            )

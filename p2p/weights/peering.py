@@ -8,7 +8,9 @@ record into the source's state (sources.py) and the rarest-first counts (rarest.
   * a record that verifies: the source is asked only for the shards it claims; an older record than one
     already taken (a replay, or answers out of order) is ignored;
   * 404/503: the source signs no records (an origin, a relay without an identity), so it is taken to hold
-    every shard, as before availability existed;
+    every shard, as before availability existed; but a peer the swarm advertised (`SourceState.node_id`) is
+    never taken on its word: until a current record signed by that very node id verifies it claims nothing
+    and is asked again, and a record signed by any other key is a lie;
   * a record that does not verify, is about another manifest, or is malformed: a lie; the source is demoted
     (`record_lie`), claims nothing from then on, and is not polled again in this fetch;
   * a network failure: nothing is concluded; it is asked again later.
@@ -75,7 +77,12 @@ class Peering:
         self._next_poll: dict[str, float] = {}
         if settings.availability_interval_s <= 0:
             for source in pool.sources.values():
-                source.records = False  # never asked: every source is taken to hold what its manifest lists
+                if source.node_id is not None:  # a peer is used only on a record it signed: none is asked for
+                    pool.exclude(
+                        source.url, "a peer is used only once its signed availability record verified"
+                    )
+                else:
+                    source.records = False  # never asked: taken to hold every shard its manifest lists
         self._threads = ThreadPoolExecutor(
             max_workers=min(MAX_POLL_THREADS, max(1, len(pool.sources))), thread_name_prefix="weights-avail"
         )
@@ -91,6 +98,12 @@ class Peering:
     def unknown(self) -> bool:
         """Whether some usable source has not answered its first availability request yet."""
         return any(s.records is None and s.url not in self.distrusted for s in self.pool.usable())
+
+    def drop(self, source: SourceState) -> None:
+        """The source is out of this fetch (a peer that sent bytes not matching the manifest): it claims nothing
+        from now on and is not polled again."""
+        self.distrusted.add(source.url)
+        self._claim(source, frozenset())
 
     def absent_again(self, url: str) -> None:
         """A late manifest request found the source without the version: ask it again later."""
@@ -137,6 +150,9 @@ class Peering:
             return
         error = future.exception()
         if isinstance(error, ManifestAbsent):
+            if source.node_id is not None and not source.records:
+                logger.debug("availability of peer %s: %s; asked again", source.url, error)
+                return  # a peer without a signed record holds nothing we may ask for (yet)
             if source.records is None:
                 source.records = False  # it signs no records: it holds what its manifest lists
                 self.on_change()
@@ -150,7 +166,9 @@ class Peering:
             logger.error("availability of %s: unexpected %s: %s", source.url, type(error).__name__, error)
             return
         try:
-            record, have = parse_availability(future.result(), self.manifest)
+            # An advertised peer's record must be signed by the node the swarm named, not by any valid key: a
+            # host that answers for another node's URL cannot make itself a source.
+            record, have = parse_availability(future.result(), self.manifest, node_id=source.node_id)
         except AvailabilityError as exc:
             self.distrusted.add(source.url)
             self._claim(source, frozenset())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,7 +21,7 @@ from ..identity import Identity
 from .errors import WeightsError
 from .fetch import Fetcher, FetchSettings
 from .manifest import SignedManifest
-from .shardrun import FetchResult
+from .result import FetchResult
 from .store import Store
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class PinnedFetch:
         on_bytes: Callable[[int], None] | None = None,
         on_manifest: Callable[[SignedManifest, int], None] | None = None,
         on_shard: Callable[[int], None] | None = None,
-        peer_sources: Callable[[int], list[str]] | None = None,
+        peer_sources: Callable[[int], Mapping[str, str]] | None = None,
         retry_s: float = 5.0,
         max_retry_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
@@ -91,13 +91,17 @@ class PinnedFetch:
         self.on_shard = (
             on_shard  # each shard index once it verified (a node re-serving it: serve_verified.py)
         )
-        # Peers that say they serve a step: extra sources. They need no trust: the manifest must still be the
-        # pinned one, signed by the trusted key, and every shard must hash right.
+        # Peers that say they serve a step (URL -> node id): extra sources. They need no trust: the manifest must
+        # still be the pinned one, signed by the trusted key, each is asked only for the shards its own signed
+        # availability record claims, and every shard must hash right (fetch.py).
         self.peer_sources = peer_sources
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
         self._clock = clock
         self._retry_at: dict[int, tuple[float, float]] = {}  # step -> (clock time of next try, last delay)
+        # Peers a fetch caught sending bytes that do not match the signed manifest (node id -> why): never a
+        # source again for this object's life, so a hostile peer costs at most one shard, once.
+        self.dropped_peers: dict[str, str] = {}
         self.pinned: Pin | None = None  # the newest pin `run` follows
         self._changed = asyncio.Event()
 
@@ -136,8 +140,15 @@ class PinnedFetch:
 
     async def _fetch(self, pin: Pin) -> FetchResult:
         sources = list(pin.sources)
+        peers: dict[str, str] = {}
         if self.peer_sources is not None:
-            sources += [url for url in self.peer_sources(pin.step) if url not in sources]
+            # A URL the operator announced stays an announced source even if a peer names it too.
+            peers = {
+                u: n
+                for u, n in self.peer_sources(pin.step).items()
+                if u not in sources and n not in self.dropped_peers
+            }
+            sources += list(peers)
         if not sources:
             raise WeightsError("the announcement names no sources")
         fetcher = Fetcher(
@@ -148,6 +159,7 @@ class PinnedFetch:
             identity=self.identity,
             on_bytes=self.on_bytes,
             on_shard=self.on_shard,
+            peers=peers,
         )
         fetcher.on_manifest = self.on_manifest
         try:
@@ -155,6 +167,10 @@ class PinnedFetch:
             return await fetcher.fetch_version(resolution)
         finally:
             fetcher.close()
+            for node_id, why in fetcher.dropped_peers.items():
+                if node_id not in self.dropped_peers:
+                    logger.warning("not fetching from peer %s… again: %s", node_id[:16], why)
+                    self.dropped_peers[node_id] = why
 
     def _refused(self, step: int, reason: str) -> PinRefused:
         _, delay = self._retry_at.get(step, (0.0, self.retry_s / 2))

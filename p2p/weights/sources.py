@@ -10,7 +10,9 @@ to a faster copy (a hedge) feeds its measured rate into the bandwidth EMA, so a 
 never completes a shard still ends up weighing next to nothing.
 
 A source that signs availability records (availability.py) is asked only for the shards it claims; one that
-does not (an origin, a relay without an identity) is taken to hold every shard its manifest lists. A source
+does not (an origin, a relay without an identity) is taken to hold every shard its manifest lists. A peer the
+swarm advertised (`node_id` set) is never taken to hold anything unsigned: only what a current record signed
+by its own node id claims. A source
 that claimed a shard and then did not serve it (503, 404), or sent a record that does not verify, has lied:
 its weight is multiplied by `lie_penalty` for each lie, on top of the failure's own cooldown.
 """
@@ -76,6 +78,10 @@ class SourceState:
     have: frozenset[int] | None = None
     record_ms: int = -1  # issued_at_ms of the newest record taken (an older one is a replay: ignored)
     lies: int = 0  # claimed shards it then did not serve, and records that did not verify
+    # A peer the swarm advertised (a heartbeat's weights URL): the node id its availability records must be
+    # signed by. It is asked only for shards a current record of that node claims, and dropped from the fetch
+    # when it sends bytes that do not match the manifest. None: an origin or relay the caller chose.
+    node_id: str | None = None
 
     def holds(self, index: int) -> bool:
         """Whether this source may be asked for shard `index`: it signs no claims at all, or it claims it.
@@ -87,6 +93,7 @@ class SourceState:
     def report(self) -> dict[str, object]:
         return {
             "url": self.url,
+            "node_id": self.node_id,
             "bandwidth_mib_s": round((self.bandwidth or 0.0) / 2**20, 2),
             "success": round(self.success, 3),
             "shards_ok": self.shards_ok,

@@ -119,12 +119,13 @@ def _check_head(resp: http.client.HTTPResponse, start: int, size: int) -> None:
             if busy
             else "source has not verified this shard yet (503)",
             retry_after=http_head.retry_after(resp),
+            status=503,
         )
         failure.busy = busy
         raise failure
     expected = 206 if start else 200
     if resp.status != expected:
-        raise ShardFailure(f"source answered HTTP {resp.status} (expected {expected})")
+        raise ShardFailure(f"source answered HTTP {resp.status} (expected {expected})", status=resp.status)
     ctype = resp.getheader("Content-Type", "") or ""
     if ctype.split(";")[0].strip() != SHARD_CONTENT_TYPE:
         raise ShardFailure(f"source answered content type {ctype[:60]!r}, not {SHARD_CONTENT_TYPE}")
