@@ -4,7 +4,7 @@
 # Usage (repository root, on the GPU machine):  bash benchmarks/gpu_checks.sh [MODEL_DIR]
 #   MODEL_DIR: a model made by `prime-node model init` (the warm-started tiny model); default: made here.
 #   PYTHON (default python3) must hold a CUDA build of torch. Without network, the project's other
-#   dependencies come from wheels in ./.whl (cp312 manylinux; see docs/gpu.md for how they were fetched).
+#   dependencies come from wheels in ./.whl (cp312 manylinux; docs/engine.md, "GPU checks", says which and how they were fetched).
 #   Written to $OUT (default ./gpu-checks-out): gpu_checks.log, proof_margins.txt and reports.tar.gz (the
 #   rollout and verify JSON reports of step 2).
 #   GPU_CHECKS_STEPS="1 4" runs only those steps (default: all); GPU_CHECKS_BF16_FILES=N adds N CUDA bfloat16
