@@ -9,7 +9,8 @@ never trained on (class HeldOut): the warm start's own evaluation set (`mix`), a
 unseen problems of the run's filtered distribution (`band`); with --filter, also the held-out problems whose
 prompt text is absent from the training set (`mix-new`, `band-new`). With --heldout-fraction the split is by
 content instead: held-out prompts are never trained on, by the warm start or by RL (`-distinct`: each prompt
-once). Everything is seeded (--seed).
+once). With --eval-samples K every set is also scored by sampled pass@1 at --temperature (`NAME-sampled`).
+Everything is seeded (--seed).
 
     .venv/bin/python benchmarks/learning.py --model DIR --steps 30 --out reward.png
     # the record run, prompts held out by content (docs/trainer.md, "Does it learn?", section 6):
