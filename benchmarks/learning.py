@@ -709,6 +709,13 @@ def main() -> int:
             print(held_out.line(learner.step, results), flush=True)
         if stopped_by != "steps":
             break
+    if learner.step and accuracy and next(iter(accuracy.values()))[-1][0] != learner.step:
+        # The last iterations trained nothing (every group's rewards were equal: waiting for a full batch),
+        # so the in-loop evaluation missed the final policy: "after" must be the policy the run ended with.
+        results = held_out.evaluate(store.checkpoint_dir(learner.step))
+        for name, (acc, _) in results.items():
+            accuracy[name].append((float(learner.step), acc))
+        print(held_out.line(learner.step, results), flush=True)
     ledger.close()
     sizes = {name: held_out.size(name) for name in held_out.names()}
     title = "RL on the tiny model: rollout reward and held-out greedy accuracy" + (
