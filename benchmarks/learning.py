@@ -61,7 +61,7 @@ if __name__ == "__main__":  # before torch is imported: its CPU kernels are chos
 import psutil
 import torch
 from matplotlib.figure import Figure
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from prime_node.node.engine import load_engine
 from prime_node.node.engine.types import InferenceEngine, SampleRequest, SamplingParams
@@ -193,7 +193,7 @@ def sampled_eval_seed(prompt: str, j: int) -> int:
 
 def sampled_pass_rates(
     engine: InferenceEngine,
-    tokenizer,  # type: ignore[no-untyped-def]
+    tokenizer: PreTrainedTokenizerBase,
     environment: Environment,
     tasks: list[Task],
     samples: int,
