@@ -7,12 +7,11 @@ validator's checks, the trainer's inbox, Learner and publisher) at temperature 0
 - the warm start leaves room: its greedy accuracy on `band` is at most 65% (run F: 61.3%);
 - held-out greedy accuracy gains >= 15 points on `band` (held-out prompts of the run's filtered distribution),
   on `band-distinct` (each prompt once) and on `mix-distinct` (the whole held-out distribution); run F:
-  +16.1, +16.6 and +26.4.
+  +16.1, +16.6 and +26.3.
 
-Run F itself started from run E's warm start (`--model`); this runs the recipe from scratch with
-`--sft-steps 200`, which gives the same weights (checked: SHA-256 4ecd1006..., docs/environments.md).
-Opt-in (PRIME_NODE_LONG_TESTS=1) because it cannot fit CI's budget: about 18.5 CPU-minutes (78 s of warm
-start, 222 s of offline filtering, 12.9 minutes of RL and evaluations), while CI runs the whole default suite
+This is run G's command (run F's recipe from scratch, `--sft-steps 200` in place of `--model`), which
+reproduced F exactly. Opt-in (PRIME_NODE_LONG_TESTS=1) because it cannot fit CI's budget: about 16
+CPU-minutes (77 s of warm start, 145 s of offline filtering, 12.5 minutes of RL and evaluations), while CI runs the whole default suite
 in about 25 minutes of wall time on 2 cores. The CPU kernels are pinned to AVX2 (node/runtime/numerics.py),
 so x86-64 machines should give the figures docs/environments.md records.
 """
@@ -40,7 +39,7 @@ RECORD = (
 @pytest.mark.timeout(3 * 3600)  # CPU time is the budget; on a shared machine the wall clock runs longer
 @pytest.mark.skipif(
     os.environ.get("PRIME_NODE_LONG_TESTS") != "1",
-    reason="long: about 18.5 CPU-minutes (set PRIME_NODE_LONG_TESTS=1)",
+    reason="long: about 16 CPU-minutes (set PRIME_NODE_LONG_TESTS=1)",
 )
 def test_rl_raises_held_out_spell_backward_accuracy_by_15_points_within_20_cpu_minutes(
     tmp_path: Path,
