@@ -12,8 +12,8 @@ validator's checks, the trainer's inbox, Learner and publisher) at temperature 0
 This is run G's command (run F's recipe from scratch, `--sft-steps 200` in place of `--model`), which
 reproduced F exactly. Opt-in (PRIME_NODE_LONG_TESTS=1) because it cannot fit CI's budget: about 16
 CPU-minutes (77 s of warm start, 145 s of offline filtering, 12.5 minutes of RL and evaluations), while CI
-runs the whole default suite in about 25 minutes of wall time on 2 cores. The CPU kernels are pinned to AVX2 (node/runtime/numerics.py),
-so x86-64 machines should give the figures docs/environments.md records.
+runs the whole default suite in about 25 minutes of wall time on 2 cores. The CPU kernels are pinned to AVX2
+(node/runtime/numerics.py), so x86-64 machines should give the figures docs/environments.md records.
 """
 
 from __future__ import annotations
