@@ -9,7 +9,8 @@ never trained on (class HeldOut): the warm start's own evaluation set (`mix`), a
 unseen problems of the run's filtered distribution (`band`); with --filter, also the held-out problems whose
 prompt text is absent from the training set (`mix-new`, `band-new`). With --heldout-fraction the split is by
 content instead: held-out prompts are never trained on, by the warm start or by RL (`-distinct`: each prompt
-once). Everything is seeded (--seed).
+once). With --eval-samples K every set is also scored by sampled pass@1 at --temperature (`NAME-sampled`).
+Everything is seeded (--seed).
 
     .venv/bin/python benchmarks/learning.py --model DIR --steps 30 --out reward.png
     # the record run, prompts held out by content (docs/trainer.md, "Does it learn?", section 6):
@@ -60,9 +61,10 @@ if __name__ == "__main__":  # before torch is imported: its CPU kernels are chos
 import psutil
 import torch
 from matplotlib.figure import Figure
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from prime_node.node.engine import load_engine
+from prime_node.node.engine.types import InferenceEngine, SampleRequest, SamplingParams
 from prime_node.node.environments import DEFAULT_ENV, open_environment, spec_of_tasks
 from prime_node.node.environments.environment import Environment
 from prime_node.node.environments.split import ContentSplit
@@ -77,6 +79,7 @@ from prime_node.node.models.warmstart import (
     init_model_dir,
 )
 from prime_node.node.run.producer import BatchSpec, produce_rollout_file
+from prime_node.node.run.prompts import PromptBuilder
 from prime_node.node.run.validation import RunTasks, verify_rollout_file
 from prime_node.node.runtime.numerics import describe_cpu_kernels
 from prime_node.p2p.identity import Identity
@@ -179,6 +182,44 @@ def environment_scorer(environment: Environment) -> Scorer:
     return score
 
 
+SAMPLED_EVAL_DOMAIN = b"prime-node/learning-bench/sampled-eval/v1\x00"
+
+
+def sampled_eval_seed(prompt: str, j: int) -> int:
+    """The Gumbel seed of evaluation sample j of `prompt`: the same at every evaluation of every run."""
+    digest = hashlib.sha256(SAMPLED_EVAL_DOMAIN + j.to_bytes(4, "big") + prompt.encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+def sampled_pass_rates(
+    engine: InferenceEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    environment: Environment,
+    tasks: list[Task],
+    samples: int,
+    temperature: float,
+    max_new_tokens: int,
+) -> dict[str, float]:
+    """Per distinct prompt: the share of `samples` completions sampled at `temperature` that the environment
+    scores 1.0 (the unbiased estimate of sampled pass@1). Sample j of a prompt is keyed by SHA-256(prompt, j),
+    so every evaluation of a run draws the same noise: the difference between two checkpoints is not blurred
+    by fresh sampling noise, and a prompt that recurs (or sits in two sets) is sampled once."""
+    distinct = list({t.prompt: t for t in tasks}.values())
+    prompts_of = PromptBuilder(tokenizer)  # as the run gives prompts to this model
+    requests = [
+        SampleRequest(prompt_ids=tuple(prompts_of.ids(task.prompt)), seed=sampled_eval_seed(task.prompt, j))
+        for task in distinct
+        for j in range(samples)
+    ]
+    completions = engine.generate(requests, SamplingParams(max_new_tokens, temperature), capture_hidden=False)
+    rates: dict[str, float] = {}
+    for n, task in enumerate(distinct):
+        mine = completions[n * samples : (n + 1) * samples]
+        texts = [str(tokenizer.decode(list(c.output_ids), skip_special_tokens=True)) for c in mine]
+        rates[task.prompt] = sum(environment.score(t, task) == 1.0 for t in texts) / samples
+    return rates
+
+
 class HeldOut:
     """The held-out sets, evaluated by greedy decoding at every evaluation.
 
@@ -192,6 +233,10 @@ class HeldOut:
     Both are drawn as the environment draws them, so an easy prompt recurs (arithmetic level 1: 40 held-out
     prompts for F = 0.2): accuracy on them estimates accuracy on the held-out part of the task distribution.
     `-distinct` counts each prompt once, the measure with the effective sample size.
+
+    With `sampled` (--eval-samples K), every set is also scored by sampled pass@1 at the run's temperature
+    (`NAME-sampled`: K seeded samples per prompt, the share the environment scores 1.0): what GRPO optimises,
+    where greedy accuracy sees only the mode of each answer distribution.
 
     Held out by index is not held out by content: the arithmetic family has only 200 distinct level-1 problems
     (and about 16,000 at level 2), so most held-out level-1 prompts also occur among the training problems.
@@ -207,9 +252,11 @@ class HeldOut:
         scorer: Scorer,
         max_new_tokens: int,
         threads: int,
+        sampled: tuple[Environment, int, float] | None = None,
     ) -> None:
         self.sets = dict(sets)
         self.scorer, self.max_new_tokens, self.threads = scorer, max_new_tokens, threads
+        self.sampled = sampled  # (scoring environment, samples per prompt, temperature)
         if heldout_fraction:
             for name in list(self.sets):
                 self.sets[f"{name}-distinct"] = list({t.prompt: t for t in self.sets[name]}.values())
@@ -225,17 +272,33 @@ class HeldOut:
                 if new:
                     self.sets[f"{name}-new"] = new
 
+    def names(self) -> list[str]:
+        return [*self.sets, *(f"{name}-sampled" for name in self.sets if self.sampled)]
+
+    def size(self, name: str) -> int:
+        return len(self.sets[name.removesuffix("-sampled")])
+
     def evaluate(self, checkpoint: Path) -> dict[str, tuple[float, dict[int, float]]]:
-        model = load_engine(checkpoint, threads=self.threads).model  # type: ignore[attr-defined]
+        engine = load_engine(checkpoint, threads=self.threads)
+        model = engine.model  # type: ignore[attr-defined]
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-        return {
+        results = {
             name: self.scorer(model, tokenizer, tasks, self.max_new_tokens)
             for name, tasks in self.sets.items()
         }
+        if self.sampled is not None:
+            environment, samples, temperature = self.sampled
+            every = [t for tasks in self.sets.values() for t in tasks]
+            rates = sampled_pass_rates(
+                engine, tokenizer, environment, every, samples, temperature, self.max_new_tokens
+            )
+            for name, tasks in self.sets.items():
+                results[f"{name}-sampled"] = (sum(rates[t.prompt] for t in tasks) / len(tasks), {})
+        return results
 
     def line(self, step: int, results: dict[str, tuple[float, dict[int, float]]]) -> str:
         return f"step {step} held-out " + "; ".join(
-            f"{name} ({len(self.sets[name])}) {acc:.3f}" + (f" [{fmt_levels(levels)}]" if levels else "")
+            f"{name} ({self.size(name)}) {acc:.3f}" + (f" [{fmt_levels(levels)}]" if levels else "")
             for name, (acc, levels) in results.items()
         )
 
@@ -391,6 +454,13 @@ def parse_args() -> argparse.Namespace:
         "the only ones evaluated (0: held out by index; --env needs one)",
     )
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=0,
+        help="also score every held-out set by sampled pass@1 at --temperature, from this many seeded "
+        "samples per prompt (`NAME-sampled`; 0: greedy only)",
+    )
     p.add_argument(
         "--cpu-minutes",
         type=float,
@@ -562,7 +632,10 @@ def main() -> int:
         if band:
             sets["band"] = band
     training_prompts = set(task_file_column(task_source, "prompt")) if task_source else None
-    held_out = HeldOut(sets, training_prompts, args.heldout_fraction, scorer, eval_tokens, args.threads)
+    sampled = (base_env, args.eval_samples, args.temperature) if args.eval_samples else None
+    held_out = HeldOut(
+        sets, training_prompts, args.heldout_fraction, scorer, eval_tokens, args.threads, sampled
+    )
     split = ContentSplit(args.heldout_fraction)
     setup_cpu = whole.seconds()
     rewards: list[tuple[float, float]] = []
@@ -644,8 +717,15 @@ def main() -> int:
             print(held_out.line(learner.step, results), flush=True)
         if stopped_by != "steps":
             break
+    if learner.step and accuracy and next(iter(accuracy.values()))[-1][0] != learner.step:
+        # The last iterations trained nothing (every group's rewards were equal: waiting for a full batch),
+        # so the in-loop evaluation missed the final policy: "after" must be the policy the run ended with.
+        results = held_out.evaluate(store.checkpoint_dir(learner.step))
+        for name, (acc, _) in results.items():
+            accuracy[name].append((float(learner.step), acc))
+        print(held_out.line(learner.step, results), flush=True)
     ledger.close()
-    sizes = {name: len(tasks) for name, tasks in held_out.sets.items()}
+    sizes = {name: held_out.size(name) for name in held_out.names()}
     title = "RL on the tiny model: rollout reward and held-out greedy accuracy" + (
         f"\n{args.env}" if args.env else ""
     )
@@ -653,7 +733,7 @@ def main() -> int:
     for name, points in accuracy.items():
         first, last_acc = points[0][1], points[-1][1]
         print(
-            f"held-out {name} ({len(held_out.sets[name])} problems) accuracy {first:.3f} -> {last_acc:.3f} "
+            f"held-out {name} ({held_out.size(name)} problems) accuracy {first:.3f} -> {last_acc:.3f} "
             f"({100 * (last_acc - first):+.1f} points, best {max(a for _, a in points):.3f})"
         )
     rl_wall, rl_cpu = time.perf_counter() - started, rl.seconds()
@@ -690,7 +770,7 @@ def main() -> int:
                     },
                     "heldout": {
                         name: {
-                            "problems": len(held_out.sets[name]),
+                            "problems": held_out.size(name),
                             "first": points[0][1],
                             "last": points[-1][1],
                             "best": max(a for _, a in points),

@@ -76,3 +76,35 @@ def test_the_synthetic_experiment_reads_steps_and_cpu_to_the_target_from_a_summa
     assert hit == {"step": 20, "accuracy": 0.235, "rl_cpu_s": 25.0, "rl_wall_s": 61.0}
     assert module.reached(data, 0.18)["step"] == 0
     assert module.reached(data, 0.24) is None
+
+
+def test_sampled_evaluation_scores_seeded_samples_of_each_prompt(tmp_path: Path) -> None:
+    """--eval-samples: K seeded samples per distinct prompt (the same noise at every evaluation), scored by the
+    environment; each held-out set gains a `-sampled` twin of its size. Near T = 0 sampling is greedy decoding,
+    so a task whose reference is the model's greedy answer scores 1 and one with another reference 0."""
+    from prime_node.node.engine import load_engine
+    from prime_node.node.environments import open_environment
+    from prime_node.node.models.tiny import build_tiny_model, save_model_dir
+    from prime_node.node.models.warmstart import greedy_complete
+
+    bench = learning()
+    model, tokenizer = build_tiny_model(0)
+    save_model_dir(model, tokenizer, tmp_path / "model")
+    engine = load_engine(tmp_path / "model", threads=1)
+    prompts = ["12+3=", "7*8=", "40-9="]
+    greedy = greedy_complete(model, tokenizer, prompts, 4)
+    rows = [{"prompt": p, "answer": g.strip() or "x"} for p, g in zip(prompts, greedy)]
+    rows[2]["answer"] = rows[2]["answer"] + "different"
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = open_environment(f"file:{tmp_path / 'tasks.jsonl'}")
+    tasks = [env.get(i) for i in range(3)]
+    tasks.append(tasks[0])  # a recurring prompt is sampled once
+    cold = bench.sampled_pass_rates(engine, tokenizer, env, tasks, 4, 1e-4, 4)
+    assert cold == {prompts[0]: 1.0, prompts[1]: 1.0, prompts[2]: 0.0}, (greedy, cold)
+    warm = bench.sampled_pass_rates(engine, tokenizer, env, tasks, 4, 1.0, 4)
+    assert set(warm) == set(prompts) and all(r in (0.0, 0.25, 0.5, 0.75, 1.0) for r in warm.values())
+    assert bench.sampled_pass_rates(engine, tokenizer, env, tasks, 4, 1.0, 4) == warm  # seeded
+    assert bench.sampled_eval_seed(prompts[0], 0) != bench.sampled_eval_seed(prompts[0], 1)
+    held = bench.HeldOut({"mix": tasks}, None, 0.2, lambda *a: (0.0, {}), 4, 1, (env, 4, 1.0))
+    assert held.names() == ["mix", "mix-distinct", "mix-sampled", "mix-distinct-sampled"]
+    assert held.size("mix-sampled") == 4 and held.size("mix-distinct-sampled") == 3
