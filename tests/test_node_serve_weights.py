@@ -225,6 +225,16 @@ def test_peer_sources_are_public_addresses_of_the_peer_itself_unless_configured(
     assert "a name, not an IP address" in refused["named"]
     assert "already names 1.2.3.4" in refused["sybil" if expected.endswith("8470") else "good"]
 
+    # A peer naming another's very URL (its own id ground to sort first, the other's address listed as its own)
+    # would have that node's correctly signed records judged as its own lies: neither is used.
+    thief = Identity.generate()
+    peers[thief.node_id] = beat(thief, "http://1.2.3.8:8470/", "1.2.3.8")
+    sharing = sharing_with([])
+    sharing.note_peers(peers, banned={ids["banned"].node_id})
+    assert sharing.sources_for(4) == {}
+    for node_id in (thief.node_id, ids["other"].node_id):
+        assert "2 peers name http://1.2.3.8:8470 as their weights server" in sharing.refused[node_id]
+
     # An operator whose peers share a private network (or one machine) lists it.
     sharing = sharing_with(["127.0.0.0/8", "10.0.0.0/8"])
     sharing.note_peers(peers, banned={ids["banned"].node_id})

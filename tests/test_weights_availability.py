@@ -26,6 +26,7 @@ from prime_node.p2p.weights.availability import (
     parse_availability,
     sign_availability,
 )
+from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.rarest import ShardQueue
 from prime_node.p2p.weights.serve_verified import ServeAsVerified
@@ -341,3 +342,37 @@ def test_a_busy_503_pauses_its_source_and_a_not_ready_one_does_not() -> None:
     assert pool.pick()[0] is relay
     now[0] += NOT_READY_PAUSE_S
     assert pool.weight(busy, now[0]) > 0 and busy.success == relay.success == 1.0
+
+
+def test_a_peer_cannot_bind_an_announced_url_or_share_one_with_another_node_id(tmp_path: Path) -> None:
+    # URLs are compared as the fetcher uses them: "http://origin:1/" is the announced "http://origin:1", which
+    # stays an announced source with no node id bound to it; a URL that two node ids claim is left out, since
+    # binding it to either would judge the other's records as lies.
+    other = operator(13)
+    fetcher = Fetcher(
+        [
+            "http://10.0.0.1:1",
+            "http://10.0.0.1:1/",
+            "http://10.0.0.2:1",
+            "http://10.0.0.3:1/",
+            "http://10.0.0.3:1",
+        ],
+        operator().node_id,
+        Store(tmp_path / "out"),
+        SETTINGS,
+        peers={
+            "http://10.0.0.1:1/": PEER.node_id,
+            "http://10.0.0.3:1/": PEER.node_id,
+            "http://10.0.0.3:1": other.node_id,
+        },
+    )
+    assert fetcher.sources == ["http://10.0.0.1:1", "http://10.0.0.2:1"]
+    assert fetcher.peers == {}
+    with pytest.raises(FetchError, match="several node ids claim"):
+        Fetcher(
+            ["http://10.0.0.3:1/", "http://10.0.0.3:1"],
+            operator().node_id,
+            Store(tmp_path / "out"),
+            SETTINGS,
+            peers={"http://10.0.0.3:1/": PEER.node_id, "http://10.0.0.3:1": other.node_id},
+        )

@@ -37,6 +37,7 @@ import asyncio
 import ipaddress
 import logging
 import random
+from collections import Counter
 from urllib.parse import urlsplit
 
 from ...p2p.identity import Identity
@@ -159,27 +160,44 @@ class WeightsSharing:
             await asyncio.sleep(self.settings.serve.scan_interval_s)
 
     def note_peers(self, peers: dict[str, Heartbeat], banned: set[str]) -> None:
-        """Remember which live peers serve which steps (called after each peer scan)."""
+        """Remember which live peers serve which steps (called after each peer scan).
+
+        One public host is one source, whoever of the peers naming it has the lowest node id (a sybil's many
+        ids on one machine count once). But a URL that two peers name is used for neither: the fetcher binds a
+        URL to the one node id whose signed availability records it accepts, so letting one claim win would let
+        a peer that names an honest node's server (with a node id ground to sort first) get that node's
+        correctly signed records charged as lies."""
         by_step: dict[int, dict[str, str]] = {}
         refused: dict[str, str] = {}
-        public_hosts: set[str] = set()
+        valid: list[tuple[str, Heartbeat, str]] = []
         for node_id, heartbeat in sorted(peers.items()):
             url = heartbeat.weights_url
             if node_id == self.swarm.node_id or node_id in banned or heartbeat.client_mode or not url:
                 continue
             why = peer_url_refusal(url, list(heartbeat.addresses), self.networks)
-            host = _host(url)
-            if why is None and host in public_hosts:
-                why = f"another peer already names {host} as its weights server"
             if why is not None:
-                if self.refused.get(node_id) != why:
-                    logger.info("not fetching from %s (peer %s…): %s", url[:80], node_id[:16], why)
                 refused[node_id] = why
+                continue
+            valid.append((node_id, heartbeat, url.rstrip("/")))
+        claims = Counter(url for _, _, url in valid)
+        public_hosts: set[str] = set()
+        for node_id, heartbeat, url in valid:
+            host = _host(url)
+            if claims[url] > 1:
+                refused[node_id] = (
+                    f"{claims[url]} peers name {url[:80]} as their weights server; none is used"
+                )
+                continue
+            if host in public_hosts:
+                refused[node_id] = f"another peer already names {host} as its weights server"
                 continue
             if not any(ipaddress.ip_address(host) in n for n in self.networks):
                 public_hosts.add(host)
             for step in heartbeat.serves_steps:
                 by_step.setdefault(step, {})[url] = node_id
+        for node_id, why in refused.items():
+            if self.refused.get(node_id) != why:
+                logger.info("not fetching from peer %s…: %s", node_id[:16], why)
         self._peer_urls = by_step
         self.refused = refused
 

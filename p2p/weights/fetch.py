@@ -78,9 +78,23 @@ class Fetcher:
     ) -> None:
         if not sources:
             raise FetchError("no sources given; pass at least one --source URL")
-        self.sources = list(dict.fromkeys(s.rstrip("/") for s in sources))
+        given = dict(peers or {})
         # Advertised peers among the sources: URL -> the node id that must sign their availability records.
-        self.peers = {url.rstrip("/"): node_id for url, node_id in (peers or {}).items()}
+        # URLs are compared as the fetcher uses them (no trailing slash): a peer naming an announced source's
+        # URL ("http://origin/" for "http://origin") must not bind it to its own id, and a URL two node ids
+        # claim is used for neither (either binding would judge the other's records as lies).
+        announced = {s.rstrip("/") for s in sources if s not in given}
+        claims: dict[str, set[str]] = {}
+        for url, node_id in given.items():
+            if url.rstrip("/") not in announced:
+                claims.setdefault(url.rstrip("/"), set()).add(node_id)
+        ambiguous = {url for url, ids in claims.items() if len(ids) > 1}
+        self.sources = [s for s in dict.fromkeys(s.rstrip("/") for s in sources) if s not in ambiguous]
+        if not self.sources:
+            raise FetchError(
+                f"every source is a peer URL that several node ids claim: {sorted(ambiguous)[:3]}"
+            )
+        self.peers = {url: min(ids) for url, ids in claims.items() if url not in ambiguous}
         unknown = set(self.peers) - set(self.sources)
         if unknown:
             raise FetchError(f"peers {sorted(unknown)[:3]} are not among the sources")

@@ -142,11 +142,13 @@ class PinnedFetch:
         sources = list(pin.sources)
         peers: dict[str, str] = {}
         if self.peer_sources is not None:
-            # A URL the operator announced stays an announced source even if a peer names it too.
+            # A URL the operator announced stays an announced source even if a peer names it too (compared
+            # without a trailing slash, as the fetcher uses them).
+            announced = {s.rstrip("/") for s in sources}
             peers = {
                 u: n
                 for u, n in self.peer_sources(pin.step).items()
-                if u not in sources and n not in self.dropped_peers
+                if u.rstrip("/") not in announced and n not in self.dropped_peers
             }
             sources += list(peers)
         if not sources:
