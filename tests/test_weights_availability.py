@@ -376,3 +376,20 @@ def test_a_peer_cannot_bind_an_announced_url_or_share_one_with_another_node_id(t
             SETTINGS,
             peers={"http://10.0.0.3:1/": PEER.node_id, "http://10.0.0.3:1": other.node_id},
         )
+
+
+async def test_a_fetch_fails_when_only_a_recordless_advertised_peer_is_left(origin, tmp_path: Path) -> None:
+    # Every shard from the origin is corrupt, and the advertised peer signs nothing (it may never be asked): the
+    # fetch must end with the origin's failures, not wait forever for a peer it will never use.
+    store_dir, _ = origin
+    async with hostile(store_dir, 3, "flip") as corrupt, hostile(store_dir, 3) as unsigned:
+        fetcher = Fetcher(
+            [corrupt.url, unsigned.url],
+            operator().node_id,
+            Store(tmp_path / "out"),
+            SETTINGS,
+            peers={unsigned.url: PEER.node_id},
+        )
+        with pytest.raises(FetchError, match="could not be fetched and verified"):
+            await asyncio.wait_for(fetcher.fetch(3), 60)
+    assert sum(unsigned.requests.values()) == 0

@@ -242,7 +242,7 @@ class AttemptRunner:
         recheck = self.outcomes.failed(attempt, failure)
         if recheck is not None or others or index in self.winners:
             return recheck  # the recheck, or the other copy, carries on
-        if self.outcomes.exhausted(index, {u.url for u in self.pool.usable()} <= self.tried[index]):
+        if self.outcomes.exhausted(index, {u.url for u in self.pool.askable()} <= self.tried[index]):
             self.state.error = FetchError(
                 f"shard {index} of step {self.manifest.step} could not be fetched and verified: "
                 f"{self.outcomes.text(index)}",

@@ -73,6 +73,7 @@ class Peering:
         self.on_change = on_change
         self.on_join = on_join
         self.distrusted: set[str] = set()
+        self.unsigned: set[str] = set()  # advertised peers that answered without a record they signed
         self._polls: dict[str, asyncio.Future[bytes]] = {}
         self._next_poll: dict[str, float] = {}
         if settings.availability_interval_s <= 0:
@@ -94,6 +95,14 @@ class Peering:
         """Usable sources that must not be asked for shard `index`: their records do not claim it (or have
         not arrived yet)."""
         return {s.url for s in self.pool.usable() if not s.holds(index)}
+
+    def first_record_due(self) -> bool:
+        """Whether an advertised peer has not answered its first availability request yet: a fetch with nothing
+        else left waits for it (one round trip), but not for a peer that answered without a signed record."""
+        return any(
+            s.node_id is not None and s.records is None and s.url not in self.distrusted | self.unsigned
+            for s in self.pool.usable()
+        )
 
     def unknown(self) -> bool:
         """Whether some usable source has not answered its first availability request yet."""
@@ -152,6 +161,7 @@ class Peering:
         if isinstance(error, ManifestAbsent):
             if source.node_id is not None and not source.records:
                 logger.debug("availability of peer %s: %s; asked again", source.url, error)
+                self.unsigned.add(source.url)
                 return  # a peer without a signed record holds nothing we may ask for (yet)
             if source.records is None:
                 source.records = False  # it signs no records: it holds what its manifest lists
@@ -181,6 +191,7 @@ class Peering:
         self._claim(source, have)
 
     def _claim(self, source: SourceState, have: frozenset[int]) -> None:
+        self.unsigned.discard(source.url)
         self.queue.claims_changed(source.have if source.records else None, have)
         source.records = True
         source.have = have

@@ -68,9 +68,17 @@ class Scheduler:
             wake = min(wake, self._launch())
             if self.state.error is not None:
                 raise self.state.error
-            waiting_for = self.joining or (self.peering.absent and not self.pool.usable())
+            waiting_for = (
+                self.joining
+                # an advertised peer's first answer, for as long as a fetch waits for first answers
+                or (
+                    self.peering.first_record_due()
+                    and time.monotonic() < self.started + self.settings.availability_wait_s
+                )
+                or (self.peering.absent and not self.pool.usable())
+            )
             if not (
-                self.inflight or self.state.delayed or (self.queue and (self.pool.usable() or waiting_for))
+                self.inflight or self.state.delayed or (self.queue and (self.pool.askable() or waiting_for))
             ):
                 index = self.queue.first() if self.queue else -1
                 raise FetchError(

@@ -127,6 +127,11 @@ class SourcePool:
     def usable(self) -> list[SourceState]:
         return [s for s in self.sources.values() if s.excluded is None]
 
+    def askable(self) -> list[SourceState]:
+        """Usable sources that shards can be asked from: an advertised peer only once a record it signed
+        verified. One that never signs is never asked, so it must not keep a failing fetch waiting either."""
+        return [s for s in self.usable() if s.node_id is None or s.records]
+
     def weight(self, source: SourceState, now: float, best: float | None = None) -> float:
         if source.excluded is not None or now < source.cooldown_until:
             return 0.0
