@@ -238,3 +238,19 @@ def test_a_finished_batch_is_judged_whole_and_a_partial_record_cannot_void_it(ma
         (True, None),
         (False, "duplicate"),
     ], judged.outcomes
+
+
+def test_a_member_disagreeing_with_stage_0s_cut_is_excused_not_charged(made, tmp_path: Path) -> None:  # noqa: ANN001
+    # Stage 0 alone records the cut: a stage 1 file that differs from it proves nothing about who lied (stage 0
+    # could make up a cut to get every other member slashed), so the batch is void and everybody excused.
+    from prime_node.trainer.validator.group_job import GROUP_FAILED, Delivery, verify_group_files
+
+    files, tasks, engine, members = made
+    other = _rewrite(files.paths[1], tmp_path / "stage1.parquet", members[1], _set("micro_batch_size", 4))
+    deliveries = [Delivery(files.paths[0], members[0].node_id), Delivery(other, members[1].node_id)]
+    assert RUN.pipeline is not None
+    judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=True)
+    assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == [
+        (False, GROUP_FAILED),
+        (False, GROUP_FAILED),
+    ], judged.outcomes

@@ -387,15 +387,29 @@ def verify_group_files(
     if (
         0 in by_stage
     ):  # the cut the group ran is stage 0's: its signed prefill frames (hops bind the others to it)
+        # A member whose rows or cut differ from stage 0's is not thereby the liar: stage 0 may have recorded a
+        # made-up cut to get every other member slashed. Who lied is not settled here, so the batch is void and
+        # every member excused (`pipeline_group`): nobody is paid for it and nobody is charged with fraud.
         ran = _cut(parsed[by_stage[0]])
-        for stage, d in list(by_stage.items()):
-            f = parsed[d]
-            lengths = [len(r.prompt_ids) for r in f.rows]
-            if len(f.rows) != len(ran[0]) or micro_batches(lengths, f.micro_batch_size) != ran[1]:
-                result.outcomes[d] = _reject(
-                    step, "assignment", "the rows or their micro-batch cut are not the batch the group ran", f
+        differ = [
+            k
+            for k, d in sorted(by_stage.items())
+            if len(parsed[d].rows) != len(ran[0])
+            or micro_batches([len(r.prompt_ids) for r in parsed[d].rows], parsed[d].micro_batch_size)
+            != ran[1]
+        ]
+        if differ:
+            reason = f"stages {differ} disagree with stage 0 on the rows or their micro-batch cut"
+            for d in by_stage.values():
+                result.outcomes[d] = _reject(step, GROUP_FAILED, reason, parsed[d])
+            if 0 in differ:  # stage 0's file contradicts its own signed frames: that lie is its own alone
+                result.outcomes[by_stage[0]] = _reject(
+                    step,
+                    "assignment",
+                    "the rows or their micro-batch cut are not the frames it sent",
+                    parsed[by_stage[0]],
                 )
-                del by_stage[stage]
+            return result
     if len(by_stage) < layout.stages:
         if not complete:
             return GroupOutcome(hold=False, step=step, outcomes={})  # wait for the rest (the caller's grace)
