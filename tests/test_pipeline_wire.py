@@ -168,6 +168,18 @@ def test_an_opening_from_another_sender_or_layout_is_refused() -> None:
         split_frames(four, writer().opening())
 
 
+@pytest.mark.parametrize(
+    "other", [GroupSpec("local", 3, 8, LAYOUT, SPEC.members), GroupSpec("local", 4, 7, LAYOUT, SPEC.members)]
+)
+def test_a_stage_refuses_its_predecessors_opening_for_another_batch_or_step(other: GroupSpec) -> None:
+    # Correctly signed by the right sender for the right stage, but for another batch (or policy step, hence
+    # group): read on, its frames would be acknowledged in the receiver's record and the receiver blamed.
+    wrong = FrameWriter(SENDER, other.opening(0))
+    with pytest.raises(PipelineWireError, match="expected group"):
+        split_frames(SPEC.reader(1), wrong.opening())
+    assert split_frames(SPEC.reader(1), writer().opening()) == []  # the expected opening is read
+
+
 def test_a_silent_peer_times_out() -> None:
     async def scenario() -> None:
         stream = asyncio.StreamReader()
