@@ -30,7 +30,7 @@ from prime_node.proofs.toploc import check_proof
 
 from support.attack import engine_from, make_checkpoint, run_tasks
 from support.pipeline import identities
-from support.pipeline_files import GroupFiles, group_files
+from support.pipeline_files import GroupFiles, fraud_report_file, group_files
 
 RUN = RunSettings(
     run_id="stage-files", run_seed=5, samples=2, max_new_tokens=8, pipeline=StageLayout(boundaries=[0, 2, 4])
@@ -254,3 +254,23 @@ def test_a_member_disagreeing_with_stage_0s_cut_is_excused_not_charged(made, tmp
         (False, GROUP_FAILED),
         (False, GROUP_FAILED),
     ], judged.outcomes
+
+
+def test_upheld_fraud_evidence_is_excused_not_credited_and_accuses_once(made, tmp_path: Path) -> None:  # noqa: ANN001
+    # Paying for an upheld report lets two sybils farm credit by one framing the other; and the same batch's
+    # fraud, reported twice, is charged to the accused once.
+    from prime_node.trainer.validator.group_job import REPORT_UPHELD, Delivery, verify_group_files
+
+    _, tasks, engine, members = made
+    checkpoint = make_checkpoint(tmp_path / "model")
+    _, report = fraud_report_file(tmp_path, checkpoint, RUN, tasks, engine, members)
+    deliveries = [Delivery(report, members[1].node_id, "fraud")] * 2
+    assert RUN.pipeline is not None
+    judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=True)
+    assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == [
+        (False, REPORT_UPHELD),
+        (False, REPORT_UPHELD),
+    ], judged.outcomes
+    assert [(a.node_id, a.outcome.failed_check) for a in judged.accusations] == [
+        (members[0].node_id, "pipeline")
+    ]

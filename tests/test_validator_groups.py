@@ -134,10 +134,10 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         assert "stages [1]" in lonely_verdict.reason and "grace period" in lonely_verdict.reason
         assert await _ledger(running, lonely[0].node_id) == ([(0, "pipeline_incomplete")], 0.0, 0, False)
         # Fraud evidence: the receiver's report blames stage 0 at once (its own signed frame), the reporter is
-        # credited; evidence that proves nothing is its reporter's fault.
+        # excused, not credited (a sybil pair could farm credit); evidence that proves nothing is its reporter's fault.
         sha = _envelope(report).sha256
         upheld = (await wait_verdict(running, sha, 30, node_id=framed[1].node_id)).document
-        assert upheld.accepted and upheld.samples == 0, upheld.reason
+        assert not upheld.accepted and upheld.failed_check == "pipeline_report_upheld", upheld.reason
         accused = (await wait_verdict(running, sha, 30, node_id=framed[0].node_id)).document
         assert not accused.accepted and accused.failed_check == "pipeline", accused.reason
         assert "belies the commitment it signed" in accused.reason
@@ -146,7 +146,8 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         false = (await wait_verdict(running, _envelope(false_report).sha256, 30)).document
         assert not false.accepted and false.failed_check == "pipeline_report", false.reason
         files, score, slashes, banned = await _ledger(running, framed[1].node_id)
-        assert sorted(files, key=str) == [(0, "pipeline_report"), (1, None)] and slashes == 1 and not banned
+        assert sorted(files, key=str) == [(0, "pipeline_report"), (0, "pipeline_report_upheld")], files
+        assert score < 0 and slashes == 1 and not banned
         # A broken batch: the partial records name stage 1, which sampled fewer rows than it was given; stage 0
         # is excused.
         excused = (await wait_verdict(running, _envelope(partials[0]).sha256, 60)).document

@@ -14,7 +14,8 @@ Cheapest first (docs/pipeline.md, "Verdicts"):
    same prefill.
 Verdict policy: the group verifies, every file is accepted (each member credited); a stage is blamed, its file
 is rejected (`pipeline`, fraud: slashed and banned) and every other member's is rejected without penalty
-(`pipeline_group`, excused): the batch passed through a faulty stage, so nobody is paid for it.
+(`pipeline_group`, excused): the batch passed through a faulty stage, so nobody is paid for it. Upheld fraud
+evidence: its reporter excused (`pipeline_report_upheld`, not credited), the accused `pipeline` once per batch.
 Blocking (Parquet, torch): run it in the verification thread.
 """
 
@@ -50,6 +51,9 @@ GROUP_FAILED = "pipeline_group"  # an honest member of a group that failed elsew
 # A member of a group whose stages did not all arrive: excused, not credited.
 INCOMPLETE = "pipeline_incomplete"
 REPORT_FAILED = "pipeline_report"  # fraud evidence that proves nothing: its reporter's fault
+# Fraud evidence that was upheld: excused, neither credited nor counted as accepted. Paying for it would let two
+# sybils farm credit (and "established" standing) by one framing the other, a ban being cheap for a throwaway.
+REPORT_UPHELD = "pipeline_report_upheld"
 
 ModelLookup = Callable[[int], "tuple[InferenceEngine, RunTasks] | None"]
 
@@ -70,6 +74,14 @@ class Accusation:
     file_hash: str
     node_id: str
     outcome: Outcome
+    group: str = (
+        ""  # with node_id and batch: one accusation per (accused, group, batch), however many reports
+    )
+    batch: int = 0
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.node_id, self.group, self.batch
 
 
 @dataclass
@@ -192,8 +204,9 @@ def _judge_reports(
     pad: int,
     result: GroupOutcome,
 ) -> tuple[int, str] | None:
-    """check_fraud on each report: an upheld one credits its reporter and accuses the stage it names (returned
-    with the reason); one that proves nothing is its reporter's fault (`pipeline_report`)."""
+    """check_fraud on each report: an upheld one excuses its reporter (`pipeline_report_upheld`, not credited)
+    and accuses the stage it names once per (accused, group, batch) (returned with the reason); one that proves
+    nothing is its reporter's fault (`pipeline_report`)."""
     upheld = None
     for d, received in reports.items():
         report, claim = received.report, received.report.claim
@@ -224,9 +237,13 @@ def _judge_reports(
                 step, REPORT_FAILED, f"the evidence proves nothing: {verdict.reason}"
             )
             continue
-        result.outcomes[d] = Outcome(False, step, True)
+        result.outcomes[d] = _reject(step, REPORT_UPHELD, f"upheld: {verdict.reason}")
         accused = Outcome(False, step, False, BLAMED, f"{verdict.reason} (fraud evidence by its receiver)")
-        result.accusations.append(Accusation(received.sha256, claim.members[verdict.blamed], accused))
+        accusation = Accusation(
+            received.sha256, claim.members[verdict.blamed], accused, claim.group_id, claim.batch
+        )
+        if all(a.key != accusation.key for a in result.accusations):
+            result.accusations.append(accusation)
         upheld = upheld or (verdict.blamed, verdict.reason)
     return upheld
 
