@@ -166,6 +166,23 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         await asyncio.sleep(0)
 
 
+async def test_a_group_claiming_a_far_future_step_is_refused_at_once_not_held(tmp_path: Path, world) -> None:  # noqa: ANN001
+    # A made-up step must not hold a group slot for the whole hold timeout: the rollout path's refusal applies.
+    checkpoint, engine, tasks = world
+    members = [Identity.generate() for _ in range(2)]
+    far = group_files(tmp_path / "far", checkpoint, PIPELINED, tasks, engine, members, step=50)
+    settings = validator_settings(tmp_path / "validator", group_grace_s=GRACE_S, hold_timeout_s=600.0)
+    settings = settings.model_copy(update={"run": PIPELINED})
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
+        sender = await swarm.add(members[0], bootstrap=running.maddrs[:1], reachability="public")
+        await wait_until(lambda: sees_a_validator(sender), 15)
+        await sender.send_rollout(far.paths[0], _envelope(far.paths[0]))
+        verdict = (await wait_verdict(running, _envelope(far.paths[0]).sha256, 30)).document
+        assert not verdict.accepted and verdict.failed_check == "policy_step", verdict.reason
+        assert "beyond the newest announced step" in verdict.reason, verdict.reason
+
+
 def _swap_tensor(path: Path, reporter: Identity) -> None:
     """Replace the report's tensor by zeros of the same size and sign it again as `reporter`."""
     document = json.loads(path.read_bytes())

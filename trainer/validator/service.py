@@ -417,10 +417,14 @@ class ValidatorService:
                 },
             )
         if result.hold:
-            if not self.groups.hold_expired(group, time.time()):
+            # As for a rollout file (`_hold`): a step far beyond the newest announced one is refused at once, so a
+            # made-up step cannot hold a group slot (of `max_pending_groups`) for the whole hold timeout.
+            fault = await self.steps.refusal(step)
+            if fault is None and not self.groups.hold_expired(group, time.time()):
                 group.holding = True
                 return
-            fault = await self.steps.never_announced(step)
+            if fault is None:
+                fault = await self.steps.never_announced(step)
             for d in range(len(deliveries)):
                 result.outcomes.setdefault(
                     d,
