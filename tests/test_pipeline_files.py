@@ -274,3 +274,31 @@ def test_upheld_fraud_evidence_is_excused_not_credited_and_accuses_once(made, tm
     assert [(a.node_id, a.outcome.failed_check) for a in judged.accusations] == [
         (members[0].node_id, "pipeline")
     ]
+
+
+def test_a_report_whose_claim_does_not_fit_its_evidence_is_its_reporters_fault(made, tmp_path: Path) -> None:  # noqa: ANN001
+    # A claim of one prompt while the evidence's frame carries rows of two: check_fraud indexes rows the claim
+    # does not have. That is the report's fault (pipeline_report), not a validator failure (internal_error).
+    from prime_node.trainer.validator.group_job import REPORT_FAILED, Delivery, verify_group_files
+
+    _, tasks, engine, members = made
+    _, report = fraud_report_file(tmp_path, make_checkpoint(tmp_path / "model"), RUN, tasks, engine, members)
+    document = json.loads(report.read_bytes())
+    document["claim"]["prompts"] = 1
+    data = json.dumps(document, sort_keys=True).encode()
+    report.write_bytes(data)
+    envelope = json.loads(signature_path(report).read_bytes())
+    batch = (envelope["policy_step"], envelope["batch_counter"])
+    signed = sign_bytes(data, members[1], batch=batch, group=envelope["group"], kind="fraud")
+    signature_path(report).write_text(json.dumps(signed))
+    assert RUN.pipeline is not None
+    judged = verify_group_files(
+        [Delivery(report, members[1].node_id, "fraud")],
+        RUN,
+        RUN.pipeline,
+        lambda step: (engine, tasks),
+        complete=True,
+    )
+    outcome = judged.outcomes[0]
+    assert not outcome.accepted and outcome.failed_check == REPORT_FAILED, outcome
+    assert "does not fit its claim" in outcome.reason and not judged.accusations, outcome.reason

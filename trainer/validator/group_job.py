@@ -231,7 +231,11 @@ def _judge_reports(
             eos,
             claim.micro_batch_size,
         )
-        verdict = check_fraud(spec, report.evidence(), group_work)
+        try:
+            verdict = check_fraud(spec, report.evidence(), group_work)
+        except (IndexError, ProofError, ValueError) as exc:  # the claim does not fit its evidence (rows it
+            # does not hold, a tensor no commitment can be built for): the report's own fault, not the group's
+            verdict = GroupVerdict(None, f"the evidence does not fit its claim: {exc!r}")
         if verdict.blamed is None:
             result.outcomes[d] = _reject(
                 step, REPORT_FAILED, f"the evidence proves nothing: {verdict.reason}"
