@@ -30,7 +30,7 @@ from prime_node.proofs.toploc import check_proof
 
 from support.attack import engine_from, make_checkpoint, run_tasks
 from support.pipeline import identities
-from support.pipeline_files import GroupFiles, group_files
+from support.pipeline_files import GroupFiles, fraud_report_file, group_files
 
 RUN = RunSettings(
     run_id="stage-files", run_seed=5, samples=2, max_new_tokens=8, pipeline=StageLayout(boundaries=[0, 2, 4])
@@ -238,3 +238,67 @@ def test_a_finished_batch_is_judged_whole_and_a_partial_record_cannot_void_it(ma
         (True, None),
         (False, "duplicate"),
     ], judged.outcomes
+
+
+def test_a_member_disagreeing_with_stage_0s_cut_is_excused_not_charged(made, tmp_path: Path) -> None:  # noqa: ANN001
+    # Stage 0 alone records the cut: a stage 1 file that differs from it proves nothing about who lied (stage 0
+    # could make up a cut to get every other member slashed), so the batch is void and everybody excused.
+    from prime_node.trainer.validator.group_job import GROUP_FAILED, Delivery, verify_group_files
+
+    files, tasks, engine, members = made
+    other = _rewrite(files.paths[1], tmp_path / "stage1.parquet", members[1], _set("micro_batch_size", 4))
+    deliveries = [Delivery(files.paths[0], members[0].node_id), Delivery(other, members[1].node_id)]
+    assert RUN.pipeline is not None
+    judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=True)
+    assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == [
+        (False, GROUP_FAILED),
+        (False, GROUP_FAILED),
+    ], judged.outcomes
+
+
+def test_upheld_fraud_evidence_is_excused_not_credited_and_accuses_once(made, tmp_path: Path) -> None:  # noqa: ANN001
+    # Paying for an upheld report lets two sybils farm credit by one framing the other; and the same batch's
+    # fraud, reported twice, is charged to the accused once.
+    from prime_node.trainer.validator.group_job import REPORT_UPHELD, Delivery, verify_group_files
+
+    _, tasks, engine, members = made
+    checkpoint = make_checkpoint(tmp_path / "model")
+    _, report = fraud_report_file(tmp_path, checkpoint, RUN, tasks, engine, members)
+    deliveries = [Delivery(report, members[1].node_id, "fraud")] * 2
+    assert RUN.pipeline is not None
+    judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=True)
+    assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == [
+        (False, REPORT_UPHELD),
+        (False, REPORT_UPHELD),
+    ], judged.outcomes
+    assert [(a.node_id, a.outcome.failed_check) for a in judged.accusations] == [
+        (members[0].node_id, "pipeline")
+    ]
+
+
+def test_a_report_whose_claim_does_not_fit_its_evidence_is_its_reporters_fault(made, tmp_path: Path) -> None:  # noqa: ANN001
+    # A claim of one prompt while the evidence's frame carries rows of two: check_fraud indexes rows the claim
+    # does not have. That is the report's fault (pipeline_report), not a validator failure (internal_error).
+    from prime_node.trainer.validator.group_job import REPORT_FAILED, Delivery, verify_group_files
+
+    _, tasks, engine, members = made
+    _, report = fraud_report_file(tmp_path, make_checkpoint(tmp_path / "model"), RUN, tasks, engine, members)
+    document = json.loads(report.read_bytes())
+    document["claim"]["prompts"] = 1
+    data = json.dumps(document, sort_keys=True).encode()
+    report.write_bytes(data)
+    envelope = json.loads(signature_path(report).read_bytes())
+    batch = (envelope["policy_step"], envelope["batch_counter"])
+    signed = sign_bytes(data, members[1], batch=batch, group=envelope["group"], kind="fraud")
+    signature_path(report).write_text(json.dumps(signed))
+    assert RUN.pipeline is not None
+    judged = verify_group_files(
+        [Delivery(report, members[1].node_id, "fraud")],
+        RUN,
+        RUN.pipeline,
+        lambda step: (engine, tasks),
+        complete=True,
+    )
+    outcome = judged.outcomes[0]
+    assert not outcome.accepted and outcome.failed_check == REPORT_FAILED, outcome
+    assert "does not fit its claim" in outcome.reason and not judged.accusations, outcome.reason

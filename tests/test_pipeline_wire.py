@@ -168,6 +168,39 @@ def test_an_opening_from_another_sender_or_layout_is_refused() -> None:
         split_frames(four, writer().opening())
 
 
+@pytest.mark.parametrize(
+    "other", [GroupSpec("local", 3, 8, LAYOUT, SPEC.members), GroupSpec("local", 4, 7, LAYOUT, SPEC.members)]
+)
+def test_a_stage_refuses_its_predecessors_opening_for_another_batch_or_step(other: GroupSpec) -> None:
+    # Correctly signed by the right sender for the right stage, but for another batch (or policy step, hence
+    # group): read on, its frames would be acknowledged in the receiver's record and the receiver blamed.
+    wrong = FrameWriter(SENDER, other.opening(0))
+    with pytest.raises(PipelineWireError, match="expected group"):
+        split_frames(SPEC.reader(1), wrong.opening())
+    assert split_frames(SPEC.reader(1), writer().opening()) == []  # the expected opening is read
+
+
+def test_a_tensor_beyond_bf16s_range_abandons_the_batch_rather_than_the_stage_loop() -> None:
+    # Finite in float32, infinite once rounded to bf16: build_proof raises ProofError, which the stage loop does
+    # not catch. The check turns it into a wire error (batch abandoned), not a fraud report check_fraud could not
+    # uphold either.
+    from prime_node.node.pipeline.stage import check_commitment
+    from prime_node.p2p.pipeline.errors import CommitmentMismatch
+
+    w = writer()
+    huge, normal = (
+        torch.full((1, 256), 3.4e38),
+        torch.randn(1, 256, generator=torch.Generator().manual_seed(0)),
+    )
+    data = w.opening() + activation(w, huge) + activation(w, normal, micro_batch=1)
+    first, second = split_frames(reader(), data)
+    with pytest.raises(PipelineWireError, match="frame 1: its tensor admits no commitment") as caught:
+        check_commitment(first, first.tensor)
+    assert not isinstance(caught.value, CommitmentMismatch)
+    with pytest.raises(CommitmentMismatch, match="frame 2: the signed commitment"):
+        check_commitment(second, second.tensor)
+
+
 def test_a_silent_peer_times_out() -> None:
     async def scenario() -> None:
         stream = asyncio.StreamReader()

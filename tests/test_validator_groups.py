@@ -134,10 +134,10 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         assert "stages [1]" in lonely_verdict.reason and "grace period" in lonely_verdict.reason
         assert await _ledger(running, lonely[0].node_id) == ([(0, "pipeline_incomplete")], 0.0, 0, False)
         # Fraud evidence: the receiver's report blames stage 0 at once (its own signed frame), the reporter is
-        # credited; evidence that proves nothing is its reporter's fault.
+        # excused, not credited (a sybil pair could farm credit); evidence that proves nothing is its reporter's fault.
         sha = _envelope(report).sha256
         upheld = (await wait_verdict(running, sha, 30, node_id=framed[1].node_id)).document
-        assert upheld.accepted and upheld.samples == 0, upheld.reason
+        assert not upheld.accepted and upheld.failed_check == "pipeline_report_upheld", upheld.reason
         accused = (await wait_verdict(running, sha, 30, node_id=framed[0].node_id)).document
         assert not accused.accepted and accused.failed_check == "pipeline", accused.reason
         assert "belies the commitment it signed" in accused.reason
@@ -146,7 +146,8 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         false = (await wait_verdict(running, _envelope(false_report).sha256, 30)).document
         assert not false.accepted and false.failed_check == "pipeline_report", false.reason
         files, score, slashes, banned = await _ledger(running, framed[1].node_id)
-        assert sorted(files, key=str) == [(0, "pipeline_report"), (1, None)] and slashes == 1 and not banned
+        assert sorted(files, key=str) == [(0, "pipeline_report"), (0, "pipeline_report_upheld")], files
+        assert score < 0 and slashes == 1 and not banned
         # A broken batch: the partial records name stage 1, which sampled fewer rows than it was given; stage 0
         # is excused.
         excused = (await wait_verdict(running, _envelope(partials[0]).sha256, 60)).document
@@ -163,6 +164,23 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
             (settings.resolved_data_dir() / "accepted").iterdir()
         )
         await asyncio.sleep(0)
+
+
+async def test_a_group_claiming_a_far_future_step_is_refused_at_once_not_held(tmp_path: Path, world) -> None:  # noqa: ANN001
+    # A made-up step must not hold a group slot for the whole hold timeout: the rollout path's refusal applies.
+    checkpoint, engine, tasks = world
+    members = [Identity.generate() for _ in range(2)]
+    far = group_files(tmp_path / "far", checkpoint, PIPELINED, tasks, engine, members, step=50)
+    settings = validator_settings(tmp_path / "validator", group_grace_s=GRACE_S, hold_timeout_s=600.0)
+    settings = settings.model_copy(update={"run": PIPELINED})
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
+        sender = await swarm.add(members[0], bootstrap=running.maddrs[:1], reachability="public")
+        await wait_until(lambda: sees_a_validator(sender), 15)
+        await sender.send_rollout(far.paths[0], _envelope(far.paths[0]))
+        verdict = (await wait_verdict(running, _envelope(far.paths[0]).sha256, 30)).document
+        assert not verdict.accepted and verdict.failed_check == "policy_step", verdict.reason
+        assert "beyond the newest announced step" in verdict.reason, verdict.reason
 
 
 def _swap_tensor(path: Path, reporter: Identity) -> None:

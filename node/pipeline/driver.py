@@ -72,7 +72,7 @@ def run_loopback(
     """Generate the batch through every stage; the last stage's completions and every stage's record."""
     stages = spec.layout.stages
     writers = [FrameWriter(identities[k], spec.opening(k)) for k in range(stages)]
-    readers = [ChainReader(spec.members[(k - 1) % stages], spec.layout) for k in range(stages)]
+    readers = [spec.reader(k) for k in range(stages)]
     for k in range(stages):  # stage k reads stage k - 1's stream, which starts with its opening
         split_frames(readers[k], writers[(k - 1) % stages].opening())
     pending: deque[tuple[int, Outgoing]] = deque(

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from ...p2p.identity import Identity
 from ...p2p.pipeline.errors import PipelineWireError
-from ...p2p.pipeline.frames import ChainReader, FrameReader, FrameWriter
+from ...p2p.pipeline.frames import FrameReader, FrameWriter
 from ...p2p.pipeline.transport import DelayedSender, Inbound, Route, StreamPair
 from ...proofs.pipeline.records import HopFraud, SignedStageRecord
 from ..engine.types import Completion
@@ -51,9 +51,8 @@ class StageRunner:
     ) -> None:
         self.spec, self.stage, self.processor, self.identity, self.hop = spec, stage, processor, identity, hop
         self.tamper = tamper
-        stages = spec.layout.stages
         self.writer = FrameWriter(identity, spec.opening(stage))
-        self.chain = ChainReader(spec.members[(stage - 1) % stages], spec.layout)
+        self.chain = spec.reader(stage)  # refuses an opening for another group, batch or stage
         self.fraud: HopFraud | None = None  # evidence when the predecessor sent a frame its commitment belies
         # (what, micro-batch, start, end) on the monotonic clock: "compute" spans of this stage and "flight"
         # spans of its frames on the hop; benchmarks/pipeline.py and the tests read the overlap from them.

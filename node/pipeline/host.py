@@ -25,6 +25,7 @@ from ...p2p.pipeline.errors import PipelineWireError
 from ...p2p.pipeline.layout import StageLayout
 from ...p2p.pipeline.transport import Inbound, Route
 from ...p2p.swarm.group_records import GroupRecord
+from ...proofs.errors import ProofError
 from ...proofs.pipeline.records import GroupSpec, SignedStageRecord
 from ..engine.types import Completion
 from .driver import stage_record
@@ -140,7 +141,9 @@ class StageHost:
                     self.hop.connect_timeout_s,
                 )
                 await runner.run(inbound, dial)
-            except (PipelineError, PipelineWireError, OSError, EOFError, TimeoutError) as exc:
+            # ProofError: our own activations admit no commitment (beyond bf16's range): this batch is lost, the
+            # stage loop is not.
+            except (PipelineError, PipelineWireError, ProofError, OSError, EOFError, TimeoutError) as exc:
                 if self.in_flight is not None:
                     logger.info("batch %d of group %s… abandoned: %s", batch, group.group_id[:16], exc)
                     self.abandoned.append((group.group_id, batch, str(exc) or type(exc).__name__))

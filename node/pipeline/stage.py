@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ...p2p.pipeline.errors import CommitmentMismatch
+from ...p2p.pipeline.errors import CommitmentMismatch, PipelineWireError
 from ...p2p.pipeline.frames import Frame, FrameKind, WireDtype
+from ...proofs.errors import ProofError
 from ...proofs.gumbel import gumbel_noise, perturbed_scores
 from ...proofs.toploc import build_proof
 from ..engine.types import Completion, FinishReason
@@ -223,13 +224,8 @@ class StageProcessor:
         return Outgoing(kind, micro_batch, step, list(rows), hidden, self.dtype, commitment)
 
     def _check_commitment(self, frame: Frame, rows: torch.Tensor) -> None:
-        if not self.commit:
-            return
-        claimed = frame.header.commitment or ""
-        if build_proof(rows).hex() != claimed:
-            raise CommitmentMismatch(
-                f"frame {frame.header.index}: the signed commitment is not the one its tensor gives"
-            )
+        if self.commit:
+            check_commitment(frame, rows)
 
     def _decode(self, state: _MicroBatch, x: torch.Tensor) -> torch.Tensor:
         state.mask = torch.cat([state.mask, state.mask.new_ones(state.mask.shape[0], 1)], dim=1)
@@ -293,3 +289,20 @@ class StageProcessor:
 def _is_subsequence(rows: list[int], active: list[int]) -> bool:
     it = iter(active)
     return all(r in it for r in rows)
+
+
+def check_commitment(frame: Frame, rows: torch.Tensor) -> None:
+    """CommitmentMismatch when the frame's signed commitment is not the one `rows` (its tensor's committed rows)
+    give. A tensor no commitment can be built for (finite float32 beyond bf16's range, NaN) is a PipelineWireError:
+    the batch is abandoned, not the stage loop ended by a ProofError; and no fraud report is made, since the
+    validator's check_fraud could not build the commitment either, and the report would cost its honest maker."""
+    try:
+        commitment = build_proof(rows)
+    except ProofError as exc:
+        raise PipelineWireError(
+            f"frame {frame.header.index}: its tensor admits no commitment ({exc})"
+        ) from exc
+    if commitment.hex() != (frame.header.commitment or ""):
+        raise CommitmentMismatch(
+            f"frame {frame.header.index}: the signed commitment is not the one its tensor gives"
+        )

@@ -226,9 +226,18 @@ class ChainReader:
     group); the order of checks is the same for both."""
 
     def __init__(
-        self, expected_sender: str, layout: StageLayout, max_tensor_bytes: int = MAX_TENSOR_BYTES
+        self,
+        expected_sender: str,
+        layout: StageLayout,
+        max_tensor_bytes: int = MAX_TENSOR_BYTES,
+        *,
+        expected: StreamOpening | None = None,
     ) -> None:
         self.expected_sender = expected_sender
+        # The whole opening a stage awaits (group, batch, stage...): without it a predecessor could send its
+        # frames under another batch's or group's opening, re-sign the right one in its own record, and have
+        # the receiver blamed for acknowledging frames that belong to nothing it ran.
+        self.expected = expected
         self.layout = layout
         self.max_tensor_bytes = max_tensor_bytes
         self.opening: StreamOpening | None = None
@@ -247,6 +256,13 @@ class ChainReader:
         if opening.stages != self.layout.stages or opening.stage >= opening.stages:
             raise PipelineWireError(
                 f"the opening is for stage {opening.stage} of {opening.stages}; the run has {self.layout.stages} stages"
+            )
+        if self.expected is not None and opening != self.expected:
+            e = self.expected
+            raise PipelineWireError(
+                f"the opening is for group {opening.group[:12]} step {opening.policy_step} batch {opening.batch} "
+                f"stage {opening.stage} (run {opening.run_id}); expected group {e.group[:12]} step "
+                f"{e.policy_step} batch {e.batch} stage {e.stage} (run {e.run_id})"
             )
         self.opening, self.head, self.signature = opening, head, signature
         return opening

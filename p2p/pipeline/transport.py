@@ -35,8 +35,9 @@ class Route:
     """Which hop a stream serves: the batch of a group, and the stage that *receives* it.
 
     On libp2p, the dialler sends it first (ROUTE_BYTES, fixed size) so the receiving node can hand the stream to
-    the right stage and batch; the signed opening that follows names the same, so a route that lies only
-    misdirects the liar's own stream (the opening check refuses it)."""
+    the right stage and batch; the signed opening that follows must name the same: the receiving stage's
+    ChainReader (GroupSpec.reader) refuses any opening but the one it expects (group, step, batch, stage), so a
+    route that lies only misdirects the liar's own stream."""
 
     group_id: str  # 64 hex digits (records.GroupSpec.group_id)
     batch: int

@@ -41,6 +41,7 @@ def group_files(
     members: list[Identity],
     *,
     batch: int = 0,
+    step: int = 0,
     prompts: int = 2,
     micro_batch_size: int = 1,
     tamper: Tamper | None = None,
@@ -51,8 +52,8 @@ def group_files(
     adversaries of tests/support/pipeline_attacks.py)."""
     assert run.pipeline is not None
     layout: StageLayout = run.pipeline
-    spec = GroupSpec(run.run_id, 0, batch, layout, tuple(m.node_id for m in members))
-    group_batch = GroupBatch(spec.group_id, 0, batch, prompts, micro_batch_size)
+    spec = GroupSpec(run.run_id, step, batch, layout, tuple(m.node_id for m in members))
+    group_batch = GroupBatch(spec.group_id, step, batch, prompts, micro_batch_size)
     work, assignment = work_for(
         run, tasks, group_batch, eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
     )

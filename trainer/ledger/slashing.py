@@ -79,6 +79,8 @@ DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "pipeline_incomplete": CheckClass.excused,
     # Fraud evidence that proves nothing (the accused frame's commitment matches its tensor): a false accusation.
     "pipeline_report": CheckClass.fault,
+    # Fraud evidence that was upheld: excused and not credited, so that a sybil pair cannot farm credit from it.
+    "pipeline_report_upheld": CheckClass.excused,
 }
 
 

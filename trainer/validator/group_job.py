@@ -14,7 +14,8 @@ Cheapest first (docs/pipeline.md, "Verdicts"):
    same prefill.
 Verdict policy: the group verifies, every file is accepted (each member credited); a stage is blamed, its file
 is rejected (`pipeline`, fraud: slashed and banned) and every other member's is rejected without penalty
-(`pipeline_group`, excused): the batch passed through a faulty stage, so nobody is paid for it.
+(`pipeline_group`, excused): the batch passed through a faulty stage, so nobody is paid for it. Upheld fraud
+evidence: its reporter excused (`pipeline_report_upheld`, not credited), the accused `pipeline` once per batch.
 Blocking (Parquet, torch): run it in the verification thread.
 """
 
@@ -50,6 +51,9 @@ GROUP_FAILED = "pipeline_group"  # an honest member of a group that failed elsew
 # A member of a group whose stages did not all arrive: excused, not credited.
 INCOMPLETE = "pipeline_incomplete"
 REPORT_FAILED = "pipeline_report"  # fraud evidence that proves nothing: its reporter's fault
+# Fraud evidence that was upheld: excused, neither credited nor counted as accepted. Paying for it would let two
+# sybils farm credit (and "established" standing) by one framing the other, a ban being cheap for a throwaway.
+REPORT_UPHELD = "pipeline_report_upheld"
 
 ModelLookup = Callable[[int], "tuple[InferenceEngine, RunTasks] | None"]
 
@@ -70,6 +74,14 @@ class Accusation:
     file_hash: str
     node_id: str
     outcome: Outcome
+    group: str = (
+        ""  # with node_id and batch: one accusation per (accused, group, batch), however many reports
+    )
+    batch: int = 0
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.node_id, self.group, self.batch
 
 
 @dataclass
@@ -192,8 +204,9 @@ def _judge_reports(
     pad: int,
     result: GroupOutcome,
 ) -> tuple[int, str] | None:
-    """check_fraud on each report: an upheld one credits its reporter and accuses the stage it names (returned
-    with the reason); one that proves nothing is its reporter's fault (`pipeline_report`)."""
+    """check_fraud on each report: an upheld one excuses its reporter (`pipeline_report_upheld`, not credited)
+    and accuses the stage it names once per (accused, group, batch) (returned with the reason); one that proves
+    nothing is its reporter's fault (`pipeline_report`)."""
     upheld = None
     for d, received in reports.items():
         report, claim = received.report, received.report.claim
@@ -218,15 +231,23 @@ def _judge_reports(
             eos,
             claim.micro_batch_size,
         )
-        verdict = check_fraud(spec, report.evidence(), group_work)
+        try:
+            verdict = check_fraud(spec, report.evidence(), group_work)
+        except (IndexError, ProofError, ValueError) as exc:  # the claim does not fit its evidence (rows it
+            # does not hold, a tensor no commitment can be built for): the report's own fault, not the group's
+            verdict = GroupVerdict(None, f"the evidence does not fit its claim: {exc!r}")
         if verdict.blamed is None:
             result.outcomes[d] = _reject(
                 step, REPORT_FAILED, f"the evidence proves nothing: {verdict.reason}"
             )
             continue
-        result.outcomes[d] = Outcome(False, step, True)
+        result.outcomes[d] = _reject(step, REPORT_UPHELD, f"upheld: {verdict.reason}")
         accused = Outcome(False, step, False, BLAMED, f"{verdict.reason} (fraud evidence by its receiver)")
-        result.accusations.append(Accusation(received.sha256, claim.members[verdict.blamed], accused))
+        accusation = Accusation(
+            received.sha256, claim.members[verdict.blamed], accused, claim.group_id, claim.batch
+        )
+        if all(a.key != accusation.key for a in result.accusations):
+            result.accusations.append(accusation)
         upheld = upheld or (verdict.blamed, verdict.reason)
     return upheld
 
@@ -387,15 +408,29 @@ def verify_group_files(
     if (
         0 in by_stage
     ):  # the cut the group ran is stage 0's: its signed prefill frames (hops bind the others to it)
+        # A member whose rows or cut differ from stage 0's is not thereby the liar: stage 0 may have recorded a
+        # made-up cut to get every other member slashed. Who lied is not settled here, so the batch is void and
+        # every member excused (`pipeline_group`): nobody is paid for it and nobody is charged with fraud.
         ran = _cut(parsed[by_stage[0]])
-        for stage, d in list(by_stage.items()):
-            f = parsed[d]
-            lengths = [len(r.prompt_ids) for r in f.rows]
-            if len(f.rows) != len(ran[0]) or micro_batches(lengths, f.micro_batch_size) != ran[1]:
-                result.outcomes[d] = _reject(
-                    step, "assignment", "the rows or their micro-batch cut are not the batch the group ran", f
+        differ = [
+            k
+            for k, d in sorted(by_stage.items())
+            if len(parsed[d].rows) != len(ran[0])
+            or micro_batches([len(r.prompt_ids) for r in parsed[d].rows], parsed[d].micro_batch_size)
+            != ran[1]
+        ]
+        if differ:
+            reason = f"stages {differ} disagree with stage 0 on the rows or their micro-batch cut"
+            for d in by_stage.values():
+                result.outcomes[d] = _reject(step, GROUP_FAILED, reason, parsed[d])
+            if 0 in differ:  # stage 0's file contradicts its own signed frames: that lie is its own alone
+                result.outcomes[by_stage[0]] = _reject(
+                    step,
+                    "assignment",
+                    "the rows or their micro-batch cut are not the frames it sent",
+                    parsed[by_stage[0]],
                 )
-                del by_stage[stage]
+            return result
     if len(by_stage) < layout.stages:
         if not complete:
             return GroupOutcome(hold=False, step=step, outcomes={})  # wait for the rest (the caller's grace)

@@ -24,6 +24,7 @@ other's delivery of the same bytes is judged on its own.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -53,6 +54,7 @@ from .verify_job import DUPLICATE, Outcome, verify_spooled
 
 logger = logging.getLogger(__name__)
 
+MAX_ACCUSED_KEPT = 65536  # (accused, group, batch) keys remembered so that one batch's fraud is charged once
 INTERNAL_ERROR = "internal_error"  # the validator failed, not the file: excused by the slashing policy
 MAX_SIG_READ = 4096
 
@@ -121,6 +123,9 @@ class ValidatorService:
         self.admission = Admission(
             settings.intake, reservation_s=2 * sw.handoff_timeout_s + sw.handoff_slot_wait_s + longest_body_s
         )
+        # (accused, group, batch) of upheld fraud evidence already recorded: a later report on the same batch (it
+        # forms a new group entry once the first was judged) does not slash the accused again. Bounded, oldest out.
+        self.accused: collections.OrderedDict[tuple[str, str, int], None] = collections.OrderedDict()
         # Only batches assigned to this validator get past admit; a misrouted header spends a rate token.
         self.assignment = AssignmentGate(swarm, self.admission.limiter)
         self.queue: TieredQueue[Job] = TieredQueue(settings.intake.newcomer_share)
@@ -412,10 +417,14 @@ class ValidatorService:
                 },
             )
         if result.hold:
-            if not self.groups.hold_expired(group, time.time()):
+            # As for a rollout file (`_hold`): a step far beyond the newest announced one is refused at once, so a
+            # made-up step cannot hold a group slot (of `max_pending_groups`) for the whole hold timeout.
+            fault = await self.steps.refusal(step)
+            if fault is None and not self.groups.hold_expired(group, time.time()):
                 group.holding = True
                 return
-            fault = await self.steps.never_announced(step)
+            if fault is None:
+                fault = await self.steps.never_announced(step)
             for d in range(len(deliveries)):
                 result.outcomes.setdefault(
                     d,
@@ -440,6 +449,11 @@ class ValidatorService:
             self.metrics.verification_seconds.observe(seconds / len(group.jobs))
             await self._decide(job, result.outcomes[d])
         for accusation in result.accusations:  # the accused of upheld fraud evidence: a verdict on the report
+            if accusation.key in self.accused:
+                continue
+            self.accused[accusation.key] = None
+            while len(self.accused) > MAX_ACCUSED_KEPT:
+                self.accused.popitem(last=False)
             signed = self._verdict(accusation.file_hash, accusation.node_id, accusation.outcome)
             recorded = await self.ledger.record(signed, received_at=group.first_at)
             self.verdicts += 0 if recorded.duplicate else 1
