@@ -32,7 +32,7 @@ from prime_node.trainer.groups.coordinator import GroupCoordinator
 from prime_node.trainer.groups.plan import PlanSettings
 
 from support.pipeline import random_requests, save_tiny
-from support.swarm import fleet, wait_until
+from support.swarm import cancel_and_wait, fleet, wait_until
 
 LAYOUT = StageLayout(boundaries=[0, 2, 4])
 FAST = dict(heartbeat_interval_s=0.5, heartbeat_ttl_s=20.0, record_ttl_s=60.0)
@@ -132,9 +132,7 @@ async def test_a_killed_member_dissolves_its_group_and_the_survivors_regroup() -
             )
             assert time.monotonic() - killed_at < 60.0
         finally:
-            for task in tasks.values():
-                task.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            await cancel_and_wait(list(tasks.values()))
 
 
 async def _truthy(value: object) -> bool:
@@ -235,9 +233,7 @@ async def test_a_kill_mid_batch_abandons_it_and_the_regrouped_survivors_produce_
                 f"(heartbeat staleness {STALE_S} s, hop delay {hop.delay_s * 1000:.0f} ms)"
             )
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
             for host in hosts:
                 await host.stop()
 

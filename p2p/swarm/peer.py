@@ -155,9 +155,12 @@ class DHTPeer:
         return self._p2p.peer_id.to_base58()
 
     async def _await(self, future: Any) -> Any:
-        # An MPFuture from the DHT child never resolves if the child died: bound every wait.
+        # An MPFuture from the DHT child never resolves if the child died: bound every wait. asyncio.timeout,
+        # not wait_for: on 3.11 wait_for returns the result and drops a cancellation that arrives as the DHT
+        # answers, so a supervised loop polling the DHT could outlive its own shutdown.
         try:
-            return await asyncio.wait_for(future, self.config.request_timeout_s)
+            async with asyncio.timeout(self.config.request_timeout_s):
+                return await future
         except TimeoutError:
             alive = self.process is not None and self.process.dht.is_alive()
             raise SwarmError(

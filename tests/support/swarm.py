@@ -104,6 +104,25 @@ async def fleet(run_id: str, operator: Identity) -> AsyncIterator[SwarmFleet]:
         await group.close()
 
 
+async def cancel_and_wait(tasks: list[asyncio.Task[Any]], timeout: float = 30.0) -> None:
+    """Cancel `tasks` and wait for them, cancelling again every half second (a cancellation can be lost on
+    3.11, e.g. inside wait_for as the awaited call completes); fails naming, with its stack, any task still
+    running after `timeout`."""
+    deadline = time.monotonic() + timeout
+    pending = {t for t in tasks if not t.done()}
+    while pending and time.monotonic() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.5)
+    if pending:
+        stuck = []
+        for task in pending:
+            frames = task.get_stack()
+            where = f"{frames[-1].f_code.co_filename}:{frames[-1].f_lineno}" if frames else "?"
+            stuck.append(f"{task.get_name()} at {where}")
+        raise AssertionError(f"tasks ignored cancellation for {timeout:.0f} s: {'; '.join(stuck)}")
+
+
 async def wait_until(check: Callable[[], Awaitable[bool]], timeout: float, interval: float = 0.2) -> float:
     """Poll `check` until it is true; returns the seconds it took, fails the test after `timeout`."""
     start = time.monotonic()
