@@ -290,6 +290,8 @@ def test_group_intake_waits_for_every_stage_then_the_grace(stages: int) -> None:
 
     intake: GroupIntake[str] = GroupIntake(stages, grace_s=5.0, hold_timeout_s=60.0, max_groups=1)
     key = GroupKey("ab" * 32, 0, 0)
+    intake.arrive("junk")  # an arrival starts no group until the service admits it
+    assert intake.take_arrivals() == ["junk"] and intake.arrivals == [] and len(intake) == 0
     intake.add(key, "stage 0", now=100.0)
     assert intake.due(101.0) == []  # one of two stages, within the grace period
     assert [(g.key, complete) for g, complete in intake.due(105.0)] == [(key, True)]
