@@ -74,6 +74,23 @@ def test_crediting_sums_over_files_and_nodes(ledger):
     assert ledger.verdict_for("f" * 64, A) is None
 
 
+def test_a_pipelined_stage_file_is_credited_its_share_and_the_share_is_kept(ledger):
+    # Each stage of a group is credited its share of the layers: the group's batch earns one unit in all.
+    for share in (0.25, 0.75):
+        result = ledger.record(signed_verdict(A, tokens=10, samples=2), credit_share=share)
+        assert result.actions == (Credit(share),)
+    assert _totals(ledger, A) == (20, 4, 1.0)
+    rejected = signed_verdict(A, accepted=False, failed_check="pipeline_group")
+    ledger.record(rejected, credit_share=0.5)  # no credit, no share recorded
+    shares = ledger.query(
+        "SELECT credit_share FROM contributions WHERE node_id = ? ORDER BY credit_share", (A,)
+    )
+    assert [r["credit_share"] for r in shares] == [None, 0.25, 0.75]
+    for bad in (0.0, 1.5, float("nan"), -0.5):
+        with pytest.raises(LedgerError, match="credit_share"):
+            ledger.record(signed_verdict(B), credit_share=bad)
+
+
 def test_fraud_is_slashed_and_banned_in_the_same_transaction(ledger):
     ledger.record(signed_verdict(A, at=T0))
     result = ledger.record(signed_verdict(A, accepted=False, failed_check="toploc", at=T0 + 10))

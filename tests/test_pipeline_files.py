@@ -240,20 +240,77 @@ def test_a_finished_batch_is_judged_whole_and_a_partial_record_cannot_void_it(ma
     ], judged.outcomes
 
 
-def test_a_member_disagreeing_with_stage_0s_cut_is_excused_not_charged(made, tmp_path: Path) -> None:  # noqa: ANN001
-    # Stage 0 alone records the cut: a stage 1 file that differs from it proves nothing about who lied (stage 0
-    # could make up a cut to get every other member slashed), so the batch is void and everybody excused.
-    from prime_node.trainer.validator.group_job import GROUP_FAILED, Delivery, verify_group_files
+@pytest.mark.parametrize("liar", [0, 1])
+def test_a_member_whose_cut_contradicts_its_own_frames_is_charged_alone(
+    made, tmp_path: Path, liar: int
+) -> None:  # noqa: ANN001
+    # A file recording another micro-batch cut than the frames its own record sent and signed lies about its own
+    # batch: that member's fault (`assignment`), whichever stage it is. The others are excused (the batch lacks a
+    # valid file of that stage), not charged: a later stage can no longer void an honest batch for free, and stage
+    # 0 cannot make up a cut to get the others blamed (each file is held only to its own frames).
+    from prime_node.trainer.validator.group_job import INCOMPLETE, Delivery, verify_group_files
 
     files, tasks, engine, members = made
-    other = _rewrite(files.paths[1], tmp_path / "stage1.parquet", members[1], _set("micro_batch_size", 4))
-    deliveries = [Delivery(files.paths[0], members[0].node_id), Delivery(other, members[1].node_id)]
+    paths = list(files.paths)
+    paths[liar] = _rewrite(paths[liar], tmp_path / "lie.parquet", members[liar], _set("micro_batch_size", 4))
+    deliveries = [Delivery(p, m.node_id) for p, m in zip(paths, members, strict=True)]
+    assert RUN.pipeline is not None
+    judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=True)
+    expected = [(False, INCOMPLETE), (False, INCOMPLETE)]
+    expected[liar] = (False, "assignment")
+    assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == expected
+    assert "not the frames it sent and signed" in judged.outcomes[liar].reason
+
+
+def test_a_later_stage_signing_frames_of_another_cut_is_blamed_not_excused(made, tmp_path: Path) -> None:  # noqa: ANN001
+    # Stage 1 records one micro-batch of 4 in its file and re-signs its sent stream to match, so its file agrees
+    # with its own frames; but stage 0 holds what stage 1 really sent, signed by stage 1: the signed streams settle
+    # the cut, stage 1 is blamed (equivocation) and stage 0 excused. It used to void the batch, nobody charged.
+    from prime_node.proofs.pipeline.records import SignedStageRecord
+    from prime_node.proofs.pipeline.schedule import micro_batches
+    from prime_node.proofs.pipeline.stage_file import write_stage_file
+    from prime_node.trainer.validator.group_job import GROUP_FAILED, Delivery, verify_group_files
+
+    from support.pipeline_attacks import rechain
+
+    files, tasks, engine, members = made
+    last = read_stage_file(files.paths[1])
+    record = last.record.record
+    whole = micro_batches([len(r.prompt_ids) for r in last.rows], 4)[0]
+    headers, kept = [], False
+    for header in record.sent.headers:
+        if header.kind == "tokens" and header.step == 0:
+            if kept:
+                continue
+            kept = True
+            header = header.model_copy(update={"rows": whole, "shape": [len(whole), *header.shape[1:]]})
+        headers.append(header.model_copy(update={"index": len(headers) + 1}))
+    sent = rechain(record.sent.model_copy(update={"headers": headers}), members[1])
+    signed = SignedStageRecord.sign(record.model_copy(update={"sent": sent}), members[1])
+    path = tmp_path / "other-cut.parquet"
+    write_stage_file(
+        path, list(last.rows), members[1], members=last.members, micro_batch_size=4, signed=signed
+    )
+    deliveries = [Delivery(files.paths[0], members[0].node_id), Delivery(path, members[1].node_id)]
     assert RUN.pipeline is not None
     judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=True)
     assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == [
         (False, GROUP_FAILED),
-        (False, GROUP_FAILED),
+        (False, "pipeline"),
     ], judged.outcomes
+    assert "stage 1: it signed two different streams" in judged.outcomes[1].reason, judged.outcomes[1].reason
+
+
+def test_an_honest_group_is_credited_by_each_stages_share_of_the_layers(made) -> None:  # noqa: ANN001
+    from prime_node.trainer.validator.group_job import Delivery, layer_share, verify_group_files
+
+    files, tasks, engine, members = made
+    deliveries = [Delivery(p, m.node_id) for p, m in zip(files.paths, members, strict=True)]
+    assert RUN.pipeline is not None
+    judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=True)
+    assert [(o.accepted, o.credit_share) for _, o in sorted(judged.outcomes.items())] == [(True, 0.5)] * 2
+    uneven = StageLayout(boundaries=[0, 1, 4, 6])
+    assert [layer_share(uneven, k) for k in range(3)] == [1 / 6, 3 / 6, 2 / 6]
 
 
 def test_upheld_fraud_evidence_is_excused_not_credited_and_accuses_once(made, tmp_path: Path) -> None:  # noqa: ANN001

@@ -30,6 +30,10 @@ def _rejected(check: str, at: float = T0):
 def test_accepted_file_credits_the_score():
     assert decide(NodeHistory(), make_verdict(NODE), POLICY) == (Credit(POLICY.accept_credit),)
     assert decide(NodeHistory(), make_verdict(NODE), SlashingPolicy(accept_credit=0)) == ()
+    # A pipelined stage file earns its stage's share of the layers.
+    assert decide(NodeHistory(), make_verdict(NODE), POLICY, credit_share=0.25) == (
+        Credit(POLICY.accept_credit * 0.25),
+    )
 
 
 @pytest.mark.parametrize(
@@ -42,6 +46,7 @@ def test_accepted_file_credits_the_score():
         "banned",
         "pipeline_group",
         "pipeline_incomplete",
+        "pipeline_unformed",
     ],
 )
 def test_excused_checks_cost_nothing(check):

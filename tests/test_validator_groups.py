@@ -1,19 +1,24 @@
 """Pipelined groups through the real validator service on 127.0.0.1: each member hands in its signed stage file
 over the swarm, the validator collects the group, judges it with verify_group and records one verdict per file
-in its ledger (credit, slash and ban as docs/pipeline.md's verdict policy says)."""
+in its ledger (credit, slash and ban as docs/pipeline.md's verdict policy says). Every group is formed by an
+operator-signed group record in the DHT, as the trainer's coordinator publishes them; a group without one is not
+credited."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
-from prime_node.p2p.swarm import RolloutEnvelope
+from prime_node.p2p.swarm import RolloutEnvelope, Swarm
+from prime_node.p2p.swarm.group_records import GroupRecord
+from prime_node.proofs.pipeline.records import GroupSpec
 from prime_node.proofs.rollout_file import sign_bytes, signature_path
 
 from support.pipeline_attacks import perturb_stage_
@@ -23,6 +28,7 @@ from support.validator import (
     OPERATOR,
     RUN,
     VALIDATOR_RUN,
+    bind_node_ids,
     publish_checkpoint,
     running_validator,
     sees_a_validator,
@@ -41,6 +47,22 @@ def _settings(data_dir: Path):  # noqa: ANN202
 
 def _envelope(path: Path) -> RolloutEnvelope:
     return RolloutEnvelope.model_validate_json(signature_path(path).read_bytes())
+
+
+async def _form(operator: Swarm, *specs: GroupSpec) -> None:
+    """Sign and publish each group's record with the operator's key, as the trainer's coordinator does."""
+    now = time.time()
+    for spec in specs:
+        record = GroupRecord(
+            group_id=spec.group_id,
+            round=1,
+            policy_step=spec.policy_step,
+            layout=spec.layout,
+            members=list(spec.members),
+            formed_at=now,
+            signed_at=now,
+        )
+        assert await operator.publish_group(record)
 
 
 async def _ledger(running, node_id: str) -> tuple[list[tuple[int, str | None]], float, int, bool]:  # noqa: ANN001
@@ -78,17 +100,19 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         ),
         "lonely": group_files(tmp_path / "lonely", checkpoint, PIPELINED, tasks, engine, lonely),
     }
-    _, report = fraud_report_file(tmp_path / "fraud", checkpoint, PIPELINED, tasks, engine, framed)
+    framed_spec, report = fraud_report_file(tmp_path / "fraud", checkpoint, PIPELINED, tasks, engine, framed)
     _, false_report = fraud_report_file(
         tmp_path / "fraud", checkpoint, PIPELINED, tasks, engine, framed, batch=1
     )
     _swap_tensor(false_report, framed[1])  # evidence of a frame that is not the one the accused signed
-    _, partials = partial_report_files(
+    broken_spec, partials = partial_report_files(
         tmp_path / "broken", checkpoint, PIPELINED, tasks, engine, broken, drop_a_row(1, "tokens", 1)
     )
     settings = _settings(tmp_path / "validator")
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
+        # The validator's key is the operator's here (support/validator.py): it signs the group records too.
+        await _form(running.swarm, *(made[name].spec for name in made), framed_spec, broken_spec)
         senders = {}
         for member in honest + cheat_group + lonely[:1] + framed[1:] + broken:
             senders[member.node_id] = await swarm.add(
@@ -112,12 +136,17 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
             path = made[name].paths[stage]
             return wait_verdict(running, _envelope(path).sha256, 60 + GRACE_S)
 
-        # Honest: every member's file accepted, every member credited.
+        # Honest: every member's file accepted, every member credited its stage's share of the layers (2 of 4
+        # each): the group's one batch earns one unit of credit, as a monolithic node's file of it would.
         for stage in range(2):
             v = (await verdict("honest", stage)).document
             assert v.accepted and v.samples == 4, v.reason
         for member in honest:
-            assert await _ledger(running, member.node_id) == ([(1, None)], 1.0, 0, False)
+            assert await _ledger(running, member.node_id) == ([(1, None)], 0.5, 0, False)
+        shares = running.service.ledger.ledger.query(
+            "SELECT credit_share FROM contributions WHERE node_id IN (?, ?)", tuple(m.node_id for m in honest)
+        )
+        assert [r["credit_share"] for r in shares] == [0.5, 0.5]
         # Corrupting stage 0: its file rejected as the blamed stage, slashed and banned; stage 1 is neither
         # blamed nor penalised (and not credited: the batch is unusable).
         blamed = (await verdict("cheat", 0)).document
@@ -175,12 +204,67 @@ async def test_a_group_claiming_a_far_future_step_is_refused_at_once_not_held(tm
     settings = settings.model_copy(update={"run": PIPELINED})
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
+        await _form(running.swarm, far.spec)
         sender = await swarm.add(members[0], bootstrap=running.maddrs[:1], reachability="public")
         await wait_until(lambda: sees_a_validator(sender), 15)
         await sender.send_rollout(far.paths[0], _envelope(far.paths[0]))
         verdict = (await wait_verdict(running, _envelope(far.paths[0]).sha256, 30)).document
         assert not verdict.accepted and verdict.failed_check == "policy_step", verdict.reason
         assert "beyond the newest announced step" in verdict.reason, verdict.reason
+
+
+@pytest.mark.slow
+async def test_only_formed_groups_are_credited_and_junk_starts_no_grace_period(tmp_path: Path, world) -> None:  # noqa: ANN001
+    # A group of real, signed work that no operator-signed record formed (one operator running every stage under
+    # its own identities) is not credited, nor slashed; a record naming the same members in another order forms
+    # another group. A stranger's junk file routed to a formed group's key is refused as malformed (its sender's
+    # fault) and does not start the group's grace period: members arriving within the grace of the first *valid*
+    # file are judged together.
+    checkpoint, engine, tasks = world
+    members = [Identity.generate() for _ in range(2)]
+    self_made = [Identity.generate() for _ in range(2)]
+    stranger = Identity.generate()
+    formed = group_files(tmp_path / "formed", checkpoint, PIPELINED, tasks, engine, members)
+    unformed = group_files(tmp_path / "self", checkpoint, PIPELINED, tasks, engine, self_made)
+    other_order = GroupSpec(RUN, 0, 0, unformed.spec.layout, unformed.spec.members[::-1])
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"junk" * 1000)
+    signature_path(junk).write_text(
+        json.dumps(sign_bytes(junk.read_bytes(), stranger, batch=(0, 0), group=formed.spec.group_id))
+    )
+    grace_s = 6.0
+    settings = validator_settings(tmp_path / "validator", group_grace_s=grace_s)
+    settings = settings.model_copy(update={"run": PIPELINED})
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
+        await _form(running.swarm, formed.spec, other_order)
+        # One host hands in every node's files (each node id bound to its peer id by a signed heartbeat).
+        host = await swarm.add(stranger, bootstrap=running.maddrs[:1], reachability="public")
+        await bind_node_ids(host, [*members, *self_made])
+        await wait_until(lambda: sees_a_validator(host), 15)
+        # The self-made group first: its verdicts also show that the validator judges groups by now.
+        for path in unformed.paths:
+            await host.send_rollout(path, _envelope(path))
+        for member, path in zip(self_made, unformed.paths, strict=True):
+            v = (await wait_verdict(running, _envelope(path).sha256, 30)).document
+            assert not v.accepted and v.failed_check == "pipeline_unformed", v.reason
+            assert "no operator-signed group record forms this group" in v.reason, v.reason
+            assert await _ledger(running, member.node_id) == ([(0, "pipeline_unformed")], 0.0, 0, False)
+        # Junk, then stage 0 4 s after it and stage 1 8 s after it: past the junk's grace period (6 s), within
+        # stage 0's.
+        await host.send_rollout(junk, _envelope(junk))
+        t0 = time.monotonic()
+        for stage, at in ((0, 4.0), (1, 8.0)):
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+            path = formed.paths[stage]
+            await host.send_rollout(path, _envelope(path))
+        refused = (await wait_verdict(running, _envelope(junk).sha256, 30)).document
+        assert not refused.accepted and refused.failed_check == "schema", refused.reason
+        assert await _ledger(running, stranger.node_id) == ([(0, "schema")], -5.0, 1, False)
+        for stage in range(2):
+            v = (await wait_verdict(running, _envelope(formed.paths[stage]).sha256, 30 + grace_s)).document
+            assert v.accepted, v.reason
+        assert not running.service.groups.pending and not running.service.groups.arrivals
 
 
 def _swap_tensor(path: Path, reporter: Identity) -> None:
@@ -206,6 +290,8 @@ def test_group_intake_waits_for_every_stage_then_the_grace(stages: int) -> None:
 
     intake: GroupIntake[str] = GroupIntake(stages, grace_s=5.0, hold_timeout_s=60.0, max_groups=1)
     key = GroupKey("ab" * 32, 0, 0)
+    intake.arrive("junk")  # an arrival starts no group until the service admits it
+    assert intake.take_arrivals() == ["junk"] and intake.arrivals == [] and len(intake) == 0
     intake.add(key, "stage 0", now=100.0)
     assert intake.due(101.0) == []  # one of two stages, within the grace period
     assert [(g.key, complete) for g, complete in intake.due(105.0)] == [(key, True)]

@@ -30,12 +30,14 @@ class AsyncLedger:
         received_at: float | None = None,
         task_reward_sum: float | None = None,
         samples: Sequence[SampleId] = (),
+        credit_share: float = 1.0,
     ) -> RecordResult:
         return await asyncio.to_thread(
             self.ledger.record,
             signed,
             received_at=received_at,
             task_reward_sum=task_reward_sum,
+            credit_share=credit_share,
             samples=samples,
         )
 

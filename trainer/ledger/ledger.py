@@ -81,6 +81,7 @@ class Ledger:
         received_at: float | None = None,
         task_reward_sum: float | None = None,
         samples: Sequence[SampleId] = (),
+        credit_share: float = 1.0,
     ) -> RecordResult:
         """Store a verdict and apply the slashing policy to it, once per (file hash, sender).
 
@@ -89,6 +90,8 @@ class Ledger:
         `samples`: the identities of an accepted file's rows, one per row (the validator always gives them).
         If any was accepted before, in any file, or occurs twice among them, nothing is written and
         `DuplicateWork` names it: the caller records a rejection instead.
+        `credit_share`: the share of one unit of work an accepted file earns (`accept_credit` x share), in
+        (0, 1]: a pipelined stage file's share of the model's layers; ignored for a rejected file.
         """
         v = signed.document
         received = v.decided_at if received_at is None else received_at
@@ -98,6 +101,9 @@ class Ledger:
             )
         if samples and not (v.accepted and len(samples) == v.samples):
             raise LedgerError(f"{len(samples)} sample identities need an accepted file of as many samples")
+        if not 0.0 < credit_share <= 1.0:  # also refuses NaN
+            raise LedgerError(f"credit_share {credit_share} is not in (0, 1]")
+        share = credit_share if v.accepted else None
         if any(s.node_id != v.node_id for s in samples):  # the signer check ensures it; the key relies on it
             raise LedgerError("a sample identity names another node than the verdict's sender")
         with self.db.write() as c:
@@ -111,11 +117,13 @@ class Ledger:
             actions: tuple[Action, ...] = ()
             if v.failed_check not in UNATTRIBUTED_CHECKS:  # else the file may not be this node's at all
                 self._touch(c, v.node_id, received, None)
-                actions = decide(self._history(c, v.node_id, v.decided_at), v, self.policy)
+                actions = decide(
+                    self._history(c, v.node_id, v.decided_at), v, self.policy, credit_share=credit_share
+                )
             c.execute(
                 "INSERT INTO contributions (file_hash, node_id, step, samples, tokens, accepted,"
                 " failed_check, reason, validator_id, received_at, decided_at, recorded_at, verdict,"
-                " task_reward_sum) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " task_reward_sum, credit_share) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     v.file_hash,
                     v.node_id,
@@ -131,6 +139,7 @@ class Ledger:
                     time.time(),
                     signed.to_json().decode(),
                     task_reward_sum,
+                    share,
                 ),
             )
             bans = self._apply(c, v, actions)

@@ -186,4 +186,18 @@ MIGRATIONS += (
     ),
 )
 
+# Version 4: the share of one unit of work an accepted file was credited (`accept_credit` x share went to the
+# score). 1 for a rollout file; a pipelined group's stage file earns its stage's share of the model's layers, so
+# that one batch earns one unit however many stages ran it (trainer/validator/group_job.py `layer_share`).
+MIGRATIONS += (
+    Migration(
+        4,
+        "credit share of accepted files",
+        (
+            "ALTER TABLE contributions ADD COLUMN credit_share REAL"
+            " CHECK (credit_share IS NULL OR (accepted = 1 AND credit_share > 0 AND credit_share <= 1))",
+        ),
+    ),
+)
+
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -81,6 +81,10 @@ DEFAULT_CHECK_CLASSES: dict[str, CheckClass] = {
     "pipeline_report": CheckClass.fault,
     # Fraud evidence that was upheld: excused and not credited, so that a sybil pair cannot farm credit from it.
     "pipeline_report_upheld": CheckClass.excused,
+    # A group no operator-signed group record formed (trainer/validator/formed_groups.py): its members' own
+    # signed work, so not fraud, but not credited either (one operator running every stage would be paid for
+    # made-up groups). Excused: a validator that did not read the record in time must not slash honest members.
+    "pipeline_unformed": CheckClass.excused,
 }
 
 
@@ -200,11 +204,15 @@ class Ban:
 Action = Credit | Slash | Ban
 
 
-def decide(history: NodeHistory, verdict: Verdict, policy: SlashingPolicy) -> tuple[Action, ...]:
-    """The actions that `verdict` causes for a node with `history`; empty for an excused rejection."""
+def decide(
+    history: NodeHistory, verdict: Verdict, policy: SlashingPolicy, *, credit_share: float = 1.0
+) -> tuple[Action, ...]:
+    """The actions that `verdict` causes for a node with `history`; empty for an excused rejection.
+    `credit_share`: the share of `accept_credit` an accepted file earns (a pipelined stage's share of the layers)."""
     now = verdict.decided_at
     if verdict.accepted:
-        return (Credit(policy.accept_credit),) if policy.accept_credit > 0 else ()
+        credit = policy.accept_credit * credit_share
+        return (Credit(credit),) if credit > 0 else ()
     check = verdict.failed_check or "unknown"
     klass = policy.classify(check)
     if klass is CheckClass.excused:

@@ -79,6 +79,20 @@ class IntakeSettings(Section):
         le=1_000_000,
         description="Pipelined groups collecting stage files at once; more wait (busy).",
     )
+    group_records_keep_s: float = Field(
+        1800.0,
+        gt=0,
+        le=30 * 86400,
+        description="How long an operator-signed group record stays known after it was last read from the "
+        "DHT: a group's files are accepted only while its record is (docs/pipeline.md, 'Groups at the validator').",
+    )
+    group_records_refresh_s: float = Field(
+        2.0,
+        gt=0,
+        le=3600,
+        description="Least time between two DHT reads of group records (a file of an unknown group waits for "
+        "the next read).",
+    )
     step_margin: int = Field(
         2,
         ge=0,

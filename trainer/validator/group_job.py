@@ -7,12 +7,17 @@ Cheapest first (docs/pipeline.md, "Verdicts"):
    into another number of stages than the run's is every file's `run_parameters`;
 3. each file's rows against the work `work_for` derives from the group (node/pipeline/work.py): the run's
    sampling settings (`run_parameters`), the assignment (`assignment`), the prompts (`prompts`), the rewards
-   recomputed (`rewards`): each file is its signer's own claim, so a failure is that file's;
+   recomputed (`rewards`), and its rows and micro-batch cut against the cut its own signed sent frames show
+   (`assignment`): each file is its signer's own claim, so a failure is that file's. Whether the stages' frames
+   follow one another's cut is then verify_group's schedule and hop checks, which name the stage that deviated;
 4. every stage present (else the group is incomplete: nobody is blamed, nobody credited);
 5. `verify_group` (proofs/pipeline/blame.py) on the records, with one hooked prefill of the whole checkpoint;
    when it verifies, the last stage's termination and its rollout proofs (today's, per sample) against the
    same prefill.
-Verdict policy: the group verifies, every file is accepted (each member credited); a stage is blamed, its file
+Before any of this, the service admitted each file to its group only if it parses, its signer is a member of the
+group it names and an operator-signed group record formed that group (`read_delivery`, formed_groups.py).
+Verdict policy: the group verifies, every file is accepted (each member credited with its stage's share of the
+layers, `layer_share`: one batch earns one unit however many stages ran it); a stage is blamed, its file
 is rejected (`pipeline`, fraud: slashed and banned) and every other member's is rejected without penalty
 (`pipeline_group`, excused): the batch passed through a faulty stage, so nobody is paid for it. Upheld fraud
 evidence: its reporter excused (`pipeline_report_upheld`, not credited), the accused `pipeline` once per batch.
@@ -67,6 +72,34 @@ class Delivery:
     kind: str = "stage"  # the v3 envelope's kind
 
 
+Parsed = StageFile | ReceivedReport | ReceivedPartial
+
+
+def read_delivery(delivery: Delivery, limits: RolloutLimits | None = None) -> Parsed:
+    """A delivery read by the reader of its kind: its signature, schema and limits checked, its signer a member of
+    the group it names (each reader checks that); RolloutFileError naming the check."""
+    if delivery.kind == "fraud":
+        return read_fraud_report(delivery.path, expected_signer=delivery.sender)
+    if delivery.kind == "partial":
+        return read_partial_report(delivery.path, expected_signer=delivery.sender)
+    return read_stage_file(delivery.path, limits, expected_signer=delivery.sender)
+
+
+def claimed_group(parsed: Parsed) -> tuple[str, tuple[str, ...], int, int]:
+    """(group id, members in stage order, policy step, batch) a parsed delivery names."""
+    if isinstance(parsed, StageFile):
+        return parsed.group_id, parsed.members, *parsed.batch
+    claim = parsed.report.claim
+    return claim.group_id, tuple(claim.members), claim.policy_step, claim.batch
+
+
+def layer_share(layout: StageLayout, stage: int) -> float:
+    """The share of the model's decoder layers stage `stage` runs: what its accepted file is credited (the
+    shares of a group's stages add up to one batch's worth, as a monolithic node's file of the same rows)."""
+    bounds = layout.boundaries
+    return (bounds[stage + 1] - bounds[stage]) / (bounds[-1] - bounds[0])
+
+
 @dataclass(frozen=True)
 class Accusation:
     """A verdict on a node that delivered nothing: the accused of an upheld fraud report (on the report's hash)."""
@@ -111,7 +144,7 @@ def _reject(step: int, check: str, reason: str, parsed: StageFile | None = None)
     return Outcome(False, step, False, check, reason, samples=samples)
 
 
-def _accept(step: int, parsed: StageFile, last: bool) -> Outcome:
+def _accept(step: int, parsed: StageFile, last: bool, share: float) -> Outcome:
     rows = parsed.rows
     rewards = sum(r.task_reward for r in rows)
     return Outcome(
@@ -125,6 +158,7 @@ def _accept(step: int, parsed: StageFile, last: bool) -> Outcome:
         # The reward curve counts a group's samples once: from the last stage's file.
         task_reward_sum=min(float(len(rows)), max(0.0, rewards)) if last else None,
         sample_ids=sample_ids(rows),
+        credit_share=share,
     )
 
 
@@ -160,11 +194,15 @@ def _row_fault(
     return None
 
 
-def _cut(stage0: StageFile) -> tuple[list[int], list[list[int]]]:
-    """(samples, micro-batches) the group ran, read from stage 0's sent prefill frames."""
-    prefills = [h for h in stage0.record.record.sent.headers if h.kind == "prefill"]
-    cut = [list(h.rows) for h in sorted(prefills, key=lambda h: h.micro_batch)]
-    return sorted(r for rows in cut for r in rows), cut
+def _cut(stage: StageFile) -> list[list[int]]:
+    """The micro-batches a stage ran, read from the frames it sent and signed: a micro-batch's prefill carries all
+    of its rows (stages before the last), and so does its tokens frame of step 0 (the last stage)."""
+    firsts = [
+        h
+        for h in stage.record.record.sent.headers
+        if h.kind == "prefill" or (h.kind == "tokens" and h.step == 0)
+    ]
+    return [list(h.rows) for h in sorted(firsts, key=lambda h: h.micro_batch)]
 
 
 def _termination(outputs: Sequence[Sequence[int]], eos: int, max_new_tokens: int) -> str | None:
@@ -326,14 +364,16 @@ def verify_group_files(
     partials: dict[int, ReceivedPartial] = {}
     for d, delivery in enumerate(deliveries):
         try:
-            if delivery.kind == "fraud":
-                reports[d] = read_fraud_report(delivery.path, expected_signer=delivery.sender)
-            elif delivery.kind == "partial":
-                partials[d] = read_partial_report(delivery.path, expected_signer=delivery.sender)
-            else:
-                parsed[d] = read_stage_file(delivery.path, limits, expected_signer=delivery.sender)
+            read = read_delivery(delivery, limits)
         except RolloutFileError as exc:
             result.outcomes[d] = _reject(0, check_name(exc.check), str(exc))
+            continue
+        if isinstance(read, ReceivedReport):
+            reports[d] = read
+        elif isinstance(read, ReceivedPartial):
+            partials[d] = read
+        else:
+            parsed[d] = read
     if not parsed and not reports and not partials:
         return result
     claims = [r.report.claim for r in reports.values()] + [p.report.claim for p in partials.values()]
@@ -405,32 +445,22 @@ def verify_group_files(
         if fault is not None:
             result.outcomes[d] = _reject(step, fault[0], fault[1], f)
             del by_stage[stage]
-    if (
-        0 in by_stage
-    ):  # the cut the group ran is stage 0's: its signed prefill frames (hops bind the others to it)
-        # A member whose rows or cut differ from stage 0's is not thereby the liar: stage 0 may have recorded a
-        # made-up cut to get every other member slashed. Who lied is not settled here, so the batch is void and
-        # every member excused (`pipeline_group`): nobody is paid for it and nobody is charged with fraud.
-        ran = _cut(parsed[by_stage[0]])
-        differ = [
-            k
-            for k, d in sorted(by_stage.items())
-            if len(parsed[d].rows) != len(ran[0])
-            or micro_batches([len(r.prompt_ids) for r in parsed[d].rows], parsed[d].micro_batch_size)
-            != ran[1]
-        ]
-        if differ:
-            reason = f"stages {differ} disagree with stage 0 on the rows or their micro-batch cut"
-            for d in by_stage.values():
-                result.outcomes[d] = _reject(step, GROUP_FAILED, reason, parsed[d])
-            if 0 in differ:  # stage 0's file contradicts its own signed frames: that lie is its own alone
-                result.outcomes[by_stage[0]] = _reject(
-                    step,
-                    "assignment",
-                    "the rows or their micro-batch cut are not the frames it sent",
-                    parsed[by_stage[0]],
-                )
-            return result
+    for stage, d in list(by_stage.items()):
+        # Each file's rows and micro-batch cut against the frames its own signed record says it sent. A file that
+        # contradicts them lies about its own batch (an honest member writes both from one work): its fault alone.
+        # Files that agree with their own frames go on even if their cuts differ: whose frames left the cut the
+        # group ran is then settled by verify_group on the signed streams (a stage whose frames do not follow what
+        # it received is named there), so a later stage recording another cut cannot void the batch.
+        f = parsed[d]
+        claimed = micro_batches([len(r.prompt_ids) for r in f.rows], f.micro_batch_size)
+        if claimed != _cut(f):
+            result.outcomes[d] = _reject(
+                step,
+                "assignment",
+                "the rows or their micro-batch cut are not the frames it sent and signed",
+                f,
+            )
+            del by_stage[stage]
     if len(by_stage) < layout.stages:
         if not complete:
             return GroupOutcome(hold=False, step=step, outcomes={})  # wait for the rest (the caller's grace)
@@ -467,7 +497,7 @@ def verify_group_files(
     for k, d in by_stage.items():
         f = parsed[d]
         if verdict.accepted:
-            result.outcomes[d] = _accept(step, f, k == last)
+            result.outcomes[d] = _accept(step, f, k == last, layer_share(layout, k))
         elif verdict.blamed == k:
             result.outcomes[d] = _reject(step, BLAMED, verdict.reason, f)
         else:

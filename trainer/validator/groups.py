@@ -2,10 +2,13 @@
 
 A pipelined group's batch is judged as a whole (trainer/validator/group_job.py), so its members' stage files are
 collected here by (group id, policy step, batch), the key their v3 envelopes sign, instead of joining the
-validator's file queue. A group is judged as soon as it has a file per stage, and in any case once
-`group_grace_s` has passed since its first file arrived: then a stage still missing makes the group
-incomplete (docs/pipeline.md, "Verdicts"). A group whose checkpoint the validator does not hold waits like a
-rollout file does, up to `hold_timeout_s` from its first file.
+validator's file queue. A file first *arrives* (`arrive`): it joins its group only once the service found that
+it parses, that its signer is a member of the group it names and that an operator-signed record formed that
+group (service.py `_admit_arrivals`), so that junk routed to a group's key cannot start the group's grace period.
+A group is judged as soon as it has a file per stage, and in any case once `group_grace_s` has passed since its
+first admitted file arrived: then a stage still missing makes the group incomplete (docs/pipeline.md,
+"Verdicts"). A group whose checkpoint the validator does not hold waits like a rollout file does, up to
+`hold_timeout_s` from its first file.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class GroupIntake(Generic[T]):
             max_groups,
         )
         self.pending: dict[GroupKey, PendingGroup[T]] = {}
+        # Files not yet checked: they start no timer and count towards no group (the admission's queue bounds
+        # bound them, as every file the validator holds).
+        self.arrivals: list[T] = []
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -52,6 +58,13 @@ class GroupIntake(Generic[T]):
     def full(self, key: GroupKey) -> bool:
         """Whether a file of a new group must wait (busy): a bound on groups pending, whatever senders claim."""
         return key not in self.pending and len(self.pending) >= self.max_groups
+
+    def arrive(self, job: T) -> None:
+        self.arrivals.append(job)
+
+    def take_arrivals(self) -> list[T]:
+        taken, self.arrivals = self.arrivals, []
+        return taken
 
     def add(self, key: GroupKey, job: T, now: float, *, urgent: bool = False) -> None:
         group = self.pending.setdefault(key, PendingGroup(key, now))

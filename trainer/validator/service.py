@@ -33,29 +33,34 @@ from dataclasses import dataclass
 from ...node.environments import Environment
 from ...node.errors import PromptError
 from ...node.run.settings import verifier_for_run
+from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm import Admitted, HandoffBusy, HandoffRefused, ReceivedRollout, RolloutEnvelope, Swarm
 from ...p2p.swarm.handoff import DeliveryKey, RolloutReceiver, body_deadline_s
 from ...p2p.verdicts import Signed, Verdict, sign
 from ...p2p.weights.store import Store
+from ...proofs.rollout_schema import RolloutFileError
 from ..ledger import AsyncLedger, BanEntry, DuplicateWork, Ledger
 from .admission import Admission
 from .assignment import AssignmentGate
 from .bans import BanPublisher
 from .checkpoints import CheckpointKeeper
 from .config import ValidatorSettings
-from .group_job import Delivery, GroupOutcome, verify_group_files
+from .formed_groups import FormedGroups, FormedSettings, why_not_formed
+from .group_job import Delivery, GroupOutcome, claimed_group, read_delivery, verify_group_files
 from .groups import GroupIntake, GroupKey, PendingGroup
 from .intake import Tier, TieredQueue
 from .metrics import ValidatorMetrics
 from .policy_steps import POLICY_STEP, PolicySteps
 from .spool import Spool, SpooledFile, deliver
-from .verify_job import DUPLICATE, Outcome, verify_spooled
+from .verify_job import DUPLICATE, Outcome, check_name, verify_spooled
 
 logger = logging.getLogger(__name__)
 
 MAX_ACCUSED_KEPT = 65536  # (accused, group, batch) keys remembered so that one batch's fraud is charged once
 INTERNAL_ERROR = "internal_error"  # the validator failed, not the file: excused by the slashing policy
+# A pipelined group no operator-signed group record formed: excused (its members' own signed work), not credited.
+UNFORMED = "pipeline_unformed"
 MAX_SIG_READ = 4096
 
 
@@ -71,6 +76,8 @@ class Job:
     kind: str = (
         "stage"  # of a group's file: a member's stage file, or fraud evidence (its v3 envelope's kind)
     )
+    # Of a group's file that parsed at arrival: (group id, members in stage order, policy step, batch) it names.
+    claim: tuple[str, tuple[str, ...], int, int] | None = None
 
     @property
     def key(self) -> DeliveryKey:
@@ -142,6 +149,13 @@ class ValidatorService:
             )
             if layout is not None
             else None
+        )
+        # The groups the operator's coordinator formed (operator-signed records, read through the swarm, which
+        # opens only records a pinned operator key signed): a group's files are admitted only if one formed it.
+        self.formed = FormedGroups(
+            swarm.list_groups,
+            settings.run.run_id,
+            FormedSettings(settings.intake.group_records_keep_s, settings.intake.group_records_refresh_s),
         )
         self.verifying = asyncio.Lock()
         self.bans = BanPublisher(
@@ -216,7 +230,7 @@ class ValidatorService:
     def _enqueue(self, job: Job) -> None:
         job.tier = self.admission.enqueued(job.key)
         if job.group is not None and self.groups is not None:
-            self.groups.add(job.group, job, job.received_at, urgent=job.kind == "fraud")
+            self.groups.arrive(job)  # checked before it joins its group (`_admit_arrivals`)
             return
         self.queue.put(job.tier, job.node_id, job)
 
@@ -383,8 +397,67 @@ class ValidatorService:
         tick = min(1.0, self.settings.intake.group_grace_s / 4)
         while True:
             await asyncio.sleep(tick)
+            await self._admit_arrivals()
             for group, complete in self.groups.due(time.time()):
                 await self._judge_group(group, complete)
+
+    async def _admit_arrivals(self) -> None:
+        """Admit each arrived file to its group, or decide it at once. Only a file that parses (signature, schema,
+        limits: a failure is its sender's, as for any malformed file), whose signer is a member of the group it
+        names (each reader checks it) and whose group an operator-signed record formed (else `pipeline_unformed`,
+        excused, not credited) joins its group: junk routed to a group's key starts no grace period."""
+        assert self.groups is not None and self.settings.run.pipeline is not None
+        layout = self.settings.run.pipeline
+        for job in self.groups.take_arrivals():
+            assert job.group is not None
+            if job.claim is None:
+                delivery = Delivery(job.entry.path, job.node_id, job.kind)
+                try:
+                    parsed = await asyncio.to_thread(read_delivery, delivery, self.verifier.file_limits())
+                except RolloutFileError as exc:
+                    await self._decide(
+                        job, Outcome(False, job.group.policy_step, False, check_name(exc.check), str(exc))
+                    )
+                    continue
+                except Exception as exc:  # noqa: BLE001 - one file must never end the task; ours, not the sender's
+                    logger.exception("could not read group file %s", job.entry.path)
+                    reason = f"the validator failed: {exc!r}"
+                    await self._decide(
+                        job, Outcome(False, job.group.policy_step, False, INTERNAL_ERROR, reason)
+                    )
+                    continue
+                job.claim = claimed_group(parsed)
+            gid, members, step, batch = job.claim
+            if (gid, step, batch) != tuple(job.group):
+                # The readers check that the file names the group and batch its envelope signs, and the key came from
+                # that envelope: a mismatch is the validator's bug, never the sender's doing.
+                reason = "the file names another group or batch than the key it was collected under"
+                await self._decide(job, Outcome(False, step, False, INTERNAL_ERROR, reason))
+                continue
+            record = self.formed.find(gid)
+            if record is None and not self.formed.read_since(job.received_at):
+                await self._read_group_records()
+                record = self.formed.find(gid)
+                if record is None and not self.formed.read_since(job.received_at):
+                    if time.time() - job.received_at <= self.settings.intake.group_grace_s:
+                        self.groups.arrive(job)  # wait for a read that began after it arrived
+                        continue
+                    reason = "the validator could not read the operator's group records from the DHT in time"
+                    await self._decide(job, Outcome(False, step, False, INTERNAL_ERROR, reason))
+                    continue
+            why = why_not_formed(record, members, step, layout)
+            if why is not None:
+                await self._decide(job, Outcome(False, step, False, UNFORMED, f"group {gid[:16]}…: {why}"))
+                continue
+            self.groups.add(job.group, job, job.received_at, urgent=job.kind == "fraud")
+
+    async def _read_group_records(self) -> None:
+        if not self.formed.may_read():
+            return
+        try:
+            await self.formed.refresh()
+        except (OSError, EOFError, P2PError) as exc:
+            logger.warning("could not read group records (the files wait for the next read): %s", exc)
 
     async def _judge_group(self, group: PendingGroup[Job], complete: bool) -> None:
         assert self.groups is not None and self.settings.run.pipeline is not None
@@ -489,6 +562,7 @@ class ValidatorService:
                 received_at=job.received_at,
                 task_reward_sum=outcome.task_reward_sum if outcome.accepted else None,
                 samples=outcome.sample_ids if outcome.accepted else (),
+                credit_share=outcome.credit_share,
             )
         except DuplicateWork as exc:
             # Another file claimed one of these samples after this one's early check (a race the ledger's key

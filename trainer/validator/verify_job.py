@@ -59,6 +59,9 @@ class Outcome:
     # run's verifiers over every row, so these are the validator's numbers, not the sender's claims.
     task_reward_sum: float | None = None
     sample_ids: tuple[SampleId, ...] = ()  # what an accepted file's rows are, recorded with its verdict
+    # The share of one unit of work an accepted file is credited: 1 for a rollout file, a stage's share of the
+    # model's layers for a pipelined group's stage file (group_job.layer_share).
+    credit_share: float = 1.0
 
 
 def check_name(name: str) -> str:
