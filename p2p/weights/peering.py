@@ -204,9 +204,8 @@ class Peering:
             # Validly signed but old: a clock behind ours, or a late answer. Not taken, not charged, asked again.
             logger.info("source %s: %s; ignored, asked again", source.url, exc.reason)
             if source.node_id is not None and not source.records:
-                self.unsigned.add(
-                    source.url
-                )  # answered, without a current record: a fetch does not wait on it
+                # It answered, without a current record: a fetch does not wait on it (`first_record_due`).
+                self.unsigned.add(source.url)
             return
         except AvailabilityError as exc:
             self.distrusted.add(source.url)
