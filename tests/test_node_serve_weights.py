@@ -11,13 +11,20 @@ import asyncio
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from prime_node.node.cli.main import main
 from prime_node.node.contributor.checkpoints import CheckpointKeeper
-from prime_node.node.contributor.serving import WeightsSharing
+from prime_node.node.contributor.serving import (
+    MAX_PEER_SOURCES,
+    MAX_URLS_PER_HOST,
+    WeightsSharing,
+    server_of,
+)
 from prime_node.node.contributor.settings import StartSettings
 from prime_node.node.contributor.state import NodeState
 from prime_node.node.contributor.status import DaemonNotRunning, NodeStatus, fetch_status
@@ -213,9 +220,12 @@ def test_peer_sources_are_public_addresses_of_the_peer_itself_unless_configured(
 
     sharing = sharing_with([])
     sharing.note_peers(peers, banned={ids["banned"].node_id})
-    first_on_host = min(ids["good"].node_id, ids["sybil"].node_id)
-    expected = "http://1.2.3.4:8470" if first_on_host == ids["good"].node_id else "http://1.2.3.4:8471"
-    assert sharing.sources_for(3) == {expected: first_on_host}  # one host is one source, whoever claims it
+    # A source is a server, (host, port), bound to the id whose heartbeat names it: a second id naming the good
+    # peer's host on another port is a source of its own, and the good peer stays one whatever the ids' order.
+    assert sharing.sources_for(3) == {
+        "http://1.2.3.4:8470": ids["good"].node_id,
+        "http://1.2.3.4:8471": ids["sybil"].node_id,
+    }
     assert sharing.sources_for(4) == {"http://1.2.3.8:8470": ids["other"].node_id}
     assert sharing.sources_for(5) == {}
     refused = {name: sharing.refused.get(ids[name].node_id, "") for name in beats}
@@ -223,17 +233,34 @@ def test_peer_sources_are_public_addresses_of_the_peer_itself_unless_configured(
     for name in ("loop", "lan", "link"):
         assert "not a public address" in refused[name], refused
     assert "a name, not an IP address" in refused["named"]
-    assert "already names 1.2.3.4" in refused["sybil" if expected.endswith("8470") else "good"]
+    assert not refused["good"] and not refused["sybil"]
 
-    # A peer naming another's very URL (its own id ground to sort first, the other's address listed as its own)
-    # would have that node's correctly signed records judged as its own lies: neither is used.
-    thief = Identity.generate()
-    peers[thief.node_id] = beat(thief, "http://1.2.3.8:8470/", "1.2.3.8")
+    # A peer naming another's very server (its own id ground to sort first, the other's address listed as its
+    # own; spelled with a path or an explicit default port, it is the same server) would have that node's
+    # correctly signed records judged as its own lies: neither is used.
+    for stolen in ("http://1.2.3.8:8470/", "http://1.2.3.8:8470/v1"):
+        thief = Identity.generate()
+        with_thief = {**peers, thief.node_id: beat(thief, stolen, "1.2.3.8")}
+        sharing = sharing_with([])
+        sharing.note_peers(with_thief, banned={ids["banned"].node_id})
+        assert sharing.sources_for(4) == {}
+        for node_id in (thief.node_id, ids["other"].node_id):
+            assert "2 peers name 1.2.3.8:8470 as their weights server" in sharing.refused[node_id]
+    assert server_of("http://[::1]/") == server_of("http://[0:0::1]:80") == "[::1]:80"
+
+    # Hosts are drawn, not servers: one host naming many ports counts once and gives at most
+    # MAX_URLS_PER_HOST of them, so it cannot crowd the other hosts out of a fetch.
+    crowd = {f"http://1.2.4.{n}:8470": Identity.generate() for n in range(1, MAX_PEER_SOURCES + 2)} | {
+        f"http://1.2.3.4:{9000 + n}": Identity.generate() for n in range(20)
+    }
+    crowded = {i.node_id: beat(i, url, urlsplit(url).hostname or "") for url, i in crowd.items()}
     sharing = sharing_with([])
-    sharing.note_peers(peers, banned={ids["banned"].node_id})
-    assert sharing.sources_for(4) == {}
-    for node_id in (thief.node_id, ids["other"].node_id):
-        assert "2 peers name http://1.2.3.8:8470 as their weights server" in sharing.refused[node_id]
+    sharing.note_peers(crowded, banned=set())
+    for _ in range(20):
+        drawn = sharing.sources_for(3)
+        hosts = Counter(urlsplit(url).hostname for url in drawn)
+        assert len(hosts) == MAX_PEER_SOURCES and max(hosts.values()) <= MAX_URLS_PER_HOST
+        assert all(crowd[url].node_id == node_id for url, node_id in drawn.items())
 
     # An operator whose peers share a private network (or one machine) lists it.
     sharing = sharing_with(["127.0.0.0/8", "10.0.0.0/8"])

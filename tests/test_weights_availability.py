@@ -22,6 +22,7 @@ from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.weights.availability import (
     MAX_AVAILABILITY_BYTES,
     AvailabilityError,
+    StaleAvailability,
     encode_bitmap,
     parse_availability,
     sign_availability,
@@ -201,18 +202,20 @@ async def test_a_claimed_shard_answered_404_is_a_lie_and_a_busy_503_is_not(
         assert report[claimer.url]["shards_corrupt"] == 0 and report[claimer.url]["shards_failed"] == 0
 
 
-@pytest.mark.parametrize("advertiser", ["impostor", "stale", "unsigned"])
+@pytest.mark.parametrize("advertiser", ["impostor", "stale", "future", "unsigned"])
 async def test_an_advertised_peer_is_used_only_on_a_current_record_signed_by_its_own_node_id(
     origin, tmp_path: Path, advertiser: str
 ) -> None:
     # The swarm named PEER's node id for this URL. What answers there signs with another valid key (a host
-    # answering for someone else's URL), or with PEER's key long ago (a replay), or signs nothing: in each case
-    # it is never asked for a shard (it would serve every one correctly), and the fetch completes from the origin.
+    # answering for someone else's URL), or with PEER's key long ago (a replay, or a clock far behind), or
+    # beyond the skew in the future, or signs nothing: in each case it is never asked for a shard (it would
+    # serve every one correctly), and the fetch completes from the origin.
     store_dir, manifest = origin
     every = frozenset(range(len(manifest.body.shards)))
     record = {
         "impostor": sign_availability(operator(12), manifest, every),
         "stale": sign_availability(PEER, manifest, every, now=time.time() - 400),
+        "future": sign_availability(PEER, manifest, every, now=time.time() + 400),
         "unsigned": None,
     }[advertiser]
     async with (
@@ -230,8 +233,40 @@ async def test_an_advertised_peer_is_used_only_on_a_current_record_signed_by_its
     assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
     assert sum(advertised.requests.values()) == 0, advertised.requests
     assert report[advertised.url]["node_id"] == PEER.node_id and report[advertised.url]["shards_ok"] == 0
-    # A record that does not verify is charged as a lie; a peer that signs nothing is simply not used.
-    assert report[advertised.url]["lies"] == (0 if advertiser == "unsigned" else 1)
+    # A record that does not verify, or dated in the future, is charged as a lie. A stale one is what a node
+    # whose clock runs behind signs: not taken (no replay revives old claims), not charged, asked again. A
+    # peer that signs nothing is simply not used.
+    assert report[advertised.url]["lies"] == (1 if advertiser in ("impostor", "future") else 0)
+    assert report[advertised.url]["shards_corrupt"] == report[advertised.url]["lies"]
+    if advertiser == "stale":
+        assert advertised.availability_requests >= 2  # asked again after the stale answer
+
+
+async def test_a_peer_whose_clock_was_behind_is_used_once_it_signs_a_current_record(
+    origin, tmp_path: Path
+) -> None:
+    store_dir, manifest = origin
+    every = frozenset(range(len(manifest.body.shards)))
+    stale = sign_availability(PEER, manifest, every, now=time.time() - 400)
+    async with (
+        hostile(store_dir, 3, availability=stale) as peer,
+        hostile(store_dir, 3, chunk_delay_s=0.05) as honest,
+    ):
+        fetcher = Fetcher(
+            [honest.url, peer.url],
+            operator().node_id,
+            Store(tmp_path / "out"),
+            SETTINGS,
+            peers={peer.url: PEER.node_id},
+        )
+        fetch = asyncio.create_task(fetcher.fetch(3))
+        await until(lambda: peer.availability_requests >= 2)
+        assert sum(peer.requests.values()) == 0  # nothing taken from a stale record
+        peer.availability = sign_availability(PEER, manifest, every)  # its clock fixed
+        result = await asyncio.wait_for(fetch, 60)
+    report = {s["url"]: s for s in result.sources}
+    assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
+    assert report[peer.url]["shards_ok"] >= 1 and report[peer.url]["lies"] == 0
 
 
 async def test_an_advertised_peer_that_sends_wrong_bytes_is_dropped_and_charged(
@@ -282,6 +317,7 @@ def _resign(body: dict, key: Identity = PEER) -> bytes:
             "bytes, not",
         ),
         (lambda raw: _resign({**_doc(raw)["body"], "issued_at_ms": 1000}), "signed .* s ago"),
+        (lambda raw: _resign({**_doc(raw)["body"], "issued_at_ms": 10**15}), "in the future, beyond"),
     ],
 )
 def test_hostile_availability_records_are_refused_with_a_reason(origin, mutate, error: str) -> None:  # noqa: ANN001
@@ -292,6 +328,30 @@ def test_hostile_availability_records_are_refused_with_a_reason(origin, mutate, 
         parse_availability(mutate(raw), manifest)
     with pytest.raises(AvailabilityError, match="not by"):
         parse_availability(raw, manifest, node_id=operator().node_id)
+
+
+def test_only_a_stale_record_is_excused_and_only_a_future_one_beyond_the_skew_is_charged(origin) -> None:  # noqa: ANN001
+    _, manifest = origin
+    now = time.time()
+    for skew in (-290, 0, 290):  # within the tolerated skew either way: taken
+        raw = sign_availability(PEER, manifest, frozenset({1}), now=now + skew)
+        assert parse_availability(raw, manifest, node_id=PEER.node_id, now=now)[1] == {1}
+    with pytest.raises(StaleAvailability, match="ago") as stale:
+        parse_availability(
+            sign_availability(PEER, manifest, frozenset({1}), now=now - 400), manifest, now=now
+        )
+    assert not stale.value.corrupt
+    with pytest.raises(AvailabilityError, match="future") as future:
+        parse_availability(
+            sign_availability(PEER, manifest, frozenset({1}), now=now + 400), manifest, now=now
+        )
+    assert future.value.corrupt and not isinstance(future.value, StaleAvailability)
+    # The signature is still checked first: an edited stale record is a forgery, not an excused one.
+    edited = _doc(sign_availability(PEER, manifest, frozenset({1}), now=now - 400))
+    edited["body"]["issued_at_ms"] = int(now * 1000) - 500_000
+    with pytest.raises(AvailabilityError, match="signature does not verify") as forged:
+        parse_availability(canonical_json(edited), manifest, now=now)
+    assert forged.value.corrupt
 
 
 def test_bitmaps_are_exact_canonical_and_zero_padded() -> None:
@@ -329,7 +389,9 @@ async def test_a_busy_source_is_not_charged_and_the_fetch_completes(origin, tmp_
     report = {s["url"]: s for s in result.sources}
     assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
     assert report[busy.url]["not_ready"] >= 1 and report[busy.url]["shards_failed"] == 0
-    assert report[busy.url]["success"] == 1.0 and report[busy.url]["lies"] == 0
+    assert report[busy.url]["lies"] == 0 and report[busy.url]["shards_corrupt"] == 0
+    # Not charged, but not free either: each busy answer lowers its health, so it is drawn less often.
+    assert report[busy.url]["success"] < report[honest.url]["success"]
 
 
 def test_a_busy_503_pauses_its_source_and_a_not_ready_one_does_not() -> None:
@@ -341,7 +403,23 @@ def test_a_busy_503_pauses_its_source_and_a_not_ready_one_does_not() -> None:
     assert pool.weight(busy, now[0]) == 0 and pool.weight(relay, now[0]) > 0
     assert pool.pick()[0] is relay
     now[0] += NOT_READY_PAUSE_S
-    assert pool.weight(busy, now[0]) > 0 and busy.success == relay.success == 1.0
+    assert pool.weight(busy, now[0]) > 0 and busy.failures_in_row == relay.failures_in_row == 0
+    assert busy.shards_failed == relay.shards_failed == 0  # neither is charged
+
+
+def test_a_source_that_is_always_busy_is_drawn_less_often_and_heals_with_time() -> None:
+    now = [100.0]
+    pool = SourcePool(["http://a:1", "http://b:1"], rng=random.Random(0), clock=lambda: now[0])
+    busy, serving_one = pool.sources["http://a:1"], pool.sources["http://b:1"]
+    for _ in range(10):
+        pool.record_not_ready(busy, 0.2)
+        pool.record_success(serving_one, 1 << 20, 0.1)
+        now[0] += NOT_READY_PAUSE_S  # past each pause: only its health tells them apart
+    assert pool.weight(busy, now[0]) < pool.weight(serving_one, now[0]) / 5
+    picks = [pool.pick()[0] for _ in range(200)]
+    assert picks.count(serving_one) > 150
+    now[0] += 60  # busy a minute ago says nothing about now: the health heals as after a failure
+    assert pool.weight(busy, now[0]) == pytest.approx(pool.weight(serving_one, now[0]), rel=0.05)
 
 
 def test_a_peer_cannot_bind_an_announced_url_or_share_one_with_another_node_id(tmp_path: Path) -> None:

@@ -25,7 +25,14 @@ on its private network, or to a third party. So a URL from a heartbeat is used o
   * that address is public (globally routable), or inside one of `peer_weights_networks`: loopback,
     private, link-local, shared (CGNAT), multicast and reserved ranges are refused unless the operator lists
     them (a devnet on one machine lists 127.0.0.0/8);
-  * no other peer already names a public host: one host is one source, however many node ids claim it.
+  * no other peer names the same server (host and port): the fetcher binds a server to the one node id
+    whose signed availability records it accepts, so a server two node ids name is used for neither.
+
+A source is a server, (host, port), bound to the node id whose signed heartbeat names it: a peer that names
+an honest node's host on another port becomes a source of its own (which answers nothing, or another node's
+records: charged to it), and never displaces the honest node. Many ports of one host count once when a fetch
+draws its peers (`sources_for`: hosts are drawn, then at most MAX_URLS_PER_HOST servers of each), so a
+machine with many ids and ports cannot crowd the other hosts out of a fetch.
 
 What is left is a peer naming a public host that is not its own, with one request per node per fetch to a
 path of /v1/weights/; any source's answers are then bounded and verified like every other's.
@@ -53,8 +60,10 @@ from .state import NodeState
 logger = logging.getLogger(__name__)
 
 # Per fetch, drawn at random: load spreads over the peers that serve a step, and each fetch has enough peers to
-# trade with (benchmarks/broadcast.py measures the swarm with this many).
+# trade with (benchmarks/broadcast.py measures the swarm with this many). Hosts are drawn, not servers: a host
+# counts once however many ports its peers name, and gives at most MAX_URLS_PER_HOST of them.
 MAX_PEER_SOURCES = 8
+MAX_URLS_PER_HOST = 3
 
 
 class WeightsSharing:
@@ -162,14 +171,14 @@ class WeightsSharing:
     def note_peers(self, peers: dict[str, Heartbeat], banned: set[str]) -> None:
         """Remember which live peers serve which steps (called after each peer scan).
 
-        One public host is one source, whoever of the peers naming it has the lowest node id (a sybil's many
-        ids on one machine count once). But a URL that two peers name is used for neither: the fetcher binds a
-        URL to the one node id whose signed availability records it accepts, so letting one claim win would let
-        a peer that names an honest node's server (with a node id ground to sort first) get that node's
-        correctly signed records charged as lies."""
+        A source is a server (host, port), bound to the node id whose heartbeat names it, so a peer naming an
+        honest node's host on another port is a source of its own and displaces nobody. A server that two
+        peers name is used for neither: the fetcher accepts a server's availability records only from the
+        node id bound to it, so letting one claim win would let a peer that names an honest node's server
+        have that node's correctly signed records charged as lies."""
         by_step: dict[int, dict[str, str]] = {}
         refused: dict[str, str] = {}
-        valid: list[tuple[str, Heartbeat, str]] = []
+        valid: list[tuple[str, Heartbeat, str, str]] = []
         for node_id, heartbeat in sorted(peers.items()):
             url = heartbeat.weights_url
             if node_id == self.swarm.node_id or node_id in banned or heartbeat.client_mode or not url:
@@ -178,21 +187,14 @@ class WeightsSharing:
             if why is not None:
                 refused[node_id] = why
                 continue
-            valid.append((node_id, heartbeat, url.rstrip("/")))
-        claims = Counter(url for _, _, url in valid)
-        public_hosts: set[str] = set()
-        for node_id, heartbeat, url in valid:
-            host = _host(url)
-            if claims[url] > 1:
+            valid.append((node_id, heartbeat, url.rstrip("/"), server_of(url)))
+        claims = Counter(server for _, _, _, server in valid)
+        for node_id, heartbeat, url, server in valid:
+            if claims[server] > 1:
                 refused[node_id] = (
-                    f"{claims[url]} peers name {url[:80]} as their weights server; none is used"
+                    f"{claims[server]} peers name {server[:80]} as their weights server; none is used"
                 )
                 continue
-            if host in public_hosts:
-                refused[node_id] = f"another peer already names {host} as its weights server"
-                continue
-            if not any(ipaddress.ip_address(host) in n for n in self.networks):
-                public_hosts.add(host)
             for step in heartbeat.serves_steps:
                 by_step.setdefault(step, {})[url] = node_id
         for node_id, why in refused.items():
@@ -202,15 +204,32 @@ class WeightsSharing:
         self.refused = refused
 
     def sources_for(self, step: int) -> dict[str, str]:
-        """Up to MAX_PEER_SOURCES peers serving `step`, drawn at random: {weights URL: the node id that must
-        sign its availability records} (the fetcher uses a peer only on a current record of that node)."""
+        """Peers serving `step`: up to MAX_PEER_SOURCES hosts drawn at random, and up to MAX_URLS_PER_HOST of
+        each one's servers, drawn at random too: {weights URL: the node id that must sign its availability
+        records} (the fetcher uses a peer only on a current record of that node)."""
         peers = self._peer_urls.get(step, {})
-        drawn = random.sample(sorted(peers), min(MAX_PEER_SOURCES, len(peers)))
+        by_host: dict[str, list[str]] = {}
+        for url in sorted(peers):
+            by_host.setdefault(_host(url), []).append(url)
+        drawn: list[str] = []
+        for host in random.sample(sorted(by_host), min(MAX_PEER_SOURCES, len(by_host))):
+            urls = by_host[host]
+            drawn += random.sample(urls, min(MAX_URLS_PER_HOST, len(urls)))
         return {url: peers[url] for url in drawn}
 
 
 def _host(url: str) -> str:
     return urlsplit(url).hostname or ""
+
+
+def server_of(url: str) -> str:
+    """The server an IP-host URL names, host and port (the scheme's default when none is given): URLs that
+    differ only in their path, or in how they spell the address or the port, reach the same server, and so
+    the same node's records."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    ip = ipaddress.ip_address(parts.hostname or "")  # peer_url_refusal admitted only IP hosts
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def peer_url_refusal(

@@ -4,9 +4,12 @@ An attempt (attempts.py) transfers one shard from one source, into place or into
 copy of the shard already writes in place (a hedge). Its end is settled here: the first copy that verifies
 wins (the others are cut at their next chunk boundary and charged their measured rate); a failure is charged
 to its source alone (outcomes.py) and the shard goes back to the queue; a source that claimed the shard in
-its signed availability record and answers 404 or a plain 503 for it has lied, and is demoted; a 503 from a
-relay still mirroring, or a server with no free upload slot, costs nothing. The fetch fails only when every
-usable source has failed a shard at least once and `max_attempts_per_shard` failures are reached.
+its signed availability record and answers a shard-level 404 or a plain 503 for it has lied, and is demoted;
+one that answers "no such version" withdrew the version (an honest server that dropped or pruned it): its
+claims are cleared and asked for again, and it is charged a plain failure, not a lie; a 503 from a relay
+still mirroring, or a server with no free upload slot, costs no attempt (`max_not_ready` times per source and
+shard). The fetch fails only when every source that could still serve a shard (it signs no records, or claims
+the shard) has failed it `max_attempts_per_shard` times (outcomes.py: budgets are per source).
 """
 
 from __future__ import annotations
@@ -215,16 +218,22 @@ class AttemptRunner:
         others = [a for a in self.inflight.get(index, []) if a is not attempt]
         claimed = attempt.source.have
         busy = isinstance(failure, ShardFailure) and failure.busy
-        # 404 or a plain 503 ("not verified here") deny holding the shard; a busy 503 says it is held but every
-        # upload slot is taken, which is no lie.
-        refused = failure.status == 404 or (failure.status == 503 and not busy)
+        withdrawn = isinstance(failure, ShardFailure) and failure.withdrawn
+        if withdrawn and claimed is not None:
+            # "No such version": it dropped or pruned the version since it signed its claims, which an honest
+            # server does. Its claims are void and it is asked again; this attempt is charged as what it is, a
+            # plain failure, below.
+            self.peering.withdrawn(attempt.source)
+        # A shard-level 404 or a plain 503 ("not verified here") deny holding the shard; a busy 503 says it is
+        # held but every upload slot is taken, which is no lie.
+        refused = (failure.status == 404 and not withdrawn) or (failure.status == 503 and not busy)
         if claimed is not None and index in claimed and refused:
             # It signed that it holds the shard: not serving it is a lie, charged and demoted for good.
             self.outcomes.lied(attempt, failure.reason)
             self.queue.claims_changed(claimed, claimed - {index})
             attempt.source.have = claimed - {index}
             if not others and index not in self.winners:
-                self.state.requeue(index, 0.0)
+                self._give_up_or_requeue(index)
             return None
         if failure.retry_after is not None and self.outcomes.not_ready(
             attempt, failure.reason, failure.retry_after if busy else 0.0
@@ -242,16 +251,20 @@ class AttemptRunner:
         recheck = self.outcomes.failed(attempt, failure)
         if recheck is not None or others or index in self.winners:
             return recheck  # the recheck, or the other copy, carries on
-        if self.outcomes.exhausted(index, {u.url for u in self.pool.askable()} <= self.tried[index]):
+        self._give_up_or_requeue(index)
+        return None
+
+    def _give_up_or_requeue(self, index: int) -> None:
+        """After a charge: end the fetch when no source may serve shard `index` any more, else queue it again."""
+        if self.outcomes.exhausted(index, self.pool.askable()):
             self.state.error = FetchError(
                 f"shard {index} of step {self.manifest.step} could not be fetched and verified: "
                 f"{self.outcomes.text(index)}",
                 self.outcomes.blame,
                 shard=index,
             )
-            return None
+            return
         self.state.requeue(index, 0.0)
-        return None
 
     def _recheck(self, attempt: Attempt, recheck: Recheck) -> None:
         """Ask the same source for the whole shard, once its resumed copy's attempt is gone."""

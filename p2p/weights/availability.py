@@ -16,8 +16,13 @@ The record names the manifest digest and shard count, so a claim about another b
 
 The bytes are hostile: the size is bounded before decoding, JSON is decoded strictly, the signature is checked
 against the node id the body names before any other field is read, then the schema, the manifest binding, the
-bitmap's exact length and zero padding, and the time (a record older than `MAX_AGE_S`, or from the future
-beyond the same skew, is stale: an old record replayed cannot advertise shards a server dropped).
+bitmap's exact length and zero padding, and the time: a record older than `MAX_AGE_S` is stale (an old record
+replayed cannot advertise shards a server dropped), one dated beyond the same skew in the future is refused.
+
+A stale record is `StaleAvailability`, which is not a lie: it is what an honest node whose clock runs behind
+signs, and what the network delivers late, so the fetcher ignores it and asks again (peering.py). Only what
+a node cannot sign by accident is charged: a bad signature, a malformed body, another manifest, or a date
+in the future beyond the skew, which no replay can produce and no honest clock behind ours can either.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ _MAX_TIME_MS = 10**15  # year 33658: bounds the integer before any arithmetic
 
 class AvailabilityError(SourceError):
     """An availability record that is oversized, malformed, badly signed, stale, or about another version."""
+
+
+class StaleAvailability(AvailabilityError):
+    """A validly signed record older than MAX_AGE_S: a skewed clock or a late answer, not a lie. Never taken
+    (a replay cannot revive old claims), never charged."""
 
 
 class AvailabilityBody(WireModel):
@@ -166,9 +176,15 @@ def parse_availability(
             corrupt=True,
         )
     age = (time.time() if now is None else now) - parsed.issued_at_ms / 1000
-    if abs(age) > MAX_AGE_S:
-        raise AvailabilityError(
+    if age > MAX_AGE_S:
+        raise StaleAvailability(
             f"availability record was signed {age:.0f} s ago; records live {MAX_AGE_S:.0f} s (check the clock)"
+        )
+    if -age > MAX_AGE_S:
+        raise AvailabilityError(
+            f"availability record is dated {-age:.0f} s in the future, beyond the {MAX_AGE_S:.0f} s of clock "
+            "skew tolerated",
+            corrupt=True,
         )
     return parsed, decode_bitmap(parsed.have, parsed.shard_count)
 

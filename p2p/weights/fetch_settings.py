@@ -64,10 +64,14 @@ class FetchSettings(BaseModel):
         8,
         ge=1,
         le=1000,
-        description="Failures of one shard before giving up (once every source has failed it).",
+        description="Failures of one shard each source may have before it is not asked for it again; the "
+        "shard is given up once every source that could serve it has had as many.",
     )
     max_not_ready: int = Field(
-        1000, ge=0, description="'Not verified yet' (503) answers from relays tolerated per shard."
+        1000,
+        ge=0,
+        description="503 answers (not verified yet, every upload slot busy) tolerated per source and shard "
+        "before they count as failures.",
     )
     availability_interval_s: float = Field(
         1.0,

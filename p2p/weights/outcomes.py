@@ -13,8 +13,14 @@ shard again (a recheck) before anyone is charged:
   * the recheck breaks off: charged as a failure, and as corrupt when the failed prefix was written in this
     run (every byte of the copy that mismatched came from that source).
 
-A mismatch that cannot be attributed never counts against a source, never counts towards the shard's
+A mismatch that cannot be attributed never counts against a source, never counts towards its
 `max_attempts_per_shard`, and never discards verified shards.
+
+Budgets are per source. Each source may fail a shard `max_attempts_per_shard` times, after which it is not
+asked for that shard again (`spent`); a shard is given up only when every source that could still serve it
+has spent its own budget on it (`exhausted`). So peers that claim a shard and fail it, however many, use up
+only their own attempts, never the origin's. Likewise a 503 that says "not here yet" or "busy" is free only
+`max_not_ready` times per (source, shard): sybils answering busy cannot use up the origin's allowance.
 
 A peer the swarm advertised (`SourceState.node_id`) that is charged with wrong bytes is also dropped from the
 fetch (excluded, its claims withdrawn): nobody vouched for it, and every further shard it sends would have
@@ -54,15 +60,20 @@ class Outcomes:
         self.step = step
         # Machine-readable record of what failed where: [{shard, source, reason, corrupt}, ...] (for --json).
         self.blame: list[dict[str, object]] = []
-        self.failures: collections.Counter[int] = collections.Counter()
-        self._not_ready: collections.Counter[int] = collections.Counter()
+        # (shard, source URL) -> failures charged: each source's own budget for each shard.
+        self.failures: collections.Counter[tuple[int, str]] = collections.Counter()
+        self._spent: dict[int, set[str]] = {}  # shard -> sources that used their whole budget on it
+        self._not_ready: collections.Counter[tuple[int, str]] = collections.Counter()
 
     def not_ready(self, attempt: Attempt, reason: str, pause_s: float) -> bool:
-        """A relay answered 503 (not verified there yet): True while such answers are tolerated for the shard,
-        without a charge or an attempt used."""
-        if self._not_ready[attempt.index] >= self.settings.max_not_ready:
+        """The source answered 503 (not verified there yet, or every upload slot busy): True while such answers
+        from this source for this shard are tolerated, without a charge or an attempt used. Each one still
+        lowers the source's health (sources.py `record_not_ready`), so a source that is always busy is drawn
+        less often."""
+        key = (attempt.index, attempt.source.url)
+        if self._not_ready[key] >= self.settings.max_not_ready:
             return False
-        self._not_ready[attempt.index] += 1
+        self._not_ready[key] += 1
         self.pool.record_not_ready(attempt.source, pause_s)
         return True
 
@@ -72,7 +83,7 @@ class Outcomes:
         why = f"claimed shard {index} in its signed availability record, then answered: {reason}"
         self.pool.record_lie(source, f"shard {index}: {why}")
         self.blame.append({"shard": index, "source": source.url, "reason": why, "corrupt": True})
-        self.failures[index] += 1
+        self._count_failure(index, source.url)
         logger.warning("source %s: %s", source.url, why)
 
     def verified(self, attempt: Attempt, result: ShardResult) -> None:
@@ -103,9 +114,19 @@ class Outcomes:
         """The recheck cannot run (another copy of the shard decides it): judge the failed prefix as it stands."""
         self._judge_prefix(attempt, recheck, "no recheck was needed")
 
-    def exhausted(self, index: int, everyone_tried: bool) -> bool:
-        """Whether shard `index` has failed often enough, from every usable source, to end the fetch."""
-        return self.failures[index] >= self.settings.max_attempts_per_shard and everyone_tried
+    def spent(self, index: int) -> set[str]:
+        """The sources that used their whole budget on shard `index`: it is not asked of them again."""
+        return self._spent.get(index, set())
+
+    def exhausted(self, index: int, askable: list[SourceState]) -> bool:
+        """Whether shard `index` is lost: some source spent its budget on it, and so did every other that could
+        still serve it (it signs no records, or its record claims the shard). A peer that does not claim it is
+        not waited for then: the fetch fails, and the caller's next try (pinned.py backs off) finds what the
+        peers hold by then."""
+        spent = self.spent(index)
+        return bool(spent) and all(
+            s.url in spent or (s.have is not None and index not in s.have) for s in askable
+        )
 
     def text(self, index: int) -> str:
         return "; ".join(f"{b['source']}: {b['reason']}" for b in self.blame if b["shard"] == index)
@@ -131,7 +152,7 @@ class Outcomes:
         source, index = attempt.source, attempt.index
         self.pool.record_failure(source, f"shard {index}: {reason}", corrupt=corrupt)
         self.blame.append({"shard": index, "source": source.url, "reason": reason, "corrupt": corrupt})
-        self.failures[index] += 1
+        self._count_failure(index, source.url)
         logger.warning("source %s: shard %d: %s", source.url, index, reason)
         if corrupt and source.node_id is not None and source.excluded is None:
             why = f"peer {source.node_id[:16]}… sent shard {index} not matching the signed manifest; dropped"
@@ -142,3 +163,8 @@ class Outcomes:
             logger.warning(
                 "peer %s (%s…) dropped from the fetch of step %d", source.url, source.node_id[:16], self.step
             )
+
+    def _count_failure(self, index: int, url: str) -> None:
+        self.failures[(index, url)] += 1
+        if self.failures[(index, url)] >= self.settings.max_attempts_per_shard:
+            self._spent.setdefault(index, set()).add(url)

@@ -11,9 +11,18 @@ record into the source's state (sources.py) and the rarest-first counts (rarest.
     every shard, as before availability existed; but a peer the swarm advertised (`SourceState.node_id`) is
     never taken on its word: until a current record signed by that very node id verifies it claims nothing
     and is asked again, and a record signed by any other key is a lie;
-  * a record that does not verify, is about another manifest, or is malformed: a lie; the source is demoted
-    (`record_lie`), claims nothing from then on, and is not polled again in this fetch;
+  * a record that does not verify, is about another manifest, is malformed or is dated in the future beyond
+    the clock skew tolerated: a lie; the source is demoted (`record_lie`), claims nothing from then on, and
+    is not polled again in this fetch;
+  * a validly signed record that is stale (older than availability.MAX_AGE_S: the node's clock runs behind,
+    or the answer came late): like a network failure, nothing is concluded and nothing charged; it is not
+    taken (a replayed record cannot revive claims) and the source is asked again later;
   * a network failure: nothing is concluded; it is asked again later.
+
+A source that answers a shard request with a version-level 404 ("no such version": it dropped or pruned the
+version since its last record) is `withdrawn`: its claims are cleared at once and it is asked again at once;
+an answer to a request made before the withdrawal is ignored, so a record signed just before it cannot bring
+the void claims back.
 
 Sources that did not hold the version when the fetch chose its manifest (404/503: a peer still fetching
 it, which advertises it in its heartbeat as soon as it holds the manifest) are asked for the manifest again
@@ -29,7 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from .availability import MAX_AVAILABILITY_BYTES, AvailabilityError, parse_availability
+from .availability import MAX_AVAILABILITY_BYTES, AvailabilityError, StaleAvailability, parse_availability
 from .connections import ConnectionPool
 from .errors import ManifestAbsent, ManifestError
 from .fetch_settings import FetchSettings
@@ -76,6 +85,8 @@ class Peering:
         self.unsigned: set[str] = set()  # advertised peers that answered without a record they signed
         self._polls: dict[str, asyncio.Future[bytes]] = {}
         self._next_poll: dict[str, float] = {}
+        # Withdrawals seen per source (`withdrawn`): an answer to a request sent before the latest is ignored.
+        self._epoch: dict[str, int] = {}
         if settings.availability_interval_s <= 0:
             for source in pool.sources.values():
                 if source.node_id is not None:  # a peer is used only on a record it signed: none is asked for
@@ -114,6 +125,14 @@ class Peering:
         self.distrusted.add(source.url)
         self._claim(source, frozenset())
 
+    def withdrawn(self, source: SourceState) -> None:
+        """The source answered a shard request with "no such version": whatever it claimed is void (it dropped
+        or pruned the version, which is no lie). It claims nothing until a record it signs after this says
+        otherwise, and is asked again at once."""
+        self._epoch[source.url] = self._epoch.get(source.url, 0) + 1
+        self._next_poll[source.url] = 0.0
+        self._claim(source, frozenset())
+
     def absent_again(self, url: str) -> None:
         """A late manifest request found the source without the version: ask it again later."""
         if self.ask_manifest is not None:
@@ -145,7 +164,7 @@ class Peering:
                     self.settings.manifest_timeout_s,
                 )
                 self._polls[url] = future
-                future.add_done_callback(functools.partial(self._answered, source))
+                future.add_done_callback(functools.partial(self._answered, source, self._epoch.get(url, 0)))
             if self.ask_manifest is not None:
                 for url in [u for u in self.absent if self._next_poll.get(u, 0.0) <= now]:
                     self.absent.discard(url)
@@ -153,10 +172,12 @@ class Peering:
                     self.on_join(url, self.ask_manifest(url))
             await asyncio.sleep(interval / 2)
 
-    def _answered(self, source: SourceState, future: asyncio.Future[bytes]) -> None:
+    def _answered(self, source: SourceState, epoch: int, future: asyncio.Future[bytes]) -> None:
         self._polls.pop(source.url, None)
         if future.cancelled():
             return
+        if epoch != self._epoch.get(source.url, 0):
+            return  # asked before the source withdrew the version; the next request is due at once
         error = future.exception()
         if isinstance(error, ManifestAbsent):
             if source.node_id is not None and not source.records:
@@ -179,6 +200,13 @@ class Peering:
             # An advertised peer's record must be signed by the node the swarm named, not by any valid key: a
             # host that answers for another node's URL cannot make itself a source.
             record, have = parse_availability(future.result(), self.manifest, node_id=source.node_id)
+        except StaleAvailability as exc:
+            # Validly signed but old: a clock behind ours, or a late answer. Not taken, not charged, asked again.
+            logger.info("source %s: %s; ignored, asked again", source.url, exc.reason)
+            if source.node_id is not None and not source.records:
+                # It answered, without a current record: a fetch does not wait on it (`first_record_due`).
+                self.unsigned.add(source.url)
+            return
         except AvailabilityError as exc:
             self.distrusted.add(source.url)
             self._claim(source, frozenset())

@@ -77,10 +77,11 @@ class Scheduler:
                 )
                 or (self.peering.absent and not self.pool.usable())
             )
-            if not (
+            lost = None if self.inflight or self.state.delayed else self._lost()
+            if lost is not None or not (
                 self.inflight or self.state.delayed or (self.queue and (self.pool.askable() or waiting_for))
             ):
-                index = self.queue.first() if self.queue else -1
+                index = lost if lost is not None else self.queue.first() if self.queue else -1
                 raise FetchError(
                     f"shard {index} of step {self.manifest.step} could not be fetched and verified: "
                     f"{self.outcomes.text(index) or 'no usable source'}",
@@ -94,6 +95,17 @@ class Scheduler:
                 pass
             if self.state.error is not None:
                 raise self.state.error
+
+    def _lost(self) -> int | None:
+        """A waiting shard that no source may serve any more (outcomes.py `exhausted`), if any: with nothing in
+        flight, e.g. when the last holder with budget left withdrew its claim rather than failing a request."""
+        askable = self.pool.askable()
+        for n, index in enumerate(self.queue.candidates()):
+            if n >= MAX_SCAN:
+                break
+            if self.outcomes.exhausted(index, askable):
+                return index
+        return None
 
     def _judge(self, now: float) -> float:
         """Mark the attempts that became slow; returns the seconds until one in flight can next be judged."""
@@ -191,7 +203,8 @@ class Scheduler:
             if any(s.records for s in holders):
                 avoid |= recordless
             lacking = {s.url for s in usable} - {s.url for s in holders}
-            source, cooling = self.pool.pick(avoid=avoid, forbid=taken | lacking)
+            # A source that used its whole budget on this shard is not asked for it again (outcomes.py).
+            source, cooling = self.pool.pick(avoid=avoid, forbid=taken | lacking | self.outcomes.spent(index))
             if source is not None:
                 return index, source, 0.0
             if cooling:
@@ -202,7 +215,8 @@ class Scheduler:
         if orphan is not None and not claimed:
             # Asked blind, as before records existed: never an advertised peer, which gets only what it signed.
             peers = {s.url for s in usable if s.node_id is not None}
-            source, cooling = self.pool.pick(avoid=self.tried[orphan], forbid=taken | peers)
+            forbid = taken | peers | self.outcomes.spent(orphan)
+            source, cooling = self.pool.pick(avoid=self.tried[orphan], forbid=forbid)
             if source is not None:
                 return orphan, source, 0.0
             wait = cooling or wait
@@ -225,6 +239,7 @@ class Scheduler:
             if not waiting and not (end_game and all(not a.source.shards_ok for a in attempts)):
                 continue
             forbid = taken | {a.source.url for a in attempts} | self.peering.lacking(index)
+            forbid |= self.outcomes.spent(index)
             source, _ = self.pool.pick(avoid=self.tried[index], forbid=forbid | unproven)
             if source is None and waiting:  # the end game never gives a shard to another unproven source
                 source, _ = self.pool.pick(avoid=self.tried[index], forbid=forbid)

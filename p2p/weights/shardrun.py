@@ -8,9 +8,9 @@ while they run, and on every exit path, success or not, cuts the transfers in fl
 threads before the partial version's files are closed, so no thread ever writes to a closed (or reused) file
 descriptor.
 
-The fetch fails only when every usable source has failed a shard at least once and `max_attempts_per_shard`
-failures are reached. Verified shards are kept even then: they match the signed manifest whoever sent them,
-and a rerun fetches only what is missing.
+The fetch fails only when every usable source that could still serve a shard (it signs no records, or claims
+the shard) has failed it `max_attempts_per_shard` times: budgets are per source (outcomes.py). Verified shards
+are kept even then: they match the signed manifest whoever sent them, and a rerun fetches only what is missing.
 """
 
 from __future__ import annotations

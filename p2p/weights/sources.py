@@ -60,7 +60,7 @@ class SourceState:
 
     url: str
     bandwidth: float | None = None  # EMA of bytes/s over completed shard transfers; None until measured
-    success: float = 1.0  # EMA of 1 (shard verified) / 0 (failed or corrupt)
+    success: float = 1.0  # EMA of 1 (shard verified) / 0 (failed, corrupt, or not served: busy, not ready)
     failures_in_row: int = 0
     last_failure: float = 0.0
     cooldown_until: float = 0.0
@@ -69,7 +69,7 @@ class SourceState:
     shards_failed: int = 0
     shards_corrupt: int = 0
     shards_lost: int = 0  # transfers cancelled because a faster copy of their shard verified first
-    not_ready: int = 0  # 503 answers (a relay still mirroring)
+    not_ready: int = 0  # 503 answers (a relay still mirroring, a server with every upload slot busy)
     bytes_ok: int = 0
     errors: list[str] = field(default_factory=list)
     # Availability (availability.py): None until known. `records` False: the source signs none (404), so it is
@@ -186,12 +186,16 @@ class SourcePool:
         source.shards_lost += 1
 
     def record_not_ready(self, source: SourceState, pause_s: float = 0.0) -> None:
-        """A relay has not verified a shard yet, or a server has no free upload slot (503): counted, not
-        penalised; a busy server is not asked again for `pause_s` (at most NOT_READY_PAUSE_S), so that it is
-        not hammered with requests it cannot serve."""
+        """A relay has not verified a shard yet, or a server has no free upload slot (503): no charge (no
+        failure counted, no back-off), but a sample of the source's health: it did not serve, so its success
+        score falls as for a failure and heals with time the same way, and a source that is always busy is
+        drawn less often than one that serves. A busy server is not asked again for `pause_s` (at most
+        NOT_READY_PAUSE_S), so that it is not hammered with requests it cannot serve."""
+        now = self.clock()
         source.not_ready += 1
+        source.success = (1 - self.settings.ema_alpha) * source.success
+        source.last_failure = now  # the healing term runs from here, as after a failure
         if pause_s > 0:
-            now = self.clock()
             source.cooldown_until = max(source.cooldown_until, now + min(pause_s, NOT_READY_PAUSE_S))
 
     def record_failure(self, source: SourceState, reason: str, *, corrupt: bool = False) -> None:

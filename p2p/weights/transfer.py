@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..wire import WireFormatError, loads_strict
 from . import http_head
 from .connections import NETWORK_ERRORS, ConnectionPool
 from .errors import ManifestAbsent, ManifestError, SourceError, StoreError
@@ -36,13 +37,19 @@ SHARD_CONTENT_TYPE = "application/octet-stream"
 
 
 BUSY_HEADER = "X-Prime-Node-Busy"  # on a 503: the server holds the shard but has no free upload slot
+# A 404's body that says the whole version is gone (server.py answers this for an unknown step), as opposed to
+# one shard; read only when it is at most MAX_REFUSAL_BYTES, and compared after strict JSON decoding.
+VERSION_ABSENT = {"error": "no such version"}
+MAX_REFUSAL_BYTES = 256
 
 
 class ShardFailure(SourceError):
     """A shard transfer failed through its source; `corrupt` when it sent wrong bytes rather than no bytes;
-    `busy` for a 503 that says every upload slot was taken (the source is paused, not only the shard)."""
+    `busy` for a 503 that says every upload slot was taken (the source is paused, not only the shard);
+    `withdrawn` for a 404 that says the source no longer serves the version at all (it dropped or pruned it)."""
 
     busy = False
+    withdrawn = False
 
 
 class DigestMismatch(ShardFailure):
@@ -111,7 +118,28 @@ def _failure(watch: Watch, error: BaseException | None, cancelled: threading.Eve
     return ShardFailure(_reason(watch, error))
 
 
-def _check_head(resp: http.client.HTTPResponse, start: int, size: int) -> None:
+def _refusal(resp: http.client.HTTPResponse, watch: Watch) -> object:
+    """The JSON body of a refusal (at most MAX_REFUSAL_BYTES, read under the request's watch), strictly
+    decoded; None when there is no such body to read."""
+    try:
+        length = http_head.content_length(resp, MAX_REFUSAL_BYTES, "refusal")
+    except SourceError:
+        return None
+    body = bytearray(length)
+    filled, error = _fill(resp, memoryview(body), watch)
+    if error is not None or filled < length:
+        return None
+    try:
+        return loads_strict(bytes(body), "refusal")
+    except WireFormatError:
+        return None
+
+
+def _check_head(resp: http.client.HTTPResponse, start: int, size: int, watch: Watch) -> None:
+    if resp.status == 404 and _refusal(resp, watch) == VERSION_ABSENT:
+        failure = ShardFailure("source no longer serves this version (404 no such version)", status=404)
+        failure.withdrawn = True
+        raise failure
     if resp.status == 503:
         busy = resp.getheader(BUSY_HEADER) is not None
         failure = ShardFailure(
@@ -167,7 +195,7 @@ def download_shard(
     try:
         try:
             resp, token = pool.request(source, path, {"Range": f"bytes={start}-"} if start else {}, watch)
-            _check_head(resp, start, size)
+            _check_head(resp, start, size, watch)
         except SourceError:
             raise
         except NETWORK_ERRORS as exc:

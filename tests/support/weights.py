@@ -2,8 +2,9 @@
 
 `HostileSource` is a real aiohttp server that answers the weights endpoints with the genuine manifest and
 shard bytes from a store, except where told to misbehave (flip a bit, send the wrong length, stall, die
-mid-transfer with or without sending zeros first, answer 404 or HTML, serve another manifest). Its `fault`
-may be changed while it runs (a source that heals). It is the adversary, not a mock of the code
+mid-transfer with or without sending zeros first, answer 404 or HTML, withdraw the version, serve another
+manifest). Its `fault` may be changed while it runs, or limited to its first `fault_limit` faulty answers (a
+source that heals). It is the adversary, not a mock of the code
 under test: the fetcher and relay talk to it over real sockets exactly as they talk to an honest server.
 """
 
@@ -100,6 +101,8 @@ class HostileSource:
         manifest_bytes: bytes | None = None,
         chunk_delay_s: float = 0.0,
         availability: bytes | None = None,
+        availability_delay_s: float = 0.0,
+        fault_limit: int | None = None,
     ) -> None:
         self.store = Store(store_dir)
         self.step = step
@@ -109,6 +112,11 @@ class HostileSource:
         self.manifest = self.store.load_manifest(step, None)
         self.chunk_delay_s = chunk_delay_s
         self.availability = availability  # served as its availability record when set (404 otherwise)
+        self.availability_delay_s = availability_delay_s  # each availability answer comes this late
+        self.availability_requests = 0
+        self.fault_limit = fault_limit  # None: every faulty shard, every time
+        self.faults = 0  # faulty answers given so far
+        self.withdrawn = False  # "withdrawn" answered: the version is gone, availability included
         self.requests: Counter[int] = Counter()
         self.ranges: list[tuple[int, str]] = []
         self._stalled: list[asyncio.Event] = []
@@ -141,7 +149,13 @@ class HostileSource:
         else:
             start = 0
         faulty = self.fault is not None and (self.fault_shards is None or index in self.fault_shards)
+        if faulty and self.fault_limit is not None and self.faults >= self.fault_limit:
+            faulty = False
+        self.faults += faulty
         fault = self.fault if faulty else None
+        if fault == "withdrawn":  # what server.py answers once it dropped or pruned the version
+            self.withdrawn = True
+            return web.json_response({"error": "no such version"}, status=404)
         if fault == "404":
             return web.Response(status=404, text="no such shard")
         if fault == "503":
@@ -184,6 +198,11 @@ class HostileSource:
         return resp
 
     async def _availability(self, request: web.Request) -> web.Response:
+        self.availability_requests += 1
+        if self.availability_delay_s:
+            await asyncio.sleep(self.availability_delay_s)
+        if self.withdrawn:
+            return web.json_response({"error": "no such version"}, status=404)
         if self.availability is None:
             return web.Response(status=404, text="no availability records here")
         return web.Response(body=self.availability, content_type="application/json")
