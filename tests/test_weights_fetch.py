@@ -265,6 +265,14 @@ async def test_cancelled_fetch_stops_at_once_and_a_rerun_resumes(origin: Path, t
         task = asyncio.create_task(
             fetcher([source.url], tmp_path / "out", stall_timeout_s=60, chunk_bytes=8192).fetch()
         )
+        # Wait (bounded) for a transfer to send its half, then give the fetcher a second to take it in: on a
+        # loaded machine a fixed sleep from the start could end before any transfer began (nothing to resume).
+        for _ in range(300):
+            if source.stalled:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("no transfer sent its half within 30 s")
         await asyncio.sleep(1.0)
         began = loop.time()
         task.cancel()

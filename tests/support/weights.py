@@ -207,6 +207,11 @@ class HostileSource:
             return web.Response(status=404, text="no availability records here")
         return web.Response(body=self.availability, content_type="application/json")
 
+    @property
+    def stalled(self) -> int:
+        """Transfers that sent their half and now hold the connection open (the "stall" fault)."""
+        return len(self._stalled)
+
     async def start(self) -> str:
         app = web.Application()
         app.router.add_get(r"/v1/weights/{step:\d+}/availability", self._availability)
