@@ -125,6 +125,7 @@ def _accept(step: int, parsed: StageFile, last: bool) -> Outcome:
         # The reward curve counts a group's samples once: from the last stage's file.
         task_reward_sum=min(float(len(rows)), max(0.0, rewards)) if last else None,
         sample_ids=sample_ids(rows),
+        to_trainer=last,  # the group's samples reach the trainer once: in the last stage's file
     )
 
 

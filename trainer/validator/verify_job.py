@@ -59,6 +59,9 @@ class Outcome:
     # run's verifiers over every row, so these are the validator's numbers, not the sender's claims.
     task_reward_sum: float | None = None
     sample_ids: tuple[SampleId, ...] = ()  # what an accepted file's rows are, recorded with its verdict
+    # Whether an accepted file goes into the trainer's inbox: a rollout file always; of a pipelined group's stage
+    # files only the last stage's, which holds every sample (and the rollout proofs) once for the whole group.
+    to_trainer: bool = True
 
 
 def check_name(name: str) -> str:
