@@ -30,9 +30,10 @@ import torch
 
 from ...node.engine import HFEngine, InferenceEngine
 from ...node.pipeline.boundaries import BoundaryOracle, SampleBoundaries
-from ...node.pipeline.work import GroupBatch, work_for
+from ...node.pipeline.work import GroupBatch, frame_shapes, work_for
 from ...node.run.settings import RunSettings
 from ...node.run.validation import RunTasks
+from ...p2p.pipeline.errors import PipelineWireError
 from ...p2p.pipeline.layout import StageLayout
 from ...proofs.errors import ProofError
 from ...proofs.pipeline.blame import BlameThresholds, GroupVerdict, GroupWork, check_fraud, verify_group
@@ -203,6 +204,7 @@ def _judge_reports(
     tasks: RunTasks,
     eos: int,
     pad: int,
+    hidden_size: int,
     result: GroupOutcome,
 ) -> tuple[int, str] | None:
     """check_fraud on each report: an upheld one excuses its reporter (`pipeline_report_upheld`, not credited)
@@ -210,7 +212,7 @@ def _judge_reports(
     nothing is its reporter's fault (`pipeline_report`)."""
     upheld = None
     for d, received in reports.items():
-        report, claim = received.report, received.report.claim
+        claim = received.claim
         step = claim.policy_step
         if len(claim.members) != layout.stages:
             result.outcomes[d] = _reject(step, "run_parameters", f"a group of {len(claim.members)} stages")
@@ -232,10 +234,12 @@ def _judge_reports(
             eos,
             claim.micro_batch_size,
         )
-        try:
-            verdict = check_fraud(spec, report.evidence(), group_work)
-        except (IndexError, ProofError, ValueError) as exc:  # the claim does not fit its evidence (rows it
-            # does not hold, a tensor no commitment can be built for): the report's own fault, not the group's
+        try:  # the accused frame's declared shape is held to the schedule before its tensor is decoded
+            evidence = received.evidence(frame_shapes(work, hidden_size, layout.activation_dtype))
+            verdict = check_fraud(spec, evidence, group_work)
+        except (IndexError, ProofError, ValueError, PipelineWireError) as exc:  # the claim does not fit its
+            # evidence (a frame the schedule does not call for, rows it does not hold, a tensor no commitment can
+            # be built for): the report's own fault, not the group's (an honest receiver refuses such a frame unread)
             verdict = GroupVerdict(None, f"the evidence does not fit its claim: {exc!r}")
         if verdict.blamed is None:
             result.outcomes[d] = _reject(
@@ -337,7 +341,7 @@ def verify_group_files(
             result.outcomes[d] = _reject(0, check_name(exc.check), str(exc))
     if not parsed and not reports and not partials:
         return result
-    claims = [r.report.claim for r in reports.values()] + [p.report.claim for p in partials.values()]
+    claims = [r.claim for r in reports.values()] + [p.report.claim for p in partials.values()]
     step = next(iter(parsed.values())).batch[0] if parsed else claims[0].policy_step
     result.step = step
     by_stage: dict[int, int] = {}
@@ -366,7 +370,7 @@ def verify_group_files(
             f"a group's boundary prefill needs the transformers engine, not {type(engine).__name__}"
         )
     eos, pad = engine.eos_token_id, engine.pad_token_id
-    blamed = _judge_reports(reports, run, layout, tasks, eos, pad, result)
+    blamed = _judge_reports(reports, run, layout, tasks, eos, pad, engine.model.config.hidden_size, result)
     if blamed is not None:  # proven fraud: the batch is void; the accused's own file (if any) blamed with it
         stage, reason = blamed
         for k, d in by_stage.items():
