@@ -210,6 +210,16 @@ def _find_non_finite(value: Any, path: str) -> tuple[str, str] | None:
 
 def loads_strict(raw: bytes | str, what: str = "document") -> Any:
     """Decode a peer's JSON; WireFormatError (naming the place) for NaN, infinities, duplicate keys, bad JSON."""
+    return _decode_strict(raw, what, prefix=False)[0]
+
+
+def loads_strict_prefix(text: str, what: str = "document") -> tuple[Any, int]:
+    """The JSON value `text` starts with and the index (in characters) where it ends, as strictly as loads_strict:
+    for reading a document field by field, each checked before the next (a larger one) is parsed."""
+    return _decode_strict(text, what, prefix=True)
+
+
+def _decode_strict(raw: bytes | str, what: str, *, prefix: bool) -> tuple[Any, int]:
     seen_non_finite = False
 
     def constant(literal: str) -> _NonFinite:  # NaN, Infinity, -Infinity
@@ -229,8 +239,18 @@ def loads_strict(raw: bytes | str, what: str = "document") -> Any:
             out[key] = value
         return out
 
+    hooks: dict[str, Any] = {
+        "parse_constant": constant,
+        "parse_float": number,
+        "object_pairs_hook": unique_keys,
+    }
     try:
-        document = json.loads(raw, parse_constant=constant, parse_float=number, object_pairs_hook=unique_keys)
+        if prefix:
+            document, end = json.JSONDecoder(**hooks).raw_decode(
+                raw if isinstance(raw, str) else raw.decode()
+            )
+        else:
+            document, end = json.loads(raw, **hooks), len(raw)
     except WireFormatError:
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -241,4 +261,4 @@ def loads_strict(raw: bytes | str, what: str = "document") -> Any:
         raise WireFormatError(
             f"{what}{where}: {literal} is not a finite number; only finite numbers are allowed"
         )
-    return document
+    return document, end

@@ -241,11 +241,13 @@ def read_bounded(path: Path, limit: int, what: str) -> bytes:
                 raise RolloutFileError(
                     f"{what} {path} is {size} bytes, over the {limit}-byte limit", check="signature"
                 )
-            data = f.read(limit + 1)
+            # The file's size, not the limit: read(n) allocates n bytes up front (357 MiB for a fraud report's
+            # limit), whatever the file holds. One byte more shows a file that grew since fstat.
+            data = f.read(size + 1)
     except FileNotFoundError:
         raise RolloutFileError(f"{what} {path} does not exist", check="signature") from None
-    if len(data) > limit:  # grew while being read
-        raise RolloutFileError(f"{what} {path} is over the {limit}-byte limit", check="signature")
+    if len(data) != size:
+        raise RolloutFileError(f"{what} {path} changed while being read", check="signature")
     return data
 
 

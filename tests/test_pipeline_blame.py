@@ -17,6 +17,7 @@ from prime_node.node.engine.types import SamplingParams
 from prime_node.node.pipeline.boundaries import BoundaryOracle
 from prime_node.node.pipeline.group import HopSettings, StageRunner, run_group
 from prime_node.node.pipeline.stage import Outgoing
+from prime_node.p2p.pipeline.errors import PipelineWireError
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.proofs.pipeline.blame import GroupWork, check_fraud
 
@@ -108,6 +109,26 @@ def test_over_tcp_a_belied_commitment_dissolves_the_group_and_blames_its_sender(
     # The same evidence with the tensor the sender committed to proves nothing against it.
     honest = dataclasses.replace(evidence, tensor=b"\x00" * len(evidence.tensor))
     assert check_fraud(spec, honest, work).blamed is None
+
+
+def test_over_tcp_a_frame_wider_than_the_schedule_is_refused_before_its_tensor_is_read(
+    tcp_group, one_torch_thread: None
+) -> None:
+    (spec, processors, ids), _ = tcp_group
+
+    def widen(stage: int, out: Outgoing) -> Outgoing:  # a prefill padded far beyond the micro-batch's prompts
+        if stage == 0 and out.kind == "prefill":
+            rows, width, hidden = out.tensor.shape
+            return dataclasses.replace(out, tensor=out.tensor.new_zeros(rows, width + 1024, hidden))
+        return out
+
+    with pytest.raises(ExceptionGroup) as failure:
+        asyncio.run(run_group(spec, processors, ids, HopSettings(frame_timeout_s=10), tamper=widen))
+    # The receiver's reader names the schedule, from the header alone; stage 1's own check of a tensor it had
+    # read ("is not the batch's") is never reached.
+    assert failure.group_contains(
+        PipelineWireError, match="prefill frame declared as .* the schedule calls for"
+    )
 
 
 def test_a_stage_dropping_out_mid_batch_dissolves_the_group(tcp_group, one_torch_thread: None) -> None:

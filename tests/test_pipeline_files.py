@@ -179,8 +179,8 @@ def test_a_fraud_report_is_read_only_from_the_receiver_and_well_formed(made, tmp
     model = make_checkpoint(tmp_path / "model")
     spec, path = fraud_report_file(tmp_path, model, RUN, tasks, engine, members)
     received = read_fraud_report(path)
-    assert received.signer == members[1].node_id and received.report.claim.group_id == spec.group_id
-    assert received.report.hop.opening.stage == 0 and received.report.hop.headers[-1].kind == "prefill"
+    assert received.signer == members[1].node_id and received.claim.group_id == spec.group_id
+    assert received.hop.opening.stage == 0 and received.hop.headers[-1].kind == "prefill"
     envelope = json.loads(signature_path(path).read_bytes())
     batch = (envelope["policy_step"], envelope["batch_counter"])
     data = path.read_bytes()
@@ -359,3 +359,69 @@ def test_a_report_whose_claim_does_not_fit_its_evidence_is_its_reporters_fault(m
     outcome = judged.outcomes[0]
     assert not outcome.accepted and outcome.failed_check == REPORT_FAILED, outcome
     assert "does not fit its claim" in outcome.reason and not judged.accusations, outcome.reason
+
+
+def _signed_report(path: Path, data: bytes, signer: Identity, kind: str = "fraud") -> Path:
+    """`data` written over the report at `path`, under `signer`'s envelope for the group and batch it had."""
+    envelope = json.loads(signature_path(path).read_bytes())
+    batch = (envelope["policy_step"], envelope["batch_counter"])
+    path.write_bytes(data)
+    signed = sign_bytes(data, signer, batch=batch, group=envelope["group"], kind=kind)
+    signature_path(path).write_text(json.dumps(signed))
+    return path
+
+
+def test_a_strangers_report_is_refused_on_its_claim_before_the_rest_is_parsed(made, tmp_path: Path) -> None:  # noqa: ANN001
+    from prime_node.proofs.pipeline.reports import read_fraud_report, read_partial_report
+
+    _, tasks, engine, members = made
+    _, path = fraud_report_file(tmp_path, make_checkpoint(tmp_path / "model"), RUN, tasks, engine, members)
+    claim = json.dumps(json.loads(path.read_bytes())["claim"]).encode()
+    # The claim names the group and batch the envelope signs; what follows is 32 MiB that is not JSON at all.
+    junk = b'{"claim": ' + claim + b', "hop": ' + b"[" * (32 << 20) + b"}"
+    stranger = Identity.generate()
+    for kind, read in (("fraud", read_fraud_report), ("partial", read_partial_report)):
+        _signed_report(path, junk, stranger, kind)
+        with pytest.raises(RolloutFileError, match="signer is not a member of the group it names") as refused:
+            read(path)
+        assert refused.value.check == "signer"
+    # Signed by a member, the same bytes are read on, and the junk is named.
+    _signed_report(path, junk, members[1])
+    with pytest.raises(RolloutFileError, match="is not strict JSON at hop .or longer than its"):
+        read_fraud_report(path)
+
+
+def test_a_reports_frame_is_held_to_its_size_and_the_schedule_before_its_tensor_is_decoded(
+    made, tmp_path: Path
+) -> None:  # noqa: ANN001
+    from prime_node.proofs.pipeline.reports import read_fraud_report
+    from prime_node.trainer.validator.group_job import REPORT_FAILED, Delivery, verify_group_files
+
+    _, tasks, engine, members = made
+    _, path = fraud_report_file(tmp_path, make_checkpoint(tmp_path / "model"), RUN, tasks, engine, members)
+    document = json.loads(path.read_bytes())
+    header = document["hop"]["headers"][-1]
+    rows, width, hidden = header["shape"]
+    # A header declaring 64 MiB over a tensor of a few KiB: refused from the base64's length, nothing decoded.
+    header["shape"] = [rows, 4096, 4096]
+    _signed_report(path, json.dumps(document).encode(), members[1])
+    with pytest.raises(
+        RolloutFileError, match=r"base64 characters, where frame \d+ declares \[1, 4096, 4096\]"
+    ):
+        read_fraud_report(path)
+    # A header declaring the tensor's size in another shape than the schedule's: read, then refused by the
+    # schedule's shapes before the tensor is decoded (the reporter's fault, as a claim that does not fit).
+    header["shape"] = [rows, width * 2, hidden // 2]
+    _signed_report(path, json.dumps(document).encode(), members[1])
+    assert read_fraud_report(path).hop.headers[-1].shape == [rows, width * 2, hidden // 2]
+    assert RUN.pipeline is not None
+    judged = verify_group_files(
+        [Delivery(path, members[1].node_id, "fraud")],
+        RUN,
+        RUN.pipeline,
+        lambda step: (engine, tasks),
+        complete=True,
+    )
+    outcome = judged.outcomes[0]
+    assert not outcome.accepted and outcome.failed_check == REPORT_FAILED, outcome
+    assert "the schedule calls for" in outcome.reason and not judged.accusations, outcome.reason

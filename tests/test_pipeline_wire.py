@@ -22,6 +22,7 @@ from prime_node.p2p.pipeline.frames import (
     MAX_HEADER_BYTES,
     ChainReader,
     FrameReader,
+    FrameShapes,
     FrameWriter,
     chain_next,
     split_frames,
@@ -210,6 +211,64 @@ def test_a_silent_peer_times_out() -> None:
 
     with pytest.raises(PipelineWireError, match="sent no"):
         asyncio.run(scenario())
+
+
+# The batch of the frames below: one micro-batch of samples 0 and 1, prompts left-padded to 2, hidden size 4.
+SHAPES = FrameShapes(hidden_size=4, activation_dtype="float32", micro_batches=(((0, 1), 2),))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(rows=[0, 1], shape=[2, 4096, 4096]),  # 128 MiB: under the wire's bound, far over the schedule's
+        dict(rows=[0, 1], shape=[2, 2, 8]),  # another hidden size
+        dict(rows=[0, 1], shape=[2, 2, 4], dtype="bfloat16"),  # another dtype than the run's
+        dict(rows=[0, 2], shape=[2, 2, 4]),  # a row the micro-batch does not hold
+        dict(micro_batch=3, rows=[0, 1], shape=[2, 2, 4]),  # a micro-batch the batch does not have
+        dict(kind="decode", rows=[0, 1], shape=[2, 3, 4]),  # a decode frame of more than one position
+    ],
+)
+def test_a_frame_declaring_a_shape_the_schedule_does_not_call_for_is_refused_before_its_bytes(
+    fields: dict[str, object],
+) -> None:
+    # Only the header is on the stream: a reader that waited for the tensor would time out instead.
+    async def scenario() -> None:
+        w = writer()
+        stream = asyncio.StreamReader()
+        stream.feed_data(w.opening() + forged(w, header_of(b"", **fields), b""))
+        frames = FrameReader(stream, SPEC.reader(1, SHAPES), timeout_s=5.0)
+        await frames.read_opening()
+        await frames.read_frame()
+
+    with pytest.raises(
+        PipelineWireError, match="frame 1: .*(schedule calls for|not micro-batch|the batch has)"
+    ):
+        asyncio.run(scenario())
+
+
+def test_frames_the_schedule_calls_for_pass_its_shapes() -> None:
+    w = writer()
+    data = (
+        w.opening()
+        + activation(w, torch.randn(2, 2, 4))
+        + activation(w, torch.randn(1, 1, 4), kind="decode", rows=[1])
+        + w.frame(
+            kind="tokens",
+            micro_batch=0,
+            step=0,
+            rows=[0, 1],
+            tensor=torch.tensor([3, 4]),
+            dtype="int64",
+            commitment=b"",
+        )[0]
+        + w.end()[0]
+    )
+    assert [f.header.kind for f in split_frames(SPEC.reader(1, SHAPES), data)] == [
+        "prefill",
+        "decode",
+        "tokens",
+        "end",
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import tracemalloc
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,6 +19,7 @@ from prime_node.proofs.rollout_file import (
     encode_rows,
     envelope_batch,
     parse_envelope,
+    read_bounded,
     read_rollout_file,
     sign_bytes,
     signature_path,
@@ -131,6 +133,19 @@ def test_tampered_file_and_other_keys_are_rejected(tmp_path: Path):
     _rejects(path, "signed by", "signature")
     write_rollout_file(path, [_row()], KEY)
     _rejects(path, "expected", "signature", expected_signer=OTHER.node_id)
+
+
+def test_a_file_is_read_into_a_buffer_of_its_size_not_of_its_limit(tmp_path: Path):
+    # A fraud report's limit is 357 MiB: reading a small file into a buffer of the limit cost that much each time.
+    path = tmp_path / "small"
+    path.write_bytes(b"x" * 1000)
+    tracemalloc.start()
+    try:
+        assert read_bounded(path, 256 << 20, "file") == b"x" * 1000
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
 
 
 def test_size_limit_and_envelope_checked_before_parsing(tmp_path: Path):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -18,8 +20,12 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.swarm import RolloutEnvelope, Swarm
 from prime_node.p2p.swarm.group_records import GroupRecord
+from prime_node.p2p.swarm.handoff import stored_name
 from prime_node.proofs.pipeline.records import GroupSpec
-from prime_node.proofs.rollout_file import sign_bytes, signature_path
+from prime_node.proofs.pipeline.stage_file import StageFile, read_stage_file
+from prime_node.proofs.rollout_file import SIG_SUFFIX, sign_bytes, signature_path
+from prime_node.proofs.work_identity import sample_ids
+from prime_node.trainer.service.inbox import Inbox
 
 from support.pipeline_attacks import perturb_stage_
 from support.pipeline_files import drop_a_row, fraud_report_file, group_files, partial_report_files
@@ -80,7 +86,9 @@ async def _ledger(running, node_id: str) -> tuple[list[tuple[int, str | None]], 
     )
 
 
-async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tmp_path: Path, world) -> None:  # noqa: ANN001
+async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(
+    tmp_path: Path, world, caplog
+) -> None:  # noqa: ANN001
     checkpoint, engine, tasks = world
     honest = [Identity.generate() for _ in range(2)]
     cheat_group = [Identity.generate() for _ in range(2)]  # stage 0 computes with perturbed weights
@@ -187,12 +195,44 @@ async def test_groups_are_credited_blamed_and_timed_out_through_the_validator(tm
         assert (await _ledger(running, broken[0].node_id))[1:] == (0.0, 0, False)
         files, score, slashes, banned = await _ledger(running, broken[1].node_id)
         assert files == [(0, "pipeline")] and slashes == 1 and banned
-        # Stage files are credited, not delivered to the trainer (it reads rollout files): the spool empties.
+        # The accepted group's samples reach the trainer once: its last stage's file alone is in the trainer's
+        # inbox (stage 0's holds the same samples under its own node id); nothing of a rejected or excused group.
         await wait_until(lambda: _spool_empty(running), 10)
-        assert not (settings.resolved_data_dir() / "accepted").exists() or not any(
-            (settings.resolved_data_dir() / "accepted").iterdir()
-        )
+        accepted = settings.resolved_data_dir() / "accepted"
+        last = read_stage_file(made["honest"].paths[1])
+        _trains_on_the_group_once(accepted, last)
+        # After a crash between the verdict and the delivery, recovery delivers the same file again, alone.
+        shutil.rmtree(accepted)
+        for path, member in zip(made["honest"].paths, honest, strict=True):
+            entry = running.service.spool.entry(_envelope(path).sha256, member.node_id)
+            shutil.copyfile(path, entry.path)
+            shutil.copyfile(signature_path(path), entry.sig_path)
+        await running.service.recover()
+        assert await _spool_empty(running)
+        _trains_on_the_group_once(accepted, last)
+        # A stage file that is not the last stage's is refused by the trainer's inbox, should one get there.
+        stray = tmp_path / "stray"
+        stray.mkdir()
+        for suffix in ("", SIG_SUFFIX):
+            shutil.copyfile(f"{made['honest'].paths[0]}{suffix}", stray / f"stage0.parquet{suffix}")
+        with caplog.at_level(logging.WARNING):
+            assert Inbox(stray, RUN).read(stray / "stage0.parquet") is None
+        assert "the file of stage 0 of a 2-stage group" in caplog.text
         await asyncio.sleep(0)
+
+
+def _trains_on_the_group_once(accepted: Path, last: StageFile) -> None:
+    """The trainer's inbox offers exactly the group's last stage's file, read as the group's samples."""
+    inbox = Inbox(accepted, RUN, temperature=PIPELINED.temperature)
+    pending = inbox.pending()
+    assert [p.name for p in pending] == [f"{stored_name(last.sha256, last.signer)}.parquet"]
+    record = inbox.read(pending[0])
+    assert record is not None and record.file_id == last.sha256
+    assert [(s.prompt_ids, s.completion_ids) for s in record.samples] == [
+        (r.prompt_ids, r.output_ids) for r in last.rows
+    ]
+    assert [s.task_reward for s in record.samples] == [r.task_reward for r in last.rows]
+    assert [s.sample_id for s in record.samples] == [i.key() for i in sample_ids(last.rows)]
 
 
 async def test_a_group_claiming_a_far_future_step_is_refused_at_once_not_held(tmp_path: Path, world) -> None:  # noqa: ANN001

@@ -22,6 +22,7 @@ import copy
 import importlib
 import json
 import pkgutil
+import random
 import re
 import tempfile
 import types
@@ -476,11 +477,11 @@ def _partial_report() -> Carrier:
     report = PartialReport(claim=_CLAIM, record=SignedStageRecord.sign(record, NODE))
 
     def read(path: Path) -> Any:  # the member signs whatever record it sends, when it has a canonical form
-        document = json.loads(path.read_bytes())
-        try:
+        try:  # (a body that is not JSON at all is the reader's to refuse)
+            document = json.loads(path.read_bytes())
             payload = RECORD_DOMAIN + canonical_json(document["record"]["record"])
             document["record"]["signature"] = NODE.sign(payload).hex()
-        except (KeyError, TypeError, SignatureError):
+        except (KeyError, TypeError, ValueError, SignatureError):
             pass
         return read_partial_report(path)
 
@@ -1020,3 +1021,34 @@ def test_no_python_regex_relies_on_dollar() -> None:
                         f"{path.relative_to(root)}:{node.lineno} re.{node.func.attr}({node.args[0].value!r})"
                     )
     assert not found, f"use fullmatch (or \\Z) instead of $ in: {found}"
+
+
+@pytest.mark.parametrize("make", [_fraud_report, _partial_report], ids=["FraudReport", "PartialReport"])
+def test_a_reports_body_read_field_by_field_refuses_every_cut_and_flip_by_name(
+    make: Callable[[], Carrier],
+) -> None:
+    """The report reader parses its body a field at a time (the claim first, proofs/pipeline/reports.py): any
+    prefix of an honest body, and any byte of it changed, is read or refused with RolloutFileError, nothing else;
+    fields out of order, an extra one, and a stranger's signature over anything are refused."""
+    carrier = make()
+    honest = json.dumps(carrier.sample).encode()
+    carrier.parse(honest)
+    rng = random.Random(22)
+    for cut in range(0, len(honest), max(1, len(honest) // 120)):
+        with pytest.raises(RolloutFileError):
+            carrier.parse(honest[:cut])
+    for _ in range(300):
+        flipped = bytearray(honest)
+        flipped[rng.randrange(len(flipped))] = rng.choice(b'{}[]",:\\ 0aZ=+/\x00\xff')
+        try:
+            carrier.parse(bytes(flipped))
+        except RolloutFileError:
+            pass
+    reordered = dict(reversed(list(carrier.sample.items())))
+    with pytest.raises(RolloutFileError, match="does not hold 'claim' as its field 1"):
+        carrier.parse(json.dumps(reordered).encode())
+    with pytest.raises(RolloutFileError, match="holds more than its"):
+        carrier.parse(json.dumps({**carrier.sample, "zzz": 1}).encode())
+    for forged in carrier.forged:
+        with pytest.raises(RolloutFileError):
+            forged(honest)

@@ -27,6 +27,7 @@ from .driver import GroupSpec, Tamper, deliver_checked, stage_record
 from .errors import FraudDetected
 from .hops import LoopbackHops
 from .stage import Outgoing, StageProcessor
+from .work import frame_shapes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,7 +53,10 @@ class StageRunner:
         self.spec, self.stage, self.processor, self.identity, self.hop = spec, stage, processor, identity, hop
         self.tamper = tamper
         self.writer = FrameWriter(identity, spec.opening(stage))
-        self.chain = spec.reader(stage)  # refuses an opening for another group, batch or stage
+        # Refuses an opening for another group, batch or stage, and a frame declaring a shape the batch's schedule
+        # does not call for before its tensor is read (the wire allows far more than any frame of a batch).
+        shapes = frame_shapes(processor.work, processor.model.config.hidden_size, processor.dtype)
+        self.chain = spec.reader(stage, shapes)
         self.fraud: HopFraud | None = None  # evidence when the predecessor sent a frame its commitment belies
         # (what, micro-batch, start, end) on the monotonic clock: "compute" spans of this stage and "flight"
         # spans of its frames on the hop; benchmarks/pipeline.py and the tests read the overlap from them.

@@ -14,6 +14,7 @@ from functools import cached_property
 
 import torch
 
+from ...p2p.pipeline.frames import FrameShapes, WireDtype
 from ...proofs.assignment import Assignment, assign
 from ...proofs.pipeline.schedule import micro_batches
 from ..engine.types import SampleRequest, SamplingParams
@@ -50,6 +51,16 @@ class PipelineWork:
             ids[b, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             mask[b, longest - len(prompt) :] = 1
         return ids, mask
+
+
+def frame_shapes(work: PipelineWork, hidden_size: int, activation_dtype: WireDtype) -> FrameShapes:
+    """What each frame of a stream of this batch may declare (every hop: prefill and decode activations of
+    `hidden_size` in `activation_dtype`, tokens in int64), held against its header before its tensor is read."""
+    return FrameShapes(
+        hidden_size,
+        activation_dtype,
+        tuple((tuple(rows), max(len(work.requests[r].prompt_ids) for r in rows)) for rows in work.schedule),
+    )
 
 
 def real_rows(states: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

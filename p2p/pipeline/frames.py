@@ -158,6 +158,47 @@ def check_header(header: FrameHeader, max_tensor_bytes: int) -> int:
     return size
 
 
+@dataclass(frozen=True)
+class FrameShapes:
+    """What the batch's schedule lets each frame of a stream declare, compared with its header before a byte of
+    its tensor is read (or a buffer for it allocated): the wire bound (MAX_TENSOR_BYTES) is far above any frame a
+    batch calls for, and the receiver knows exactly which shape it awaits.
+
+    `micro_batches`: per micro-batch, its rows (sample ids, in row order) and its prefill width (its longest
+    prompt, which every row is left-padded to)."""
+
+    hidden_size: int
+    activation_dtype: WireDtype
+    micro_batches: tuple[tuple[tuple[int, ...], int], ...]
+
+    def check(self, header: FrameHeader) -> None:
+        """PipelineWireError naming the frame when its declared micro-batch, rows, shape or dtype are not ones the
+        schedule calls for; the receiving stage still checks steps and row order once the frame is read."""
+        if header.kind == "end":
+            return
+        at = f"frame {header.index}"
+        if header.micro_batch >= len(self.micro_batches):
+            raise PipelineWireError(
+                f"{at}: micro-batch {header.micro_batch}; the batch has {len(self.micro_batches)}"
+            )
+        rows, width = self.micro_batches[header.micro_batch]
+        if not set(header.rows) <= set(rows) or (header.kind == "prefill" and header.rows != list(rows)):
+            raise PipelineWireError(
+                f"{at}: rows {header.rows[:8]} are not micro-batch {header.micro_batch}'s {list(rows)[:8]}"
+            )
+        n = len(header.rows)
+        expected: tuple[list[int], WireDtype] = {
+            "prefill": ([n, width, self.hidden_size], self.activation_dtype),
+            "decode": ([n, 1, self.hidden_size], self.activation_dtype),
+            "tokens": ([n], "int64"),
+        }[header.kind]
+        if (header.shape, header.dtype) != expected:
+            raise PipelineWireError(
+                f"{at}: a {header.kind} frame declared as {header.shape} {header.dtype}; the schedule calls for "
+                f"{expected[0]} {expected[1]}"
+            )
+
+
 class FrameWriter:
     """Encodes a stream: signs the opening and every frame's chain head with the sender's identity."""
 
@@ -232,6 +273,7 @@ class ChainReader:
         max_tensor_bytes: int = MAX_TENSOR_BYTES,
         *,
         expected: StreamOpening | None = None,
+        shapes: FrameShapes | None = None,
     ) -> None:
         self.expected_sender = expected_sender
         # The whole opening a stage awaits (group, batch, stage...): without it a predecessor could send its
@@ -240,6 +282,9 @@ class ChainReader:
         self.expected = expected
         self.layout = layout
         self.max_tensor_bytes = max_tensor_bytes
+        self.shapes = (
+            shapes  # what the schedule calls for: every header is held to it before its tensor is read
+        )
         self.opening: StreamOpening | None = None
         self.head = b""
         self.index = 0
@@ -277,7 +322,10 @@ class ChainReader:
         header = _parse(FrameHeader, raw, f"frame {self.index + 1}")
         if header.index != self.index + 1:
             raise PipelineWireError(f"frame {header.index} arrived where frame {self.index + 1} was due")
-        return header, check_header(header, self.max_tensor_bytes), head
+        size = check_header(header, self.max_tensor_bytes)
+        if self.shapes is not None:
+            self.shapes.check(header)
+        return header, size, head
 
     def tensor(self, header: FrameHeader, head: bytes, signature: bytes, data: bytes) -> Frame:
         if hashlib.sha256(data).hexdigest() != header.tensor_sha256:

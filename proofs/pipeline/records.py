@@ -19,7 +19,7 @@ from pydantic import Field, StringConstraints, ValidationError
 
 from ...p2p.errors import SignatureError, UnsignableDocument
 from ...p2p.identity import Identity
-from ...p2p.pipeline.frames import ChainReader, Frame, FrameHeader, StreamOpening, tensor_bytes
+from ...p2p.pipeline.frames import ChainReader, Frame, FrameHeader, FrameShapes, StreamOpening, tensor_bytes
 from ...p2p.pipeline.layout import StageLayout
 from ...p2p.signing import canonical_json, is_valid_signature
 from ...p2p.wire import NodeId, Sha256Hex, WireFormatError, WireModel, describe, loads_strict
@@ -64,10 +64,11 @@ class GroupSpec:
             sender=self.members[stage],
         )
 
-    def reader(self, stage: int) -> ChainReader:
-        """The reader of the stream `stage` receives: it refuses any opening but its predecessor's exact one."""
+    def reader(self, stage: int, shapes: FrameShapes | None = None) -> ChainReader:
+        """The reader of the stream `stage` receives: it refuses any opening but its predecessor's exact one, and
+        with `shapes` (the batch's schedule) any frame declaring another shape before its tensor is read."""
         sender = (stage - 1) % self.layout.stages
-        return ChainReader(self.members[sender], self.layout, expected=self.opening(sender))
+        return ChainReader(self.members[sender], self.layout, expected=self.opening(sender), shapes=shapes)
 
 
 class HopRecord(WireModel):

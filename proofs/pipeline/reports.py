@@ -13,26 +13,34 @@ and sent so far, each prefix signed by its sender, and the tokens it knows; proo
 stage whose own output deviates from its input, if one provably did. Signed by the record's member.
 
 Both bodies are one JSON object holding the batch claim (run id, policy step, batch, members in stage order,
-prompts and micro-batch size: with the group, the assigned work) and the evidence. The reader bounds the size
-before parsing, checks the envelope's signature first, then the schema (a one-line error naming the field), that
-the envelope signs these members' group and this batch, and who may sign it.
+prompts and micro-batch size: with the group, the assigned work) and the evidence, its fields in sorted order
+(the claim first, as the writer's sorted keys put them). The reader bounds the size, checks the envelope's
+signature over the bytes, then reads the body one field at a time, each checked before the next, larger one is
+parsed: the claim (at most 16 KiB), which the envelope must sign (the members' group, this batch) and whose
+members must include the signer, so a stranger's report costs a hash and a 16 KiB parse, never its bulk; then
+the evidence, with a one-line error naming the field. A fraud report's tensor is not decoded by the reader: its
+base64 length must be the size the accused frame's header declares, and `ReceivedReport.evidence` decodes it
+only once that header is the shape the batch's schedule calls for (p2p/pipeline/frames.py FrameShapes).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from pydantic import Field, StringConstraints, ValidationError
 
 from ...p2p.identity import Identity
-from ...p2p.pipeline.frames import MAX_TENSOR_BYTES
+from ...p2p.pipeline.errors import PipelineWireError
+from ...p2p.pipeline.frames import MAX_TENSOR_BYTES, FrameShapes, check_header
 from ...p2p.pipeline.layout import MAX_STAGES
-from ...p2p.wire import NodeId, WireFormatError, WireModel, describe, loads_strict
+from ...p2p.wire import NodeId, WireFormatError, WireModel, loads_strict_prefix, printable
 from ..rollout_file import (
     MAX_SIG_BYTES,
     SIG_FORMAT_STAGE,
@@ -48,7 +56,15 @@ from ..rollout_file import (
 from ..rollout_schema import RolloutFileError
 from .records import MAX_RECORD_BYTES, MAX_SAMPLES, HopFraud, HopRecord, SignedStageRecord, group_id_of
 
-MAX_REPORT_BYTES = MAX_TENSOR_BYTES * 4 // 3 + (16 << 20)  # the tensor in base64, and the stream's headers
+MAX_CLAIM_BYTES = 16 << 10  # a claim: up to 64 members of 64 hex digits, a run id, a few numbers
+MAX_HOP_BYTES = 16 << 20  # the accused's stream up to the frame: its headers with their TOPLOC commitments
+# The tensor in base64, the stream, the claim.
+MAX_REPORT_BYTES = MAX_TENSOR_BYTES * 4 // 3 + MAX_HOP_BYTES + MAX_CLAIM_BYTES
+_WS = rb"[ \t\n\r]*"  # JSON's whitespace
+_OBJECT = re.compile(_WS + rb"\{")
+_CLOSE = re.compile(_WS + rb"\}" + _WS)
+_BASE64 = re.compile(rb'"([A-Za-z0-9+/]*={0,2})"')
+Model = TypeVar("Model", bound=WireModel)
 Base64 = Annotated[
     str, StringConstraints(pattern=r"^[A-Za-z0-9+/]*={0,2}$", max_length=MAX_TENSOR_BYTES * 4 // 3 + 4)
 ]
@@ -72,10 +88,7 @@ class BatchClaim(WireModel):
 class FraudReport(WireModel):
     claim: BatchClaim
     hop: HopRecord  # the accused's stream, up to and including the frame its tensor belies
-    tensor: Base64  # that frame's raw tensor bytes
-
-    def evidence(self) -> HopFraud:
-        return HopFraud(self.hop, base64.b64decode(self.tensor, validate=True))
+    tensor: Base64  # that frame's raw tensor bytes (the reader keeps it undecoded: ReceivedReport)
 
 
 class PartialReport(WireModel):
@@ -87,9 +100,20 @@ class PartialReport(WireModel):
 
 @dataclass(frozen=True)
 class ReceivedReport:
-    report: FraudReport
+    """A fraud report as read: its claim and the accused's stream parsed, its tensor still base64."""
+
+    claim: BatchClaim
+    hop: HopRecord  # the accused's stream, up to and including the frame its tensor belies
     signer: str  # the reporter: the hop's receiver
     sha256: str
+    tensor: memoryview = field(repr=False)  # base64 of exactly the size the accused frame's header declares
+
+    def evidence(self, shapes: FrameShapes | None = None) -> HopFraud:
+        """The evidence, its tensor decoded only once the accused frame's header is one `shapes` (the batch's
+        schedule) calls for: PipelineWireError naming it otherwise; binascii.Error for base64 that is not."""
+        if shapes is not None:
+            shapes.check(self.hop.headers[-1])
+        return HopFraud(self.hop, binascii.a2b_base64(self.tensor, strict_mode=True))
 
 
 @dataclass(frozen=True)
@@ -142,14 +166,67 @@ def _bad(kind: str, message: str) -> RolloutFileError:
     return RolloutFileError(f"{kind} report {message}", check="bounds")
 
 
-def _read(
-    path: Path,
-    kind: str,
-    model: type[FraudReport] | type[PartialReport],
-    limit: int,
-    expected_signer: str | None,
-) -> tuple[FraudReport | PartialReport, str, str]:
-    """The report at `path` of `kind`, its envelope's signature checked before a byte of it is parsed."""
+class _Body:
+    """A report's JSON object read one top-level field at a time, in the order its writer's sorted keys put them,
+    so that each is checked before the next (a larger one) is parsed; no field but those asked for, in that order."""
+
+    def __init__(self, data: bytes, kind: str) -> None:
+        opening = _OBJECT.match(data)
+        if opening is None:
+            raise _bad(kind, "is not a JSON object")
+        self.data, self.kind, self.at, self.fields = data, kind, opening.end(), 0
+
+    def _key(self, name: str) -> None:
+        comma = _WS + rb"," if self.fields else b""
+        key = re.compile(comma + _WS + b'"' + name.encode() + b'"' + _WS + b":" + _WS).match(
+            self.data, self.at
+        )
+        if key is None:
+            raise _bad(
+                self.kind, f"does not hold {name!r} as its field {self.fields + 1} (fields in sorted order)"
+            )
+        self.at, self.fields = key.end(), self.fields + 1
+
+    def value(self, name: str, model: type[Model], limit: int) -> Model:
+        """The next field, `name`: strict JSON of at most `limit` bytes, of `model`'s schema."""
+        self._key(name)
+        head = self.data[self.at : self.at + limit]
+        over = f" (or longer than its {limit}-byte bound)" if len(head) == limit else ""
+        try:  # an incremental decoder: a cut through a multi-byte character at `limit` is not an error
+            text = codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+            document, end = loads_strict_prefix(text, f"{self.kind} report's {name}")
+        except UnicodeDecodeError as exc:
+            raise _bad(self.kind, f"is not UTF-8 at {name}: {exc.reason}") from None
+        except WireFormatError as exc:
+            raise _bad(self.kind, f"is not strict JSON at {name}{over}: {exc}") from None
+        self.at += len(text[:end].encode())
+        try:
+            return model.model_validate(document)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join([name, *(printable(str(part))[:40] for part in first["loc"])])
+            raise _bad(self.kind, f"is malformed at {where}: {first['msg']}") from None
+
+    def base64(self, name: str) -> memoryview:
+        """The next field, `name`: a base64 string, not decoded (a view of the body's bytes)."""
+        self._key(name)
+        string = _BASE64.match(self.data, self.at)
+        if string is None:
+            raise _bad(self.kind, f"is malformed at {name}: not a base64 string")
+        self.at = string.end()
+        return memoryview(self.data)[string.start(1) : string.end(1)]
+
+    def close(self) -> None:
+        if _CLOSE.fullmatch(self.data, self.at) is None:
+            raise _bad(self.kind, f"holds more than its {self.fields} fields")
+
+
+def _open(
+    path: Path, kind: str, limit: int, expected_signer: str | None
+) -> tuple[_Body, BatchClaim, str, str]:
+    """The report at `path` of `kind`: its envelope's signature checked over the bytes, then only its claim parsed,
+    which must be the envelope's group and batch and name the signer among the members. (The body, the claim's
+    members, and the envelope's signer, which the claim's group id binds, are all the validator has to go by.)"""
     path = Path(path)
     envelope = parse_envelope(read_bounded(signature_path(path), MAX_SIG_BYTES, "signature file"))
     group = envelope_group(envelope)
@@ -161,46 +238,61 @@ def _read(
         )
     data = read_bounded(path, limit, f"{kind} report")
     signer = verify_envelope(data, envelope, expected_signer)
-    try:
-        report = model.model_validate(loads_strict(data, f"{kind} report"))
-        if isinstance(report, FraudReport):
-            report.evidence()
-    except WireFormatError as exc:
-        raise _bad(kind, f"is not strict JSON: {exc}") from None
-    except ValidationError as exc:
-        raise _bad(kind, f"is malformed {describe(exc)}") from None
-    except (binascii.Error, ValueError) as exc:
-        raise _bad(kind, f"is malformed at tensor: {exc}") from None
-    claim = report.claim
+    body = _Body(data, kind)
+    claim = body.value("claim", BatchClaim, MAX_CLAIM_BYTES)
     if claim.group_id != group or envelope_batch(envelope) != (claim.policy_step, claim.batch):
         raise RolloutFileError(
             "the envelope signs another group or batch than the report names", check="signer"
         )
-    return report, signer, envelope["sha256"]
+    if signer not in claim.members:
+        raise RolloutFileError(
+            f"the {kind} report's signer is not a member of the group it names; the rest is not read",
+            check="signer",
+        )
+    return body, claim, signer, envelope["sha256"]
 
 
 def read_fraud_report(path: Path, expected_signer: str | None = None) -> ReceivedReport:
-    """A fraud report as the validator reads it; RolloutFileError naming the check (and the field)."""
-    report, signer, sha256 = _read(path, "fraud", FraudReport, MAX_REPORT_BYTES, expected_signer)
-    assert isinstance(report, FraudReport)
-    members = report.claim.members
-    receiver = (report.hop.opening.stage + 1) % len(members)
-    if report.hop.opening.stage >= len(members) or members[receiver] != signer:
+    """A fraud report as the validator reads it; RolloutFileError naming the check (and the field). The tensor's
+    base64 length must be the size the accused frame's header declares; it is decoded only by `evidence`."""
+    body, claim, signer, sha256 = _open(path, "fraud", MAX_REPORT_BYTES, expected_signer)
+    hop = body.value("hop", HopRecord, MAX_HOP_BYTES)
+    members = claim.members
+    receiver = (hop.opening.stage + 1) % len(members)
+    if hop.opening.stage >= len(members) or members[receiver] != signer:
         raise RolloutFileError(
             "the report's signer is not the receiver of the stream it accuses", check="signer"
         )
-    return ReceivedReport(report, signer, sha256)
+    if not hop.headers:
+        raise _bad("fraud", "is malformed at hop.headers: no frame to accuse")
+    header = hop.headers[-1]
+    try:
+        size = check_header(header, MAX_TENSOR_BYTES)
+    except PipelineWireError as exc:
+        raise _bad("fraud", f"is malformed at hop.headers: {exc}") from None
+    tensor = body.base64("tensor")
+    if len(tensor) != 4 * -(-size // 3):
+        raise _bad(
+            "fraud",
+            f"is malformed at tensor: {len(tensor)} base64 characters, where frame {header.index} declares "
+            f"{header.shape} {header.dtype} ({size} bytes)",
+        )
+    body.close()
+    return ReceivedReport(claim, hop, signer, sha256, tensor)
 
 
 def read_partial_report(path: Path, expected_signer: str | None = None) -> ReceivedPartial:
     """A member's partial record as the validator reads it: its own, for its own stage, signed by it."""
-    report, signer, sha256 = _read(path, "partial", PartialReport, MAX_RECORD_BYTES + 4096, expected_signer)
-    assert isinstance(report, PartialReport)
-    record, members = report.record.record, report.claim.members
+    body, claim, signer, sha256 = _open(
+        path, "partial", MAX_RECORD_BYTES + MAX_CLAIM_BYTES + 64, expected_signer
+    )
+    signed = body.value("record", SignedStageRecord, MAX_RECORD_BYTES)
+    body.close()
+    record, members = signed.record, claim.members
     if record.node_id != signer or record.stage >= len(members) or members[record.stage] != signer:
         raise RolloutFileError(
             "the partial record is not its signer's, for its signer's stage", check="signer"
         )
-    if not report.record.is_authentic():
+    if not signed.is_authentic():
         raise _bad("partial", "is malformed at record.signature: not the member's signature over its record")
-    return ReceivedPartial(report, signer, sha256)
+    return ReceivedPartial(PartialReport.model_construct(claim=claim, record=signed), signer, sha256)

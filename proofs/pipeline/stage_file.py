@@ -121,6 +121,11 @@ class StageFile:
     def batch(self) -> tuple[int, int]:
         return batch_of(list(self.rows))
 
+    @property
+    def last(self) -> bool:
+        """Whether this is the group's last stage: its file is the one whose rows an accepted group trains on."""
+        return self.stage == len(self.members) - 1
+
 
 def _bad(column: str, message: str) -> RolloutFileError:
     return RolloutFileError(f"column {column!r}: {message}", check="bounds")

@@ -1,5 +1,11 @@
 """The trainer's inbox: accepted rollout files `<sha256>-<node_id>.parquet` + `.parquet.sig` from validators.
 
+Two formats arrive: rollout files (v2), and the last stage's file of a pipelined group whose batch was accepted
+(proofs/pipeline/stage_file.py, v3): it holds every column of a rollout file for the group's samples, their
+rewards the ones the validator recomputed and checked. A validator forwards only that stage's file of a group
+(trainer/validator/service.py); every other member's file holds the same samples under its own node id, so the
+inbox refuses any but the last stage's, and the group's samples are trained on once.
+
 The validator (trainer/validator/spool.py `deliver`) writes the signature first and renames the Parquet file into place
 last, so a `*.parquet` seen here is complete. Even so every file is read with the full reader
 (proofs/rollout_file.py: size limits, the node's signature over the exact bytes, the pinned schema, value
@@ -19,8 +25,17 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...proofs.rollout_file import SIG_SUFFIX, read_rollout_file
-from ...proofs.rollout_schema import RolloutFileError, RolloutLimits
+from ...proofs.pipeline.stage_file import read_stage_file
+from ...proofs.rollout_file import (
+    MAX_SIG_BYTES,
+    SIG_SUFFIX,
+    envelope_group,
+    parse_envelope,
+    read_bounded,
+    read_rollout_file,
+    signature_path,
+)
+from ...proofs.rollout_schema import RolloutFileError, RolloutLimits, RolloutRow
 from ...proofs.work_identity import first_repeat, sample_ids
 from .batch_buffer import RolloutRecord, RolloutSample
 
@@ -56,6 +71,22 @@ def record_from_rows(sha256: str, rows: tuple) -> RolloutRecord:
     return RolloutRecord(file_id=sha256, policy_step=steps.pop(), samples=samples)
 
 
+def read_accepted(path: Path, limits: RolloutLimits) -> tuple[str, tuple[RolloutRow, ...]]:
+    """(SHA-256, rows) of an accepted file, fully verified: a rollout file, or a group's last stage's file."""
+    envelope = parse_envelope(read_bounded(signature_path(path), MAX_SIG_BYTES, "signature file"))
+    if envelope_group(envelope) is None:
+        verified = read_rollout_file(path, limits)
+        return verified.sha256, verified.rows
+    stage = read_stage_file(path, limits)  # refuses a group's other kinds of file (reports)
+    if not stage.last:
+        raise RolloutFileError(
+            f"the file of stage {stage.stage} of a {len(stage.members)}-stage group: a group's samples are "
+            "trained on from its last stage's file alone (every member's holds them)",
+            check="bounds",
+        )
+    return stage.sha256, stage.rows
+
+
 @dataclass
 class Inbox:
     """Lists and reads the accepted files of one run; remembers files already handled in this process."""
@@ -85,10 +116,10 @@ class Inbox:
     def read(self, path: Path) -> RolloutRecord | None:
         """The file's record, or None (logged, and not offered again) when it is unreadable or foreign."""
         try:
-            verified = read_rollout_file(path, self.limits)
-            if any(r.run_id != self.run_id for r in verified.rows):
+            sha256, rows = read_accepted(path, self.limits)
+            if any(r.run_id != self.run_id for r in rows):
                 raise RolloutFileError(f"rows belong to another run than {self.run_id!r}", check="bounds")
-            other = {r.temperature for r in verified.rows} - {self.temperature}
+            other = {r.temperature for r in rows} - {self.temperature}
             if self.temperature is not None and other:
                 raise RolloutFileError(
                     f"rows were sampled at temperature {min(other)!r}, the run's is "
@@ -96,7 +127,7 @@ class Inbox:
                     "it does not pin the run's sampling; check its [run] section",
                     check="bounds",
                 )
-            return record_from_rows(verified.sha256, verified.rows)
+            return record_from_rows(sha256, rows)
         except RolloutFileError as exc:
             logger.warning("skipping accepted-rollout file %s: %s", path.name, exc)
             self.mark_done(path)

@@ -35,9 +35,10 @@ import torch
 
 from ...node.engine import HFEngine, InferenceEngine
 from ...node.pipeline.boundaries import BoundaryOracle, SampleBoundaries
-from ...node.pipeline.work import GroupBatch, work_for
+from ...node.pipeline.work import GroupBatch, frame_shapes, work_for
 from ...node.run.settings import RunSettings
 from ...node.run.validation import RunTasks
+from ...p2p.pipeline.errors import PipelineWireError
 from ...p2p.pipeline.layout import StageLayout
 from ...proofs.errors import ProofError
 from ...proofs.pipeline.blame import BlameThresholds, GroupVerdict, GroupWork, check_fraud, verify_group
@@ -89,7 +90,7 @@ def claimed_group(parsed: Parsed) -> tuple[str, tuple[str, ...], int, int]:
     """(group id, members in stage order, policy step, batch) a parsed delivery names."""
     if isinstance(parsed, StageFile):
         return parsed.group_id, parsed.members, *parsed.batch
-    claim = parsed.report.claim
+    claim = parsed.claim if isinstance(parsed, ReceivedReport) else parsed.report.claim
     return claim.group_id, tuple(claim.members), claim.policy_step, claim.batch
 
 
@@ -159,6 +160,7 @@ def _accept(step: int, parsed: StageFile, last: bool, share: float) -> Outcome:
         task_reward_sum=min(float(len(rows)), max(0.0, rewards)) if last else None,
         sample_ids=sample_ids(rows),
         credit_share=share,
+        to_trainer=last,  # the group's samples reach the trainer once: in the last stage's file
     )
 
 
@@ -240,6 +242,7 @@ def _judge_reports(
     tasks: RunTasks,
     eos: int,
     pad: int,
+    hidden_size: int,
     result: GroupOutcome,
 ) -> tuple[int, str] | None:
     """check_fraud on each report: an upheld one excuses its reporter (`pipeline_report_upheld`, not credited)
@@ -247,7 +250,7 @@ def _judge_reports(
     nothing is its reporter's fault (`pipeline_report`)."""
     upheld = None
     for d, received in reports.items():
-        report, claim = received.report, received.report.claim
+        claim = received.claim
         step = claim.policy_step
         if len(claim.members) != layout.stages:
             result.outcomes[d] = _reject(step, "run_parameters", f"a group of {len(claim.members)} stages")
@@ -269,10 +272,12 @@ def _judge_reports(
             eos,
             claim.micro_batch_size,
         )
-        try:
-            verdict = check_fraud(spec, report.evidence(), group_work)
-        except (IndexError, ProofError, ValueError) as exc:  # the claim does not fit its evidence (rows it
-            # does not hold, a tensor no commitment can be built for): the report's own fault, not the group's
+        try:  # the accused frame's declared shape is held to the schedule before its tensor is decoded
+            evidence = received.evidence(frame_shapes(work, hidden_size, layout.activation_dtype))
+            verdict = check_fraud(spec, evidence, group_work)
+        except (IndexError, ProofError, ValueError, PipelineWireError) as exc:  # the claim does not fit its
+            # evidence (a frame the schedule does not call for, rows it does not hold, a tensor no commitment can
+            # be built for): the report's own fault, not the group's (an honest receiver refuses such a frame unread)
             verdict = GroupVerdict(None, f"the evidence does not fit its claim: {exc!r}")
         if verdict.blamed is None:
             result.outcomes[d] = _reject(
@@ -376,7 +381,7 @@ def verify_group_files(
             parsed[d] = read
     if not parsed and not reports and not partials:
         return result
-    claims = [r.report.claim for r in reports.values()] + [p.report.claim for p in partials.values()]
+    claims = [r.claim for r in reports.values()] + [p.report.claim for p in partials.values()]
     step = next(iter(parsed.values())).batch[0] if parsed else claims[0].policy_step
     result.step = step
     by_stage: dict[int, int] = {}
@@ -405,7 +410,7 @@ def verify_group_files(
             f"a group's boundary prefill needs the transformers engine, not {type(engine).__name__}"
         )
     eos, pad = engine.eos_token_id, engine.pad_token_id
-    blamed = _judge_reports(reports, run, layout, tasks, eos, pad, result)
+    blamed = _judge_reports(reports, run, layout, tasks, eos, pad, engine.model.config.hidden_size, result)
     if blamed is not None:  # proven fraud: the batch is void; the accused's own file (if any) blamed with it
         stage, reason = blamed
         for k, d in by_stage.items():

@@ -39,6 +39,7 @@ from ...p2p.swarm import Admitted, HandoffBusy, HandoffRefused, ReceivedRollout,
 from ...p2p.swarm.handoff import DeliveryKey, RolloutReceiver, body_deadline_s
 from ...p2p.verdicts import Signed, Verdict, sign
 from ...p2p.weights.store import Store
+from ...proofs.pipeline.stage_file import read_stage_file
 from ...proofs.rollout_schema import RolloutFileError
 from ..ledger import AsyncLedger, BanEntry, DuplicateWork, Ledger
 from .admission import Admission
@@ -267,7 +268,12 @@ class ValidatorService:
             signed = await self.ledger.verdict_for(entry.sha256, envelope.node_id)
             group = _group_key(envelope)
             if signed is not None:  # decided before the crash: only delivery and removal may be missing
-                await self._finish(entry, signed, to_trainer=group is None)
+                to_trainer = group is None or (
+                    signed.document.accepted
+                    and envelope.kind == "stage"
+                    and await asyncio.to_thread(self._last_stage, entry)
+                )
+                await self._finish(entry, signed, to_trainer=to_trainer)
                 continue
             job = Job(
                 entry,
@@ -590,11 +596,20 @@ class ValidatorService:
         )
         for ban in result.new_bans:
             await self.publish_ban(ban)
-        await self._finish(job.entry, result.verdict, to_trainer=job.group is None)
+        await self._finish(job.entry, result.verdict, to_trainer=outcome.to_trainer)
         self.admission.finished(job.key)
 
+    def _last_stage(self, entry: SpooledFile) -> bool:
+        """Whether an accepted stage file is its group's last stage's (recovery: its outcome is gone). Blocking."""
+        try:
+            return read_stage_file(entry.path, self.verifier.file_limits()).last
+        except RolloutFileError as exc:  # it was accepted, so it read before: the spool entry is damaged
+            logger.warning("accepted stage file %s no longer reads (%s); not delivered", entry.path, exc)
+            return False
+
     async def _finish(self, entry: SpooledFile, signed: Signed[Verdict], *, to_trainer: bool = True) -> None:
-        # A stage file is credited but not delivered: the trainer reads rollout files (v2), not stage files (v3).
+        # A rollout file, or the last stage's file of an accepted group (`Outcome.to_trainer`): the trainer trains
+        # on its rows. The other stages' files hold the same samples under their own node ids: credited only.
         if signed.document.accepted and to_trainer:
             await asyncio.to_thread(deliver, entry, self.accepted_dir)
         await asyncio.to_thread(self.spool.remove, entry)

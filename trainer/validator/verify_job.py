@@ -62,6 +62,9 @@ class Outcome:
     # The share of one unit of work an accepted file is credited: 1 for a rollout file, a stage's share of the
     # model's layers for a pipelined group's stage file (group_job.layer_share).
     credit_share: float = 1.0
+    # Whether an accepted file goes into the trainer's inbox: a rollout file always; of a pipelined group's stage
+    # files only the last stage's, which holds every sample (and the rollout proofs) once for the whole group.
+    to_trainer: bool = True
 
 
 def check_name(name: str) -> str:
