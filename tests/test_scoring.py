@@ -25,6 +25,15 @@ def _pid(scorer: BoundedScorer) -> int:
     return scorer._worker.process.pid
 
 
+def test_the_worker_warms_an_environment_up_at_load_and_again_after_a_breach() -> None:
+    env = HostileScorerEnvironment(LIMITS, warm_up_s=LIMITS.wall_s + 0.5)
+    task = env.get(3)
+    with BoundedScorer(LIMITS) as scorer:
+        assert scorer.score(env, "warmed", task) == 1.0  # warm_up ran at load, outside the 2 s of the score
+        assert scorer.score(env, "hang", task) == 0.0
+        assert scorer.score(env, "warmed", task) == 1.0  # the replacement worker was warmed up too
+
+
 def test_each_breach_costs_one_zero_and_a_fresh_worker_then_honest_scores_work() -> None:
     env = HostileScorerEnvironment(LIMITS)
     task = env.get(3)

@@ -65,7 +65,14 @@ class ScoringLimits(BaseModel):
 
 @runtime_checkable
 class Environment(Protocol):
-    """Tasks and their scorer. `get` and `score` must be pure functions of the configuration and inputs."""
+    """Tasks and their scorer. `get` and `score` must be pure functions of the configuration and inputs.
+
+    An environment may also define `warm_up() -> None` (optional, not part of the protocol's required surface):
+    the scoring worker calls it once when it loads the environment, under the load's generous time limit, so
+    that lazy imports and first-use caches (sympy's parsers, say) are not paid inside one completion's
+    wall-clock limit. Without it, a worker replacing one a breach killed could score an honest completion 0 on a
+    busy machine.
+    """
 
     @property
     def spec(self) -> str:

@@ -152,6 +152,10 @@ class MathEnvironment:
         check_index(index, len(self._tasks), self.path)
         return self._tasks[index]
 
+    def warm_up(self) -> None:
+        """math-verify's imports and its LaTeX grammar, built once in the scoring worker before any score."""
+        score_math("\\boxed{0.5}", "\\frac{1}{2}")
+
     def score(self, completion: str, task: Task) -> float:
         return score_math(completion, task.answer)
 

@@ -89,7 +89,11 @@ def main() -> int:
             request = pickle.loads(payload)
             if request[0] == "load":
                 _limit_cpu(LOAD_CPU_S)
-                environments[request[1]] = pickle.loads(request[2])
+                environment = pickle.loads(request[2])
+                warm_up = getattr(environment, "warm_up", None)
+                if callable(warm_up):  # imports and first-use caches, outside any score's wall clock
+                    warm_up()
+                environments[request[1]] = environment
                 _reply(replies, {"ok": True})
                 continue
             _, key, completion, task, cpu_s = request

@@ -2,7 +2,10 @@
 
 The completion says what the scorer does: `hang` loops forever (a wall-clock or a CPU-time
 breach, whichever limit is lower), `alloc` allocates without bound, `exit` ends the interpreter (os._exit),
-`segfault` crashes it in C, `raise` raises, `nan` returns NaN, `sleep:S` sleeps S seconds, and anything else
+`segfault` crashes it in C, `raise` raises, `nan` returns NaN, `sleep:S` sleeps S seconds, `warmed` scores 1.0
+only when `warm_up` ran in this process (the worker calls it at load, outside a score's wall clock; it takes
+`warm_up_s`, which the warm-up test sets above the wall-clock limit, as lazy imports can take on a busy
+machine), and anything else
 is honest: 1.0 when it equals the task's answer, else 0.0. It is importable by the worker process because
 the worker inherits the parent's sys.path.
 """
@@ -18,8 +21,9 @@ from prime_node.node.environments.types import Task
 
 
 class HostileScorerEnvironment:
-    def __init__(self, limits: ScoringLimits) -> None:
+    def __init__(self, limits: ScoringLimits, *, warm_up_s: float = 0.0) -> None:
         self._limits = limits
+        self._warm_up_s = warm_up_s  # how long warm_up takes (the warm-up test: longer than one score may)
 
     @property
     def spec(self) -> str:
@@ -38,6 +42,10 @@ class HostileScorerEnvironment:
     def __len__(self) -> int:
         return 10
 
+    def warm_up(self) -> None:
+        time.sleep(self._warm_up_s)
+        self.warmed = True
+
     def get(self, index: int) -> Task:
         return Task(prompt=f"say {index}", answer=str(index), task_type="exact")
 
@@ -48,7 +56,9 @@ class HostileScorerEnvironment:
         if completion == "alloc":
             hoard = []
             while True:
-                hoard.append(bytearray(16 * 1024 * 1024))
+                # bytes(n) is calloc'ed: the address space runs out (RLIMIT_AS, a MemoryError) at once, without
+                # first writing a gibibyte of zeros, which a busy machine can make slower than the wall-clock limit.
+                hoard.append(bytes(16 * 1024 * 1024))
         if completion == "exit":
             os._exit(3)
         if completion == "segfault":
@@ -57,6 +67,8 @@ class HostileScorerEnvironment:
             raise ValueError("a scorer that is not total")
         if completion == "nan":
             return float("nan")
+        if completion == "warmed":
+            return 1.0 if getattr(self, "warmed", False) else 0.0
         if completion.startswith("sleep:"):
             time.sleep(float(completion.removeprefix("sleep:")))
             return 0.5
