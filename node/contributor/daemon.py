@@ -57,6 +57,7 @@ MIB = 1 << 20
 
 class ContributorNode:
     rollout_loop: type[RolloutLoop] = RolloutLoop  # the devnet's adversaries substitute a cheating loop
+    pipeline_stage: type[PipelineStage] = PipelineStage  # ... or, with --pipeline, a cheating stage
 
     def __init__(self, settings: StartSettings, *, gpu: bool = False) -> None:
         if settings.operator_key is None:
@@ -239,7 +240,7 @@ class ContributorNode:
         sup.spawn("verdicts", verdicts.run())
         sup.spawn("leaderboard", run_leaderboard(api, state, s.leaderboard_refresh_s))
         if s.pipeline.enabled:  # a stage of the operator's groups instead of whole batches alone
-            stage = PipelineStage(
+            stage = self.pipeline_stage(
                 s,
                 identity,
                 swarm,

@@ -42,9 +42,10 @@ from ...proofs.rollout_file import signature_path
 from ..engine.hf import eos_and_pad
 from ..environments import Environment
 from ..pipeline.batch_marks import BatchMarks
+from ..pipeline.driver import Tamper
 from ..pipeline.group import HopSettings
 from ..pipeline.hops import SwarmHops
-from ..pipeline.host import BatchDone, BatchLost, StageHost
+from ..pipeline.host import BatchDone, BatchLost, LoadStage, StageHost
 from ..pipeline.member import MemberSettings, PipelineMember
 from ..pipeline.offer import measure_layer_throughput
 from ..pipeline.rollouts import write_member_file, write_member_partial, write_member_report
@@ -66,6 +67,11 @@ _TASKS_KEPT = 2  # checkpoints whose tasks (tokenizer) stay loaded: the current 
 
 
 class PipelineStage:
+    # Hooks for the devnet's adversaries (trainer/devnet/pipeline_attacks.py, substituted by node/cli/adversary.py);
+    # production nodes never set them.
+    tamper: Tamper | None = None
+    load_stage: LoadStage = staticmethod(StageModel.load)  # type: ignore[assignment]
+
     def __init__(
         self,
         settings: StartSettings,
@@ -122,6 +128,8 @@ class PipelineStage:
             self._on_batch,
             on_lost=self._on_lost,
             marks=self.marks,
+            tamper=self.tamper,
+            load_stage=self.load_stage,
             retry_s=p.retry_s,
         )
         member = PipelineMember(
@@ -178,7 +186,7 @@ class PipelineStage:
 
     def _measure(self, step: int) -> float:
         stage = min(self.offered)
-        model = StageModel.load(self.keeper.store.checkpoint_dir(step), self.layout, stage)
+        model = self.load_stage(self.keeper.store.checkpoint_dir(step), self.layout, stage)
         return measure_layer_throughput(model)
 
     # ----- group changes and the group's work ---------------------------------------------------------------

@@ -81,6 +81,8 @@ class BatchLost:
 
 # The checkpoint directory of a policy step (a node holds several; a group is for one step).
 CheckpointFor = Callable[[int], Path]
+# How a stage's slice of the checkpoint is loaded (StageModel.load; the devnet's adversaries substitute one).
+LoadStage = Callable[[Path, StageLayout, int], StageModel]
 
 
 class StageHost:
@@ -98,6 +100,7 @@ class StageHost:
         on_lost: Callable[[BatchLost], Awaitable[None]] | None = None,
         marks: BatchMarks | None = None,
         tamper: Tamper | None = None,
+        load_stage: LoadStage = StageModel.load,
         retry_s: float = 0.5,
         stop_timeout_s: float = STOP_TIMEOUT_S,
     ) -> None:
@@ -107,6 +110,7 @@ class StageHost:
         self.on_lost = on_lost
         self.marks = marks if marks is not None else BatchMarks(None)
         self.tamper = tamper  # fault injection (tests, the devnet's adversaries); None in production
+        self.load_stage = load_stage
         self.retry_s, self.stop_timeout_s = retry_s, stop_timeout_s
         self.task: asyncio.Task[None] | None = None
         self.in_flight: tuple[str, int] | None = None  # (group id, batch) being generated now
@@ -147,7 +151,7 @@ class StageHost:
         if stage is None:
             raise PipelineError(f"group {group.group_id[:16]}… does not name this node")
         checkpoint = self.checkpoint(group.policy_step)
-        model = await asyncio.to_thread(StageModel.load, checkpoint, self.layout, stage)
+        model = await asyncio.to_thread(self.load_stage, checkpoint, self.layout, stage)
         try:
             await self._batches(group, stage, model)
         finally:
