@@ -125,3 +125,18 @@ def test_the_cheating_stages_cheat_as_described(tmp_path: Path) -> None:
     settings = StartSettings(operator_key=key, data_dir=tmp_path / "adv")
     with pytest.raises(NodeError, match="give --pipeline"):
         adversary_node("stage-weights", settings)
+    # As the daemon uses them: through an instance of the adversary's stage class.
+    pipelined = settings.model_copy(
+        update={"pipeline": settings.pipeline.model_copy(update={"enabled": True})}
+    )
+    for kind in ("stage-uncommitted", "stage-weights"):
+        stage_class = adversary_node(kind, pipelined).pipeline_stage
+        stage = object.__new__(stage_class)  # the hooks only: no swarm, keeper or outbox behind it
+        if kind == "stage-uncommitted":
+            assert stage.tamper is not None and not torch.equal(
+                stage.tamper(0, prefill).tensor, prefill.tensor
+            )
+        else:
+            assert stage.tamper is None
+            loaded = stage.load_stage(model, layout, 1)
+            assert not torch.equal(next(loaded.layers.parameters()), next(honest.layers.parameters()))

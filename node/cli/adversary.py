@@ -64,7 +64,8 @@ def adversary_node(attack: str, settings: StartSettings) -> ContributorNode:
         stage_class = type(
             f"AttackStage[{attack}]",
             (PipelineStage,),
-            {"tamper": cheat.tamper, "load_stage": staticmethod(cheat.load_stage)},
+            # staticmethod: plain functions, not methods of the stage (a class attribute would bind `self`).
+            {"tamper": staticmethod(cheat.tamper), "load_stage": staticmethod(cheat.load_stage)},
         )
         return type("AdversaryNode", (ContributorNode,), {"pipeline_stage": stage_class})(settings)
     loop_class = type(f"AttackLoop[{attack}]", (AttackLoop,), {"attack": attack})
