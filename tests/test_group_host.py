@@ -94,7 +94,7 @@ async def test_a_stage_cancelled_while_its_stream_closes_ends_there(
     await host.stop("killed")
     assert time.monotonic() - started < 1.0
     assert after_close == []
-    assert host.abandoned == [("cd" * 32, 7, "killed")]
+    assert list(host.abandoned) == [("cd" * 32, 7, "killed")]
 
 
 async def test_close_gives_up_on_a_peer_that_stops_reading(stalled_stream: asyncio.StreamWriter) -> None:

@@ -4,7 +4,9 @@ It is the contributor daemon (`prime-node start`: same flags, own key and data d
 verified checkpoint fetch, outbox and hand-off to a validator) with the rollout producer swapped for one
 of trainer/devnet/attacks.py. Once the operator's ban of it shows up in the DHT it stops generating (its
 files would be refused at the door anyway) and idles until stopped, so it does not steal CPU from the
-honest nodes of a one-machine devnet.
+honest nodes of a one-machine devnet. A pipeline attack (trainer/devnet/pipeline_attacks.py, with
+`--pipeline`) is a `start --pipeline` node whose stage is loaded or sends otherwise; once banned, the operator's
+coordinator no longer puts it in a group.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...trainer.devnet.attacks import ATTACKS, attack_producer
+from ...trainer.devnet.pipeline_attacks import PIPELINE_ATTACKS
 from ...trainer.errors import TrainerError
 from ..contributor.daemon import ContributorNode
+from ..contributor.pipeline_stage import PipelineStage
 from ..contributor.rollout_loop import RolloutLoop
 from ..contributor.settings import StartSettings
 from ..errors import NodeError
@@ -52,7 +56,18 @@ class AttackLoop(RolloutLoop):
 
 
 def adversary_node(attack: str, settings: StartSettings) -> ContributorNode:
-    """A ContributorNode whose rollout loop cheats with `attack`."""
+    """A ContributorNode whose rollout loop (or, for a pipeline attack, whose stage) cheats with `attack`."""
+    if attack in PIPELINE_ATTACKS:
+        if not settings.pipeline.enabled:
+            raise NodeError(f"attack {attack} is a pipeline stage's: give --pipeline too")
+        cheat = PIPELINE_ATTACKS[attack]
+        stage_class = type(
+            f"AttackStage[{attack}]",
+            (PipelineStage,),
+            # staticmethod: plain functions, not methods of the stage (a class attribute would bind `self`).
+            {"tamper": staticmethod(cheat.tamper), "load_stage": staticmethod(cheat.load_stage)},
+        )
+        return type("AdversaryNode", (ContributorNode,), {"pipeline_stage": stage_class})(settings)
     loop_class = type(f"AttackLoop[{attack}]", (AttackLoop,), {"attack": attack})
     node_class = type("AdversaryNode", (ContributorNode,), {"rollout_loop": loop_class})
     return node_class(settings)
@@ -64,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="A devnet contributor that cheats in one way (for demos and tests). Any other argument is "
         "a `prime-node start` flag.",
     )
-    parser.add_argument("--attack", required=True, choices=sorted(ATTACKS), help="how to cheat")
+    parser.add_argument(
+        "--attack", required=True, choices=sorted([*ATTACKS, *PIPELINE_ATTACKS]), help="how to cheat"
+    )
     return parser
 
 

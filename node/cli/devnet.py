@@ -28,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "devnet", help="run a whole swarm on this machine (trainer, validator, contributors, cheaters)"
     )
     SettingsFlags(p, CommonSettings)
-    p.add_argument("--nodes", type=int, default=3, help="honest contributors (default %(default)s)")
+    p.add_argument(
+        "--nodes", type=int, default=None, help="honest contributors (default 3; 1 with --pipeline)"
+    )
     p.add_argument("--adversaries", type=int, default=1, help="cheating contributors (default %(default)s)")
     p.add_argument(
         "--attacks",
@@ -88,6 +90,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=12,
         help="accepted files after which a synthetic run stops (default %(default)s)",
     )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="a pipeline devnet: the run cut into two stages, --pipeline-nodes `start --pipeline` nodes in "
+        "groups the trainer forms, adversaries cheating as stages (docs/devnet.md)",
+    )
+    p.add_argument(
+        "--pipeline-nodes",
+        type=int,
+        default=4,
+        help="honest pipeline nodes with --pipeline (default %(default)s: two groups of two stages)",
+    )
     p.add_argument("--run-id", default="devnet", help="run id (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the final report as JSON (no live view)")
     p.set_defaults(handler=devnet)
@@ -107,9 +121,15 @@ def devnet(args: argparse.Namespace) -> int:
     settings = load_settings(args, CommonSettings)
     env = args.env or DEFAULT_ENV
     open_environment(env)  # a bad or missing environment stops here, before any process starts
+    if args.nodes is None:
+        args.nodes = 1 if args.pipeline else 3
     for name in ("nodes", "steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1")
+    if args.pipeline and args.pipeline_nodes < 1:
+        raise ConfigError("--pipeline-nodes must be at least 1")
+    if args.pipeline and args.synthetic:
+        raise ConfigError("--pipeline and --synthetic do not go together yet")
     if args.synthetic_files < 1:
         raise ConfigError("--synthetic-files must be at least 1")
     if args.adversaries < 0:
@@ -127,7 +147,7 @@ def devnet(args: argparse.Namespace) -> int:
         root=root,
         model_dir=(args.model or data_dir / "models" / "tiny").expanduser().resolve(),
         nodes=args.nodes,
-        attacks=attack_kinds(args.adversaries, args.attacks),
+        attacks=attack_kinds(args.adversaries, args.attacks, pipeline=args.pipeline),
         steps=args.steps,
         run_id=args.run_id,
         sizing=sizing,
@@ -135,6 +155,7 @@ def devnet(args: argparse.Namespace) -> int:
         task_filter=None if args.all_tasks else TaskFilter(env=env),
         progress=not args.json,
         synthetic=SyntheticOptions(args.synthetic_files) if args.synthetic else None,
+        pipeline_nodes=args.pipeline_nodes if args.pipeline else 0,
     )
     # With --json, stdout carries only the report: the view's lines go to stderr, plain, and no bar is drawn.
     view = LiveView(args.steps, Console(stderr=True), live=False) if args.json else LiveView(args.steps)

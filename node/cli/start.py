@@ -1,4 +1,5 @@
-"""`prime-node start [--gpu]`: run a contributor node until SIGINT/SIGTERM (exit 0 after a clean stop)."""
+"""`prime-node start [--gpu] [--pipeline]`: run a contributor node until SIGINT/SIGTERM (exit 0 after a clean
+stop); with --pipeline it serves a stage of the operator's pipelined groups (docs/pipeline.md)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         Flag("status_port"),
         Flag("max_batches"),
         Flag("serve_weights"),
+        Flag("pipeline.enabled", "--pipeline"),
+        Flag("pipeline.stages", "--stages", nargs="+", metavar="STAGE"),
+        Flag("pipeline.micro_batch_size"),
     )
     p.set_defaults(handler=start)
 

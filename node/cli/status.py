@@ -55,5 +55,15 @@ def status(args: argparse.Namespace) -> int:
         lines.append(f"leaderboard:    {report.leaderboard_status}")
     if report.serving_weights is not None:
         lines.append(f"serving:        verified checkpoints at {report.serving_weights}")
+    stage = report.pipeline
+    if stage is not None:
+        group = (
+            "no group" if stage.group_id is None else f"stage {stage.stage} of group {stage.group_id[:16]}…"
+        )
+        lines.append(
+            f"pipeline:       {group}; {stage.batches} batches, {stage.abandoned} abandoned; "
+            f"{stage.stage_files} stage files, {stage.fraud_reports} fraud reports, "
+            f"{stage.partial_records} partial records"
+        )
     print("\n".join(lines))
     return 0

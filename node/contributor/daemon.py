@@ -4,8 +4,10 @@ Order of start (stopped in reverse): preflight checks -> the DHT child process (
 initialises CUDA) -> signal handlers -> the CUDA check for --gpu -> join the swarm -> status API ->
 optional weights server (when reachable) -> tasks: the swarm's heartbeat and the weights server's rescans
 (started by those components, supervised here), policy watcher, checkpoint fetcher, peers/bans watcher,
-weights advertiser, hand-off, verdicts, leaderboard, rollout loop. A crashed task stops the node with a
-non-zero exit; SIGINT/SIGTERM stop it cleanly within `shutdown_timeout_s` with exit code 0.
+weights advertiser, hand-off, verdicts, leaderboard, and the rollout loop, or with --pipeline
+(`pipeline.enabled`) the pipeline member in its place (pipeline_stage.py: its stage offer, the groups it joins,
+its stage task, per group, supervised here as well). A crashed task stops the node with a non-zero exit;
+SIGINT/SIGTERM stop it cleanly within `shutdown_timeout_s` with exit code 0.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .checkpoints import CheckpointKeeper
 from .delivery import Delivery
 from .leaderboard import run_leaderboard
 from .outbox import Outbox
+from .pipeline_stage import PipelineStage
 from .preflight import (
     check_cuda,
     check_cuda_visible,
@@ -54,6 +57,7 @@ MIB = 1 << 20
 
 class ContributorNode:
     rollout_loop: type[RolloutLoop] = RolloutLoop  # the devnet's adversaries substitute a cheating loop
+    pipeline_stage: type[PipelineStage] = PipelineStage  # ... or, with --pipeline, a cheating stage
 
     def __init__(self, settings: StartSettings, *, gpu: bool = False) -> None:
         if settings.operator_key is None:
@@ -235,7 +239,23 @@ class ContributorNode:
         sup.spawn("hand-off", delivery.run())
         sup.spawn("verdicts", verdicts.run())
         sup.spawn("leaderboard", run_leaderboard(api, state, s.leaderboard_refresh_s))
-        sup.spawn("rollout-loop", rollouts())
+        if s.pipeline.enabled:  # a stage of the operator's groups instead of whole batches alone
+            stage = self.pipeline_stage(
+                s,
+                identity,
+                swarm,
+                keeper,
+                outbox,
+                state,
+                self.data_dir,
+                environment=environment,
+                on_committed=delivery.committed,
+                supervise=sup.supervise,
+                request_stop=sup.request_stop,
+            )
+            sup.spawn("pipeline-member", stage.run())
+        else:
+            sup.spawn("rollout-loop", rollouts())
         logger.info(
             "node %s… started: status API on %s:%s, data in %s",
             identity.node_id[:16],

@@ -14,6 +14,7 @@ __all__ = ["NodeMetrics", "CONTENT_TYPE_LATEST", "STAGES", "VERDICTS"]
 
 STAGES = ("generated", "handed_off")  # label `stage` of prime_node_contributor_rollout_files_total
 VERDICTS = ("accepted", "rejected")  # label `verdict` of prime_node_contributor_verdicts_total
+STAGE_FILES = ("stage", "fraud", "partial")  # label `kind` of prime_node_contributor_stage_files_total
 P = "prime_node_contributor_"
 
 
@@ -61,6 +62,24 @@ class NodeMetrics:
         self.tokens_per_second = Gauge(
             P + "tokens_per_second", "Generation throughput of the last batch", registry=r
         )
+        # A pipeline node's stage (`start --pipeline`): batches its stage finished or abandoned, and what it wrote
+        # for its validator (a stage file per finished batch; a fraud report or a partial record per broken one).
+        self.stage_batches = Counter(
+            P + "stage_batches_total", "Pipelined batches this node's stage finished", registry=r
+        )
+        self.stage_batches_abandoned = Counter(
+            P + "stage_batches_abandoned_total",
+            "Pipelined batches this node's stage abandoned (a peer gone or late, a frame refused, the group left)",
+            registry=r,
+        )
+        self.stage_files = Counter(
+            P + "stage_files_total",
+            "Files this pipeline stage wrote for its validator, by kind",
+            ["kind"],
+            registry=r,
+        )
+        for kind in STAGE_FILES:
+            self.stage_files.labels(kind=kind)
         self.weights = WeightsServerMetrics(r)  # filled when the node serves weights (serve_weights)
 
     def render(self) -> bytes:

@@ -16,12 +16,49 @@ from ...p2p.swarm.config import SwarmConfig
 from ...p2p.weights.fetch import FetchSettings
 from ...p2p.weights.server import ServeSettings
 from ...p2p.wire import is_hex64
-from ..config import CommonSettings
+from ..config import CommonSettings, Section
 from ..engine import EngineSettings
 from ..run.settings import MOVED_TO_RUN, RunSettings
 from ..runtime.metrics import PORTS
 
 KEY_FILE_NAME = "node.key"
+
+
+class PipelineNodeSettings(Section):
+    """Serving a stage of pipelined groups (`start --pipeline`; docs/pipeline.md, "The pipeline node")."""
+
+    enabled: bool = Field(
+        False,
+        description="Serve a stage of the operator's pipelined groups instead of generating rollouts alone "
+        "(the run must announce a stage layout, run.pipeline).",
+    )
+    stages: list[int] = Field(
+        default_factory=list,
+        max_length=64,
+        description="The stages of the run's layout this node offers; empty: every stage.",
+    )
+    micro_batch_size: int = Field(
+        2, ge=1, le=4096, description="Samples per micro-batch of a group's batch (stage 0 cuts the batch)."
+    )
+    poll_s: float = Field(
+        5.0, gt=0, le=600, description="How often group records and heartbeats are read (and offers renewed)."
+    )
+    stale_after_s: float = Field(
+        45.0,
+        gt=0,
+        le=3600,
+        description="A member whose heartbeat is older than this is gone (as the trainer's).",
+    )
+    round_grace_s: float = Field(
+        10.0, ge=0, le=600, description="How long a group of an older round is still run after a newer round."
+    )
+    frame_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="Longest wait for a neighbour's next frame."
+    )
+    connect_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="Longest wait for a neighbour's stream, either way."
+    )
+    retry_s: float = Field(0.5, gt=0, le=600, description="Pause after a batch was abandoned.")
 
 
 class StartSettings(CommonSettings):
@@ -38,6 +75,9 @@ class StartSettings(CommonSettings):
         default_factory=RunSettings, description="Run parameters shared with validators."
     )
     swarm: SwarmConfig = Field(default_factory=SwarmConfig, description="DHT membership and hand-off limits.")
+    pipeline: PipelineNodeSettings = Field(
+        default_factory=PipelineNodeSettings, description="Serving a stage of pipelined groups."
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings, description="Inference engine.")
     fetch: FetchSettings = Field(default_factory=FetchSettings, description="Checkpoint download.")
     serve_weights: bool = Field(False, description="Serve verified checkpoints to other peers over HTTP.")
@@ -126,6 +166,16 @@ class StartSettings(CommonSettings):
     def _consistent(self) -> StartSettings:
         if self.fetch_retry_s > self.max_retry_s or self.handoff_retry_s > self.max_retry_s:
             raise ValueError("fetch_retry_s and handoff_retry_s must not exceed max_retry_s")
+        layout = self.run.pipeline
+        if self.pipeline.enabled and layout is None:
+            raise ValueError(
+                "pipeline.enabled (--pipeline) needs the run's stage layout: set run.pipeline (e.g. "
+                "PRIME_NODE_RUN__PIPELINE='{\"boundaries\": [0, 2, 4]}'), as the run announces it"
+            )
+        if layout is not None and any(not 0 <= k < layout.stages for k in self.pipeline.stages):
+            raise ValueError(
+                f"pipeline.stages {self.pipeline.stages}: the run's layout has stages 0 to {layout.stages - 1}"
+            )
         for network in self.peer_weights_networks:
             try:
                 ipaddress.ip_network(network, strict=False)

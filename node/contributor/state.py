@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from .metrics import VERDICTS, NodeMetrics
-from .status import LeaderboardEntry, NodeStatus, RolloutCounts
+from .status import LeaderboardEntry, NodeStatus, PipelineStatus, RolloutCounts
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class NodeState:
     leaderboard_status: str = "not asked yet"
     awaiting_verdicts: int = 0
     serving_weights: str | None = None
+    pipeline: PipelineStatus | None = None  # set on a --pipeline node
 
     def set_announced(self, step: int) -> None:
         self.announced_step = step
@@ -78,6 +79,25 @@ class NodeState:
             self.tokens_per_second = tokens / seconds
             self.metrics.tokens_per_second.set(self.tokens_per_second)
 
+    def count_stage_batch(self) -> None:
+        """A pipelined batch this node's stage finished."""
+        assert self.pipeline is not None
+        self.pipeline.batches += 1
+        self.metrics.stage_batches.inc()
+
+    def count_stage_abandoned(self, count: int) -> None:
+        """`count` more pipelined batches this node's stage abandoned."""
+        assert self.pipeline is not None
+        self.pipeline.abandoned += count
+        self.metrics.stage_batches_abandoned.inc(count)
+
+    def count_stage_file(self, kind: str) -> None:
+        """kind: stage, fraud or partial (a file written for the validator and put in the outbox)."""
+        assert self.pipeline is not None
+        field_name = {"stage": "stage_files", "fraud": "fraud_reports", "partial": "partial_records"}[kind]
+        setattr(self.pipeline, field_name, getattr(self.pipeline, field_name) + 1)
+        self.metrics.stage_files.labels(kind=kind).inc()
+
     def error(self, message: str) -> None:
         """Remember the last problem for `prime-node status` (the caller logs it)."""
         self.last_error = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {message}"[:500]
@@ -100,4 +120,5 @@ class NodeState:
             leaderboard_status=self.leaderboard_status,
             awaiting_verdicts=self.awaiting_verdicts,
             serving_weights=self.serving_weights,
+            pipeline=None if self.pipeline is None else self.pipeline.model_copy(),
         )

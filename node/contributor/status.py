@@ -47,6 +47,20 @@ class LeaderboardEntry(BaseModel):
     fetched_at: float = 0.0  # unix time of the answer
 
 
+class PipelineStatus(BaseModel):
+    """A pipeline node's stage (`start --pipeline`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_id: str | None = Field(None, description="The group this node runs a stage of, if any.")
+    stage: int | None = None
+    batches: int = Field(0, description="Batches its stage finished (each a stage file).")
+    abandoned: int = Field(0, description="Batches its stage abandoned.")
+    stage_files: int = 0
+    fraud_reports: int = 0
+    partial_records: int = 0
+
+
 class NodeStatus(BaseModel):
     """What `prime-node status` shows; also the JSON body of GET /status."""
 
@@ -72,6 +86,7 @@ class NodeStatus(BaseModel):
     serving_weights: str | None = Field(
         None, description="URL of this node's weights server, when it serves."
     )
+    pipeline: PipelineStatus | None = Field(None, description="The pipeline stage, on a --pipeline node.")
 
 
 class DaemonNotRunning(NodeError):

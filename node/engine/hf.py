@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
 from ...proofs.gumbel import MAX_SEED, gumbel_noise, perturbed_scores
 from ..errors import EngineError
@@ -116,9 +116,7 @@ class HFEngine:
                 f"{type(model).__name__} has no output embeddings (LM head); it cannot generate"
             )
         config = model.config
-        self.eos_token_id = _single_eos(eos_token_id if eos_token_id is not None else config.eos_token_id)
-        # The pad id only fills masked slots; any valid id works when the config names none.
-        self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else self.eos_token_id
+        self.eos_token_id, self.pad_token_id = eos_and_pad(config, eos_token_id)
         self.vocab_size = int(self.head.weight.shape[0])
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         self.device = str(next(model.parameters()).device.type)
@@ -351,6 +349,14 @@ class HFEngine:
                     f"request {i}: prompt ({len(request.prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) "
                     f"exceeds the model's {self.max_positions} positions"
                 )
+
+
+def eos_and_pad(config: PretrainedConfig, eos_token_id: int | None = None) -> tuple[int, int]:
+    """The EOS id generation stops on and the id padding uses, from the model's config (`eos_token_id`
+    overrides the config's EOS): what HFEngine and a pipeline stage (which loads no whole model) both use."""
+    eos = _single_eos(eos_token_id if eos_token_id is not None else config.eos_token_id)
+    # The pad id only fills masked slots; any valid id works when the config names none.
+    return eos, config.pad_token_id if config.pad_token_id is not None else eos
 
 
 def _single_eos(eos: int | list[int] | None) -> int:

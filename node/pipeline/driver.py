@@ -84,7 +84,7 @@ def run_loopback(
         raise
     except PipelineError as exc:  # a frame the schedule does not call for: every member's partial record
         partial = [
-            stage_record(k, identities[k], readers[k], writers[k], _known_tokens(processors[k]))
+            stage_record(k, identities[k], readers[k], writers[k], known_tokens(processors[k]))
             for k in range(stages)
         ]
         raise BatchBroken(str(exc), partial) from exc
@@ -96,7 +96,7 @@ def run_loopback(
     return processors[-1].completions(), records
 
 
-def _known_tokens(processor: StageProcessor) -> list[list[int]]:
+def known_tokens(processor: StageProcessor) -> list[list[int]]:
     """The tokens a stage knows mid-batch: stage 0 those it received, the last stage those it sampled."""
     first_or_last = processor.model.first or processor.model.last
     return [list(t) for t in processor.outputs.tokens] if first_or_last else []

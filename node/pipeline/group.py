@@ -122,6 +122,9 @@ class StageRunner:
     async def _unless_hung_up(self, hangup: asyncio.Task[bytes], waiting: Coroutine[Any, Any, T]) -> T:
         """`waiting`'s result, or PipelineWireError as soon as the successor closes our stream."""
         task = asyncio.create_task(waiting, name=f"pipeline-wait-stage{self.stage}")
+        # Cancelled below when the successor hangs up (or we are stopped), it may still end with its own error
+        # (the stream it read closed at the same moment): an outcome here, not an error to log.
+        task.add_done_callback(_retrieve)
         try:
             await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -151,7 +154,7 @@ class StageRunner:
         self.timeline.append(("flight", outgoing.micro_batch, queued, queued + self.hop.delay_s))
 
 
-def _retrieve(task: asyncio.Task[bytes]) -> None:
+def _retrieve(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
 

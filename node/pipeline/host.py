@@ -9,16 +9,29 @@ starts the next batch number while the group stands, and the member's next poll 
 How a stage reaches its neighbours comes from its `Hops` (hops.py): `LoopbackHops` for stages in one process (the
 tests and benchmarks), `SwarmHops` across nodes (libp2p streams to the peer id each member's signed heartbeat
 names; only the predecessor the group record names may stream to a stage). Leaving a group forgets its hops.
+
+What a member hands its validator comes out through two callbacks: `on_batch` for every batch that ended (its
+stage record; on the last stage the completions and the final hidden states its rollout proofs commit to) and
+`on_lost` for a batch that began and broke: with the fraud evidence when the predecessor sent a frame its
+commitment belies, else with this stage's partial record (what it received and sent up to the break), which
+the validator's blame_broken needs from every member to name a stage that broke the batch. A batch abandoned
+because the node left its group (cancellation) produces neither.
+
+Batch numbers come from `BatchMarks` (batch_marks.py): a stage task starts from the group's first unused number,
+and each number is recorded durably before its opening is signed, so no opening is ever signed twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+
+import torch
 
 from ...p2p.identity import Identity
 from ...p2p.pipeline.errors import PipelineWireError
@@ -26,9 +39,10 @@ from ...p2p.pipeline.layout import StageLayout
 from ...p2p.pipeline.transport import Inbound, Route
 from ...p2p.swarm.group_records import GroupRecord
 from ...proofs.errors import ProofError
-from ...proofs.pipeline.records import GroupSpec, SignedStageRecord
+from ...proofs.pipeline.records import GroupSpec, HopFraud, SignedStageRecord
 from ..engine.types import Completion
-from .driver import stage_record
+from .batch_marks import BatchMarks
+from .driver import Tamper, known_tokens, stage_record
 from .errors import PipelineError
 from .group import HopSettings, StageRunner
 from .hops import Hops
@@ -39,6 +53,7 @@ from .work import PipelineWork
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
+ABANDONED_KEPT = 256  # the recent abandoned batches kept for the status API and the tests
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,26 @@ class BatchDone:
     stage: int
     record: SignedStageRecord
     completions: list[Completion] | None  # the last stage's; None elsewhere
+    # The last stage's, per sample: the final normed states that produced its tokens (its rollout proofs).
+    final_states: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class BatchLost:
+    """A batch that began (the predecessor's opening was read) and broke: what this member hands in for it."""
+
+    group: GroupRecord
+    batch: int
+    stage: int
+    why: str
+    fraud: HopFraud | None  # the predecessor's frame its commitment belies: the evidence against it
+    partial: SignedStageRecord | None  # otherwise this stage's record up to the break
+
+
+# The checkpoint directory of a policy step (a node holds several; a group is for one step).
+CheckpointFor = Callable[[int], Path]
+# How a stage's slice of the checkpoint is loaded (StageModel.load; the devnet's adversaries substitute one).
+LoadStage = Callable[[Path, StageLayout, int], StageModel]
 
 
 class StageHost:
@@ -55,22 +90,32 @@ class StageHost:
         self,
         identity: Identity,
         run_id: str,
-        checkpoint: Path,
+        checkpoint: Path | CheckpointFor,
         layout: StageLayout,
         work_for: Callable[[GroupRecord, int], PipelineWork],
         hops: Hops,
         hop: HopSettings,
         on_batch: Callable[[BatchDone], Awaitable[None]],
         *,
+        on_lost: Callable[[BatchLost], Awaitable[None]] | None = None,
+        marks: BatchMarks | None = None,
+        tamper: Tamper | None = None,
+        load_stage: LoadStage = StageModel.load,
         retry_s: float = 0.5,
         stop_timeout_s: float = STOP_TIMEOUT_S,
     ) -> None:
-        self.identity, self.run_id, self.checkpoint, self.layout = identity, run_id, checkpoint, layout
+        self.identity, self.run_id, self.layout = identity, run_id, layout
+        self.checkpoint: CheckpointFor = checkpoint if callable(checkpoint) else (lambda _step: checkpoint)
         self.work_for, self.hops, self.hop, self.on_batch = work_for, hops, hop, on_batch
+        self.on_lost = on_lost
+        self.marks = marks if marks is not None else BatchMarks(None)
+        self.tamper = tamper  # fault injection (tests, the devnet's adversaries); None in production
+        self.load_stage = load_stage
         self.retry_s, self.stop_timeout_s = retry_s, stop_timeout_s
         self.task: asyncio.Task[None] | None = None
         self.in_flight: tuple[str, int] | None = None  # (group id, batch) being generated now
-        self.abandoned: list[tuple[str, int, str]] = []  # (group id, batch, why)
+        self.abandoned: deque[tuple[str, int, str]] = deque(maxlen=ABANDONED_KEPT)  # (group id, batch, why)
+        self.abandoned_count = 0
 
     async def on_change(self, group: GroupRecord | None, why: str) -> None:
         await self.stop(why)
@@ -94,14 +139,19 @@ class StageHost:
         if error is not None:
             raise error
         if self.in_flight is not None:
-            self.abandoned.append((*self.in_flight, why))
+            self._abandon(*self.in_flight, why)
             self.in_flight = None
+
+    def _abandon(self, group_id: str, batch: int, why: str) -> None:
+        self.abandoned.append((group_id, batch, why))
+        self.abandoned_count += 1
 
     async def _run(self, group: GroupRecord) -> None:
         stage = group.stage_of(self.identity.node_id)
         if stage is None:
             raise PipelineError(f"group {group.group_id[:16]}… does not name this node")
-        model = await asyncio.to_thread(StageModel.load, self.checkpoint, self.layout, stage)
+        checkpoint = self.checkpoint(group.policy_step)
+        model = await asyncio.to_thread(self.load_stage, checkpoint, self.layout, stage)
         try:
             await self._batches(group, stage, model)
         finally:
@@ -115,9 +165,10 @@ class StageHost:
         stages = self.layout.stages
         previous, following = group.members[(stage - 1) % stages], (stage + 1) % stages
         leader = stage == 0
-        batch = 0
+        batch = self.marks.next_batch(group.group_id)  # never a number this node signed an opening for
         while True:
             inbound: Inbound | None = None
+            runner: StageRunner | None = None
             self.in_flight = (group.group_id, batch) if leader else None  # a follower's starts when opened
             try:
                 inbound = await self.hops.inbound(
@@ -130,10 +181,11 @@ class StageHost:
                         logger.debug("stage %d of group %s… idle: %s", stage, group.group_id[:16], exc)
                         continue
                     batch = inbound.route.batch
+                await asyncio.to_thread(self.marks.use, group.group_id, batch)  # durable before it is signed
                 spec = GroupSpec(self.run_id, group.policy_step, batch, self.layout, tuple(group.members))
                 self.in_flight = (group.group_id, batch)
                 processor = StageProcessor(model, self.work_for(group, batch))
-                runner = StageRunner(spec, stage, processor, self.identity, self.hop)
+                runner = StageRunner(spec, stage, processor, self.identity, self.hop, self.tamper)
                 dial = partial(
                     self.hops.dial,
                     runner.route(following),
@@ -145,8 +197,13 @@ class StageHost:
             # stage loop is not.
             except (PipelineError, PipelineWireError, ProofError, OSError, EOFError, TimeoutError) as exc:
                 if self.in_flight is not None:
-                    logger.info("batch %d of group %s… abandoned: %s", batch, group.group_id[:16], exc)
-                    self.abandoned.append((group.group_id, batch, str(exc) or type(exc).__name__))
+                    why = str(exc) or type(exc).__name__
+                    logger.info("batch %d of group %s… abandoned: %s", batch, group.group_id[:16], why)
+                    self._abandon(group.group_id, batch, why)
+                    lost = self._lost(group, batch, stage, runner, why)
+                    self.in_flight = None  # what follows hands in what was made; the batch is over
+                    if lost is not None and self.on_lost is not None:
+                        await self.on_lost(lost)
                     batch += 1
                 else:  # a follower that opened no batch: the leader's next one is still to be taken
                     logger.info("stage %d of group %s… not started: %s", stage, group.group_id[:16], exc)
@@ -161,6 +218,21 @@ class StageHost:
             self.in_flight = None
             outputs = processor.outputs.tokens
             record = stage_record(stage, self.identity, runner.chain, runner.writer, outputs)
-            completions = processor.completions() if processor.model.last else None
-            await self.on_batch(BatchDone(group, batch, stage, record, completions))
+            last = processor.model.last
+            completions = processor.completions() if last else None
+            states = processor.final_states() if last else None
+            await self.on_batch(BatchDone(group, batch, stage, record, completions, states))
             batch += 1
+
+    def _lost(
+        self, group: GroupRecord, batch: int, stage: int, runner: StageRunner | None, why: str
+    ) -> BatchLost | None:
+        """What this stage hands in for a batch that broke; None when it never began (no opening read from the
+        predecessor: nothing was exchanged that a validator could judge)."""
+        if runner is None or runner.chain.opening is None:
+            return None
+        if runner.fraud is not None:
+            return BatchLost(group, batch, stage, why, runner.fraud, None)
+        outputs = known_tokens(runner.processor)
+        partial = stage_record(stage, self.identity, runner.chain, runner.writer, outputs)
+        return BatchLost(group, batch, stage, why, None, partial)

@@ -2,7 +2,8 @@
 
 One run directory holds everything: `operator.key` (the trainer's and the validator's: both are the
 operator's), `trainer/`, `validator/` (its `accepted/` inbox is the trainer's), `node-1..N/` and
-`adv-1..M-<attack>/` (each with its own `node.key`), `logs/`, and the report. Every process listens on
+`adv-1..M-<attack>/` (each with its own `node.key`), in a pipeline devnet `stage-1..K/` (`start --pipeline`
+nodes), `logs/`, and the report. Every process listens on
 127.0.0.1 with ports picked by the OS, so several devnets (or tests) can run side by side.
 
 Only sizing and responsiveness are set here (batch size from the node count, DHT poll intervals, one torch
@@ -11,11 +12,13 @@ thread per process on a shared machine); the RL recipe is the trainer's and the 
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...p2p.identity import Identity
+from .pipeline_attacks import PIPELINE_ATTACKS
 
 CLI = (sys.executable, "-m", "prime_node.node.cli.main")
 ADVERSARY = (sys.executable, "-m", "prime_node.node.cli.adversary")
@@ -53,6 +56,21 @@ TRAINER_ENV = {
 # quarter of the hand-offs. Sizing only: the samples per prompt and the recipe stay the run's defaults.
 DEVNET_PROMPTS = 16
 
+# A pipeline devnet's group timings, for loopback (docs/pipeline.md, "Groups"): groups form, confirm and
+# re-form within seconds, not the minute the defaults take; the trainer's [groups] and the nodes' [pipeline]
+# agree on when a member is gone.
+GROUPS_ENV = {
+    "PRIME_NODE_GROUPS__POLL_S": "1.0",
+    "PRIME_NODE_GROUPS__STALE_AFTER_S": "10",
+    "PRIME_NODE_GROUPS__CONFIRM_WITHIN_S": "20",
+    "PRIME_NODE_GROUPS__COOLDOWN_S": "30",
+}
+STAGE_ENV = {
+    "PRIME_NODE_PIPELINE__POLL_S": "1.0",
+    "PRIME_NODE_PIPELINE__STALE_AFTER_S": "10",
+    "PRIME_NODE_PIPELINE__ROUND_GRACE_S": "3",
+}
+
 
 @dataclass(frozen=True)
 class Sizing:
@@ -87,6 +105,7 @@ class Member:
     data_dir: Path
     node_id: str
     attack: str | None = None  # None: honest
+    pipeline: bool = False  # a `start --pipeline` node (a stage of the operator's groups)
 
 
 @dataclass
@@ -99,6 +118,9 @@ class DevnetLayout:
     members: list[Member] = field(default_factory=list)
     env_spec: str | None = None  # the run's environment, given to every party; None: the built-in arithmetic
     synthetic: bool = False  # a synthetic run (docs/synthetic.md): frozen model, the product is a dataset
+    # A pipeline devnet: the run's stage layout (set once the model is there, from its layer count); every
+    # party is given it, the trainer forms groups of the `pipeline` members.
+    boundaries: list[int] | None = None
 
     def run_flags(self) -> list[str]:
         """The run's parameters, the same for the trainer, the validator and every member."""
@@ -151,19 +173,21 @@ class DevnetLayout:
     def weights_dir(self) -> Path:
         return self.trainer_dir / "weights"
 
-    def add_member(self, name: str, attack: str | None = None) -> Member:
+    def add_member(self, name: str, attack: str | None = None, *, pipeline: bool = False) -> Member:
         data_dir = self.root / name
         data_dir.mkdir(parents=True, exist_ok=True)
         key = data_dir / "node.key"
         identity = Identity.load(key) if key.exists() else Identity.generate()
         if not key.exists():
             identity.save(key)
-        member = Member(name, data_dir, identity.node_id, attack)
+        member = Member(name, data_dir, identity.node_id, attack, pipeline or attack in PIPELINE_ATTACKS)
         self.members.append(member)
         return member
 
     def env(self) -> dict[str, str]:
-        return dict(SWARM_ENV)
+        if self.boundaries is None:
+            return dict(SWARM_ENV)
+        return {**SWARM_ENV, "PRIME_NODE_RUN__PIPELINE": json.dumps({"boundaries": self.boundaries})}
 
     def trainer_argv(self, max_steps: int) -> list[str]:
         argv = [
@@ -217,8 +241,15 @@ class DevnetLayout:
 
     def member_argv(self, member: Member, peers: list[str]) -> list[str]:
         head = [*CLI, "start"] if member.attack is None else [*ADVERSARY, "--attack", member.attack]
+        stage: list[str] = []
+        if member.pipeline:
+            stage = ["--pipeline"]
+            offered = PIPELINE_ATTACKS[member.attack].stages if member.attack in PIPELINE_ATTACKS else None
+            if offered is not None:
+                stage += ["--stages", *map(str, offered)]
         return [
             *head,
+            *stage,
             "--data-dir",
             str(member.data_dir),
             "--operator-key",
@@ -236,7 +267,7 @@ class DevnetLayout:
         ]
 
     def trainer_env(self) -> dict[str, str]:
-        return {**self.env(), **TRAINER_ENV}
+        return {**self.env(), **TRAINER_ENV, **(GROUPS_ENV if self.boundaries is not None else {})}
 
     def member_env(self) -> dict[str, str]:
-        return {**self.env(), **NODE_ENV}
+        return {**self.env(), **NODE_ENV, **(STAGE_ENV if self.boundaries is not None else {})}

@@ -43,6 +43,7 @@ class MemberView:
     rejected: int = 0
     banned: bool = False
     last_error: str | None = None
+    stage: str | None = None  # a pipeline node's: "stage K of <group>" or "no group"; None for the others
 
 
 @dataclass
@@ -133,6 +134,10 @@ class Monitor:
                 int(counts.get("handed_off", 0)),
             )
             view.last_error = status.get("last_error")
+            stage = status.get("pipeline")
+            if isinstance(stage, dict):
+                group, k = stage.get("group_id"), stage.get("stage")
+                view.stage = f"stage {k} of {str(group)[:8]}" if group else "no group"
         if row is not None:
             view.accepted, view.rejected, view.banned = row.accepted_files, row.rejected_files, row.banned
         return view

@@ -30,6 +30,7 @@ from ..errors import TrainerError
 from .attacks import ATTACKS
 from .layout import DevnetLayout, Sizing
 from .monitor import Monitor, Snapshot
+from .pipeline_attacks import PIPELINE_ATTACKS
 from .processes import Child, ProcessGroup, descendants, start_time, still_running
 from .report import build_report
 from .synthetic import SyntheticOptions, build_devnet_dataset
@@ -86,12 +87,15 @@ def _restore_handlers(previous: dict[signal.Signals, Any]) -> None:
         signal.signal(sig, handler)
 
 
-def attack_kinds(count: int, kinds: Sequence[str] | None = None) -> list[str]:
-    """`count` adversaries: the named kinds, or the attack list in order (cycling past its end)."""
-    pool = list(kinds) if kinds else list(ATTACKS)
-    unknown = [k for k in pool if k not in ATTACKS]
+def attack_kinds(count: int, kinds: Sequence[str] | None = None, *, pipeline: bool = False) -> list[str]:
+    """`count` adversaries: the named kinds, or the attack list in order (cycling past its end); in a pipeline
+    devnet the pipeline stages' attacks first."""
+    known = [*ATTACKS, *PIPELINE_ATTACKS] if pipeline else list(ATTACKS)
+    pool = list(kinds) if kinds else (list(PIPELINE_ATTACKS) if pipeline else list(ATTACKS))
+    unknown = [k for k in pool if k not in known]
     if unknown:
-        raise DevnetError(f"unknown attack {unknown[0]!r}; choose from {', '.join(ATTACKS)}")
+        extra = "" if pipeline else " (the stage-* attacks need --pipeline)"
+        raise DevnetError(f"unknown attack {unknown[0]!r}; choose from {', '.join(known)}{extra}")
     return [pool[i % len(pool)] for i in range(count)] if count else []
 
 
@@ -112,6 +116,9 @@ class DevnetOptions:
     poll_s: float = 1.0
     progress: bool = False  # bars on stderr for the model's warm start and the task filter (a terminal only)
     synthetic: SyntheticOptions | None = None  # a synthetic run: stop on accepted files, end with a dataset
+    # A pipeline devnet: this many honest `start --pipeline` nodes (0: none, a monolithic devnet). The run gets a
+    # stage layout of two stages, the trainer forms groups; done needs an accepted stage file besides the steps.
+    pipeline_nodes: int = 0
 
 
 def _given(env: str) -> str | None:
@@ -165,6 +172,8 @@ class Devnet:
         )
         for i in range(o.nodes):
             self.layout.add_member(f"node-{i + 1}")
+        for i in range(o.pipeline_nodes):
+            self.layout.add_member(f"stage-{i + 1}", pipeline=True)
         for j, kind in enumerate(o.attacks):
             self.layout.add_member(f"adv-{j + 1}-{kind}", kind)
         self.monitor = Monitor(self.layout)
@@ -232,6 +241,9 @@ class Devnet:
     def _start(self) -> float:
         o, layout, view = self.options, self.layout, self.view
         view.message(f"run directory {layout.root}; logs in {layout.logs}")
+        if any(m.pipeline for m in layout.members):
+            layout.boundaries = two_stages(o.model_dir)
+            view.message(f"pipeline: stage layout {layout.boundaries}, groups formed by the trainer")
         trainer = self.group.start("trainer", layout.trainer_argv(o.steps), env=layout.trainer_env())
         ready = wait_ready(trainer, "trainer", o.start_timeout_s)
         ready_at = time.time()
@@ -264,6 +276,10 @@ class Devnet:
             if done:
                 # Done, once every adversary has been caught (a slow one may not have sent a file yet).
                 pending = [m.name for m in snapshot.members if m.attack is not None and not m.banned]
+                if o.pipeline_nodes and not any(
+                    m.accepted for m in snapshot.members if m.stage is not None and m.attack is None
+                ):
+                    pending.append("an accepted stage file of an honest pipeline node")
                 if not pending:
                     return
                 done_at = done_at or time.monotonic()
@@ -334,6 +350,17 @@ class Devnet:
                 self.seen.setdefault(child.pid, started)
         for pid, started in descendants(*(c.pid for c in self.group.children)).items():
             self.seen.setdefault(pid, started)
+
+
+def two_stages(model_dir: Path) -> list[int]:
+    """A two-stage layout of the model at `model_dir`: its decoder layers cut in half."""
+    try:
+        layers = int(json.loads((model_dir / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DevnetError(f"{model_dir}/config.json names no num_hidden_layers: {exc}") from None
+    if layers < 2:
+        raise DevnetError(f"a pipeline devnet needs a model of at least 2 layers; {model_dir} has {layers}")
+    return [0, layers // 2, layers]
 
 
 def _cmdline(pid: int) -> str:

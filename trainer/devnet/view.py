@@ -32,7 +32,8 @@ def header(snapshot: Snapshot, total_steps: int) -> str:
 
 
 def role(m: MemberView) -> str:
-    return "honest" if m.attack is None else f"attack:{m.attack}"
+    kind = "honest" if m.attack is None else f"attack:{m.attack}"
+    return kind if m.stage is None else f"{kind} ({m.stage})"
 
 
 def member_line(m: MemberView) -> str:

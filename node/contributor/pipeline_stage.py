@@ -1,0 +1,311 @@
+"""A `start --pipeline` node's work: serve a stage of the operator's groups and hand in what each batch made.
+
+In place of the rollout loop, the daemon runs this as its `pipeline-member` task. Once the node holds a
+checkpoint within the window it measures its layer throughput on a stage it offers, then every `poll_s`:
+publishes the checkpoint step it holds (heartbeat and offer), and lets `PipelineMember` (node/pipeline/member.py)
+republish its signed stage offer, read the operator-signed group records and join, keep or leave a group. A
+change reaches `StageHost` (node/pipeline/host.py), whose stage task, one per group and started here under the
+daemon's supervisor, runs the group's batches over libp2p streams (`SwarmHops`: only the predecessor the record
+names may stream to this node).
+
+What a batch makes goes to the validator through the same outbox and hand-off as a rollout file
+(node/contributor/outbox.py, delivery.py): after every finished batch this member's stage file
+(node/pipeline/rollouts.py `write_member_file`: the group's rows, its stage record, on the last stage the
+rollout proofs); for a batch that broke, the fraud report against its predecessor when it sent a frame its
+commitment belies, else this member's partial record. Files are staged in the outbox's tmp/ and committed to
+pending/ with their signature, so a crash leaves nothing half-written to send. (The outbox names every entry
+`<sha256>.parquet`; a report's bytes are JSON, and its envelope says which kind it is.)
+
+The group's work is `work_for` (node/pipeline/work.py) over the run's tasks with the checkpoint's tokenizer,
+loaded off the event loop before the stage task starts; prompts per batch are the node's `prompts`, the
+micro-batch cut `pipeline.micro_batch_size` (both recorded in every file, from which the validator derives
+the same work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig
+
+from ...p2p.errors import P2PError
+from ...p2p.identity import Identity
+from ...p2p.pipeline.layout import StageLayout
+from ...p2p.swarm import Swarm
+from ...p2p.swarm.group_records import GroupRecord
+from ...proofs.rollout_file import signature_path
+from ..engine.hf import eos_and_pad
+from ..environments import Environment
+from ..pipeline.batch_marks import BatchMarks
+from ..pipeline.driver import Tamper
+from ..pipeline.group import HopSettings
+from ..pipeline.hops import SwarmHops
+from ..pipeline.host import BatchDone, BatchLost, LoadStage, StageHost
+from ..pipeline.member import MemberSettings, PipelineMember
+from ..pipeline.offer import measure_layer_throughput
+from ..pipeline.rollouts import write_member_file, write_member_partial, write_member_report
+from ..pipeline.stage_model import StageModel
+from ..pipeline.work import GroupBatch, PipelineWork, work_for
+from ..run.settings import load_run_tasks
+from ..run.validation import RunTasks
+from .checkpoints import CheckpointKeeper
+from .outbox import Outbox
+from .settings import StartSettings
+from .state import NodeState
+from .status import PipelineStatus
+
+logger = logging.getLogger(__name__)
+
+MARKS_FILE = "pipeline/batch_marks.json"
+_IDLE_POLL_S = 0.5  # how often to look again while no checkpoint is usable
+_TASKS_KEPT = 2  # checkpoints whose tasks (tokenizer) stay loaded: the current step and the one before
+
+
+class PipelineStage:
+    # Hooks for the devnet's adversaries (trainer/devnet/pipeline_attacks.py, substituted by node/cli/adversary.py);
+    # production nodes never set them.
+    tamper: Tamper | None = None
+    load_stage: LoadStage = staticmethod(StageModel.load)  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        settings: StartSettings,
+        identity: Identity,
+        swarm: Swarm,
+        keeper: CheckpointKeeper,
+        outbox: Outbox,
+        state: NodeState,
+        data_dir: Path,
+        *,
+        environment: Environment | None,
+        on_committed: Callable[[str, str], None],
+        supervise: Callable[[asyncio.Task[Any]], None],
+        request_stop: Callable[[str], None],
+    ) -> None:
+        layout = settings.run.pipeline
+        if layout is None:  # StartSettings refuses --pipeline without a layout; this is the type's guard
+            raise ValueError("a pipeline stage needs the run's stage layout (run.pipeline)")
+        self.settings, self.identity, self.swarm, self.keeper = settings, identity, swarm, keeper
+        self.outbox, self.state, self.environment = outbox, state, environment
+        self.layout: StageLayout = layout
+        self.on_committed, self.supervise, self.request_stop = on_committed, supervise, request_stop
+        p = settings.pipeline
+        self.offered = frozenset(p.stages) if p.stages else frozenset(range(layout.stages))
+        self.marks = BatchMarks(data_dir / MARKS_FILE)
+        self.hop = HopSettings(frame_timeout_s=p.frame_timeout_s, connect_timeout_s=p.connect_timeout_s)
+        self._tasks: dict[int, tuple[RunTasks, int, int]] = {}  # step -> (tasks, eos id, pad id)
+        self.host: StageHost | None = None
+        self._abandoned_counted = 0
+        state.pipeline = PipelineStatus()
+
+    # ----- the supervised task ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Wait for a checkpoint, measure, then follow the groups until cancelled (the host stops with it)."""
+        s, p = self.settings, self.settings.pipeline
+        step = await self._usable_step()
+        throughput = await asyncio.to_thread(self._measure, step)
+        logger.info(
+            "pipeline stage: offering stages %s of %s at %.0f layer-tokens/s",
+            sorted(self.offered),
+            self.layout.boundaries,
+            throughput,
+        )
+        streams = await self.swarm.serve_pipeline()
+        self.host = StageHost(
+            self.identity,
+            s.run.run_id,
+            self.keeper.store.checkpoint_dir,
+            self.layout,
+            self._work,
+            SwarmHops(streams, self.swarm.pipeline_peer),
+            self.hop,
+            self._on_batch,
+            on_lost=self._on_lost,
+            marks=self.marks,
+            tamper=self.tamper,
+            load_stage=self.load_stage,
+            retry_s=p.retry_s,
+        )
+        member = PipelineMember(
+            self.swarm,
+            self.layout,
+            MemberSettings(
+                stages=self.offered,
+                layer_tokens_per_s=throughput,
+                poll_s=p.poll_s,
+                stale_after_s=p.stale_after_s,
+                round_grace_s=p.round_grace_s,
+            ),
+            self._on_change,
+        )
+        try:
+            while True:
+                self._hold(self.keeper.usable_step())
+                self._count_abandoned()
+                try:
+                    await member.tick()
+                except (OSError, EOFError, P2PError) as exc:  # the DHT child answered too slowly: next round
+                    self.state.error(f"pipeline membership round failed: {exc}")
+                    logger.warning("pipeline membership round failed: %s", exc)
+                await asyncio.sleep(p.poll_s)
+        finally:
+            await self.host.stop("the node is stopping")
+            streams.close()
+
+    async def _usable_step(self) -> int:
+        while (step := self.keeper.usable_step()) is None:
+            self.state.state = (
+                "waiting for a run announcement"
+                if self.state.announced_step is None
+                else "waiting for a checkpoint within the async window"
+            )
+            await asyncio.sleep(_IDLE_POLL_S)
+        self._hold(step)
+        return step
+
+    def _hold(self, step: int | None) -> None:
+        """Publish the checkpoint this node holds: groups are per step, and a member's heartbeat and offer say
+        which it can run (the peers watcher copies the same into the heartbeat every interval)."""
+        self.state.working_step = step
+        self.swarm.policy_step = step
+        if self.state.pipeline is not None and self.state.pipeline.group_id is None:
+            self.state.state = f"offering stages {sorted(self.offered)} at step {step}; in no group"
+
+    def _count_abandoned(self) -> None:
+        assert self.host is not None
+        new = self.host.abandoned_count - self._abandoned_counted
+        if new > 0:
+            self.state.count_stage_abandoned(new)
+            self._abandoned_counted += new
+
+    def _measure(self, step: int) -> float:
+        stage = min(self.offered)
+        model = self.load_stage(self.keeper.store.checkpoint_dir(step), self.layout, stage)
+        return measure_layer_throughput(model)
+
+    # ----- group changes and the group's work ---------------------------------------------------------------
+
+    async def _on_change(self, group: GroupRecord | None, why: str) -> None:
+        assert self.host is not None
+        status = self.state.pipeline
+        assert status is not None
+        if group is not None:
+            # The tokenizer and tasks of the group's checkpoint, off the loop, before the stage needs them.
+            await asyncio.to_thread(self._prepare, group.policy_step)
+        await self.host.on_change(group, why)
+        self._count_abandoned()  # the batch in flight of a group it left
+        status.group_id = group.group_id if group is not None else None
+        status.stage = group.stage_of(self.identity.node_id) if group is not None else None
+        if group is not None and self.host.task is not None:
+            self.supervise(self.host.task)  # a crash of the stage task stops the node, as any task's
+            self.state.state = (
+                f"stage {status.stage} of group {group.group_id[:16]}… at step {group.policy_step}"
+            )
+
+    def _prepare(self, step: int) -> tuple[RunTasks, int, int]:
+        found = self._tasks.get(step)
+        if found is None:
+            directory = self.keeper.store.checkpoint_dir(step)
+            tasks = load_run_tasks(self.settings.run, directory, self.environment)
+            eos, pad = eos_and_pad(AutoConfig.from_pretrained(directory, local_files_only=True))
+            found = self._tasks[step] = (tasks, eos, pad)
+            for old in sorted(self._tasks)[:-_TASKS_KEPT]:
+                del self._tasks[old]
+        return found
+
+    def _batch(self, group: GroupRecord, batch: int) -> GroupBatch:
+        micro = self.settings.pipeline.micro_batch_size
+        return GroupBatch(group.group_id, group.policy_step, batch, self.settings.prompts, micro)
+
+    def _work(self, group: GroupRecord, batch: int) -> PipelineWork:
+        tasks, eos, pad = self._prepare(group.policy_step)  # loaded by _on_change: a dictionary read here
+        work, _ = work_for(
+            self.settings.run, tasks, self._batch(group, batch), eos_token_id=eos, pad_token_id=pad
+        )
+        return work
+
+    # ----- what each batch makes, to the outbox -------------------------------------------------------------
+
+    async def _on_batch(self, done: BatchDone) -> None:
+        self.state.count_stage_batch()
+        group, batch = done.group, self._batch(done.group, done.batch)
+        tasks, eos, pad = self._prepare(group.policy_step)
+        work, assignment = work_for(self.settings.run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
+        staged = self._staged(group, done.batch, f"stage{done.stage}.parquet")
+        sig = await asyncio.to_thread(
+            write_member_file,
+            staged,
+            self.settings.run,
+            tasks,
+            batch,
+            work,
+            assignment,
+            tuple(group.members),
+            done.record,
+            self.identity,
+            done.final_states,
+        )
+        tokens = sum(len(o) for o in done.record.record.outputs)
+        await self._commit(
+            "stage",
+            staged,
+            sig,
+            group.policy_step,
+            f"stage {done.stage} file of batch {done.batch} of group {group.group_id[:16]}… ({tokens} tokens)",
+        )
+        if done.stage == 0:
+            await self._back_pressure()
+        max_batches = self.settings.max_batches
+        if max_batches is not None and self.state.pipeline is not None:
+            if self.state.pipeline.batches >= max_batches:
+                self.request_stop(f"{max_batches} stage batches done")
+
+    async def _back_pressure(self) -> None:
+        """Stage 0 starts the group's next batch only while fewer than `max_pending_files` files wait for
+        hand-off, as the rollout loop does: the validator's back-pressure (every member's files go to the same
+        validator, so the leader's outbox stands for the group's). The others idle meanwhile: a follower waits
+        for its predecessor's next stream without abandoning anything."""
+        limit = self.settings.max_pending_files
+        while (pending := await asyncio.to_thread(self.outbox.pending_count)) >= limit:
+            self.state.state = f"waiting: {pending} files not handed off yet (stage 0 holds the next batch)"
+            await asyncio.sleep(_IDLE_POLL_S)
+
+    async def _on_lost(self, lost: BatchLost) -> None:
+        self._count_abandoned()
+        group, batch = lost.group, self._batch(lost.group, lost.batch)
+        members, run = tuple(group.members), self.settings.run
+        what = f"batch {lost.batch} of group {group.group_id[:16]}…"
+        if lost.fraud is not None:
+            staged = self._staged(group, lost.batch, f"stage{lost.stage}-fraud.json")
+            sig = await asyncio.to_thread(
+                write_member_report, staged, run, batch, members, lost.fraud, self.identity
+            )
+            logger.warning("%s: the previous stage sent a frame its commitment belies; reporting it", what)
+            await self._commit("fraud", staged, sig, group.policy_step, f"fraud report on {what}")
+        elif lost.partial is not None:
+            staged = self._staged(group, lost.batch, f"stage{lost.stage}-partial.json")
+            sig = await asyncio.to_thread(
+                write_member_partial, staged, run, batch, members, lost.partial, self.identity
+            )
+            await self._commit(
+                "partial", staged, sig, group.policy_step, f"partial record of {what} ({lost.why})"
+            )
+
+    def _staged(self, group: GroupRecord, batch: int, suffix: str) -> Path:
+        return self.outbox.staging_path(
+            f"group-{group.group_id[:16]}-step{group.policy_step}-b{batch}-{suffix}"
+        )
+
+    async def _commit(self, kind: str, staged: Path, sig: Path, step: int, summary: str) -> None:
+        assert sig == signature_path(staged)
+        sha256 = json.loads(await asyncio.to_thread(sig.read_bytes))["sha256"]
+        await asyncio.to_thread(self.outbox.commit, sha256, staged, sig, step)
+        self.state.count_stage_file(kind)
+        self.state.count_rollout("generated")
+        self.on_committed(sha256, summary)

@@ -1,0 +1,207 @@
+"""What a StageHost hands in and which batch numbers it signs, with two hosts in one process (LoopbackHops):
+batch numbers never repeat for a group across a restart (BatchMarks, durable); a receiver that finds a frame
+its commitment belies hands in the evidence that blames its sender; a batch broken by a dropped row has every
+member hand in its partial record, from which blame_broken names the stage that dropped it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from prime_node.node.engine.hf import eos_and_pad
+from prime_node.node.engine.types import SamplingParams
+from prime_node.node.pipeline.batch_marks import BatchMarks
+from prime_node.node.pipeline.driver import Tamper
+from prime_node.node.pipeline.errors import PipelineError
+from prime_node.node.pipeline.group import HopSettings
+from prime_node.node.pipeline.hops import LoopbackHops
+from prime_node.node.pipeline.host import BatchDone, BatchLost, StageHost
+from prime_node.node.pipeline.work import PipelineWork
+from prime_node.p2p.identity import Identity
+from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.p2p.swarm.group_records import GroupRecord, group_id
+from prime_node.proofs.pipeline.blame import GroupWork, check_fraud
+from prime_node.proofs.pipeline.broken import BatchRules, blame_broken, cut_of
+from prime_node.proofs.pipeline.records import GroupSpec
+
+from support.pipeline import random_requests, save_tiny
+from support.pipeline_files import drop_a_row, uncommitted
+
+RUN = "host-batches"
+LAYOUT = StageLayout(boundaries=[0, 2, 4])
+PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
+SAMPLES, MICRO = 4, 2
+HOP = HopSettings(frame_timeout_s=10.0, connect_timeout_s=10.0)
+IDS = [Identity.from_seed(bytes([k + 1]) * 32) for k in range(2)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny-host-batches"))
+
+
+def _group() -> GroupRecord:
+    members = [i.node_id for i in IDS]
+    now = time.time()
+    return GroupRecord(
+        group_id=group_id(RUN, 0, members),
+        round=1,
+        policy_step=0,
+        layout=LAYOUT,
+        members=members,
+        formed_at=now,
+        signed_at=now,
+    )
+
+
+def _work(model_dir: Path) -> Callable[[GroupRecord, int], PipelineWork]:
+    eos, pad = eos_and_pad(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+
+    def work_for(group: GroupRecord, batch: int) -> PipelineWork:
+        seed = int.from_bytes(hashlib.sha256(f"{group.group_id}|{batch}".encode()).digest()[:8], "big")
+        return PipelineWork(random_requests(SAMPLES, seed), PARAMS, MICRO, eos, pad)
+
+    return work_for
+
+
+async def _run(
+    model_dir: Path,
+    marks: list[BatchMarks],
+    until: Callable[[list[BatchDone], list[BatchLost]], bool],
+    tamper: Tamper | None = None,
+    timeout_s: float = 60.0,
+) -> tuple[list[BatchDone], list[BatchLost]]:
+    """Both stages of the group, as hosts of this process, until `until(done, lost)` (bounded)."""
+    done: list[BatchDone] = []
+    lost: list[BatchLost] = []
+
+    async def on_batch(result: BatchDone) -> None:
+        done.append(result)
+
+    async def on_lost(result: BatchLost) -> None:
+        lost.append(result)
+
+    hops, work_for = LoopbackHops(), _work(model_dir)
+    hosts = [
+        StageHost(
+            IDS[k], RUN, model_dir, LAYOUT, work_for, hops, HOP, on_batch,
+            on_lost=on_lost, marks=marks[k], tamper=tamper, retry_s=0.05,
+        )
+        for k in range(2)
+    ]  # fmt: skip
+    try:
+        for host in hosts:
+            await host.on_change(_group(), "named by the test's group")
+        deadline = time.monotonic() + timeout_s
+        while not until(done, lost):
+            assert time.monotonic() < deadline, (
+                f"not met in {timeout_s} s: {len(done)} done, {len(lost)} lost"
+            )
+            for host in hosts:
+                assert host.task is not None and not host.task.done(), "a stage task ended"
+            await asyncio.sleep(0.05)
+    finally:
+        for host in hosts:
+            await host.stop()
+    return done, lost
+
+
+def _per_stage(done: list[BatchDone], stage: int) -> list[int]:
+    return [d.batch for d in done if d.stage == stage]
+
+
+def _enough(count: int) -> Callable[[list[BatchDone], list[BatchLost]], bool]:
+    return lambda done, _: all(len(_per_stage(done, k)) >= count for k in range(2))
+
+
+async def test_batch_numbers_never_repeat_for_a_group_across_a_restart(
+    model_dir: Path, tmp_path: Path, one_torch_thread: None
+) -> None:
+    paths = [tmp_path / f"node-{k}" / "batch_marks.json" for k in range(2)]
+    first, _ = await _run(model_dir, [BatchMarks(p) for p in paths], _enough(2))
+    # A restart of both nodes: the stage tasks start again, with the marks read back from disk.
+    second, _ = await _run(model_dir, [BatchMarks(p) for p in paths], _enough(1))
+    gid = _group().group_id
+    for k in range(2):
+        before, after = _per_stage(first, k), _per_stage(second, k)
+        assert min(after) > max(before), (k, before, after)
+        assert BatchMarks(paths[k]).next_batch(gid) > max(after)
+    signed = [(d.stage, d.batch) for d in first + second]
+    assert len(signed) == len(set(signed))
+
+
+def test_batch_marks_are_durable_bounded_and_refuse_reuse(tmp_path: Path) -> None:
+    path = tmp_path / "marks.json"
+    marks = BatchMarks(path, keep=2)
+    marks.use("aa" * 32, 0)
+    marks.use("aa" * 32, 5)
+    assert BatchMarks(path).next_batch("aa" * 32) == 6
+    with pytest.raises(PipelineError, match="already used"):
+        marks.use("aa" * 32, 3)
+    marks.use("bb" * 32, 0)
+    marks.use("aa" * 32, 6)  # used last: "bb" is now the oldest
+    marks.use("cc" * 32, 0)
+    reread = BatchMarks(path, keep=2)
+    assert [reread.next_batch(g * 32) for g in ("aa", "bb", "cc")] == [7, 0, 1]
+    for text, why in (
+        ("{", "unreadable"),
+        (json.dumps({"format": "other", "next": []}), "format"),
+        (json.dumps({"format": "prime-node/pipeline-batch-marks/v1", "next": [["aa", -1]]}), "batch number"),
+    ):
+        path.write_text(text)
+        with pytest.raises(PipelineError, match=why):
+            BatchMarks(path)
+
+
+async def test_a_receiver_hands_in_the_evidence_that_blames_its_sender(
+    model_dir: Path, one_torch_thread: None
+) -> None:
+    marks = [BatchMarks(None), BatchMarks(None)]
+    _, lost = await _run(model_dir, marks, lambda _, lost: any(x.fraud for x in lost), tamper=uncommitted(0))
+    report = next(x for x in lost if x.fraud is not None)
+    assert report.stage == 1 and report.partial is None
+    group = _group()
+    spec = GroupSpec(RUN, 0, report.batch, LAYOUT, tuple(group.members))
+    work = _work(model_dir)(group, report.batch)
+    gwork = GroupWork(
+        [r.prompt_ids for r in work.requests],
+        [r.seed for r in work.requests],
+        PARAMS.temperature,
+        PARAMS.max_new_tokens,
+        work.eos_token_id,
+        MICRO,
+    )
+    verdict = check_fraud(spec, report.fraud, gwork)  # type: ignore[arg-type]
+    assert verdict.blamed == 0, verdict.reason
+
+
+async def test_a_broken_batch_has_every_member_hand_in_its_partial_record(
+    model_dir: Path, one_torch_thread: None
+) -> None:
+    marks = [BatchMarks(None), BatchMarks(None)]
+
+    def both_partials(_: list[BatchDone], lost: list[BatchLost]) -> bool:
+        return any(
+            {x.stage for x in lost if x.batch == b and x.partial} == {0, 1} for b in {x.batch for x in lost}
+        )
+
+    _, lost = await _run(model_dir, marks, both_partials, tamper=drop_a_row(1, "tokens", 1))
+    batch = next(
+        b for b in sorted({x.batch for x in lost}) if {x.stage for x in lost if x.batch == b} == {0, 1}
+    )
+    records = [next(x.partial for x in lost if x.batch == batch and x.stage == k) for k in range(2)]
+    group = _group()
+    spec = GroupSpec(RUN, 0, batch, LAYOUT, tuple(group.members))
+    work = _work(model_dir)(group, batch)
+    rules = BatchRules(
+        work.eos_token_id, PARAMS.max_new_tokens, cut_of([r.prompt_ids for r in work.requests], MICRO)
+    )
+    verdict = blame_broken(spec, records, rules)
+    assert verdict.blamed == 1, verdict.reason
