@@ -61,12 +61,11 @@ def adversary_node(attack: str, settings: StartSettings) -> ContributorNode:
         if not settings.pipeline.enabled:
             raise NodeError(f"attack {attack} is a pipeline stage's: give --pipeline too")
         cheat = PIPELINE_ATTACKS[attack]
-        stage_class = type(
-            f"AttackStage[{attack}]",
-            (PipelineStage,),
-            # staticmethod: plain functions, not methods of the stage (a class attribute would bind `self`).
-            {"tamper": staticmethod(cheat.tamper), "load_stage": staticmethod(cheat.load_stage)},
-        )
+        # staticmethod: plain functions, not methods of the stage (a class attribute would bind `self`).
+        hooks: dict[str, object] = {"load_stage": staticmethod(cheat.load_stage)}
+        if cheat.tamper is not None:
+            hooks["tamper"] = staticmethod(cheat.tamper)
+        stage_class = type(f"AttackStage[{attack}]", (PipelineStage,), hooks)
         return type("AdversaryNode", (ContributorNode,), {"pipeline_stage": stage_class})(settings)
     loop_class = type(f"AttackLoop[{attack}]", (AttackLoop,), {"attack": attack})
     node_class = type("AdversaryNode", (ContributorNode,), {"rollout_loop": loop_class})

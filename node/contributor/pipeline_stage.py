@@ -70,7 +70,7 @@ class PipelineStage:
     # Hooks for the devnet's adversaries (trainer/devnet/pipeline_attacks.py, substituted by node/cli/adversary.py);
     # production nodes never set them.
     tamper: Tamper | None = None
-    load_stage: LoadStage = staticmethod(StageModel.load)  # type: ignore[assignment]
+    load_stage: LoadStage = staticmethod(StageModel.load)
 
     def __init__(
         self,
