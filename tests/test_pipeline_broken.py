@@ -1,6 +1,7 @@
 """Blame in a batch that broke mid-way (proofs/pipeline/broken.py): a stage that drops a row breaks the batch
 (stage 0 refuses tokens of other rows than it fed); from the members' partial records the validator names the
-stage that dropped it, judged on its own record, and never an honest one, even one that hands in nothing."""
+stage that dropped it, judged on the input its own signed frames acknowledge (so even when it withholds its
+record), and never an honest one, even one that hands in nothing."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ import pytest
 
 from prime_node.node.engine.hf import HFEngine
 from prime_node.node.engine.types import SamplingParams
+from prime_node.node.pipeline.boundaries import BoundaryOracle
 from prime_node.node.pipeline.driver import run_loopback
 from prime_node.node.pipeline.errors import BatchBroken
+from prime_node.p2p.pipeline.frames import DOMAIN, Acknowledgement, chain_start
+from prime_node.p2p.signing import canonical_json
+from prime_node.proofs.pipeline.blame import GroupWork, verify_group
 from prime_node.proofs.pipeline.broken import BatchRules, blame_broken, cut_of
+from prime_node.proofs.pipeline.records import SignedStageRecord
 
 from support.pipeline import group, identities, random_requests, save_tiny
 from support.pipeline_attacks import rechain
@@ -63,11 +69,15 @@ def test_the_stage_that_dropped_a_row_is_named(
     verdict = blame_broken(spec, partial, work)
     assert verdict.blamed == stage, verdict.reason
     assert "carries rows" in verdict.reason
-    # A culprit that withholds its record is not judged (its input would rest on its predecessor's word alone),
-    # and with fewer records no honest stage is ever blamed.
+    # A culprit that withholds its record is still named: its successor holds its signed frames, each of which
+    # acknowledges the input it had, and its predecessor's record holds that input. Without either witness it
+    # is not judged, and no honest stage is ever blamed instead.
+    withheld = [None if k == stage else r for k, r in enumerate(partial)]
+    verdict = blame_broken(spec, withheld, work)
+    assert verdict.blamed == stage and "carries rows" in verdict.reason, verdict.reason
     for missing in range(3):
         thin = [None if k in (stage, missing) else r for k, r in enumerate(partial)]
-        assert blame_broken(spec, thin, work).blamed is None
+        assert blame_broken(spec, thin, work).blamed == (stage if missing == stage else None)
     without_witness = [None if k == (stage + 1) % 3 and stage != 0 else r for k, r in enumerate(partial)]
     if stage == 1:  # its output is also in its own record: blamed without its successor's copy
         assert blame_broken(spec, without_witness, work).blamed == stage
@@ -94,6 +104,132 @@ def test_a_stage_that_hands_in_nothing_cannot_be_framed(
     )
     verdict = blame_broken(spec, [None, partial[1], framing], work)
     assert verdict.blamed == 1, verdict.reason
+
+
+def _with_copy_of_hop(
+    signed: SignedStageRecord, hop: str, headers: list, signer: object
+) -> SignedStageRecord:  # noqa: ANN001
+    """The record with its `hop` copy ("sent" or "received") replaced by `headers`, re-signed by its sender."""
+    record = signed.record
+    copy = rechain(getattr(record, hop).model_copy(update={"headers": headers}), signer)
+    return signed.model_copy(update={"record": record.model_copy(update={hop: copy})})
+
+
+def _opening_ack(spec, stage: int) -> Acknowledgement:  # noqa: ANN001
+    """A genuine acknowledgement of `stage`'s stream before any frame: its opening's head, signed by it."""
+    head = chain_start(canonical_json(spec.opening(stage).model_dump(mode="json")))
+    return Acknowledgement(head=head.hex(), signature=ids_of(spec)[stage].sign(DOMAIN + head).hex())
+
+
+def test_an_absent_stage_that_acknowledges_a_head_never_signed_or_too_little_is_named(
+    model_dir: Path, engine: HFEngine, one_torch_thread: None
+) -> None:
+    """Stage 1 drops a row and withholds its record; its successor holds its signed frames. Frames that claim
+    input stage 0 never signed, or acknowledge less input than the frame they follow from, are stage 1's own."""
+    spec, work, partial = _broken(model_dir, engine, drop_a_row(1, "decode", 1))
+    ids = ids_of(spec)
+    held = list(partial[2].record.received.headers)
+    # The acknowledgement of its first frame re-signed by stage 1 itself: a head stage 0 never signed.
+    ack = held[0].acknowledged
+    own = Acknowledgement(head=ack.head, signature=ids[1].sign(DOMAIN + bytes.fromhex(ack.head)).hex())
+    lie = [held[0].model_copy(update={"acknowledged": own}), *held[1:]]
+    verdict = blame_broken(
+        spec, [partial[0], None, _with_copy_of_hop(partial[2], "received", lie, ids[1])], work
+    )
+    assert verdict.blamed == 1 and "stage 0 never signed" in verdict.reason, verdict.reason
+    # Its first frame (a prefill) acknowledging only stage 0's opening (validly signed), the later ones what they
+    # really had: judged frame by frame, the prefill follows from no frame it admits to have received by then.
+    early = [held[0].model_copy(update={"acknowledged": _opening_ack(spec, 0)}), *held[1:]]
+    verdict = blame_broken(
+        spec, [partial[0], None, _with_copy_of_hop(partial[2], "received", early, ids[1])], work
+    )
+    assert verdict.blamed == 1 and "frame 1 (prefill" in verdict.reason, verdict.reason
+    assert "follows from no frame" in verdict.reason
+    # Its second frame acknowledging less than its first did: stage 1 contradicts itself.
+    back = [held[0], held[1].model_copy(update={"acknowledged": _opening_ack(spec, 0)}), *held[2:]]
+    verdict = blame_broken(
+        spec, [partial[0], None, _with_copy_of_hop(partial[2], "received", back, ids[1])], work
+    )
+    assert verdict.blamed == 1 and "acknowledges 0 input frames, after 1" in verdict.reason, verdict.reason
+
+
+def test_a_stage_whose_frames_acknowledge_more_than_its_own_record_shows_is_named(
+    model_dir: Path, engine: HFEngine, one_torch_thread: None
+) -> None:
+    """Stage 1 hands in a record whose copy of its input stops after the first frame (a prefix stage 0 signed),
+    while its frames acknowledge more: its record contradicts its own signed frames."""
+    spec, work, partial = _broken(model_dir, engine, drop_a_row(2, "tokens", 1))
+    received = list(partial[1].record.received.headers)
+    assert len(received) > 1
+    short = _with_copy_of_hop(partial[1], "received", received[:1], ids_of(spec)[0])
+    verdict = blame_broken(spec, [partial[0], short, partial[2]], work)
+    assert verdict.blamed == 1 and "its own record does not show" in verdict.reason, verdict.reason
+
+
+def test_a_complete_batch_with_an_acknowledgement_never_signed_blames_its_sender(
+    model_dir: Path, engine: HFEngine, one_torch_thread: None
+) -> None:
+    """A finished batch is judged whole (verify_group): a stage whose frame acknowledges a head its predecessor
+    never signed is named there too, though every hop's copies agree."""
+    requests = random_requests(4, seed=11)
+    spec, processors, ids = group(
+        model_dir,
+        BOUNDARIES,
+        requests,
+        PARAMS,
+        micro_batch_size=4,
+        eos_token_id=engine.eos_token_id,
+        pad_token_id=engine.pad_token_id,
+    )
+    _, records = run_loopback(spec, processors, ids)
+    work = GroupWork(
+        [r.prompt_ids for r in requests],
+        [r.seed for r in requests],
+        PARAMS.temperature,
+        PARAMS.max_new_tokens,
+        engine.eos_token_id,
+        4,
+    )
+    oracle = BoundaryOracle(engine.model, spec.layout)
+    assert verify_group(spec, records, work, oracle).accepted
+    sent = list(records[1].record.sent.headers)
+    ack = sent[1].acknowledged
+    own = Acknowledgement(head=ack.head, signature=ids[1].sign(DOMAIN + bytes.fromhex(ack.head)).hex())
+    sent[1] = sent[1].model_copy(update={"acknowledged": own})
+    lied = [
+        records[0],
+        _resigned(_with_copy_of_hop(records[1], "sent", sent, ids[1]), ids[1]),
+        _resigned(_with_copy_of_hop(records[2], "received", sent, ids[1]), ids[2]),
+    ]
+    verdict = verify_group(spec, lied, work, oracle)
+    assert verdict.blamed == 1 and "stage 0 never signed" in verdict.reason, verdict.reason
+
+
+def _resigned(signed: SignedStageRecord, identity: object) -> SignedStageRecord:  # noqa: ANN001
+    return SignedStageRecord.sign(signed.record, identity)  # type: ignore[arg-type]
+
+
+def test_a_predecessor_that_re_signs_its_stream_cannot_frame_an_absent_stage(
+    model_dir: Path, engine: HFEngine, one_torch_thread: None
+) -> None:
+    """The last stage drops a row; stage 1 (honest) hands in nothing; stage 0 hands in a record whose sent stream
+    (re-signed by it) drops a row from its prefill, so that stage 1's honest prefill would look like an added
+    row. With no cut to judge stage 0's prefills by, only stage 1's acknowledgements stand between it and the
+    blame: they name heads of the stream stage 0 really sent, which the re-signed one does not reach, so stage 1
+    is not judged on it, and the last stage is named."""
+    spec, work, partial = _broken(model_dir, engine, drop_a_row(2, "tokens", 1))
+    no_cut = BatchRules(work.eos_token_id, work.max_new_tokens, None)
+    sent = list(partial[0].record.sent.headers)
+    assert sent[0].kind == "prefill"
+    sent[0] = sent[0].model_copy(
+        update={"rows": sent[0].rows[:-1], "shape": [len(sent[0].rows) - 1, *sent[0].shape[1:]]}
+    )
+    framing = _with_copy_of_hop(partial[0], "sent", sent, ids_of(spec)[0])
+    verdict = blame_broken(spec, [framing, None, partial[2]], no_cut)
+    assert verdict.blamed == 2, verdict.reason
+    # Judged on stage 0's re-signed copy alone, stage 1's prefill would not follow: the acknowledgement is what
+    # keeps it out (its honest frames acknowledge the stream stage 0 really sent, one frame in).
+    assert partial[2].record.received.headers[0].rows == partial[0].record.sent.headers[0].rows
 
 
 def test_a_forged_copy_and_an_equivocation_are_named(

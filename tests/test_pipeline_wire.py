@@ -20,11 +20,13 @@ from prime_node.p2p.pipeline.errors import PipelineWireError
 from prime_node.p2p.pipeline.frames import (
     DOMAIN,
     MAX_HEADER_BYTES,
+    Acknowledgement,
     ChainReader,
     FrameReader,
     FrameShapes,
     FrameWriter,
     chain_next,
+    chain_start,
     split_frames,
 )
 from prime_node.p2p.pipeline.layout import StageLayout
@@ -37,6 +39,9 @@ from support.pipeline import group, identities, random_requests, save_tiny
 LAYOUT = StageLayout(boundaries=[0, 2, 4])
 SENDER, OTHER = identities(2)
 SPEC = GroupSpec("local", 3, 7, LAYOUT, (SENDER.node_id, OTHER.node_id))
+# What the sender (stage 0) acknowledges: its predecessor's (stage 1's) opening, under stage 1's signature.
+_INPUT_HEAD = chain_start(canonical_json(SPEC.opening(1).model_dump(mode="json")))
+ACK = Acknowledgement(head=_INPUT_HEAD.hex(), signature=OTHER.sign(DOMAIN + _INPUT_HEAD).hex())
 
 
 def writer() -> FrameWriter:
@@ -56,6 +61,7 @@ def activation(w: FrameWriter, tensor: torch.Tensor, **changes: object) -> bytes
         tensor=tensor,
         dtype="float32",
         commitment=b"\x01\x02",
+        acknowledged=ACK,
     )
     fields.update(changes)
     return w.frame(**fields)[0]  # type: ignore[arg-type]
@@ -80,6 +86,7 @@ def header_of(tensor_bytes: bytes, **fields: object) -> dict[str, object]:
         dtype="float32",
         tensor_sha256=hashlib.sha256(tensor_bytes).hexdigest(),
         commitment=None,
+        acknowledged=ACK.model_dump(mode="json"),
     )
     base.update(fields)
     return base
@@ -94,9 +101,16 @@ def test_frames_round_trip_exactly(dtype: str) -> None:
         w.opening()
         + activation(w, hidden, dtype=dtype)
         + w.frame(
-            kind="tokens", micro_batch=0, step=0, rows=[0, 1], tensor=tokens, dtype="int64", commitment=b""
+            kind="tokens",
+            micro_batch=0,
+            step=0,
+            rows=[0, 1],
+            tensor=tokens,
+            dtype="int64",
+            commitment=b"",
+            acknowledged=ACK,
         )[0]
-        + w.end()[0]
+        + w.end(ACK)[0]
     )
     chain = reader()
     first, second, end = split_frames(chain, data)
@@ -148,6 +162,19 @@ def hostile_streams() -> dict[str, tuple[bytes, str]]:
     )
     w = writer()
     cases["frame out of order"] = (forged(w, header_of(raw, index=2), raw), "arrived where frame 1")
+    w = writer()
+    unacknowledged = {k: v for k, v in header_of(raw).items() if k != "acknowledged"}
+    cases["no acknowledgement (a v1 header)"] = (forged(w, unacknowledged, raw), "malformed at acknowledged")
+    for name, bad in {
+        "short head": {"head": ACK.head[:-2], "signature": ACK.signature},
+        "upper-case signature": {"head": ACK.head, "signature": ACK.signature.upper()},
+        "extra field": {**ACK.model_dump(mode="json"), "index": 3},
+    }.items():
+        w = writer()
+        cases[f"acknowledgement with a {name}"] = (
+            forged(w, header_of(raw, acknowledged=bad), raw),
+            "malformed at acknowledged",
+        )
     return cases
 
 
@@ -156,6 +183,14 @@ def test_hostile_frames_are_refused_with_a_reason(case: str) -> None:
     data, reason = hostile_streams()[case]
     with pytest.raises(PipelineWireError, match=reason):
         split_frames(reader(), writer().opening() + data)
+
+
+def test_a_v1_opening_is_refused() -> None:
+    """v1 frames carry no acknowledgement of their input: a v1 peer is refused at its (signed) opening."""
+    raw = canonical_json({**SPEC.opening(0).model_dump(mode="json"), "protocol": "prime-node/pipeline/v1"})
+    opening = struct.pack(">I", len(raw)) + raw + SENDER.sign(DOMAIN + chain_start(raw))
+    with pytest.raises(PipelineWireError, match="opening is malformed at protocol"):
+        split_frames(reader(), opening)
 
 
 def test_an_opening_from_another_sender_or_layout_is_refused() -> None:
@@ -260,8 +295,9 @@ def test_frames_the_schedule_calls_for_pass_its_shapes() -> None:
             tensor=torch.tensor([3, 4]),
             dtype="int64",
             commitment=b"",
+            acknowledged=ACK,
         )[0]
-        + w.end()[0]
+        + w.end(ACK)[0]
     )
     assert [f.header.kind for f in split_frames(SPEC.reader(1, SHAPES), data)] == [
         "prefill",

@@ -45,7 +45,9 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.names import RUN_ID_PATTERN
 from prime_node.p2p.pipeline.errors import PipelineWireError
 from prime_node.p2p.pipeline.frames import DOMAIN as PIPELINE_DOMAIN
+from prime_node.p2p.pipeline.frames import PROTOCOL as PIPELINE_PROTOCOL
 from prime_node.p2p.pipeline.frames import (
+    Acknowledgement,
     ChainReader,
     FrameHeader,
     StreamOpening,
@@ -321,7 +323,7 @@ def _receipt() -> Carrier:
 
 
 _OPENING = StreamOpening(
-    protocol="prime-node/pipeline/v1",
+    protocol=PIPELINE_PROTOCOL,
     run_id=RUN,
     group=SHA,
     policy_step=1,
@@ -330,6 +332,8 @@ _OPENING = StreamOpening(
     stages=2,
     sender=NODE.node_id,
 )
+# A frame's acknowledgement of its input (the predecessor's chain head and signature): shaped, not checked here.
+_ACK = Acknowledgement(head=SHA, signature="cd" * 64)
 
 
 def _pipeline(model: type[WireModel], sample: WireModel) -> Carrier:
@@ -374,6 +378,7 @@ def _stage_record() -> Carrier:
         dtype="int64",
         tensor_sha256=SHA,
         commitment="00ff",
+        acknowledged=_ACK,
     )
     hop = HopRecord(opening=_OPENING, headers=[header], head=SHA, signature="cd" * 64)
     record = StageRecord(stage=0, node_id=NODE.node_id, received=hop, sent=hop, outputs=[[5, 1]])
@@ -454,6 +459,7 @@ def _fraud_report() -> Carrier:
         dtype="float32",
         tensor_sha256=SHA,
         commitment="00ff",
+        acknowledged=_ACK,
     )
     hop = HopRecord(opening=_OPENING, headers=[header], head=SHA, signature="cd" * 64)
     report = FraudReport(claim=_CLAIM, hop=hop, tensor="AAAAAAAAAAA=")
@@ -471,6 +477,7 @@ def _partial_report() -> Carrier:
         dtype="int64",
         tensor_sha256=SHA,
         commitment="00ff",
+        acknowledged=_ACK,
     )
     hop = HopRecord(opening=_OPENING, headers=[header], head=SHA, signature="cd" * 64)
     record = StageRecord(stage=0, node_id=NODE.node_id, received=hop, sent=hop, outputs=[[5]])
@@ -664,6 +671,7 @@ CARRIERS = [
             dtype="float32",
             tensor_sha256=SHA,
             commitment="00ff",
+            acknowledged=_ACK,
         ),
     ),
     _answer(Leaderboard, {"generated_at": T, "ranked": 1, "nodes": [_ROW]}, "the leaderboard"),

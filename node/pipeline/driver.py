@@ -89,7 +89,7 @@ def run_loopback(
         ]
         raise BatchBroken(str(exc), partial) from exc
     for k in range(stages):
-        encoded, _ = writers[k].end()
+        encoded, _ = writers[k].end(readers[k].acknowledgement())
         split_frames(readers[(k + 1) % stages], encoded, opening=False)
     outputs = processors[-1].outputs.tokens
     records = [stage_record(k, identities[k], readers[k], writers[k], outputs) for k in range(stages)]
@@ -123,6 +123,7 @@ def _relay(
             tensor=out.tensor,
             dtype=out.dtype,
             commitment=out.commitment,
+            acknowledged=readers[sender].acknowledgement(),
         )
         receiver = (sender + 1) % stages
         (frame,) = split_frames(readers[receiver], encoded, opening=False)

@@ -108,10 +108,10 @@ class StageRunner:
                 if following is not None:
                     await self._send(out, following)
                 if self.processor.model.first and self.processor.done:
-                    await out.send(self.writer.end()[0])
+                    await out.send(self.writer.end(self.chain.acknowledgement())[0])
                     ended = True  # from here the successor may close: it has all it needs
             if not self.processor.model.first:
-                await out.send(self.writer.end()[0])
+                await out.send(self.writer.end(self.chain.acknowledgement())[0])
             await out.close(self.hop.frame_timeout_s)
         finally:
             hangup.cancel()
@@ -148,6 +148,7 @@ class StageRunner:
             tensor=outgoing.tensor,
             dtype=outgoing.dtype,
             commitment=outgoing.commitment,
+            acknowledged=self.chain.acknowledgement(),
         )
         queued = time.monotonic()
         await out.send(encoded)

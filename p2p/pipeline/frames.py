@@ -11,6 +11,11 @@ every prefix of the stream is signed and a receiver holds the sender's word for 
 frame it read, even if the sender stops mid-batch. The tensor bytes enter the chain through the header's
 `tensor_sha256`. The stream ends with an "end" frame whose signed head is the stream's chain head.
 
+Every frame header also acknowledges the sender's input: the chain head of the stream it has received so far
+(its predecessor's) with the predecessor's signature over it. The sender signs that acknowledgement with the
+frame, so whoever holds its output stream also holds what input it admitted to, and a stage that withholds
+its record can still be judged against its predecessor's stream (proofs/pipeline/broken.py).
+
 A reader treats every byte as hostile: the header length is bounded before anything is read, the signature
 is checked over the raw header bytes before they are parsed, the header is a strict WireModel, the tensor's
 size follows from its shape and dtype and is bounded before its bytes are read, the bytes must hash to
@@ -38,8 +43,10 @@ from ..wire import NodeId, Sha256Hex, WireFormatError, WireModel, describe, load
 from .errors import PipelineWireError
 from .layout import MAX_STAGES, StageLayout
 
-PROTOCOL = "prime-node/pipeline/v1"
-DOMAIN = b"prime-node/pipeline-chain/v1\x00"
+# v2: frame headers carry `acknowledged` (v1 headers had none); a v1 peer's opening is refused.
+PipelineProtocol = Literal["prime-node/pipeline/v2"]
+PROTOCOL: PipelineProtocol = "prime-node/pipeline/v2"
+DOMAIN = b"prime-node/pipeline-chain/v2\x00"
 MAX_HEADER_BYTES = 64 << 10  # a header with a TOPLOC commitment of a 4096-row prefill frame fits easily
 MAX_TENSOR_BYTES = 256 << 20  # one micro-batch's activations; a stage refuses anything larger unread
 MAX_ROWS = 4096  # samples in one frame
@@ -63,7 +70,7 @@ _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.i
 class StreamOpening(WireModel):
     """The first frame of a stream: which group, batch and hop it belongs to, signed by the sender."""
 
-    protocol: Literal["prime-node/pipeline/v1"]
+    protocol: PipelineProtocol
     run_id: Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
     group: Sha256Hex  # the group's id (a digest of its members and policy step)
     policy_step: int = Field(ge=0, lt=1 << 63)
@@ -71,6 +78,19 @@ class StreamOpening(WireModel):
     stage: int = Field(ge=0, lt=MAX_STAGES)  # the sender's stage; the receiver is stage + 1 (mod stages)
     stages: int = Field(ge=2, le=MAX_STAGES)
     sender: NodeId  # the key that signs every head of this stream
+
+
+SignatureHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+
+
+class Acknowledgement(WireModel):
+    """The input a frame's sender admits to: the head of the stream it had received when it sent the frame (its
+    predecessor's, the opening's head before any frame), and the predecessor's signature over DOMAIN || head,
+    which it holds from that frame. The signature makes the claim checkable without the predecessor's record:
+    an acknowledgement its predecessor never signed is the sender's own lie."""
+
+    head: Sha256Hex
+    signature: SignatureHex
 
 
 class FrameHeader(WireModel):
@@ -93,6 +113,7 @@ class FrameHeader(WireModel):
     commitment: (
         Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{2})*$", max_length=MAX_COMMITMENT_HEX)] | None
     )
+    acknowledged: Acknowledgement  # the received stream's head when this frame was sent (never decreasing)
 
 
 @dataclass(frozen=True)
@@ -226,8 +247,10 @@ class FrameWriter:
         tensor: torch.Tensor,
         dtype: WireDtype,
         commitment: bytes | None,
+        acknowledged: Acknowledgement,
     ) -> tuple[bytes, Frame]:
-        """The encoded frame and its record (header, tensor, signed head)."""
+        """The encoded frame and its record (header, tensor, signed head); `acknowledged`: the current head of
+        the stream this stage receives (`ChainReader.acknowledgement`)."""
         self.index += 1
         data = tensor_bytes(tensor, dtype)
         header = FrameHeader(
@@ -240,6 +263,7 @@ class FrameWriter:
             dtype=dtype,
             tensor_sha256=hashlib.sha256(data).hexdigest(),
             commitment=commitment.hex() if commitment is not None else None,
+            acknowledged=acknowledged,
         )
         header_bytes = canonical_json(header.model_dump(mode="json"))
         self.head = chain_next(self.head, header_bytes)
@@ -248,7 +272,7 @@ class FrameWriter:
         encoded = _LEN.pack(len(header_bytes)) + header_bytes + signature + data
         return encoded, Frame(header, tensor, self.head, signature)
 
-    def end(self, micro_batch: int = 0) -> tuple[bytes, Frame]:
+    def end(self, acknowledged: Acknowledgement, micro_batch: int = 0) -> tuple[bytes, Frame]:
         return self.frame(
             kind="end",
             micro_batch=micro_batch,
@@ -257,6 +281,7 @@ class FrameWriter:
             tensor=torch.empty(0, dtype=torch.int64),
             dtype="int64",
             commitment=None,
+            acknowledged=acknowledged,
         )
 
 
@@ -311,6 +336,13 @@ class ChainReader:
             )
         self.opening, self.head, self.signature = opening, head, signature
         return opening
+
+    def acknowledgement(self) -> Acknowledgement:
+        """What this stage's next sent frame acknowledges: the head of everything read so far, under the
+        sender's signature."""
+        if self.opening is None:
+            raise PipelineWireError("nothing to acknowledge: the predecessor's opening has not been read")
+        return Acknowledgement(head=self.head.hex(), signature=self.signature.hex())
 
     def header(self, raw: bytes, signature: bytes) -> tuple[FrameHeader, int, bytes]:
         """(header, tensor size, head after it): the signature is checked over the raw bytes first."""

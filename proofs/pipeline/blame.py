@@ -6,6 +6,8 @@ Cheapest first (docs/pipeline.md, "Trust"):
    recorded as received are the same headers under k's signed chain head. Each frame is signed, so a
    receiver's copy with a bad signature is its own forgery (k + 1 blamed), a strict prefix is a truncation
    by whoever holds less, and two validly signed streams that diverge are k's equivocation (k blamed);
+   then each stage's sent frames acknowledge heads of its own copy of its input, signed by its predecessor, never
+   going back (proofs/pipeline/acknowledgements.py): any other acknowledgement is the stage's own contradiction;
 3. tokens: the last stage's token frames hash to the outputs its record lists, and every stage lists them;
 4. one monolithic prefill with hooks at every boundary recomputes what each honest stage sends; stage by
    stage in order, its sent frames' TOPLOC commitments are checked against the recomputed boundary, and the
@@ -33,6 +35,7 @@ from ..bounds import CALIBRATED, ToplocThresholds
 from ..errors import ProofError
 from ..gumbel import gumbel_noise, perturbed_scores
 from ..toploc import ChunkStats, build_proof, check_proof, worst_failure
+from .acknowledgements import contradiction
 from .records import GroupSpec, HopFraud, HopRecord, SignedStageRecord, StageRecord
 from .schedule import fed_rows, micro_batches, sampled_rows
 
@@ -100,7 +103,7 @@ def verify_group(
 ) -> GroupVerdict:
     thresholds = thresholds or BlameThresholds()
     stages = spec.layout.stages
-    for verdict in (_presence(spec, records), _hops(spec, records)):
+    for verdict in (_presence(spec, records), _hops(spec, records), _acknowledgements(spec, records)):
         if verdict is not None:
             return verdict
     present = [r.record for r in records if r is not None]
@@ -164,6 +167,20 @@ def _hops(spec: GroupSpec, records: Sequence[SignedStageRecord | None]) -> Group
         return GroupVerdict(
             k, f"stage {k}: it signed two different streams on hop {k} -> {receiver} (equivocation)"
         )
+    return None
+
+
+def _acknowledgements(spec: GroupSpec, records: Sequence[SignedStageRecord | None]) -> GroupVerdict | None:
+    """Each stage's sent frames acknowledge its own copy of its input (checked signed by `_hops`), in order."""
+    stages = spec.layout.stages
+    for k in range(stages):
+        record = records[k].record  # type: ignore[union-attr]
+        predecessor = spec.members[(k - 1) % stages]
+        reason = contradiction(
+            list(record.sent.headers), record.received.opening, list(record.received.headers), predecessor
+        )
+        if reason is not None:
+            return GroupVerdict(k, f"stage {k}: {reason}")
     return None
 
 

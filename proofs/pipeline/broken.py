@@ -3,12 +3,15 @@
 When a batch breaks (a stage refuses a frame: stage 0 finds the tokens of other rows than it fed; a stage
 stops), the members hand the validator their **partial** records: the streams they received and sent so far,
 each prefix signed by its sender through the chain head, and the tokens they know. What stage k sent is signed
-by k: the longest validly signed copy (k's own, or k + 1's) is k's output. What k was given is judged from k's
-own record only: k - 1 signs whatever it likes, so its copy alone could be a stream it never sent, which would
-frame an absent k. So a stage is judged only when it handed in its record; one that withholds it escapes, like
-one that stops (closing that gap needs each frame to carry the sender's latest received chain head, so that k's
-signed output acknowledges its input: not built). Stage k's output frames are checked against its input frames
-(`blame_broken`):
+by k: the longest validly signed copy (k's own, or k + 1's) is k's output. What k was given is what its own
+signed output acknowledges: every frame header carries the head of the stream k had received when it sent the
+frame, with k - 1's signature over that head (`Acknowledgement`), all under k's own chain. So k's successor's
+copy of k's output proves k's input too, even when k withholds its record: the input is the prefix of k - 1's
+signed stream (k's own copy, or, without k's record, k - 1's) that ends at the acknowledged head; a head fixes
+its prefix, so neither neighbour can substitute another input. An acknowledgement whose signature is not
+k - 1's is k's own lie, as is one its own record's copy does not reach, or one that goes back; one beyond every
+copy at hand (k - 1 may have signed more than its record shows) ends what is judged of k. Stage k's output
+frames are checked against its input frames (`blame_broken`):
 
 - a relay stage (0 < k < last) sends, for each frame it received, the frame of the same kind, micro-batch and
   step with exactly the same rows;
@@ -18,8 +21,8 @@ signed output acknowledges its input: not built). Stage k's output frames are ch
   rows of the tokens of step t it received whose token is not EOS (none at t = max_new_tokens - 1); the token
   values come from a record whose outputs match the token frames' signed hashes (stage 0's or the last stage's).
 
-An output frame without its input frame, or with other rows, is that stage's own signed deviation, against the
-input it acknowledges by its own record: it alone is blamed. Two validly signed copies of one hop that diverge
+An output frame without an input frame it had acknowledged by then, or with other rows, is that stage's own signed
+deviation against the input it acknowledges: it alone is blamed. Two validly signed copies of one hop that diverge
 are the sender's equivocation; a copy not signed by its sender is its holder's forgery. A stage that merely
 stops sends nothing wrong and is never blamed here (a silent peer proves nothing: the network may have failed
 it).
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...p2p.pipeline.frames import FrameHeader, verify_chain
+from .acknowledgements import acknowledged, forged_acknowledgement, prefix_heads
 from .blame import GroupVerdict
 from .records import GroupSpec, HopRecord, SignedStageRecord
 from .schedule import micro_batches
@@ -101,14 +105,23 @@ def _tokens(
     return None
 
 
-def _index(headers: list[FrameHeader]) -> dict[tuple[str, int, int], FrameHeader]:
-    """Frames by (kind, micro-batch, step), the first of each: a stage refuses a repeat, so it computed on the
-    first (and a repeat appended by the sender cannot stand for it)."""
-    index: dict[tuple[str, int, int], FrameHeader] = {}
-    for h in headers:
+def _index(headers: list[FrameHeader]) -> dict[tuple[str, int, int], tuple[int, FrameHeader]]:
+    """Frames by (kind, micro-batch, step), the first of each with its position (1, 2, ... in the stream): a stage
+    refuses a repeat, so it computed on the first (and a repeat appended by the sender cannot stand for it)."""
+    index: dict[tuple[str, int, int], tuple[int, FrameHeader]] = {}
+    for position, h in enumerate(headers, 1):
         if h.kind != "end":
-            index.setdefault((h.kind, h.micro_batch, h.step), h)
+            index.setdefault((h.kind, h.micro_batch, h.step), (position, h))
     return index
+
+
+def _source(
+    index: dict[tuple[str, int, int], tuple[int, FrameHeader]], key: tuple[str, int, int], limit: int
+) -> FrameHeader | None:
+    """The input frame of `key` if it is among the first `limit` input frames (those the output frame
+    acknowledges: it cannot have computed on a later one), else None."""
+    found = index.get(key)
+    return found[1] if found is not None and found[0] <= limit else None
 
 
 def _deviation(
@@ -116,12 +129,14 @@ def _deviation(
     stages: int,
     given: list[FrameHeader],
     sent: list[FrameHeader],
+    acked: list[int],
     run: BatchRules,
     tokens: list[list[int]] | None,
 ) -> str | None:
-    """Why stage k's output frames do not follow from its input frames, or None."""
-    received = _index(given)
-    for header in sent:
+    """Why stage k's output frames do not follow from its input frames, or None. `acked[j]`: how many input
+    frames sent[j] acknowledges; it may follow only from one of those."""
+    index = _index(given)
+    for header, limit in zip(sent, acked, strict=True):
         if header.kind == "end":
             continue
         what = f"frame {header.index} ({header.kind} of micro-batch {header.micro_batch}, step {header.step})"
@@ -133,7 +148,7 @@ def _deviation(
                     run.cut[header.micro_batch] if header.micro_batch < len(run.cut) else None
                 )
             elif header.kind == "decode":
-                source = received.get(("tokens", header.micro_batch, header.step))
+                source = _source(index, ("tokens", header.micro_batch, header.step), limit)
                 due = None
                 if source is not None and tokens is not None and header.step < run.max_new_tokens - 1:
                     due = [r for r in source.rows if tokens[r][header.step] != run.eos_token_id]
@@ -147,13 +162,13 @@ def _deviation(
             if header.kind != "tokens":
                 due = None
             elif header.step == 0:
-                source = received.get(("prefill", header.micro_batch, 0))
+                source = _source(index, ("prefill", header.micro_batch, 0), limit)
                 due = None if source is None else list(source.rows)
             else:
-                source = received.get(("decode", header.micro_batch, header.step - 1))
+                source = _source(index, ("decode", header.micro_batch, header.step - 1), limit)
                 due = None if source is None else list(source.rows)
         else:
-            source = received.get((header.kind, header.micro_batch, header.step))
+            source = _source(index, (header.kind, header.micro_batch, header.step), limit)
             due = None if source is None else list(source.rows)
         if due is None:
             return f"{what} follows from no frame it received"
@@ -180,9 +195,9 @@ def cut_of(prompts: Sequence[Sequence[int]], micro_batch_size: int) -> list[list
 def blame_broken(
     spec: GroupSpec, records: Sequence[SignedStageRecord | None], run: BatchRules
 ) -> GroupVerdict:
-    """The first stage whose own signed output deviates from its signed input in a broken batch, or no one.
-    `records`: the members' partial records in stage order (None where a member handed in none); each must be
-    authentic and its member's (the caller's reader checks it)."""
+    """The first stage whose own signed output deviates from the signed input it acknowledges in a broken batch,
+    or no one. `records`: the members' partial records in stage order (None where a member handed in none);
+    each must be authentic and its member's (the caller's reader checks it)."""
     stages = spec.layout.stages
     if len(records) != stages:
         return GroupVerdict(None, f"{len(records)} partial records for {stages} stages")
@@ -194,13 +209,24 @@ def blame_broken(
         hops.append(stream)
     for k in range(stages):
         sent, own = hops[k], records[k]
-        if sent is None or own is None:
-            continue  # what it sent, or its own copy of what it was given, is not at hand: k is not judged
-        # Its input is its own copy (signed by k - 1, checked above): the predecessor's copy alone could be a
-        # stream k - 1 signed but never sent, which would frame an absent k.
-        given = list(own.record.received.headers)
+        if sent is None:
+            continue  # what it sent is not at hand: k is not judged
+        predecessor = (k - 1) % stages
+        lie = forged_acknowledgement(sent, spec.members[predecessor], predecessor)
+        if lie is not None:
+            return GroupVerdict(k, f"stage {k}: {lie}")
+        # Its input: its own copy, else the predecessor's signed stream as far as anyone holds it; either way
+        # only the prefix its own frames acknowledge (a predecessor's copy alone could reach past what it sent).
+        given = list(own.record.received.headers) if own is not None else hops[predecessor]
+        if given is None:
+            continue  # nobody holds what it was given: k is not judged
+        heads = prefix_heads(spec.opening(predecessor), given)
+        acked, lie = acknowledged(sent, heads, own is not None)
+        if lie is not None:
+            return GroupVerdict(k, f"stage {k}: {lie}")
+        given = given[: acked[-1]] if acked else []
         tokens = _tokens(records, given) if k == 0 else None
-        reason = _deviation(k, stages, given, sent, run, tokens)
+        reason = _deviation(k, stages, given, sent[: len(acked)], acked, run, tokens)
         if reason is not None:
             return GroupVerdict(k, f"stage {k}: {reason}")
     return NO_BLAME

@@ -15,17 +15,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import Field, StringConstraints, ValidationError
+from pydantic import Field, ValidationError
 
 from ...p2p.errors import SignatureError, UnsignableDocument
 from ...p2p.identity import Identity
-from ...p2p.pipeline.frames import ChainReader, Frame, FrameHeader, FrameShapes, StreamOpening, tensor_bytes
+from ...p2p.pipeline.frames import (
+    PROTOCOL,
+    ChainReader,
+    Frame,
+    FrameHeader,
+    FrameShapes,
+    SignatureHex,
+    StreamOpening,
+    tensor_bytes,
+)
 from ...p2p.pipeline.layout import StageLayout
 from ...p2p.signing import canonical_json, is_valid_signature
 from ...p2p.wire import NodeId, Sha256Hex, WireFormatError, WireModel, describe, loads_strict
 from ..errors import ProofError
 
-SignatureHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
 _SIGNATURE = re.compile(r"[0-9a-f]{128}")
 RECORD_DOMAIN = b"prime-node/pipeline-stage-record/v1\x00"
 MAX_RECORD_FRAMES = 1 << 16
@@ -54,7 +62,7 @@ class GroupSpec:
 
     def opening(self, stage: int) -> StreamOpening:
         return StreamOpening(
-            protocol="prime-node/pipeline/v1",
+            protocol=PROTOCOL,
             run_id=self.run_id,
             group=self.group_id,
             policy_step=self.policy_step,
