@@ -206,11 +206,11 @@ class ValidatorService:
     async def load_tiers(self) -> None:
         """Which nodes are established, from the files the ledger accepted recently (at start)."""
         rows = await self.ledger.query(
-            "SELECT node_id, decided_at FROM contributions WHERE accepted = 1 AND decided_at >= ? "
-            "ORDER BY decided_at",
+            "SELECT node_id, decided_at, COALESCE(credit_share, 1) AS share FROM contributions"
+            " WHERE accepted = 1 AND decided_at >= ? ORDER BY decided_at",
             (self.admission.standing_since(),),
         )
-        self.admission.load_accepted((r["node_id"], r["decided_at"]) for r in rows)
+        self.admission.load_accepted((r["node_id"], r["decided_at"], r["share"]) for r in rows)
 
     async def accept(self, received: ReceivedRollout) -> None:
         """The file is stored and its hash checked: make it durable before the receipt goes out."""
@@ -585,7 +585,8 @@ class ValidatorService:
             self.metrics.verdict(signed.accepted, signed.failed_check, signed.decided_at - job.received_at)
             self.metrics.bans.inc(len(result.new_bans))
         if outcome.accepted and not result.duplicate:
-            self.admission.note_accepted(job.node_id)  # its next file may count as established
+            # Its next file may count as established: a stage file counts its share of the batch, as its credit.
+            self.admission.note_accepted(job.node_id, share=outcome.credit_share)
         level = logging.INFO if outcome.accepted else logging.WARNING
         logger.log(
             level,
