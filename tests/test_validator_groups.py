@@ -18,7 +18,7 @@ import pytest
 
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
-from prime_node.p2p.swarm import RolloutEnvelope, Swarm
+from prime_node.p2p.swarm import HandoffBusy, RolloutEnvelope, Swarm
 from prime_node.p2p.swarm.group_records import GroupRecord
 from prime_node.p2p.swarm.handoff import stored_name
 from prime_node.proofs.pipeline.records import GroupSpec
@@ -26,6 +26,7 @@ from prime_node.proofs.pipeline.stage_file import StageFile, read_stage_file
 from prime_node.proofs.rollout_file import SIG_SUFFIX, sign_bytes, signature_path
 from prime_node.proofs.work_identity import sample_ids
 from prime_node.trainer.service.inbox import Inbox
+from prime_node.trainer.validator import service as service_module
 from prime_node.trainer.validator.spool import Spool
 
 from support.pipeline_attacks import perturb_stage_
@@ -316,7 +317,7 @@ async def test_only_formed_groups_are_credited_and_junk_starts_no_grace_period(t
 
 @pytest.mark.slow
 async def test_group_records_are_read_again_until_the_grace_ends_and_kept_across_a_restart(
-    tmp_path: Path, world
+    tmp_path: Path, world, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # noqa: ANN001
     # A read that does not show a group's record is not the last word: the validator reads again until the
     # file's grace period ends, and a record published after an earlier read still forms the group. Reads that all
@@ -364,6 +365,14 @@ async def test_group_records_are_read_again_until_the_grace_ends_and_kept_across
 
         await wait_until(answered_without_it, 10)
         assert formed.find(files["late"].spec.group_id) is None
+        # While a sender's files wait for a record not known, its next file for an unknown group is busy beyond
+        # the cap (here 1): a made-up group's files cost nothing but their wait.
+        monkeypatch.setattr(service_module, "MAX_UNFORMED_WAITING", 1)
+        header = _envelope(files["kept"].paths[0]).model_copy(update={"node_id": late[0].node_id})
+        assert running.service.unformed_waiting[late[0].node_id] == 1
+        with pytest.raises(HandoffBusy, match="wait for a group record this validator does not know"):
+            await running.service.admit(header)
+        monkeypatch.undo()
         await _form(running.swarm, files["late"].spec, files["kept"].spec)
         for path in files["late"].paths:
             v = (await wait_verdict(running, _envelope(path).sha256, 30 + grace_s)).document
