@@ -102,6 +102,28 @@ def test_ranking_by_tokens_then_samples(ledger):
     assert not leaderboard(ledger, now=T0 + 6 + 86400)[3].banned  # the ban expired
 
 
+def test_a_pipelined_groups_rows_count_once_each_member_its_share(tmp_path):
+    # Each member's stage file holds the group's rows under its own id: weighted by its credit share, the group's
+    # batch counts once on the leaderboard and in the totals, as in the score, and a monolithic node that did the
+    # same work ranks with the group, not below each of its members.
+    first, second, alone = node_id(40), node_id(41), node_id(42)
+    with Ledger(tmp_path / "ledger.sqlite") as led:
+        led.record(signed_verdict(first, tokens=300, samples=8, at=T0), credit_share=0.25)
+        led.record(signed_verdict(second, tokens=300, samples=8, at=T0 + 1), credit_share=0.75)
+        led.record(signed_verdict(alone, tokens=200, samples=4, at=T0 + 2))
+        rows = {r.node_id: r for r in leaderboard(led, now=T0 + 10)}
+        assert (rows[first].accepted_tokens, rows[first].accepted_samples, rows[first].accepted_files) == (
+            75,
+            2,
+            1,
+        )
+        assert (rows[second].accepted_tokens, rows[second].accepted_samples) == (225, 6)
+        assert [r.node_id for r in leaderboard(led, now=T0 + 10)] == [second, alone, first]
+        assert node_detail(led, first, now=T0 + 10).node.accepted_tokens == 75
+        assert (totals(led).accepted_tokens, totals(led).accepted_samples) == (500, 12)
+        assert recent_activity(led, since=T0)[second].tokens == 225
+
+
 def test_node_detail_by_id_or_prefix(ledger):
     detail = node_detail(ledger, D[:10], now=T0 + 10)
     assert detail.node.node_id == D and detail.node.rank == 4

@@ -345,3 +345,39 @@ def test_a_version_2_ledger_is_rebuilt_keyed_by_file_and_sender(tmp_path):
         # The same bytes from another sender now get their own row.
         ledger.record(signed_verdict(B, file_hash=old.document.file_hash, samples=2), samples=_ids(B, 0, 2))
         assert len(ledger.verdicts_for(old.document.file_hash)) == 2
+
+
+def test_a_version_3_ledgers_accepted_files_keep_no_share_and_count_whole(tmp_path):
+    # Files accepted before version 4 were credited 1 each: they keep NULL in credit_share, and everything that
+    # weights by the share (the ranking, the totals, the validator's standing) counts them whole.
+    from prime_node.trainer.ledger.activity import totals
+    from prime_node.trainer.ledger.leaderboard import leaderboard
+
+    path = tmp_path / "v3.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute(CREATE_MIGRATIONS_TABLE)
+    for migration in MIGRATIONS[:3]:
+        for statement in migration.statements:
+            conn.execute(statement)
+        conn.execute(
+            "INSERT INTO schema_migrations VALUES (?, ?, ?)", (migration.version, migration.name, T0)
+        )
+    old = signed_verdict(A, tokens=120, samples=3, at=T0)
+    conn.execute(
+        "INSERT INTO nodes (node_id, first_seen, last_seen, score) VALUES (?, ?, ?, 1.0)", (A, T0, T0)
+    )
+    conn.execute(
+        "INSERT INTO contributions VALUES (?,?,?,?,?,?,NULL,?,?,?,?,?,?,NULL)",
+        (old.document.file_hash, A, 3, 3, 120, 1, "", VALIDATOR.node_id, T0, T0, T0, old.to_json().decode()),
+    )
+    conn.commit()
+    conn.close()
+    with Ledger(path) as ledger:
+        assert ledger.schema_version() == LATEST_VERSION == 4
+        share = ledger.query("SELECT credit_share FROM contributions WHERE node_id = ?", (A,))
+        assert [r["credit_share"] for r in share] == [None]
+        ledger.record(signed_verdict(B, tokens=120, samples=4, at=T0 + 1), credit_share=0.5)
+        rows = {r.node_id: r for r in leaderboard(ledger, now=T0 + 2)}
+        assert (rows[A].accepted_tokens, rows[A].accepted_samples, rows[A].score) == (120, 3, 1.0)
+        assert (rows[B].accepted_tokens, rows[B].accepted_samples, rows[B].score) == (60, 2, 0.5)
+        assert (totals(ledger).accepted_tokens, totals(ledger).accepted_samples) == (180, 5)

@@ -51,7 +51,7 @@ def make(clock: list[float], wall: list[float] | None = None, **intake: object) 
     admission = Admission(
         IntakeSettings(**fields), reservation_s=30.0, clock=lambda: clock[0], wall_clock=lambda: now[0]
     )
-    admission.load_accepted([(HONEST, WALL - 600.0 + k) for k in range(3)])
+    admission.load_accepted([(HONEST, WALL - 600.0 + k, 1.0) for k in range(3)])
     return admission
 
 
@@ -126,9 +126,31 @@ def test_standing_is_recent_accepted_volume_not_one_file_ever() -> None:
     # Files accepted long ago (loaded from the ledger at start) count for nothing; recent ones do.
     late = make([0.0], wall)
     old, recent = node(8), node(9)
-    late.load_accepted([(old, wall[0] - 7200.0 + k) for k in range(50)])
-    late.load_accepted([(recent, wall[0] - 60.0 + k) for k in range(3)])
+    late.load_accepted([(old, wall[0] - 7200.0 + k, 1.0) for k in range(50)])
+    late.load_accepted([(recent, wall[0] - 60.0 + k, 1.0) for k in range(3)])
     assert late.tier_of(old) is Tier.NEWCOMER and late.tier_of(recent) is Tier.ESTABLISHED
+
+
+def test_a_pipelined_stage_file_counts_its_credit_share_towards_standing() -> None:
+    # A member of a 2-stage group is credited half a batch per accepted file: it needs as much work as a
+    # monolithic node to be established, not half of it (N identities of one operator each running a stage).
+    wall = [WALL]
+    admission = make([0.0], wall, established_after=3, established_window_s=3600.0)
+    member, third = node(10), node(11)
+    for _ in range(5):
+        admission.note_accepted(member, share=0.5)
+    assert admission.tier_of(member) is Tier.NEWCOMER  # 2.5 batches' worth
+    admission.note_accepted(member, share=0.5)
+    assert admission.tier_of(member) is Tier.ESTABLISHED
+    # Only the newest files that reach the bound are kept: one whole file replaces two halves.
+    wall[0] += 1800.0
+    admission.note_accepted(member)
+    wall[0] += 1801.0
+    assert admission.tier_of(member) is Tier.NEWCOMER
+    # Shares of 1/3 add up (within rounding) to whole batches; loaded from the ledger at start alike.
+    admission.load_accepted([(third, wall[0] - 60.0 + k, 1 / 3) for k in range(9)])
+    assert admission.tier_of(third) is Tier.ESTABLISHED
+    assert len(admission._accepted[third]) == 9
 
 
 def test_newcomer_slice_must_leave_room_for_established_nodes() -> None:

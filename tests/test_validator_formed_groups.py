@@ -1,19 +1,28 @@
 """The validator's book of operator-signed group records (trainer/validator/formed_groups.py): which group a
-file may name, how long a record stays known after the DHT stops showing it, and its bound."""
+file may name, how long a record stays known after the DHT stops showing it, its bound, a lookup that found
+nothing (not an answer), and the records kept on disk across a restart (opened again, signatures checked)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+from pathlib import Path
 
 import pytest
 
+from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.p2p.swarm.directory import SealedRecord
 from prime_node.p2p.swarm.group_records import GroupRecord, group_id
+from prime_node.p2p.swarm.kinds import RecordKind
+from prime_node.p2p.swarm.records import seal
 from prime_node.trainer.validator import formed_groups
 from prime_node.trainer.validator.formed_groups import FormedGroups, FormedSettings, why_not_formed
 
 RUN = "formed-groups"
 LAYOUT = StageLayout(boundaries=[0, 2, 4])
+OPERATOR = Identity.from_seed(b"\x31" * 32)
 
 
 def _record(a: int, b: int, *, step: int = 3, round_: int = 1, gid: str | None = None) -> GroupRecord:
@@ -29,21 +38,39 @@ def _record(a: int, b: int, *, step: int = 3, round_: int = 1, gid: str | None =
     )
 
 
+def _sealed(record: GroupRecord, signer: Identity = OPERATOR) -> SealedRecord:
+    """The record as the swarm's reader returns it: its body and the signed DHT value it came in."""
+    expiration = 2000.0
+    return SealedRecord(
+        record, seal(signer, RUN, RecordKind.GROUP, record.group_id, record, expiration), expiration
+    )
+
+
 class _Dht:
-    """What the DHT shows now (records already signature-checked by the swarm's reader), and a clock."""
+    """What the DHT shows now (records already signature-checked by the swarm's reader), and a clock.
+
+    `found`: False makes a lookup that found no table (the swarm's reader answers None)."""
 
     def __init__(self) -> None:
         self.now = 1000.0
         self.records: dict[str, GroupRecord] = {}
+        self.found = True
         self.reads = 0
 
-    async def read(self) -> dict[str, GroupRecord]:
+    async def read(self) -> dict[str, SealedRecord] | None:
         self.reads += 1
-        return dict(self.records)
+        if not self.found:
+            return None
+        return {gid: _sealed(record) for gid, record in self.records.items()}
 
-    def book(self, keep_s: float = 60.0) -> FormedGroups:
+    def book(self, keep_s: float = 60.0, path: Path | None = None) -> FormedGroups:
         return FormedGroups(
-            self.read, RUN, FormedSettings(keep_s=keep_s, refresh_s=2.0), clock=lambda: self.now
+            self.read,
+            RUN,
+            FormedSettings(keep_s=keep_s, refresh_s=2.0),
+            operator_keys=frozenset({OPERATOR.node_id}),
+            path=path,
+            clock=lambda: self.now,
         )
 
 
@@ -62,9 +89,9 @@ def test_a_record_stays_known_for_keep_s_after_the_dht_stops_showing_it() -> Non
     book = dht.book(keep_s=60.0)
     record = _record(1, 2)
     dht.records[record.group_id] = record
-    assert book.may_read() and not book.read_since(dht.now)
-    asyncio.run(book.refresh())
-    assert book.find(record.group_id) == record and book.read_since(dht.now)
+    assert book.may_read() and not book.answered_since(dht.now)
+    assert asyncio.run(book.refresh())  # learned a record
+    assert book.find(record.group_id) == record and book.answered_since(dht.now)
     dht.now += 1.0
     assert not book.may_read()  # at most one read per refresh_s
     del dht.records[record.group_id]  # dissolved and expired: a late file of its batch is still its group's
@@ -103,3 +130,63 @@ def test_the_book_is_bounded_oldest_sighting_first(monkeypatch: pytest.MonkeyPat
     dht.now += 1.0
     asyncio.run(book.refresh())
     assert len(book) == 3 and book.find(first.group_id) is None
+
+
+def test_a_lookup_that_found_no_table_is_tried_but_no_answer() -> None:
+    # hivemind answers a lookup that reached none of the peers holding the records as it answers for a key
+    # nobody stores: a file must not take that for "no such group".
+    dht = _Dht()
+    book = dht.book()
+    dht.found = False
+    assert not asyncio.run(book.refresh())
+    assert dht.reads == 1 and not book.may_read() and not book.answered_since(dht.now)
+    dht.now += 2.0
+    dht.found = True  # the table, without the group: an answer (the service still waits out the file's grace)
+    assert not asyncio.run(book.refresh())
+    assert book.answered_since(dht.now) and not book.answered_since(dht.now + 0.5)
+
+
+def test_records_are_kept_on_disk_and_opened_again_with_their_signatures(tmp_path: Path) -> None:
+    path = tmp_path / "group-records.json"
+    dht = _Dht()
+    book = dht.book(keep_s=60.0, path=path)
+    kept, other = _record(1, 2), _record(3, 4)
+    dht.records = {kept.group_id: kept, other.group_id: other}
+    learned = asyncio.run(book.refresh())
+    assert learned and book.should_save(learned)
+    book.write(book.snapshot())
+    assert not book.should_save(False)  # saved just now; again after keep_s / 8
+    # A restart 50 s later: the DHT no longer has the records (dissolved, expired), the file does.
+    dht.now += 50.0
+    dht.records = {}
+    again = dht.book(keep_s=60.0, path=path)
+    assert again.load() == 2 and again.find(kept.group_id) == kept
+    dht.now += 11.0  # keep_s counts from the sighting on disk, not from the restart
+    assert again.find(kept.group_id) is None
+    # A record whose signed value was altered, or that no pinned operator key signed, does not come back.
+    document = json.loads(path.read_bytes())
+    rows = document["records"]
+    forged = _record(5, 6)
+    stranger = _sealed(forged, Identity.from_seed(b"\x32" * 32))
+    rows.append(
+        {
+            "group_id": forged.group_id,
+            "value": base64.b64encode(stranger.value).decode(),
+            "expiration": 2000.0,
+            "seen": 1040.0,
+        }
+    )
+    tampered = dict(rows[0])
+    value = bytearray(base64.b64decode(tampered["value"]))
+    value[-3] ^= 1
+    tampered["value"] = base64.b64encode(bytes(value)).decode()
+    rows[0] = tampered
+    rows.append({"group_id": "ab" * 32, "value": "not base64!", "expiration": 2000.0, "seen": 1040.0})
+    path.write_text(json.dumps(document))
+    dht.now = 1050.0
+    third = dht.book(keep_s=60.0, path=path)
+    assert third.load() == 1
+    assert third.find(other.group_id) == other
+    assert third.find(forged.group_id) is None and third.find(kept.group_id) is None
+    path.write_text("{")  # an unreadable file is ignored, not fatal
+    assert dht.book(path=path).load() == 0

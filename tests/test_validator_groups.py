@@ -18,7 +18,7 @@ import pytest
 
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
-from prime_node.p2p.swarm import RolloutEnvelope, Swarm
+from prime_node.p2p.swarm import HandoffBusy, RolloutEnvelope, Swarm
 from prime_node.p2p.swarm.group_records import GroupRecord
 from prime_node.p2p.swarm.handoff import stored_name
 from prime_node.proofs.pipeline.records import GroupSpec
@@ -26,6 +26,8 @@ from prime_node.proofs.pipeline.stage_file import StageFile, read_stage_file
 from prime_node.proofs.rollout_file import SIG_SUFFIX, sign_bytes, signature_path
 from prime_node.proofs.work_identity import sample_ids
 from prime_node.trainer.service.inbox import Inbox
+from prime_node.trainer.validator import service as service_module
+from prime_node.trainer.validator.spool import Spool
 
 from support.pipeline_attacks import perturb_stage_
 from support.pipeline_files import drop_a_row, fraud_report_file, group_files, partial_report_files
@@ -256,10 +258,12 @@ async def test_a_group_claiming_a_far_future_step_is_refused_at_once_not_held(tm
 @pytest.mark.slow
 async def test_only_formed_groups_are_credited_and_junk_starts_no_grace_period(tmp_path: Path, world) -> None:  # noqa: ANN001
     # A group of real, signed work that no operator-signed record formed (one operator running every stage under
-    # its own identities) is not credited, nor slashed; a record naming the same members in another order forms
-    # another group. A stranger's junk file routed to a formed group's key is refused as malformed (its sender's
-    # fault) and does not start the group's grace period: members arriving within the grace of the first *valid*
-    # file are judged together.
+    # its own identities) is not credited, nor slashed; a record naming the same members in another order is
+    # another group's (its id is another digest), so for this group there is no record: the record's member and
+    # step checks (`why_not_formed`) are defence in depth, which no file can reach. A stranger's junk file routed
+    # to a formed group's key is refused before it is read (the record does not name its sender) and does not
+    # start the group's grace period: members arriving within the grace of the first *valid* file are judged
+    # together.
     checkpoint, engine, tasks = world
     members = [Identity.generate() for _ in range(2)]
     self_made = [Identity.generate() for _ in range(2)]
@@ -298,13 +302,99 @@ async def test_only_formed_groups_are_credited_and_junk_starts_no_grace_period(t
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
             path = formed.paths[stage]
             await host.send_rollout(path, _envelope(path))
+        # Refused unread: its own envelope names a group whose record does not name it (as the stage file's
+        # reader would find of any file it could send there: `signer`, fraud).
         refused = (await wait_verdict(running, _envelope(junk).sha256, 30)).document
-        assert not refused.accepted and refused.failed_check == "schema", refused.reason
-        assert await _ledger(running, stranger.node_id) == ([(0, "schema")], -5.0, 1, False)
+        assert not refused.accepted and refused.failed_check == "signer", refused.reason
+        assert "not a member of group" in refused.reason, refused.reason
+        files, _, slashes, banned = await _ledger(running, stranger.node_id)
+        assert files == [(0, "signer")] and slashes == 1 and banned
         for stage in range(2):
             v = (await wait_verdict(running, _envelope(formed.paths[stage]).sha256, 30 + grace_s)).document
             assert v.accepted, v.reason
         assert not running.service.groups.pending and not running.service.groups.arrivals
+
+
+@pytest.mark.slow
+async def test_group_records_are_read_again_until_the_grace_ends_and_kept_across_a_restart(
+    tmp_path: Path, world, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    # A read that does not show a group's record is not the last word: the validator reads again until the
+    # file's grace period ends, and a record published after an earlier read still forms the group. Reads that all
+    # fail run the grace out: the file is excused as the validator's failure. The records it saw are kept on disk:
+    # after a restart, files spooled before it find their group's record although the DHT no longer has it.
+    checkpoint, engine, tasks = world
+    late, unread, kept = ([Identity.generate() for _ in range(2)] for _ in range(3))
+    files = {
+        name: group_files(tmp_path / name, checkpoint, PIPELINED, tasks, engine, members)
+        for name, members in (("late", late), ("unread", unread), ("kept", kept))
+    }
+    grace_s = 6.0
+    settings = validator_settings(tmp_path / "validator", group_grace_s=grace_s, group_records_refresh_s=0.5)
+    settings = settings.model_copy(update={"run": PIPELINED})
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
+        host = await swarm.add(Identity.generate(), bootstrap=running.maddrs[:1], reachability="public")
+        await bind_node_ids(host, [*late, *unread])
+        await wait_until(lambda: sees_a_validator(host), 15)
+        formed = running.service.formed
+        dht_read, failed = formed.read, []
+
+        async def broken_read():  # noqa: ANN202 - the DHT unreachable from the validator
+            failed.append(time.monotonic())
+            raise OSError("no DHT peer answered")
+
+        formed.read = broken_read
+        await _form(running.swarm, files["unread"].spec)
+        path = files["unread"].paths[0]
+        sent = time.monotonic()
+        await host.send_rollout(path, _envelope(path))
+        v = (await wait_verdict(running, _envelope(path).sha256, 30 + grace_s)).document
+        assert not v.accepted and v.failed_check == "internal_error", v.reason
+        assert "could not read the operator's group records" in v.reason, v.reason
+        assert len(failed) >= 3 and failed[-1] - failed[0] >= grace_s / 2  # read again while the grace lasted
+        assert time.monotonic() - sent >= grace_s
+        formed.read = dht_read
+        # The late group's files arrive; a read answers without its record; then the operator publishes it.
+        sent_at = time.time()
+        for path in files["late"].paths:
+            await host.send_rollout(path, _envelope(path))
+
+        async def answered_without_it() -> bool:
+            return formed.answered_since(sent_at) and bool(running.service.unformed_waiting)
+
+        await wait_until(answered_without_it, 10)
+        assert formed.find(files["late"].spec.group_id) is None
+        # While a sender's files wait for a record not known, its next file for an unknown group is busy beyond
+        # the cap (here 1): a made-up group's files cost nothing but their wait.
+        monkeypatch.setattr(service_module, "MAX_UNFORMED_WAITING", 1)
+        header = _envelope(files["kept"].paths[0]).model_copy(update={"node_id": late[0].node_id})
+        assert running.service.unformed_waiting[late[0].node_id] == 1
+        with pytest.raises(HandoffBusy, match="wait for a group record this validator does not know"):
+            await running.service.admit(header)
+        monkeypatch.undo()
+        await _form(running.swarm, files["late"].spec, files["kept"].spec)
+        for path in files["late"].paths:
+            v = (await wait_verdict(running, _envelope(path).sha256, 30 + grace_s)).document
+            assert v.accepted, v.reason
+
+        async def saved() -> bool:
+            return (settings.resolved_data_dir() / "group-records.json").exists()
+
+        await wait_until(saved, 10)
+    # A restart with the kept group's files in the spool, in a swarm whose DHT never held its record.
+    spool = Spool(settings.path(settings.validator.spool_dir, "spool"))
+    for path, member in zip(files["kept"].paths, kept, strict=True):
+        entry = spool.entry(_envelope(path).sha256, member.node_id)
+        shutil.copyfile(path, entry.path)
+        shutil.copyfile(signature_path(path), entry.sig_path)
+    async with running_validator(settings) as running:
+        # No table at all: the swarm's reader says so (None), which a read that found the table never does.
+        assert await running.swarm.read_group_records() is None
+        assert running.service.formed.find(files["kept"].spec.group_id) is not None
+        for path in files["kept"].paths:
+            v = (await wait_verdict(running, _envelope(path).sha256, 30 + grace_s)).document
+            assert v.accepted, v.reason
 
 
 def _swap_tensor(path: Path, reporter: Identity) -> None:
@@ -330,8 +420,10 @@ def test_group_intake_waits_for_every_stage_then_the_grace(stages: int) -> None:
 
     intake: GroupIntake[str] = GroupIntake(stages, grace_s=5.0, hold_timeout_s=60.0, max_groups=1)
     key = GroupKey("ab" * 32, 0, 0)
-    intake.arrive("junk")  # an arrival starts no group until the service admits it
+    intake.arrive(key, "junk", at=99.0)  # an arrival starts no group until the service admits it
     assert intake.take_arrivals() == ["junk"] and intake.arrivals == [] and len(intake) == 0
+    intake.settle(key, 99.0)  # decided on its own
+    assert intake.unsettled == {}
     intake.add(key, "stage 0", now=100.0)
     assert intake.due(101.0) == []  # one of two stages, within the grace period
     assert [(g.key, complete) for g, complete in intake.due(105.0)] == [(key, True)]
@@ -340,3 +432,22 @@ def test_group_intake_waits_for_every_stage_then_the_grace(stages: int) -> None:
     assert intake.full(GroupKey("cd" * 32, 0, 0)) and not intake.full(key)
     intake.done(key)
     assert len(intake) == 0
+
+
+def test_a_group_stays_open_while_a_file_that_arrived_in_its_grace_is_still_checked() -> None:
+    # The validator's own time checking a member's file (a parse in a thread, a wait for the group's record) is
+    # not counted against the group: its grace period ends only once every file that arrived within it settled.
+    from prime_node.trainer.validator.groups import GroupIntake, GroupKey
+
+    intake: GroupIntake[str] = GroupIntake(2, grace_s=5.0, hold_timeout_s=60.0, max_groups=4)
+    key, other = GroupKey("ab" * 32, 0, 0), GroupKey("cd" * 32, 0, 0)
+    intake.add(key, "stage 0", now=100.0)
+    intake.arrive(key, "stage 1", at=104.5)  # within the grace period, still being checked at its end
+    intake.arrive(other, "another group's file", at=104.0)
+    intake.arrive(key, "a late resend", at=106.0)  # after the grace period: keeps nothing open
+    assert intake.due(105.0) == [] and intake.due(110.0) == []
+    intake.settle(key, 104.5)
+    intake.add(key, "stage 1", now=104.5)
+    assert [(g.key, complete) for g, complete in intake.due(110.0)] == [(key, True)]
+    intake.settle(key, 106.0)
+    assert intake.unsettled == {other: [104.0]}

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, cast, get_args
 
 from hivemind.utils import MSGPackSerializer, get_dht_time
@@ -40,6 +41,18 @@ from .records import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SealedRecord:
+    """A record as read, with what it was read from: the signed DHT value and its expiration time (with the
+    record's subkey, what `open_record` checks again, e.g. after a restart from a copy on disk)."""
+
+    body: Any
+    value: bytes
+    expiration: float
+
+
 _LOOKUP_CACHE_S = 2.0  # how stale a peer/ban lookup made for an incoming hand-off may be
 
 
@@ -102,7 +115,10 @@ class SwarmDirectory(DHTPeer):
             logger.warning("no DHT peer stored this node's %s record (is the swarm reachable?)", kind.value)
         return bool(stored)
 
-    async def _read(self, kind: RecordKind) -> dict[str, Any]:
+    async def _lookup(self, kind: RecordKind) -> dict[str, SealedRecord] | None:
+        """Every live record of `kind` that passes the checks, with the signed value it came in; None when the DHT
+        lookup found no table at all (nobody stores one, or the lookup reached nobody who does: a reader that
+        must not take a miss for an answer, as the validator's group records, tells the two apart by retrying)."""
         found = await self._await(
             self._dht().get(
                 dht_key(self.config.run_id, kind),
@@ -112,7 +128,7 @@ class SwarmDirectory(DHTPeer):
             )
         )
         if found is None:
-            return {}
+            return None
         if not isinstance(found.value, dict):
             logger.warning("skipping a %s entry that is not a table of signed records", kind.value)
             return {}
@@ -121,7 +137,7 @@ class SwarmDirectory(DHTPeer):
             get_dht_time(),
             frozenset(self.config.operator_keys),
         )
-        records: dict[str, Any] = {}
+        records: dict[str, SealedRecord] = {}
         for subkey, item in found.value.items():
             try:
                 # Finite first: a NaN expiration is not "< now", so it would never count as expired.
@@ -139,7 +155,15 @@ class SwarmDirectory(DHTPeer):
             except (RecordError, TypeError, ValueError) as exc:
                 logger.warning("skipping a bad %s record under subkey %.40r: %s", kind.value, subkey, exc)
                 continue
-            records[subkey] = body
+            records[subkey] = SealedRecord(body, item.value, float(item.expiration_time))
+        return records
+
+    async def _read(self, kind: RecordKind) -> dict[str, Any]:
+        """Every live record of `kind` that passes the checks, by subkey; {} when the lookup found none."""
+        sealed = await self._lookup(kind)
+        if sealed is None:
+            return {}
+        records = {subkey: s.body for subkey, s in sealed.items()}
         self._cache[kind] = (time.monotonic(), records)
         return records
 
@@ -251,6 +275,12 @@ class SwarmDirectory(DHTPeer):
 
     async def list_groups(self) -> dict[str, GroupRecord]:
         return await self._read(RecordKind.GROUP)
+
+    async def read_group_records(self) -> dict[str, SealedRecord] | None:
+        """The live group records with their signed values (a validator keeps those, trainer/validator/
+        formed_groups.py); None when the lookup found no table at all, which a single read cannot tell from a
+        lookup that missed the peers holding it."""
+        return await self._lookup(RecordKind.GROUP)
 
     async def list_peers(self) -> dict[str, Heartbeat]:
         """Live nodes by node id (heartbeats that have not expired), this one included."""

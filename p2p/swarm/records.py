@@ -299,6 +299,22 @@ def check_expiration(kind: RecordKind, expiration: object, now: float) -> float:
     return float(expiration)
 
 
+def reopen_record(
+    run_id: str,
+    kind: RecordKind,
+    subkey: str,
+    value: bytes,
+    expiration: float,
+    operator_keys: frozenset[str],
+    now: float,
+) -> WireModel:
+    """`open_record` on a record kept outside the DHT (its subkey as a string): the same checks, its signature
+    included; an expired record opens too (the keeper decides how long it is worth keeping)."""
+    return open_record(
+        kind, key_id(run_id, kind), MSGPackSerializer.dumps(subkey), value, expiration, operator_keys, now
+    )
+
+
 def open_record(
     kind: RecordKind,
     kid: bytes,

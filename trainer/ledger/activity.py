@@ -1,8 +1,9 @@
 """What the swarm did lately, read from the ledger for the dashboard: per-node work in a window, the pace of
 verdicts, why banned nodes are banned, and one node's accepted and rejected files per policy step.
 
-Files that failed before their sender was authenticated (size, signature) are left out of a node's counts, as
-in the ranking (leaderboard.py): anyone can put a node's id on a forged file. Free text (reasons) leaves here
+Accepted tokens and samples are weighted by each file's credit share, as in the ranking (leaderboard.py
+`credited`). Files that failed before their sender was authenticated (size, signature) are left out of a node's
+counts, as in the ranking: anyone can put a node's id on a forged file. Free text (reasons) leaves here
 through the API's `outgoing` models, made printable.
 
 These functions block on SQLite; async callers run them with `asyncio.to_thread`.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...p2p.validator_api import HISTORY_STEPS, HistoryPoint, NodeBan, NodeHistory
-from .leaderboard import resolve_node
+from .leaderboard import credited, resolve_node
 from .ledger import Ledger
 from .slashing import UNATTRIBUTED_CHECKS
 
@@ -45,8 +46,7 @@ def recent_activity(ledger: Ledger, since: float) -> dict[str, Activity]:
     """Each node's verdicts decided at or after `since` (a node without any is absent)."""
     rows = ledger.query(
         "SELECT node_id, SUM(accepted) AS ok, SUM(1 - accepted) AS bad,"
-        " SUM(CASE WHEN accepted = 1 THEN tokens ELSE 0 END) AS tokens,"
-        " SUM(CASE WHEN accepted = 1 THEN samples ELSE 0 END) AS samples"
+        f" {credited('tokens')} AS tokens, {credited('samples')} AS samples"
         f" FROM contributions WHERE decided_at >= ? AND {_ATTRIBUTED} GROUP BY node_id",
         (since, *_UNATTRIBUTED),
     )
@@ -65,8 +65,7 @@ def totals(ledger: Ledger) -> Totals:
     """Every verdict in the ledger, summed (rejections for the sender's own fault only)."""
     r = ledger.query(
         "SELECT COALESCE(SUM(accepted), 0) AS ok, COALESCE(SUM(1 - accepted), 0) AS bad,"
-        " COALESCE(SUM(CASE WHEN accepted = 1 THEN tokens ELSE 0 END), 0) AS tokens,"
-        " COALESCE(SUM(CASE WHEN accepted = 1 THEN samples ELSE 0 END), 0) AS samples"
+        f" COALESCE({credited('tokens')}, 0) AS tokens, COALESCE({credited('samples')}, 0) AS samples"
         f" FROM contributions WHERE {_ATTRIBUTED}",
         _UNATTRIBUTED,
     )[0]
@@ -113,7 +112,7 @@ def node_history(ledger: Ledger, node_id: str, steps: int = HISTORY_STEPS) -> No
     node = resolve_node(ledger, node_id)
     rows = ledger.query(
         "SELECT step, SUM(accepted) AS ok, SUM(1 - accepted) AS bad,"
-        " SUM(CASE WHEN accepted = 1 THEN tokens ELSE 0 END) AS tokens"
+        f" {credited('tokens')} AS tokens"
         f" FROM contributions WHERE node_id = ? AND {_ATTRIBUTED}"
         " GROUP BY step ORDER BY step DESC LIMIT ?",
         (node, *_UNATTRIBUTED, steps),

@@ -1,5 +1,9 @@
 """The leaderboard: nodes ranked by accepted tokens, then accepted samples, read from the ledger.
 
+Accepted tokens and samples are weighted by each file's credit share (`credited`): a pipelined group's rows count
+once for the whole group, each member its stage's share, as its score does (docs/ledger.md, "Credit of pipelined
+groups"); files recorded before the share existed count whole. Accepted files are counted as files.
+
 Ties fall to the higher score, then to the node id, so the order is total and the same on every read.
 Files that failed before their sender was authenticated (size, signature) are left out of a node's
 counts: anyone can put a node's id on a forged file.
@@ -42,13 +46,21 @@ class NodeLookupError(TrainerError):
 
 
 _UNATTRIBUTED = tuple(sorted(UNATTRIBUTED_CHECKS))
+
+
+def credited(column: str) -> str:
+    """SQL: the sum of an accepted file's `column` (tokens, samples) over a group of rows, each weighted by its
+    credit share (NULL before ledger version 4: whole), rounded to a whole number."""
+    return f"CAST(ROUND(SUM(CASE WHEN accepted = 1 THEN {column} * COALESCE(credit_share, 1) ELSE 0 END)) AS INTEGER)"
+
+
 _PLACEHOLDERS = ",".join("?" for _ in _UNATTRIBUTED)
 
 _RANKED = f"""
 WITH agg AS (
     SELECT node_id,
-           SUM(CASE WHEN accepted = 1 THEN tokens ELSE 0 END) AS accepted_tokens,
-           SUM(CASE WHEN accepted = 1 THEN samples ELSE 0 END) AS accepted_samples,
+           {credited("tokens")} AS accepted_tokens,
+           {credited("samples")} AS accepted_samples,
            SUM(accepted) AS accepted_files,
            SUM(1 - accepted) AS rejected_files,
            MAX(CASE WHEN accepted = 1 THEN step END) AS last_step

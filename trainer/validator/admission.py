@@ -35,6 +35,7 @@ from .intake import Tier
 
 # Token buckets kept; full ones, then the idlest, are forgotten first (p2p/rate_limit.py).
 MAX_TRACKED_NODES = 100_000
+MIN_SHARE = 0.01  # the least an accepted file counts towards standing (a stage of a model of 100 layers)
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,9 @@ class Admission:
         self.limiter = TokenBuckets(
             settings.rate_per_minute / 60, settings.burst, max_keys=MAX_TRACKED_NODES, clock=clock
         )
-        # Per node, the times of its newest accepted files (established_after of them at most, newest last).
-        self._accepted: dict[str, deque[float]] = {}
+        # Per node, (time, credit share) of its newest accepted files, newest last: the fewest newest ones whose
+        # shares reach established_after (a pipelined stage's file counts its share of the batch, as its credit).
+        self._accepted: dict[str, deque[tuple[float, float]]] = {}
         self._reserved: dict[DeliveryKey, _Place] = {}  # place taken by a hand-off in flight
         self._files: dict[DeliveryKey, _Place] = {}  # place of a spooled file without a verdict
         self._per_node: Counter[str] = Counter()  # places per node, reserved or filled
@@ -83,27 +85,34 @@ class Admission:
         """The wall-clock time from which accepted files count towards standing."""
         return self._wall_clock() - self.settings.established_window_s
 
-    def load_accepted(self, accepted: Iterable[tuple[str, float]]) -> None:
-        """(node id, decided_at) of files the ledger accepted since `standing_since()`, oldest first (at start)."""
-        for node_id, decided_at in accepted:
-            self.note_accepted(node_id, decided_at)
+    def load_accepted(self, accepted: Iterable[tuple[str, float, float]]) -> None:
+        """(node id, decided_at, credit share) of files the ledger accepted since `standing_since()`, oldest first
+        (at start)."""
+        for node_id, decided_at, share in accepted:
+            self.note_accepted(node_id, decided_at, share)
 
-    def note_accepted(self, node_id: str, decided_at: float | None = None) -> None:
-        """One more file of `node_id` accepted, at `decided_at` (default now)."""
-        times = self._accepted.get(node_id)
-        if times is None:
-            times = self._accepted[node_id] = deque(maxlen=self.settings.established_after)
-        times.append(self._wall_clock() if decided_at is None else decided_at)
+    def note_accepted(self, node_id: str, decided_at: float | None = None, share: float = 1.0) -> None:
+        """One more file of `node_id` accepted, at `decided_at` (default now), credited `share` of a batch."""
+        files = self._accepted.get(node_id)
+        if files is None:
+            files = self._accepted[node_id] = deque()
+        # At least MIN_SHARE each: the deque stays bounded (established_after / MIN_SHARE files) whatever a
+        # ledger holds.
+        files.append((self._wall_clock() if decided_at is None else decided_at, max(MIN_SHARE, share)))
+        total = sum(weight for _, weight in files)
+        while len(files) > 1 and total - files[0][1] >= self.settings.established_after:
+            total -= files.popleft()[1]
 
     def tier_of(self, node_id: str) -> Tier:
         times = self._accepted.get(node_id)
         if times is None:
             return Tier.NEWCOMER
         since = self.standing_since()
-        if times[-1] < since:  # nothing accepted within the window: forget the node
+        if times[-1][0] < since:  # nothing accepted within the window: forget the node
             del self._accepted[node_id]
             return Tier.NEWCOMER
-        established = len(times) >= self.settings.established_after and times[0] >= since
+        total = sum(weight for _, weight in times)
+        established = total >= self.settings.established_after - 1e-9 and times[0][0] >= since
         return Tier.ESTABLISHED if established else Tier.NEWCOMER
 
     def capacity(self, tier: Tier) -> int:

@@ -4,11 +4,14 @@ A pipelined group's batch is judged as a whole (trainer/validator/group_job.py),
 collected here by (group id, policy step, batch), the key their v3 envelopes sign, instead of joining the
 validator's file queue. A file first *arrives* (`arrive`): it joins its group only once the service found that
 it parses, that its signer is a member of the group it names and that an operator-signed record formed that
-group (service.py `_admit_arrivals`), so that junk routed to a group's key cannot start the group's grace period.
+group (service.py `_arrival`), so that junk routed to a group's key cannot start the group's grace period.
 A group is judged as soon as it has a file per stage, and in any case once `group_grace_s` has passed since its
 first admitted file arrived: then a stage still missing makes the group incomplete (docs/pipeline.md,
-"Verdicts"). A group whose checkpoint the validator does not hold waits like a rollout file does, up to
-`hold_timeout_s` from its first file.
+"Verdicts"). A file that arrived within that grace period but is still being checked (`unsettled`) keeps the
+group open until the check ends (the service's checks take milliseconds, or a file's own grace period while its
+group's record is looked for), so that the time the validator spends is never counted against the members.
+A group whose checkpoint the validator does not hold waits like a rollout file does, up to `hold_timeout_s`
+from its first file.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class GroupIntake(Generic[T]):
         # Files not yet checked: they start no timer and count towards no group (the admission's queue bounds
         # bound them, as every file the validator holds).
         self.arrivals: list[T] = []
+        # Arrival times of the files of each key that arrived but were neither added nor decided yet.
+        self.unsettled: dict[GroupKey, list[float]] = {}
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -59,7 +64,21 @@ class GroupIntake(Generic[T]):
         """Whether a file of a new group must wait (busy): a bound on groups pending, whatever senders claim."""
         return key not in self.pending and len(self.pending) >= self.max_groups
 
-    def arrive(self, job: T) -> None:
+    def arrive(self, key: GroupKey, job: T, at: float) -> None:
+        """A new file of `key`, received at `at`: to be checked (`take_arrivals`), then `settle`d."""
+        self.arrivals.append(job)
+        self.unsettled.setdefault(key, []).append(at)
+
+    def settle(self, key: GroupKey, at: float) -> None:
+        """The file of `key` received at `at` was added to its group or decided."""
+        times = self.unsettled.get(key)
+        if times is not None and at in times:
+            times.remove(at)
+            if not times:
+                del self.unsettled[key]
+
+    def retry(self, job: T) -> None:
+        """An arrival still unsettled (its group's record not known yet): checked again on a later pass."""
         self.arrivals.append(job)
 
     def take_arrivals(self) -> list[T]:
@@ -75,7 +94,8 @@ class GroupIntake(Generic[T]):
         """(group, complete) for every group to judge now: complete when its grace period is over."""
         found = []
         for group in self.pending.values():
-            over = now >= group.first_at + self.grace_s
+            end = group.first_at + self.grace_s
+            over = now >= end and not any(at <= end for at in self.unsettled.get(group.key, ()))
             fresh = len(group.jobs) > group.tried_with
             if group.holding or over or (fresh and (group.urgent or len(group.jobs) >= self.stages)):
                 found.append((group, over))

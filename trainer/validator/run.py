@@ -116,6 +116,8 @@ async def start_validator(
     supervisor.spawn("validator-verify", service.run_worker(confirmation.confirmed))
     supervisor.spawn("validator-holds", service.run_holds())
     supervisor.spawn("validator-groups", service.run_groups(confirmation.confirmed))
+    supervisor.spawn("validator-group-arrivals", service.run_arrivals(confirmation.confirmed))
+    supervisor.spawn("validator-group-records", service.run_group_records())
     supervisor.spawn("validator-policy", service.keeper.follow(confirmation.policies(swarm.watch_policy())))
     supervisor.spawn("validator-checkpoint-fetch", service.keeper.fetch_newest())
     supervisor.spawn("validator-announce", announce_forever(service))

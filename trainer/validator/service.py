@@ -63,6 +63,8 @@ INTERNAL_ERROR = "internal_error"  # the validator failed, not the file: excused
 # A pipelined group no operator-signed group record formed: excused (its members' own signed work), not credited.
 UNFORMED = "pipeline_unformed"
 MAX_SIG_READ = 4096
+GROUP_RECORDS_FILE = "group-records.json"  # the operator-signed group records seen (formed_groups.py)
+MAX_UNFORMED_WAITING = 32  # per sender: group files waiting for a group record the validator does not know
 
 
 @dataclass
@@ -153,11 +155,20 @@ class ValidatorService:
         )
         # The groups the operator's coordinator formed (operator-signed records, read through the swarm, which
         # opens only records a pinned operator key signed): a group's files are admitted only if one formed it.
+        # They are kept on disk (re-opened, signatures checked, at start), so that a file spooled before a restart
+        # still finds a record that has left the DHT since.
         self.formed = FormedGroups(
-            swarm.list_groups,
+            swarm.read_group_records,
             settings.run.run_id,
             FormedSettings(settings.intake.group_records_keep_s, settings.intake.group_records_refresh_s),
+            operator_keys=frozenset(operators),
+            path=data / GROUP_RECORDS_FILE,
         )
+        # Per sender, its group files waiting for a record that is not known yet: a made-up group's files cost
+        # nothing but their wait, so one sender may not keep more than MAX_UNFORMED_WAITING of them waiting.
+        self.unformed_waiting: collections.Counter[str] = collections.Counter()
+        self._waiting_for_record: set[DeliveryKey] = set()  # the files `unformed_waiting` counts
+        self.arrived = asyncio.Event()  # a group file arrived, or a group record was learned: check arrivals
         self.verifying = asyncio.Lock()
         self.bans = BanPublisher(
             self.ledger,
@@ -195,6 +206,15 @@ class ValidatorService:
                     f"{len(self.groups)} pipelined groups are collecting their stage files here",
                     self.settings.intake.busy_retry_s,
                 )
+            if (
+                self.formed.find(group.group) is None
+                and self.unformed_waiting[header.node_id] >= MAX_UNFORMED_WAITING
+            ):
+                raise HandoffBusy(
+                    f"{MAX_UNFORMED_WAITING} of this node's group files already wait for a group record "
+                    "this validator does not know",
+                    self.settings.intake.busy_retry_s,
+                )
         await self.assignment.check(header)  # another validator's batch is never read here (assignment.py)
         key = DeliveryKey(header.sha256, header.node_id)
         busy = self.admission.admit(key)
@@ -206,11 +226,11 @@ class ValidatorService:
     async def load_tiers(self) -> None:
         """Which nodes are established, from the files the ledger accepted recently (at start)."""
         rows = await self.ledger.query(
-            "SELECT node_id, decided_at FROM contributions WHERE accepted = 1 AND decided_at >= ? "
-            "ORDER BY decided_at",
+            "SELECT node_id, decided_at, COALESCE(credit_share, 1) AS share FROM contributions"
+            " WHERE accepted = 1 AND decided_at >= ? ORDER BY decided_at",
             (self.admission.standing_since(),),
         )
-        self.admission.load_accepted((r["node_id"], r["decided_at"]) for r in rows)
+        self.admission.load_accepted((r["node_id"], r["decided_at"], r["share"]) for r in rows)
 
     async def accept(self, received: ReceivedRollout) -> None:
         """The file is stored and its hash checked: make it durable before the receipt goes out."""
@@ -231,7 +251,9 @@ class ValidatorService:
     def _enqueue(self, job: Job) -> None:
         job.tier = self.admission.enqueued(job.key)
         if job.group is not None and self.groups is not None:
-            self.groups.arrive(job)  # checked before it joins its group (`_admit_arrivals`)
+            # Checked before it joins its group (`_arrival`, in the arrivals task, which this wakes).
+            self.groups.arrive(job.group, job, job.received_at)
+            self.arrived.set()
             return
         self.queue.put(job.tier, job.node_id, job)
 
@@ -251,6 +273,11 @@ class ValidatorService:
     async def recover(self) -> int:
         """Queue every spooled file left by an earlier run; finish those already decided."""
         await self.load_tiers()  # recovered files join their node's tier
+        if self.groups is not None:
+            kept = await asyncio.to_thread(self.formed.load)
+            if kept:
+                logger.info("%d operator-signed group records kept from an earlier run", kept)
+        recovered_at = time.time()
         entries = await asyncio.to_thread(self.spool.recover)
         for entry in entries:
             try:
@@ -275,10 +302,12 @@ class ValidatorService:
                 )
                 await self._finish(entry, signed, to_trainer=to_trainer)
                 continue
+            # A group file's arrival starts its grace period and its wait for its group's record: counted from now,
+            # as the validator could not look for either while it was down.
             job = Job(
                 entry,
                 envelope.node_id,
-                entry.path.stat().st_mtime,
+                entry.path.stat().st_mtime if group is None else recovered_at,
                 group=group,
                 kind=envelope.kind or "stage",
             )
@@ -395,7 +424,9 @@ class ValidatorService:
     # ----- pipelined groups ------------------------------------------------------------------------------
 
     async def run_groups(self, run_confirmed: asyncio.Event | None = None) -> None:
-        """Judge pipelined groups as their stage files complete them or their grace period ends (groups.py)."""
+        """Judge pipelined groups as their stage files complete them or their grace period ends (groups.py).
+
+        A file still being checked (`run_arrivals`) keeps its group open past the grace period (groups.py `due`)."""
         if self.groups is None:
             return
         if run_confirmed is not None:
@@ -403,67 +434,124 @@ class ValidatorService:
         tick = min(1.0, self.settings.intake.group_grace_s / 4)
         while True:
             await asyncio.sleep(tick)
-            await self._admit_arrivals()
             for group, complete in self.groups.due(time.time()):
                 await self._judge_group(group, complete)
 
-    async def _admit_arrivals(self) -> None:
-        """Admit each arrived file to its group, or decide it at once. Only a file that parses (signature, schema,
-        limits: a failure is its sender's, as for any malformed file), whose signer is a member of the group it
-        names (each reader checks it) and whose group an operator-signed record formed (else `pipeline_unformed`,
-        excused, not credited) joins its group: junk routed to a group's key starts no grace period."""
-        assert self.groups is not None and self.settings.run.pipeline is not None
-        layout = self.settings.run.pipeline
-        for job in self.groups.take_arrivals():
-            assert job.group is not None
-            if job.claim is None:
-                delivery = Delivery(job.entry.path, job.node_id, job.kind)
-                try:
-                    parsed = await asyncio.to_thread(read_delivery, delivery, self.verifier.file_limits())
-                except RolloutFileError as exc:
-                    await self._decide(
-                        job, Outcome(False, job.group.policy_step, False, check_name(exc.check), str(exc))
-                    )
-                    continue
-                except Exception as exc:  # noqa: BLE001 - one file must never end the task; ours, not the sender's
-                    logger.exception("could not read group file %s", job.entry.path)
-                    reason = f"the validator failed: {exc!r}"
-                    await self._decide(
-                        job, Outcome(False, job.group.policy_step, False, INTERNAL_ERROR, reason)
-                    )
-                    continue
-                job.claim = claimed_group(parsed)
-            gid, members, step, batch = job.claim
-            if (gid, step, batch) != tuple(job.group):
-                # The readers check that the file names the group and batch its envelope signs, and the key came from
-                # that envelope: a mismatch is the validator's bug, never the sender's doing.
-                reason = "the file names another group or batch than the key it was collected under"
-                await self._decide(job, Outcome(False, step, False, INTERNAL_ERROR, reason))
-                continue
-            record = self.formed.find(gid)
-            if record is None and not self.formed.read_since(job.received_at):
-                await self._read_group_records()
-                record = self.formed.find(gid)
-                if record is None and not self.formed.read_since(job.received_at):
-                    if time.time() - job.received_at <= self.settings.intake.group_grace_s:
-                        self.groups.arrive(job)  # wait for a read that began after it arrived
-                        continue
-                    reason = "the validator could not read the operator's group records from the DHT in time"
-                    await self._decide(job, Outcome(False, step, False, INTERNAL_ERROR, reason))
-                    continue
-            why = why_not_formed(record, members, step, layout)
-            if why is not None:
-                await self._decide(job, Outcome(False, step, False, UNFORMED, f"group {gid[:16]}…: {why}"))
-                continue
-            self.groups.add(job.group, job, job.received_at, urgent=job.kind == "fraud")
-
-    async def _read_group_records(self) -> None:
-        if not self.formed.may_read():
+    async def run_arrivals(self, run_confirmed: asyncio.Event | None = None) -> None:
+        """Check each arrived group file as it comes (`_arrival`), apart from the judging: a group's judgement (a
+        prefill, seconds) never delays its members' files joining their groups."""
+        if self.groups is None:
             return
-        try:
-            await self.formed.refresh()
-        except (OSError, EOFError, P2PError) as exc:
-            logger.warning("could not read group records (the files wait for the next read): %s", exc)
+        if run_confirmed is not None:
+            await run_confirmed.wait()
+        tick = min(1.0, self.settings.intake.group_grace_s / 4)
+        while True:
+            try:  # woken by an arrival or a learned record; else each tick, for files whose grace runs out
+                await asyncio.wait_for(self.arrived.wait(), tick)
+            except TimeoutError:
+                pass
+            self.arrived.clear()
+            for job in self.groups.take_arrivals():
+                if not await self._arrival(job):
+                    self.groups.retry(job)
+
+    async def run_group_records(self) -> None:
+        """Read the operator's group records from the DHT while a file waits for its group's record, at most once
+        per `group_records_refresh_s` (formed_groups.py); a failed read is logged and tried again."""
+        if self.groups is None:
+            return
+        while True:
+            await asyncio.sleep(self.settings.intake.group_records_refresh_s)
+            if not self.unformed_waiting and not self.formed.should_save(learned=False):
+                continue
+            learned = False
+            if self.unformed_waiting and self.formed.may_read():
+                try:
+                    learned = await self.formed.refresh()
+                except (OSError, EOFError, P2PError) as exc:
+                    logger.warning("could not read group records (the files wait for the next read): %s", exc)
+                self.arrived.set()  # a found record admits its files; a read that answered may end waits
+            if self.formed.should_save(learned):
+                try:
+                    await asyncio.to_thread(self.formed.write, self.formed.snapshot())
+                except OSError as exc:
+                    logger.warning("could not keep the group records on disk: %s", exc)
+
+    async def _arrival(self, job: Job) -> bool:
+        """Admit an arrived file to its group, or decide it; False while it waits for its group's record.
+
+        Cheapest first: a sender its group's known record does not name is refused before its file is read
+        (`signer`, its fault: its own envelope names a group it is not in); then the file must parse (signature,
+        schema, limits, its signer a member of the group it names: a failure is its sender's, as for any malformed
+        file), so that junk routed to a group's key starts no grace period. A file whose group's record is not
+        known waits for the record until its own grace period ends (the records task re-reads the DHT meanwhile):
+        a read that does not show it may have missed it. Then, with no record, `pipeline_unformed` (excused, not
+        credited) when a read found the DHT's records since the file arrived, else `internal_error`."""
+        assert self.groups is not None and self.settings.run.pipeline is not None and job.group is not None
+        key = job.group
+        record = self.formed.find(key.group)
+        if record is not None and job.node_id not in record.members:
+            reason = f"the sender is not a member of group {key.group[:16]}…, which its envelope names"
+            await self._settle(job, Outcome(False, key.policy_step, False, "signer", reason))
+            return True
+        if job.claim is None:
+            delivery = Delivery(job.entry.path, job.node_id, job.kind)
+            try:
+                parsed = await asyncio.to_thread(read_delivery, delivery, self.verifier.file_limits())
+            except RolloutFileError as exc:
+                outcome = Outcome(False, key.policy_step, False, check_name(exc.check), str(exc))
+                await self._settle(job, outcome)
+                return True
+            except Exception as exc:  # noqa: BLE001 - one file must never end the task; ours, not the sender's
+                logger.exception("could not read group file %s", job.entry.path)
+                reason = f"the validator failed: {exc!r}"
+                await self._settle(job, Outcome(False, key.policy_step, False, INTERNAL_ERROR, reason))
+                return True
+            job.claim = claimed_group(parsed)
+        gid, members, step, batch = job.claim
+        if (gid, step, batch) != tuple(key):
+            # The readers check that the file names the group and batch its envelope signs, and the key came from
+            # that envelope: a mismatch is the validator's bug, never the sender's doing.
+            reason = "the file names another group or batch than the key it was collected under"
+            await self._settle(job, Outcome(False, step, False, INTERNAL_ERROR, reason))
+            return True
+        record = self.formed.find(gid)  # a read may have learned it while the file was read
+        if record is None:
+            waiting = time.time() - job.received_at < self.settings.intake.group_grace_s
+            if waiting:
+                if job.key not in self._waiting_for_record:
+                    self._waiting_for_record.add(job.key)
+                    self.unformed_waiting[job.node_id] += 1
+                return False
+            if not self.formed.answered_since(job.received_at):
+                reason = (
+                    "the validator could not read the operator's group records from the DHT within the file's "
+                    "grace period"
+                )
+                await self._settle(job, Outcome(False, step, False, INTERNAL_ERROR, reason))
+                return True
+        why = why_not_formed(record, members, step, self.settings.run.pipeline)
+        if why is not None:
+            await self._settle(job, Outcome(False, step, False, UNFORMED, f"group {gid[:16]}…: {why}"))
+            return True
+        self._stop_waiting(job)
+        self.groups.add(key, job, job.received_at, urgent=job.kind == "fraud")
+        self.groups.settle(key, job.received_at)
+        return True
+
+    def _stop_waiting(self, job: Job) -> None:
+        if job.key in self._waiting_for_record:
+            self._waiting_for_record.discard(job.key)
+            self.unformed_waiting[job.node_id] -= 1
+            if self.unformed_waiting[job.node_id] <= 0:
+                del self.unformed_waiting[job.node_id]
+
+    async def _settle(self, job: Job, outcome: Outcome) -> None:
+        """Decide an arrived group file on its own (it joins no group)."""
+        assert self.groups is not None and job.group is not None
+        self._stop_waiting(job)
+        self.groups.settle(job.group, job.received_at)
+        await self._decide(job, outcome)
 
     async def _judge_group(self, group: PendingGroup[Job], complete: bool) -> None:
         assert self.groups is not None and self.settings.run.pipeline is not None
@@ -585,7 +673,8 @@ class ValidatorService:
             self.metrics.verdict(signed.accepted, signed.failed_check, signed.decided_at - job.received_at)
             self.metrics.bans.inc(len(result.new_bans))
         if outcome.accepted and not result.duplicate:
-            self.admission.note_accepted(job.node_id)  # its next file may count as established
+            # Its next file may count as established: a stage file counts its share of the batch, as its credit.
+            self.admission.note_accepted(job.node_id, share=outcome.credit_share)
         level = logging.INFO if outcome.accepted else logging.WARNING
         logger.log(
             level,
