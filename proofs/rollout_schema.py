@@ -16,6 +16,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..p2p.environment_identity import MAX_PIN_CHARS
+from ..p2p.names import MAX_LENGTH_TARGET
 from ..p2p.wire import is_hex64
 from .bounds import proof_size
 from .errors import ProofError
@@ -215,8 +216,12 @@ def check_row(i: int, r: RolloutRow, first: RolloutRow, limits: RolloutLimits, *
         raise _bad(i, f"reward {r.reward} != task reward - length penalty")
     if r.target_length is None and r.length_penalty != 0.0:
         raise _bad(i, "a length penalty without a target length")
-    if r.target_length is not None and not 1 <= r.target_length <= limits.max_new_tokens:
-        raise _bad(i, f"target length {r.target_length} outside [1, {limits.max_new_tokens}]")
+    # The bound the run setting and the policy record share: a run may aim at lengths beyond its max_new_tokens,
+    # and which target a row must carry is the rewards check's (recomputed from its seed), not a bound's. With
+    # limits.max_new_tokens here, a reader given the run's limits (stage files) refused honest rows such a run's
+    # rollout files passed.
+    if r.target_length is not None and not 1 <= r.target_length <= MAX_LENGTH_TARGET:
+        raise _bad(i, f"target length {r.target_length} outside [1, {MAX_LENGTH_TARGET}]")
     if not proof:
         if r.proof:
             raise _bad(i, f"proof is {len(r.proof)} bytes; this file carries none")

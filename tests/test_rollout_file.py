@@ -219,6 +219,10 @@ def test_schema_violations(tmp_path: Path, mutate, match: str):
         ({"proof": b"\x00" * 258}, "proof is 258 bytes, expected 516"),
         ({"node_id": "AB" * 32}, "lowercase hex"),
         ({"prompt_ids": ()}, "prompt has 0 tokens"),
+        (
+            {"target_length": 0, "length_penalty": 0.0, "reward": 1.0},
+            r"target length 0 outside \[1, 1000000\]",
+        ),
     ],
 )
 def test_value_bounds(tmp_path: Path, changes: dict, match: str):
@@ -304,3 +308,10 @@ def test_rows_of_another_batch_than_the_envelope_signs_are_rejected(tmp_path: Pa
     path.write_bytes(mixed)
     signature_path(path).write_text(json.dumps(sign_bytes(mixed, KEY, batch=(3, 1))))
     _rejects(path, "row 1: batch_counter 2 differs", "bounds")
+
+
+def test_a_length_target_beyond_the_runs_max_new_tokens_is_in_bounds(tmp_path: Path):
+    # A run may aim at lengths its max_new_tokens cuts short; the reader given the run's own limits (as stage files
+    # are read) must take such rows as the default limits do, or honest pipelined work is refused as `bounds`.
+    path = _write_raw(tmp_path / "t.parquet", encode_rows([_row(target_length=100)]))
+    read_rollout_file(path, RolloutLimits(vocab_size=288, max_new_tokens=64))
