@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `support` when run as a script
@@ -64,6 +65,7 @@ async def main(spec: dict, out: Path) -> None:
     swarm = Swarm(config, identity)
     await swarm.join()
     done: list[BatchDone] = []
+    done_wall: list[float] = []
     finished = asyncio.Event()
     try:
         swarm.policy_step = spec["policy_step"]
@@ -72,6 +74,7 @@ async def main(spec: dict, out: Path) -> None:
 
         async def on_batch(result: BatchDone) -> None:
             done.append(result)
+            done_wall.append(time.time())
             if len(done) >= spec["batches"] and told_to_stop.done():
                 finished.set()
 
@@ -118,6 +121,8 @@ async def main(spec: dict, out: Path) -> None:
             ],
             "abandoned": [list(a) for a in host.abandoned],
             "refusals": [[at, peer, why] for at, peer, why in streams.refusals],
+            # When this stage first finished a batch: its predecessor's stream was surely admitted by then.
+            "first_batch_wall": done_wall[0] if done_wall else None,
         }
         out.write_text(json.dumps(result))
     finally:
