@@ -1,4 +1,4 @@
-"""The learning targets of issue 25, run as documented (docs/trainer.md, "Does it learn?", section 7): the tiny
+"""The learning targets of issue 25, run as documented (docs/trainer.md, "Does it learn?", sections 7 and 8): the tiny
 model, warm-started without ever seeing the held-out prompts, trained on the full path (real engine, signed
 rollout files, the validator's checks, the trainer's inbox, Learner and publisher) within 20 minutes on 2 cores
 (20 CPU-minutes at one torch thread, measured as process CPU time, so a shared machine gives the figures an
@@ -8,10 +8,12 @@ idle one gives), for each of three seeds:
 - `band` (held-out prompts of the run's filtered distribution) gains >= 20 points;
 - `band-distinct` (the same, each prompt counted once: the honest measure of generalisation) gains >= 15.
 
-Opt-in (PRIME_NODE_LONG_TESTS=1) because it cannot fit CI's budget: one seed costs about 22 CPU-minutes
-(20 of RL, under 1 of warm start and offline filtering, 1 of evaluations; a 150-step run measured 47 s of
-set-up CPU), three seeds about 66, while CI runs the
-whole default suite in about 25 minutes of wall time on 2 cores. The CPU kernels are pinned to AVX2
+Opt-in (PRIME_NODE_LONG_TESTS=1) because it does not fit the default suite's budget: measured at commit
+db5ae79 (docs/trainer.md, section 8), one seed stops at its 400 steps after about 6.6 CPU-minutes of RL plus
+under one of warm start, filtering and evaluations, so three seeds cost about 22 CPU-minutes, and about as many
+minutes of wall time since they run one after another, while the default suite already takes about 25 minutes
+on CI's two cores. Measured there: `band` +30.9 to +35.5 (every seed passes), `band-distinct` +14.8, +13.3 and
++15.6 (seeds 0 and 1 fail by one and two of its 128 prompts). The CPU kernels are pinned to AVX2
 (node/runtime/numerics.py) and the weights do not depend on the thread count, so x86-64 machines should give
 the same figures (checked: the pinned warm start's accuracy is the one issue 25 measured on its AVX2 machine;
 not checked bit for bit on an Intel machine). docs/trainer.md records what the command measured.
