@@ -10,14 +10,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from prime_node.node.engine.hf import HFEngine
 from prime_node.node.engine.types import SamplingParams
 from prime_node.node.pipeline.boundaries import BoundaryOracle
 from prime_node.node.pipeline.driver import run_loopback
 from prime_node.node.pipeline.errors import BatchBroken
-from prime_node.p2p.pipeline.frames import DOMAIN, Acknowledgement, chain_start
+from prime_node.p2p.pipeline.frames import (
+    Acknowledgement,
+    FrameWriter,
+    chain_start,
+    head_message,
+    opening_digest,
+)
 from prime_node.p2p.signing import canonical_json
+from prime_node.proofs.pipeline.acknowledgements import forged_acknowledgement
 from prime_node.proofs.pipeline.blame import GroupWork, verify_group
 from prime_node.proofs.pipeline.broken import BatchRules, blame_broken, cut_of
 from prime_node.proofs.pipeline.records import SignedStageRecord
@@ -40,7 +48,7 @@ def engine(model_dir: Path) -> HFEngine:
     return HFEngine.load(model_dir, dtype="float32")
 
 
-def _broken(model_dir: Path, engine: HFEngine, tamper) -> tuple:  # noqa: ANN001
+def _broken(model_dir: Path, engine: HFEngine, tamper, batch: int = 0) -> tuple:  # noqa: ANN001
     requests = random_requests(4, seed=11)
     spec, processors, ids = group(
         model_dir,
@@ -50,6 +58,7 @@ def _broken(model_dir: Path, engine: HFEngine, tamper) -> tuple:  # noqa: ANN001
         micro_batch_size=4,
         eos_token_id=engine.eos_token_id,
         pad_token_id=engine.pad_token_id,
+        batch=batch,
     )
     work = BatchRules(engine.eos_token_id, PARAMS.max_new_tokens, cut_of([r.prompt_ids for r in requests], 4))
     with pytest.raises(BatchBroken) as broken:
@@ -88,7 +97,9 @@ def test_a_stage_that_hands_in_nothing_cannot_be_framed(
 ) -> None:
     """Stage 1 drops a row. The last stage then signs a tokens stream whose token, for a row stage 0 fed on,
     is EOS (its own outputs say so): judged on that stream alone, stage 0 would have fed a finished sample.
-    Stage 0 hands in nothing: it is not judged, and stage 1 is still named."""
+    Stage 0 hands in nothing, but its frames (in stage 1's record) acknowledge heads of the stream the last
+    stage really sent, each signed by it at its index: the re-signed stream is its equivocation, and stage 0 is
+    never named."""
     spec, work, partial = _broken(model_dir, engine, drop_a_row(1, "decode", 1))
     record = partial[2].record
     outputs = [list(o) for o in record.outputs]
@@ -103,7 +114,7 @@ def test_a_stage_that_hands_in_nothing_cannot_be_framed(
         update={"record": record.model_copy(update={"sent": lie, "outputs": outputs})}
     )
     verdict = blame_broken(spec, [None, partial[1], framing], work)
-    assert verdict.blamed == 1, verdict.reason
+    assert verdict.blamed == 2 and "two different heads" in verdict.reason, verdict.reason
 
 
 def _with_copy_of_hop(
@@ -117,8 +128,16 @@ def _with_copy_of_hop(
 
 def _opening_ack(spec, stage: int) -> Acknowledgement:  # noqa: ANN001
     """A genuine acknowledgement of `stage`'s stream before any frame: its opening's head, signed by it."""
-    head = chain_start(canonical_json(spec.opening(stage).model_dump(mode="json")))
-    return Acknowledgement(head=head.hex(), signature=ids_of(spec)[stage].sign(DOMAIN + head).hex())
+    opening = spec.opening(stage)
+    head = chain_start(canonical_json(opening.model_dump(mode="json")))
+    signature = ids_of(spec)[stage].sign(head_message(opening_digest(opening), 0, head))
+    return Acknowledgement(head=head.hex(), index=0, signature=signature.hex())
+
+
+def _self_signed(spec, stage: int, ack: Acknowledgement, signer) -> Acknowledgement:  # noqa: ANN001
+    """`ack` re-signed by `signer` (not the predecessor `stage - 1` whose stream it names)."""
+    message = head_message(opening_digest(spec.opening(stage - 1)), ack.index, bytes.fromhex(ack.head))
+    return ack.model_copy(update={"signature": signer.sign(message).hex()})
 
 
 def test_an_absent_stage_that_acknowledges_a_head_never_signed_or_too_little_is_named(
@@ -130,8 +149,7 @@ def test_an_absent_stage_that_acknowledges_a_head_never_signed_or_too_little_is_
     ids = ids_of(spec)
     held = list(partial[2].record.received.headers)
     # The acknowledgement of its first frame re-signed by stage 1 itself: a head stage 0 never signed.
-    ack = held[0].acknowledged
-    own = Acknowledgement(head=ack.head, signature=ids[1].sign(DOMAIN + bytes.fromhex(ack.head)).hex())
+    own = _self_signed(spec, 1, held[0].acknowledged, ids[1])
     lie = [held[0].model_copy(update={"acknowledged": own}), *held[1:]]
     verdict = blame_broken(
         spec, [partial[0], None, _with_copy_of_hop(partial[2], "received", lie, ids[1])], work
@@ -193,8 +211,7 @@ def test_a_complete_batch_with_an_acknowledgement_never_signed_blames_its_sender
     oracle = BoundaryOracle(engine.model, spec.layout)
     assert verify_group(spec, records, work, oracle).accepted
     sent = list(records[1].record.sent.headers)
-    ack = sent[1].acknowledged
-    own = Acknowledgement(head=ack.head, signature=ids[1].sign(DOMAIN + bytes.fromhex(ack.head)).hex())
+    own = _self_signed(spec, 1, sent[1].acknowledged, ids[1])
     sent[1] = sent[1].model_copy(update={"acknowledged": own})
     lied = [
         records[0],
@@ -215,8 +232,8 @@ def test_a_predecessor_that_re_signs_its_stream_cannot_frame_an_absent_stage(
     """The last stage drops a row; stage 1 (honest) hands in nothing; stage 0 hands in a record whose sent stream
     (re-signed by it) drops a row from its prefill, so that stage 1's honest prefill would look like an added
     row. With no cut to judge stage 0's prefills by, only stage 1's acknowledgements stand between it and the
-    blame: they name heads of the stream stage 0 really sent, which the re-signed one does not reach, so stage 1
-    is not judged on it, and the last stage is named."""
+    blame: they name heads of the stream stage 0 really sent, each signed by stage 0 at its index, which the
+    re-signed stream contradicts at index 1: stage 0 signed two streams and is named, never stage 1."""
     spec, work, partial = _broken(model_dir, engine, drop_a_row(2, "tokens", 1))
     no_cut = BatchRules(work.eos_token_id, work.max_new_tokens, None)
     sent = list(partial[0].record.sent.headers)
@@ -226,7 +243,7 @@ def test_a_predecessor_that_re_signs_its_stream_cannot_frame_an_absent_stage(
     )
     framing = _with_copy_of_hop(partial[0], "sent", sent, ids_of(spec)[0])
     verdict = blame_broken(spec, [framing, None, partial[2]], no_cut)
-    assert verdict.blamed == 2, verdict.reason
+    assert verdict.blamed == 0 and "two different heads at index 1" in verdict.reason, verdict.reason
     # Judged on stage 0's re-signed copy alone, stage 1's prefill would not follow: the acknowledgement is what
     # keeps it out (its honest frames acknowledge the stream stage 0 really sent, one frame in).
     assert partial[2].record.received.headers[0].rows == partial[0].record.sent.headers[0].rows
@@ -252,6 +269,86 @@ def test_a_forged_copy_and_an_equivocation_are_named(
         spec, [partial[0], partial[1].model_copy(update={"record": lying}), partial[2]], work
     )
     assert verdict.blamed == 1 and "two different streams" in verdict.reason, verdict.reason
+
+
+@pytest.mark.parametrize("stage", [1, 0], ids=["relay", "first"])
+@pytest.mark.parametrize("source", ["previous-batch", "another-group"])
+def test_a_stage_that_replays_acknowledgements_of_another_stream_is_named(
+    model_dir: Path, engine: HFEngine, stage: int, source: str, one_torch_thread: None
+) -> None:
+    """A stage receives its predecessor's signature on every head of every batch it runs. The one that drops a
+    row in batch 1 and withholds its record stamps its frames with the acknowledgements it sent in an honest
+    batch (the previous one of this group, or one of another group with the same predecessor): genuine
+    signatures, but over another stream's opening, so its own lie and not an end of what is judged of it."""
+    predecessor = (stage - 1) % 3
+    ids = identities(3)
+    members = list(ids)
+    if source == "another-group":  # the same predecessor and replaying stage, another third member
+        members[(stage + 1) % 3] = identities(1, salt=40)[0]
+    requests = random_requests(4, seed=11)
+    old_spec, processors, _ = group(
+        model_dir,
+        BOUNDARIES,
+        requests,
+        PARAMS,
+        micro_batch_size=4,
+        eos_token_id=engine.eos_token_id,
+        pad_token_id=engine.pad_token_id,
+        batch=0 if source == "previous-batch" else 1,
+        members=members,
+    )
+    _, old = run_loopback(old_spec, processors, members)
+    replayed = [h.acknowledged for h in old[stage].record.sent.headers]
+    # The material is genuine: the predecessor signed every one of those heads, on its stream of that batch.
+    assert (
+        forged_acknowledgement(
+            list(old[stage].record.sent.headers), old_spec.opening(predecessor), ids[predecessor].node_id
+        )
+        is None
+    )
+
+    spec, work, partial = _broken(model_dir, engine, drop_a_row(stage, "decode", 1), batch=1)
+    assert spec.opening(predecessor) != old_spec.opening(predecessor)
+    successor = (stage + 1) % 3
+    held = list(partial[successor].record.received.headers)
+    stamped = [
+        h.model_copy(update={"acknowledged": replayed[min(i, len(replayed) - 1)]}) for i, h in enumerate(held)
+    ]
+    witness = _resigned(
+        _with_copy_of_hop(partial[successor], "received", stamped, ids[stage]), ids[successor]
+    )
+    records = [witness if k == successor else None if k == stage else r for k, r in enumerate(partial)]
+    verdict = blame_broken(spec, records, work)
+    assert verdict.blamed == stage and "never signed" in verdict.reason, verdict.reason
+
+
+def test_an_acknowledged_head_that_differs_from_the_signed_copy_is_the_predecessors_equivocation(
+    model_dir: Path, engine: HFEngine, one_torch_thread: None
+) -> None:
+    """Stage 0 signs another head at index 1 of its stream than the one its record's copy leads through; stage 1
+    (record withheld) acknowledges that head: both are stage 0's signatures on this batch's stream, so stage 0
+    signed two streams and is named, not stage 1."""
+    spec, work, partial = _broken(model_dir, engine, drop_a_row(1, "decode", 1))
+    ids = ids_of(spec)
+    real = partial[0].record.sent.headers[0]
+    other = FrameWriter(ids[0], spec.opening(0))
+    other.frame(
+        kind=real.kind,
+        micro_batch=real.micro_batch,
+        step=real.step,
+        rows=list(real.rows),
+        tensor=torch.zeros(real.shape),
+        dtype=real.dtype,
+        commitment=None,
+        acknowledged=real.acknowledged,
+    )
+    split = Acknowledgement(head=other.head.hex(), index=1, signature=other.signature.hex())
+    held = list(partial[2].record.received.headers)
+    assert held[0].acknowledged.index == 1  # stage 1's first frame follows stage 0's first
+    held[0] = held[0].model_copy(update={"acknowledged": split})
+    witness = _resigned(_with_copy_of_hop(partial[2], "received", held, ids[1]), ids[2])
+    verdict = blame_broken(spec, [partial[0], None, witness], work)
+    assert verdict.blamed == 0 and "two different heads at index 1" in verdict.reason, verdict.reason
 
 
 def ids_of(spec):  # noqa: ANN001, ANN201

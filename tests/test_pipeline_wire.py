@@ -18,7 +18,6 @@ from prime_node.node.pipeline.group import HopSettings, overlapped_flights, run_
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.errors import PipelineWireError
 from prime_node.p2p.pipeline.frames import (
-    DOMAIN,
     MAX_HEADER_BYTES,
     Acknowledgement,
     ChainReader,
@@ -27,6 +26,8 @@ from prime_node.p2p.pipeline.frames import (
     FrameWriter,
     chain_next,
     chain_start,
+    head_message,
+    opening_digest,
     split_frames,
 )
 from prime_node.p2p.pipeline.layout import StageLayout
@@ -41,7 +42,11 @@ SENDER, OTHER = identities(2)
 SPEC = GroupSpec("local", 3, 7, LAYOUT, (SENDER.node_id, OTHER.node_id))
 # What the sender (stage 0) acknowledges: its predecessor's (stage 1's) opening, under stage 1's signature.
 _INPUT_HEAD = chain_start(canonical_json(SPEC.opening(1).model_dump(mode="json")))
-ACK = Acknowledgement(head=_INPUT_HEAD.hex(), signature=OTHER.sign(DOMAIN + _INPUT_HEAD).hex())
+ACK = Acknowledgement(
+    head=_INPUT_HEAD.hex(),
+    index=0,
+    signature=OTHER.sign(head_message(opening_digest(SPEC.opening(1)), 0, _INPUT_HEAD)).hex(),
+)
 
 
 def writer() -> FrameWriter:
@@ -72,7 +77,7 @@ def forged(w: FrameWriter, header: dict[str, object], data: bytes, *, signer: Id
     raw = canonical_json(header)
     w.head = chain_next(w.head, raw)
     w.index += 1
-    return struct.pack(">I", len(raw)) + raw + signer.sign(DOMAIN + w.head) + data
+    return struct.pack(">I", len(raw)) + raw + signer.sign(head_message(w.digest, w.index, w.head)) + data
 
 
 def header_of(tensor_bytes: bytes, **fields: object) -> dict[str, object]:
@@ -157,9 +162,26 @@ def hostile_streams() -> dict[str, tuple[bytes, str]]:
     spaced = canonical_json(header_of(raw)).replace(b",", b", ")
     w.head = chain_next(w.head, spaced)
     cases["non-canonical header"] = (
-        struct.pack(">I", len(spaced)) + spaced + SENDER.sign(DOMAIN + w.head) + raw,
+        struct.pack(">I", len(spaced)) + spaced + SENDER.sign(head_message(w.digest, 1, w.head)) + raw,
         "canonical",
     )
+    # A head signed for another position, or for another batch's stream (same sender, same bytes): v3 binds both.
+    for name, digest, index in (
+        ("at another index", None, 2),
+        (
+            "for another batch's stream",
+            opening_digest(GroupSpec("local", 3, 8, LAYOUT, SPEC.members).opening(0)),
+            1,
+        ),
+    ):
+        w = writer()
+        raw_header = canonical_json(header_of(raw))
+        w.head = chain_next(w.head, raw_header)
+        signature = SENDER.sign(head_message(digest or w.digest, index, w.head))
+        cases[f"head signed {name}"] = (
+            struct.pack(">I", len(raw_header)) + raw_header + signature + raw,
+            "bad signature",
+        )
     w = writer()
     cases["frame out of order"] = (forged(w, header_of(raw, index=2), raw), "arrived where frame 1")
     w = writer()
@@ -168,7 +190,9 @@ def hostile_streams() -> dict[str, tuple[bytes, str]]:
     for name, bad in {
         "short head": {"head": ACK.head[:-2], "signature": ACK.signature},
         "upper-case signature": {"head": ACK.head, "signature": ACK.signature.upper()},
-        "extra field": {**ACK.model_dump(mode="json"), "index": 3},
+        "extra field": {**ACK.model_dump(mode="json"), "batch": 3},
+        "negative index": {**ACK.model_dump(mode="json"), "index": -1},
+        "no index (a v2 acknowledgement)": {"head": ACK.head, "signature": ACK.signature},
     }.items():
         w = writer()
         cases[f"acknowledgement with a {name}"] = (
@@ -185,12 +209,19 @@ def test_hostile_frames_are_refused_with_a_reason(case: str) -> None:
         split_frames(reader(), writer().opening() + data)
 
 
-def test_a_v1_opening_is_refused() -> None:
-    """v1 frames carry no acknowledgement of their input: a v1 peer is refused at its (signed) opening."""
-    raw = canonical_json({**SPEC.opening(0).model_dump(mode="json"), "protocol": "prime-node/pipeline/v1"})
-    opening = struct.pack(">I", len(raw)) + raw + SENDER.sign(DOMAIN + chain_start(raw))
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_an_older_opening_is_refused(version: str) -> None:
+    """v1 frames carry no acknowledgement of their input, v2 ones an acknowledgement bound to no stream: an
+    older peer is refused at its opening, signed as it would sign it (v2: DOMAIN v2 || head)."""
+    protocol = f"prime-node/pipeline/{version}"
+    raw = canonical_json({**SPEC.opening(0).model_dump(mode="json"), "protocol": protocol})
+    signature = SENDER.sign(f"prime-node/pipeline-chain/{version}".encode() + b"\x00" + chain_start(raw))
+    with pytest.raises(PipelineWireError, match="not signed by the expected sender"):
+        split_frames(reader(), struct.pack(">I", len(raw)) + raw + signature)
+    # Signed the v3 way, its protocol is still refused.
+    signature = SENDER.sign(head_message(hashlib.sha256(raw).digest(), 0, chain_start(raw)))
     with pytest.raises(PipelineWireError, match="opening is malformed at protocol"):
-        split_frames(reader(), opening)
+        split_frames(reader(), struct.pack(">I", len(raw)) + raw + signature)
 
 
 def test_an_opening_from_another_sender_or_layout_is_refused() -> None:

@@ -25,7 +25,9 @@ from prime_node.node.pipeline.hops import LoopbackHops
 from prime_node.node.pipeline.host import BatchDone, BatchLost, StageHost
 from prime_node.node.pipeline.work import PipelineWork
 from prime_node.p2p.identity import Identity
+from prime_node.p2p.pipeline.frames import FrameWriter
 from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.p2p.pipeline.transport import Route
 from prime_node.p2p.swarm.group_records import GroupRecord, group_id
 from prime_node.proofs.pipeline.blame import GroupWork, check_fraud
 from prime_node.proofs.pipeline.broken import BatchRules, blame_broken, cut_of
@@ -158,6 +160,67 @@ def test_batch_marks_are_durable_bounded_and_refuse_reuse(tmp_path: Path) -> Non
         path.write_text(text)
         with pytest.raises(PipelineError, match=why):
             BatchMarks(path)
+
+
+async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_or_that_jumps_too_far(
+    model_dir: Path, tmp_path: Path, one_torch_thread: None
+) -> None:
+    """The follower takes its batch number from the route its predecessor dials with, which nobody signed.
+    Routes naming a number with no valid opening behind it (not signed by the predecessor; signed, but for
+    another batch), or a validly signed one too far past the follower's mark (one at 2^63 - 2 would leave no
+    number after it: the group dead for that node across restarts), leave its durable mark where it was; the
+    honest leader then runs batches with it as before."""
+    path = tmp_path / "follower" / "batch_marks.json"
+    hops, work_for, gid = LoopbackHops(), _work(model_dir), _group().group_id
+    done: list[BatchDone] = []
+
+    async def on_batch(result: BatchDone) -> None:
+        done.append(result)
+
+    def host(k: int) -> StageHost:
+        return StageHost(
+            IDS[k], RUN, model_dir, LAYOUT, work_for, hops, HOP, on_batch,
+            marks=BatchMarks(path) if k == 1 else BatchMarks(None), retry_s=0.05, max_batch_jump=64,
+        )  # fmt: skip
+
+    def opening(batch: int, signer: Identity, named: int | None = None) -> bytes:
+        """Stage 0's opening of batch `named` (default `batch`) signed by `signer` (a forgery unless IDS[0])."""
+        members = tuple(i.node_id for i in IDS)
+        spec = GroupSpec(RUN, 0, batch if named is None else named, LAYOUT, members)
+        writer = FrameWriter(signer, spec.opening(0).model_copy(update={"sender": signer.node_id}))
+        return writer.opening()
+
+    follower = host(1)
+    hostile = [
+        (5, opening(5, IDS[1])),  # not the predecessor's signature
+        (7, opening(7, IDS[0], named=0)),  # the predecessor's, for batch 0
+        ((1 << 63) - 2, opening((1 << 63) - 2, IDS[0])),  # the predecessor's, far past the mark
+        (65, opening(65, IDS[0])),  # the predecessor's, just past the bound
+    ]
+    try:
+        await follower.on_change(_group(), "named by the test's group")
+        for batch, data in hostile:
+            reader, writer = await hops.dial(Route(gid, batch, 1), IDS[1].node_id, 10.0)
+            writer.write(data)
+            await writer.drain()
+            # The follower refuses and closes the stream: bounded by its own deadlines.
+            assert await asyncio.wait_for(reader.read(), 20.0) == b""
+            writer.close()
+            assert follower.marks.next_batch(gid) == 0 and BatchMarks(path).next_batch(gid) == 0, batch
+            assert follower.task is not None and not follower.task.done()
+        leader = host(0)
+        try:
+            await leader.on_change(_group(), "named by the test's group")
+            deadline = time.monotonic() + 60.0
+            while not {d.stage for d in done} >= {0, 1}:
+                assert time.monotonic() < deadline, f"no batch in 60 s: {done}"
+                await asyncio.sleep(0.05)
+        finally:
+            await leader.stop()
+    finally:
+        await follower.stop()
+    assert all(d.batch < 8 for d in done), [d.batch for d in done]
+    assert 0 < BatchMarks(path).next_batch(gid) <= 64
 
 
 async def test_a_receiver_hands_in_the_evidence_that_blames_its_sender(

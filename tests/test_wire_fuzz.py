@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import hashlib
 import importlib
 import json
 import pkgutil
@@ -44,7 +45,6 @@ from prime_node.p2p.errors import SignatureError
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.names import RUN_ID_PATTERN
 from prime_node.p2p.pipeline.errors import PipelineWireError
-from prime_node.p2p.pipeline.frames import DOMAIN as PIPELINE_DOMAIN
 from prime_node.p2p.pipeline.frames import PROTOCOL as PIPELINE_PROTOCOL
 from prime_node.p2p.pipeline.frames import (
     Acknowledgement,
@@ -53,6 +53,7 @@ from prime_node.p2p.pipeline.frames import (
     StreamOpening,
     chain_next,
     chain_start,
+    head_message,
 )
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.signing import canonical_json
@@ -332,8 +333,9 @@ _OPENING = StreamOpening(
     stages=2,
     sender=NODE.node_id,
 )
-# A frame's acknowledgement of its input (the predecessor's chain head and signature): shaped, not checked here.
-_ACK = Acknowledgement(head=SHA, signature="cd" * 64)
+# A frame's acknowledgement of its input (the predecessor's chain head, its index and signature): shaped, not
+# checked here.
+_ACK = Acknowledgement(head=SHA, index=3, signature="cd" * 64)
 
 
 def _pipeline(model: type[WireModel], sample: WireModel) -> Carrier:
@@ -350,12 +352,13 @@ def _pipeline(model: type[WireModel], sample: WireModel) -> Carrier:
         raw = canonical(raw)
         chain = ChainReader(NODE.node_id, StageLayout(boundaries=[0, 1, 2]))
         if model is StreamOpening:
-            head = chain_start(raw)
-            return chain.open(raw, signer.sign(PIPELINE_DOMAIN + head) if signer else b"\xab" * 64)
+            message = head_message(hashlib.sha256(raw).digest(), 0, chain_start(raw))
+            return chain.open(raw, signer.sign(message) if signer else b"\xab" * 64)
         opening = canonical_json(_OPENING.model_dump(mode="json"))
-        chain.open(opening, NODE.sign(PIPELINE_DOMAIN + chain_start(opening)))
-        head = chain_next(chain.head, raw)
-        return chain.header(raw, signer.sign(PIPELINE_DOMAIN + head) if signer else b"\xab" * 64)
+        digest = hashlib.sha256(opening).digest()
+        chain.open(opening, NODE.sign(head_message(digest, 0, chain_start(opening))))
+        message = head_message(digest, 1, chain_next(chain.head, raw))
+        return chain.header(raw, signer.sign(message) if signer else b"\xab" * 64)
 
     return Carrier(
         model,

@@ -131,6 +131,7 @@ class PipelineStage:
             tamper=self.tamper,
             load_stage=self.load_stage,
             retry_s=p.retry_s,
+            max_batch_jump=p.max_batch_jump,
         )
         member = PipelineMember(
             self.swarm,

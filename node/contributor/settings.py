@@ -59,6 +59,13 @@ class PipelineNodeSettings(Section):
         10.0, gt=0, le=600, description="Longest wait for a neighbour's stream, either way."
     )
     retry_s: float = Field(0.5, gt=0, le=600, description="Pause after a batch was abandoned.")
+    max_batch_jump: int = Field(
+        1 << 20,
+        ge=1,
+        le=1 << 40,
+        description="How far past this node's next batch number of a group a predecessor's batch is taken "
+        "(further: refused, so no peer can push the number to the end of its range).",
+    )
 
 
 class StartSettings(CommonSettings):

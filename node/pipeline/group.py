@@ -58,6 +58,7 @@ class StageRunner:
         shapes = frame_shapes(processor.work, processor.model.config.hidden_size, processor.dtype)
         self.chain = spec.reader(stage, shapes)
         self.fraud: HopFraud | None = None  # evidence when the predecessor sent a frame its commitment belies
+        self.frames: FrameReader | None = None  # the predecessor's stream, once its opening was read
         # (what, micro-batch, start, end) on the monotonic clock: "compute" spans of this stage and "flight"
         # spans of its frames on the hop; benchmarks/pipeline.py and the tests read the overlap from them.
         self.timeline: list[tuple[str, int, float, float]] = []
@@ -65,6 +66,15 @@ class StageRunner:
     def route(self, stage: int) -> Route:
         """The route of this batch's stream into `stage`."""
         return Route(self.spec.group_id, self.spec.batch, stage)
+
+    async def read_opening(self, inbound: Inbound) -> None:
+        """Read the predecessor's signed opening of this batch (the exact one `spec` expects), each wait bounded:
+        a follower does this before it records the batch number or signs anything for it, since the number came
+        from the unsigned route. The leader sends first, so the predecessor's opening never waits on ours."""
+        received, _ = await inbound.accepted(self.hop.connect_timeout_s)
+        frames = FrameReader(received, self.chain, timeout_s=self.hop.frame_timeout_s)
+        await frames.read_opening()
+        self.frames = frames
 
     async def run(self, inbound: Inbound, open_next: Callable[[], Awaitable[StreamPair]]) -> None:
         """Generate the batch: `inbound` brings the predecessor's stream, `open_next` opens ours to the
@@ -83,9 +93,12 @@ class StageRunner:
         ended = False
         try:
             await out.send(self.writer.opening())
-            received, _ = await self._unless_hung_up(hangup, inbound.accepted(self.hop.connect_timeout_s))
-            frames = FrameReader(received, self.chain, timeout_s=self.hop.frame_timeout_s)
-            await self._unless_hung_up(hangup, frames.read_opening())
+            frames = self.frames
+            if frames is None:  # the leader: its predecessor (the last stage) opens once ours reached it
+                received, _ = await self._unless_hung_up(hangup, inbound.accepted(self.hop.connect_timeout_s))
+                frames = FrameReader(received, self.chain, timeout_s=self.hop.frame_timeout_s)
+                await self._unless_hung_up(hangup, frames.read_opening())
+                self.frames = frames
             if self.processor.model.first:
                 for mb in range(len(self.processor.work.schedule)):
                     started = time.monotonic()

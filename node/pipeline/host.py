@@ -18,7 +18,11 @@ the validator's blame_broken needs from every member to name a stage that broke 
 because the node left its group (cancellation) produces neither.
 
 Batch numbers come from `BatchMarks` (batch_marks.py): a stage task starts from the group's first unused number,
-and each number is recorded durably before its opening is signed, so no opening is ever signed twice.
+and each number is recorded durably before its opening is signed, so no opening is ever signed twice. A follower
+takes its number from the route its predecessor dialled with, which nobody signed: it records it only after it
+read the predecessor's signed opening of that very batch, and only when it lies at most `max_batch_jump` past its
+mark (else a predecessor could move the mark to 2^63 - 1, past which no route decodes: the group dead for this
+node, across restarts too).
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ from .work import PipelineWork
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
+# How far past its mark a follower takes a batch number. The leader burns a number per failed attempt (about
+# two a second at the default retry_s when its successor is down): 2^20 is days of that, while a predecessor
+# pushing the mark by the most each batch would need 2^43 batches to reach the end of the range.
+MAX_BATCH_JUMP = 1 << 20
 ABANDONED_KEPT = 256  # the recent abandoned batches kept for the status API and the tests
 
 
@@ -103,6 +111,7 @@ class StageHost:
         load_stage: LoadStage = StageModel.load,
         retry_s: float = 0.5,
         stop_timeout_s: float = STOP_TIMEOUT_S,
+        max_batch_jump: int = MAX_BATCH_JUMP,
     ) -> None:
         self.identity, self.run_id, self.layout = identity, run_id, layout
         self.checkpoint: CheckpointFor = checkpoint if callable(checkpoint) else (lambda _step: checkpoint)
@@ -112,6 +121,7 @@ class StageHost:
         self.tamper = tamper  # fault injection (tests, the devnet's adversaries); None in production
         self.load_stage = load_stage
         self.retry_s, self.stop_timeout_s = retry_s, stop_timeout_s
+        self.max_batch_jump = max_batch_jump
         self.task: asyncio.Task[None] | None = None
         self.in_flight: tuple[str, int] | None = None  # (group id, batch) being generated now
         self.abandoned: deque[tuple[str, int, str]] = deque(maxlen=ABANDONED_KEPT)  # (group id, batch, why)
@@ -171,8 +181,10 @@ class StageHost:
             runner: StageRunner | None = None
             self.in_flight = (group.group_id, batch) if leader else None  # a follower's starts when opened
             try:
+                # A follower listens from its mark: not from a number a refused route named.
+                floor = batch if leader else self.marks.next_batch(group.group_id)
                 inbound = await self.hops.inbound(
-                    Route(group.group_id, batch, stage), previous, follow=not leader
+                    Route(group.group_id, floor, stage), previous, follow=not leader
                 )
                 if not leader:
                     try:
@@ -180,12 +192,14 @@ class StageHost:
                     except PipelineWireError as exc:  # nothing opened yet: nothing in flight, wait again
                         logger.debug("stage %d of group %s… idle: %s", stage, group.group_id[:16], exc)
                         continue
-                    batch = inbound.route.batch
-                await asyncio.to_thread(self.marks.use, group.group_id, batch)  # durable before it is signed
+                    batch = self._followed(group.group_id, inbound.route.batch)
                 spec = GroupSpec(self.run_id, group.policy_step, batch, self.layout, tuple(group.members))
-                self.in_flight = (group.group_id, batch)
                 processor = StageProcessor(model, self.work_for(group, batch))
                 runner = StageRunner(spec, stage, processor, self.identity, self.hop, self.tamper)
+                if not leader:  # the route's number is the predecessor's signed word before it is recorded
+                    await runner.read_opening(inbound)
+                await asyncio.to_thread(self.marks.use, group.group_id, batch)  # durable before it is signed
+                self.in_flight = (group.group_id, batch)
                 dial = partial(
                     self.hops.dial,
                     runner.route(following),
@@ -223,6 +237,21 @@ class StageHost:
             states = processor.final_states() if last else None
             await self.on_batch(BatchDone(group, batch, stage, record, completions, states))
             batch += 1
+
+    def _followed(self, group_id: str, batch: int) -> int:
+        """`batch`, the number a predecessor's (unsigned) route names, if a follower may take it: not one it
+        used, and at most `max_batch_jump` past its mark; PipelineError naming both otherwise."""
+        mark = self.marks.next_batch(group_id)
+        if batch < mark:
+            raise PipelineError(
+                f"the predecessor opened batch {batch}; this node already used batches below {mark}"
+            )
+        if batch - mark > self.max_batch_jump:
+            raise PipelineError(
+                f"the predecessor opened batch {batch}, {batch - mark} past this node's next ({mark}); at most "
+                f"{self.max_batch_jump} ahead is taken"
+            )
+        return batch
 
     def _lost(
         self, group: GroupRecord, batch: int, stage: int, runner: StageRunner | None, why: str

@@ -6,13 +6,16 @@ carries sampled tokens). On the wire, every frame (the opening included) is
     u32 big-endian header length | header (canonical JSON) | Ed25519 signature (64 bytes) | tensor bytes
 
 The chain starts at head_0 = SHA-256(DOMAIN || opening header) and advances per frame as
-head_i = SHA-256(head_{i-1} || SHA-256(header)); each signature is the sender's over DOMAIN || head_i, so
-every prefix of the stream is signed and a receiver holds the sender's word for everything up to the last
-frame it read, even if the sender stops mid-batch. The tensor bytes enter the chain through the header's
+head_i = SHA-256(head_{i-1} || SHA-256(header)); each signature is the sender's over
+DOMAIN || SHA-256(opening header) || u64 i || head_i (`head_message`), so every prefix of the stream is signed
+and a receiver holds the sender's word for everything up to the last frame it read, even if the sender stops
+mid-batch. The tensor bytes enter the chain through the header's
 `tensor_sha256`. The stream ends with an "end" frame whose signed head is the stream's chain head.
 
 Every frame header also acknowledges the sender's input: the chain head of the stream it has received so far
-(its predecessor's) with the predecessor's signature over it. The sender signs that acknowledgement with the
+(its predecessor's), its index, and the predecessor's signature over them. The signature binds the head to
+its stream's opening (group, batch, stage) and position, so a head from another batch or group cannot be
+passed off as this stream's. The sender signs that acknowledgement with the
 frame, so whoever holds its output stream also holds what input it admitted to, and a stage that withholds
 its record can still be judged against its predecessor's stream (proofs/pipeline/broken.py).
 
@@ -43,10 +46,13 @@ from ..wire import NodeId, Sha256Hex, WireFormatError, WireModel, describe, load
 from .errors import PipelineWireError
 from .layout import MAX_STAGES, StageLayout
 
-# v2: frame headers carry `acknowledged` (v1 headers had none); a v1 peer's opening is refused.
-PipelineProtocol = Literal["prime-node/pipeline/v2"]
-PROTOCOL: PipelineProtocol = "prime-node/pipeline/v2"
-DOMAIN = b"prime-node/pipeline-chain/v2\x00"
+# v2: frame headers carry `acknowledged` (v1 headers had none). v3: every head is signed with its stream's
+# opening digest and index, and acknowledgements carry the index (a v2 head signature bound neither, so a stage
+# could acknowledge a head replayed from another batch). An older peer's opening is refused.
+PipelineProtocol = Literal["prime-node/pipeline/v3"]
+PROTOCOL: PipelineProtocol = "prime-node/pipeline/v3"
+DOMAIN = b"prime-node/pipeline-chain/v3\x00"
+_INDEX = struct.Struct(">Q")
 MAX_HEADER_BYTES = 64 << 10  # a header with a TOPLOC commitment of a 4096-row prefill frame fits easily
 MAX_TENSOR_BYTES = 256 << 20  # one micro-batch's activations; a stage refuses anything larger unread
 MAX_ROWS = 4096  # samples in one frame
@@ -85,11 +91,13 @@ SignatureHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
 
 class Acknowledgement(WireModel):
     """The input a frame's sender admits to: the head of the stream it had received when it sent the frame (its
-    predecessor's, the opening's head before any frame), and the predecessor's signature over DOMAIN || head,
-    which it holds from that frame. The signature makes the claim checkable without the predecessor's record:
-    an acknowledgement its predecessor never signed is the sender's own lie."""
+    predecessor's, the opening's head before any frame), that head's index (frames read; 0: the opening), and
+    the predecessor's signature over `head_message(its opening's digest, index, head)`, which it holds from
+    that frame. The signature makes the claim checkable without the predecessor's record, and binds it to this
+    batch's stream: an acknowledgement its predecessor never signed for this opening is the sender's own lie."""
 
     head: Sha256Hex
+    index: int = Field(ge=0, le=MAX_FRAMES)
     signature: SignatureHex
 
 
@@ -123,7 +131,7 @@ class Frame:
     header: FrameHeader
     tensor: torch.Tensor
     head: bytes  # chain head after this frame
-    signature: bytes  # the sender's signature over DOMAIN || head
+    signature: bytes  # the sender's signature over head_message(opening digest, header.index, head)
 
 
 def tensor_bytes(tensor: torch.Tensor, dtype: WireDtype) -> bytes:
@@ -155,6 +163,18 @@ def chain_start(opening_bytes: bytes) -> bytes:
 
 def chain_next(head: bytes, header_bytes: bytes) -> bytes:
     return hashlib.sha256(head + hashlib.sha256(header_bytes).digest()).digest()
+
+
+def opening_digest(opening: StreamOpening) -> bytes:
+    """SHA-256 of the opening's canonical JSON (its wire bytes): what every head signature binds to."""
+    return hashlib.sha256(canonical_json(opening.model_dump(mode="json"))).digest()
+
+
+def head_message(digest: bytes, index: int, head: bytes) -> bytes:
+    """What a sender signs for chain head `index` (0: the opening) of the stream whose opening digest is
+    `digest`: the head alone would let a receiver pass off a head of another batch's or group's stream (they
+    all come signed by the same predecessor) as one of this stream's."""
+    return DOMAIN + digest + _INDEX.pack(index) + head
 
 
 def check_header(header: FrameHeader, max_tensor_bytes: int) -> int:
@@ -228,13 +248,14 @@ class FrameWriter:
             raise PipelineWireError("the opening names another sender than the signing identity")
         self.identity = identity
         self.opening_bytes = canonical_json(opening.model_dump(mode="json"))
+        self.digest = hashlib.sha256(self.opening_bytes).digest()
         self.head = chain_start(self.opening_bytes)
         self.index = 0
         self.headers: list[FrameHeader] = []  # every frame sent, for the stage's record
-        self.signature = identity.sign(DOMAIN + self.head)  # over the current head
+        self.signature = identity.sign(head_message(self.digest, 0, self.head))  # over the current head
 
     def opening(self) -> bytes:
-        signature = self.identity.sign(DOMAIN + chain_start(self.opening_bytes))
+        signature = self.identity.sign(head_message(self.digest, 0, chain_start(self.opening_bytes)))
         return _LEN.pack(len(self.opening_bytes)) + self.opening_bytes + signature
 
     def frame(
@@ -267,7 +288,7 @@ class FrameWriter:
         )
         header_bytes = canonical_json(header.model_dump(mode="json"))
         self.head = chain_next(self.head, header_bytes)
-        signature = self.signature = self.identity.sign(DOMAIN + self.head)
+        signature = self.signature = self.identity.sign(head_message(self.digest, self.index, self.head))
         self.headers.append(header)
         encoded = _LEN.pack(len(header_bytes)) + header_bytes + signature + data
         return encoded, Frame(header, tensor, self.head, signature)
@@ -311,14 +332,15 @@ class ChainReader:
             shapes  # what the schedule calls for: every header is held to it before its tensor is read
         )
         self.opening: StreamOpening | None = None
+        self.digest = b""  # SHA-256 of the opening's bytes, bound into every head signature
         self.head = b""
         self.index = 0
         self.headers: list[FrameHeader] = []  # every accepted header, for the stage's record
         self.signature = b""  # the sender's signature over the current head
 
     def open(self, raw: bytes, signature: bytes) -> StreamOpening:
-        head = chain_start(raw)
-        if not is_valid_signature(self.expected_sender, DOMAIN + head, signature):
+        head, digest = chain_start(raw), hashlib.sha256(raw).digest()
+        if not is_valid_signature(self.expected_sender, head_message(digest, 0, head), signature):
             raise PipelineWireError("the stream's opening is not signed by the expected sender")
         opening = _parse(StreamOpening, raw, "opening")
         if opening.sender != self.expected_sender:
@@ -334,7 +356,7 @@ class ChainReader:
                 f"stage {opening.stage} (run {opening.run_id}); expected group {e.group[:12]} step "
                 f"{e.policy_step} batch {e.batch} stage {e.stage} (run {e.run_id})"
             )
-        self.opening, self.head, self.signature = opening, head, signature
+        self.opening, self.digest, self.head, self.signature = opening, digest, head, signature
         return opening
 
     def acknowledgement(self) -> Acknowledgement:
@@ -342,14 +364,16 @@ class ChainReader:
         sender's signature."""
         if self.opening is None:
             raise PipelineWireError("nothing to acknowledge: the predecessor's opening has not been read")
-        return Acknowledgement(head=self.head.hex(), signature=self.signature.hex())
+        return Acknowledgement(head=self.head.hex(), index=self.index, signature=self.signature.hex())
 
     def header(self, raw: bytes, signature: bytes) -> tuple[FrameHeader, int, bytes]:
         """(header, tensor size, head after it): the signature is checked over the raw bytes first."""
         if self.opening is None:
             raise PipelineWireError("a frame arrived before the stream's opening")
         head = chain_next(self.head, raw)
-        if not is_valid_signature(self.opening.sender, DOMAIN + head, signature):
+        if not is_valid_signature(
+            self.opening.sender, head_message(self.digest, self.index + 1, head), signature
+        ):
             raise PipelineWireError(f"frame {self.index + 1}: bad signature (broken chain or forged frame)")
         header = _parse(FrameHeader, raw, f"frame {self.index + 1}")
         if header.index != self.index + 1:
@@ -458,4 +482,5 @@ def verify_chain(
     current = chain_start(canonical_json(opening.model_dump(mode="json")))
     for header in headers:
         current = chain_next(current, canonical_json(header.model_dump(mode="json")))
-    return current == head and is_valid_signature(sender, DOMAIN + head, signature)
+    message = head_message(opening_digest(opening), len(headers), head)
+    return current == head and is_valid_signature(sender, message, signature)

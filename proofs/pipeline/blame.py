@@ -6,8 +6,10 @@ Cheapest first (docs/pipeline.md, "Trust"):
    recorded as received are the same headers under k's signed chain head. Each frame is signed, so a
    receiver's copy with a bad signature is its own forgery (k + 1 blamed), a strict prefix is a truncation
    by whoever holds less, and two validly signed streams that diverge are k's equivocation (k blamed);
-   then each stage's sent frames acknowledge heads of its own copy of its input, signed by its predecessor, never
-   going back (proofs/pipeline/acknowledgements.py): any other acknowledgement is the stage's own contradiction;
+   then each stage's sent frames acknowledge heads of its own copy of its input, signed by its predecessor for
+   this batch's stream at their index, never going back (proofs/pipeline/acknowledgements.py): any other
+   acknowledgement is the stage's own contradiction, except a signed head at an index its copy holds that
+   differs there: the predecessor's equivocation;
 3. tokens: the last stage's token frames hash to the outputs its record lists, and every stage lists them;
 4. one monolithic prefill with hooks at every boundary recomputes what each honest stage sends; stage by
    stage in order, its sent frames' TOPLOC commitments are checked against the recomputed boundary, and the
@@ -175,12 +177,16 @@ def _acknowledgements(spec: GroupSpec, records: Sequence[SignedStageRecord | Non
     stages = spec.layout.stages
     for k in range(stages):
         record = records[k].record  # type: ignore[union-attr]
-        predecessor = spec.members[(k - 1) % stages]
-        reason = contradiction(
-            list(record.sent.headers), record.received.opening, list(record.received.headers), predecessor
+        predecessor = (k - 1) % stages
+        fault = contradiction(
+            list(record.sent.headers),
+            record.received.opening,
+            list(record.received.headers),
+            spec.members[predecessor],
         )
-        if reason is not None:
-            return GroupVerdict(k, f"stage {k}: {reason}")
+        if fault is not None:
+            who = predecessor if fault.by_predecessor else k
+            return GroupVerdict(who, f"stage {who}: {fault.reason}")
     return None
 
 

@@ -8,9 +8,12 @@ signed output acknowledges: every frame header carries the head of the stream k 
 frame, with k - 1's signature over that head (`Acknowledgement`), all under k's own chain. So k's successor's
 copy of k's output proves k's input too, even when k withholds its record: the input is the prefix of k - 1's
 signed stream (k's own copy, or, without k's record, k - 1's) that ends at the acknowledged head; a head fixes
-its prefix, so neither neighbour can substitute another input. An acknowledgement whose signature is not
-k - 1's is k's own lie, as is one its own record's copy does not reach, or one that goes back; one beyond every
-copy at hand (k - 1 may have signed more than its record shows) ends what is judged of k. Stage k's output
+its prefix, so neither neighbour can substitute another input. k - 1 signs each head with its index and its
+stream's opening (group, batch, stage), so an acknowledgement whose signature is not k - 1's for this batch's
+stream (a head replayed from an earlier batch or another group included) is k's own lie, as is one its own
+record's copy does not reach, or one that goes back; one whose index a signed copy holds but whose head differs
+there is k - 1's equivocation; only one beyond every copy at hand (k - 1 may have signed more than its record
+shows) ends what is judged of k. Stage k's output
 frames are checked against its input frames (`blame_broken`):
 
 - a relay stage (0 < k < last) sends, for each frame it received, the frame of the same kind, micro-batch and
@@ -212,7 +215,7 @@ def blame_broken(
         if sent is None:
             continue  # what it sent is not at hand: k is not judged
         predecessor = (k - 1) % stages
-        lie = forged_acknowledgement(sent, spec.members[predecessor], predecessor)
+        lie = forged_acknowledgement(sent, spec.opening(predecessor), spec.members[predecessor])
         if lie is not None:
             return GroupVerdict(k, f"stage {k}: {lie}")
         # Its input: its own copy, else the predecessor's signed stream as far as anyone holds it; either way
@@ -221,9 +224,10 @@ def blame_broken(
         if given is None:
             continue  # nobody holds what it was given: k is not judged
         heads = prefix_heads(spec.opening(predecessor), given)
-        acked, lie = acknowledged(sent, heads, own is not None)
-        if lie is not None:
-            return GroupVerdict(k, f"stage {k}: {lie}")
+        acked, fault = acknowledged(sent, heads, own is not None)
+        if fault is not None:
+            who = predecessor if fault.by_predecessor else k
+            return GroupVerdict(who, f"stage {who}: {fault.reason}")
         given = given[: acked[-1]] if acked else []
         tokens = _tokens(records, given) if k == 0 else None
         reason = _deviation(k, stages, given, sent[: len(acked)], acked, run, tokens)

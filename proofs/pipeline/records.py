@@ -85,7 +85,8 @@ class HopRecord(WireModel):
     opening: StreamOpening
     headers: list[FrameHeader] = Field(max_length=MAX_RECORD_FRAMES)
     head: Sha256Hex  # chain head after the last header
-    signature: SignatureHex  # the stream sender's signature over DOMAIN || head
+    # the stream sender's signature over head_message(opening digest, len(headers), head)
+    signature: SignatureHex
 
 
 class StageRecord(WireModel):

@@ -15,7 +15,7 @@ from prime_node.node.pipeline.driver import run_loopback
 from prime_node.node.pipeline.errors import FraudDetected
 from prime_node.node.pipeline.stage import Outgoing, StageProcessor
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.pipeline.frames import DOMAIN, chain_next, chain_start
+from prime_node.p2p.pipeline.frames import chain_next, chain_start, head_message, opening_digest
 from prime_node.p2p.signing import canonical_json
 from prime_node.proofs.pipeline.blame import GroupVerdict, GroupWork, check_fraud, verify_group
 from prime_node.proofs.pipeline.records import HopRecord, SignedStageRecord
@@ -49,7 +49,8 @@ def rechain(hop: HopRecord, identity: Identity) -> HopRecord:
     head = chain_start(canonical_json(hop.opening.model_dump(mode="json")))
     for header in hop.headers:
         head = chain_next(head, canonical_json(header.model_dump(mode="json")))
-    return hop.model_copy(update={"head": head.hex(), "signature": identity.sign(DOMAIN + head).hex()})
+    signature = identity.sign(head_message(opening_digest(hop.opening), len(hop.headers), head))
+    return hop.model_copy(update={"head": head.hex(), "signature": signature.hex()})
 
 
 def run_case(
