@@ -123,6 +123,24 @@ async def test_the_swarms_own_heartbeat_is_supervised_by_its_owner_and_its_crash
         assert report.clean and steady.cancelled()
 
 
+async def test_finished_tasks_are_not_kept():
+    sup = Supervisor()
+
+    async def done_at_once() -> None:
+        return None
+
+    for k in range(50):
+        sup.spawn(f"short-{k}", done_at_once())
+    cancelled = sup.spawn("cancelled", asyncio.sleep(60))
+    running = sup.spawn("running", asyncio.sleep(60))
+    await asyncio.sleep(0.05)
+    cancelled.cancel()
+    await asyncio.sleep(0.05)
+    assert sup._tasks == [running]  # one task per joined pipeline group must not pile up over a daemon's life
+    report = await sup.shutdown(timeout=5)
+    assert report.clean and running.cancelled()
+
+
 async def test_sleep_or_stop_wakes_on_stop():
     sup = Supervisor()
     asyncio.get_running_loop().call_later(0.05, sup.request_stop, "test")

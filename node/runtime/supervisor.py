@@ -78,6 +78,10 @@ class Supervisor:
         self._cleanups.append((name, cleanup))
 
     def _on_done(self, task: asyncio.Task[Any]) -> None:
+        # A finished task is dropped: a daemon that starts one task per pipeline group it joins would otherwise
+        # hold every task it ever ran (a crash is kept in self._crash, not through the task).
+        if task in self._tasks:
+            self._tasks.remove(task)
         if task.cancelled():
             return
         error = task.exception()
@@ -139,7 +143,7 @@ class Supervisor:
         deadline = started + timeout
         report = ShutdownReport()
         self.request_stop(self.stop_reason or "shutdown")
-        for task in reversed(self._tasks):
+        for task in reversed(list(self._tasks)):  # a copy: tasks leave the list as they finish
             if task.done():
                 continue
             # Cancel again every little while: before Python 3.12, asyncio.wait_for swallows a cancellation
