@@ -111,11 +111,11 @@ async def test_stop_reports_a_task_that_ignores_its_cancellation() -> None:
     release = asyncio.Event()
 
     async def stubborn() -> None:
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:  # the bug close() used to have: swallowing the kill
-            pass
-        await release.wait()
+        while not release.is_set():  # swallows every kill, as the bug close() used to have did once
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                pass
 
     host.task = asyncio.create_task(stubborn(), name="pipeline-stage-stubborn")
     await asyncio.sleep(0)
@@ -126,6 +126,26 @@ async def test_stop_reports_a_task_that_ignores_its_cancellation() -> None:
     assert time.monotonic() - started < 2.0
     release.set()
     await task
+
+
+async def test_stop_cancels_again_a_task_that_lost_one_cancellation() -> None:
+    # asyncio.wait_for before 3.12 can lose a cancellation that arrives as its inner wait completes (bpo-42130):
+    # the task then runs on, and one cancel() would leave stop() waiting out its whole timeout.
+    host = _host(stop_timeout_s=5.0)
+
+    async def loses_one() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(30)
+
+    host.task = asyncio.create_task(loses_one(), name="pipeline-stage-loses-one")
+    await asyncio.sleep(0)
+    task = host.task
+    started = time.monotonic()
+    await host.stop("killed")
+    assert task.cancelled() and time.monotonic() - started < 2.0
 
 
 async def test_stop_raises_what_the_stage_task_raised() -> None:

@@ -139,8 +139,15 @@ class StageHost:
         task, self.task = self.task, None  # from now on the task records nothing (see _run)
         if task is None:
             return
-        task.cancel()
-        await asyncio.wait({task}, timeout=self.stop_timeout_s)
+        # Cancel again every little while until the deadline: a cancellation that arrives as an inner wait
+        # completes can be lost (asyncio.wait_for before 3.12, bpo-42130), and the task would run on.
+        deadline = asyncio.get_running_loop().time() + self.stop_timeout_s
+        while not task.done():
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                break
+            task.cancel()
+            await asyncio.wait({task}, timeout=min(0.25, remaining))
         if not task.done():
             raise PipelineError(
                 f"stage task {task.get_name()} ignored its cancellation for {self.stop_timeout_s:.1f} s"

@@ -422,7 +422,8 @@ class FrameReader:
 
     async def _read_exactly(self, size: int, what: str) -> bytes:
         try:
-            return await asyncio.wait_for(self.reader.readexactly(size), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # not wait_for: on 3.11 it can lose a cancellation
+                return await self.reader.readexactly(size)
         except TimeoutError:
             raise PipelineWireError(f"peer sent no {what} for {self.timeout_s:.1f} s") from None
         except asyncio.IncompleteReadError as exc:

@@ -219,7 +219,10 @@ class StageStreams:
         self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> _Slot | None:
         try:
-            raw = await asyncio.wait_for(reader.readexactly(ROUTE_BYTES), self.limits.route_timeout_s)
+            async with asyncio.timeout(
+                self.limits.route_timeout_s
+            ):  # not wait_for (3.11 loses cancellations)
+                raw = await reader.readexactly(ROUTE_BYTES)
             route = Route.decode(raw)
         except TimeoutError:
             self._refuse(peer, f"sent no route within {self.limits.route_timeout_s:.1f} s")
@@ -241,8 +244,10 @@ class StageStreams:
         self._arrived.setdefault((route.group_id, route.stage), asyncio.Event()).set()
         writer.write(ACK)
         try:
-            await asyncio.wait_for(writer.drain(), self.limits.route_timeout_s)
-            await asyncio.wait_for(slot.taken.wait(), self.limits.hold_s)
+            async with asyncio.timeout(self.limits.route_timeout_s):
+                await writer.drain()
+            async with asyncio.timeout(self.limits.hold_s):
+                await slot.taken.wait()
         except TimeoutError:
             logger.info("closed peer %s's stream for batch %d: no stage took it", peer, route.batch)
             if self._slots.get(route) is slot:

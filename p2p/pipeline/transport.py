@@ -120,7 +120,8 @@ async def open_tcp(
     host: str, port: int, timeout_s: float
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     try:
-        return await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can lose a cancellation
+            return await asyncio.open_connection(host, port)
     except (TimeoutError, OSError) as exc:
         raise PipelineWireError(f"cannot reach the next stage at {host}:{port}: {exc!r}") from None
 
@@ -149,7 +150,8 @@ class OneConnectionServer:
     async def accepted(self, timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         assert self._accepted is not None, "start() first"
         try:
-            return await asyncio.wait_for(asyncio.shield(self._accepted), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(self._accepted)
         except TimeoutError:
             raise PipelineWireError(f"the previous stage did not connect within {timeout_s:.1f} s") from None
 
