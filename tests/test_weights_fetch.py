@@ -17,10 +17,12 @@ from prime_node.p2p.weights.store import Store
 
 from support.weights import hostile, operator, publish_steps, same_tree, serving
 
+# Short enough to keep the file quick, long enough that a loaded 2-core CI machine pausing the process for
+# half a second is not taken for a silent source (tests of stalling set their own, shorter, timeout).
 FAST = dict(
-    stall_timeout_s=0.5,
-    connect_timeout_s=1.0,
-    manifest_timeout_s=2.0,
+    stall_timeout_s=3.0,
+    connect_timeout_s=3.0,
+    manifest_timeout_s=5.0,
     durable=False,
     selection=SelectionSettings(backoff_base_s=0.02, backoff_max_s=0.2),
 )
