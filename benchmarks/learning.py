@@ -19,6 +19,11 @@ Everything is seeded (--seed).
         --optimizer-steps 1 --lr 1e-3 --warmup 5 --negative-weight 0 --decay --min-lr-ratio 0 \
         --eval-every 50 --minutes 20 --seed 0
 
+`--steps N` is N training steps (one per full batch of mixed-reward groups; the lr decays over them): a
+generation round whose groups all had equal rewards trains nothing, and the next round generates again, at most
+`--max-rounds` rounds in all (3 x N by default; the summary's `rounds`). Until 2026-12-06 it counted rounds,
+so a run recorded before then that had rounds without a full batch trained fewer than N steps.
+
 Without --model the warm start runs first (a few minutes). The PNG is drawn by matplotlib
 (trainer/devnet/plot.py); `--summary FILE` keeps its data, and `--replot FILE --out PNG` redraws it without a
 run. Prints one line per step and a summary.
@@ -399,7 +404,19 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="environment spec (e.g. reasoning_gym:family=count_bits,max_n=255); default: built-in arithmetic",
     )
-    p.add_argument("--steps", type=int, default=30, help="rollout steps")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=30,
+        help="training steps (one per full batch; the lr schedule decays over them)",
+    )
+    p.add_argument(
+        "--max-rounds",
+        type=int,
+        default=None,
+        help="bound on generation rounds (default 3 x --steps): a round whose groups all had equal rewards "
+        "trains nothing and the next one generates again",
+    )
     p.add_argument("--files", type=int, default=2, help="rollout files per step")
     p.add_argument("--prompts", type=int, default=8, help="prompts per file")
     p.add_argument("--samples", type=int, default=8, help="completions per prompt")
@@ -655,7 +672,17 @@ def main() -> int:
     raw: list[float] = []  # task reward of every rollout produced since the last step, before filtering
     counter = 0  # the node's batch counter: never reused, or it would regenerate the same (known) file
     stopped_by = "steps"
-    for step in range(args.steps):
+    # --steps counts training steps, not generation rounds: a round whose groups all had equal rewards fills no
+    # batch and trains nothing, and counting those would end the run before the lr schedule (decaying over
+    # --steps) reached its end. Rounds are bounded all the same, so a policy that stops producing mixed groups
+    # ends the run rather than spinning.
+    max_rounds = args.max_rounds if args.max_rounds is not None else 3 * args.steps
+    rounds = 0
+    while learner.step < args.steps:
+        if rounds >= max_rounds:
+            stopped_by = "rounds"
+            break
+        rounds += 1
         ckpt = store.checkpoint_dir(learner.step)
         engine = load_engine(ckpt, threads=args.threads)
         for _ in range(args.files):
@@ -706,7 +733,7 @@ def main() -> int:
             stopped_by = "cpu-minutes"
         elif args.minutes is not None and time.perf_counter() - started > 60 * args.minutes:
             stopped_by = "minutes"
-        last = stopped_by != "steps" or step == args.steps - 1
+        last = stopped_by != "steps" or learner.step >= args.steps
         if learner.step % args.eval_every == 0 or last:
             before, began = rl.seconds(), time.perf_counter()
             timeline.append((learner.step, before - eval_cpu, began - started - eval_wall))
@@ -752,6 +779,7 @@ def main() -> int:
                     "load_average_1min_at_end": os.getloadavg()[0],
                     "steps": learner.step,
                     "stopped_by": stopped_by,
+                    "rounds": rounds,
                     "setup_cpu_s": setup_cpu,
                     "rl_wall_s": rl_wall,
                     "rl_cpu_s": rl_cpu,
@@ -785,7 +813,8 @@ def main() -> int:
             + "\n"
         )
     print(
-        f"{learner.step} steps (stopped by {stopped_by}), RL: {rl_wall:.0f} s wall, {rl_cpu:.0f} s CPU "
+        f"{learner.step} steps in {rounds} rounds (stopped by {stopped_by}), RL: {rl_wall:.0f} s wall, "
+        f"{rl_cpu:.0f} s CPU "
         f"({rl_cpu / args.threads / 60:.2f} min on {args.threads} threads); in all (warm start and filter "
         f"included): {time.perf_counter() - begun:.0f} s wall, {whole.seconds():.0f} s CPU; learning curve -> "
         f"{args.out}"
