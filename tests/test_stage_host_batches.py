@@ -15,15 +15,21 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
+from prime_node.node.contributor.outbox import Outbox
+from prime_node.node.contributor.pipeline_stage import PipelineStage
+from prime_node.node.contributor.settings import PipelineNodeSettings, StartSettings
+from prime_node.node.contributor.state import NodeState
 from prime_node.node.engine.hf import eos_and_pad
 from prime_node.node.engine.types import SamplingParams
 from prime_node.node.pipeline.batch_marks import BatchMarks
+from prime_node.node.pipeline.broken_files import BrokenFileBudget
 from prime_node.node.pipeline.driver import Tamper
 from prime_node.node.pipeline.errors import PipelineError
 from prime_node.node.pipeline.group import HopSettings
 from prime_node.node.pipeline.hops import LoopbackHops
 from prime_node.node.pipeline.host import BatchDone, BatchLost, StageHost
 from prime_node.node.pipeline.work import PipelineWork
+from prime_node.node.run.settings import RunSettings
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.frames import FrameWriter
 from prime_node.p2p.pipeline.layout import StageLayout
@@ -268,3 +274,121 @@ async def test_a_broken_batch_has_every_member_hand_in_its_partial_record(
     )
     verdict = blame_broken(spec, records, rules)
     assert verdict.blamed == 1, verdict.reason
+
+
+async def test_a_group_whose_batches_keep_breaking_is_given_up(
+    model_dir: Path, one_torch_thread: None
+) -> None:
+    """A neighbour that breaks every batch (here stage 1 drops a row each time) would have the others write a
+    file about each, every retry_s, for as long as the group stands (its members stay live and confirm it, so
+    the coordinator keeps it). After `leave_after_broken` broken batches in a row the stage task ends and
+    `on_give_up` tells the owner (which leaves the group); nothing more is handed in for it."""
+    hops, work_for = LoopbackHops(), _work(model_dir)
+    lost: list[BatchLost] = []
+    gave_up: list[tuple[int, str, str]] = []
+
+    async def on_batch(result: BatchDone) -> None:
+        pass
+
+    async def on_lost(result: BatchLost) -> None:
+        lost.append(result)
+
+    def host(k: int) -> StageHost:
+        return StageHost(
+            IDS[k], RUN, model_dir, LAYOUT, work_for, hops, HOP, on_batch, on_lost=on_lost,
+            tamper=drop_a_row(1, "tokens", 1), retry_s=0.05, leave_after_broken=3,
+            on_give_up=lambda group, why: gave_up.append((k, group.group_id, why)),
+        )  # fmt: skip
+
+    hosts = [host(0), host(1)]
+    try:
+        for h in hosts:
+            await h.on_change(_group(), "named by the test's group")
+        deadline = time.monotonic() + 60.0
+        while not any(k == 0 for k, _, _ in gave_up):
+            assert time.monotonic() < deadline, f"stage 0 did not give up in 60 s: {len(lost)} lost"
+            await asyncio.sleep(0.05)
+        leader = hosts[0].task
+        assert leader is not None
+        await asyncio.wait_for(leader, 10.0)  # it ended by itself
+        handed_in = len([x for x in lost if x.stage == 0])
+        await asyncio.sleep(0.3)  # several retry_s: nothing more from stage 0
+        assert len([x for x in lost if x.stage == 0]) == handed_in <= 3
+    finally:
+        for h in hosts:
+            await h.stop()
+    gid = _group().group_id
+    for k, named, why in gave_up:
+        assert named == gid and "3 batches in a row broke" in why, why
+        assert hosts[k].given_up[gid] == why
+
+
+async def test_a_neighbour_breaking_batches_gets_a_bounded_number_of_files_written(
+    model_dir: Path, tmp_path: Path, one_torch_thread: None
+) -> None:
+    """The pipeline node's side of broken batches: real partial records (stage 1 drops a row every batch) handed
+    to `PipelineStage._on_lost` with a real outbox. Within the per-group and per-peer limits and while the
+    outbox has room they are written; beyond, each is counted as withheld with its reason and not written (before,
+    every broken batch was a file, every retry_s, for as long as the neighbour kept at it)."""
+
+    def stage0_partials(_: list[BatchDone], lost: list[BatchLost]) -> bool:
+        return len([x for x in lost if x.stage == 0 and x.partial is not None]) >= 5
+
+    marks = [BatchMarks(None), BatchMarks(None)]
+    _, lost = await _run(model_dir, marks, stage0_partials, tamper=drop_a_row(1, "tokens", 1))
+    partials = [x for x in lost if x.stage == 0 and x.partial is not None][:5]
+
+    async def on_batch(result: BatchDone) -> None:
+        raise AssertionError("no stage task runs here")
+
+    async def hand_in(name: str, max_pending: int, **limits: int) -> tuple[Outbox, NodeState]:
+        settings = StartSettings(
+            operator_key="ab" * 32,
+            data_dir=tmp_path / name,
+            run=RunSettings(run_id=RUN, pipeline=LAYOUT),
+            pipeline=PipelineNodeSettings(enabled=True, **limits),
+            max_pending_files=max_pending,
+        )
+        outbox, state = Outbox(tmp_path / name / "rollouts"), NodeState(IDS[0].node_id, None)
+        # The swarm and the checkpoint keeper serve the stage's run loop, not what it hands in: none here.
+        stage = PipelineStage(
+            settings, IDS[0], None, None, outbox, state, tmp_path / name,  # type: ignore[arg-type]
+            environment=None, on_committed=lambda *_: None, supervise=lambda _: None,
+            request_stop=lambda _: None,
+        )  # fmt: skip
+        # Its host (set by its run loop), whose abandoned batches _on_lost counts: none here.
+        stage.host = StageHost(
+            IDS[0], RUN, model_dir, LAYOUT, _work(model_dir), LoopbackHops(), HOP, on_batch
+        )
+        for broken in partials:
+            await stage._on_lost(broken)
+        return outbox, state
+
+    for name, max_pending, limits, written, reason in (
+        ("group", 100, {"max_broken_files_per_group": 2}, 2, "group_limit"),
+        ("peer", 100, {"max_broken_files_per_peer": 1}, 1, "peer_limit"),
+        ("full", 1, {}, 1, "outbox_full"),
+        ("room", 100, {}, 4, "group_limit"),  # the defaults: 4 per group
+    ):
+        outbox, state = await hand_in(name, max_pending, **limits)
+        assert outbox.pending_count() == written, name
+        assert state.pipeline is not None
+        assert state.pipeline.partial_records == written and state.pipeline.withheld == 5 - written, name
+        rendered = state.metrics.render().decode()
+        assert f'stage_files_withheld_total{{reason="{reason}"}} {5 - written}.0' in rendered, name
+
+
+def test_the_broken_file_budget_counts_per_group_and_per_peer_within_its_window() -> None:
+    clock = [0.0]
+    budget = BrokenFileBudget(per_group=2, per_peer=3, window_s=10.0, clock=lambda: clock[0])
+    assert budget.admit("g1", ["p"]) is None and budget.admit("g1", ["p", "p"]) is None
+    refused = budget.admit("g1", ["q"])
+    assert refused is not None and refused.reason == "group_limit"
+    assert budget.admit("g2", ["p"]) is None  # p's third
+    refused = budget.admit("g3", ["q", "p"])
+    assert refused is not None and refused.reason == "peer_limit" and "peer p" in refused.why
+    assert budget.admit("g3", ["q"]) is None  # a refused file counted against nobody: q has one
+    clock[0] = 10.0  # the first files leave the window
+    assert budget.admit("g1", ["p"]) is None
+    with pytest.raises(ValueError, match="positive"):
+        BrokenFileBudget(per_group=0, per_peer=1, window_s=1.0)
