@@ -21,13 +21,14 @@ from prime_node.node.contributor.settings import PipelineNodeSettings, StartSett
 from prime_node.node.contributor.state import NodeState
 from prime_node.node.engine.hf import eos_and_pad
 from prime_node.node.engine.types import SamplingParams
-from prime_node.node.pipeline.batch_marks import BatchMarks
+from prime_node.node.pipeline.batch_marks import FORMAT, BatchMarks
 from prime_node.node.pipeline.broken_files import BrokenFileBudget
 from prime_node.node.pipeline.driver import Tamper
 from prime_node.node.pipeline.errors import PipelineError
 from prime_node.node.pipeline.group import HopSettings
 from prime_node.node.pipeline.hops import LoopbackHops
 from prime_node.node.pipeline.host import BatchDone, BatchLost, StageHost
+from prime_node.node.pipeline.stage_model import StageModel
 from prime_node.node.pipeline.work import PipelineWork
 from prime_node.node.run.settings import RunSettings
 from prime_node.p2p.identity import Identity
@@ -140,32 +141,81 @@ async def test_batch_numbers_never_repeat_for_a_group_across_a_restart(
     for k in range(2):
         before, after = _per_stage(first, k), _per_stage(second, k)
         assert min(after) > max(before), (k, before, after)
-        assert BatchMarks(paths[k]).next_batch(gid) > max(after)
+        assert BatchMarks(paths[k]).next_batch(gid, 0) > max(after)
     signed = [(d.stage, d.batch) for d in first + second]
     assert len(signed) == len(set(signed))
 
 
-def test_batch_marks_are_durable_bounded_and_refuse_reuse(tmp_path: Path) -> None:
+def test_batch_marks_are_durable_and_refuse_reuse(tmp_path: Path) -> None:
     path = tmp_path / "marks.json"
-    marks = BatchMarks(path, keep=2)
-    marks.use("aa" * 32, 0)
-    marks.use("aa" * 32, 5)
-    assert BatchMarks(path).next_batch("aa" * 32) == 6
+    marks = BatchMarks(path)
+    marks.use("aa" * 32, 3, 0)
+    marks.use("aa" * 32, 3, 5)
+    assert BatchMarks(path).next_batch("aa" * 32, 3) == 6
     with pytest.raises(PipelineError, match="already used"):
-        marks.use("aa" * 32, 3)
-    marks.use("bb" * 32, 0)
-    marks.use("aa" * 32, 6)  # used last: "bb" is now the oldest
-    marks.use("cc" * 32, 0)
-    reread = BatchMarks(path, keep=2)
-    assert [reread.next_batch(g * 32) for g in ("aa", "bb", "cc")] == [7, 0, 1]
+        marks.use("aa" * 32, 3, 3)
+    with pytest.raises(PipelineError, match="a group id names one step"):
+        marks.use("aa" * 32, 4, 6)
     for text, why in (
         ("{", "unreadable"),
         (json.dumps({"format": "other", "next": []}), "format"),
-        (json.dumps({"format": "prime-node/pipeline-batch-marks/v1", "next": [["aa", -1]]}), "batch number"),
+        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", 0, -1]]}), "batch number"),
+        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", -2, 1]]}), "a step"),
+        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", 1]]}), "unreadable"),
+        (json.dumps({"format": FORMAT, "floor": -1, "next": []}), "floor"),
+        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", True, 1]]}), "a step"),
     ):
         path.write_text(text)
         with pytest.raises(PipelineError, match=why):
             BatchMarks(path)
+
+
+def test_a_mark_is_never_forgotten_while_its_group_could_run_again(tmp_path: Path) -> None:
+    """The file kept the 1024 most recently used groups: the 1025th pushed out the first, whose batch numbers
+    then began again at 0 (openings signed twice). Marks are now dropped only by step: those of steps more than
+    `keep_steps` below the newest, with every group below that floor refused for good, across a restart too."""
+    path = tmp_path / "marks.json"
+    first = f"{0:064x}"
+    # 1100 groups of one step, the first used first (written directly: 1100 fsynced saves take seconds).
+    many = [[first, 10, 8]] + [[f"{k:064x}", 10, 1] for k in range(1, 1100)]
+    path.write_text(json.dumps({"format": FORMAT, "floor": 0, "next": many}))
+    marks = BatchMarks(path, keep_steps=4)
+    marks.use("ab" * 32, 10, 0)  # one more group of the same step: none may push the first out
+    assert BatchMarks(path, keep_steps=4).next_batch(first, 10) == 8
+    assert len(json.loads(path.read_text())["next"]) == 1101
+    marks.use("bb" * 32, 14, 0)  # 14 - 4 = 10: step 10 is still kept
+    assert BatchMarks(path, keep_steps=4).next_batch(first, 10) == 8
+    marks.use("cc" * 32, 15, 2)  # step 10 falls below the floor (11): its marks go, its groups are refused
+    for reread in (marks, BatchMarks(path, keep_steps=4)):
+        assert reread.floor == 11
+        assert "below 11" in (reread.why_refused(first, 10) or "")
+        with pytest.raises(PipelineError, match="refused"):
+            reread.next_batch(first, 10)
+        with pytest.raises(PipelineError, match="refused"):
+            reread.use(first, 10, 8)
+        assert reread.why_refused("dd" * 32, 11) is None and reread.next_batch("cc" * 32, 15) == 3
+    assert len(json.loads(path.read_text())["next"]) == 2  # the 1101 groups of step 10 are gone from the file
+
+
+def test_batch_marks_refuse_a_new_group_when_full_and_read_a_v1_file(tmp_path: Path) -> None:
+    path = tmp_path / "marks.json"
+    marks = BatchMarks(path, max_marks=2)
+    marks.use("aa" * 32, 1, 0)
+    marks.use("bb" * 32, 1, 0)
+    assert "2 groups already" in (marks.why_refused("cc" * 32, 1) or "")
+    with pytest.raises(PipelineError, match="refused"):
+        marks.use("cc" * 32, 1, 0)
+    marks.use("aa" * 32, 1, 1)  # a group it has a mark of still runs
+    # A v1 file names no steps: its marks are kept for good, never dropped by step.
+    path.write_text(json.dumps({"format": "prime-node/pipeline-batch-marks/v1", "next": [["aa" * 32, 4]]}))
+    old = BatchMarks(path, keep_steps=1)
+    old.use("bb" * 32, 100, 0)
+    reread = BatchMarks(path)
+    assert (
+        reread.floor == 99
+        and reread.next_batch("aa" * 32, 99) == 4
+        and reread.next_batch("bb" * 32, 100) == 1
+    )
 
 
 async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_or_that_jumps_too_far(
@@ -212,7 +262,7 @@ async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_o
             # The follower refuses and closes the stream: bounded by its own deadlines.
             assert await asyncio.wait_for(reader.read(), 20.0) == b""
             writer.close()
-            assert follower.marks.next_batch(gid) == 0 and BatchMarks(path).next_batch(gid) == 0, batch
+            assert follower.marks.next_batch(gid, 0) == 0 and BatchMarks(path).next_batch(gid, 0) == 0, batch
             assert follower.task is not None and not follower.task.done()
         leader = host(0)
         try:
@@ -226,7 +276,7 @@ async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_o
     finally:
         await follower.stop()
     assert all(d.batch < 8 for d in done), [d.batch for d in done]
-    assert 0 < BatchMarks(path).next_batch(gid) <= 64
+    assert 0 < BatchMarks(path).next_batch(gid, 0) <= 64
 
 
 async def test_a_receiver_hands_in_the_evidence_that_blames_its_sender(
@@ -321,6 +371,32 @@ async def test_a_group_whose_batches_keep_breaking_is_given_up(
     for k, named, why in gave_up:
         assert named == gid and "3 batches in a row broke" in why, why
         assert hosts[k].given_up[gid] == why
+
+
+async def test_a_group_whose_batch_numbers_could_not_be_kept_is_not_run(model_dir: Path) -> None:
+    """Marks of steps below the floor are gone: a group of such a step is refused before any work (its batch
+    numbers would begin again at 0) and given up, so the member leaves it."""
+    marks = BatchMarks(None, keep_steps=1)
+    marks.use("ee" * 32, 5, 0)  # the floor is now 4; the test's group is of step 0
+    gave_up: list[str] = []
+
+    async def on_batch(result: BatchDone) -> None:
+        raise AssertionError("a refused group ran a batch")
+
+    def load(*_: object) -> StageModel:
+        raise AssertionError("a refused group's stage was loaded")
+
+    host = StageHost(
+        IDS[0], RUN, model_dir, LAYOUT, _work(model_dir), LoopbackHops(), HOP, on_batch, marks=marks,
+        load_stage=load, on_give_up=lambda _, why: gave_up.append(why),
+    )  # fmt: skip
+    try:
+        await host.on_change(_group(), "named by the test's group")
+        assert host.task is not None
+        await asyncio.wait_for(host.task, 10.0)
+    finally:
+        await host.stop()
+    assert len(gave_up) == 1 and "policy step 0 is below 4" in gave_up[0], gave_up
 
 
 async def test_a_neighbour_breaking_batches_gets_a_bounded_number_of_files_written(

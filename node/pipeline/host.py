@@ -22,7 +22,8 @@ and each number is recorded durably before its opening is signed, so no opening 
 takes its number from the route its predecessor dialled with, which nobody signed: it records it only after it
 read the predecessor's signed opening of that very batch, and only when it lies at most `max_batch_jump` past its
 mark (else a predecessor could move the mark to 2^63 - 1, past which no route decodes: the group dead for this
-node, across restarts too).
+node, across restarts too). A group whose marks refuse it (batch_marks.py: its step is older than the marks keep)
+is not run at all.
 
 A group whose batches keep breaking is given up: after `leave_after_broken` batches in a row abandoned with
 none finished between them (a neighbour that opens each batch and hangs up, or sends frames the schedule does
@@ -181,6 +182,10 @@ class StageHost:
         stage = group.stage_of(self.identity.node_id)
         if stage is None:
             raise PipelineError(f"group {group.group_id[:16]}… does not name this node")
+        refused = await asyncio.to_thread(self.marks.why_refused, group.group_id, group.policy_step)
+        if refused is not None:
+            self._give_up(group, f"its batch numbers cannot be kept: {refused}")
+            return
         checkpoint = self.checkpoint(group.policy_step)
         model = await asyncio.to_thread(self.load_stage, checkpoint, self.layout, stage)
         try:
@@ -196,7 +201,8 @@ class StageHost:
         stages = self.layout.stages
         previous, following = group.members[(stage - 1) % stages], (stage + 1) % stages
         leader = stage == 0
-        batch = self.marks.next_batch(group.group_id)  # never a number this node signed an opening for
+        step = group.policy_step
+        batch = self.marks.next_batch(group.group_id, step)  # never a number this node signed an opening for
         broken = 0  # batches abandoned in a row, none finished between them
         while True:
             inbound: Inbound | None = None
@@ -204,7 +210,7 @@ class StageHost:
             self.in_flight = (group.group_id, batch) if leader else None  # a follower's starts when opened
             try:
                 # A follower listens from its mark: not from a number a refused route named.
-                floor = batch if leader else self.marks.next_batch(group.group_id)
+                floor = batch if leader else self.marks.next_batch(group.group_id, step)
                 inbound = await self.hops.inbound(
                     Route(group.group_id, floor, stage), previous, follow=not leader
                 )
@@ -214,13 +220,13 @@ class StageHost:
                     except PipelineWireError as exc:  # nothing opened yet: nothing in flight, wait again
                         logger.debug("stage %d of group %s… idle: %s", stage, group.group_id[:16], exc)
                         continue
-                    batch = self._followed(group.group_id, inbound.route.batch)
+                    batch = self._followed(group.group_id, step, inbound.route.batch)
                 spec = GroupSpec(self.run_id, group.policy_step, batch, self.layout, tuple(group.members))
                 processor = StageProcessor(model, self.work_for(group, batch))
                 runner = StageRunner(spec, stage, processor, self.identity, self.hop, self.tamper)
                 if not leader:  # the route's number is the predecessor's signed word before it is recorded
                     await runner.read_opening(inbound)
-                await asyncio.to_thread(self.marks.use, group.group_id, batch)  # durable before it is signed
+                await asyncio.to_thread(self.marks.use, group.group_id, step, batch)  # durable before signed
                 self.in_flight = (group.group_id, batch)
                 dial = partial(
                     self.hops.dial,
@@ -275,10 +281,10 @@ class StageHost:
         if self.on_give_up is not None:
             self.on_give_up(group, why)
 
-    def _followed(self, group_id: str, batch: int) -> int:
+    def _followed(self, group_id: str, step: int, batch: int) -> int:
         """`batch`, the number a predecessor's (unsigned) route names, if a follower may take it: not one it
         used, and at most `max_batch_jump` past its mark; PipelineError naming both otherwise."""
-        mark = self.marks.next_batch(group_id)
+        mark = self.marks.next_batch(group_id, step)
         if batch < mark:
             raise PipelineError(
                 f"the predecessor opened batch {batch}; this node already used batches below {mark}"
