@@ -9,7 +9,13 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from prime_node.node.pipeline.membership import NodeView, choose_group, why_unusable
+from prime_node.node.pipeline.membership import (
+    MAX_AVOIDED,
+    AvoidedGroups,
+    NodeView,
+    choose_group,
+    why_unusable,
+)
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.swarm.group_records import GroupRecord, PeerRtt, StageAvailability, group_id
@@ -251,6 +257,39 @@ def test_a_node_runs_only_a_usable_group_of_the_newest_round_that_names_it() -> 
     # But a member already running it keeps it for the grace while the new round propagates.
     assert choose_group(both, _node_view(a, beats, now=101.0), good.group_id)[0] == good
     assert choose_group(both, _node_view(a, beats, now=103.0), good.group_id)[0] is None
+
+
+def test_a_node_leaves_a_group_it_gave_up_and_does_not_rejoin_it() -> None:
+    """A group whose batches kept breaking (node/pipeline/host.py gave it up) is unusable to this node while it
+    avoids it: a member running it leaves it, and the same group signed again is not joined."""
+    a, b = IDS[:2]
+    beats = {n: beat(n) for n in (a, b)}
+    good = _group([a, b])
+    avoided = {good.group_id: "8 batches in a row broke"}
+    view = _node_view(a, beats, avoided=avoided)
+    assert "gave it up: 8 batches in a row broke" in (why_unusable(good, view) or "")
+    assert choose_group({good.group_id: good}, view, good.group_id) == (
+        None,
+        "no usable group of the newest round names this node",
+    )
+    assert choose_group({good.group_id: good}, view, None)[0] is None
+    assert (
+        choose_group({good.group_id: good}, _node_view(a, beats), None)[0] == good
+    )  # once no longer avoided
+
+
+def test_a_group_given_up_is_avoided_for_a_while_and_the_set_is_bounded() -> None:
+    clock = [0.0]
+    avoided = AvoidedGroups(600.0, clock=lambda: clock[0])
+    avoided.add("aa" * 32, "broke")
+    clock[0] = 599.0
+    assert avoided.now() == {"aa" * 32: "broke"}
+    clock[0] = 600.0
+    assert avoided.now() == {}
+    for k in range(MAX_AVOIDED + 5):
+        avoided.add(f"{k:064x}", "broke")
+    kept = avoided.now()
+    assert len(kept) == MAX_AVOIDED and f"{0:064x}" not in kept and f"{MAX_AVOIDED + 4:064x}" in kept
 
 
 def test_a_restarted_coordinator_adopts_the_newest_round() -> None:

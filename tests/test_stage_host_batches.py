@@ -15,15 +15,22 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
+from prime_node.node.contributor.outbox import Outbox
+from prime_node.node.contributor.pipeline_stage import PipelineStage
+from prime_node.node.contributor.settings import PipelineNodeSettings, StartSettings
+from prime_node.node.contributor.state import NodeState
 from prime_node.node.engine.hf import eos_and_pad
 from prime_node.node.engine.types import SamplingParams
-from prime_node.node.pipeline.batch_marks import BatchMarks
+from prime_node.node.pipeline.batch_marks import FORMAT, BatchMarks
+from prime_node.node.pipeline.broken_files import BrokenFileBudget
 from prime_node.node.pipeline.driver import Tamper
 from prime_node.node.pipeline.errors import PipelineError
 from prime_node.node.pipeline.group import HopSettings
 from prime_node.node.pipeline.hops import LoopbackHops
 from prime_node.node.pipeline.host import BatchDone, BatchLost, StageHost
+from prime_node.node.pipeline.stage_model import StageModel
 from prime_node.node.pipeline.work import PipelineWork
+from prime_node.node.run.settings import RunSettings
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.frames import FrameWriter
 from prime_node.p2p.pipeline.layout import StageLayout
@@ -134,32 +141,81 @@ async def test_batch_numbers_never_repeat_for_a_group_across_a_restart(
     for k in range(2):
         before, after = _per_stage(first, k), _per_stage(second, k)
         assert min(after) > max(before), (k, before, after)
-        assert BatchMarks(paths[k]).next_batch(gid) > max(after)
+        assert BatchMarks(paths[k]).next_batch(gid, 0) > max(after)
     signed = [(d.stage, d.batch) for d in first + second]
     assert len(signed) == len(set(signed))
 
 
-def test_batch_marks_are_durable_bounded_and_refuse_reuse(tmp_path: Path) -> None:
+def test_batch_marks_are_durable_and_refuse_reuse(tmp_path: Path) -> None:
     path = tmp_path / "marks.json"
-    marks = BatchMarks(path, keep=2)
-    marks.use("aa" * 32, 0)
-    marks.use("aa" * 32, 5)
-    assert BatchMarks(path).next_batch("aa" * 32) == 6
+    marks = BatchMarks(path)
+    marks.use("aa" * 32, 3, 0)
+    marks.use("aa" * 32, 3, 5)
+    assert BatchMarks(path).next_batch("aa" * 32, 3) == 6
     with pytest.raises(PipelineError, match="already used"):
-        marks.use("aa" * 32, 3)
-    marks.use("bb" * 32, 0)
-    marks.use("aa" * 32, 6)  # used last: "bb" is now the oldest
-    marks.use("cc" * 32, 0)
-    reread = BatchMarks(path, keep=2)
-    assert [reread.next_batch(g * 32) for g in ("aa", "bb", "cc")] == [7, 0, 1]
+        marks.use("aa" * 32, 3, 3)
+    with pytest.raises(PipelineError, match="a group id names one step"):
+        marks.use("aa" * 32, 4, 6)
     for text, why in (
         ("{", "unreadable"),
         (json.dumps({"format": "other", "next": []}), "format"),
-        (json.dumps({"format": "prime-node/pipeline-batch-marks/v1", "next": [["aa", -1]]}), "batch number"),
+        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", 0, -1]]}), "batch number"),
+        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", -2, 1]]}), "a step"),
+        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", 1]]}), "unreadable"),
+        (json.dumps({"format": FORMAT, "floor": -1, "next": []}), "floor"),
+        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", True, 1]]}), "a step"),
     ):
         path.write_text(text)
         with pytest.raises(PipelineError, match=why):
             BatchMarks(path)
+
+
+def test_a_mark_is_never_forgotten_while_its_group_could_run_again(tmp_path: Path) -> None:
+    """The file kept the 1024 most recently used groups: the 1025th pushed out the first, whose batch numbers
+    then began again at 0 (openings signed twice). Marks are now dropped only by step: those of steps more than
+    `keep_steps` below the newest, with every group below that floor refused for good, across a restart too."""
+    path = tmp_path / "marks.json"
+    first = f"{0:064x}"
+    # 1100 groups of one step, the first used first (written directly: 1100 fsynced saves take seconds).
+    many = [[first, 10, 8]] + [[f"{k:064x}", 10, 1] for k in range(1, 1100)]
+    path.write_text(json.dumps({"format": FORMAT, "floor": 0, "next": many}))
+    marks = BatchMarks(path, keep_steps=4)
+    marks.use("ab" * 32, 10, 0)  # one more group of the same step: none may push the first out
+    assert BatchMarks(path, keep_steps=4).next_batch(first, 10) == 8
+    assert len(json.loads(path.read_text())["next"]) == 1101
+    marks.use("bb" * 32, 14, 0)  # 14 - 4 = 10: step 10 is still kept
+    assert BatchMarks(path, keep_steps=4).next_batch(first, 10) == 8
+    marks.use("cc" * 32, 15, 2)  # step 10 falls below the floor (11): its marks go, its groups are refused
+    for reread in (marks, BatchMarks(path, keep_steps=4)):
+        assert reread.floor == 11
+        assert "below 11" in (reread.why_refused(first, 10) or "")
+        with pytest.raises(PipelineError, match="refused"):
+            reread.next_batch(first, 10)
+        with pytest.raises(PipelineError, match="refused"):
+            reread.use(first, 10, 8)
+        assert reread.why_refused("dd" * 32, 11) is None and reread.next_batch("cc" * 32, 15) == 3
+    assert len(json.loads(path.read_text())["next"]) == 2  # the 1101 groups of step 10 are gone from the file
+
+
+def test_batch_marks_refuse_a_new_group_when_full_and_read_a_v1_file(tmp_path: Path) -> None:
+    path = tmp_path / "marks.json"
+    marks = BatchMarks(path, max_marks=2)
+    marks.use("aa" * 32, 1, 0)
+    marks.use("bb" * 32, 1, 0)
+    assert "2 groups already" in (marks.why_refused("cc" * 32, 1) or "")
+    with pytest.raises(PipelineError, match="refused"):
+        marks.use("cc" * 32, 1, 0)
+    marks.use("aa" * 32, 1, 1)  # a group it has a mark of still runs
+    # A v1 file names no steps: its marks are kept for good, never dropped by step.
+    path.write_text(json.dumps({"format": "prime-node/pipeline-batch-marks/v1", "next": [["aa" * 32, 4]]}))
+    old = BatchMarks(path, keep_steps=1)
+    old.use("bb" * 32, 100, 0)
+    reread = BatchMarks(path)
+    assert (
+        reread.floor == 99
+        and reread.next_batch("aa" * 32, 99) == 4
+        and reread.next_batch("bb" * 32, 100) == 1
+    )
 
 
 async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_or_that_jumps_too_far(
@@ -206,7 +262,7 @@ async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_o
             # The follower refuses and closes the stream: bounded by its own deadlines.
             assert await asyncio.wait_for(reader.read(), 20.0) == b""
             writer.close()
-            assert follower.marks.next_batch(gid) == 0 and BatchMarks(path).next_batch(gid) == 0, batch
+            assert follower.marks.next_batch(gid, 0) == 0 and BatchMarks(path).next_batch(gid, 0) == 0, batch
             assert follower.task is not None and not follower.task.done()
         leader = host(0)
         try:
@@ -220,7 +276,7 @@ async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_o
     finally:
         await follower.stop()
     assert all(d.batch < 8 for d in done), [d.batch for d in done]
-    assert 0 < BatchMarks(path).next_batch(gid) <= 64
+    assert 0 < BatchMarks(path).next_batch(gid, 0) <= 64
 
 
 async def test_a_receiver_hands_in_the_evidence_that_blames_its_sender(
@@ -268,3 +324,147 @@ async def test_a_broken_batch_has_every_member_hand_in_its_partial_record(
     )
     verdict = blame_broken(spec, records, rules)
     assert verdict.blamed == 1, verdict.reason
+
+
+async def test_a_group_whose_batches_keep_breaking_is_given_up(
+    model_dir: Path, one_torch_thread: None
+) -> None:
+    """A neighbour that breaks every batch (here stage 1 drops a row each time) would have the others write a
+    file about each, every retry_s, for as long as the group stands (its members stay live and confirm it, so
+    the coordinator keeps it). After `leave_after_broken` broken batches in a row the stage task ends and
+    `on_give_up` tells the owner (which leaves the group); nothing more is handed in for it."""
+    hops, work_for = LoopbackHops(), _work(model_dir)
+    lost: list[BatchLost] = []
+    gave_up: list[tuple[int, str, str]] = []
+
+    async def on_batch(result: BatchDone) -> None:
+        pass
+
+    async def on_lost(result: BatchLost) -> None:
+        lost.append(result)
+
+    def host(k: int) -> StageHost:
+        return StageHost(
+            IDS[k], RUN, model_dir, LAYOUT, work_for, hops, HOP, on_batch, on_lost=on_lost,
+            tamper=drop_a_row(1, "tokens", 1), retry_s=0.05, leave_after_broken=3,
+            on_give_up=lambda group, why: gave_up.append((k, group.group_id, why)),
+        )  # fmt: skip
+
+    hosts = [host(0), host(1)]
+    try:
+        for h in hosts:
+            await h.on_change(_group(), "named by the test's group")
+        deadline = time.monotonic() + 60.0
+        while not any(k == 0 for k, _, _ in gave_up):
+            assert time.monotonic() < deadline, f"stage 0 did not give up in 60 s: {len(lost)} lost"
+            await asyncio.sleep(0.05)
+        leader = hosts[0].task
+        assert leader is not None
+        await asyncio.wait_for(leader, 10.0)  # it ended by itself
+        handed_in = len([x for x in lost if x.stage == 0])
+        await asyncio.sleep(0.3)  # several retry_s: nothing more from stage 0
+        assert len([x for x in lost if x.stage == 0]) == handed_in <= 3
+    finally:
+        for h in hosts:
+            await h.stop()
+    gid = _group().group_id
+    for k, named, why in gave_up:
+        assert named == gid and "3 batches in a row broke" in why, why
+        assert hosts[k].given_up[gid] == why
+
+
+async def test_a_group_whose_batch_numbers_could_not_be_kept_is_not_run(model_dir: Path) -> None:
+    """Marks of steps below the floor are gone: a group of such a step is refused before any work (its batch
+    numbers would begin again at 0) and given up, so the member leaves it."""
+    marks = BatchMarks(None, keep_steps=1)
+    marks.use("ee" * 32, 5, 0)  # the floor is now 4; the test's group is of step 0
+    gave_up: list[str] = []
+
+    async def on_batch(result: BatchDone) -> None:
+        raise AssertionError("a refused group ran a batch")
+
+    def load(*_: object) -> StageModel:
+        raise AssertionError("a refused group's stage was loaded")
+
+    host = StageHost(
+        IDS[0], RUN, model_dir, LAYOUT, _work(model_dir), LoopbackHops(), HOP, on_batch, marks=marks,
+        load_stage=load, on_give_up=lambda _, why: gave_up.append(why),
+    )  # fmt: skip
+    try:
+        await host.on_change(_group(), "named by the test's group")
+        assert host.task is not None
+        await asyncio.wait_for(host.task, 10.0)
+    finally:
+        await host.stop()
+    assert len(gave_up) == 1 and "policy step 0 is below 4" in gave_up[0], gave_up
+
+
+async def test_a_neighbour_breaking_batches_gets_a_bounded_number_of_files_written(
+    model_dir: Path, tmp_path: Path, one_torch_thread: None
+) -> None:
+    """The pipeline node's side of broken batches: real partial records (stage 1 drops a row every batch) handed
+    to `PipelineStage._on_lost` with a real outbox. Within the per-group and per-peer limits and while the
+    outbox has room they are written; beyond, each is counted as withheld with its reason and not written (before,
+    every broken batch was a file, every retry_s, for as long as the neighbour kept at it)."""
+
+    def stage0_partials(_: list[BatchDone], lost: list[BatchLost]) -> bool:
+        return len([x for x in lost if x.stage == 0 and x.partial is not None]) >= 5
+
+    marks = [BatchMarks(None), BatchMarks(None)]
+    _, lost = await _run(model_dir, marks, stage0_partials, tamper=drop_a_row(1, "tokens", 1))
+    partials = [x for x in lost if x.stage == 0 and x.partial is not None][:5]
+
+    async def on_batch(result: BatchDone) -> None:
+        raise AssertionError("no stage task runs here")
+
+    async def hand_in(name: str, max_pending: int, **limits: int) -> tuple[Outbox, NodeState]:
+        settings = StartSettings(
+            operator_key="ab" * 32,
+            data_dir=tmp_path / name,
+            run=RunSettings(run_id=RUN, pipeline=LAYOUT),
+            pipeline=PipelineNodeSettings(enabled=True, **limits),
+            max_pending_files=max_pending,
+        )
+        outbox, state = Outbox(tmp_path / name / "rollouts"), NodeState(IDS[0].node_id, None)
+        # The swarm and the checkpoint keeper serve the stage's run loop, not what it hands in: none here.
+        stage = PipelineStage(
+            settings, IDS[0], None, None, outbox, state, tmp_path / name,  # type: ignore[arg-type]
+            environment=None, on_committed=lambda *_: None, supervise=lambda _: None,
+            request_stop=lambda _: None,
+        )  # fmt: skip
+        # Its host (set by its run loop), whose abandoned batches _on_lost counts: none here.
+        stage.host = StageHost(
+            IDS[0], RUN, model_dir, LAYOUT, _work(model_dir), LoopbackHops(), HOP, on_batch
+        )
+        for broken in partials:
+            await stage._on_lost(broken)
+        return outbox, state
+
+    for name, max_pending, limits, written, reason in (
+        ("group", 100, {"max_broken_files_per_group": 2}, 2, "group_limit"),
+        ("peer", 100, {"max_broken_files_per_peer": 1}, 1, "peer_limit"),
+        ("full", 1, {}, 1, "outbox_full"),
+        ("room", 100, {}, 4, "group_limit"),  # the defaults: 4 per group
+    ):
+        outbox, state = await hand_in(name, max_pending, **limits)
+        assert outbox.pending_count() == written, name
+        assert state.pipeline is not None
+        assert state.pipeline.partial_records == written and state.pipeline.withheld == 5 - written, name
+        rendered = state.metrics.render().decode()
+        assert f'stage_files_withheld_total{{reason="{reason}"}} {5 - written}.0' in rendered, name
+
+
+def test_the_broken_file_budget_counts_per_group_and_per_peer_within_its_window() -> None:
+    clock = [0.0]
+    budget = BrokenFileBudget(per_group=2, per_peer=3, window_s=10.0, clock=lambda: clock[0])
+    assert budget.admit("g1", ["p"]) is None and budget.admit("g1", ["p", "p"]) is None
+    refused = budget.admit("g1", ["q"])
+    assert refused is not None and refused.reason == "group_limit"
+    assert budget.admit("g2", ["p"]) is None  # p's third
+    refused = budget.admit("g3", ["q", "p"])
+    assert refused is not None and refused.reason == "peer_limit" and "peer p" in refused.why
+    assert budget.admit("g3", ["q"]) is None  # a refused file counted against nobody: q has one
+    clock[0] = 10.0  # the first files leave the window
+    assert budget.admit("g1", ["p"]) is None
+    with pytest.raises(ValueError, match="positive"):
+        BrokenFileBudget(per_group=0, per_peer=1, window_s=1.0)

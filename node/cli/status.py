@@ -64,6 +64,7 @@ def status(args: argparse.Namespace) -> int:
             f"pipeline:       {group}; {stage.batches} batches, {stage.abandoned} abandoned; "
             f"{stage.stage_files} stage files, {stage.fraud_reports} fraud reports, "
             f"{stage.partial_records} partial records"
+            + (f", {stage.withheld} withheld" if stage.withheld else "")
         )
     print("\n".join(lines))
     return 0

@@ -15,6 +15,8 @@ __all__ = ["NodeMetrics", "CONTENT_TYPE_LATEST", "STAGES", "VERDICTS"]
 STAGES = ("generated", "handed_off")  # label `stage` of prime_node_contributor_rollout_files_total
 VERDICTS = ("accepted", "rejected")  # label `verdict` of prime_node_contributor_verdicts_total
 STAGE_FILES = ("stage", "fraud", "partial")  # label `kind` of prime_node_contributor_stage_files_total
+# label `reason` of prime_node_contributor_stage_files_withheld_total
+STAGE_WITHHELD = ("outbox_full", "group_limit", "peer_limit")
 P = "prime_node_contributor_"
 
 
@@ -80,6 +82,15 @@ class NodeMetrics:
         )
         for kind in STAGE_FILES:
             self.stage_files.labels(kind=kind)
+        self.stage_files_withheld = Counter(
+            P + "stage_files_withheld_total",
+            "Broken batches this pipeline stage wrote no file about (its outbox full, or the per-group or "
+            "per-peer limit reached), by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in STAGE_WITHHELD:
+            self.stage_files_withheld.labels(reason=reason)
         self.weights = WeightsServerMetrics(r)  # filled when the node serves weights (serve_weights)
 
     def render(self) -> bytes:

@@ -16,6 +16,14 @@ commitment belies, else this member's partial record. Files are staged in the ou
 pending/ with their signature, so a crash leaves nothing half-written to send. (The outbox names every entry
 `<sha256>.parquet`; a report's bytes are JSON, and its envelope says which kind it is.)
 
+What a hostile neighbour can make this node write is bounded: every stage, not only stage 0, takes no further
+batch while `max_pending_files` files wait for hand-off; a file about a broken batch is written only while
+fewer than that wait, and only within `BrokenFileBudget`'s limits per group and per neighbour
+(node/pipeline/broken_files.py: `pipeline.max_broken_files_per_group`, `max_broken_files_per_peer` within
+`broken_files_window_s`); a broken batch beyond them is counted (`stage_files_withheld_total`) and logged, not
+written. After `pipeline.leave_after_broken` broken batches of a group in a row, the host gives the group up and
+the member leaves it, not rejoining it for `pipeline.avoid_s` (node/pipeline/host.py, member.py).
+
 The group's work is `work_for` (node/pipeline/work.py) over the run's tasks with the checkpoint's tokenizer,
 loaded off the event loop before the stage task starts; prompts per batch are the node's `prompts`, the
 micro-batch cut `pipeline.micro_batch_size` (both recorded in every file, from which the validator derives
@@ -42,6 +50,7 @@ from ...proofs.rollout_file import signature_path
 from ..engine.hf import eos_and_pad
 from ..environments import Environment
 from ..pipeline.batch_marks import BatchMarks
+from ..pipeline.broken_files import BrokenFileBudget, Withheld
 from ..pipeline.driver import Tamper
 from ..pipeline.group import HopSettings
 from ..pipeline.hops import SwarmHops
@@ -63,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 MARKS_FILE = "pipeline/batch_marks.json"
 _IDLE_POLL_S = 0.5  # how often to look again while no checkpoint is usable
+_WITHHELD_GROUPS_KEPT = 64  # groups whose withheld files are counted for the log (the oldest forgotten first)
 _TASKS_KEPT = 2  # checkpoints whose tasks (tokenizer) stay loaded: the current step and the one before
 
 
@@ -100,6 +110,11 @@ class PipelineStage:
         self.hop = HopSettings(frame_timeout_s=p.frame_timeout_s, connect_timeout_s=p.connect_timeout_s)
         self._tasks: dict[int, tuple[RunTasks, int, int]] = {}  # step -> (tasks, eos id, pad id)
         self.host: StageHost | None = None
+        self.member: PipelineMember | None = None
+        self.broken_files = BrokenFileBudget(
+            p.max_broken_files_per_group, p.max_broken_files_per_peer, p.broken_files_window_s
+        )
+        self._withheld_per_group: dict[str, int] = {}  # for the log: a warning at 1, 2, 4, 8... per group
         self._abandoned_counted = 0
         state.pipeline = PipelineStatus()
 
@@ -132,8 +147,10 @@ class PipelineStage:
             load_stage=self.load_stage,
             retry_s=p.retry_s,
             max_batch_jump=p.max_batch_jump,
+            leave_after_broken=p.leave_after_broken,
+            on_give_up=self._give_up,
         )
-        member = PipelineMember(
+        self.member = member = PipelineMember(
             self.swarm,
             self.layout,
             MemberSettings(
@@ -142,6 +159,7 @@ class PipelineStage:
                 poll_s=p.poll_s,
                 stale_after_s=p.stale_after_s,
                 round_grace_s=p.round_grace_s,
+                avoid_s=p.avoid_s,
             ),
             self._on_change,
         )
@@ -209,6 +227,12 @@ class PipelineStage:
                 f"stage {status.stage} of group {group.group_id[:16]}… at step {group.policy_step}"
             )
 
+    def _give_up(self, group: GroupRecord, why: str) -> None:
+        """The host ended its stage of `group`: leave it at the next poll and keep out of it a while."""
+        self.state.error(f"left group {group.group_id[:16]}…: {why}")
+        if self.member is not None:
+            self.member.avoid(group, why)
+
     def _prepare(self, step: int) -> tuple[RunTasks, int, int]:
         found = self._tasks.get(step)
         if found is None:
@@ -260,28 +284,57 @@ class PipelineStage:
             group.policy_step,
             f"stage {done.stage} file of batch {done.batch} of group {group.group_id[:16]}… ({tokens} tokens)",
         )
-        if done.stage == 0:
-            await self._back_pressure()
+        await self._back_pressure()
         max_batches = self.settings.max_batches
         if max_batches is not None and self.state.pipeline is not None:
             if self.state.pipeline.batches >= max_batches:
                 self.request_stop(f"{max_batches} stage batches done")
 
     async def _back_pressure(self) -> None:
-        """Stage 0 starts the group's next batch only while fewer than `max_pending_files` files wait for
-        hand-off, as the rollout loop does: the validator's back-pressure (every member's files go to the same
-        validator, so the leader's outbox stands for the group's). The others idle meanwhile: a follower waits
-        for its predecessor's next stream without abandoning anything."""
+        """Every stage takes the group's next batch only while fewer than `max_pending_files` files wait for
+        hand-off, as the rollout loop does: the validator's back-pressure. (Every member's files go to the same
+        validator, so stage 0 holding its next batch mostly stands for the group; a follower waits too, so its
+        outbox stays bounded whatever its neighbours do: a predecessor's stream meanwhile is held unread, and
+        that batch is abandoned at the predecessor, nothing signed for it here.)"""
         limit = self.settings.max_pending_files
         while (pending := await asyncio.to_thread(self.outbox.pending_count)) >= limit:
-            self.state.state = f"waiting: {pending} files not handed off yet (stage 0 holds the next batch)"
+            self.state.state = f"waiting: {pending} files not handed off yet (the next batch waits)"
             await asyncio.sleep(_IDLE_POLL_S)
+
+    async def _withheld(self, lost: BatchLost) -> Withheld | None:
+        """Why no file is written about `lost` (None: write it): the outbox is full, or the broken-file limits
+        of its group or of a neighbour that could have broken it are reached."""
+        pending = await asyncio.to_thread(self.outbox.pending_count)
+        if pending >= self.settings.max_pending_files:
+            return Withheld("outbox_full", f"{pending} files wait for hand-off")
+        members, stages = lost.group.members, self.layout.stages
+        previous, following = members[(lost.stage - 1) % stages], members[(lost.stage + 1) % stages]
+        # A fraud report names its predecessor; a partial record's batch was broken by either neighbour.
+        suspects = [previous] if lost.fraud is not None else [previous, following]
+        return self.broken_files.admit(
+            lost.group.group_id, (m for m in suspects if m != self.identity.node_id)
+        )
 
     async def _on_lost(self, lost: BatchLost) -> None:
         self._count_abandoned()
         group, batch = lost.group, self._batch(lost.group, lost.batch)
         members, run = tuple(group.members), self.settings.run
         what = f"batch {lost.batch} of group {group.group_id[:16]}…"
+        if lost.fraud is None and lost.partial is None:
+            return
+        withheld = await self._withheld(lost)
+        if withheld is not None:
+            self.state.count_stage_withheld(withheld.reason)
+            count = self._withheld_per_group[group.group_id] = (
+                self._withheld_per_group.get(group.group_id, 0) + 1
+            )
+            if len(self._withheld_per_group) > _WITHHELD_GROUPS_KEPT:
+                del self._withheld_per_group[next(iter(self._withheld_per_group))]
+            log = logger.warning if count & (count - 1) == 0 else logger.debug  # 1, 2, 4, 8... per group
+            log(
+                "%s broke (%s); no file written about it: %s (%d so far)", what, lost.why, withheld.why, count
+            )
+            return
         if lost.fraud is not None:
             staged = self._staged(group, lost.batch, f"stage{lost.stage}-fraud.json")
             sig = await asyncio.to_thread(

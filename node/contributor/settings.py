@@ -66,6 +66,46 @@ class PipelineNodeSettings(Section):
         description="How far past this node's next batch number of a group a predecessor's batch is taken "
         "(further: refused, so no peer can push the number to the end of its range).",
     )
+    # A broken batch makes a file for the validator at every member (a partial record or a fraud report), and a
+    # neighbour can break one every retry_s. An honest group breaks a few batches when a member departs (one per
+    # connect_timeout_s until the coordinator finds its heartbeat stale: about 5 at the defaults), so 8 in a row
+    # is a neighbour breaking them on purpose or a group that cannot work.
+    leave_after_broken: int = Field(
+        8,
+        ge=1,
+        le=100_000,
+        description="Leave a group after this many of its batches in a row broke (none finished between them).",
+    )
+    avoid_s: float = Field(
+        600.0,
+        gt=0,
+        le=86_400,
+        description="How long a group left for its broken batches is not rejoined (longer than the "
+        "coordinator's 300 s cooldown of a member that does not confirm its group).",
+    )
+    # The validator needs every member's file of the same broken batch to blame its culprit; each member keeps
+    # the first ones of a group (the same batches at every honest member), so a handful per group is enough
+    # evidence, and a neighbour breaking batches on purpose gets no more than this written about it.
+    max_broken_files_per_group: int = Field(
+        4,
+        ge=1,
+        le=10_000,
+        description="Partial records and fraud reports written per group within broken_files_window_s; "
+        "further broken batches are counted and logged, not written.",
+    )
+    max_broken_files_per_peer: int = Field(
+        8,
+        ge=1,
+        le=10_000,
+        description="Partial records and fraud reports written per neighbour (over all groups) within "
+        "broken_files_window_s: two groups' worth, so regrouping with the same peer writes little more.",
+    )
+    broken_files_window_s: float = Field(
+        600.0,
+        gt=0,
+        le=86_400,
+        description="The window of the broken-file limits.",
+    )
 
 
 class StartSettings(CommonSettings):

@@ -98,6 +98,12 @@ class NodeState:
         setattr(self.pipeline, field_name, getattr(self.pipeline, field_name) + 1)
         self.metrics.stage_files.labels(kind=kind).inc()
 
+    def count_stage_withheld(self, reason: str) -> None:
+        """A broken batch no file was written about; reason: outbox_full, group_limit or peer_limit."""
+        assert self.pipeline is not None
+        self.pipeline.withheld += 1
+        self.metrics.stage_files_withheld.labels(reason=reason).inc()
+
     def error(self, message: str) -> None:
         """Remember the last problem for `prime-node status` (the caller logs it)."""
         self.last_error = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {message}"[:500]

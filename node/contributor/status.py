@@ -59,6 +59,9 @@ class PipelineStatus(BaseModel):
     stage_files: int = 0
     fraud_reports: int = 0
     partial_records: int = 0
+    withheld: int = Field(
+        0, description="Broken batches no file was written about (outbox full, or a per-group/peer limit)."
+    )
 
 
 class NodeStatus(BaseModel):

@@ -22,7 +22,14 @@ and each number is recorded durably before its opening is signed, so no opening 
 takes its number from the route its predecessor dialled with, which nobody signed: it records it only after it
 read the predecessor's signed opening of that very batch, and only when it lies at most `max_batch_jump` past its
 mark (else a predecessor could move the mark to 2^63 - 1, past which no route decodes: the group dead for this
-node, across restarts too).
+node, across restarts too). A group whose marks refuse it (batch_marks.py: its step is older than the marks keep)
+is not run at all.
+
+A group whose batches keep breaking is given up: after `leave_after_broken` batches in a row abandoned with
+none finished between them (a neighbour that opens each batch and hangs up, or sends frames the schedule does
+not call for, again and again), the stage task ends and `on_give_up` tells the owner, which leaves the group
+and does not rejoin it (node/pipeline/member.py `avoid`): each broken batch makes a file for the validator at
+every member, and the operator's coordinator keeps a group whose members all stay live and confirm it.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ STOP_TIMEOUT_S = 10.0
 # pushing the mark by the most each batch would need 2^43 batches to reach the end of the range.
 MAX_BATCH_JUMP = 1 << 20
 ABANDONED_KEPT = 256  # the recent abandoned batches kept for the status API and the tests
+
+# Called with the group this node gives up and why (the stage task has ended; the owner leaves the group).
+OnGiveUp = Callable[[GroupRecord, str], None]
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,8 @@ class StageHost:
         retry_s: float = 0.5,
         stop_timeout_s: float = STOP_TIMEOUT_S,
         max_batch_jump: int = MAX_BATCH_JUMP,
+        leave_after_broken: int | None = None,
+        on_give_up: OnGiveUp | None = None,
     ) -> None:
         self.identity, self.run_id, self.layout = identity, run_id, layout
         self.checkpoint: CheckpointFor = checkpoint if callable(checkpoint) else (lambda _step: checkpoint)
@@ -122,6 +134,9 @@ class StageHost:
         self.load_stage = load_stage
         self.retry_s, self.stop_timeout_s = retry_s, stop_timeout_s
         self.max_batch_jump = max_batch_jump
+        self.leave_after_broken = leave_after_broken  # None: never give a group up
+        self.on_give_up = on_give_up
+        self.given_up: dict[str, str] = {}  # group id -> why, for the groups this host gave up (newest last)
         self.task: asyncio.Task[None] | None = None
         self.in_flight: tuple[str, int] | None = None  # (group id, batch) being generated now
         self.abandoned: deque[tuple[str, int, str]] = deque(maxlen=ABANDONED_KEPT)  # (group id, batch, why)
@@ -167,6 +182,10 @@ class StageHost:
         stage = group.stage_of(self.identity.node_id)
         if stage is None:
             raise PipelineError(f"group {group.group_id[:16]}… does not name this node")
+        refused = await asyncio.to_thread(self.marks.why_refused, group.group_id, group.policy_step)
+        if refused is not None:
+            self._give_up(group, f"its batch numbers cannot be kept: {refused}")
+            return
         checkpoint = self.checkpoint(group.policy_step)
         model = await asyncio.to_thread(self.load_stage, checkpoint, self.layout, stage)
         try:
@@ -182,14 +201,16 @@ class StageHost:
         stages = self.layout.stages
         previous, following = group.members[(stage - 1) % stages], (stage + 1) % stages
         leader = stage == 0
-        batch = self.marks.next_batch(group.group_id)  # never a number this node signed an opening for
+        step = group.policy_step
+        batch = self.marks.next_batch(group.group_id, step)  # never a number this node signed an opening for
+        broken = 0  # batches abandoned in a row, none finished between them
         while True:
             inbound: Inbound | None = None
             runner: StageRunner | None = None
             self.in_flight = (group.group_id, batch) if leader else None  # a follower's starts when opened
             try:
                 # A follower listens from its mark: not from a number a refused route named.
-                floor = batch if leader else self.marks.next_batch(group.group_id)
+                floor = batch if leader else self.marks.next_batch(group.group_id, step)
                 inbound = await self.hops.inbound(
                     Route(group.group_id, floor, stage), previous, follow=not leader
                 )
@@ -199,13 +220,13 @@ class StageHost:
                     except PipelineWireError as exc:  # nothing opened yet: nothing in flight, wait again
                         logger.debug("stage %d of group %s… idle: %s", stage, group.group_id[:16], exc)
                         continue
-                    batch = self._followed(group.group_id, inbound.route.batch)
+                    batch = self._followed(group.group_id, step, inbound.route.batch)
                 spec = GroupSpec(self.run_id, group.policy_step, batch, self.layout, tuple(group.members))
                 processor = StageProcessor(model, self.work_for(group, batch))
                 runner = StageRunner(spec, stage, processor, self.identity, self.hop, self.tamper)
                 if not leader:  # the route's number is the predecessor's signed word before it is recorded
                     await runner.read_opening(inbound)
-                await asyncio.to_thread(self.marks.use, group.group_id, batch)  # durable before it is signed
+                await asyncio.to_thread(self.marks.use, group.group_id, step, batch)  # durable before signed
                 self.in_flight = (group.group_id, batch)
                 dial = partial(
                     self.hops.dial,
@@ -226,6 +247,10 @@ class StageHost:
                     if lost is not None and self.on_lost is not None:
                         await self.on_lost(lost)
                     batch += 1
+                    broken += 1
+                    if self.leave_after_broken is not None and broken >= self.leave_after_broken:
+                        self._give_up(group, f"{broken} batches in a row broke, the last: {why}")
+                        return
                 else:  # a follower that opened no batch: the leader's next one is still to be taken
                     logger.info("stage %d of group %s… not started: %s", stage, group.group_id[:16], exc)
                 self.in_flight = None
@@ -244,11 +269,22 @@ class StageHost:
             states = processor.final_states() if last else None
             await self.on_batch(BatchDone(group, batch, stage, record, completions, states))
             batch += 1
+            broken = 0
 
-    def _followed(self, group_id: str, batch: int) -> int:
+    def _give_up(self, group: GroupRecord, why: str) -> None:
+        """End this group's stage task (the caller returns) and tell the owner, which leaves the group."""
+        logger.warning("giving up group %s…: %s", group.group_id[:16], why)
+        self.given_up.pop(group.group_id, None)
+        self.given_up[group.group_id] = why
+        while len(self.given_up) > ABANDONED_KEPT:
+            del self.given_up[next(iter(self.given_up))]
+        if self.on_give_up is not None:
+            self.on_give_up(group, why)
+
+    def _followed(self, group_id: str, step: int, batch: int) -> int:
         """`batch`, the number a predecessor's (unsigned) route names, if a follower may take it: not one it
         used, and at most `max_batch_jump` past its mark; PipelineError naming both otherwise."""
-        mark = self.marks.next_batch(group_id)
+        mark = self.marks.next_batch(group_id, step)
         if batch < mark:
             raise PipelineError(
                 f"the predecessor opened batch {batch}; this node already used batches below {mark}"

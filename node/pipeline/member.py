@@ -6,6 +6,9 @@ membership.choose_group which group, if any, it runs. When the answer changes it
 heartbeat at once (the confirmation the coordinator waits for) and tells its owner through `on_change`: the
 owner abandons the batch in flight of a group it left (its stage task is cancelled: no partial record is ever
 produced) and starts its stage in the new one.
+
+A group its owner gave up (`avoid`: its batches kept breaking) is left at the next poll and not rejoined for
+`avoid_s`: the coordinator, seeing this node no longer confirm it, dissolves it and the members regroup.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ...p2p.errors import P2PError
 from ...p2p.pipeline.layout import StageLayout
 from ...p2p.swarm.directory import SwarmDirectory
 from ...p2p.swarm.group_records import GroupRecord, PeerRtt, StageAvailability
-from .membership import NodeView, choose_group
+from .membership import AvoidedGroups, NodeView, choose_group
 from .offer import measure_rtts
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class MemberSettings:
     round_grace_s: float = 10.0
     measure_rtts: bool = True
     rtt_interval_s: float = 60.0  # round trips change slowly; measuring them costs 3 handshakes per peer
+    avoid_s: float = 600.0  # how long a group this node gave up is not rejoined
 
 
 class PipelineMember:
@@ -54,6 +58,11 @@ class PipelineMember:
         self.events: list[tuple[float, str | None, str]] = []  # (time, group id or None, why) per change
         self._measured_at = float("-inf")
         self._offered_at = float("-inf")
+        self.avoided = AvoidedGroups(settings.avoid_s)
+
+    def avoid(self, group: GroupRecord, why: str) -> None:
+        """Leave `group` at the next poll and do not rejoin it for `avoid_s`."""
+        self.avoided.add(group.group_id, why)
 
     def offer(self) -> StageAvailability:
         return StageAvailability(
@@ -87,6 +96,7 @@ class PipelineMember:
             heartbeats=heartbeats,
             stale_after_s=self.settings.stale_after_s,
             round_grace_s=self.settings.round_grace_s,
+            avoided=self.avoided.now(),
         )
         current = self.group.group_id if self.group is not None else None
         chosen, why = choose_group(groups, view, current)

@@ -10,13 +10,15 @@ heartbeat is fresh: a group naming a node the node cannot see (unknown, departed
 A node joins only a group of the newest round it has seen (the coordinator re-signs every standing group
 under each new round, so an older record is one it dissolved), and stays in its group while the group is
 usable, no newer round places the node elsewhere, and its record is of the newest round (or that round is
-younger than `round_grace_s`).
+younger than `round_grace_s`). A group the node gave up (`avoided`: its batches kept breaking, host.py) is
+unusable to it while it avoids it, so it leaves it and does not rejoin it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from ...p2p.pipeline.layout import StageLayout
 from ...p2p.swarm.group_records import GroupRecord, group_id
@@ -36,6 +38,33 @@ class NodeView:
     # How long a group of an older round is still run after a newer round appeared: the coordinator signs a
     # round's records one by one, so a reader may see a new group before its own group's re-signed record.
     round_grace_s: float = 10.0
+    avoided: Mapping[str, str] = field(default_factory=dict)  # group id -> why this node will not run it now
+
+
+# At most this many groups avoided at once: a node is in one group at a time and gives one up only after several
+# broken batches, so a handful at once is all it ever needs; the oldest goes first.
+MAX_AVOIDED = 64
+
+
+class AvoidedGroups:
+    """The groups this node gave up, each avoided for `avoid_s` (then it may run it again: a group broken by
+    a neighbour's outage should not be lost for the whole step)."""
+
+    def __init__(self, avoid_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.avoid_s, self.clock = avoid_s, clock
+        self._until: dict[str, tuple[float, str]] = {}  # group id -> (until, on `clock`; why)
+
+    def add(self, group_id: str, why: str) -> None:
+        self._until.pop(group_id, None)  # re-inserted last: the oldest is dropped first
+        self._until[group_id] = (self.clock() + self.avoid_s, why)
+        while len(self._until) > MAX_AVOIDED:
+            del self._until[next(iter(self._until))]
+
+    def now(self) -> dict[str, str]:
+        """The groups avoided now (group id -> why), forgetting those whose time is up."""
+        now = self.clock()
+        self._until = {g: (until, why) for g, (until, why) in self._until.items() if until > now}
+        return {g: why for g, (_, why) in self._until.items()}
 
 
 def why_unusable(group: GroupRecord, view: NodeView) -> str | None:
@@ -43,6 +72,8 @@ def why_unusable(group: GroupRecord, view: NodeView) -> str | None:
     stage = group.stage_of(view.node_id)
     if stage is None:
         return "does not name this node"
+    if group.group_id in view.avoided:
+        return f"this node gave it up: {view.avoided[group.group_id]}"
     if group.group_id != group_id(view.run_id, group.policy_step, group.members):
         return "its id is not the digest of its run, step and members"
     if group.layout != view.layout:
