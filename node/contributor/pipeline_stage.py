@@ -17,9 +17,11 @@ pending/ with their signature, so a crash leaves nothing half-written to send. (
 `<sha256>.parquet`; a report's bytes are JSON, and its envelope says which kind it is.)
 
 The group's work is `work_for` (node/pipeline/work.py) over the run's tasks with the checkpoint's tokenizer,
-loaded off the event loop before the stage task starts; prompts per batch are the node's `prompts`, the
-micro-batch cut `pipeline.micro_batch_size` (both recorded in every file, from which the validator derives
-the same work).
+loaded off the event loop before the stage task starts. The batch's shape (problems per batch, micro-batch cut)
+is the run's, `run.pipeline.prompts` and `run.pipeline.micro_batch_size`: pinned by the operator's announcement
+(a node configured otherwise stops, naming both values) and by the signed group record, never the node's own
+`prompts`, so that every member cuts alike; both are recorded in every file, and the validator holds them to
+the run's.
 """
 
 from __future__ import annotations
@@ -66,6 +68,19 @@ _IDLE_POLL_S = 0.5  # how often to look again while no checkpoint is usable
 _TASKS_KEPT = 2  # checkpoints whose tasks (tokenizer) stay loaded: the current step and the one before
 
 
+def own_prompts_note(settings: StartSettings, layout: StageLayout) -> str | None:
+    """The log line for a node whose own `prompts` was set otherwise than the run's group batch, which it adopts:
+    `prompts` sizes a node's monolithic rollout batches, while every member of a group must cut its batches as
+    the run pins them (`run.pipeline.prompts`). None when it was not set or agrees."""
+    if "prompts" not in settings.model_fields_set or settings.prompts == layout.prompts:
+        return None
+    return (
+        f"prompts = {settings.prompts} set here is not used for pipelined groups: a group's batch has the "
+        f"run's run.pipeline.prompts = {layout.prompts} problems (every member must cut alike); using "
+        f"{layout.prompts}"
+    )
+
+
 class PipelineStage:
     # Hooks for the devnet's adversaries (trainer/devnet/pipeline_attacks.py, substituted by node/cli/adversary.py);
     # production nodes never set them.
@@ -102,6 +117,9 @@ class PipelineStage:
         self.host: StageHost | None = None
         self._abandoned_counted = 0
         state.pipeline = PipelineStatus()
+        note = own_prompts_note(settings, layout)
+        if note is not None:
+            logger.warning("%s", note)
 
     # ----- the supervised task ------------------------------------------------------------------------------
 
@@ -221,8 +239,8 @@ class PipelineStage:
         return found
 
     def _batch(self, group: GroupRecord, batch: int) -> GroupBatch:
-        micro = self.settings.pipeline.micro_batch_size
-        return GroupBatch(group.group_id, group.policy_step, batch, self.settings.prompts, micro)
+        # The record's layout is the run's (membership runs no group cut otherwise): its pinned batch shape.
+        return GroupBatch.pinned(group.layout, group.group_id, group.policy_step, batch)
 
     def _work(self, group: GroupRecord, batch: int) -> PipelineWork:
         tasks, eos, pad = self._prepare(group.policy_step)  # loaded by _on_change: a dictionary read here
