@@ -56,16 +56,15 @@ def main() -> None:
         run_seed=1,
         samples=args.samples,
         max_new_tokens=args.new_tokens,
-        pipeline=StageLayout(boundaries=boundaries),
+        # The batch's shape is the run's (the validator refuses files of another).
+        pipeline=StageLayout(boundaries=boundaries, prompts=args.prompts, micro_batch_size=4),
     )
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         checkpoint = make_checkpoint(out / "model")
         tasks, engine = run_tasks(checkpoint), HFEngine(build_tiny_model(0)[0], max_batch_size=16)
         members = identities(args.stages, salt=90)
-        files = group_files(
-            out / "files", checkpoint, run, tasks, engine, members, prompts=args.prompts, micro_batch_size=4
-        )
+        files = group_files(out / "files", checkpoint, run, tasks, engine, members)
         parsed = [read_stage_file(p) for p in files.paths]  # warm-up (first-call costs)
         reads = [_cpu(lambda p=p: read_stage_file(p))[1] for p in files.paths]
         last = parsed[-1]
@@ -104,8 +103,6 @@ def main() -> None:
                 engine,
                 members,
                 batch=batch,
-                prompts=args.prompts,
-                micro_batch_size=4,
             )
             deliveries = [Delivery(p, m.node_id) for p, m in zip(more.paths, members, strict=True)]
             judged = verify_group_files(deliveries, run, run.pipeline, lookup, complete=True)

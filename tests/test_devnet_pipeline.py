@@ -77,7 +77,8 @@ def test_a_pipeline_devnet_gives_every_party_the_layout_and_its_stage_nodes_thei
     assert "PRIME_NODE_RUN__PIPELINE" not in layout.member_env()  # not a pipeline run until it has a layout
     layout.boundaries = two_stages(model)
     for env in (layout.env(), layout.trainer_env(), layout.member_env()):
-        assert env["PRIME_NODE_RUN__PIPELINE"] == '{"boundaries": [0, 2, 4]}'
+        # The devnet's batch sizing is the run's pinned group batch, as every party must have it.
+        assert env["PRIME_NODE_RUN__PIPELINE"] == '{"boundaries": [0, 2, 4], "prompts": 16}'
     assert "PRIME_NODE_GROUPS__POLL_S" in layout.trainer_env()
     assert "PRIME_NODE_PIPELINE__POLL_S" in layout.member_env()
     assert "--pipeline" not in layout.member_argv(plain, [])

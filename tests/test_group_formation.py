@@ -239,7 +239,12 @@ def test_a_node_runs_only_a_usable_group_of_the_newest_round_that_names_it() -> 
     cases = {
         "does not name this node": _group([b, c]),
         "not the digest": _group([a, b], group_id=group_id(RUN, 3, [b, a])),
-        "boundaries": _group([a, b], layout=StageLayout(boundaries=[0, 1, 4])),
+        "boundaries [0, 1, 4], the run's [0, 2, 4]": _group([a, b], layout=StageLayout(boundaries=[0, 1, 4])),
+        # A group whose batches are cut otherwise than the run's pinned shape: its members' frames would disagree.
+        "micro_batch_size 4, the run's 2": _group(
+            [a, b], layout=StageLayout(boundaries=[0, 2, 4], micro_batch_size=4)
+        ),
+        "prompts 8, the run's 4": _group([a, b], layout=StageLayout(boundaries=[0, 2, 4], prompts=8)),
         "policy step 4": _group([a, b], policy_step=4, group_id=group_id(RUN, 4, [a, b])),
         "no heartbeat (unknown": _group([a, stranger]),
     }

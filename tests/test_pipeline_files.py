@@ -33,7 +33,11 @@ from support.pipeline import identities
 from support.pipeline_files import GroupFiles, fraud_report_file, group_files
 
 RUN = RunSettings(
-    run_id="stage-files", run_seed=5, samples=2, max_new_tokens=8, pipeline=StageLayout(boundaries=[0, 2, 4])
+    run_id="stage-files",
+    run_seed=5,
+    samples=2,
+    max_new_tokens=8,
+    pipeline=StageLayout(boundaries=[0, 2, 4], prompts=2, micro_batch_size=1),
 )
 
 
@@ -241,13 +245,12 @@ def test_a_finished_batch_is_judged_whole_and_a_partial_record_cannot_void_it(ma
 
 
 @pytest.mark.parametrize("liar", [0, 1])
-def test_a_member_whose_cut_contradicts_its_own_frames_is_charged_alone(
+def test_a_member_whose_file_has_another_batch_shape_than_the_runs_is_charged_alone(
     made, tmp_path: Path, liar: int
 ) -> None:  # noqa: ANN001
-    # A file recording another micro-batch cut than the frames its own record sent and signed lies about its own
-    # batch: that member's fault (`assignment`), whichever stage it is. The others are excused (the batch lacks a
-    # valid file of that stage), not charged: a later stage can no longer void an honest batch for free, and stage
-    # 0 cannot make up a cut to get the others blamed (each file is held only to its own frames).
+    # The run pins the batch's shape (run.pipeline: prompts, micro_batch_size): a file recording another cut is
+    # not the run's work, whatever its frames show: that member's fault (`run_parameters`), whichever stage it is.
+    # The others are excused (the batch lacks a valid file of that stage), not charged.
     from prime_node.trainer.validator.group_job import INCOMPLETE, Delivery, verify_group_files
 
     files, tasks, engine, members = made
@@ -257,19 +260,36 @@ def test_a_member_whose_cut_contradicts_its_own_frames_is_charged_alone(
     assert RUN.pipeline is not None
     judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=True)
     expected = [(False, INCOMPLETE), (False, INCOMPLETE)]
-    expected[liar] = (False, "assignment")
+    expected[liar] = (False, "run_parameters")
     assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == expected
-    assert "not the frames it sent and signed" in judged.outcomes[liar].reason
+    assert "micro_batch_size 4, the run's 1" in judged.outcomes[liar].reason, judged.outcomes[liar].reason
 
 
-def test_a_later_stage_signing_frames_of_another_cut_is_blamed_not_excused(made, tmp_path: Path) -> None:  # noqa: ANN001
-    # Stage 1 records one micro-batch of 4 in its file and re-signs its sent stream to match, so its file agrees
-    # with its own frames; but stage 0 holds what stage 1 really sent, signed by stage 1: the signed streams settle
-    # the cut, stage 1 is blamed (equivocation) and stage 0 excused. It used to void the batch, nobody charged.
+def test_a_group_of_another_batch_shape_than_the_runs_is_refused_not_judged(made) -> None:  # noqa: ANN001
+    # Honest members that agree with each other but not with the run (a run pinning batches of 4 prompts cut
+    # in 2): their files are not the run's work, and the validator says which setting differs.
+    from prime_node.trainer.validator.group_job import Delivery, verify_group_files
+
+    files, tasks, engine, members = made
+    deliveries = [Delivery(p, m.node_id) for p, m in zip(files.paths, members, strict=True)]
+    assert RUN.pipeline is not None
+    other = RUN.pipeline.model_copy(update={"prompts": 4, "micro_batch_size": 2})
+    judged = verify_group_files(deliveries, RUN, other, lambda step: (engine, tasks), complete=True)
+    assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == [
+        (False, "run_parameters")
+    ] * 2
+    reason = judged.outcomes[0].reason
+    assert "4 rows, the run's 4 prompts x 2 samples" in reason and "micro_batch_size 1, the run's 2" in reason
+
+
+def test_a_later_stage_signing_frames_of_another_cut_is_charged_alone(made, tmp_path: Path) -> None:  # noqa: ANN001
+    # Stage 1 re-signs its sent stream as one micro-batch of 4 while its file records the run's cut (1): its file
+    # contradicts its own frames, its fault alone (`assignment`); stage 0 is excused. (Recording the cut of 4 in
+    # the file as well is another batch shape than the run's: `run_parameters`, above.)
     from prime_node.proofs.pipeline.records import SignedStageRecord
     from prime_node.proofs.pipeline.schedule import micro_batches
     from prime_node.proofs.pipeline.stage_file import write_stage_file
-    from prime_node.trainer.validator.group_job import GROUP_FAILED, Delivery, verify_group_files
+    from prime_node.trainer.validator.group_job import INCOMPLETE, Delivery, verify_group_files
 
     from support.pipeline_attacks import rechain
 
@@ -289,16 +309,16 @@ def test_a_later_stage_signing_frames_of_another_cut_is_blamed_not_excused(made,
     signed = SignedStageRecord.sign(record.model_copy(update={"sent": sent}), members[1])
     path = tmp_path / "other-cut.parquet"
     write_stage_file(
-        path, list(last.rows), members[1], members=last.members, micro_batch_size=4, signed=signed
+        path, list(last.rows), members[1], members=last.members, micro_batch_size=1, signed=signed
     )
     deliveries = [Delivery(files.paths[0], members[0].node_id), Delivery(path, members[1].node_id)]
     assert RUN.pipeline is not None
     judged = verify_group_files(deliveries, RUN, RUN.pipeline, lambda step: (engine, tasks), complete=True)
     assert [(o.accepted, o.failed_check) for _, o in sorted(judged.outcomes.items())] == [
-        (False, GROUP_FAILED),
-        (False, "pipeline"),
+        (False, INCOMPLETE),
+        (False, "assignment"),
     ], judged.outcomes
-    assert "stage 1: it signed two different streams" in judged.outcomes[1].reason, judged.outcomes[1].reason
+    assert "not the frames it sent and signed" in judged.outcomes[1].reason, judged.outcomes[1].reason
 
 
 def test_an_honest_group_is_credited_by_each_stages_share_of_the_layers(made) -> None:  # noqa: ANN001
@@ -333,10 +353,14 @@ def test_upheld_fraud_evidence_is_excused_not_credited_and_accuses_once(made, tm
     ]
 
 
-def test_a_report_whose_claim_does_not_fit_its_evidence_is_its_reporters_fault(made, tmp_path: Path) -> None:  # noqa: ANN001
-    # A claim of one prompt while the evidence's frame carries rows of two: check_fraud indexes rows the claim
-    # does not have. That is the report's fault (pipeline_report), not a validator failure (internal_error).
-    from prime_node.trainer.validator.group_job import REPORT_FAILED, Delivery, verify_group_files
+def test_a_report_claiming_another_batch_shape_than_the_runs_is_its_reporters_fault(
+    made, tmp_path: Path
+) -> None:  # noqa: ANN001
+    # A claim of one prompt while the run pins two (and the evidence's frame carries rows of two): the evidence is
+    # judged by the run's schedule, never the reporter's, so the claim is refused as not the run's batch
+    # (`run_parameters`, the reporter's), not a validator failure (internal_error); nobody is accused. (Before the
+    # shape was pinned, check_fraud indexed rows the claim did not have: the same reporter's fault.)
+    from prime_node.trainer.validator.group_job import Delivery, verify_group_files
 
     _, tasks, engine, members = made
     _, report = fraud_report_file(tmp_path, make_checkpoint(tmp_path / "model"), RUN, tasks, engine, members)
@@ -357,8 +381,8 @@ def test_a_report_whose_claim_does_not_fit_its_evidence_is_its_reporters_fault(m
         complete=True,
     )
     outcome = judged.outcomes[0]
-    assert not outcome.accepted and outcome.failed_check == REPORT_FAILED, outcome
-    assert "does not fit its claim" in outcome.reason and not judged.accusations, outcome.reason
+    assert not outcome.accepted and outcome.failed_check == "run_parameters", outcome
+    assert "prompts 1, the run's 2" in outcome.reason and not judged.accusations, outcome.reason
 
 
 def _signed_report(path: Path, data: bytes, signer: Identity, kind: str = "fraud") -> Path:

@@ -28,12 +28,13 @@ from support.node_daemon import NODE_ENV, node_status, poll
 from support.swarm import cancel_and_wait
 from support.validator import OPERATOR, RUN, VALIDATOR_RUN, running_validator, validator_settings
 
-LAYOUT = StageLayout(boundaries=[0, 2, 4])
+# One prompt per group batch, cut in micro-batches of one: the run pins them, every member and the validator.
+LAYOUT = StageLayout(boundaries=[0, 2, 4], prompts=1, micro_batch_size=1)
 PIPELINED = VALIDATOR_RUN.model_copy(update={"pipeline": LAYOUT})
 STALE_S = 8.0
 PIPELINE_ENV = {
     **NODE_ENV,
-    "PRIME_NODE_RUN__PIPELINE": json.dumps({"boundaries": LAYOUT.boundaries}),
+    "PRIME_NODE_RUN__PIPELINE": LAYOUT.model_dump_json(),
     "PRIME_NODE_PIPELINE__POLL_S": "0.5",
     "PRIME_NODE_PIPELINE__STALE_AFTER_S": str(STALE_S),
     "PRIME_NODE_PIPELINE__ROUND_GRACE_S": "3",
@@ -52,7 +53,7 @@ def pipeline_argv(data_dir: Path, peers: list[str]) -> list[str]:
         *("--run-id", RUN, "--run-seed", str(run.run_seed), "--samples", str(run.samples)),
         *("--temperature", str(run.temperature), "--max-new-tokens", str(run.max_new_tokens)),
         *("--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--reachability", "public"),
-        *("--prompts", "1", "--micro-batch-size", "1", "--threads", "1", "--status-port", "0"),
+        *("--threads", "1", "--status-port", "0"),
     ]
 
 
@@ -131,3 +132,29 @@ async def _run_nodes(tmp_path: Path, running, coordinator: GroupCoordinator, dir
             os.killpg(node.pid, signal.SIGTERM)
         for node in nodes:
             assert await asyncio.to_thread(node.process.wait, 60) == 0, node.log_tail(40)
+
+
+def test_a_stage_node_cuts_group_batches_as_the_run_pins_them_not_by_its_own_prompts(tmp_path: Path) -> None:
+    # A node's own `prompts` sizes its monolithic rollout files; a group's batches must be cut alike by every
+    # member, so a stage node adopts the run's (run.pipeline) and says so when its own setting differs.
+    from prime_node.node.config import load_config
+    from prime_node.node.contributor.pipeline_stage import own_prompts_note
+    from prime_node.node.contributor.settings import StartSettings
+    from prime_node.node.pipeline.work import GroupBatch
+
+    env = {"PRIME_NODE_RUN__PIPELINE": LAYOUT.model_dump_json(), "PRIME_NODE_PIPELINE__ENABLED": "true"}
+    own = load_config(StartSettings, env={**env, "PRIME_NODE_PROMPTS": "8"})
+    assert own_prompts_note(own, LAYOUT) == (
+        "prompts = 8 set here is not used for pipelined groups: a group's batch has the run's "
+        "run.pipeline.prompts = 1 problems (every member must cut alike); using 1"
+    )
+    assert own_prompts_note(load_config(StartSettings, env=env), LAYOUT) is None  # not set: nothing to say
+    assert (
+        own_prompts_note(load_config(StartSettings, env={**env, "PRIME_NODE_PROMPTS": "1"}), LAYOUT) is None
+    )
+    batch = GroupBatch.pinned(LAYOUT, "ab" * 32, 3, 7)
+    assert (batch.prompts, batch.micro_batch_size) == (LAYOUT.prompts, LAYOUT.micro_batch_size) == (1, 1)
+    assert batch.pinned_difference(LAYOUT) is None
+    assert GroupBatch("ab" * 32, 3, 7, 8, 2).pinned_difference(LAYOUT) == (
+        "prompts 8, the run's 1; micro_batch_size 2, the run's 1"
+    )

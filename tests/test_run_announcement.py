@@ -20,6 +20,7 @@ from prime_node.node.run.announcement import (
     _SETTING_OF,
     RunMismatchError,
     agreed_policies,
+    check_announced_run,
     differences,
     run_parameters,
 )
@@ -99,7 +100,7 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         "run.run_kind: 'rl' here, 'synthetic' in the run",
         "run.annotators: [] here, ['small'] in the run",
         "run.pipeline: None here, StageLayout(boundaries=[0, 2, 4], activation_dtype='float32', "
-        "encoding='raw-le') in the run",
+        "encoding='raw-le', prompts=4, micro_batch_size=2) in the run",
     ]
     assert set(RunParameters.model_fields) == {
         "run_id",
@@ -117,6 +118,24 @@ def test_every_run_parameter_is_compared_and_named_with_its_setting() -> None:
         "pipeline",
     }
     assert set(_SETTING_OF) == set(RunParameters.model_fields)  # a new field is compared, not skipped
+
+
+def test_a_pipelined_batch_shape_other_than_the_runs_stops_the_party_naming_each_setting() -> None:
+    # The batch's shape is pinned with the layout: a member that cut its group's batches otherwise than the
+    # others would break every batch with nobody knowing why; it stops instead, naming each setting.
+    ours = run_parameters(
+        RunSettings(pipeline={"boundaries": [0, 2, 4], "prompts": 4, "micro_batch_size": 2})
+    )
+    announced = run_parameters(
+        RunSettings(pipeline={"boundaries": [0, 2, 4], "prompts": 8, "micro_batch_size": 4})
+    )
+    assert differences(ours, announced) == [
+        "run.pipeline.prompts: 4 here, 8 in the run",
+        "run.pipeline.micro_batch_size: 2 here, 4 in the run",
+    ]
+    with pytest.raises(RunMismatchError, match="run.pipeline.micro_batch_size: 2 here, 4 in the run"):
+        check_announced_run(ours, announced, 3, "node")
+    assert differences(ours, run_parameters(RunSettings(pipeline={"boundaries": [0, 2, 4]}))) == []
 
 
 def test_a_task_file_is_known_by_its_bytes_not_its_path(tmp_path: Path) -> None:

@@ -124,3 +124,17 @@ def test_length_targets_are_bounded_like_the_policy_record_announcing_them():
     for bad in ([0], [1_000_001], [8] * 33):
         with pytest.raises(ValueError, match="length_targets"):
             RunSettings(length_targets=bad)
+
+
+def test_a_nodes_own_micro_batch_size_moved_to_the_runs_pinned_layout(tmp_path: Path):
+    # Every member of a group must cut its batches alike: the cut is the run's (run.pipeline), pinned by the
+    # announcement and the group record, and the old node setting says where it lives now.
+    config = tmp_path / "old.toml"
+    config.write_text("[pipeline]\nmicro_batch_size = 4\n")
+    with pytest.raises(
+        ConfigError, match=r"'pipeline.micro_batch_size' .* is now 'run.pipeline.micro_batch_size'"
+    ):
+        load_config(StartSettings, toml_path=config, env={})
+    config.write_text("[run.pipeline]\nboundaries = [0, 2, 4]\nprompts = 3\nmicro_batch_size = 4\n")
+    layout = load_config(StartSettings, toml_path=config, env={}).run.pipeline
+    assert layout is not None and (layout.prompts, layout.micro_batch_size) == (3, 4)

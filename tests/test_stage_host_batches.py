@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from prime_node.node.pipeline.errors import PipelineError
 from prime_node.node.pipeline.group import HopSettings
 from prime_node.node.pipeline.hops import LoopbackHops
 from prime_node.node.pipeline.host import BatchDone, BatchLost, StageHost
+from prime_node.node.pipeline.stage import Outgoing
 from prime_node.node.pipeline.stage_model import StageModel
 from prime_node.node.pipeline.work import PipelineWork
 from prime_node.node.run.settings import RunSettings
@@ -86,6 +88,8 @@ async def _run(
     until: Callable[[list[BatchDone], list[BatchLost]], bool],
     tamper: Tamper | None = None,
     timeout_s: float = 60.0,
+    host_type: type[StageHost] = StageHost,
+    work_for: Callable[[GroupRecord, int], PipelineWork] | None = None,
 ) -> tuple[list[BatchDone], list[BatchLost]]:
     """Both stages of the group, as hosts of this process, until `until(done, lost)` (bounded)."""
     done: list[BatchDone] = []
@@ -97,9 +101,9 @@ async def _run(
     async def on_lost(result: BatchLost) -> None:
         lost.append(result)
 
-    hops, work_for = LoopbackHops(), _work(model_dir)
+    hops, work_for = LoopbackHops(), work_for or _work(model_dir)
     hosts = [
-        StageHost(
+        host_type(
             IDS[k], RUN, model_dir, LAYOUT, work_for, hops, HOP, on_batch,
             on_lost=on_lost, marks=marks[k], tamper=tamper, retry_s=0.05,
         )
@@ -468,3 +472,51 @@ def test_the_broken_file_budget_counts_per_group_and_per_peer_within_its_window(
     assert budget.admit("g1", ["p"]) is None
     with pytest.raises(ValueError, match="positive"):
         BrokenFileBudget(per_group=0, per_peer=1, window_s=1.0)
+
+
+class _Watched(StageHost):
+    """A StageHost that notes the thread on which each batch's record (finished or partial) is built; the real
+    work runs as ever (nothing is replaced)."""
+
+    threads: dict[str, set[int]] = {"record": set(), "partial": set()}
+
+    def _done(self, *args):  # type: ignore[no-untyped-def]
+        self.threads["record"].add(threading.get_ident())
+        return super()._done(*args)
+
+    def _lost(self, *args):  # type: ignore[no-untyped-def]
+        self.threads["partial"].add(threading.get_ident())
+        return super()._lost(*args)
+
+
+async def test_a_stage_derives_its_work_and_signs_its_records_off_the_event_loop(
+    model_dir: Path, one_torch_thread: None
+) -> None:
+    # Deriving a batch's work (tokenizing prompts), signing a record over every frame header and stacking the
+    # final states are CPU work: on the event loop they would stall the node's heartbeats and libp2p streams.
+    # The callbacks must run in worker threads, never on the loop's own.
+    loop_thread = threading.get_ident()
+    work_threads: set[int] = set()
+    derive = _work(model_dir)
+
+    def work_for(group: GroupRecord, batch: int) -> PipelineWork:
+        work_threads.add(threading.get_ident())
+        return derive(group, batch)
+
+    breaking, broke = drop_a_row(1, "tokens", 1), []
+
+    def break_once(sender: int, out: Outgoing) -> Outgoing:  # one broken batch (partial records), then honest
+        changed = breaking(sender, out)
+        if changed is out or broke:
+            return out
+        broke.append(sender)
+        return changed
+
+    def both(done: list[BatchDone], lost: list[BatchLost]) -> bool:
+        return _enough(1)(done, lost) and {x.stage for x in lost if x.partial} == {0, 1}
+
+    _Watched.threads = {"record": set(), "partial": set()}
+    marks = [BatchMarks(None), BatchMarks(None)]
+    await _run(model_dir, marks, both, tamper=break_once, host_type=_Watched, work_for=work_for)
+    for what, threads in {"work": work_threads, **_Watched.threads}.items():
+        assert threads and loop_thread not in threads, (what, threads, loop_thread)

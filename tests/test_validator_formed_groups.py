@@ -74,14 +74,20 @@ class _Dht:
         )
 
 
-def test_a_file_names_a_formed_group_only_with_its_members_order_step_and_boundaries() -> None:
+def test_a_file_names_a_formed_group_only_with_its_members_order_step_and_layout() -> None:
     record = _record(1, 2)
     assert why_not_formed(record, record.members, 3, LAYOUT) is None
     assert "no operator-signed group record" in str(why_not_formed(None, record.members, 3, LAYOUT))
     assert "stage order" in str(why_not_formed(record, record.members[::-1], 3, LAYOUT))
     assert "policy step 3, not 4" in str(why_not_formed(record, record.members, 4, LAYOUT))
     other = StageLayout(boundaries=[0, 1, 4])
-    assert "cuts at [0, 2, 4]" in str(why_not_formed(record, record.members, 3, other))
+    assert "boundaries [0, 2, 4], the run's [0, 1, 4]" in str(
+        why_not_formed(record, record.members, 3, other)
+    )
+    # The batch's shape is the run's too: a record for batches of other prompts or micro-batches forms nothing.
+    other = StageLayout(boundaries=[0, 2, 4], prompts=8, micro_batch_size=4)
+    why = str(why_not_formed(record, record.members, 3, other))
+    assert "prompts 4, the run's 8" in why and "micro_batch_size 2, the run's 4" in why
 
 
 def test_a_record_stays_known_for_keep_s_after_the_dht_stops_showing_it() -> None:

@@ -44,7 +44,10 @@ from support.validator import (
     wait_verdict,
 )
 
-PIPELINED = VALIDATOR_RUN.model_copy(update={"pipeline": StageLayout(boundaries=[0, 2, 4])})
+# Batches of 2 prompts cut in micro-batches of 2 rows: the row a broken batch's last stage drops needs 2 rows.
+PIPELINED = VALIDATOR_RUN.model_copy(
+    update={"pipeline": StageLayout(boundaries=[0, 2, 4], prompts=2, micro_batch_size=2)}
+)
 GRACE_S = 4.0
 
 

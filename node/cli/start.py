@@ -36,7 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         Flag("serve_weights"),
         Flag("pipeline.enabled", "--pipeline"),
         Flag("pipeline.stages", "--stages", nargs="+", metavar="STAGE"),
-        Flag("pipeline.micro_batch_size"),
     )
     p.set_defaults(handler=start)
 

@@ -25,9 +25,12 @@ written. After `pipeline.leave_after_broken` broken batches of a group in a row,
 the member leaves it, not rejoining it for `pipeline.avoid_s` (node/pipeline/host.py, member.py).
 
 The group's work is `work_for` (node/pipeline/work.py) over the run's tasks with the checkpoint's tokenizer,
-loaded off the event loop before the stage task starts; prompts per batch are the node's `prompts`, the
-micro-batch cut `pipeline.micro_batch_size` (both recorded in every file, from which the validator derives
-the same work).
+loaded off the event loop before the stage task starts. The batch's shape (problems per batch, micro-batch cut)
+is the run's, `run.pipeline.prompts` and `run.pipeline.micro_batch_size`: pinned by the operator's announcement
+(a node configured otherwise stops, naming both values) and by the signed group record, never the node's own
+`prompts`, so that every member cuts alike; both are recorded in every file, and the validator holds them to
+the run's. Deriving the work, signing records and writing files are CPU work: all of it runs in worker threads,
+never on the event loop, which serves the node's heartbeats and libp2p streams.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,6 +80,19 @@ _WITHHELD_GROUPS_KEPT = 64  # groups whose withheld files are counted for the lo
 _TASKS_KEPT = 2  # checkpoints whose tasks (tokenizer) stay loaded: the current step and the one before
 
 
+def own_prompts_note(settings: StartSettings, layout: StageLayout) -> str | None:
+    """The log line for a node whose own `prompts` was set otherwise than the run's group batch, which it adopts:
+    `prompts` sizes a node's monolithic rollout batches, while every member of a group must cut its batches as
+    the run pins them (`run.pipeline.prompts`). None when it was not set or agrees."""
+    if "prompts" not in settings.model_fields_set or settings.prompts == layout.prompts:
+        return None
+    return (
+        f"prompts = {settings.prompts} set here is not used for pipelined groups: a group's batch has the "
+        f"run's run.pipeline.prompts = {layout.prompts} problems (every member must cut alike); using "
+        f"{layout.prompts}"
+    )
+
+
 class PipelineStage:
     # Hooks for the devnet's adversaries (trainer/devnet/pipeline_attacks.py, substituted by node/cli/adversary.py);
     # production nodes never set them.
@@ -109,6 +126,7 @@ class PipelineStage:
         self.marks = BatchMarks(data_dir / MARKS_FILE)
         self.hop = HopSettings(frame_timeout_s=p.frame_timeout_s, connect_timeout_s=p.connect_timeout_s)
         self._tasks: dict[int, tuple[RunTasks, int, int]] = {}  # step -> (tasks, eos id, pad id)
+        self._tasks_lock = threading.Lock()
         self.host: StageHost | None = None
         self.member: PipelineMember | None = None
         self.broken_files = BrokenFileBudget(
@@ -117,6 +135,9 @@ class PipelineStage:
         self._withheld_per_group: dict[str, int] = {}  # for the log: a warning at 1, 2, 4, 8... per group
         self._abandoned_counted = 0
         state.pipeline = PipelineStatus()
+        note = own_prompts_note(settings, layout)
+        if note is not None:
+            logger.warning("%s", note)
 
     # ----- the supervised task ------------------------------------------------------------------------------
 
@@ -234,37 +255,38 @@ class PipelineStage:
             self.member.avoid(group, why)
 
     def _prepare(self, step: int) -> tuple[RunTasks, int, int]:
-        found = self._tasks.get(step)
-        if found is None:
-            directory = self.keeper.store.checkpoint_dir(step)
-            tasks = load_run_tasks(self.settings.run, directory, self.environment)
-            eos, pad = eos_and_pad(AutoConfig.from_pretrained(directory, local_files_only=True))
-            found = self._tasks[step] = (tasks, eos, pad)
-            for old in sorted(self._tasks)[:-_TASKS_KEPT]:
-                del self._tasks[old]
-        return found
+        """The tasks, EOS and pad ids of `step`'s checkpoint, loaded once. Blocking, and called from worker
+        threads (the group change's, the stage's work and files): one lock keeps two from loading or dropping
+        entries at once."""
+        with self._tasks_lock:
+            found = self._tasks.get(step)
+            if found is None:
+                directory = self.keeper.store.checkpoint_dir(step)
+                tasks = load_run_tasks(self.settings.run, directory, self.environment)
+                eos, pad = eos_and_pad(AutoConfig.from_pretrained(directory, local_files_only=True))
+                found = self._tasks[step] = (tasks, eos, pad)
+                for old in sorted(self._tasks)[:-_TASKS_KEPT]:
+                    del self._tasks[old]
+            return found
 
     def _batch(self, group: GroupRecord, batch: int) -> GroupBatch:
-        micro = self.settings.pipeline.micro_batch_size
-        return GroupBatch(group.group_id, group.policy_step, batch, self.settings.prompts, micro)
+        # The record's layout is the run's (membership runs no group cut otherwise): its pinned batch shape.
+        return GroupBatch.pinned(group.layout, group.group_id, group.policy_step, batch)
 
     def _work(self, group: GroupRecord, batch: int) -> PipelineWork:
+        """StageHost's work callback (called in a worker thread: tokenizing the prompts is CPU work)."""
         tasks, eos, pad = self._prepare(group.policy_step)  # loaded by _on_change: a dictionary read here
         work, _ = work_for(
             self.settings.run, tasks, self._batch(group, batch), eos_token_id=eos, pad_token_id=pad
         )
         return work
 
-    # ----- what each batch makes, to the outbox -------------------------------------------------------------
-
-    async def _on_batch(self, done: BatchDone) -> None:
-        self.state.count_stage_batch()
+    def _write_file(self, done: BatchDone, staged: Path) -> Path:
+        """Derive the batch's work and write this member's signed stage file (blocking: a worker thread's)."""
         group, batch = done.group, self._batch(done.group, done.batch)
         tasks, eos, pad = self._prepare(group.policy_step)
         work, assignment = work_for(self.settings.run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
-        staged = self._staged(group, done.batch, f"stage{done.stage}.parquet")
-        sig = await asyncio.to_thread(
-            write_member_file,
+        return write_member_file(
             staged,
             self.settings.run,
             tasks,
@@ -276,6 +298,14 @@ class PipelineStage:
             self.identity,
             done.final_states,
         )
+
+    # ----- what each batch makes, to the outbox -------------------------------------------------------------
+
+    async def _on_batch(self, done: BatchDone) -> None:
+        self.state.count_stage_batch()
+        group = done.group
+        staged = self._staged(group, done.batch, f"stage{done.stage}.parquet")
+        sig = await asyncio.to_thread(self._write_file, done, staged)
         tokens = sum(len(o) for o in done.record.record.outputs)
         await self._commit(
             "stage",

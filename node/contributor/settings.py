@@ -37,9 +37,6 @@ class PipelineNodeSettings(Section):
         max_length=64,
         description="The stages of the run's layout this node offers; empty: every stage.",
     )
-    micro_batch_size: int = Field(
-        2, ge=1, le=4096, description="Samples per micro-batch of a group's batch (stage 0 cuts the batch)."
-    )
     poll_s: float = Field(
         5.0, gt=0, le=600, description="How often group records and heartbeats are read (and offers renewed)."
     )
@@ -111,7 +108,9 @@ class PipelineNodeSettings(Section):
 class StartSettings(CommonSettings):
     """Everything a contributor node needs to join a run and work unattended."""
 
-    MOVED = MOVED_TO_RUN
+    # A group's micro-batch cut is the run's (run.pipeline, pinned by the announcement and the group record):
+    # every member must cut alike, so it is no node's own setting.
+    MOVED = {**MOVED_TO_RUN, "pipeline.micro_batch_size": "run.pipeline.micro_batch_size"}
 
     key_file: Path | None = Field(None, description="The node's secret key; default <data-dir>/node.key.")
     operator_key: str | None = Field(

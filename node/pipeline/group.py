@@ -214,6 +214,13 @@ async def run_group(
             nxt = (k + 1) % stages
             dial = partial(hops.dial, runner.route(nxt), members[nxt], hop.connect_timeout_s)
             tasks.create_task(runner.run(inbound[k], dial), name=f"pipeline-stage{k}")
+    # Signing every stage's record over all its frame headers is CPU work: off the loop, as the stages' compute.
+    return await asyncio.to_thread(_group_run, processors, identities, runners)
+
+
+def _group_run(
+    processors: Sequence[StageProcessor], identities: Sequence[Identity], runners: list[StageRunner]
+) -> GroupRun:
     outputs = processors[-1].outputs.tokens
     records = [stage_record(k, identities[k], r.chain, r.writer, outputs) for k, r in enumerate(runners)]
     return GroupRun(processors[-1].completions(), records, runners)

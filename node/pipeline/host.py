@@ -222,7 +222,8 @@ class StageHost:
                         continue
                     batch = self._followed(group.group_id, step, inbound.route.batch)
                 spec = GroupSpec(self.run_id, group.policy_step, batch, self.layout, tuple(group.members))
-                processor = StageProcessor(model, self.work_for(group, batch))
+                # Tokenizing the batch's prompts is CPU work: off the loop, which serves heartbeats and streams.
+                processor = StageProcessor(model, await asyncio.to_thread(self.work_for, group, batch))
                 runner = StageRunner(spec, stage, processor, self.identity, self.hop, self.tamper)
                 if not leader:  # the route's number is the predecessor's signed word before it is recorded
                     await runner.read_opening(inbound)
@@ -242,8 +243,8 @@ class StageHost:
                     why = str(exc) or type(exc).__name__
                     logger.info("batch %d of group %s… abandoned: %s", batch, group.group_id[:16], why)
                     self._abandon(group.group_id, batch, why)
-                    lost = self._lost(group, batch, stage, runner, why)
-                    self.in_flight = None  # what follows hands in what was made; the batch is over
+                    self.in_flight = None  # what follows hands in what was made; the batch is over (counted)
+                    lost = await asyncio.to_thread(self._lost, group, batch, stage, runner, why)
                     if lost is not None and self.on_lost is not None:
                         await self.on_lost(lost)
                     batch += 1
@@ -262,12 +263,11 @@ class StageHost:
             if self.task is not asyncio.current_task():
                 return  # stopped while the batch ended: it counts as abandoned (stop records it), not done
             self.in_flight = None
-            outputs = processor.outputs.tokens
-            record = stage_record(stage, self.identity, runner.chain, runner.writer, outputs)
-            last = processor.model.last
-            completions = processor.completions() if last else None
-            states = processor.final_states() if last else None
-            await self.on_batch(BatchDone(group, batch, stage, record, completions, states))
+            # The record's canonical JSON and signature over every frame header, the completions and the stacked
+            # final states: CPU work, off the loop. The runner is done with the processor and its streams (run()
+            # returned), so the thread reads state nothing else touches.
+            done = await asyncio.to_thread(self._done, group, batch, stage, processor, runner)
+            await self.on_batch(done)
             batch += 1
             broken = 0
 
@@ -280,6 +280,18 @@ class StageHost:
             del self.given_up[next(iter(self.given_up))]
         if self.on_give_up is not None:
             self.on_give_up(group, why)
+
+    def _done(
+        self, group: GroupRecord, batch: int, stage: int, processor: StageProcessor, runner: StageRunner
+    ) -> BatchDone:
+        """What a finished batch hands in: this stage's signed record; on the last stage its completions and
+        the final hidden states its rollout proofs commit to. Blocking (a worker thread's)."""
+        outputs = processor.outputs.tokens
+        record = stage_record(stage, self.identity, runner.chain, runner.writer, outputs)
+        last = processor.model.last
+        completions = processor.completions() if last else None
+        states = processor.final_states() if last else None
+        return BatchDone(group, batch, stage, record, completions, states)
 
     def _followed(self, group_id: str, step: int, batch: int) -> int:
         """`batch`, the number a predecessor's (unsigned) route names, if a follower may take it: not one it
@@ -300,7 +312,8 @@ class StageHost:
         self, group: GroupRecord, batch: int, stage: int, runner: StageRunner | None, why: str
     ) -> BatchLost | None:
         """What this stage hands in for a batch that broke; None when it never began (no opening read from the
-        predecessor: nothing was exchanged that a validator could judge)."""
+        predecessor: nothing was exchanged that a validator could judge). Blocking (a worker thread's: it signs
+        the partial record); the runner's streams are closed by then, so nothing else touches its state."""
         if runner is None or runner.chain.opening is None:
             return None
         if runner.fraud is not None:

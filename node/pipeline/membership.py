@@ -3,7 +3,9 @@
 Every group record it is given has passed the swarm's checks (a pinned operator key signed it, its payload is
 strict and bounded: p2p/swarm/records.py); a record failing those never reaches here. What remains is whether
 *this* node should run a stage of it. A group is usable when it names this node, its id is the digest of its
-run, step and members (the id every stream of the group opens with), it is cut at the run's layout, it is
+run, step and members (the id every stream of the group opens with), its layout is the run's (boundaries,
+activation dtype and the batch's prompts and micro-batch size: run.pipeline, which the node pinned against
+the operator's announcement), it is
 for the checkpoint this node holds, its stage for this node is one the node offered, and every member's
 heartbeat is fresh: a group naming a node the node cannot see (unknown, departed) is not run.
 
@@ -20,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ...p2p.pipeline.layout import StageLayout
+from ...p2p.pipeline.layout import StageLayout, layout_differences
 from ...p2p.swarm.group_records import GroupRecord, group_id
 from ...p2p.swarm.records import Heartbeat
 
@@ -76,8 +78,12 @@ def why_unusable(group: GroupRecord, view: NodeView) -> str | None:
         return f"this node gave it up: {view.avoided[group.group_id]}"
     if group.group_id != group_id(view.run_id, group.policy_step, group.members):
         return "its id is not the digest of its run, step and members"
-    if group.layout != view.layout:
-        return f"its boundaries {group.layout.boundaries} are not the run's {view.layout.boundaries}"
+    if group.layout != view.layout:  # the batch's shape too: members cutting it otherwise break every batch
+        found = "; ".join(
+            f"{name} {theirs!r}, the run's {ours!r}"
+            for name, ours, theirs in layout_differences(view.layout, group.layout)
+        )
+        return f"its layout is not the run's ({found})"
     if group.policy_step != view.policy_step:
         return f"it is for policy step {group.policy_step}; this node holds {view.policy_step}"
     if stage not in view.offered:

@@ -15,6 +15,7 @@ from functools import cached_property
 import torch
 
 from ...p2p.pipeline.frames import FrameShapes, WireDtype
+from ...p2p.pipeline.layout import StageLayout
 from ...proofs.assignment import Assignment, assign
 from ...proofs.pipeline.schedule import micro_batches
 from ..engine.types import SampleRequest, SamplingParams
@@ -78,6 +79,25 @@ class GroupBatch:
     batch: int  # the group's batch counter at that step
     prompts: int  # problems in the batch (each with the run's `samples` completions)
     micro_batch_size: int
+
+    @classmethod
+    def pinned(cls, layout: StageLayout, group_id: str, policy_step: int, batch: int) -> GroupBatch:
+        """Batch `batch` of a group in the shape the run pins (`layout.prompts`, `layout.micro_batch_size`):
+        what members derive their work from, and the validator what it holds their files to. Never a member's
+        own settings: two honest members cutting otherwise would disagree on every frame."""
+        return cls(group_id, policy_step, batch, layout.prompts, layout.micro_batch_size)
+
+    def pinned_difference(self, layout: StageLayout) -> str | None:
+        """None when this (claimed) batch has the run's pinned shape; else what differs, both values named."""
+        found = [
+            f"{name} {ours}, the run's {theirs}"
+            for name, ours, theirs in (
+                ("prompts", self.prompts, layout.prompts),
+                ("micro_batch_size", self.micro_batch_size, layout.micro_batch_size),
+            )
+            if ours != theirs
+        ]
+        return "; ".join(found) or None
 
 
 def work_for(

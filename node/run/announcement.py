@@ -14,6 +14,7 @@ import hashlib
 from collections.abc import AsyncIterator
 
 from ...p2p.environment_identity import EnvironmentIdentity
+from ...p2p.pipeline.layout import layout_differences
 from ...p2p.swarm.records import PolicyAnnouncement, RunParameters
 from ..environments import Environment
 from ..errors import NodeError, OperatorActionNeeded
@@ -95,6 +96,11 @@ def differences(ours: RunParameters, announced: RunParameters) -> list[str]:
             continue
         if name == "environment":
             lines.append(environment_difference(mine, theirs))
+        elif name == "pipeline" and mine is not None and theirs is not None:  # the field, not two layouts
+            lines.extend(
+                f"{setting}.{field}: {a!r} here, {b!r} in the run"
+                for field, a, b in layout_differences(mine, theirs)
+            )
         else:
             lines.append(f"{setting}: {mine!r} here, {theirs!r} in the run")
     return lines

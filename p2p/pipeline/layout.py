@@ -1,8 +1,11 @@
 """The stage layout of a pipelined run: which decoder layers each stage holds and how activations travel.
 
-It is a run parameter (RunParameters.pipeline, announced with every policy): every member of a group, and
-the validator that judges it, must cut the model at the same boundaries and encode activations alike, or
-the boundary commitments of honest stages would not compare.
+It is a run parameter (RunParameters.pipeline, announced with every policy, and carried by every
+operator-signed group record): every member of a group, and the validator that judges it, must cut the model
+at the same boundaries and encode activations alike, or the boundary commitments of honest stages would not
+compare; and they must agree on the shape of a group's batch (`prompts`, `micro_batch_size`), which decides
+the samples a batch generates and the frames each stage expects: two honest members that each chose their own
+would break every batch, with nothing to say why.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ MAX_STAGES = 64
 MAX_LAYERS = 1024
 
 ActivationDtype = Literal["float32", "bfloat16"]
+MAX_BATCH_PROMPTS = 4096  # as a node's own `prompts` (rows: times the run's samples)
 
 
 class StageLayout(WireModel):
@@ -29,6 +33,12 @@ class StageLayout(WireModel):
     activation_dtype: ActivationDtype = "float32"
     # Raw little-endian tensor bytes, row-major: the one encoding (no pickle, no torch serialisation).
     encoding: Literal["raw-le"] = "raw-le"
+    # Problems in one batch of a group (each with the run's `samples` completions): `work_for`'s assignment.
+    # Absent in an older record: 4, the default of a node's own `prompts` then used.
+    prompts: int = Field(4, ge=1, le=MAX_BATCH_PROMPTS)
+    # Samples per micro-batch: stage 0's cut of the batch, hence every frame's rows and shape. Absent in an
+    # older record: 2, the default of the node setting `pipeline.micro_batch_size` then used.
+    micro_batch_size: int = Field(2, ge=1, le=MAX_BATCH_PROMPTS)
 
     @model_validator(mode="after")
     def _increasing(self) -> StageLayout:
@@ -54,3 +64,13 @@ class StageLayout(WireModel):
         if not 0 <= stage < self.stages:
             raise ValueError(f"stage {stage} outside [0, {self.stages})")
         return range(self.boundaries[stage], self.boundaries[stage + 1])
+
+
+def layout_differences(ours: StageLayout, theirs: StageLayout) -> list[tuple[str, object, object]]:
+    """(field, ours, theirs) for every field in which two layouts differ (empty when they are equal): for a
+    message that names the setting to change and both values rather than printing two whole layouts."""
+    return [
+        (name, getattr(ours, name), getattr(theirs, name))
+        for name in StageLayout.model_fields
+        if getattr(ours, name) != getattr(theirs, name)
+    ]

@@ -42,18 +42,19 @@ def group_files(
     *,
     batch: int = 0,
     step: int = 0,
-    prompts: int = 2,
-    micro_batch_size: int = 1,
+    prompts: int | None = None,
+    micro_batch_size: int | None = None,
     tamper: Tamper | None = None,
     corrupt: Callable[[list[StageProcessor]], None] | None = None,
 ) -> GroupFiles:
-    """Run batch `batch` of the group of `members` (layout `run.pipeline`) in one process, the assignment from
-    `work_for`, and write every member's stage file into `out`; `tamper` and `corrupt` inject faults (the
-    adversaries of tests/support/pipeline_attacks.py)."""
+    """Run batch `batch` of the group of `members` (layout `run.pipeline`, whose batch shape it takes unless
+    `prompts` or `micro_batch_size` say otherwise) in one process, the assignment from `work_for`, and write
+    every member's stage file into `out`; `tamper` and `corrupt` inject faults (the adversaries of
+    tests/support/pipeline_attacks.py)."""
     assert run.pipeline is not None
     layout: StageLayout = run.pipeline
     spec = GroupSpec(run.run_id, step, batch, layout, tuple(m.node_id for m in members))
-    group_batch = GroupBatch(spec.group_id, step, batch, prompts, micro_batch_size)
+    group_batch = _batch(run.pipeline, spec.group_id, step, batch, prompts, micro_batch_size)
     work, assignment = work_for(
         run, tasks, group_batch, eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
     )
@@ -81,6 +82,24 @@ def group_files(
     return GroupFiles(spec, group_batch, paths)
 
 
+def _batch(
+    layout: StageLayout,
+    group_id: str,
+    step: int,
+    batch: int,
+    prompts: int | None,
+    micro_batch_size: int | None,
+) -> GroupBatch:
+    """The batch in the run's pinned shape (`layout`), or another where a test asks for one (a member that
+    does not follow the run)."""
+    pinned = GroupBatch.pinned(layout, group_id, step, batch)
+    return dataclasses.replace(
+        pinned,
+        prompts=pinned.prompts if prompts is None else prompts,
+        micro_batch_size=pinned.micro_batch_size if micro_batch_size is None else micro_batch_size,
+    )
+
+
 def uncommitted(stage: int, seed: int = 0) -> Tamper:
     """Stage `stage` sends its first prefill with noise added to the tensor while the frame keeps the honest
     commitment (the "send-uncommitted" adversary of support/pipeline_attacks.py): its receiver finds the frame's
@@ -105,13 +124,13 @@ def fraud_report_file(
     *,
     cheat: int = 0,
     batch: int = 0,
-    prompts: int = 2,
-    micro_batch_size: int = 1,
+    prompts: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> tuple[GroupSpec, Path]:
     """Run a batch whose stage `cheat` sends a frame its commitment belies; the receiver's signed fraud report."""
     assert run.pipeline is not None
     spec = GroupSpec(run.run_id, 0, batch, run.pipeline, tuple(m.node_id for m in members))
-    group_batch = GroupBatch(spec.group_id, 0, batch, prompts, micro_batch_size)
+    group_batch = _batch(run.pipeline, spec.group_id, 0, batch, prompts, micro_batch_size)
     work, _ = work_for(
         run, tasks, group_batch, eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
     )
@@ -159,13 +178,13 @@ def partial_report_files(
     tamper: Tamper,
     *,
     batch: int = 0,
-    prompts: int = 2,
-    micro_batch_size: int = 4,
+    prompts: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> tuple[GroupSpec, list[Path]]:
     """Run a batch that `tamper` breaks; every member's signed partial report, in stage order."""
     assert run.pipeline is not None
     spec = GroupSpec(run.run_id, 0, batch, run.pipeline, tuple(m.node_id for m in members))
-    group_batch = GroupBatch(spec.group_id, 0, batch, prompts, micro_batch_size)
+    group_batch = _batch(run.pipeline, spec.group_id, 0, batch, prompts, micro_batch_size)
     work, _ = work_for(
         run, tasks, group_batch, eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
     )

@@ -187,7 +187,11 @@ class DevnetLayout:
     def env(self) -> dict[str, str]:
         if self.boundaries is None:
             return dict(SWARM_ENV)
-        return {**SWARM_ENV, "PRIME_NODE_RUN__PIPELINE": json.dumps({"boundaries": self.boundaries})}
+        # A group's batch is the run's (run.pipeline.prompts), not a node's own `--prompts`: the same sizing.
+        layout: dict[str, object] = {"boundaries": self.boundaries}
+        if self.sizing.prompts is not None:
+            layout["prompts"] = self.sizing.prompts
+        return {**SWARM_ENV, "PRIME_NODE_RUN__PIPELINE": json.dumps(layout)}
 
     def trainer_argv(self, max_steps: int) -> list[str]:
         argv = [

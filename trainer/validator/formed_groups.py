@@ -3,9 +3,10 @@
 A stage file names its group's members, and the group id is their digest, so anyone can make up a group of its
 own identities and run real, signed work in it. The validator accepts a group's work only when an operator-signed
 group record (trainer/groups/coordinator.py publishes them, p2p/swarm/group_records.py) forms exactly that group:
-the same members in stage order, policy step and boundaries. The records are read from the DHT through the
-validator's swarm, whose reader opens only records signed by a pinned operator key (the keys it pins for bans and
-policies, `swarm.operator_keys`; p2p/swarm/directory.py), as every node reads them (node/pipeline/membership.py).
+the same members in stage order, policy step and layout (boundaries, and the batch shape the run pins). The
+records are read from the DHT through the validator's swarm, whose reader opens only records signed by a pinned
+operator key (the keys it pins for bans and policies, `swarm.operator_keys`; p2p/swarm/directory.py), as every
+node reads them (node/pipeline/membership.py).
 
 Timing: a group's files arrive after its batch, when a newer round may have dissolved the group and the record is
 no longer re-signed (it leaves the DHT when its TTL runs out). The group id includes the policy step, so a record
@@ -33,7 +34,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...p2p.pipeline.layout import StageLayout
+from ...p2p.pipeline.layout import StageLayout, layout_differences
 from ...p2p.swarm.directory import SealedRecord
 from ...p2p.swarm.errors import RecordError
 from ...p2p.swarm.group_records import GroupRecord, group_id
@@ -83,7 +84,11 @@ def why_not_formed(
     if record.policy_step != policy_step:
         return f"the operator-signed group record is for policy step {record.policy_step}, not {policy_step}"
     if record.layout != layout:
-        return f"the operator-signed group record cuts at {record.layout.boundaries}, the run at {layout.boundaries}"
+        found = "; ".join(
+            f"{name} {theirs!r}, the run's {ours!r}"
+            for name, ours, theirs in layout_differences(layout, record.layout)
+        )
+        return f"the operator-signed group record's layout is not the run's ({found})"
     return None
 
 

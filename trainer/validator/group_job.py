@@ -256,6 +256,12 @@ def _judge_reports(
             result.outcomes[d] = _reject(step, "run_parameters", f"a group of {len(claim.members)} stages")
             continue
         batch = GroupBatch(claim.group_id, step, claim.batch, claim.prompts, claim.micro_batch_size)
+        differs = batch.pinned_difference(layout)
+        if differs is not None:  # the schedule the evidence is judged by is the run's, not the reporter's
+            result.outcomes[d] = _reject(
+                step, "run_parameters", f"a batch of another shape than the run's: {differs}"
+            )
+            continue
         try:
             work, _ = work_for(run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
         except (ProofError, ValueError) as exc:
@@ -316,9 +322,16 @@ def _judge_broken(
     claim = None
     for d, partial in partials.items():
         k = partial.stage
+        said = partial.report.claim
+        shape = GroupBatch(said.group_id, step, said.batch, said.prompts, said.micro_batch_size)
+        differs = shape.pinned_difference(layout)
         if len(partial.report.claim.members) != layout.stages:
             result.outcomes[d] = _reject(
                 step, "run_parameters", f"a group of {len(partial.report.claim.members)} stages"
+            )
+        elif differs is not None:  # its record is not of the batch the run's shape makes: not used for blame
+            result.outcomes[d] = _reject(
+                step, "run_parameters", f"a batch of another shape than the run's: {differs}"
             )
         elif k in holder:
             result.outcomes[d] = _reject(step, "duplicate", f"a second record for stage {k} of this batch")
@@ -332,13 +345,11 @@ def _judge_broken(
         run.run_id, step, next(iter(partials.values())).report.claim.batch, layout, tuple(members)
     )
     cut = None
-    if (
-        claim is not None
-    ):  # stage 0's own claim of the batch it cut (signed by it): its prefills are judged by it
+    if claim is not None:  # stage 0's own claim of the batch it cut (signed by it, of the run's shape: above)
         try:
-            batch = GroupBatch(claim.group_id, step, claim.batch, claim.prompts, claim.micro_batch_size)
+            batch = GroupBatch.pinned(layout, claim.group_id, step, claim.batch)
             work, _ = work_for(run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
-            cut = cut_of([r.prompt_ids for r in work.requests], claim.micro_batch_size)
+            cut = cut_of([r.prompt_ids for r in work.requests], batch.micro_batch_size)
         except (ProofError, ValueError):
             cut = None
     verdict = blame_broken(spec, records, BatchRules(eos, run.max_new_tokens, cut))
@@ -348,6 +359,17 @@ def _judge_broken(
         else:
             result.outcomes[d] = _reject(step, INCOMPLETE, f"the batch broke mid-way: {verdict.reason}")
     return result
+
+
+def _shape_difference(f: StageFile, run: RunSettings, layout: StageLayout) -> str | None:
+    """None when stage file `f` holds a batch of the run's pinned shape (`layout.prompts` problems of
+    `run.samples` rows each, cut into micro-batches of `layout.micro_batch_size`); else what differs."""
+    found = []
+    if len(f.rows) != layout.prompts * run.samples:
+        found.append(f"{len(f.rows)} rows, the run's {layout.prompts} prompts x {run.samples} samples")
+    if f.micro_batch_size != layout.micro_batch_size:
+        found.append(f"micro_batch_size {f.micro_batch_size}, the run's {layout.micro_batch_size}")
+    return "; ".join(found) or None
 
 
 def verify_group_files(
@@ -393,6 +415,12 @@ def verify_group_files(
                 f"a group of {len(f.members)} stages; the run's layout has {layout.stages}",
                 f,
             )
+        elif (differs := _shape_difference(f, run, layout)) is not None:
+            # The run pins the batch's shape (run.pipeline): a file of another is not the run's work, whatever
+            # its frames show (an honest member derives its batch from the pinned values alone).
+            result.outcomes[d] = _reject(
+                step, "run_parameters", f"a batch of another shape than the run's: {differs}", f
+            )
         elif f.stage in by_stage:
             result.outcomes[d] = _reject(
                 step, "duplicate", f"a second file for stage {f.stage} of this batch", f
@@ -436,9 +464,8 @@ def verify_group_files(
         return result if complete else GroupOutcome(step=step)  # reports that proved nothing: wait for files
     for stage, d in list(by_stage.items()):  # each file's rows against its own claim of the group's batch
         f = parsed[d]
-        claim = GroupBatch(
-            f.group_id, step, f.batch[1], max(1, len(f.rows) // run.samples), f.micro_batch_size
-        )
+        # The file's shape is the run's (checked above): its batch is the pinned one of its number.
+        claim = GroupBatch.pinned(layout, f.group_id, step, f.batch[1])
         try:
             _, assignment = work_for(run, tasks, claim, eos_token_id=eos, pad_token_id=pad)
             fault = _row_fault(f, run, tasks, list(assignment.rows()))
@@ -475,9 +502,7 @@ def verify_group_files(
             result.outcomes[d] = _reject(step, INCOMPLETE, reason, parsed[d])
         return result
     first = parsed[by_stage[0]]
-    batch = GroupBatch(
-        first.group_id, step, first.batch[1], len(first.rows) // run.samples, first.micro_batch_size
-    )
+    batch = GroupBatch.pinned(layout, first.group_id, step, first.batch[1])
     work, _ = work_for(run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
     spec = GroupSpec(run.run_id, step, batch.batch, layout, first.members)
     records = [parsed[by_stage[k]].record for k in range(layout.stages)]
