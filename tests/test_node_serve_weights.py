@@ -273,6 +273,28 @@ def test_peer_sources_are_public_addresses_of_the_peer_itself_unless_configured(
         assert len(hosts) == MAX_PEER_SOURCES and max(hosts.values()) <= MAX_URLS_PER_HOST
         assert all(frozenset({crowd[url].node_id}) == claimants for url, claimants in drawn.items())
 
+    # A peer naming many ports on an honest node's host (its address listed as its own) dilutes that host's
+    # draw only until this node has found the honest server serving as its node: from then on that server is
+    # drawn first. A record of a node that no longer names the URL (it moved) makes it no better than the rest.
+    good_url, fakes = "http://1.2.3.4:8470", [f"http://1.2.3.4:{9000 + n}" for n in range(20)]
+    diluted = {ids["good"].node_id: beat(ids["good"], good_url, "1.2.3.4")} | {
+        (fake := Identity.generate()).node_id: beat(fake, url, "1.2.3.4") for url in fakes
+    }
+    sharing = sharing_with([])
+    sharing.note_peers(diluted, banned=set())
+    sharing.note_proven(good_url, ids["other"].node_id)  # another node served there once: not this claimant
+    assert not all(good_url in sharing.sources_for(3) for _ in range(40))
+    sharing.note_proven(good_url, ids["good"].node_id)
+    for _ in range(40):
+        drawn = sharing.sources_for(3)
+        assert good_url in drawn and len(drawn) == MAX_URLS_PER_HOST
+    # Proven servers take all slots of their host but one: a newcomer behind the same address is still drawn.
+    for url in fakes[:3]:
+        sharing.note_proven(url, next(n for n, b in diluted.items() if b.weights_url == url))
+    draws = [sharing.sources_for(3) for _ in range(40)]
+    assert all(len(set(d) & {good_url, *fakes[:3]}) >= MAX_URLS_PER_HOST - 1 for d in draws)
+    assert any(set(d) - {good_url, *fakes[:3]} for d in draws)
+
     # An operator whose peers share a private network (or one machine) lists it.
     sharing = sharing_with(["127.0.0.0/8", "10.0.0.0/8"])
     sharing.note_peers(peers, banned={ids["banned"].node_id})
@@ -319,6 +341,7 @@ async def test_a_server_a_liar_also_names_is_fetched_from_as_the_honest_node_and
             async_level=2,
             fetch_settings=FetchSettings(availability_interval_s=0.05, durable=False),
             peer_sources=sharing.sources_for,
+            on_proven=sharing.note_proven,
         )
         keeper.announce(
             PolicyAnnouncement(
@@ -335,6 +358,7 @@ async def test_a_server_a_liar_also_names_is_fetched_from_as_the_honest_node_and
     assert same_tree(keeper.store.checkpoint_dir(3), tmp_path / "origin" / "step-000000000003" / "checkpoint")
     assert keeper.pinned.disproved == {(url, liar_id.node_id): honest_id.node_id}
     assert keeper.pinned.dropped_peers == {}
+    assert sharing._proven == {url: honest_id.node_id}  # drawn first on its host from now on
     registry = state.metrics.registry
     assert registry.get_sample_value("prime_node_contributor_weights_claims_disproved_total") == 1
     warning = next(r.getMessage() for r in caplog.records if "signs as peer" in r.getMessage())

@@ -75,6 +75,7 @@ async def test_a_server_another_peer_also_names_is_used_as_the_node_it_proves_to
     assert report["lies"] == report["shards_corrupt"] == report["shards_failed"] == 0
     assert report["excluded"] is None and fetcher.dropped_peers == {}
     assert fetcher.disproved == [Disproved(honest.url, HONEST.node_id, frozenset({LIAR.node_id}))]
+    assert fetcher.proven == {honest.url: HONEST.node_id}  # drawn first by the next fetches (serving.py)
 
 
 async def test_a_contested_server_signing_as_nobody_it_is_named_for_is_charged_and_never_asked(
@@ -98,7 +99,7 @@ async def test_a_contested_server_signing_as_nobody_it_is_named_for_is_charged_a
     report = {s["url"]: s for s in result.sources}[contested.url]
     assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
     assert sum(contested.requests.values()) == 0 and report["lies"] == 1 and report["node_id"] is None
-    assert "not by" in report["last_errors"][-1] and fetcher.disproved == []
+    assert "not by" in report["last_errors"][-1] and fetcher.disproved == [] and fetcher.proven == {}
 
 
 @pytest.mark.parametrize("first", ["honest", "stale"])
@@ -141,6 +142,8 @@ async def test_a_contested_server_is_bound_by_its_first_current_record_and_held_
         )
         assert set(contested.requests) <= {0}  # asked only for what the record that bound it claimed
         assert fetcher.disproved == [Disproved(contested.url, HONEST.node_id, frozenset({LIAR.node_id}))]
+        assert fetcher.proven == {}  # a server that lied is not preferred
     else:
         assert report["node_id"] == LIAR.node_id and report["lies"] == 0, report
         assert fetcher.disproved == [Disproved(contested.url, LIAR.node_id, frozenset({HONEST.node_id}))]
+        assert fetcher.proven == {contested.url: LIAR.node_id}

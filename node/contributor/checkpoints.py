@@ -44,6 +44,7 @@ class CheckpointKeeper:
         on_verified: Callable[[int], None] | None = None,
         identity: Identity | None = None,
         peer_sources: Callable[[int], PeerClaims] | None = None,
+        on_proven: Callable[[str, str], None] | None = None,
         download_bar_after_s: float | None = None,
         serve: ServeAsVerified | None = None,
     ) -> None:
@@ -67,6 +68,7 @@ class CheckpointKeeper:
             on_shard=serve.on_shard if serve is not None else None,
             peer_sources=peer_sources,
             on_disproved=self._on_disproved,
+            on_proven=on_proven,  # the peers a fetch found serving where they say: drawn first next time
             retry_s=retry_s,
             max_retry_s=max_retry_s,
         )

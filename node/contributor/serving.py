@@ -37,7 +37,9 @@ counts it (`prime_node_contributor_weights_claims_disproved_total`), and does no
 keeps naming its old address until its next heartbeat, while the node that now holds it serves there.
 Many ports of one host count once when a fetch draws its peers (`sources_for`: hosts are drawn, then at most
 MAX_URLS_PER_HOST servers of each), so a machine with many ids and ports cannot crowd the other hosts out
-of a fetch.
+of a fetch; and within a host the servers a fetch found serving as a node that names them are drawn first
+(`note_proven`), so ports named on an honest node's host by others cannot crowd its server out of its host's
+share once this node has fetched from it.
 
 What is left is a peer naming a public host that is not its own, with one request per node per fetch to a
 path of /v1/weights/; any source's answers are then bounded and verified like every other's.
@@ -68,6 +70,8 @@ logger = logging.getLogger(__name__)
 # counts once however many ports its peers name, and gives at most MAX_URLS_PER_HOST of them.
 MAX_PEER_SOURCES = 8
 MAX_URLS_PER_HOST = 3
+# Servers found serving as a node that names them, remembered to be drawn first (a bound on a long life's memory).
+MAX_PROVEN_KEPT = 4096
 
 
 class WeightsSharing:
@@ -92,6 +96,9 @@ class WeightsSharing:
         self.networks = [ipaddress.ip_network(n, strict=False) for n in settings.peer_weights_networks]
         self.refused: dict[str, str] = {}  # node id -> why its weights URL is not used (status, tests)
         self.contested: dict[str, frozenset[str]] = {}  # weights URL -> the node ids naming it, when several
+        self._proven: dict[
+            str, str
+        ] = {}  # weights URL -> the node a fetch found serving there (`note_proven`)
 
     async def start(self) -> bool:
         """Start serving when asked to and reachable; False (with the reason logged) otherwise."""
@@ -218,10 +225,25 @@ class WeightsSharing:
         self.refused = refused
         self.contested = contested
 
+    def note_proven(self, url: str, node_id: str) -> None:
+        """A fetch found `node_id` serving at `url`: it served a current availability record signed by that
+        node, which named the URL, and told no lie (p2p/weights/fetch.py `Fetcher.proven`)."""
+        self._proven.pop(url, None)  # the newest last: the oldest is forgotten first
+        self._proven[url] = node_id
+        if len(self._proven) > MAX_PROVEN_KEPT:
+            del self._proven[next(iter(self._proven))]
+
     def sources_for(self, step: int) -> dict[str, frozenset[str]]:
         """Peers serving `step`: up to MAX_PEER_SOURCES hosts drawn at random, and up to MAX_URLS_PER_HOST of
-        each one's servers, drawn at random too: {weights URL: the node ids one of which must sign its
-        availability records} (the fetcher uses a peer only on a current record of one of them)."""
+        each one's servers: {weights URL: the node ids one of which must sign its availability records} (the
+        fetcher uses a peer only on a current record of one of them).
+
+        Within a host, servers already found serving as a node that still names them (`note_proven`) are drawn
+        first, for all slots but one; the rest are drawn at random. A peer that names many ports or paths on an
+        honest node's host (listing its address as its own) cannot push the honest server out of the draw once
+        this node has fetched from it: the false servers can never be proven, as nothing there signs as their
+        claimants. The one random slot keeps a newcomer on a host of proven servers (several nodes behind one
+        NAT) in the draw."""
         peers = self._peer_urls.get(step, {})
         by_host: dict[str, list[str]] = {}
         for url in sorted(peers):
@@ -229,7 +251,10 @@ class WeightsSharing:
         drawn: list[str] = []
         for host in random.sample(sorted(by_host), min(MAX_PEER_SOURCES, len(by_host))):
             urls = by_host[host]
-            drawn += random.sample(urls, min(MAX_URLS_PER_HOST, len(urls)))
+            proven = [u for u in urls if self._proven.get(u, "") in peers[u]]  # still named by that node
+            first = random.sample(proven, min(MAX_URLS_PER_HOST - 1, len(proven)))
+            rest = [u for u in urls if u not in first]
+            drawn += first + random.sample(rest, min(MAX_URLS_PER_HOST - len(first), len(rest)))
         return {url: peers[url] for url in drawn}
 
 

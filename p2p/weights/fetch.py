@@ -116,6 +116,9 @@ class Fetcher:
         self.dropped_peers: dict[str, str] = {}
         # Contested peer URLs that proved to be one claimant's: the others' claims, for the caller to report.
         self.disproved: list[Disproved] = []
+        # Peer URLs that served a current record signed by the node bound to them, and told no lie (URL -> that
+        # node id): whoever chooses peer sources may prefer them (node/contributor/serving.py).
+        self.proven: dict[str, str] = {}
 
     async def fetch(self, step: int | None = None) -> FetchResult:
         """Fetch `step` (or the newest step any source serves) and return where it now lies, verified."""
@@ -295,3 +298,8 @@ class Fetcher:
         finally:
             self.dropped_peers.update(run.outcomes.dropped)
             self.disproved += run.peering.disproved
+            self.proven.update(
+                (s.url, s.node_id)
+                for s in pool.sources.values()
+                if s.node_id is not None and s.record_ms >= 0 and s.lies == 0 and s.excluded is None
+            )

@@ -82,6 +82,7 @@ class PinnedFetch:
         on_shard: Callable[[int], None] | None = None,
         peer_sources: Callable[[int], PeerClaims] | None = None,
         on_disproved: Callable[[str, Disproved], None] | None = None,
+        on_proven: Callable[[str, str], None] | None = None,
         retry_s: float = 5.0,
         max_retry_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
@@ -103,6 +104,8 @@ class PinnedFetch:
         # Called with (claimant, proof) once per (URL, claimant) that a contested server proved not to be
         # (claims.py): the node counts them in a metric.
         self.on_disproved = on_disproved
+        # Called with (URL, node id) for each peer URL a fetch found that node serving at (`Fetcher.proven`).
+        self.on_proven = on_proven
         # (URL, a claimant it is not) -> the node it proved to be
         self.disproved: dict[tuple[str, str], str] = {}
         self.retry_s = retry_s
@@ -157,7 +160,7 @@ class PinnedFetch:
             # only it names is not asked, and one it contests is bound to another claimant or to nobody.
             announced = {s.rstrip("/") for s in sources}
             for url, claimants in self.peer_sources(pin.step).items():
-                kept = claimants - self.dropped_peers.keys()
+                kept = frozenset(claimants).difference(self.dropped_peers)
                 if url.rstrip("/") not in announced and kept:
                     peers[url] = kept
             sources += list(peers)
@@ -185,6 +188,9 @@ class PinnedFetch:
                     self.dropped_peers[node_id] = why
             for proof in fetcher.disproved:
                 self._note_disproved(proof)
+            if self.on_proven is not None:
+                for url, node_id in fetcher.proven.items():
+                    self.on_proven(url, node_id)
 
     def _note_disproved(self, proof: Disproved) -> None:
         """Log and report, once per (URL, claimant), a peer whose heartbeat names a server that proved to be
