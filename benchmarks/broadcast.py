@@ -109,7 +109,8 @@ async def agent(args: argparse.Namespace) -> None:
                 store,
                 fetch_settings,
                 on_shard=on_shard,
-                peers=cmd.get("peers"),  # URL -> node id, as a node takes them from the peers' heartbeats
+                # URL -> the node ids naming it, as a node takes them from the peers' heartbeats (JSON: one id)
+                peers={url: frozenset({node_id}) for url, node_id in (cmd.get("peers") or {}).items()},
             )
             fetcher.on_manifest = hooks.on_manifest if hooks else None
             try:

@@ -101,7 +101,7 @@ async def test_a_partially_fetched_node_serves_its_verified_shards_and_refuses_t
             status, _ = await get(f"{url}/v1/weights/3/shards/8")
             assert status == 503 and time.monotonic() - began < 1.0  # refused at once: its record says so
             status, raw = await get(f"{url}/v1/weights/3/availability")
-            record, have = parse_availability(raw, manifest, node_id=PEER.node_id)
+            record, have = parse_availability(raw, manifest, signers={PEER.node_id})
             assert status == 200 and have == first and record.shard_count == count
             # A long poll for more than 8 shards ends at its deadline with the same claim, never a larger one.
             status, raw = await get(f"{url}/v1/weights/3/availability?after=8")
@@ -227,7 +227,7 @@ async def test_an_advertised_peer_is_used_only_on_a_current_record_signed_by_its
             operator().node_id,
             Store(tmp_path / "out"),
             SETTINGS,
-            peers={advertised.url: PEER.node_id},
+            peers={advertised.url: frozenset({PEER.node_id})},
         ).fetch(3)
     report = {s["url"]: s for s in result.sources}
     assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
@@ -257,7 +257,7 @@ async def test_a_peer_whose_clock_was_behind_is_used_once_it_signs_a_current_rec
             operator().node_id,
             Store(tmp_path / "out"),
             SETTINGS,
-            peers={peer.url: PEER.node_id},
+            peers={peer.url: frozenset({PEER.node_id})},
         )
         fetch = asyncio.create_task(fetcher.fetch(3))
         await until(lambda: peer.availability_requests >= 2)
@@ -283,7 +283,7 @@ async def test_an_advertised_peer_that_sends_wrong_bytes_is_dropped_and_charged(
             operator().node_id,
             Store(tmp_path / "out"),
             SETTINGS,
-            peers={flipper.url: PEER.node_id},
+            peers={flipper.url: frozenset({PEER.node_id})},
         ).fetch(3)
     report = {s["url"]: s for s in result.sources}
     assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
@@ -323,11 +323,16 @@ def _resign(body: dict, key: Identity = PEER) -> bytes:
 def test_hostile_availability_records_are_refused_with_a_reason(origin, mutate, error: str) -> None:  # noqa: ANN001
     _, manifest = origin
     raw = sign_availability(PEER, manifest, frozenset({0, 2}))
-    assert parse_availability(raw, manifest, node_id=PEER.node_id)[1] == {0, 2}
+    assert parse_availability(raw, manifest, signers={PEER.node_id})[1] == {0, 2}
     with pytest.raises(AvailabilityError, match=error):
         parse_availability(mutate(raw), manifest)
     with pytest.raises(AvailabilityError, match="not by"):
-        parse_availability(raw, manifest, node_id=operator().node_id)
+        parse_availability(raw, manifest, signers={operator().node_id})
+    # Any of the node ids a source may be will do (a server that several heartbeats name: peering.py).
+    record, _ = parse_availability(raw, manifest, signers={operator().node_id, PEER.node_id})
+    assert record.node_id == PEER.node_id
+    with pytest.raises(AvailabilityError, match="not by .* or .* or .* or 1 more"):
+        parse_availability(raw, manifest, signers={operator(20 + i).node_id for i in range(4)})
 
 
 def test_only_a_stale_record_is_excused_and_only_a_future_one_beyond_the_skew_is_charged(origin) -> None:  # noqa: ANN001
@@ -335,7 +340,7 @@ def test_only_a_stale_record_is_excused_and_only_a_future_one_beyond_the_skew_is
     now = time.time()
     for skew in (-290, 0, 290):  # within the tolerated skew either way: taken
         raw = sign_availability(PEER, manifest, frozenset({1}), now=now + skew)
-        assert parse_availability(raw, manifest, node_id=PEER.node_id, now=now)[1] == {1}
+        assert parse_availability(raw, manifest, signers={PEER.node_id}, now=now)[1] == {1}
     with pytest.raises(StaleAvailability, match="ago") as stale:
         parse_availability(
             sign_availability(PEER, manifest, frozenset({1}), now=now - 400), manifest, now=now
@@ -422,10 +427,10 @@ def test_a_source_that_is_always_busy_is_drawn_less_often_and_heals_with_time() 
     assert pool.weight(busy, now[0]) == pytest.approx(pool.weight(serving_one, now[0]), rel=0.05)
 
 
-def test_a_peer_cannot_bind_an_announced_url_or_share_one_with_another_node_id(tmp_path: Path) -> None:
+def test_a_peer_cannot_bind_an_announced_url_and_a_shared_url_keeps_every_claimant(tmp_path: Path) -> None:
     # URLs are compared as the fetcher uses them: "http://origin:1/" is the announced "http://origin:1", which
-    # stays an announced source with no node id bound to it; a URL that two node ids claim is left out, since
-    # binding it to either would judge the other's records as lies.
+    # stays an announced source with no claimant; a URL that two node ids claim (spelled with or without the
+    # slash) is one source with both as claimants: the server's own records say which one it is (peering.py).
     other = operator(13)
     fetcher = Fetcher(
         [
@@ -439,20 +444,20 @@ def test_a_peer_cannot_bind_an_announced_url_or_share_one_with_another_node_id(t
         Store(tmp_path / "out"),
         SETTINGS,
         peers={
-            "http://10.0.0.1:1/": PEER.node_id,
-            "http://10.0.0.3:1/": PEER.node_id,
-            "http://10.0.0.3:1": other.node_id,
+            "http://10.0.0.1:1/": frozenset({PEER.node_id}),
+            "http://10.0.0.3:1/": frozenset({PEER.node_id}),
+            "http://10.0.0.3:1": frozenset({other.node_id}),
         },
     )
-    assert fetcher.sources == ["http://10.0.0.1:1", "http://10.0.0.2:1"]
-    assert fetcher.peers == {}
-    with pytest.raises(FetchError, match="several node ids claim"):
+    assert fetcher.sources == ["http://10.0.0.1:1", "http://10.0.0.2:1", "http://10.0.0.3:1"]
+    assert fetcher.peers == {"http://10.0.0.3:1": frozenset({PEER.node_id, other.node_id})}
+    with pytest.raises(FetchError, match="has no claimant node id"):
         Fetcher(
-            ["http://10.0.0.3:1/", "http://10.0.0.3:1"],
+            ["http://10.0.0.3:1"],
             operator().node_id,
             Store(tmp_path / "out"),
             SETTINGS,
-            peers={"http://10.0.0.3:1/": PEER.node_id, "http://10.0.0.3:1": other.node_id},
+            peers={"http://10.0.0.3:1": frozenset()},
         )
 
 
@@ -466,7 +471,7 @@ async def test_a_fetch_fails_when_only_a_recordless_advertised_peer_is_left(orig
             operator().node_id,
             Store(tmp_path / "out"),
             SETTINGS,
-            peers={unsigned.url: PEER.node_id},
+            peers={unsigned.url: frozenset({PEER.node_id})},
         )
         with pytest.raises(FetchError, match="could not be fetched and verified"):
             await asyncio.wait_for(fetcher.fetch(3), 60)

@@ -400,11 +400,11 @@ async def test_a_relay_started_with_a_key_signs_which_shards_it_holds(tmp_path: 
                     async with session.get(f"{relay_url}/v1/weights/1/availability") as resp:
                         raw = await resp.read()
                         if resp.status == 200:
-                            _, have = parse_availability(raw, manifest, node_id=relay_key.node_id)
+                            _, have = parse_availability(raw, manifest, signers={relay_key.node_id})
                             if len(have) == len(manifest.body.shards):
                                 break
                     await asyncio.sleep(0.2)
-            record, have = parse_availability(raw, manifest, node_id=relay_key.node_id)
+            record, have = parse_availability(raw, manifest, signers={relay_key.node_id})
             assert have == frozenset(range(len(manifest.body.shards))) and record.step == 1
         finally:
             relay.send_signal(signal.SIGTERM)

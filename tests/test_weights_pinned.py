@@ -152,7 +152,7 @@ async def test_a_peer_caught_sending_wrong_bytes_is_never_a_source_again(tmp_pat
             Store(tmp_path / "node"),
             operator().node_id,
             settings,
-            peer_sources=lambda _step: {flipper.url: peer.node_id},
+            peer_sources=lambda _step: {flipper.url: frozenset({peer.node_id})},
         )
         first = await pinned.fetch(Pin(3, manifests[3].digest, (slow_origin.url,)))
         assert sum(flipper.requests.values()) == 1 and peer.node_id in pinned.dropped_peers

@@ -111,6 +111,9 @@ async def test_node_bans_cannot_be_dodged_by_dropping_or_forging_the_token(tmp_p
             )
         )[0] == 200
         server.accept_audience("http://weights.example.org")  # a public name in front of it (NAT, DNS)
+        # An IP spelled loosely is also accepted as peers write it (serving.py `canonical_url`: compressed).
+        server.accept_audience("http://[2001:DB8:0:0::1]:8470")
+        assert {"2001:db8:0:0::1:8470", "2001:db8::1:8470"} <= server.audiences
         assert (
             await get(latest, Host="weights.example.org", **token_for(honest, "http://weights.example.org"))
         )[0] == 200

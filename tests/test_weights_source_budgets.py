@@ -63,7 +63,7 @@ async def test_a_version_withdrawn_by_its_server_is_a_plain_failure_not_a_lie(or
             operator().node_id,
             Store(tmp_path / "out"),
             SETTINGS,
-            peers={peer.url: PEER.node_id},
+            peers={peer.url: frozenset({PEER.node_id})},
         ).fetch(3)
     report = {s["url"]: s for s in result.sources}
     assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
@@ -119,7 +119,7 @@ async def test_a_404_that_is_not_about_the_version_is_still_a_lie(origin, tmp_pa
             operator().node_id,
             Store(tmp_path / "out"),
             SETTINGS,
-            peers={peer.url: PEER.node_id},
+            peers={peer.url: frozenset({PEER.node_id})},
         ).fetch(3)
     report = {s["url"]: s for s in result.sources}
     assert report[peer.url]["lies"] >= 1 and report[peer.url]["shards_corrupt"] >= 1
@@ -146,7 +146,7 @@ async def _fetch_with_sybils(
             operator().node_id,
             Store(tmp_path / "out"),
             settings,
-            peers={s.url: key.node_id for s, key in zip(sybils, SYBILS, strict=True)},
+            peers={s.url: frozenset({key.node_id}) for s, key in zip(sybils, SYBILS, strict=True)},
         )
         result = await asyncio.wait_for(fetcher.fetch(3), 60)
     assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")

@@ -294,7 +294,7 @@ def _availability() -> Carrier:
 
     def parse(raw: bytes, signature: bytes) -> Any:
         document = b'{"body":' + raw + b',"signature":"' + signature.hex().encode() + b'"}'
-        return parse_availability(document, manifest, node_id=NODE.node_id, now=T)
+        return parse_availability(document, manifest, signers={NODE.node_id}, now=T)
 
     return Carrier(
         AvailabilityBody,

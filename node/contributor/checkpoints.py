@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from ...p2p.identity import Identity
 from ...p2p.swarm.records import PolicyAnnouncement
+from ...p2p.weights.claims import Disproved, PeerClaims
 from ...p2p.weights.errors import WeightsError
 from ...p2p.weights.fetch import FetchSettings
 from ...p2p.weights.manifest import SignedManifest
@@ -42,7 +43,8 @@ class CheckpointKeeper:
         max_retry_s: float = 120.0,
         on_verified: Callable[[int], None] | None = None,
         identity: Identity | None = None,
-        peer_sources: Callable[[int], Mapping[str, str]] | None = None,
+        peer_sources: Callable[[int], PeerClaims] | None = None,
+        on_proven: Callable[[str, str], None] | None = None,
         download_bar_after_s: float | None = None,
         serve: ServeAsVerified | None = None,
     ) -> None:
@@ -54,7 +56,8 @@ class CheckpointKeeper:
         # A node that re-serves weights offers each shard of a version it is fetching as soon as it verified.
         self.serve = serve
         # identity signs access tokens, so weight servers know (and can ban) this node; peer sources are the
-        # peers whose heartbeats say they serve a step.
+        # peers whose heartbeats say they serve a step (URL -> the node ids naming it; a server several name is
+        # bound to the one it proves to be, and the others are counted).
         self.pinned = PinnedFetch(
             store,
             operator_key,
@@ -64,6 +67,8 @@ class CheckpointKeeper:
             on_manifest=self._on_manifest,
             on_shard=serve.on_shard if serve is not None else None,
             peer_sources=peer_sources,
+            on_disproved=self._on_disproved,
+            on_proven=on_proven,  # the peers a fetch found serving where they say: drawn first next time
             retry_s=retry_s,
             max_retry_s=max_retry_s,
         )
@@ -113,6 +118,9 @@ class CheckpointKeeper:
         self.state.metrics.download_bytes.inc(count)
         if self._bar is not None:
             self._bar.on_bytes(count)
+
+    def _on_disproved(self, claimant: str, proof: Disproved) -> None:
+        self.state.metrics.weights_claims_disproved.inc()
 
     def _on_manifest(self, manifest: SignedManifest, resumed: int) -> None:
         if self.serve is not None:

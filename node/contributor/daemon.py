@@ -172,6 +172,7 @@ class ContributorNode:
             max_retry_s=s.max_retry_s,
             identity=identity,
             peer_sources=sharing.sources_for,
+            on_proven=sharing.note_proven,
             serve=sharing.serve_as_verified(),
             # A tiny checkpoint arrives in milliseconds: a bar only for a download slower than a second.
             download_bar_after_s=None if s.log_json else 1.0,

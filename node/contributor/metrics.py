@@ -52,6 +52,12 @@ class NodeMetrics:
             "Checkpoints or shards that failed verification",
             registry=r,
         )
+        self.weights_claims_disproved = Counter(
+            P + "weights_claims_disproved_total",
+            "Peers whose heartbeat named a weights server that then signed as another peer (a false claim, or "
+            "a heartbeat from before an address change)",
+            registry=r,
+        )
         self.verdict_lookup_failures = Counter(
             P + "verdict_lookup_failures_total",
             "Verdict lookups that failed: validator unreachable, an error answer, or an unusable verdict",

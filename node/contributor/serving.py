@@ -24,15 +24,22 @@ on its private network, or to a third party. So a URL from a heartbeat is used o
     that is one of the libp2p addresses in the same heartbeat;
   * that address is public (globally routable), or inside one of `peer_weights_networks`: loopback,
     private, link-local, shared (CGNAT), multicast and reserved ranges are refused unless the operator lists
-    them (a devnet on one machine lists 127.0.0.0/8);
-  * no other peer names the same server (host and port): the fetcher binds a server to the one node id
-    whose signed availability records it accepts, so a server two node ids name is used for neither.
+    them (a devnet on one machine lists 127.0.0.0/8).
 
-A source is a server, (host, port), bound to the node id whose signed heartbeat names it: a peer that names
-an honest node's host on another port becomes a source of its own (which answers nothing, or another node's
-records: charged to it), and never displaces the honest node. Many ports of one host count once when a fetch
-draws its peers (`sources_for`: hosts are drawn, then at most MAX_URLS_PER_HOST servers of each), so a
-machine with many ids and ports cannot crowd the other hosts out of a fetch.
+A source is a URL in one canonical spelling (`canonical_url`: host, port and path), with the set of node ids
+whose signed heartbeats name it as its claimants. A peer that names an honest node's host on another port
+becomes a source of its own (which answers nothing, or another node's records: charged to it), and never
+displaces the honest node. A peer that names the honest node's very server only joins its claimants: the
+fetcher binds the server to whichever claimant it proves to be, by the first current availability record it
+serves that verifies under one of their ids (p2p/weights/peering.py), so the server stays in use, its records
+are judged as its own node's, and the other claim gains nothing. The node logs such a claim with both ids and
+counts it (`prime_node_contributor_weights_claims_disproved_total`), and does not ban on it: a node that moved
+keeps naming its old address until its next heartbeat, while the node that now holds it serves there.
+Many ports of one host count once when a fetch draws its peers (`sources_for`: hosts are drawn, then at most
+MAX_URLS_PER_HOST servers of each), so a machine with many ids and ports cannot crowd the other hosts out
+of a fetch; and within a host the servers a fetch found serving as a node that names them are drawn first
+(`note_proven`), so ports named on an honest node's host by others cannot crowd its server out of its host's
+share once this node has fetched from it.
 
 What is left is a peer naming a public host that is not its own, with one request per node per fetch to a
 path of /v1/weights/; any source's answers are then bounded and verified like every other's.
@@ -44,7 +51,6 @@ import asyncio
 import ipaddress
 import logging
 import random
-from collections import Counter
 from urllib.parse import urlsplit
 
 from ...p2p.identity import Identity
@@ -64,6 +70,8 @@ logger = logging.getLogger(__name__)
 # counts once however many ports its peers name, and gives at most MAX_URLS_PER_HOST of them.
 MAX_PEER_SOURCES = 8
 MAX_URLS_PER_HOST = 3
+# Servers found serving as a node that names them, remembered to be drawn first (a bound on a long life's memory).
+MAX_PROVEN_KEPT = 4096
 
 
 class WeightsSharing:
@@ -83,11 +91,14 @@ class WeightsSharing:
         self.state = state
         self.identity = identity  # signs the server's availability records
         self.server: WeightsServer | None = None
-        self._peer_urls: dict[
-            int, dict[str, str]
-        ] = {}  # step -> {weights URL: node id} of live, unbanned peers
+        # step -> {weights URL: the node ids naming it} of live, unbanned peers
+        self._peer_urls: dict[int, dict[str, frozenset[str]]] = {}
         self.networks = [ipaddress.ip_network(n, strict=False) for n in settings.peer_weights_networks]
         self.refused: dict[str, str] = {}  # node id -> why its weights URL is not used (status, tests)
+        self.contested: dict[str, frozenset[str]] = {}  # weights URL -> the node ids naming it, when several
+        self._proven: dict[
+            str, str
+        ] = {}  # weights URL -> the node a fetch found serving there (`note_proven`)
 
     async def start(self) -> bool:
         """Start serving when asked to and reachable; False (with the reason logged) otherwise."""
@@ -171,14 +182,15 @@ class WeightsSharing:
     def note_peers(self, peers: dict[str, Heartbeat], banned: set[str]) -> None:
         """Remember which live peers serve which steps (called after each peer scan).
 
-        A source is a server (host, port), bound to the node id whose heartbeat names it, so a peer naming an
-        honest node's host on another port is a source of its own and displaces nobody. A server that two
-        peers name is used for neither: the fetcher accepts a server's availability records only from the
-        node id bound to it, so letting one claim win would let a peer that names an honest node's server
-        have that node's correctly signed records charged as lies."""
-        by_step: dict[int, dict[str, str]] = {}
+        A source is a URL in canonical form (`canonical_url`: the server, host and port, and the path), and its
+        claimants are every node id whose heartbeat names it: a peer naming an honest node's host on another port
+        is a source of its own and displaces nobody, and one naming the honest node's very server only joins its
+        claimants. The fetcher binds such a contested server to the claimant whose current signed availability
+        record it serves (p2p/weights/peering.py), so the server stays in use and the false (or stale) claim
+        gains nothing. A URL is a source for a step when any of its claimants says it serves that step."""
+        claims: dict[str, set[str]] = {}
+        steps: dict[str, set[int]] = {}
         refused: dict[str, str] = {}
-        valid: list[tuple[str, Heartbeat, str, str]] = []
         for node_id, heartbeat in sorted(peers.items()):
             url = heartbeat.weights_url
             if node_id == self.swarm.node_id or node_id in banned or heartbeat.client_mode or not url:
@@ -187,26 +199,51 @@ class WeightsSharing:
             if why is not None:
                 refused[node_id] = why
                 continue
-            valid.append((node_id, heartbeat, url.rstrip("/"), server_of(url)))
-        claims = Counter(server for _, _, _, server in valid)
-        for node_id, heartbeat, url, server in valid:
-            if claims[server] > 1:
-                refused[node_id] = (
-                    f"{claims[server]} peers name {server[:80]} as their weights server; none is used"
-                )
-                continue
-            for step in heartbeat.serves_steps:
-                by_step.setdefault(step, {})[url] = node_id
+            canonical = canonical_url(url)
+            claims.setdefault(canonical, set()).add(node_id)
+            steps.setdefault(canonical, set()).update(heartbeat.serves_steps)
+        by_step: dict[int, dict[str, frozenset[str]]] = {}
+        contested: dict[str, frozenset[str]] = {}
+        for url, ids in claims.items():
+            claimants = frozenset(ids)
+            if len(claimants) > 1:
+                contested[url] = claimants
+            for step in steps[url]:
+                by_step.setdefault(step, {})[url] = claimants
         for node_id, why in refused.items():
             if self.refused.get(node_id) != why:
                 logger.info("not fetching from peer %s…: %s", node_id[:16], why)
+        for url, claimants in contested.items():
+            if self.contested.get(url) != claimants:
+                logger.info(
+                    "peers %s all name %s as their weights server; a fetch uses it as the one whose signed "
+                    "records it serves",
+                    ", ".join(f"{n[:16]}…" for n in sorted(claimants)),
+                    url,
+                )
         self._peer_urls = by_step
         self.refused = refused
+        self.contested = contested
 
-    def sources_for(self, step: int) -> dict[str, str]:
+    def note_proven(self, url: str, node_id: str) -> None:
+        """A fetch found `node_id` serving at `url`: it served a current availability record signed by that
+        node, which named the URL, and told no lie (p2p/weights/fetch.py `Fetcher.proven`)."""
+        self._proven.pop(url, None)  # the newest last: the oldest is forgotten first
+        self._proven[url] = node_id
+        if len(self._proven) > MAX_PROVEN_KEPT:
+            del self._proven[next(iter(self._proven))]
+
+    def sources_for(self, step: int) -> dict[str, frozenset[str]]:
         """Peers serving `step`: up to MAX_PEER_SOURCES hosts drawn at random, and up to MAX_URLS_PER_HOST of
-        each one's servers, drawn at random too: {weights URL: the node id that must sign its availability
-        records} (the fetcher uses a peer only on a current record of that node)."""
+        each one's servers: {weights URL: the node ids one of which must sign its availability records} (the
+        fetcher uses a peer only on a current record of one of them).
+
+        Within a host, servers already found serving as a node that still names them (`note_proven`) are drawn
+        first, for all slots but one; the rest are drawn at random. A peer that names many ports or paths on an
+        honest node's host (listing its address as its own) cannot push the honest server out of the draw once
+        this node has fetched from it: the false servers can never be proven, as nothing there signs as their
+        claimants. The one random slot keeps a newcomer on a host of proven servers (several nodes behind one
+        NAT) in the draw."""
         peers = self._peer_urls.get(step, {})
         by_host: dict[str, list[str]] = {}
         for url in sorted(peers):
@@ -214,7 +251,10 @@ class WeightsSharing:
         drawn: list[str] = []
         for host in random.sample(sorted(by_host), min(MAX_PEER_SOURCES, len(by_host))):
             urls = by_host[host]
-            drawn += random.sample(urls, min(MAX_URLS_PER_HOST, len(urls)))
+            proven = [u for u in urls if self._proven.get(u, "") in peers[u]]  # still named by that node
+            first = random.sample(proven, min(MAX_URLS_PER_HOST - 1, len(proven)))
+            rest = [u for u in urls if u not in first]
+            drawn += first + random.sample(rest, min(MAX_URLS_PER_HOST - len(first), len(rest)))
         return {url: peers[url] for url in drawn}
 
 
@@ -222,10 +262,16 @@ def _host(url: str) -> str:
     return urlsplit(url).hostname or ""
 
 
+def canonical_url(url: str) -> str:
+    """The one spelling of an IP-host URL that the fetcher uses: scheme, `server_of`, and the path without a
+    trailing slash, so claims that differ only in how they spell the same URL are claims on one source."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{server_of(url)}{parts.path.rstrip('/')}"
+
+
 def server_of(url: str) -> str:
-    """The server an IP-host URL names, host and port (the scheme's default when none is given): URLs that
-    differ only in their path, or in how they spell the address or the port, reach the same server, and so
-    the same node's records."""
+    """The server an IP-host URL names, host and port (the scheme's default when none is given), one spelling
+    of each: URLs that differ in how they spell the address or the port reach the same server."""
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     ip = ipaddress.ip_address(parts.hostname or "")  # peer_url_refusal admitted only IP hosts

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
+from collections.abc import Set as AbstractSet
 from typing import Final, Literal
 
 from pydantic import Field, ValidationError
@@ -119,11 +120,11 @@ def parse_availability(
     raw: bytes,
     manifest: SignedManifest,
     *,
-    node_id: str | None = None,
+    signers: AbstractSet[str] | None = None,
     now: float | None = None,
 ) -> tuple[AvailabilityBody, frozenset[int]]:
-    """Verify a peer's record for `manifest` (signed by `node_id` when given); returns it and the shards it
-    claims. AvailabilityError (naming what is wrong) for anything else."""
+    """Verify a peer's record for `manifest` (signed by one of `signers` when given: the node ids a source may
+    be); returns it and the shards it claims. AvailabilityError (naming what is wrong) for anything else."""
     if len(raw) > MAX_AVAILABILITY_BYTES:
         raise AvailabilityError(
             f"availability record is {len(raw)} bytes, over the {MAX_AVAILABILITY_BYTES}-byte limit",
@@ -148,9 +149,13 @@ def parse_availability(
         raise AvailabilityError(
             "availability record needs a body with a 64-hex node_id and a 128-hex signature", corrupt=True
         )
-    if node_id is not None and signer != node_id:
+    if signers is not None and signer not in signers:
+        named = [f"{s[:16]}…" for s in sorted(signers)[:3]]
+        if len(signers) > 3:
+            named.append(f"{len(signers) - 3} more")
+        expected = " or ".join(named) or "no node id"
         raise AvailabilityError(
-            f"availability record is signed by {signer[:16]}…, not by {node_id[:16]}…", corrupt=True
+            f"availability record is signed by {signer[:16]}…, not by {expected}", corrupt=True
         )
     try:  # the signature first: nothing of an unsigned or edited body is interpreted
         verify_document(signer, body, bytes.fromhex(signature))

@@ -11,10 +11,11 @@ charged to that source and never ends a fetch that another source can still serv
 (the disk, a bug) propagate. Progress is journaled so a rerun resumes with Range requests (from the source
 that sent the bytes on disk, attempts.py), and only a version whose every shard verified is moved into place.
 
-Peers the swarm advertised (`peers`: URL -> node id, from their signed heartbeats) are sources with less
-standing than the ones the caller names: each is asked for a shard only once a current availability record
-signed by that node id verified and claims it (peering.py), and one that sends bytes not matching the
-manifest is dropped from the fetch and charged (outcomes.py).
+Peers the swarm advertised (`peers`: URL -> the node ids whose signed heartbeats name it, claims.py) are
+sources with less standing than the ones the caller names: each is asked for a shard only once a current
+availability record signed by one of those node ids verified and claims it, the first such record binding
+the URL to that node for the fetch (peering.py; the other claimants are reported in `disproved`), and one
+that sends bytes not matching the manifest is dropped from the fetch and charged (outcomes.py).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import asyncio
 import collections
 import hashlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..identity import Identity
 from .access import TokenSource
+from .claims import Disproved, PeerClaims, merge_claims
 from .connections import ConnectionPool
 from .errors import FetchError, ManifestAbsent, ManifestError, StoreError
 from .fetch_settings import FetchSettings
@@ -74,27 +76,17 @@ class Fetcher:
         identity: Identity | None = None,
         on_bytes: Callable[[int], None] | None = None,
         on_shard: Callable[[int], None] | None = None,
-        peers: Mapping[str, str] | None = None,
+        peers: PeerClaims | None = None,
     ) -> None:
         if not sources:
             raise FetchError("no sources given; pass at least one --source URL")
         given = dict(peers or {})
-        # Advertised peers among the sources: URL -> the node id that must sign their availability records.
-        # URLs are compared as the fetcher uses them (no trailing slash): a peer naming an announced source's
-        # URL ("http://origin/" for "http://origin") must not bind it to its own id, and a URL two node ids
-        # claim is used for neither (either binding would judge the other's records as lies).
+        # Advertised peers among the sources: URL -> the node ids one of which must sign their availability
+        # records. URLs are compared as the fetcher uses them (no trailing slash): a peer naming an announced
+        # source's URL ("http://origin/" for "http://origin") must not make it a peer source.
         announced = {s.rstrip("/") for s in sources if s not in given}
-        claims: dict[str, set[str]] = {}
-        for url, node_id in given.items():
-            if url.rstrip("/") not in announced:
-                claims.setdefault(url.rstrip("/"), set()).add(node_id)
-        ambiguous = {url for url, ids in claims.items() if len(ids) > 1}
-        self.sources = [s for s in dict.fromkeys(s.rstrip("/") for s in sources) if s not in ambiguous]
-        if not self.sources:
-            raise FetchError(
-                f"every source is a peer URL that several node ids claim: {sorted(ambiguous)[:3]}"
-            )
-        self.peers = {url: min(ids) for url, ids in claims.items() if url not in ambiguous}
+        self.sources = list(dict.fromkeys(s.rstrip("/") for s in sources))
+        self.peers = merge_claims(given, announced)
         unknown = set(self.peers) - set(self.sources)
         if unknown:
             raise FetchError(f"peers {sorted(unknown)[:3]} are not among the sources")
@@ -122,6 +114,11 @@ class Fetcher:
         # Advertised peers this fetcher dropped for sending wrong bytes (node id -> why), success or not: the
         # caller can leave them out of its next fetches (pinned.py does).
         self.dropped_peers: dict[str, str] = {}
+        # Contested peer URLs that proved to be one claimant's: the others' claims, for the caller to report.
+        self.disproved: list[Disproved] = []
+        # Peer URLs that served a current record signed by the node bound to them, and told no lie (URL -> that
+        # node id): whoever chooses peer sources may prefer them (node/contributor/serving.py).
+        self.proven: dict[str, str] = {}
 
     async def fetch(self, step: int | None = None) -> FetchResult:
         """Fetch `step` (or the newest step any source serves) and return where it now lies, verified."""
@@ -277,8 +274,8 @@ class Fetcher:
                 )
             return FetchResult(manifest=manifest, version_dir=held, already_held=True)
         pool = SourcePool(self.sources, self.settings.selection)
-        for url, node_id in self.peers.items():
-            pool.sources[url].node_id = node_id
+        for url, claimants in self.peers.items():
+            pool.sources[url].claimed_by(claimants)
         for source in self.sources:
             if source in resolution.pending:  # until it joins; the reason stays if it never does
                 why = resolution.errors.get(source, "its manifest had not arrived when the fetch started")
@@ -300,3 +297,9 @@ class Fetcher:
             return await run.execute()
         finally:
             self.dropped_peers.update(run.outcomes.dropped)
+            self.disproved += run.peering.disproved
+            self.proven.update(
+                (s.url, s.node_id)
+                for s in pool.sources.values()
+                if s.node_id is not None and s.record_ms >= 0 and s.lies == 0 and s.excluded is None
+            )

@@ -22,10 +22,10 @@ has spent its own budget on it (`exhausted`). So peers that claim a shard and fa
 only their own attempts, never the origin's. Likewise a 503 that says "not here yet" or "busy" is free only
 `max_not_ready` times per (source, shard): sybils answering busy cannot use up the origin's allowance.
 
-A peer the swarm advertised (`SourceState.node_id`) that is charged with wrong bytes is also dropped from the
-fetch (excluded, its claims withdrawn): nobody vouched for it, and every further shard it sends would have
-to be received and hashed before it could be refused again. An origin or relay the caller named is only
-penalised, since it may be the one source there is.
+A peer the swarm advertised, bound to a node id (`SourceState.node_id`), that is charged with wrong bytes is
+also dropped from the fetch (excluded, its claims withdrawn): nobody vouched for it, and every further shard
+it sends would have to be received and hashed before it could be refused again. An origin or relay the
+caller named is only penalised, since it may be the one source there is.
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ class Outcomes:
         self.blame.append({"shard": index, "source": source.url, "reason": reason, "corrupt": corrupt})
         self._count_failure(index, source.url)
         logger.warning("source %s: shard %d: %s", source.url, index, reason)
+        # A peer is asked for a shard only once bound (peering.py), so `node_id` names the node that sent it.
         if corrupt and source.node_id is not None and source.excluded is None:
             why = f"peer {source.node_id[:16]}… sent shard {index} not matching the signed manifest; dropped"
             self.pool.exclude(source.url, why)

@@ -8,9 +8,10 @@ record into the source's state (sources.py) and the rarest-first counts (rarest.
   * a record that verifies: the source is asked only for the shards it claims; an older record than one
     already taken (a replay, or answers out of order) is ignored;
   * 404/503: the source signs no records (an origin, a relay without an identity), so it is taken to hold
-    every shard, as before availability existed; but a peer the swarm advertised (`SourceState.node_id`) is
-    never taken on its word: until a current record signed by that very node id verifies it claims nothing
-    and is asked again, and a record signed by any other key is a lie;
+    every shard, as before availability existed; but a peer the swarm advertised (`SourceState.claimants`: the
+    node ids whose heartbeats name its URL) is never taken on its word: until a current record signed by one
+    of those node ids verifies it claims nothing and is asked again, and a record signed by any other key is a
+    lie;
   * a record that does not verify, is about another manifest, is malformed or is dated in the future beyond
     the clock skew tolerated: a lie; the source is demoted (`record_lie`), claims nothing from then on, and
     is not polled again in this fetch;
@@ -23,6 +24,15 @@ A source that answers a shard request with a version-level 404 ("no such version
 version since its last record) is `withdrawn`: its claims are cleared at once and it is asked again at once;
 an answer to a request made before the withdrawal is ignored, so a record signed just before it cannot bring
 the void claims back.
+
+A server that several node ids name (a peer naming another node's server as its own, or a heartbeat still
+naming an address its node has left to another) is bound by its own answers: the first current record it
+serves that verifies under one claimant's id binds it to that node for the rest of the fetch, and the others
+are reported (`disproved`, claims.py) and gain nothing. A stale record binds nothing (a replay proves nothing
+about who serves there now). A bound server that later serves a record of another claimant has lied, as with
+any other key: an honest node's server signs only with its own, so whoever runs it holds or relays both ids'
+records, and switching the binding would let it disown a claim each time one was caught. That costs the
+server this fetch; the next fetch binds afresh (a server that changed hands between two fetches is no liar).
 
 Sources that did not hold the version when the fetch chose its manifest (404/503: a peer still fetching
 it, which advertises it in its heartbeat as soon as it holds the manifest) are asked for the manifest again
@@ -39,6 +49,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from .availability import MAX_AVAILABILITY_BYTES, AvailabilityError, StaleAvailability, parse_availability
+from .claims import Disproved
 from .connections import ConnectionPool
 from .errors import ManifestAbsent, ManifestError
 from .fetch_settings import FetchSettings
@@ -83,13 +94,14 @@ class Peering:
         self.on_join = on_join
         self.distrusted: set[str] = set()
         self.unsigned: set[str] = set()  # advertised peers that answered without a record they signed
+        self.disproved: list[Disproved] = []  # contested servers bound to one claimant: the others' claims
         self._polls: dict[str, asyncio.Future[bytes]] = {}
         self._next_poll: dict[str, float] = {}
         # Withdrawals seen per source (`withdrawn`): an answer to a request sent before the latest is ignored.
         self._epoch: dict[str, int] = {}
         if settings.availability_interval_s <= 0:
             for source in pool.sources.values():
-                if source.node_id is not None:  # a peer is used only on a record it signed: none is asked for
+                if source.advertised:  # a peer is used only on a record it signed: none is asked for
                     pool.exclude(
                         source.url, "a peer is used only once its signed availability record verified"
                     )
@@ -111,7 +123,7 @@ class Peering:
         """Whether an advertised peer has not answered its first availability request yet: a fetch with nothing
         else left waits for it (one round trip), but not for a peer that answered without a signed record."""
         return any(
-            s.node_id is not None and s.records is None and s.url not in self.distrusted | self.unsigned
+            s.advertised and s.records is None and s.url not in self.distrusted | self.unsigned
             for s in self.pool.usable()
         )
 
@@ -180,7 +192,7 @@ class Peering:
             return  # asked before the source withdrew the version; the next request is due at once
         error = future.exception()
         if isinstance(error, ManifestAbsent):
-            if source.node_id is not None and not source.records:
+            if source.advertised and not source.records:
                 logger.debug("availability of peer %s: %s; asked again", source.url, error)
                 self.unsigned.add(source.url)
                 return  # a peer without a signed record holds nothing we may ask for (yet)
@@ -197,13 +209,14 @@ class Peering:
             logger.error("availability of %s: unexpected %s: %s", source.url, type(error).__name__, error)
             return
         try:
-            # An advertised peer's record must be signed by the node the swarm named, not by any valid key: a
-            # host that answers for another node's URL cannot make itself a source.
-            record, have = parse_availability(future.result(), self.manifest, node_id=source.node_id)
+            # An advertised peer's record must be signed by a node the swarm named for it (the one it is bound to,
+            # once bound), not by any valid key: a host that answers for another node's URL cannot make itself a
+            # source, and a peer that names another node's server cannot have that node's records judged as lies.
+            record, have = parse_availability(future.result(), self.manifest, signers=source.signers())
         except StaleAvailability as exc:
             # Validly signed but old: a clock behind ours, or a late answer. Not taken, not charged, asked again.
             logger.info("source %s: %s; ignored, asked again", source.url, exc.reason)
-            if source.node_id is not None and not source.records:
+            if source.advertised and not source.records:
                 # It answered, without a current record: a fetch does not wait on it (`first_record_due`).
                 self.unsigned.add(source.url)
             return
@@ -213,10 +226,24 @@ class Peering:
             self.pool.record_lie(source, f"availability record: {exc.reason}")
             logger.warning("source %s: availability record refused: %s", source.url, exc.reason)
             return
+        if source.node_id is None and source.advertised:
+            self._bind(source, record.node_id)
         if record.issued_at_ms <= source.record_ms:
             return  # older than one already taken
         source.record_ms = record.issued_at_ms
         self._claim(source, have)
+
+    def _bind(self, source: SourceState, owner: str) -> None:
+        """A contested server served a current record of `owner`, one of its claimants: it is that node's."""
+        source.node_id = owner
+        others = source.claimants - {owner}
+        self.disproved.append(Disproved(source.url, owner, others))
+        logger.debug(
+            "server %s proved to be node %s… (its current signed record); also named by %s",
+            source.url,
+            owner[:16],
+            ", ".join(f"{n[:16]}…" for n in sorted(others)),
+        )
 
     def _claim(self, source: SourceState, have: frozenset[int]) -> None:
         self.unsigned.discard(source.url)

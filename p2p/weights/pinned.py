@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..identity import Identity
+from .claims import Disproved, PeerClaims
 from .errors import WeightsError
 from .fetch import Fetcher, FetchSettings
 from .manifest import SignedManifest
@@ -27,6 +28,8 @@ from .store import Store
 logger = logging.getLogger(__name__)
 
 IDLE_WAKE_S = 3600.0  # with nothing to fetch, `run` still looks again this often (a missed wake-up heals)
+# Disproved claims remembered so that each is logged and counted once (a bound on a long-lived node's memory).
+MAX_DISPROVED_KEPT = 4096
 
 
 class Announcement(Protocol):
@@ -77,7 +80,9 @@ class PinnedFetch:
         on_bytes: Callable[[int], None] | None = None,
         on_manifest: Callable[[SignedManifest, int], None] | None = None,
         on_shard: Callable[[int], None] | None = None,
-        peer_sources: Callable[[int], Mapping[str, str]] | None = None,
+        peer_sources: Callable[[int], PeerClaims] | None = None,
+        on_disproved: Callable[[str, Disproved], None] | None = None,
+        on_proven: Callable[[str, str], None] | None = None,
         retry_s: float = 5.0,
         max_retry_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
@@ -91,10 +96,18 @@ class PinnedFetch:
         self.on_shard = (
             on_shard  # each shard index once it verified (a node re-serving it: serve_verified.py)
         )
-        # Peers that say they serve a step (URL -> node id): extra sources. They need no trust: the manifest must
-        # still be the pinned one, signed by the trusted key, each is asked only for the shards its own signed
-        # availability record claims, and every shard must hash right (fetch.py).
+        # Peers that say they serve a step (URL -> the node ids whose heartbeats name it): extra sources. They
+        # need no trust: the manifest must still be the pinned one, signed by the trusted key, each is asked only
+        # for the shards a current record signed by one of its claimants claims, and every shard must hash right
+        # (fetch.py).
         self.peer_sources = peer_sources
+        # Called with (claimant, proof) once per (URL, claimant) that a contested server proved not to be
+        # (claims.py): the node counts them in a metric.
+        self.on_disproved = on_disproved
+        # Called with (URL, node id) for each peer URL a fetch found that node serving at (`Fetcher.proven`).
+        self.on_proven = on_proven
+        # (URL, a claimant it is not) -> the node it proved to be
+        self.disproved: dict[tuple[str, str], str] = {}
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
         self._clock = clock
@@ -140,16 +153,16 @@ class PinnedFetch:
 
     async def _fetch(self, pin: Pin) -> FetchResult:
         sources = list(pin.sources)
-        peers: dict[str, str] = {}
+        peers: dict[str, frozenset[str]] = {}
         if self.peer_sources is not None:
             # A URL the operator announced stays an announced source even if a peer names it too (compared
-            # without a trailing slash, as the fetcher uses them).
+            # without a trailing slash, as the fetcher uses them). A dropped peer's claims are left out: a URL
+            # only it names is not asked, and one it contests is bound to another claimant or to nobody.
             announced = {s.rstrip("/") for s in sources}
-            peers = {
-                u: n
-                for u, n in self.peer_sources(pin.step).items()
-                if u.rstrip("/") not in announced and n not in self.dropped_peers
-            }
+            for url, claimants in self.peer_sources(pin.step).items():
+                kept = frozenset(claimants).difference(self.dropped_peers)
+                if url.rstrip("/") not in announced and kept:
+                    peers[url] = kept
             sources += list(peers)
         if not sources:
             raise WeightsError("the announcement names no sources")
@@ -173,6 +186,31 @@ class PinnedFetch:
                 if node_id not in self.dropped_peers:
                     logger.warning("not fetching from peer %s… again: %s", node_id[:16], why)
                     self.dropped_peers[node_id] = why
+            for proof in fetcher.disproved:
+                self._note_disproved(proof)
+            if self.on_proven is not None:
+                for url, node_id in fetcher.proven.items():
+                    self.on_proven(url, node_id)
+
+    def _note_disproved(self, proof: Disproved) -> None:
+        """Log and report, once per (URL, claimant), a peer whose heartbeat names a server that proved to be
+        another node's. Not banned: a node that moved names its old address until its next heartbeat."""
+        for other in sorted(proof.others):
+            if self.disproved.get((proof.url, other)) == proof.owner:
+                continue
+            self.disproved[(proof.url, other)] = proof.owner
+            if len(self.disproved) > MAX_DISPROVED_KEPT:  # peers come and go: forget the oldest
+                del self.disproved[next(iter(self.disproved))]
+            logger.warning(
+                "peer %s… names %s as its weights server, but that server signs as peer %s…: a false claim, "
+                "or a heartbeat from before an address change; the server is used as %s…'s",
+                other[:16],
+                proof.url,
+                proof.owner[:16],
+                proof.owner[:16],
+            )
+            if self.on_disproved is not None:
+                self.on_disproved(other, proof)
 
     def _refused(self, step: int, reason: str) -> PinRefused:
         _, delay = self._retry_at.get(step, (0.0, self.retry_s / 2))

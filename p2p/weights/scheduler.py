@@ -214,7 +214,7 @@ class Scheduler:
             return orphan, None, min(patience, SCHEDULE_TICK_S)  # an answer may be a round trip away
         if orphan is not None and not claimed:
             # Asked blind, as before records existed: never an advertised peer, which gets only what it signed.
-            peers = {s.url for s in usable if s.node_id is not None}
+            peers = {s.url for s in usable if s.advertised}
             forbid = taken | peers | self.outcomes.spent(orphan)
             source, cooling = self.pool.pick(avoid=self.tried[orphan], forbid=forbid)
             if source is not None:

@@ -27,6 +27,7 @@ process that runs it.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -204,9 +205,16 @@ class WeightsServer:
         return url
 
     def accept_audience(self, url: str) -> None:
-        """Also accept access tokens addressed to `url` (a public address that reaches this server)."""
+        """Also accept access tokens addressed to `url` (a public address that reaches this server), an IP host
+        also in its canonical spelling: peers fetch from the URL as node/contributor/serving.py `canonical_url`
+        writes it (an IPv6 address compressed), whatever spelling the heartbeat gave."""
         parts = urlsplit(url)
         self.audiences.add(audience_of(parts.hostname, parts.port, parts.scheme))
+        try:
+            ip = ipaddress.ip_address(parts.hostname or "")
+        except ValueError:
+            return  # a DNS name: peers do not fetch from it (serving.py `peer_url_refusal`)
+        self.audiences.add(audience_of(str(ip), parts.port, parts.scheme))
 
     async def stop(self) -> None:
         if self._scanner is not None:

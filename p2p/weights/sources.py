@@ -11,8 +11,8 @@ never completes a shard still ends up weighing next to nothing.
 
 A source that signs availability records (availability.py) is asked only for the shards it claims; one that
 does not (an origin, a relay without an identity) is taken to hold every shard its manifest lists. A peer the
-swarm advertised (`node_id` set) is never taken to hold anything unsigned: only what a current record signed
-by its own node id claims. A source
+swarm advertised (`claimants` set) is never taken to hold anything unsigned: only what a current record signed
+by a node id that names it claims, the first such record binding it to that node (`node_id`). A source
 that claimed a shard and then did not serve it (503, 404), or sent a record that does not verify, has lied:
 its weight is multiplied by `lie_penalty` for each lie, on top of the failure's own cooldown.
 """
@@ -78,10 +78,29 @@ class SourceState:
     have: frozenset[int] | None = None
     record_ms: int = -1  # issued_at_ms of the newest record taken (an older one is a replay: ignored)
     lies: int = 0  # claimed shards it then did not serve, and records that did not verify
-    # A peer the swarm advertised (a heartbeat's weights URL): the node id its availability records must be
-    # signed by. It is asked only for shards a current record of that node claims, and dropped from the fetch
-    # when it sends bytes that do not match the manifest. None: an origin or relay the caller chose.
+    # A peer the swarm advertised (a heartbeat's weights URL): the node ids whose heartbeats name it (claims.py).
+    # Empty: an origin or relay the caller chose. `node_id` is the one it is bound to: the sole claimant, or the
+    # one whose current signed record it served first (peering.py); None while a contested server has not said.
+    # It is asked only for shards a current record of that node claims, and dropped from the fetch when it sends
+    # bytes that do not match the manifest.
+    claimants: frozenset[str] = frozenset()
     node_id: str | None = None
+
+    @property
+    def advertised(self) -> bool:
+        return bool(self.claimants)
+
+    def signers(self) -> frozenset[str] | None:
+        """Whose availability records this source may serve: its bound node id, else any claimant; None for an
+        origin or relay (any valid key: it is trusted with what it serves)."""
+        if self.node_id is not None:
+            return frozenset({self.node_id})
+        return self.claimants or None
+
+    def claimed_by(self, claimants: frozenset[str]) -> None:
+        """Make this an advertised peer named by `claimants`: bound at once when there is only one."""
+        self.claimants = claimants
+        self.node_id = next(iter(claimants)) if len(claimants) == 1 else None
 
     def holds(self, index: int) -> bool:
         """Whether this source may be asked for shard `index`: it signs no claims at all, or it claims it.
@@ -94,6 +113,7 @@ class SourceState:
         return {
             "url": self.url,
             "node_id": self.node_id,
+            "claimants": sorted(self.claimants),
             "bandwidth_mib_s": round((self.bandwidth or 0.0) / 2**20, 2),
             "success": round(self.success, 3),
             "shards_ok": self.shards_ok,
@@ -130,7 +150,7 @@ class SourcePool:
     def askable(self) -> list[SourceState]:
         """Usable sources that shards can be asked from: an advertised peer only once a record it signed
         verified. One that never signs is never asked, so it must not keep a failing fetch waiting either."""
-        return [s for s in self.usable() if s.node_id is None or s.records]
+        return [s for s in self.usable() if not s.advertised or s.records]
 
     def weight(self, source: SourceState, now: float, best: float | None = None) -> float:
         if source.excluded is not None or now < source.cooldown_until:

@@ -78,9 +78,15 @@ def same_tree(a: Path, b: Path) -> bool:
 
 @contextlib.asynccontextmanager
 async def serving(
-    store_dir: Path, trusted_key: str | None = None, **settings: object
+    store_dir: Path, trusted_key: str | None = None, *, identity: Identity | None = None, **settings: object
 ) -> AsyncIterator[WeightsServer]:
-    server = WeightsServer(Store(store_dir), ServeSettings(**{"port": 0, **settings}), trusted_key)  # type: ignore[arg-type]
+    """A real weights server over `store_dir` on 127.0.0.1 (signing availability records as `identity`)."""
+    server = WeightsServer(
+        Store(store_dir),
+        ServeSettings(**{"port": 0, **settings}),  # type: ignore[arg-type]
+        trusted_key,
+        identity=identity,
+    )
     server.url = await server.start()  # type: ignore[attr-defined]
     try:
         yield server
