@@ -168,10 +168,15 @@ def devnet(args: argparse.Namespace) -> int:
 
 
 def succeeded(report: dict) -> bool:
-    """No failure, nothing left running, no honest file rejected, every adversary that sent files banned."""
+    """No failure, nothing left running, no honest file rejected, every adversary that sent files banned, and
+    every drop-out (a pipeline devnet's `stage-dropout`) gone mid-batch, unpunished, its group-mate working again."""
+    dropouts = report.get("dropouts", [])
+    dropped = {d["name"] for d in dropouts}
     adversaries_ok = all(
-        a["banned"] for a in report["adversaries"] if a["rejected_files"] or a["accepted_files"]
-    )
+        a["banned"]
+        for a in report["adversaries"]
+        if (a["rejected_files"] or a["accepted_files"]) and a["name"] not in dropped
+    ) and all(d["ok"] for d in dropouts)
     return (
         report["error"] is None
         and ("dataset" not in report or report["dataset"] is not None)

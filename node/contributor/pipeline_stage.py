@@ -71,6 +71,7 @@ class PipelineStage:
     # production nodes never set them.
     tamper: Tamper | None = None
     load_stage: LoadStage = staticmethod(StageModel.load)
+    measure_throughput: Callable[[StageModel], float] = staticmethod(measure_layer_throughput)
 
     def __init__(
         self,
@@ -100,6 +101,7 @@ class PipelineStage:
         self.hop = HopSettings(frame_timeout_s=p.frame_timeout_s, connect_timeout_s=p.connect_timeout_s)
         self._tasks: dict[int, tuple[RunTasks, int, int]] = {}  # step -> (tasks, eos id, pad id)
         self.host: StageHost | None = None
+        self.group: GroupRecord | None = None  # the group it runs a stage of now
         self._abandoned_counted = 0
         state.pipeline = PipelineStatus()
 
@@ -188,7 +190,7 @@ class PipelineStage:
     def _measure(self, step: int) -> float:
         stage = min(self.offered)
         model = self.load_stage(self.keeper.store.checkpoint_dir(step), self.layout, stage)
-        return measure_layer_throughput(model)
+        return self.measure_throughput(model)
 
     # ----- group changes and the group's work ---------------------------------------------------------------
 
@@ -200,6 +202,7 @@ class PipelineStage:
             # The tokenizer and tasks of the group's checkpoint, off the loop, before the stage needs them.
             await asyncio.to_thread(self._prepare, group.policy_step)
         await self.host.on_change(group, why)
+        self.group = group
         self._count_abandoned()  # the batch in flight of a group it left
         status.group_id = group.group_id if group is not None else None
         status.stage = group.stage_of(self.identity.node_id) if group is not None else None

@@ -65,6 +65,10 @@ GROUPS_ENV = {
     "PRIME_NODE_GROUPS__CONFIRM_WITHIN_S": "20",
     "PRIME_NODE_GROUPS__COOLDOWN_S": "30",
 }
+# The validator judges a group's batch once every stage's file is in, or when this grace period after the first
+# ends (default 60 s, for peers across the internet): on loopback a member's file arrives within seconds, and a
+# batch broken by a member that died is judged incomplete (its survivors excused) without waiting a minute.
+VALIDATOR_GROUPS_ENV = {"PRIME_NODE_INTAKE__GROUP_GRACE_S": "15"}
 STAGE_ENV = {
     "PRIME_NODE_PIPELINE__POLL_S": "1.0",
     "PRIME_NODE_PIPELINE__STALE_AFTER_S": "10",
@@ -268,6 +272,9 @@ class DevnetLayout:
 
     def trainer_env(self) -> dict[str, str]:
         return {**self.env(), **TRAINER_ENV, **(GROUPS_ENV if self.boundaries is not None else {})}
+
+    def validator_env(self) -> dict[str, str]:
+        return {**self.env(), **(VALIDATOR_GROUPS_ENV if self.boundaries is not None else {})}
 
     def member_env(self) -> dict[str, str]:
         return {**self.env(), **NODE_ENV, **(STAGE_ENV if self.boundaries is not None else {})}

@@ -28,11 +28,13 @@ from ...node.environments.registry import DEFAULT_ENV
 from ...p2p.processes import end_pids
 from ..errors import TrainerError
 from .attacks import ATTACKS
+from .dropout import dropout_outcome, is_dropout
+from .dropout_record import read_drop_out
 from .layout import DevnetLayout, Sizing
 from .monitor import Monitor, Snapshot
 from .pipeline_attacks import PIPELINE_ATTACKS
 from .processes import Child, ProcessGroup, descendants, start_time, still_running
-from .report import build_report
+from .report import build_report, ledger_rows
 from .synthetic import SyntheticOptions, build_devnet_dataset
 from .tasks import TaskFilter, filtered_tasks, task_file_for
 from .view import LiveView
@@ -249,7 +251,7 @@ class Devnet:
         ready_at = time.time()
         view.message(f"trainer {ready['trainer'][:8]} serves step {ready['step']} at {ready['weights']}")
         validator = self.group.start(
-            "validator", layout.validator_argv(ready["maddrs"][:1]), env=layout.env()
+            "validator", layout.validator_argv(ready["maddrs"][:1]), env=layout.validator_env()
         )
         vready = wait_ready(validator, "validator", o.start_timeout_s)
         self.monitor.dashboard_url = vready["dashboard"]
@@ -274,8 +276,15 @@ class Devnet:
             progress = snapshot.accepted_files if o.synthetic is not None else snapshot.step
             done = progress >= (o.synthetic.target_files if o.synthetic is not None else o.steps)
             if done:
-                # Done, once every adversary has been caught (a slow one may not have sent a file yet).
-                pending = [m.name for m in snapshot.members if m.attack is not None and not m.banned]
+                # Done, once every adversary has been caught (a slow one may not have sent a file yet), and
+                # every drop-out has dropped out and its group-mate worked again.
+                dropouts = {m.name for m in self.layout.members if is_dropout(m)}
+                pending = [
+                    m.name
+                    for m in snapshot.members
+                    if m.attack is not None and not m.banned and m.name not in dropouts
+                ]
+                pending += self._dropouts_pending()
                 if o.pipeline_nodes and not any(
                     m.accepted for m in snapshot.members if m.stage is not None and m.attack is None
                 ):
@@ -299,8 +308,8 @@ class Devnet:
             exited = {
                 name: code
                 for name, code in self.group.exited().items()
-                if not (name == "trainer" and code == 0)
-            }  # it stops by itself after --max-steps
+                if not (name == "trainer" and code == 0) and not self._dropped_out(name)
+            }  # the trainer stops by itself after --max-steps; a drop-out kills itself
             if exited:
                 name, code = next(iter(exited.items()))
                 raise DevnetError(f"{name} exited on its own ({code}):\n{self.group.get(name).log_tail(30)}")
@@ -308,6 +317,31 @@ class Devnet:
                 self._scan()
                 last_scan = time.monotonic()
             time.sleep(o.poll_s)
+
+    def _dropped_out(self, name: str) -> bool:
+        """`name` is a drop-out that wrote its record before it died: its exit is the attack, not a failure."""
+        member = next((m for m in self.layout.members if m.name == name), None)
+        return member is not None and is_dropout(member) and read_drop_out(member.data_dir) is not None
+
+    def _dropouts_pending(self) -> list[str]:
+        """What the run still waits for from its drop-outs: the drop-out itself, then a survivor's regroup."""
+        dropouts = [m for m in self.layout.members if is_dropout(m)]
+        if not dropouts:
+            return []
+        contributions, slashes, bans = ledger_rows(self.layout.ledger_path)
+        pending = []
+        for member in dropouts:
+            outcome = dropout_outcome(self.layout, member, contributions, slashes, bans)
+            if not outcome["dropped"]:
+                pending.append(f"{member.name} to drop out mid-batch")
+            elif outcome["regrouped"] is None:
+                pending.append(
+                    f"a survivor of {member.name}'s group ({', '.join(outcome['survivors']) or 'none'}) "
+                    "to have a file of a new group accepted"
+                )
+            elif any(f["verdict"] is None for f in outcome["broken_batch_files"]):
+                pending.append(f"the verdicts on the files of the batch {member.name} broke")
+        return pending
 
     def _stop_all(self) -> dict[str, Any]:
         """Stop every child: the contributors together, then the validator, then the trainer (reverse order of
