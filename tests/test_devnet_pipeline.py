@@ -132,9 +132,10 @@ def test_a_pipeline_devnet_gives_every_party_the_layout_and_its_stage_nodes_thei
 
     model = tiny_model(tmp_path / "model")
     assert two_stages(model) == [0, 2, 4]
-    assert attack_kinds(4, pipeline=True) == [
+    assert attack_kinds(5, pipeline=True) == [
         "stage-weights",
         "stage-uncommitted",
+        "stage-tokens",
         "stage-dropout",
         "stage-weights",
     ]
@@ -157,6 +158,8 @@ def test_a_pipeline_devnet_gives_every_party_the_layout_and_its_stage_nodes_thei
     argv = layout.member_argv(cheat, [])  # activations are sent by stage 0 only: it offers no other
     assert argv[argv.index("--attack") + 1] == "stage-uncommitted"
     assert argv[argv.index("--stages") + 1 :][:2] == ["0", "--data-dir"]
+    argv = layout.member_argv(layout.add_member("adv-2-stage-tokens", "stage-tokens"), [])  # the sampler
+    assert argv[argv.index("--stages") + 1 :][:2] == ["1", "--data-dir"]
 
 
 def test_the_cheating_stages_cheat_as_described(tmp_path: Path) -> None:
@@ -168,7 +171,11 @@ def test_the_cheating_stages_cheat_as_described(tmp_path: Path) -> None:
     from prime_node.node.pipeline.stage import Outgoing
     from prime_node.node.pipeline.stage_model import StageModel
     from prime_node.p2p.pipeline.layout import StageLayout
-    from prime_node.trainer.devnet.pipeline_attacks import perturbed_stage, uncommitted_activations
+    from prime_node.trainer.devnet.pipeline_attacks import (
+        perturbed_stage,
+        substituted_tokens,
+        uncommitted_activations,
+    )
 
     model, layout = tiny_model(tmp_path / "model"), StageLayout(boundaries=[0, 2, 4])
     honest, cheat = StageModel.load(model, layout, 1), perturbed_stage(model, layout, 1)
@@ -191,6 +198,19 @@ def test_the_cheating_stages_cheat_as_described(tmp_path: Path) -> None:
     assert not torch.equal(sent.tensor, prefill.tensor) and sent.commitment == prefill.commitment
     later = Outgoing("prefill", 1, 0, [2], torch.ones(1, 3, 8), "float32", b"c")
     assert tamper(0, later) is later
+    # The last stage's substitute: one token of micro-batch 0's step 1, another id than it sampled.
+    substitute = substituted_tokens()
+    tokens = Outgoing("tokens", 0, 1, [0, 1], torch.tensor([0, 7]), "int64", b"")
+    swapped = substitute(1, tokens)
+    assert swapped.tensor.tolist() == [1, 7] and tokens.tensor.tolist() == [0, 7]
+    assert substitute(1, Outgoing("tokens", 0, 1, [0], torch.tensor([5]), "int64", b"")).tensor.tolist() == [
+        4
+    ]
+    for untouched in (
+        Outgoing("tokens", 0, 0, [0, 1], torch.tensor([0, 7]), "int64", b""),
+        Outgoing("tokens", 1, 1, [2], torch.tensor([3]), "int64", b""),
+    ):
+        assert substitute(1, untouched) is untouched
     key = "ab" * 32
     settings = StartSettings(operator_key=key, data_dir=tmp_path / "adv")
     with pytest.raises(NodeError, match="give --pipeline"):
@@ -199,13 +219,15 @@ def test_the_cheating_stages_cheat_as_described(tmp_path: Path) -> None:
     pipelined = settings.model_copy(
         update={"pipeline": settings.pipeline.model_copy(update={"enabled": True})}
     )
-    for kind in ("stage-uncommitted", "stage-weights"):
+    for kind in ("stage-uncommitted", "stage-tokens", "stage-weights"):
         stage_class = adversary_node(kind, pipelined).pipeline_stage
         stage = object.__new__(stage_class)  # the hooks only: no swarm, keeper or outbox behind it
         if kind == "stage-uncommitted":
             assert stage.tamper is not None and not torch.equal(
                 stage.tamper(0, prefill).tensor, prefill.tensor
             )
+        elif kind == "stage-tokens":
+            assert stage.tamper is not None and stage.tamper(1, tokens).tensor.tolist() == [1, 7]
         else:
             assert stage.tamper is None
             loaded = stage.load_stage(model, layout, 1)

@@ -2,10 +2,11 @@
 node/cli/adversary.py does in place of honest work. Each docstring names what catches it (docs/pipeline.md).
 
 They are hooks of the pipeline node (node/contributor/pipeline_stage.py `PipelineStage.load_stage`,
-`measure_throughput` and `tamper`), and the same adversaries as tests/support/pipeline_attacks.py's "weights" and
-"send-uncommitted" kinds; production nodes never load this module. `stage-dropout` cheats no verifier: it
-leaves mid-batch (node/cli/adversary.py runs it), which nobody is blamed for; the devnet checks that its group
-dissolves, nothing of the broken batch is accepted and its group-mate works again (trainer/devnet/dropout.py).
+`measure_throughput` and `tamper`), and the same adversaries as tests/support/pipeline_attacks.py's "weights",
+"send-uncommitted" and (in part) "tokens" kinds; production nodes never load this module. `stage-dropout`
+cheats no verifier: it leaves mid-batch (node/cli/adversary.py runs it), which nobody is blamed for; the devnet
+checks that its group dissolves, nothing of the broken batch is accepted and its group-mate works again
+(trainer/devnet/dropout.py).
 """
 
 from __future__ import annotations
@@ -62,6 +63,26 @@ def uncommitted_activations(seed: int = 0) -> Tamper:
     return tamper
 
 
+def substituted_tokens() -> Tamper:
+    """The last stage sends, in each batch's tokens frame of micro-batch 0 and step 1, another token for its first
+    row than it sampled, while its record keeps the sampled one; stage 0 feeds on the substitute. verify_group
+    finds its token frames belying its record ("the tokens it sent at step 1 are not its outputs": the sender
+    blamed, `pipeline`). Only the last stage samples, so this adversary offers the devnet's stage 1 alone (the
+    devnet cuts the model in two). The variant whose record lists the substitute too (tests/support/
+    pipeline_attacks.py "tokens", caught by the Gumbel-argmax recomputation) needs the stage's processor, which
+    the node's hooks do not reach."""
+
+    def tamper(_stage: int, out: Outgoing) -> Outgoing:
+        if out.kind != "tokens" or out.micro_batch != 0 or out.step != 1:
+            return out
+        tokens = out.tensor.clone()
+        sampled = int(tokens[0])
+        tokens[0] = sampled - 1 if sampled > 0 else 1  # another id inside any vocabulary
+        return dataclasses.replace(out, tensor=tokens)
+
+    return tamper
+
+
 @dataclass(frozen=True)
 class DropOut:
     """Leave mid-batch, for good: run batches honestly; once `after_batches` of them are done and their files
@@ -104,6 +125,7 @@ class StageAttack:
 PIPELINE_ATTACKS: dict[str, StageAttack] = {
     "stage-weights": StageAttack(load_stage=perturbed_stage),
     "stage-uncommitted": StageAttack(tamper=uncommitted_activations(), stages=(0,)),
+    "stage-tokens": StageAttack(tamper=substituted_tokens(), stages=(1,)),
     "stage-dropout": StageAttack(
         measure_throughput=claims_faster(DROPOUT_CLAIMED_SPEEDUP), drop_out=DropOut()
     ),
