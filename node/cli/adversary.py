@@ -77,10 +77,17 @@ class DropOutStage(PipelineStage):
             return out
         if out.step < self.drop_out.at_step:  # not yet: and no need to look at the outbox on every frame
             return out
+        # Only in a group of the newest step it knows of: a group of an older one is about to be dissolved for the
+        # new step anyway, which would hide the dissolution for a silent member that this adversary is to show.
+        if group.policy_step != self.state.announced_step:
+            return out
+        # A glob of the outbox's pending/ (a few files) on the loop, once per frame until it drops: the hook is
+        # synchronous, and a devnet adversary's pause of a millisecond harms nobody.
         if self.drop_out.due(status.batches, self.outbox.pending_count(), out):
             record = DropOutRecord(
                 at=time.time(),
                 group_id=group.group_id,
+                policy_step=group.policy_step,
                 batch=in_flight[1],
                 stage=stage,
                 members=list(group.members),

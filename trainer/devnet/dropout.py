@@ -35,7 +35,8 @@ def is_dropout(member: Member) -> bool:
 
 
 def group_files(members: Iterable[Member]) -> dict[tuple[str, str], dict[str, Any]]:
-    """(file hash, sender) -> {group, batch, kind, name, made_at} of every group file the members' outboxes hold
+    """(file hash, sender) -> {group, policy_step, batch, kind, name, made_at} of every group file the members'
+    outboxes hold
     (`made_at`: when its signature was written, just before the file was committed to the outbox)."""
     found: dict[tuple[str, str], dict[str, Any]] = {}
     for member in members:
@@ -51,6 +52,7 @@ def group_files(members: Iterable[Member]) -> dict[tuple[str, str], dict[str, An
                 if group is not None:
                     found[(envelope["sha256"], envelope["node_id"])] = {
                         "group": group,
+                        "policy_step": envelope["policy_step"],
                         "batch": envelope["batch_counter"],
                         "kind": envelope["kind"],
                         "name": member.name,
@@ -65,11 +67,9 @@ def dropout_outcome(
     contributions: list[dict[str, Any]],
     slashes: list[dict[str, Any]],
     bans: list[dict[str, Any]],
-    step_times: Iterable[float] = (),
 ) -> dict[str, Any]:
     """The report's entry for one drop-out (`ok`: dropped out, neither slashed nor banned, nothing of the broken
     batch accepted, a survivor of its group accepted in a new group)."""
-    step_times = list(step_times)
     record = read_drop_out(member.data_dir)
     if record is None:
         return {"name": member.name, "node_id": member.node_id, "dropped": False, "ok": False}
@@ -109,9 +109,9 @@ def dropout_outcome(
                 "batch": file["batch"],
                 "kill_to_made_s": round(file["made_at"] - record.at, 1),  # the new group's batch done
                 "kill_to_accepted_s": round(c["decided_at"] - record.at, 1),
-                # Policy steps announced meanwhile: a new step regroups every member (groups are per step), so
-                # with one in between the regroup did not wait for the coordinator to find the member gone.
-                "steps_announced_meanwhile": sum(1 for t in step_times if record.at < t < c["decided_at"]),
+                # A group of a later step: a new step regroups every member (groups are per step), so the regroup
+                # need not have waited for the coordinator to find the member gone.
+                "new_step": file["policy_step"] > record.policy_step,
             }
             break
     slashed = [s for s in slashes if s["node_id"] == member.node_id]

@@ -26,6 +26,7 @@ class DropOutRecord(BaseModel):
 
     at: float = Field(description="time.time() just before the SIGKILL")
     group_id: str = Field(pattern="^[0-9a-f]{64}$")
+    policy_step: int = Field(ge=0, description="the group's checkpoint step")
     batch: int = Field(ge=0)
     stage: int = Field(ge=0)
     members: list[str] = Field(description="the group's node ids in stage order (the dropped one included)")

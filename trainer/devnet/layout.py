@@ -193,12 +193,12 @@ class DevnetLayout:
             return dict(SWARM_ENV)
         return {**SWARM_ENV, "PRIME_NODE_RUN__PIPELINE": json.dumps({"boundaries": self.boundaries})}
 
-    def trainer_argv(self, max_steps: int) -> list[str]:
+    def trainer_argv(self, max_steps: int | None) -> list[str]:
+        """`max_steps` None: the trainer runs until the devnet stops it."""
         argv = [
             *CLI,
             "trainer",
-            "--max-steps",
-            str(max_steps),
+            *(["--max-steps", str(max_steps)] if max_steps is not None else []),
             "--model",
             str(self.model_dir),
             "--key",

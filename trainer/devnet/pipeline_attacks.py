@@ -86,8 +86,9 @@ def substituted_tokens() -> Tamper:
 @dataclass(frozen=True)
 class DropOut:
     """Leave mid-batch, for good: run batches honestly; once `after_batches` of them are done and their files
-    handed off (so its honest work is with the validator), in the batch it runs next, as it sends a frame of
-    decode step `at_step` or later, write down the batch and SIGKILL its own process group (the node, its DHT
+    handed off (so its honest work is with the validator), in a batch it runs next in a group of the newest
+    announced step, as it sends a frame of decode step `at_step` or later, write down the batch and SIGKILL its
+    own process group (the node, its DHT
     child and p2pd: a machine that lost power, bar the kernel closing its sockets). A frame of step >= 1 is only
     sent after the successor answered an earlier step of the same batch, so by then the successor has read this
     batch's signed opening and holds a partial record of it. It does not come back."""

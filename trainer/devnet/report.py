@@ -261,11 +261,7 @@ def build_report(
             for m in adversaries
         ],
         "dropouts": [
-            dropout_outcome(
-                layout, m, contributions, slashes, bans, [float(r["time"]) for r in monitor.steps]
-            )
-            for m in adversaries
-            if is_dropout(m)
+            dropout_outcome(layout, m, contributions, slashes, bans) for m in adversaries if is_dropout(m)
         ],
         "timings": timings(layout, monitor, contributions, ready_at, ended_at),
         "setup_s": round(setup_s, 1),
@@ -291,9 +287,9 @@ def dropout_line(a: dict[str, Any], d: dict[str, Any]) -> str:
         f"{regrouped['kill_to_made_s']:.1f} s and had it accepted {regrouped['kill_to_accepted_s']:.1f} s after "
         "the kill ("
         + (
-            f"{regrouped['steps_announced_meanwhile']} new policy step(s) meanwhile, each regrouping every member"
-            if regrouped["steps_announced_meanwhile"]
-            else "no new policy step meanwhile: the coordinator dissolved the group for its silent member"
+            "a group of a later policy step: the new step regrouped every member"
+            if regrouped["new_step"]
+            else "a group of the same policy step: the coordinator dissolved the broken group for its silent member"
         )
         + ")"
         if regrouped

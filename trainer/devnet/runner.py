@@ -246,7 +246,13 @@ class Devnet:
         if any(m.pipeline for m in layout.members):
             layout.boundaries = two_stages(o.model_dir)
             view.message(f"pipeline: stage layout {layout.boundaries}, groups formed by the trainer")
-        trainer = self.group.start("trainer", layout.trainer_argv(o.steps), env=layout.trainer_env())
+        # The trainer's group coordinator must outlive a drop-out: the survivors regroup after the kill, which may
+        # come after the last step (once it had stopped at --max-steps, the drop-out was never grouped again). With
+        # a drop-out the devnet stops the trainer itself, when it is done; it may have trained a step more.
+        has_dropout = any(is_dropout(m) for m in layout.members)
+        trainer = self.group.start(
+            "trainer", layout.trainer_argv(None if has_dropout else o.steps), env=layout.trainer_env()
+        )
         ready = wait_ready(trainer, "trainer", o.start_timeout_s)
         ready_at = time.time()
         view.message(f"trainer {ready['trainer'][:8]} serves step {ready['step']} at {ready['weights']}")
@@ -280,7 +286,7 @@ class Devnet:
                 # every drop-out has dropped out and its group-mate worked again.
                 dropouts = {m.name for m in self.layout.members if is_dropout(m)}
                 pending = [
-                    m.name
+                    f"{m.name} to be banned"
                     for m in snapshot.members
                     if m.attack is not None and not m.banned and m.name not in dropouts
                 ]
@@ -294,7 +300,7 @@ class Devnet:
                 done_at = done_at or time.monotonic()
                 if time.monotonic() - done_at > o.ban_wait_s:
                     raise DevnetError(
-                        f"the run is done, but not banned after {o.ban_wait_s:.0f} s more: "
+                        f"the run is done, but still waiting after {o.ban_wait_s:.0f} s more for: "
                         + ", ".join(pending)
                     )
             if progress != last_step:
