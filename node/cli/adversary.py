@@ -6,7 +6,8 @@ of trainer/devnet/attacks.py. Once the operator's ban of it shows up in the DHT 
 files would be refused at the door anyway) and idles until stopped, so it does not steal CPU from the
 honest nodes of a one-machine devnet. A pipeline attack (trainer/devnet/pipeline_attacks.py, with
 `--pipeline`) is a `start --pipeline` node whose stage is loaded or sends otherwise; once banned, the operator's
-coordinator no longer puts it in a group.
+coordinator no longer puts it in a group. `stage-dropout` works honestly until it kills itself mid-batch
+(`DropOutStage`).
 """
 
 from __future__ import annotations
@@ -14,18 +15,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from ...trainer.devnet.attacks import ATTACKS, attack_producer
-from ...trainer.devnet.pipeline_attacks import PIPELINE_ATTACKS
+from ...trainer.devnet.dropout_record import DROPOUT_FILE, DropOutRecord, drop_out_now
+from ...trainer.devnet.pipeline_attacks import PIPELINE_ATTACKS, DropOut
 from ...trainer.errors import TrainerError
 from ..contributor.daemon import ContributorNode
 from ..contributor.pipeline_stage import PipelineStage
 from ..contributor.rollout_loop import RolloutLoop
 from ..contributor.settings import StartSettings
 from ..errors import NodeError
+from ..pipeline.stage import Outgoing
 from . import start as start_cli
 from .flags import load_settings
 
@@ -55,6 +60,50 @@ class AttackLoop(RolloutLoop):
         await super().produce_one(step)
 
 
+class DropOutStage(PipelineStage):
+    """A pipeline stage that runs its batches honestly until its `drop_out` is due, then writes down the batch in
+    flight and SIGKILLs its process group from inside the send path (trainer/devnet/pipeline_attacks.py
+    `DropOut`): the batch is broken with frames already exchanged, as when a machine dies mid-batch."""
+
+    drop_out: DropOut = DropOut()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tamper = self._drop_when_due
+
+    def _drop_when_due(self, stage: int, out: Outgoing) -> Outgoing:
+        in_flight, group, status = self.host.in_flight if self.host else None, self.group, self.state.pipeline
+        if in_flight is None or group is None or in_flight[0] != group.group_id or status is None:
+            return out
+        if out.step < self.drop_out.at_step:  # not yet: and no need to look at the outbox on every frame
+            return out
+        # Only in a group of the newest step it knows of: a group of an older one is about to be dissolved for the
+        # new step anyway, which would hide the dissolution for a silent member that this adversary is to show.
+        if group.policy_step != self.state.announced_step:
+            return out
+        # A glob of the outbox's pending/ (a few files) on the loop, once per frame until it drops: the hook is
+        # synchronous, and a devnet adversary's pause of a millisecond harms nobody.
+        if self.drop_out.due(status.batches, self.outbox.pending_count(), out):
+            record = DropOutRecord(
+                at=time.time(),
+                group_id=group.group_id,
+                policy_step=group.policy_step,
+                batch=in_flight[1],
+                stage=stage,
+                members=list(group.members),
+                pid=os.getpid(),
+            )
+            logger.warning(
+                "adversary stage-dropout: killing this node mid-batch (batch %d of group %s…, %s frame of step %d)",
+                record.batch,
+                record.group_id[:16],
+                out.kind,
+                out.step,
+            )
+            drop_out_now(self.settings.resolved_data_dir() / DROPOUT_FILE, record)
+        return out
+
+
 def adversary_node(attack: str, settings: StartSettings) -> ContributorNode:
     """A ContributorNode whose rollout loop (or, for a pipeline attack, whose stage) cheats with `attack`."""
     if attack in PIPELINE_ATTACKS:
@@ -65,7 +114,12 @@ def adversary_node(attack: str, settings: StartSettings) -> ContributorNode:
         hooks: dict[str, object] = {"load_stage": staticmethod(cheat.load_stage)}
         if cheat.tamper is not None:
             hooks["tamper"] = staticmethod(cheat.tamper)
-        stage_class = type(f"AttackStage[{attack}]", (PipelineStage,), hooks)
+        if cheat.measure_throughput is not None:
+            hooks["measure_throughput"] = staticmethod(cheat.measure_throughput)
+        base: type[PipelineStage] = PipelineStage
+        if cheat.drop_out is not None:
+            base, hooks["drop_out"] = DropOutStage, cheat.drop_out
+        stage_class = type(f"AttackStage[{attack}]", (base,), hooks)
         return type("AdversaryNode", (ContributorNode,), {"pipeline_stage": stage_class})(settings)
     loop_class = type(f"AttackLoop[{attack}]", (AttackLoop,), {"attack": attack})
     node_class = type("AdversaryNode", (ContributorNode,), {"rollout_loop": loop_class})

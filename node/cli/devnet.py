@@ -3,8 +3,9 @@
 Creates the embedded model if it is missing, starts every role as its own process on 127.0.0.1, shows a
 live view, and after --steps policy steps (or Ctrl-C, SIGTERM, SIGHUP) stops them all and prints the report:
 reward per step (and a PNG), the leaderboard, who was slashed and why, and the timings. Exit status 0 when the run
-completed (or was interrupted) with every process stopped, every adversary banned and no honest file
-rejected; 1 otherwise.
+completed (or was interrupted) with every process stopped, every adversary banned (a pipeline drop-out: gone
+mid-batch unpunished, nothing of its batch accepted, its group-mate working again) and no honest file rejected;
+1 otherwise.
 """
 
 from __future__ import annotations
@@ -168,10 +169,15 @@ def devnet(args: argparse.Namespace) -> int:
 
 
 def succeeded(report: dict) -> bool:
-    """No failure, nothing left running, no honest file rejected, every adversary that sent files banned."""
+    """No failure, nothing left running, no honest file rejected, every adversary that sent files banned, and
+    every drop-out (a pipeline devnet's `stage-dropout`) gone mid-batch, unpunished, its group-mate working again."""
+    dropouts = report.get("dropouts", [])
+    dropped = {d["name"] for d in dropouts}
     adversaries_ok = all(
-        a["banned"] for a in report["adversaries"] if a["rejected_files"] or a["accepted_files"]
-    )
+        a["banned"]
+        for a in report["adversaries"]
+        if (a["rejected_files"] or a["accepted_files"]) and a["name"] not in dropped
+    ) and all(d["ok"] for d in dropouts)
     return (
         report["error"] is None
         and ("dataset" not in report or report["dataset"] is not None)

@@ -98,6 +98,7 @@ class PipelineStage:
     # production nodes never set them.
     tamper: Tamper | None = None
     load_stage: LoadStage = staticmethod(StageModel.load)
+    measure_throughput: Callable[[StageModel], float] = staticmethod(measure_layer_throughput)
 
     def __init__(
         self,
@@ -133,6 +134,7 @@ class PipelineStage:
             p.max_broken_files_per_group, p.max_broken_files_per_peer, p.broken_files_window_s
         )
         self._withheld_per_group: dict[str, int] = {}  # for the log: a warning at 1, 2, 4, 8... per group
+        self.group: GroupRecord | None = None  # the group it runs a stage of now
         self._abandoned_counted = 0
         state.pipeline = PipelineStatus()
         note = own_prompts_note(settings, layout)
@@ -227,7 +229,7 @@ class PipelineStage:
     def _measure(self, step: int) -> float:
         stage = min(self.offered)
         model = self.load_stage(self.keeper.store.checkpoint_dir(step), self.layout, stage)
-        return measure_layer_throughput(model)
+        return self.measure_throughput(model)
 
     # ----- group changes and the group's work ---------------------------------------------------------------
 
@@ -239,6 +241,7 @@ class PipelineStage:
             # The tokenizer and tasks of the group's checkpoint, off the loop, before the stage needs them.
             await asyncio.to_thread(self._prepare, group.policy_step)
         await self.host.on_change(group, why)
+        self.group = group
         self._count_abandoned()  # the batch in flight of a group it left
         status.group_id = group.group_id if group is not None else None
         status.stage = group.stage_of(self.identity.node_id) if group is not None else None

@@ -65,6 +65,10 @@ GROUPS_ENV = {
     "PRIME_NODE_GROUPS__CONFIRM_WITHIN_S": "20",
     "PRIME_NODE_GROUPS__COOLDOWN_S": "30",
 }
+# The validator judges a group's batch once every stage's file is in, or when this grace period after the first
+# ends (default 60 s, for peers across the internet): on loopback a member's file arrives within seconds, and a
+# batch broken by a member that died is judged incomplete (its survivors excused) without waiting a minute.
+VALIDATOR_GROUPS_ENV = {"PRIME_NODE_INTAKE__GROUP_GRACE_S": "15"}
 STAGE_ENV = {
     "PRIME_NODE_PIPELINE__POLL_S": "1.0",
     "PRIME_NODE_PIPELINE__STALE_AFTER_S": "10",
@@ -193,12 +197,12 @@ class DevnetLayout:
             layout["prompts"] = self.sizing.prompts
         return {**SWARM_ENV, "PRIME_NODE_RUN__PIPELINE": json.dumps(layout)}
 
-    def trainer_argv(self, max_steps: int) -> list[str]:
+    def trainer_argv(self, max_steps: int | None) -> list[str]:
+        """`max_steps` None: the trainer runs until the devnet stops it."""
         argv = [
             *CLI,
             "trainer",
-            "--max-steps",
-            str(max_steps),
+            *(["--max-steps", str(max_steps)] if max_steps is not None else []),
             "--model",
             str(self.model_dir),
             "--key",
@@ -272,6 +276,9 @@ class DevnetLayout:
 
     def trainer_env(self) -> dict[str, str]:
         return {**self.env(), **TRAINER_ENV, **(GROUPS_ENV if self.boundaries is not None else {})}
+
+    def validator_env(self) -> dict[str, str]:
+        return {**self.env(), **(VALIDATOR_GROUPS_ENV if self.boundaries is not None else {})}
 
     def member_env(self) -> dict[str, str]:
         return {**self.env(), **NODE_ENV, **(STAGE_ENV if self.boundaries is not None else {})}

@@ -23,6 +23,7 @@ from typing import Any
 
 from ...p2p.validator_api import MAX_TOP, LeaderboardRow, ValidatorApiClient, ValidatorApiError, call_sync
 from ...p2p.weights.store import Store
+from .dropout_record import read_drop_out
 from .layout import DevnetLayout, Member
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,10 @@ class Monitor:
             if isinstance(stage, dict):
                 group, k = stage.get("group_id"), stage.get("stage")
                 view.stage = f"stage {k} of {str(group)[:8]}" if group else "no group"
+        elif member.pipeline and (dropped := read_drop_out(member.data_dir)) is not None:
+            view.state = (
+                f"dropped out: killed itself mid-batch {dropped.batch} of group {dropped.group_id[:8]}"
+            )
         if row is not None:
             view.accepted, view.rejected, view.banned = row.accepted_files, row.rejected_files, row.banned
         return view

@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 from ..ledger import Ledger
 from ..ledger.leaderboard import leaderboard
 from ..ledger.slashing import DEFAULT_CHECK_CLASSES, CheckClass
+from .dropout import dropout_outcome, is_dropout
 from .layout import DevnetLayout
 from .monitor import Monitor
 from .plot import Series, figure, save
@@ -42,7 +43,7 @@ def _stats(values: list[float]) -> dict[str, float] | None:
     }
 
 
-def _ledger_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+def ledger_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     if not path.is_file():
         return [], [], []
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
@@ -51,7 +52,8 @@ def _ledger_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         contributions = [
             dict(r)
             for r in db.execute(
-                "SELECT node_id, step, accepted, failed_check, reason, received_at, decided_at FROM contributions"
+                "SELECT file_hash, node_id, step, accepted, failed_check, reason, received_at, decided_at "
+                "FROM contributions"
             )
         ]
         slashes = [
@@ -173,7 +175,7 @@ def build_report(
     stop: dict[str, Any],
     stopped_by: str,
 ) -> dict[str, Any]:
-    contributions, slashes, bans = _ledger_rows(layout.ledger_path)
+    contributions, slashes, bans = ledger_rows(layout.ledger_path)
     names = {m.node_id: m for m in layout.members}
     board = []
     if layout.ledger_path.is_file():
@@ -258,11 +260,47 @@ def build_report(
             }
             for m in adversaries
         ],
+        "dropouts": [
+            dropout_outcome(layout, m, contributions, slashes, bans) for m in adversaries if is_dropout(m)
+        ],
         "timings": timings(layout, monitor, contributions, ready_at, ended_at),
         "setup_s": round(setup_s, 1),
         "run_s": round(ended_at - ready_at, 1),
         "processes": stop,
     }
+
+
+def dropout_line(a: dict[str, Any], d: dict[str, Any]) -> str:
+    """A drop-out's outcome in words: what it broke, how that was judged, how long its group-mate took to work again."""
+    head = f"adversary {a['name']} ({a['attack']}): "
+    if not d["dropped"]:
+        return head + f"did NOT drop out ({a['accepted_files']} files accepted)"
+    files = ", ".join(
+        f"{f['name']} {f['kind']}: {f['verdict'] or 'no verdict yet'}" for f in d["broken_batch_files"]
+    )
+    punished = (f"SLASHED {d['slashed']} times" if d["slashed"] else "not slashed") + (
+        ", BANNED" if d["banned"] else ", not banned"
+    )
+    regrouped = d["regrouped"]
+    after = (
+        f"{regrouped['name']} regrouped (group {regrouped['group'][:8]}), made a file "
+        f"{regrouped['kill_to_made_s']:.1f} s and had it accepted {regrouped['kill_to_accepted_s']:.1f} s after "
+        "the kill ("
+        + (
+            "a group of a later policy step: the new step regrouped every member"
+            if regrouped["new_step"]
+            else "a group of the same policy step: the coordinator dissolved the broken group for its silent member"
+        )
+        + ")"
+        if regrouped
+        else f"NO survivor ({', '.join(d['survivors']) or 'none'}) had a file of a new group accepted"
+    )
+    return (
+        head
+        + f"killed itself (SIGKILL) mid-batch {d['batch']} of group {d['group'][:8]} as stage {d['stage']} after "
+        f"{a['accepted_files']} files accepted; {punished}; the broken batch's files: {files or 'none handed in'} "
+        f"({d['broken_batch_accepted']} accepted); {after}"
+    )
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -315,7 +353,11 @@ def format_report(r: dict[str, Any]) -> str:
             else ""
         ),
     ]
+    dropped = {d["name"]: d for d in r.get("dropouts", [])}
     for a in r["adversaries"]:
+        if a["name"] in dropped:
+            lines.append(dropout_line(a, dropped[a["name"]]))
+            continue
         lines.append(
             f"adversary {a['name']} ({a['attack']}): {'banned' if a['banned'] else 'NOT banned'}, "
             f"{a['rejected_files']} rejected, {a['accepted_files']} accepted"

@@ -28,11 +28,13 @@ from ...node.environments.registry import DEFAULT_ENV
 from ...p2p.processes import end_pids
 from ..errors import TrainerError
 from .attacks import ATTACKS
+from .dropout import dropout_outcome, is_dropout
+from .dropout_record import read_drop_out
 from .layout import DevnetLayout, Sizing
 from .monitor import Monitor, Snapshot
 from .pipeline_attacks import PIPELINE_ATTACKS
 from .processes import Child, ProcessGroup, descendants, start_time, still_running
-from .report import build_report
+from .report import build_report, ledger_rows
 from .synthetic import SyntheticOptions, build_devnet_dataset
 from .tasks import TaskFilter, filtered_tasks, task_file_for
 from .view import LiveView
@@ -244,12 +246,18 @@ class Devnet:
         if any(m.pipeline for m in layout.members):
             layout.boundaries = two_stages(o.model_dir)
             view.message(f"pipeline: stage layout {layout.boundaries}, groups formed by the trainer")
-        trainer = self.group.start("trainer", layout.trainer_argv(o.steps), env=layout.trainer_env())
+        # The trainer's group coordinator must outlive a drop-out: the survivors regroup after the kill, which may
+        # come after the last step (once it had stopped at --max-steps, the drop-out was never grouped again). With
+        # a drop-out the devnet stops the trainer itself, when it is done; it may have trained a step more.
+        has_dropout = any(is_dropout(m) for m in layout.members)
+        trainer = self.group.start(
+            "trainer", layout.trainer_argv(None if has_dropout else o.steps), env=layout.trainer_env()
+        )
         ready = wait_ready(trainer, "trainer", o.start_timeout_s)
         ready_at = time.time()
         view.message(f"trainer {ready['trainer'][:8]} serves step {ready['step']} at {ready['weights']}")
         validator = self.group.start(
-            "validator", layout.validator_argv(ready["maddrs"][:1]), env=layout.env()
+            "validator", layout.validator_argv(ready["maddrs"][:1]), env=layout.validator_env()
         )
         vready = wait_ready(validator, "validator", o.start_timeout_s)
         self.monitor.dashboard_url = vready["dashboard"]
@@ -274,8 +282,15 @@ class Devnet:
             progress = snapshot.accepted_files if o.synthetic is not None else snapshot.step
             done = progress >= (o.synthetic.target_files if o.synthetic is not None else o.steps)
             if done:
-                # Done, once every adversary has been caught (a slow one may not have sent a file yet).
-                pending = [m.name for m in snapshot.members if m.attack is not None and not m.banned]
+                # Done, once every adversary has been caught (a slow one may not have sent a file yet), and
+                # every drop-out has dropped out and its group-mate worked again.
+                dropouts = {m.name for m in self.layout.members if is_dropout(m)}
+                pending = [
+                    f"{m.name} to be banned"
+                    for m in snapshot.members
+                    if m.attack is not None and not m.banned and m.name not in dropouts
+                ]
+                pending += self._dropouts_pending()
                 if o.pipeline_nodes and not any(
                     m.accepted for m in snapshot.members if m.stage is not None and m.attack is None
                 ):
@@ -285,7 +300,7 @@ class Devnet:
                 done_at = done_at or time.monotonic()
                 if time.monotonic() - done_at > o.ban_wait_s:
                     raise DevnetError(
-                        f"the run is done, but not banned after {o.ban_wait_s:.0f} s more: "
+                        f"the run is done, but still waiting after {o.ban_wait_s:.0f} s more for: "
                         + ", ".join(pending)
                     )
             if progress != last_step:
@@ -299,8 +314,8 @@ class Devnet:
             exited = {
                 name: code
                 for name, code in self.group.exited().items()
-                if not (name == "trainer" and code == 0)
-            }  # it stops by itself after --max-steps
+                if not (name == "trainer" and code == 0) and not self._dropped_out(name)
+            }  # the trainer stops by itself after --max-steps; a drop-out kills itself
             if exited:
                 name, code = next(iter(exited.items()))
                 raise DevnetError(f"{name} exited on its own ({code}):\n{self.group.get(name).log_tail(30)}")
@@ -308,6 +323,31 @@ class Devnet:
                 self._scan()
                 last_scan = time.monotonic()
             time.sleep(o.poll_s)
+
+    def _dropped_out(self, name: str) -> bool:
+        """`name` is a drop-out that wrote its record before it died: its exit is the attack, not a failure."""
+        member = next((m for m in self.layout.members if m.name == name), None)
+        return member is not None and is_dropout(member) and read_drop_out(member.data_dir) is not None
+
+    def _dropouts_pending(self) -> list[str]:
+        """What the run still waits for from its drop-outs: the drop-out itself, then a survivor's regroup."""
+        dropouts = [m for m in self.layout.members if is_dropout(m)]
+        if not dropouts:
+            return []
+        contributions, slashes, bans = ledger_rows(self.layout.ledger_path)
+        pending = []
+        for member in dropouts:
+            outcome = dropout_outcome(self.layout, member, contributions, slashes, bans)
+            if not outcome["dropped"]:
+                pending.append(f"{member.name} to drop out mid-batch")
+            elif outcome["regrouped"] is None:
+                pending.append(
+                    f"a survivor of {member.name}'s group ({', '.join(outcome['survivors']) or 'none'}) "
+                    "to have a file of a new group accepted"
+                )
+            elif any(f["verdict"] is None for f in outcome["broken_batch_files"]):
+                pending.append(f"the verdicts on the files of the batch {member.name} broke")
+        return pending
 
     def _stop_all(self) -> dict[str, Any]:
         """Stop every child: the contributors together, then the validator, then the trainer (reverse order of
