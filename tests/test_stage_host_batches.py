@@ -320,6 +320,11 @@ async def test_a_broken_batch_has_every_member_hand_in_its_partial_record(
         b for b in sorted({x.batch for x in lost}) if {x.stage for x in lost if x.batch == b} == {0, 1}
     )
     records = [next(x.partial for x in lost if x.batch == batch and x.stage == k) for k in range(2)]
+    # Stage 0 read stage 1's short frame; stage 1 then saw stage 0 close its stream: each names the other.
+    assert [next(x.broken_by for x in lost if x.batch == batch and x.stage == k) for k in range(2)] == [
+        IDS[1].node_id,
+        IDS[0].node_id,
+    ]
     group = _group()
     spec = GroupSpec(RUN, 0, batch, LAYOUT, tuple(group.members))
     work = _work(model_dir)(group, batch)
@@ -375,6 +380,71 @@ async def test_a_group_whose_batches_keep_breaking_is_given_up(
     for k, named, why in gave_up:
         assert named == gid and "3 batches in a row broke" in why, why
         assert hosts[k].given_up[gid] == why
+
+
+async def test_a_successor_still_loading_its_stage_does_not_count_as_breaking_batches(
+    model_dir: Path, one_torch_thread: None
+) -> None:
+    """The leader's batch is in flight from the start: while stage 1 still loads its stage (here 1.5 s), each
+    of the leader's batches breaks after connect_timeout_s (0.2 s) with nobody to take it. Those are no
+    neighbour's doing and do not count toward leave_after_broken (2 here; before, they did and this honest
+    group dissolved after 0.5 s); once stage 1 is up, batches finish."""
+    hops, work_for = LoopbackHops(), _work(model_dir)
+    hop = HopSettings(frame_timeout_s=10.0, connect_timeout_s=0.2)
+    done: list[BatchDone] = []
+    gave_up: list[str] = []
+
+    async def on_batch(result: BatchDone) -> None:
+        done.append(result)
+
+    def slow_load(checkpoint: Path, layout: StageLayout, stage: int) -> StageModel:
+        time.sleep(1.5)  # a worker thread's (StageHost loads off the loop)
+        return StageModel.load(checkpoint, layout, stage)
+
+    hosts = [
+        StageHost(
+            IDS[k], RUN, model_dir, LAYOUT, work_for, hops, hop, on_batch, retry_s=0.05,
+            load_stage=slow_load if k == 1 else StageModel.load, leave_after_broken=2,
+            leave_without_batch_s=60.0, on_give_up=lambda _, why: gave_up.append(why),
+        )
+        for k in range(2)
+    ]  # fmt: skip
+    try:
+        for h in hosts:
+            await h.on_change(_group(), "named by the test's group")
+        deadline = time.monotonic() + 60.0
+        while not {d.stage for d in done} >= {0, 1}:
+            assert not gave_up, gave_up
+            assert time.monotonic() < deadline, f"no batch finished in 60 s: {hosts[0].abandoned_count} broke"
+            await asyncio.sleep(0.05)
+    finally:
+        for h in hosts:
+            await h.stop()
+    assert hosts[0].abandoned_count >= 3, "the leader's first batches should have broken while stage 1 loaded"
+    assert not gave_up, gave_up
+
+
+async def test_a_successor_that_never_takes_a_batch_is_left_after_the_time_limit(model_dir: Path) -> None:
+    """A member that never takes the stream breaks no batch after the ring closed, so leave_after_broken never
+    fires; leave_without_batch_s does: no batch finished in that long, the group is given up."""
+    gave_up: list[str] = []
+
+    async def on_batch(result: BatchDone) -> None:
+        raise AssertionError("a batch finished with no stage 1")
+
+    hop = HopSettings(frame_timeout_s=10.0, connect_timeout_s=0.1)
+    host = StageHost(
+        IDS[0], RUN, model_dir, LAYOUT, _work(model_dir), LoopbackHops(), hop, on_batch, retry_s=0.02,
+        leave_after_broken=2, leave_without_batch_s=1.0, on_give_up=lambda _, why: gave_up.append(why),
+    )  # fmt: skip
+    try:
+        await host.on_change(_group(), "named by the test's group")
+        assert host.task is not None
+        await asyncio.wait_for(host.task, 20.0)  # it ends by itself
+    finally:
+        await host.stop()
+    assert host.abandoned_count >= 3
+    assert len(gave_up) == 1 and gave_up[0].startswith("no batch finished in"), gave_up
 
 
 async def test_a_group_whose_batch_numbers_could_not_be_kept_is_not_run(model_dir: Path) -> None:
@@ -472,6 +542,58 @@ def test_the_broken_file_budget_counts_per_group_and_per_peer_within_its_window(
     assert budget.admit("g1", ["p"]) is None
     with pytest.raises(ValueError, match="positive"):
         BrokenFileBudget(per_group=0, per_peer=1, window_s=1.0)
+
+
+def test_fraud_reports_have_a_quota_of_their_own() -> None:
+    """A peer that hangs up until the partial records' limits are spent must not thereby silence the fraud
+    report on its next bad frame (the evidence that bans it): fraud reports are counted apart, in a small quota."""
+    budget = BrokenFileBudget(per_group=2, per_peer=2, window_s=10.0, fraud_per_group=2, fraud_per_peer=1)
+    assert budget.admit("g", ["p"]) is None and budget.admit("g", ["p"]) is None
+    assert budget.admit("g", ["p"]) is not None  # partial records: spent
+    assert budget.admit("g", ["p"], fraud=True) is None  # the fraud report is still written
+    refused = budget.admit("g", ["p"], fraud=True)
+    assert refused is not None and refused.reason == "peer_limit" and "fraud reports" in refused.why
+    assert budget.admit("g", ["q"], fraud=True) is None
+    refused = budget.admit("g", ["r"], fraud=True)
+    assert refused is not None and refused.reason == "group_limit"
+    with pytest.raises(ValueError, match="fraud_per_peer 0"):
+        BrokenFileBudget(per_group=1, per_peer=1, window_s=1.0, fraud_per_peer=0)
+
+
+def test_a_partial_record_is_charged_to_the_neighbour_whose_stream_broke(tmp_path: Path) -> None:
+    """In a group of three, this node (stage 1) has two neighbours; a batch the successor broke is charged to
+    the successor alone, so the honest predecessor keeps its per-peer budget (before, both were charged and the
+    predecessor's next batch broken by someone else went unrecorded). Unknown: both are charged."""
+    layout = StageLayout(boundaries=[0, 1, 2, 4])
+    ids = [Identity.from_seed(bytes([k + 7]) * 32) for k in range(2)]
+    before, after = ids[0].node_id, ids[1].node_id
+    members = [before, IDS[0].node_id, after]
+    now = time.time()
+    group = GroupRecord(
+        group_id=group_id(RUN, 0, members), round=1, policy_step=0, layout=layout, members=members,
+        formed_at=now, signed_at=now,
+    )  # fmt: skip
+    settings = StartSettings(
+        operator_key="ab" * 32,
+        data_dir=tmp_path,
+        run=RunSettings(run_id=RUN, pipeline=layout),
+        pipeline=PipelineNodeSettings(enabled=True, max_broken_files_per_peer=1),
+    )
+    stage = PipelineStage(
+        settings, IDS[0], None, None, Outbox(tmp_path / "rollouts"), NodeState(IDS[0].node_id, None),
+        tmp_path, environment=None, on_committed=lambda *_: None, supervise=lambda _: None,
+        request_stop=lambda _: None,
+    )  # fmt: skip
+
+    def lost(batch: int, broken_by: str | None) -> BatchLost:
+        return BatchLost(group, batch, 1, "broke", None, None, broken_by)
+
+    async def withheld() -> list[str | None]:
+        found = [await stage._withheld(lost(0, after)), await stage._withheld(lost(1, before))]
+        found.append(await stage._withheld(lost(2, None)))
+        return [w.reason if w is not None else None for w in found]
+
+    assert asyncio.run(withheld()) == [None, None, "peer_limit"]
 
 
 class _Watched(StageHost):

@@ -20,9 +20,11 @@ What a hostile neighbour can make this node write is bounded: every stage, not o
 batch while `max_pending_files` files wait for hand-off; a file about a broken batch is written only while
 fewer than that wait, and only within `BrokenFileBudget`'s limits per group and per neighbour
 (node/pipeline/broken_files.py: `pipeline.max_broken_files_per_group`, `max_broken_files_per_peer` within
-`broken_files_window_s`); a broken batch beyond them is counted (`stage_files_withheld_total`) and logged, not
-written. After `pipeline.leave_after_broken` broken batches of a group in a row, the host gives the group up and
-the member leaves it, not rejoining it for `pipeline.avoid_s` (node/pipeline/host.py, member.py).
+`broken_files_window_s`; fraud reports within a quota of their own; a partial record charged to the
+neighbour whose stream broke when known); a broken batch beyond them is counted (`stage_files_withheld_total`)
+and logged, not written. After `pipeline.leave_after_broken` batches of a group in a row broke once every member
+had taken them, or none finished in `pipeline.leave_without_batch_s`, the host gives the group up and the member
+leaves it, not rejoining it for `pipeline.avoid_s` (node/pipeline/host.py, member.py).
 
 The group's work is `work_for` (node/pipeline/work.py) over the run's tasks with the checkpoint's tokenizer,
 loaded off the event loop before the stage task starts. The batch's shape (problems per batch, micro-batch cut)
@@ -131,7 +133,11 @@ class PipelineStage:
         self.host: StageHost | None = None
         self.member: PipelineMember | None = None
         self.broken_files = BrokenFileBudget(
-            p.max_broken_files_per_group, p.max_broken_files_per_peer, p.broken_files_window_s
+            p.max_broken_files_per_group,
+            p.max_broken_files_per_peer,
+            p.broken_files_window_s,
+            fraud_per_group=p.max_fraud_reports_per_group,
+            fraud_per_peer=p.max_fraud_reports_per_peer,
         )
         self._withheld_per_group: dict[str, int] = {}  # for the log: a warning at 1, 2, 4, 8... per group
         self.group: GroupRecord | None = None  # the group it runs a stage of now
@@ -171,6 +177,7 @@ class PipelineStage:
             retry_s=p.retry_s,
             max_batch_jump=p.max_batch_jump,
             leave_after_broken=p.leave_after_broken,
+            leave_without_batch_s=p.leave_without_batch_s,
             on_give_up=self._give_up,
         )
         self.member = member = PipelineMember(
@@ -342,10 +349,18 @@ class PipelineStage:
             return Withheld("outbox_full", f"{pending} files wait for hand-off")
         members, stages = lost.group.members, self.layout.stages
         previous, following = members[(lost.stage - 1) % stages], members[(lost.stage + 1) % stages]
-        # A fraud report names its predecessor; a partial record's batch was broken by either neighbour.
-        suspects = [previous] if lost.fraud is not None else [previous, following]
+        # A fraud report names its predecessor; a partial record is charged to the neighbour whose stream broke
+        # when the host knows it (an honest other neighbour is not), else to both.
+        if lost.fraud is not None:
+            suspects = [previous]
+        elif lost.broken_by is not None:
+            suspects = [lost.broken_by]
+        else:
+            suspects = [previous, following]
         return self.broken_files.admit(
-            lost.group.group_id, (m for m in suspects if m != self.identity.node_id)
+            lost.group.group_id,
+            (m for m in suspects if m != self.identity.node_id),
+            fraud=lost.fraud is not None,
         )
 
     async def _on_lost(self, lost: BatchLost) -> None:

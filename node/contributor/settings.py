@@ -64,14 +64,26 @@ class PipelineNodeSettings(Section):
         "(further: refused, so no peer can push the number to the end of its range).",
     )
     # A broken batch makes a file for the validator at every member (a partial record or a fraud report), and a
-    # neighbour can break one every retry_s. An honest group breaks a few batches when a member departs (one per
-    # connect_timeout_s until the coordinator finds its heartbeat stale: about 5 at the defaults), so 8 in a row
-    # is a neighbour breaking them on purpose or a group that cannot work.
+    # neighbour can break one every retry_s. Only batches every member took count (node/pipeline/host.py): an
+    # honest departure breaks one such (the batch in flight; the next ones never reach every member), so 8 in a
+    # row is a neighbour breaking them on purpose or a group that cannot work.
     leave_after_broken: int = Field(
         8,
         ge=1,
         le=100_000,
         description="Leave a group after this many of its batches in a row broke (none finished between them).",
+    )
+    # Batches that break before every member took them do not count toward leave_after_broken (a member still
+    # loading its stage, or holding back while its outbox is full, breaks one every connect_timeout_s without
+    # fault), so this bounds how long a group none of whose batches finish is kept: well past loading a stage of
+    # a large checkpoint from disk (minutes) and the validator's usual hand-off pauses, yet a member that never
+    # takes a batch holds the others for no more than this.
+    leave_without_batch_s: float = Field(
+        900.0,
+        gt=0,
+        le=86_400,
+        description="Leave a group none of whose batches finished in this long (since this node's stage was "
+        "loaded or its last batch of the group finished).",
     )
     avoid_s: float = Field(
         600.0,
@@ -81,8 +93,9 @@ class PipelineNodeSettings(Section):
         "coordinator's 300 s cooldown of a member that does not confirm its group).",
     )
     # The validator needs every member's file of the same broken batch to blame its culprit; each member keeps
-    # the first ones of a group (the same batches at every honest member), so a handful per group is enough
-    # evidence, and a neighbour breaking batches on purpose gets no more than this written about it.
+    # the first ones of a group (mostly the same batches at every honest member: a full outbox or a peer's limit
+    # spent elsewhere can differ), so a handful per group is enough evidence, and a neighbour breaking batches
+    # on purpose gets no more than this written about it.
     max_broken_files_per_group: int = Field(
         4,
         ge=1,
@@ -96,6 +109,22 @@ class PipelineNodeSettings(Section):
         le=10_000,
         description="Partial records and fraud reports written per neighbour (over all groups) within "
         "broken_files_window_s: two groups' worth, so regrouping with the same peer writes little more.",
+    )
+    # Fraud reports are counted apart, so a peer that first hangs up a few times cannot spend the budget that
+    # would report its bad frames; one report bans its sender, and only the sender of a bad frame spends these.
+    max_fraud_reports_per_group: int = Field(
+        2,
+        ge=1,
+        le=10_000,
+        description="Fraud reports written per group within broken_files_window_s (apart from the partial "
+        "records' limits).",
+    )
+    max_fraud_reports_per_peer: int = Field(
+        2,
+        ge=1,
+        le=10_000,
+        description="Fraud reports written against one predecessor (over all groups) within "
+        "broken_files_window_s.",
     )
     broken_files_window_s: float = Field(
         600.0,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ...p2p.identity import Identity
 from ...p2p.pipeline.errors import PipelineWireError
@@ -24,13 +24,14 @@ from ...p2p.pipeline.transport import DelayedSender, Inbound, Route, StreamPair
 from ...proofs.pipeline.records import HopFraud, SignedStageRecord
 from ..engine.types import Completion
 from .driver import GroupSpec, Tamper, deliver_checked, stage_record
-from .errors import FraudDetected
+from .errors import FraudDetected, PipelineError
 from .hops import LoopbackHops
 from .stage import Outgoing, StageProcessor
 from .work import frame_shapes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+Side = Literal["previous", "following"]  # a stage's neighbour: the one it reads from, the one it writes to
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,15 @@ class StageRunner:
         self.chain = spec.reader(stage, shapes)
         self.fraud: HopFraud | None = None  # evidence when the predecessor sent a frame its commitment belies
         self.frames: FrameReader | None = None  # the predecessor's stream, once its opening was read
+        # The ring closed: every member took this batch (the leader read the last stage's opening, which comes
+        # round only after each stage took its predecessor's stream and its successor took its own; a follower
+        # read a frame after the opening, which the leader sends only then). A batch that breaks before is
+        # mostly a member not there yet (loading its stage, or holding back while its outbox is full), which
+        # StageHost does not count as a neighbour breaking batches (host.py).
+        self.ring_closed = False
+        # Which neighbour's stream failed first ("previous" or "following"), when a wait or send on it did;
+        # None when the batch broke otherwise (our own computation, a cancellation) or has not broken.
+        self.broke: Side | None = None
         # (what, micro-batch, start, end) on the monotonic clock: "compute" spans of this stage and "flight"
         # spans of its frames on the hop; benchmarks/pipeline.py and the tests read the overlap from them.
         self.timeline: list[tuple[str, int, float, float]] = []
@@ -71,16 +81,16 @@ class StageRunner:
         """Read the predecessor's signed opening of this batch (the exact one `spec` expects), each wait bounded:
         a follower does this before it records the batch number or signs anything for it, since the number came
         from the unsigned route. The leader sends first, so the predecessor's opening never waits on ours."""
-        received, _ = await inbound.accepted(self.hop.connect_timeout_s)
+        received, _ = await self._on("previous", inbound.accepted(self.hop.connect_timeout_s))
         frames = FrameReader(received, self.chain, timeout_s=self.hop.frame_timeout_s)
-        await frames.read_opening()
+        await self._on("previous", frames.read_opening())
         self.frames = frames
 
     async def run(self, inbound: Inbound, open_next: Callable[[], Awaitable[StreamPair]]) -> None:
         """Generate the batch: `inbound` brings the predecessor's stream, `open_next` opens ours to the
         successor (each bounded by `connect_timeout_s`); both are closed when this returns or fails."""
         try:
-            reader, writer = await open_next()
+            reader, writer = await self._on("following", open_next())
         except BaseException:
             inbound.close()
             raise
@@ -92,13 +102,14 @@ class StageRunner:
         hangup.add_done_callback(_retrieve)  # a reset is an outcome here, not an error to log
         ended = False
         try:
-            await out.send(self.writer.opening())
+            await self._on("following", out.send(self.writer.opening()))
             frames = self.frames
             if frames is None:  # the leader: its predecessor (the last stage) opens once ours reached it
                 received, _ = await self._unless_hung_up(hangup, inbound.accepted(self.hop.connect_timeout_s))
                 frames = FrameReader(received, self.chain, timeout_s=self.hop.frame_timeout_s)
                 await self._unless_hung_up(hangup, frames.read_opening())
                 self.frames = frames
+                self.ring_closed = True
             if self.processor.model.first:
                 for mb in range(len(self.processor.work.schedule)):
                     started = time.monotonic()
@@ -107,8 +118,11 @@ class StageRunner:
                     await self._send(out, outgoing)
             while True:
                 frame = await (
-                    frames.read_frame() if ended else self._unless_hung_up(hangup, frames.read_frame())
+                    self._on("previous", frames.read_frame())
+                    if ended
+                    else self._unless_hung_up(hangup, frames.read_frame())
                 )
+                self.ring_closed = True
                 if frame.header.kind == "end":
                     break
                 started = time.monotonic()
@@ -116,16 +130,20 @@ class StageRunner:
                     following = await asyncio.to_thread(deliver_checked, self.processor, frame, self.chain)
                 except FraudDetected as exc:
                     self.fraud = exc.fraud
+                    self.broke = self.broke or "previous"
+                    raise
+                except PipelineError:  # a frame the schedule does not call for: the predecessor's doing
+                    self.broke = self.broke or "previous"
                     raise
                 self.timeline.append(("compute", frame.header.micro_batch, started, time.monotonic()))
                 if following is not None:
                     await self._send(out, following)
                 if self.processor.model.first and self.processor.done:
-                    await out.send(self.writer.end(self.chain.acknowledgement())[0])
+                    await self._on("following", out.send(self.writer.end(self.chain.acknowledgement())[0]))
                     ended = True  # from here the successor may close: it has all it needs
             if not self.processor.model.first:
-                await out.send(self.writer.end(self.chain.acknowledgement())[0])
-            await out.close(self.hop.frame_timeout_s)
+                await self._on("following", out.send(self.writer.end(self.chain.acknowledgement())[0]))
+            await self._on("following", out.close(self.hop.frame_timeout_s))
         finally:
             hangup.cancel()
             out.task.cancel()
@@ -144,10 +162,19 @@ class StageRunner:
             if not task.done():
                 task.cancel()
         if task.done() and not task.cancelled():
-            return task.result()
+            return await self._on("previous", task)  # every wait raced with a hang-up is on the predecessor
+        self.broke = self.broke or "following"
         raise PipelineWireError(
             f"stage {(self.stage + 1) % self.spec.layout.stages} closed its stream mid-batch"
         )
+
+    async def _on(self, side: Side, waiting: Awaitable[T]) -> T:
+        """`waiting`'s result; when it fails, `side` ("previous" or "following") is the first stream that broke."""
+        try:
+            return await waiting
+        except Exception:  # a cancellation is the node stopping, no neighbour's doing
+            self.broke = self.broke or side
+            raise
 
     async def _send(self, out: DelayedSender, outgoing: Outgoing) -> None:
         if self.tamper is not None:
@@ -164,7 +191,7 @@ class StageRunner:
             acknowledged=self.chain.acknowledgement(),
         )
         queued = time.monotonic()
-        await out.send(encoded)
+        await self._on("following", out.send(encoded))
         self.timeline.append(("flight", outgoing.micro_batch, queued, queued + self.hop.delay_s))
 
 

@@ -26,16 +26,22 @@ node, across restarts too). A group whose marks refuse it (batch_marks.py: its s
 is not run at all.
 
 A group whose batches keep breaking is given up: after `leave_after_broken` batches in a row abandoned with
-none finished between them (a neighbour that opens each batch and hangs up, or sends frames the schedule does
-not call for, again and again), the stage task ends and `on_give_up` tells the owner, which leaves the group
-and does not rejoin it (node/pipeline/member.py `avoid`): each broken batch makes a file for the validator at
-every member, and the operator's coordinator keeps a group whose members all stay live and confirm it.
+none finished between them once the ring had closed (every member took the batch: group.py `ring_closed`; a
+neighbour that takes each batch and hangs up, or sends frames the schedule does not call for, again and
+again), or once no batch finished for `leave_without_batch_s`, the stage task ends and `on_give_up` tells the
+owner, which leaves the group and does not rejoin it (node/pipeline/member.py `avoid`): each broken batch can
+make a file for the validator at every member, and the operator's coordinator keeps a group whose members all
+stay live and confirm it. A batch that breaks before the ring closed is not counted: the leader's batch is in
+flight from the start and a follower's once its predecessor's opening is read, so a member still loading its
+stage, or holding back while its outbox is full, breaks one every `connect_timeout_s` without fault; the time
+limit alone covers a member that never takes a batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -95,6 +101,9 @@ class BatchLost:
     why: str
     fraud: HopFraud | None  # the predecessor's frame its commitment belies: the evidence against it
     partial: SignedStageRecord | None  # otherwise this stage's record up to the break
+    # The neighbour (node id) whose stream failed first, when that is known (group.py `StageRunner.broke`);
+    # None when the batch broke otherwise (this stage's own computation: activations no commitment admits).
+    broken_by: str | None = None
 
 
 # The checkpoint directory of a policy step (a node holds several; a group is for one step).
@@ -123,6 +132,7 @@ class StageHost:
         stop_timeout_s: float = STOP_TIMEOUT_S,
         max_batch_jump: int = MAX_BATCH_JUMP,
         leave_after_broken: int | None = None,
+        leave_without_batch_s: float | None = None,
         on_give_up: OnGiveUp | None = None,
     ) -> None:
         self.identity, self.run_id, self.layout = identity, run_id, layout
@@ -134,7 +144,8 @@ class StageHost:
         self.load_stage = load_stage
         self.retry_s, self.stop_timeout_s = retry_s, stop_timeout_s
         self.max_batch_jump = max_batch_jump
-        self.leave_after_broken = leave_after_broken  # None: never give a group up
+        self.leave_after_broken = leave_after_broken  # None: never give a group up for broken batches
+        self.leave_without_batch_s = leave_without_batch_s  # None: never give a group up for want of batches
         self.on_give_up = on_give_up
         self.given_up: dict[str, str] = {}  # group id -> why, for the groups this host gave up (newest last)
         self.task: asyncio.Task[None] | None = None
@@ -203,8 +214,13 @@ class StageHost:
         leader = stage == 0
         step = group.policy_step
         batch = self.marks.next_batch(group.group_id, step)  # never a number this node signed an opening for
-        broken = 0  # batches abandoned in a row, none finished between them
+        broken = 0  # batches abandoned in a row after the ring closed, none finished between them
+        progress_at = time.monotonic()  # when the stage was ready or a batch last finished
         while True:
+            idle_s = time.monotonic() - progress_at
+            if self.leave_without_batch_s is not None and idle_s >= self.leave_without_batch_s:
+                self._give_up(group, f"no batch finished in {idle_s:.0f} s")
+                return
             inbound: Inbound | None = None
             runner: StageRunner | None = None
             self.in_flight = (group.group_id, batch) if leader else None  # a follower's starts when opened
@@ -248,7 +264,8 @@ class StageHost:
                     if lost is not None and self.on_lost is not None:
                         await self.on_lost(lost)
                     batch += 1
-                    broken += 1
+                    if runner is not None and runner.ring_closed:  # else a member not there yet: see above
+                        broken += 1
                     if self.leave_after_broken is not None and broken >= self.leave_after_broken:
                         self._give_up(group, f"{broken} batches in a row broke, the last: {why}")
                         return
@@ -267,9 +284,12 @@ class StageHost:
             # final states: CPU work, off the loop. The runner is done with the processor and its streams (run()
             # returned), so the thread reads state nothing else touches.
             done = await asyncio.to_thread(self._done, group, batch, stage, processor, runner)
+            # The owner may hold here while its outbox is full (the validator's back-pressure): not the group's
+            # fault, so the time without a finished batch starts after.
             await self.on_batch(done)
             batch += 1
             broken = 0
+            progress_at = time.monotonic()
 
     def _give_up(self, group: GroupRecord, why: str) -> None:
         """End this group's stage task (the caller returns) and tell the owner, which leaves the group."""
@@ -316,8 +336,12 @@ class StageHost:
         the partial record); the runner's streams are closed by then, so nothing else touches its state."""
         if runner is None or runner.chain.opening is None:
             return None
+        stages = self.layout.stages
+        neighbours = {"previous": (stage - 1) % stages, "following": (stage + 1) % stages}
+        side = neighbours.get(runner.broke) if runner.broke is not None else None
+        broken_by = group.members[side] if side is not None else None
         if runner.fraud is not None:
-            return BatchLost(group, batch, stage, why, runner.fraud, None)
+            return BatchLost(group, batch, stage, why, runner.fraud, None, broken_by)
         outputs = known_tokens(runner.processor)
         partial = stage_record(stage, self.identity, runner.chain, runner.writer, outputs)
-        return BatchLost(group, batch, stage, why, None, partial)
+        return BatchLost(group, batch, stage, why, None, partial, broken_by)
