@@ -62,7 +62,7 @@ def _group() -> GroupRecord:
     members = [i.node_id for i in IDS]
     now = time.time()
     return GroupRecord(
-        group_id=group_id(RUN, 0, members),
+        group_id=group_id(RUN, 0, members, LAYOUT),
         round=1,
         policy_step=0,
         layout=LAYOUT,

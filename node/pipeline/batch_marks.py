@@ -2,7 +2,7 @@
 
 A stage signs a stream opening per batch (group, step, batch, stage). Were a stage task to start again at batch
 0 after a restart of the node, or after it left its group and rejoined the same group (the group id is the
-digest of run, step and members, so a group re-formed from the same members is the same group), it would sign
+digest of run, step, members and layout, so a group re-formed from the same members is the same group), it would sign
 other frames under an opening it had signed before: two validly signed streams of one opening that diverge,
 which a neighbour holding both could present as this member's equivocation. So the number is recorded, durably,
 before the opening is signed (`use`), and a stage task starts from `next_batch`.
