@@ -54,7 +54,8 @@ FORMAT_V1 = "prime-node/pipeline-batch-marks/v1"
 KEEP_STEPS = 128
 MAX_FILE_BYTES = 1 << 20
 # An entry is at most ~110 bytes of JSON (a 64-hex id, a step and a batch number below 2^63): 8192 fit in 1 MiB.
-# Runs count as entries too (a run id is at most 128 characters: RunParameters), so the bound holds for the file.
+# Runs count as entries too (a run id is at most 64 characters, p2p/names.py; a file's at most MAX_RUN_ID), so
+# the bound holds for the file.
 MAX_MARKS = 8192
 MAX_RUN_ID = 128
 
