@@ -220,7 +220,7 @@ def _node_view(node: str, beats: dict[str, Heartbeat], now: float = 100.0, **cha
 
 def _group(members: list[str], round_: int = 1, **changes: object) -> GroupRecord:
     fields: dict[str, object] = dict(
-        group_id=group_id(RUN, 3, members),
+        group_id=group_id(RUN, 3, members, LAYOUT),
         round=round_,
         policy_step=3,
         layout=LAYOUT,
@@ -229,6 +229,8 @@ def _group(members: list[str], round_: int = 1, **changes: object) -> GroupRecor
         signed_at=100.0,
     )
     fields.update(changes)
+    if "group_id" not in changes:  # the digest of what the record names, its layout included
+        fields["group_id"] = group_id(RUN, 3, members, fields["layout"])  # type: ignore[arg-type]
     return GroupRecord(**fields)
 
 
@@ -238,14 +240,14 @@ def test_a_node_runs_only_a_usable_group_of_the_newest_round_that_names_it() -> 
     good = _group([a, b])
     cases = {
         "does not name this node": _group([b, c]),
-        "not the digest": _group([a, b], group_id=group_id(RUN, 3, [b, a])),
+        "not the digest": _group([a, b], group_id=group_id(RUN, 3, [b, a], LAYOUT)),
         "boundaries [0, 1, 4], the run's [0, 2, 4]": _group([a, b], layout=StageLayout(boundaries=[0, 1, 4])),
         # A group whose batches are cut otherwise than the run's pinned shape: its members' frames would disagree.
         "micro_batch_size 4, the run's 2": _group(
             [a, b], layout=StageLayout(boundaries=[0, 2, 4], micro_batch_size=4)
         ),
         "prompts 8, the run's 4": _group([a, b], layout=StageLayout(boundaries=[0, 2, 4], prompts=8)),
-        "policy step 4": _group([a, b], policy_step=4, group_id=group_id(RUN, 4, [a, b])),
+        "policy step 4": _group([a, b], policy_step=4, group_id=group_id(RUN, 4, [a, b], LAYOUT)),
         "no heartbeat (unknown": _group([a, stranger]),
     }
     for reason, g in cases.items():
@@ -301,7 +303,7 @@ def test_a_restarted_coordinator_adopts_the_newest_round() -> None:
     a, b, c, d = IDS[:4]
     old = _group([a, b], round_=1)
     standing = _group([c, d], round_=2)
-    stale_step = _group([a, c], round_=2, policy_step=2, group_id=group_id(RUN, 2, [a, c]))
+    stale_step = _group([a, c], round_=2, policy_step=2, group_id=group_id(RUN, 2, [a, c], LAYOUT))
     assert adopt([old, standing, stale_step], 3, LAYOUT) == (2, [standing])
     assert adopt([], 3, LAYOUT) == (0, [])
 

@@ -95,7 +95,7 @@ async def test_a_killed_member_dissolves_its_group_and_the_survivors_regroup() -
             # peer's DHT validator refuses it, so no member ever sees it.
             pair = [spare.node_id, survivor.node_id]
             forged = first.model_copy(
-                update={"group_id": group_id("groups", 3, pair), "members": pair, "round": 99}
+                update={"group_id": group_id("groups", 3, pair, first.layout), "members": pair, "round": 99}
             )
             exp = get_dht_time() + 30
             value = seal(survivor.identity, "groups", RecordKind.GROUP, forged.group_id, forged, exp)

@@ -47,7 +47,7 @@ def offer(node: Identity, **changes: object) -> StageAvailability:
 def group(members: list[str] | None = None, **changes: object) -> GroupRecord:
     members = members or [NODES[0].node_id, NODES[1].node_id]
     fields: dict[str, object] = dict(
-        group_id=group_id(RUN, 3, members),
+        group_id=group_id(RUN, 3, members, LAYOUT),
         round=1,
         policy_step=3,
         layout=LAYOUT,
@@ -56,6 +56,8 @@ def group(members: list[str] | None = None, **changes: object) -> GroupRecord:
         signed_at=1.0,
     )
     fields.update(changes)
+    if "group_id" not in changes:  # the digest of what the record names, its layout included
+        fields["group_id"] = group_id(RUN, 3, members, fields["layout"])  # type: ignore[arg-type]
     return GroupRecord(**fields)
 
 
@@ -94,7 +96,7 @@ def test_the_largest_offer_and_group_fit_their_size_limits() -> None:
     payload_of(RecordKind.STAGES, big)  # raises RecordError when over the limit
     members = [Identity.from_seed(bytes([120 + i]) * 32).node_id for i in range(64)]
     layout = StageLayout(boundaries=list(range(0, 65 * 16, 16)))
-    payload_of(RecordKind.GROUP, group(members, group_id=group_id(RUN, 3, members), layout=layout))
+    payload_of(RecordKind.GROUP, group(members, group_id=group_id(RUN, 3, members, layout), layout=layout))
 
 
 def _hostile() -> dict[str, tuple[RecordKind, str, bytes]]:
@@ -162,8 +164,8 @@ def _hostile() -> dict[str, tuple[RecordKind, str, bytes]]:
         "group signed by a wrong operator key": raw_group(Identity.from_seed(bytes([7]) * 32)),
         "group under another group's subkey": (
             RecordKind.GROUP,
-            group_id(RUN, 3, other_members),
-            seal(OPERATOR, RUN, RecordKind.GROUP, group_id(RUN, 3, other_members), g, exp),
+            group_id(RUN, 3, other_members, LAYOUT),
+            seal(OPERATOR, RUN, RecordKind.GROUP, group_id(RUN, 3, other_members, LAYOUT), g, exp),
         ),
         "group naming a node twice": raw_group(members=[n0.node_id, n0.node_id]),
         "group with more members than stages": raw_group(members=[n.node_id for n in NODES[:3]]),
@@ -193,3 +195,21 @@ def test_a_group_outlives_no_longer_than_its_kind_allows(validator: SwarmRecordV
     value = seal(OPERATOR, RUN, RecordKind.GROUP, g.group_id, g, exp)
     with pytest.raises(RecordError, match="limit"):
         validator.check(record(RecordKind.GROUP, g.group_id, value, exp))
+
+
+def test_a_group_id_binds_every_field_of_the_layout() -> None:
+    """The same members at the same step under another layout (a trainer restarted with another `[run]` pipeline
+    section) form another group, and the record's id and the streams' id (GroupSpec) are computed alike."""
+    members = [NODES[0].node_id, NODES[1].node_id]
+    layouts = [
+        LAYOUT,
+        LAYOUT.model_copy(update={"boundaries": [0, 1, LAYOUT.layers]}),
+        LAYOUT.model_copy(update={"activation_dtype": "bfloat16"}),
+        LAYOUT.model_copy(update={"prompts": LAYOUT.prompts + 1}),
+        LAYOUT.model_copy(update={"micro_batch_size": LAYOUT.micro_batch_size + 1}),
+    ]
+    ids = [group_id(RUN, 3, members, layout) for layout in layouts]
+    assert len(set(ids)) == len(layouts)
+    for layout, gid in zip(layouts, ids, strict=True):
+        assert GroupSpec(RUN, 3, 0, layout, tuple(members)).group_id == gid
+        assert group_id(RUN, 3, members, StageLayout.model_validate(layout.model_dump(mode="json"))) == gid

@@ -21,7 +21,7 @@ from prime_node.node.pipeline.work import GroupBatch, work_for
 from prime_node.node.run.settings import RunSettings
 from prime_node.node.run.validation import RunTasks
 from prime_node.p2p.identity import Identity
-from prime_node.p2p.pipeline.layout import StageLayout
+from prime_node.p2p.pipeline.layout import StageLayout, layout_digest
 from prime_node.proofs.assignment import assign
 from prime_node.proofs.pipeline.stage_file import STAGE_SCHEMA, read_stage_file
 from prime_node.proofs.rollout_file import read_rollout_file, sign_bytes, signature_path
@@ -142,6 +142,13 @@ CASES = {
     "signature-hex": (_set("stage_signature", "zz" * 64), "'stage_signature': not 128 lowercase hex"),
     "signature-other": (_set("stage_signature", "ab" * 64), "'stage_signature': not the signer's signature"),
     "proof-middle": (_set("proof", b"\x01" * 258), "this file carries none"),
+    "layout-hex": (_set("layout_sha256", "AB" * 32), "'layout_sha256': not 64 lowercase hex"),
+    "layout-differs": (_set("layout_sha256", "ab" * 32, row=1), "layout_sha256.*row 1 differs"),
+    # Another layout's digest is another group than the one the envelope signs (the layout is part of its id).
+    "layout-other": (
+        _set("layout_sha256", "ab" * 32),
+        "another group than the file's members, run, policy step and",
+    ),
 }
 
 
@@ -230,6 +237,7 @@ def test_a_finished_batch_is_judged_whole_and_a_partial_record_cannot_void_it(ma
         members=list(files.spec.members),
         prompts=2,
         micro_batch_size=1,
+        layout_sha256=layout_digest(files.spec.layout),
     )
     partial = tmp_path / "partial.json"
     write_report(partial, PartialReport(claim=claim, record=first.record), members[0])
@@ -309,7 +317,13 @@ def test_a_later_stage_signing_frames_of_another_cut_is_charged_alone(made, tmp_
     signed = SignedStageRecord.sign(record.model_copy(update={"sent": sent}), members[1])
     path = tmp_path / "other-cut.parquet"
     write_stage_file(
-        path, list(last.rows), members[1], members=last.members, micro_batch_size=1, signed=signed
+        path,
+        list(last.rows),
+        members[1],
+        members=last.members,
+        layout_sha256=layout_digest(files.spec.layout),
+        micro_batch_size=1,
+        signed=signed,
     )
     deliveries = [Delivery(files.paths[0], members[0].node_id), Delivery(path, members[1].node_id)]
     assert RUN.pipeline is not None

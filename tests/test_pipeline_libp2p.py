@@ -182,7 +182,7 @@ async def test_two_processes_generate_like_one_engine_and_strangers_are_refused(
     first_id, second_id = Identity.from_seed(b"\x11" * 32), Identity.from_seed(b"\x12" * 32)
     members = [first_id.node_id, second_id.node_id]
     group = GroupRecord(
-        group_id=group_id(RUN, STEP, members),
+        group_id=group_id(RUN, STEP, members, LAYOUT),
         round=1,
         policy_step=STEP,
         layout=LAYOUT,

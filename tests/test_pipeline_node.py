@@ -127,7 +127,8 @@ async def _run_nodes(tmp_path: Path, running, coordinator: GroupCoordinator, dir
         assert status is not None and status["pipeline"]["group_id"] == group.group_id
         assert status["pipeline"]["batches"] >= 1 and status["pipeline"]["stage_files"] >= 1
         marks = json.loads((dirs[0] / "pipeline" / "batch_marks.json").read_text())
-        assert {g: (step, b) for g, step, b in marks["next"]}[group.group_id][1] >= 1
+        (run_marks,) = [m for run_id, _, m in marks["runs"] if run_id == RUN]  # kept per run
+        assert {g: (step, b) for g, step, b in run_marks}[group.group_id][1] >= 1
         for node in nodes:  # a clean stop: the stage task cancelled, the daemon's shutdown bounded
             os.killpg(node.pid, signal.SIGTERM)
         for node in nodes:

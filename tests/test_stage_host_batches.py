@@ -22,7 +22,7 @@ from prime_node.node.contributor.settings import PipelineNodeSettings, StartSett
 from prime_node.node.contributor.state import NodeState
 from prime_node.node.engine.hf import eos_and_pad
 from prime_node.node.engine.types import SamplingParams
-from prime_node.node.pipeline.batch_marks import FORMAT, BatchMarks
+from prime_node.node.pipeline.batch_marks import FORMAT, FORMAT_V2, BatchMarks
 from prime_node.node.pipeline.broken_files import BrokenFileBudget
 from prime_node.node.pipeline.driver import Tamper
 from prime_node.node.pipeline.errors import PipelineError
@@ -62,7 +62,7 @@ def _group() -> GroupRecord:
     members = [i.node_id for i in IDS]
     now = time.time()
     return GroupRecord(
-        group_id=group_id(RUN, 0, members),
+        group_id=group_id(RUN, 0, members, LAYOUT),
         round=1,
         policy_step=0,
         layout=LAYOUT,
@@ -145,7 +145,7 @@ async def test_batch_numbers_never_repeat_for_a_group_across_a_restart(
     for k in range(2):
         before, after = _per_stage(first, k), _per_stage(second, k)
         assert min(after) > max(before), (k, before, after)
-        assert BatchMarks(paths[k]).next_batch(gid, 0) > max(after)
+        assert BatchMarks(paths[k]).next_batch(RUN, gid, 0) > max(after)
     signed = [(d.stage, d.batch) for d in first + second]
     assert len(signed) == len(set(signed))
 
@@ -153,25 +153,73 @@ async def test_batch_numbers_never_repeat_for_a_group_across_a_restart(
 def test_batch_marks_are_durable_and_refuse_reuse(tmp_path: Path) -> None:
     path = tmp_path / "marks.json"
     marks = BatchMarks(path)
-    marks.use("aa" * 32, 3, 0)
-    marks.use("aa" * 32, 3, 5)
-    assert BatchMarks(path).next_batch("aa" * 32, 3) == 6
+    marks.use(RUN, "aa" * 32, 3, 0)
+    marks.use(RUN, "aa" * 32, 3, 5)
+    assert BatchMarks(path).next_batch(RUN, "aa" * 32, 3) == 6
     with pytest.raises(PipelineError, match="already used"):
-        marks.use("aa" * 32, 3, 3)
+        marks.use(RUN, "aa" * 32, 3, 3)
     with pytest.raises(PipelineError, match="a group id names one step"):
-        marks.use("aa" * 32, 4, 6)
+        marks.use(RUN, "aa" * 32, 4, 6)
     for text, why in (
         ("{", "unreadable"),
         (json.dumps({"format": "other", "next": []}), "format"),
-        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", 0, -1]]}), "batch number"),
-        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", -2, 1]]}), "a step"),
-        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", 1]]}), "unreadable"),
-        (json.dumps({"format": FORMAT, "floor": -1, "next": []}), "floor"),
-        (json.dumps({"format": FORMAT, "floor": 0, "next": [["aa", True, 1]]}), "a step"),
+        (json.dumps({"format": FORMAT_V2, "floor": 0, "next": [["aa", 0, -1]]}), "batch number"),
+        (json.dumps({"format": FORMAT_V2, "floor": 0, "next": [["aa", -2, 1]]}), "a step"),
+        (json.dumps({"format": FORMAT_V2, "floor": 0, "next": [["aa", 1]]}), "unreadable"),
+        (json.dumps({"format": FORMAT_V2, "floor": -1, "next": []}), "floor"),
+        (json.dumps({"format": FORMAT_V2, "floor": 0, "next": [["aa", True, 1]]}), "a step"),
+        (
+            json.dumps({"format": FORMAT, "runs": [["r", 0, [["aa", None, 1]]]], "legacy": {}}),
+            "names no step",
+        ),
+        (json.dumps({"format": FORMAT, "runs": [["r", 0, []], ["r", 0, []]], "legacy": {}}), "named twice"),
+        (json.dumps({"format": FORMAT, "runs": [["", 0, []]], "legacy": {}}), "run id"),
+        (json.dumps({"format": FORMAT, "runs": [["r", -1, []]], "legacy": {}}), "floor"),
+        (json.dumps({"format": FORMAT, "runs": []}), "legacy"),
+        (json.dumps([]), "not a JSON object"),
     ):
         path.write_text(text)
         with pytest.raises(PipelineError, match=why):
             BatchMarks(path)
+
+
+def _marks_in(path: Path) -> list[list[object]]:
+    document = json.loads(path.read_text())
+    return [m for _, _, marks in document["runs"] for m in marks] + document["legacy"]["next"]
+
+
+def test_each_run_keeps_its_own_floor_across_a_reload(tmp_path: Path) -> None:
+    """One floor for every run refused a node's groups of a new run (same data directory) below the old run's
+    newest step minus `keep_steps`: run B's step 3 after run A's step 500. Each run now has its own floor."""
+    path = tmp_path / "marks.json"
+    marks = BatchMarks(path, keep_steps=128)
+    marks.use("run-a", "aa" * 32, 500, 0)
+    for reread in (marks, BatchMarks(path, keep_steps=128)):
+        assert reread.floor("run-a") == 372 and reread.floor("run-b") == 0
+        assert reread.why_refused("run-b", "bb" * 32, 3) is None
+        assert "below 372" in (reread.why_refused("run-a", "cc" * 32, 3) or "")
+    reread = BatchMarks(path, keep_steps=128)
+    reread.use("run-b", "bb" * 32, 3, 0)
+    again = BatchMarks(path, keep_steps=128)
+    assert again.next_batch("run-b", "bb" * 32, 3) == 1 and again.next_batch("run-a", "aa" * 32, 500) == 1
+    assert again.floor("run-a") == 372 and again.floor("run-b") == 0
+
+
+def test_a_v2_file_of_an_unknown_run_is_read_safely(tmp_path: Path) -> None:
+    """A v2 file kept one floor and no run id: its marks still count for the group that uses them (numbers never
+    repeat), and its floor for every run (nothing says which run raised it), across a rewrite in the v3 format."""
+    path = tmp_path / "marks.json"
+    path.write_text(json.dumps({"format": FORMAT_V2, "floor": 40, "next": [["aa" * 32, 50, 7]]}))
+    marks = BatchMarks(path)
+    assert marks.next_batch("any", "aa" * 32, 50) == 7 and "below 40" in (
+        marks.why_refused("new", "bb" * 32, 39) or ""
+    )
+    with pytest.raises(PipelineError, match="already used"):
+        marks.use("run-a", "aa" * 32, 50, 6)
+    marks.use("run-a", "aa" * 32, 50, 7)  # the mark moves to the run that used it
+    reread = BatchMarks(path)
+    assert json.loads(path.read_text())["format"] == FORMAT
+    assert reread.next_batch("run-a", "aa" * 32, 50) == 8 and reread.floor("run-b") == 40
 
 
 def test_a_mark_is_never_forgotten_while_its_group_could_run_again(tmp_path: Path) -> None:
@@ -182,43 +230,47 @@ def test_a_mark_is_never_forgotten_while_its_group_could_run_again(tmp_path: Pat
     first = f"{0:064x}"
     # 1100 groups of one step, the first used first (written directly: 1100 fsynced saves take seconds).
     many = [[first, 10, 8]] + [[f"{k:064x}", 10, 1] for k in range(1, 1100)]
-    path.write_text(json.dumps({"format": FORMAT, "floor": 0, "next": many}))
+    path.write_text(
+        json.dumps({"format": FORMAT, "runs": [[RUN, 0, many]], "legacy": {"floor": 0, "next": []}})
+    )
     marks = BatchMarks(path, keep_steps=4)
-    marks.use("ab" * 32, 10, 0)  # one more group of the same step: none may push the first out
-    assert BatchMarks(path, keep_steps=4).next_batch(first, 10) == 8
-    assert len(json.loads(path.read_text())["next"]) == 1101
-    marks.use("bb" * 32, 14, 0)  # 14 - 4 = 10: step 10 is still kept
-    assert BatchMarks(path, keep_steps=4).next_batch(first, 10) == 8
-    marks.use("cc" * 32, 15, 2)  # step 10 falls below the floor (11): its marks go, its groups are refused
+    marks.use(RUN, "ab" * 32, 10, 0)  # one more group of the same step: none may push the first out
+    assert BatchMarks(path, keep_steps=4).next_batch(RUN, first, 10) == 8
+    assert len(_marks_in(path)) == 1101
+    marks.use(RUN, "bb" * 32, 14, 0)  # 14 - 4 = 10: step 10 is still kept
+    assert BatchMarks(path, keep_steps=4).next_batch(RUN, first, 10) == 8
+    marks.use(
+        RUN, "cc" * 32, 15, 2
+    )  # step 10 falls below the floor (11): its marks go, its groups are refused
     for reread in (marks, BatchMarks(path, keep_steps=4)):
-        assert reread.floor == 11
-        assert "below 11" in (reread.why_refused(first, 10) or "")
+        assert reread.floor(RUN) == 11
+        assert "below 11" in (reread.why_refused(RUN, first, 10) or "")
         with pytest.raises(PipelineError, match="refused"):
-            reread.next_batch(first, 10)
+            reread.next_batch(RUN, first, 10)
         with pytest.raises(PipelineError, match="refused"):
-            reread.use(first, 10, 8)
-        assert reread.why_refused("dd" * 32, 11) is None and reread.next_batch("cc" * 32, 15) == 3
-    assert len(json.loads(path.read_text())["next"]) == 2  # the 1101 groups of step 10 are gone from the file
+            reread.use(RUN, first, 10, 8)
+        assert reread.why_refused(RUN, "dd" * 32, 11) is None and reread.next_batch(RUN, "cc" * 32, 15) == 3
+    assert len(_marks_in(path)) == 2  # the 1101 groups of step 10 are gone from the file
 
 
 def test_batch_marks_refuse_a_new_group_when_full_and_read_a_v1_file(tmp_path: Path) -> None:
     path = tmp_path / "marks.json"
-    marks = BatchMarks(path, max_marks=2)
-    marks.use("aa" * 32, 1, 0)
-    marks.use("bb" * 32, 1, 0)
-    assert "2 groups already" in (marks.why_refused("cc" * 32, 1) or "")
+    marks = BatchMarks(path, max_marks=3)  # the run's entry and two marks
+    marks.use(RUN, "aa" * 32, 1, 0)
+    marks.use(RUN, "bb" * 32, 1, 0)
+    assert "3 groups and runs already" in (marks.why_refused(RUN, "cc" * 32, 1) or "")
     with pytest.raises(PipelineError, match="refused"):
-        marks.use("cc" * 32, 1, 0)
-    marks.use("aa" * 32, 1, 1)  # a group it has a mark of still runs
+        marks.use(RUN, "cc" * 32, 1, 0)
+    marks.use(RUN, "aa" * 32, 1, 1)  # a group it has a mark of still runs
     # A v1 file names no steps: its marks are kept for good, never dropped by step.
     path.write_text(json.dumps({"format": "prime-node/pipeline-batch-marks/v1", "next": [["aa" * 32, 4]]}))
     old = BatchMarks(path, keep_steps=1)
-    old.use("bb" * 32, 100, 0)
+    old.use(RUN, "bb" * 32, 100, 0)
     reread = BatchMarks(path)
     assert (
-        reread.floor == 99
-        and reread.next_batch("aa" * 32, 99) == 4
-        and reread.next_batch("bb" * 32, 100) == 1
+        reread.floor(RUN) == 99
+        and reread.next_batch(RUN, "aa" * 32, 99) == 4
+        and reread.next_batch(RUN, "bb" * 32, 100) == 1
     )
 
 
@@ -266,7 +318,9 @@ async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_o
             # The follower refuses and closes the stream: bounded by its own deadlines.
             assert await asyncio.wait_for(reader.read(), 20.0) == b""
             writer.close()
-            assert follower.marks.next_batch(gid, 0) == 0 and BatchMarks(path).next_batch(gid, 0) == 0, batch
+            assert (
+                follower.marks.next_batch(RUN, gid, 0) == 0 and BatchMarks(path).next_batch(RUN, gid, 0) == 0
+            ), batch
             assert follower.task is not None and not follower.task.done()
         leader = host(0)
         try:
@@ -280,7 +334,7 @@ async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_o
     finally:
         await follower.stop()
     assert all(d.batch < 8 for d in done), [d.batch for d in done]
-    assert 0 < BatchMarks(path).next_batch(gid, 0) <= 64
+    assert 0 < BatchMarks(path).next_batch(RUN, gid, 0) <= 64
 
 
 async def test_a_receiver_hands_in_the_evidence_that_blames_its_sender(
@@ -451,7 +505,7 @@ async def test_a_group_whose_batch_numbers_could_not_be_kept_is_not_run(model_di
     """Marks of steps below the floor are gone: a group of such a step is refused before any work (its batch
     numbers would begin again at 0) and given up, so the member leaves it."""
     marks = BatchMarks(None, keep_steps=1)
-    marks.use("ee" * 32, 5, 0)  # the floor is now 4; the test's group is of step 0
+    marks.use(RUN, "ee" * 32, 5, 0)  # the floor is now 4; the test's group is of step 0
     gave_up: list[str] = []
 
     async def on_batch(result: BatchDone) -> None:

@@ -28,7 +28,7 @@ OPERATOR = Identity.from_seed(b"\x31" * 32)
 def _record(a: int, b: int, *, step: int = 3, round_: int = 1, gid: str | None = None) -> GroupRecord:
     members = [f"{a:064x}", f"{b:064x}"]
     return GroupRecord(
-        group_id=gid or group_id(RUN, step, members),
+        group_id=gid or group_id(RUN, step, members, LAYOUT),
         round=round_,
         policy_step=step,
         layout=LAYOUT,

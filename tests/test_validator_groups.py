@@ -60,13 +60,13 @@ def _envelope(path: Path) -> RolloutEnvelope:
     return RolloutEnvelope.model_validate_json(signature_path(path).read_bytes())
 
 
-async def _form(operator: Swarm, *specs: GroupSpec) -> None:
+async def _form(operator: Swarm, *specs: GroupSpec, round_: int = 1) -> None:
     """Sign and publish each group's record with the operator's key, as the trainer's coordinator does."""
     now = time.time()
     for spec in specs:
         record = GroupRecord(
             group_id=spec.group_id,
-            round=1,
+            round=round_,
             policy_step=spec.policy_step,
             layout=spec.layout,
             members=list(spec.members),
@@ -256,6 +256,46 @@ async def test_a_group_claiming_a_far_future_step_is_refused_at_once_not_held(tm
         verdict = (await wait_verdict(running, _envelope(far.paths[0]).sha256, 30)).document
         assert not verdict.accepted and verdict.failed_check == "policy_step", verdict.reason
         assert "beyond the newest announced step" in verdict.reason, verdict.reason
+
+
+async def test_files_of_a_batch_shape_the_run_has_since_changed_are_excused_not_fraud(
+    tmp_path: Path, world
+) -> None:  # noqa: ANN001
+    # The trainer is restarted with another batch shape under the same run id (docs/protocol.md allows it) and its
+    # coordinator re-forms the same members at the same step. While the group id was the digest of run, step and
+    # members only, that was the same group: the validator kept the newer round's record (the new shape) and
+    # judged the members' files of the old shape by it (`run_parameters`: fraud, slashed and banned). The layout
+    # is now part of the id: the new record forms another group, the old files belong to the old record, whose
+    # layout is not the run's (`pipeline_unformed`: excused, neither credited nor slashed).
+    checkpoint, engine, tasks = world
+    members = [Identity.generate() for _ in range(2)]
+    assert PIPELINED.pipeline is not None
+    old_layout = PIPELINED.pipeline.model_copy(update={"micro_batch_size": 1})
+    old = group_files(
+        tmp_path / "old",
+        checkpoint,
+        PIPELINED.model_copy(update={"pipeline": old_layout}),
+        tasks,
+        engine,
+        members,
+    )
+    new = GroupSpec(RUN, 0, 0, PIPELINED.pipeline, old.spec.members)
+    assert new.group_id != old.spec.group_id  # one id for both was the finding
+    settings = _settings(tmp_path / "validator")
+    publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
+    async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
+        await _form(running.swarm, old.spec, round_=1)
+        await _form(running.swarm, new, round_=2)  # the restarted coordinator's newer round
+        host = await swarm.add(Identity.generate(), bootstrap=running.maddrs[:1], reachability="public")
+        await bind_node_ids(host, members)
+        await wait_until(lambda: sees_a_validator(host), 15)
+        for path in old.paths:
+            await host.send_rollout(path, _envelope(path))
+        for member, path in zip(members, old.paths, strict=True):
+            v = (await wait_verdict(running, _envelope(path).sha256, 30)).document
+            assert not v.accepted and v.failed_check == "pipeline_unformed", v.reason
+            assert "layout is not the run's (micro_batch_size 1, the run's 2)" in v.reason, v.reason
+            assert await _ledger(running, member.node_id) == ([(0, "pipeline_unformed")], 0.0, 0, False)
 
 
 @pytest.mark.slow

@@ -418,7 +418,9 @@ def _group_report(
     def read(raw: bytes, signer: Identity | None) -> Any:
         try:
             claim = loads_strict(raw)["claim"]
-            group = group_id_of(claim["run_id"], claim["policy_step"], claim["members"])
+            group = group_id_of(
+                claim["run_id"], claim["policy_step"], claim["members"], claim["layout_sha256"]
+            )
             batch = (int(claim["policy_step"]), int(claim["batch"]))
         except (WireFormatError, KeyError, TypeError, ValueError):
             group, batch = SHA, (1, 2)
@@ -448,6 +450,7 @@ _CLAIM = BatchClaim(
     members=[NODE.node_id, RECEIVER.node_id],
     prompts=1,
     micro_batch_size=1,
+    layout_sha256="ab" * 32,
 )
 
 
@@ -614,9 +617,9 @@ CARRIERS = [
     _record(
         RecordKind.GROUP,
         OPERATOR,
-        group_id(RUN, 1, [NODE.node_id, VALIDATOR.node_id]),
+        group_id(RUN, 1, [NODE.node_id, VALIDATOR.node_id], StageLayout(boundaries=[0, 2, 4])),
         GroupRecord(
-            group_id=group_id(RUN, 1, [NODE.node_id, VALIDATOR.node_id]),
+            group_id=group_id(RUN, 1, [NODE.node_id, VALIDATOR.node_id], StageLayout(boundaries=[0, 2, 4])),
             round=1,
             policy_step=1,
             layout=StageLayout(boundaries=[0, 2, 4]),

@@ -193,7 +193,9 @@ class StageHost:
         stage = group.stage_of(self.identity.node_id)
         if stage is None:
             raise PipelineError(f"group {group.group_id[:16]}… does not name this node")
-        refused = await asyncio.to_thread(self.marks.why_refused, group.group_id, group.policy_step)
+        refused = await asyncio.to_thread(
+            self.marks.why_refused, self.run_id, group.group_id, group.policy_step
+        )
         if refused is not None:
             self._give_up(group, f"its batch numbers cannot be kept: {refused}")
             return
@@ -213,7 +215,8 @@ class StageHost:
         previous, following = group.members[(stage - 1) % stages], (stage + 1) % stages
         leader = stage == 0
         step = group.policy_step
-        batch = self.marks.next_batch(group.group_id, step)  # never a number this node signed an opening for
+        # never a number this node signed an opening for
+        batch = self.marks.next_batch(self.run_id, group.group_id, step)
         broken = 0  # batches abandoned in a row after the ring closed, none finished between them
         progress_at = time.monotonic()  # when the stage was ready or a batch last finished
         while True:
@@ -226,7 +229,7 @@ class StageHost:
             self.in_flight = (group.group_id, batch) if leader else None  # a follower's starts when opened
             try:
                 # A follower listens from its mark: not from a number a refused route named.
-                floor = batch if leader else self.marks.next_batch(group.group_id, step)
+                floor = batch if leader else self.marks.next_batch(self.run_id, group.group_id, step)
                 inbound = await self.hops.inbound(
                     Route(group.group_id, floor, stage), previous, follow=not leader
                 )
@@ -243,7 +246,9 @@ class StageHost:
                 runner = StageRunner(spec, stage, processor, self.identity, self.hop, self.tamper)
                 if not leader:  # the route's number is the predecessor's signed word before it is recorded
                     await runner.read_opening(inbound)
-                await asyncio.to_thread(self.marks.use, group.group_id, step, batch)  # durable before signed
+                await asyncio.to_thread(
+                    self.marks.use, self.run_id, group.group_id, step, batch
+                )  # durable before signed
                 self.in_flight = (group.group_id, batch)
                 dial = partial(
                     self.hops.dial,
@@ -316,7 +321,7 @@ class StageHost:
     def _followed(self, group_id: str, step: int, batch: int) -> int:
         """`batch`, the number a predecessor's (unsigned) route names, if a follower may take it: not one it
         used, and at most `max_batch_jump` past its mark; PipelineError naming both otherwise."""
-        mark = self.marks.next_batch(group_id, step)
+        mark = self.marks.next_batch(self.run_id, group_id, step)
         if batch < mark:
             raise PipelineError(
                 f"the predecessor opened batch {batch}; this node already used batches below {mark}"

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ...p2p.identity import Identity
+from ...p2p.pipeline.layout import StageLayout, layout_digest
 from ...proofs.assignment import Assignment
 from ...proofs.pipeline.records import HopFraud, SignedStageRecord
 from ...proofs.pipeline.reports import BatchClaim, PartialReport, report_of, write_report
@@ -78,6 +79,7 @@ def write_member_file(
     work: PipelineWork,
     assignment: Assignment,
     members: tuple[str, ...],
+    layout: StageLayout,
     signed: SignedStageRecord,
     identity: Identity,
     final_states: Sequence[torch.Tensor] | None = None,
@@ -87,7 +89,13 @@ def write_member_file(
         run, tasks, batch, work, assignment, signed.record.outputs, identity.node_id, final_states
     )
     return write_stage_file(
-        out, rows, identity, members=members, micro_batch_size=batch.micro_batch_size, signed=signed
+        out,
+        rows,
+        identity,
+        members=members,
+        layout_sha256=layout_digest(layout),
+        micro_batch_size=batch.micro_batch_size,
+        signed=signed,
     )
 
 
@@ -96,6 +104,7 @@ def write_member_report(
     run: RunSettings,
     batch: GroupBatch,
     members: tuple[str, ...],
+    layout: StageLayout,
     fraud: HopFraud,
     identity: Identity,
 ) -> Path:
@@ -104,8 +113,7 @@ def write_member_report(
         fraud,
         run_id=run.run_id,
         members=members,
-        prompts=batch.prompts,
-        micro_batch_size=batch.micro_batch_size,
+        layout=layout,
     )
     return write_report(out, report, identity)
 
@@ -115,6 +123,7 @@ def write_member_partial(
     run: RunSettings,
     batch: GroupBatch,
     members: tuple[str, ...],
+    layout: StageLayout,
     partial: SignedStageRecord,
     identity: Identity,
 ) -> Path:
@@ -126,6 +135,7 @@ def write_member_partial(
         members=list(members),
         prompts=batch.prompts,
         micro_batch_size=batch.micro_batch_size,
+        layout_sha256=layout_digest(layout),
     )
     report = PartialReport(claim=claim, record=partial)
     return write_report(out, report, identity)

@@ -10,10 +10,12 @@ would break every batch, with nothing to say why.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 from pydantic import Field, model_validator
 
+from ..signing import canonical_json
 from ..wire import WireModel
 
 MAX_STAGES = 64
@@ -74,3 +76,9 @@ def layout_differences(ours: StageLayout, theirs: StageLayout) -> list[tuple[str
         for name in StageLayout.model_fields
         if getattr(ours, name) != getattr(theirs, name)
     ]
+
+
+def layout_digest(layout: StageLayout) -> str:
+    """SHA-256 hex of the layout's canonical JSON (every field, defaults included): what a group id binds, so a
+    group formed under another layout (other boundaries, encoding or batch shape) is another group."""
+    return hashlib.sha256(canonical_json(layout.model_dump(mode="json"))).hexdigest()

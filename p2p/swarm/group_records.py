@@ -18,7 +18,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from ..pipeline.layout import MAX_STAGES, StageLayout
+from ..pipeline.layout import MAX_STAGES, StageLayout, layout_digest
 from ..wire import NodeId, Sha256Hex, Timestamp, WireModel
 
 MAX_KNOWN_PEERS = 32  # round-trip times one availability record may carry
@@ -60,13 +60,18 @@ class StageAvailability(WireModel):
         return next((r.rtt_ms for r in self.rtts if r.node_id == node_id), None)
 
 
-def group_id(run_id: str, policy_step: int, members: tuple[str, ...] | list[str]) -> str:
-    """The id a group's streams open with (proofs/pipeline/records.GroupSpec.group_id computes the same)."""
-    return hashlib.sha256(f"{run_id}|{policy_step}|{','.join(members)}".encode()).hexdigest()
+def group_id(run_id: str, policy_step: int, members: tuple[str, ...] | list[str], layout: StageLayout) -> str:
+    """The id a group's streams open with (proofs/pipeline/records.GroupSpec.group_id computes the same).
+
+    The layout is bound in (its digest): the same members at the same step under another layout (a trainer
+    restarted with another batch shape under the same run id) form another group, so files made under the old
+    layout belong to the old layout's record, never to the new one, whose shape they would break."""
+    text = f"{run_id}|{policy_step}|{','.join(members)}|{layout_digest(layout)}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class GroupRecord(WireModel):
-    group_id: Sha256Hex  # must equal the subkey and group_id(run, policy_step, members)
+    group_id: Sha256Hex  # must equal the subkey and group_id(run, policy_step, members, layout)
     round: int = Field(ge=0, lt=1 << 63)  # the coordinator's formation round: a newer round supersedes
     policy_step: int = Field(ge=0, lt=1 << 63)  # the checkpoint every member runs
     layout: StageLayout  # must equal the run's announced layout (RunParameters.pipeline)

@@ -29,7 +29,7 @@ from ...p2p.pipeline.frames import (
     StreamOpening,
     tensor_bytes,
 )
-from ...p2p.pipeline.layout import StageLayout
+from ...p2p.pipeline.layout import StageLayout, layout_digest
 from ...p2p.signing import canonical_json, is_valid_signature
 from ...p2p.wire import NodeId, Sha256Hex, WireFormatError, WireModel, describe, loads_strict
 from ..errors import ProofError
@@ -41,9 +41,10 @@ MAX_SAMPLES = 4096
 MAX_OUTPUT_TOKENS = 8192
 
 
-def group_id_of(run_id: str, policy_step: int, members: Sequence[str]) -> str:
-    """A group's id: the digest of its run, policy step and members in stage order (what its record names)."""
-    return hashlib.sha256(f"{run_id}|{policy_step}|{','.join(members)}".encode()).hexdigest()
+def group_id_of(run_id: str, policy_step: int, members: Sequence[str], layout_sha256: str) -> str:
+    """A group's id: the digest of its run, policy step, members in stage order and the digest of its stage layout
+    (p2p/pipeline/layout.layout_digest): what its record names (p2p/swarm/group_records.group_id)."""
+    return hashlib.sha256(f"{run_id}|{policy_step}|{','.join(members)}|{layout_sha256}".encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class GroupSpec:
 
     @property
     def group_id(self) -> str:
-        return group_id_of(self.run_id, self.policy_step, self.members)
+        return group_id_of(self.run_id, self.policy_step, self.members, layout_digest(self.layout))
 
     def opening(self, stage: int) -> StreamOpening:
         return StreamOpening(

@@ -39,8 +39,8 @@ from pydantic import Field, StringConstraints, ValidationError
 from ...p2p.identity import Identity
 from ...p2p.pipeline.errors import PipelineWireError
 from ...p2p.pipeline.frames import MAX_TENSOR_BYTES, FrameShapes, check_header
-from ...p2p.pipeline.layout import MAX_STAGES
-from ...p2p.wire import NodeId, WireFormatError, WireModel, loads_strict_prefix, printable
+from ...p2p.pipeline.layout import MAX_STAGES, StageLayout, layout_digest
+from ...p2p.wire import NodeId, Sha256Hex, WireFormatError, WireModel, loads_strict_prefix, printable
 from ..rollout_file import (
     MAX_SIG_BYTES,
     SIG_FORMAT_STAGE,
@@ -79,10 +79,12 @@ class BatchClaim(WireModel):
     members: list[NodeId] = Field(min_length=2, max_length=MAX_STAGES)  # the group in stage order
     prompts: int = Field(ge=1, le=MAX_SAMPLES)  # problems in the batch: with the group, its assigned work
     micro_batch_size: int = Field(ge=1, le=MAX_SAMPLES)
+    # The digest of the stage layout the group ran under (p2p/pipeline/layout.layout_digest): part of its id.
+    layout_sha256: Sha256Hex
 
     @property
     def group_id(self) -> str:
-        return group_id_of(self.run_id, self.policy_step, self.members)
+        return group_id_of(self.run_id, self.policy_step, self.members, self.layout_sha256)
 
 
 class FraudReport(WireModel):
@@ -143,17 +145,16 @@ def write_report(path: Path, report: FraudReport | PartialReport, identity: Iden
     return sig_path
 
 
-def report_of(
-    fraud: HopFraud, *, run_id: str, members: tuple[str, ...], prompts: int, micro_batch_size: int
-) -> FraudReport:
+def report_of(fraud: HopFraud, *, run_id: str, members: tuple[str, ...], layout: StageLayout) -> FraudReport:
     opening = fraud.hop.opening
     claim = BatchClaim(
         run_id=run_id,
         policy_step=opening.policy_step,
         batch=opening.batch,
         members=list(members),
-        prompts=prompts,
-        micro_batch_size=micro_batch_size,
+        prompts=layout.prompts,
+        micro_batch_size=layout.micro_batch_size,
+        layout_sha256=layout_digest(layout),
     )
     return FraudReport(
         claim=claim,

@@ -15,6 +15,8 @@ stages' `proof` is empty. Then the stage record (proofs/pipeline/records.py) as 
                                the predecessor's signature); null in every other row
     sent_stream       binary   row 0: the same for the stream this stage sent; null in every other row
     stage_signature   string   this node's signature over the stage record (RECORD_DOMAIN, records.py) (shared)
+    layout_sha256     string   the digest of the stage layout the group ran under (p2p/pipeline/layout.py
+                               layout_digest), part of the group id the envelope signs (shared)
 
 The streams are held once, in row 0, so that a large record is not repeated per row. A reader checks the
 envelope's signature before Parquet is parsed, the layout and every column's bytes before decoding (as for
@@ -76,6 +78,7 @@ STAGE_COLUMNS = (
     "received_stream",
     "sent_stream",
     "stage_signature",
+    "layout_sha256",
 )
 STAGE_SCHEMA = pa.schema(
     [
@@ -86,6 +89,7 @@ STAGE_SCHEMA = pa.schema(
         pa.field("received_stream", pa.binary(), nullable=True),
         pa.field("sent_stream", pa.binary(), nullable=True),
         pa.field("stage_signature", pa.string(), nullable=False),
+        pa.field("layout_sha256", pa.string(), nullable=False),
     ],
     metadata={FORMAT_KEY: STAGE_FORMAT.encode()},
 )
@@ -95,8 +99,9 @@ STAGE_LIMITS = {
     "received_stream": MAX_STREAM_BYTES,
     "sent_stream": MAX_STREAM_BYTES,
     "stage_signature": 128,
+    "layout_sha256": 64,
 }
-_SHARED = ("group_members", "stage", "micro_batch_size", "stage_signature")
+_SHARED = ("group_members", "stage", "micro_batch_size", "stage_signature", "layout_sha256")
 _SIGNATURE = re.compile(r"[0-9a-f]{128}")
 
 
@@ -107,7 +112,7 @@ class StageFile:
     path: Path
     sha256: str
     signer: str  # the stage's node: signed the envelope and the record, named by every row
-    group_id: str  # the group the envelope signs; the digest of run, step and `members`
+    group_id: str  # the group the envelope signs; the digest of run, step, `members` and `layout_sha256`
     members: tuple[str, ...]  # the group in stage order
     micro_batch_size: int
     rows: tuple[RolloutRow, ...]
@@ -132,7 +137,11 @@ def _bad(column: str, message: str) -> RolloutFileError:
 
 
 def encode_stage_rows(
-    rows: list[RolloutRow], members: tuple[str, ...], micro_batch_size: int, signed: SignedStageRecord
+    rows: list[RolloutRow],
+    members: tuple[str, ...],
+    layout_sha256: str,
+    micro_batch_size: int,
+    signed: SignedStageRecord,
 ) -> bytes:
     record = signed.record
     streams = {
@@ -147,6 +156,7 @@ def encode_stage_rows(
             stage=record.stage,
             micro_batch_size=micro_batch_size,
             stage_signature=signed.signature,
+            layout_sha256=layout_sha256,
         )
         for name, raw in streams.items():
             values[name] = raw if i == 0 else None
@@ -163,6 +173,7 @@ def write_stage_file(
     identity: Identity,
     *,
     members: tuple[str, ...],
+    layout_sha256: str,
     micro_batch_size: int,
     signed: SignedStageRecord,
     limits: RolloutLimits | None = None,
@@ -170,8 +181,8 @@ def write_stage_file(
     """Write a stage's file and its v3 envelope beside it; returns the envelope's path. The file is checked with
     the reader's own rules first, so a member never publishes what an honest validator would call malformed."""
     limits = limits or RolloutLimits()
-    data = encode_stage_rows(rows, members, micro_batch_size, signed)
-    group = group_id_of(rows[0].run_id, rows[0].policy_step, members) if rows else ""
+    data = encode_stage_rows(rows, members, layout_sha256, micro_batch_size, signed)
+    group = group_id_of(rows[0].run_id, rows[0].policy_step, members, layout_sha256) if rows else ""
     _check(data, identity.node_id, group, batch_of(rows) if rows else None, limits)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,6 +240,9 @@ def _check(
     micro = values["micro_batch_size"][0]
     if not 1 <= micro <= limits.max_rows:
         raise _bad("micro_batch_size", f"{micro} is outside [1, {limits.max_rows}]")
+    layout_sha256 = values["layout_sha256"][0]
+    if not is_hex64(layout_sha256):
+        raise _bad("layout_sha256", "not 64 lowercase hex digits")
     check_rows(rows, limits, proof=stage == len(members) - 1)
     try:  # rows that are not the signer's, or another batch than its envelope routed: fraud, as for rollout files
         check_signer(rows, signer, batch)
@@ -238,9 +252,9 @@ def _check(
         raise RolloutFileError(
             f"column 'group_members': stage {stage}'s member is not the file's signer", check="signer"
         )
-    if group_id_of(rows[0].run_id, rows[0].policy_step, members) != group:
+    if group_id_of(rows[0].run_id, rows[0].policy_step, members, layout_sha256) != group:
         raise RolloutFileError(
-            "the envelope signs another group than the file's members, run and policy step make",
+            "the envelope signs another group than the file's members, run, policy step and layout make",
             check="signer",
         )
     streams = [_stream(name, values[name]) for name in ("received_stream", "sent_stream")]

@@ -74,6 +74,7 @@ def group_files(
             work,
             assignment,
             spec.members,
+            spec.layout,
             record,
             member,
             processors[k].final_states() if last else None,
@@ -142,7 +143,7 @@ def fraud_report_file(
     except FraudDetected as detected:
         receiver = members[(cheat + 1) % len(members)]
         path = out / f"group-{spec.group_id[:8]}-b{batch}-fraud.json"
-        write_member_report(path, run, group_batch, spec.members, detected.fraud, receiver)
+        write_member_report(path, run, group_batch, spec.members, spec.layout, detected.fraud, receiver)
         return spec, path
     raise AssertionError("the receiver did not detect the frame its commitment belies")
 
@@ -197,7 +198,7 @@ def partial_report_files(
         paths = []
         for k, (member, record) in enumerate(zip(members, broken.partial, strict=True)):
             path = out / f"group-{spec.group_id[:8]}-b{batch}-partial{k}.json"
-            write_member_partial(path, run, group_batch, spec.members, record, member)
+            write_member_partial(path, run, group_batch, spec.members, spec.layout, record, member)
             paths.append(path)
         return spec, paths
     raise AssertionError("the batch did not break")

@@ -113,7 +113,7 @@ def plan_round(
     for candidate in formed:
         publish.append(
             GroupRecord(
-                group_id=group_id(run_id, view.policy_step, candidate.members),
+                group_id=group_id(run_id, view.policy_step, candidate.members, view.layout),
                 round=new_round,
                 policy_step=view.policy_step,
                 layout=view.layout,
