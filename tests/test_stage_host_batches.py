@@ -624,7 +624,7 @@ def test_a_partial_record_is_charged_to_the_neighbour_whose_stream_broke(tmp_pat
     members = [before, IDS[0].node_id, after]
     now = time.time()
     group = GroupRecord(
-        group_id=group_id(RUN, 0, members), round=1, policy_step=0, layout=layout, members=members,
+        group_id=group_id(RUN, 0, members, layout), round=1, policy_step=0, layout=layout, members=members,
         formed_at=now, signed_at=now,
     )  # fmt: skip
     settings = StartSettings(
