@@ -24,6 +24,7 @@ from .framing import close_writer, read_frame, write_frame
 logger = logging.getLogger(__name__)
 
 MAX_PROBE_PORTS = 4
+PROBE_ROUNDS = 2  # rounds over the bootstrap peers: a first stream includes the connection's set-up
 _MAX_FRAME = 512
 
 
@@ -98,8 +99,12 @@ async def probe(p2p: P2P, run_id: str, helpers: list[str], ports: list[int], tim
     """Ask the peers in `helpers` (multiaddrs) in turn to dial `ports` back.
 
     True: at least one port was reached; False: a peer tried and reached none; None: no peer answered.
+    Each peer is asked in up to PROBE_ROUNDS rounds: the first stream to a peer includes setting up the
+    connection, which over a slow or loaded link can take longer than `timeout_s`, and the next round reuses it
+    (seen on a loaded 2-core machine: the only bootstrap peer answered nothing in time, and a public node could
+    not tell that it is public). Only peers that never answer cost the time more than once.
     """
-    for maddr in helpers:
+    for maddr in helpers * PROBE_ROUNDS:
         peer_id = PeerID.from_base58(Multiaddr(maddr)["p2p"])
         writer = None
         try:
