@@ -124,6 +124,10 @@ def _look(
         driver.get(url + "/")
         wait_loaded(driver)
         wait_for(driver, "document.querySelectorAll('#swarm-body tr').length >= 6")
+        # The trainer is moving until its step is trainer_stall_s (2 s) old, and a fast run can load the page
+        # sooner after the one announcement (seen in CI: announced, judged and loaded within the same second).
+        # Wait (bounded) for the page's refresh that shows it stalled.
+        wait_for(driver, "document.getElementById('trainer-state').textContent === 'stalled'")
         rows = driver.execute_script(READ_ROWS)
         by = {(r["id"], r["role"]): r for r in rows}
         op = OPERATOR.node_id
