@@ -36,6 +36,17 @@ HONEST = Identity.from_seed(b"\x41" * 32)
 LIAR = Identity.from_seed(b"\x42" * 32)
 
 
+def contested_fetcher(origin_url: str, contested_url: str, tmp_path: Path) -> Fetcher:
+    """A fetch from the origin and from a server both HONEST's and LIAR's heartbeats name."""
+    return Fetcher(
+        [origin_url, contested_url],
+        operator().node_id,
+        Store(tmp_path / "out"),
+        SETTINGS,
+        peers={contested_url: frozenset({HONEST.node_id, LIAR.node_id})},
+    )
+
+
 @pytest.fixture
 def origin(tmp_path: Path):  # noqa: ANN201
     manifest = publish_steps(tmp_path, operator(), [3])[3]
@@ -88,13 +99,7 @@ async def test_a_contested_server_signing_as_nobody_it_is_named_for_is_charged_a
         hostile(store_dir, 3, availability=stranger) as contested,
         hostile(store_dir, 3, chunk_delay_s=0.01) as slow_origin,
     ):
-        fetcher = Fetcher(
-            [slow_origin.url, contested.url],
-            operator().node_id,
-            Store(tmp_path / "out"),
-            SETTINGS,
-            peers={contested.url: frozenset({HONEST.node_id, LIAR.node_id})},
-        )
+        fetcher = contested_fetcher(slow_origin.url, contested.url, tmp_path)
         result = await fetcher.fetch(3)
     report = {s["url"]: s for s in result.sources}[contested.url]
     assert same_tree(result.checkpoint_dir, store_dir / "step-000000000003" / "checkpoint")
@@ -120,13 +125,7 @@ async def test_a_contested_server_is_bound_by_its_first_current_record_and_held_
         hostile(store_dir, 3, availability=opening) as contested,
         hostile(store_dir, 3, chunk_delay_s=0.05) as slow_origin,
     ):
-        fetcher = Fetcher(
-            [slow_origin.url, contested.url],
-            operator().node_id,
-            Store(tmp_path / "out"),
-            SETTINGS,
-            peers={contested.url: frozenset({HONEST.node_id, LIAR.node_id})},
-        )
+        fetcher = contested_fetcher(slow_origin.url, contested.url, tmp_path)
         fetch = asyncio.create_task(fetcher.fetch(3))
         await until(lambda: contested.availability_requests >= 2)  # the first answer was judged
         assert not fetch.done()
