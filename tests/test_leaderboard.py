@@ -18,8 +18,9 @@ import pytest
 
 from prime_node.node.cli.main import main
 from prime_node.trainer.ledger import Ledger
-from prime_node.trainer.ledger.activity import ban_causes, recent_activity, totals, verdict_pace
+from prime_node.trainer.ledger.activity import ban_causes, node_history, recent_activity, totals, verdict_pace
 from prime_node.trainer.ledger.leaderboard import NodeLookupError, leaderboard, node_detail
+from prime_node.trainer.ledger.slashing import CheckClass, SlashingPolicy
 from prime_node.trainer.validator.dashboard import create_app, ledger_rewards, serve
 
 from support.browser import chromium, severe_console_errors, wait_for, wait_loaded
@@ -122,6 +123,38 @@ def test_a_pipelined_groups_rows_count_once_each_member_its_share(tmp_path):
         assert node_detail(led, first, now=T0 + 10).node.accepted_tokens == 75
         assert (totals(led).accepted_tokens, totals(led).accepted_samples) == (500, 12)
         assert recent_activity(led, since=T0)[second].tokens == 225
+
+
+def test_excused_rejections_are_not_counted_as_the_nodes_own(tmp_path):
+    # A stage file excused because a group-mate cheated, or a file whose checkpoint never arrived, is not the
+    # node's fault: the ranking, the activity window, the totals and the per-step history all leave it out of
+    # `rejected`, as the API's field says; the node's own faults still count. The policy decides what is
+    # excused, so an operator who makes a check a fault sees it counted.
+    honest, cheat = node_id(50), node_id(51)
+    verdicts = (
+        signed_verdict(honest, tokens=300, samples=8, at=T0),
+        signed_verdict(honest, accepted=False, failed_check="pipeline_group", at=T0 + 1),
+        signed_verdict(honest, accepted=False, failed_check="checkpoint_unavailable", at=T0 + 2),
+        signed_verdict(cheat, accepted=False, failed_check="pipeline", at=T0 + 3),
+        signed_verdict(cheat, accepted=False, failed_check="schema", at=T0 + 4),
+    )
+    with Ledger(tmp_path / "ledger.sqlite") as led:
+        for v in verdicts:
+            led.record(v)
+        rows = {r.node_id: r for r in leaderboard(led, now=T0 + 10)}
+        assert (rows[honest].accepted_files, rows[honest].rejected_files) == (1, 0)
+        assert rows[cheat].rejected_files == 2
+        assert node_detail(led, honest, now=T0 + 10).node.rejected_files == 0
+        assert len(node_detail(led, honest, now=T0 + 10).recent) == 3  # still listed, with their checks
+        activity = recent_activity(led, since=T0)
+        assert (activity[honest].rejected_files, activity[cheat].rejected_files) == (0, 2)
+        assert (totals(led).accepted_files, totals(led).rejected_files) == (1, 2)
+        assert [p.rejected for p in node_history(led, honest).points] == [0]
+    strict = SlashingPolicy(check_classes={"checkpoint_unavailable": CheckClass.fault})
+    with Ledger(tmp_path / "strict.sqlite", strict) as led:
+        for v in verdicts:
+            led.record(v)
+        assert {r.node_id: r.rejected_files for r in leaderboard(led, now=T0 + 10)}[honest] == 1
 
 
 def test_node_detail_by_id_or_prefix(ledger):

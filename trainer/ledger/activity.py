@@ -3,7 +3,8 @@ verdicts, why banned nodes are banned, and one node's accepted and rejected file
 
 Accepted tokens and samples are weighted by each file's credit share, as in the ranking (leaderboard.py
 `credited`). Files that failed before their sender was authenticated (size, signature) are left out of a node's
-counts, as in the ranking: anyone can put a node's id on a forged file. Free text (reasons) leaves here
+counts, as in the ranking: anyone can put a node's id on a forged file; rejected files are those rejected for
+the node's own fault or fraud, as in the ranking (leaderboard.py `rejected`). Free text (reasons) leaves here
 through the API's `outgoing` models, made printable.
 
 These functions block on SQLite; async callers run them with `asyncio.to_thread`.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...p2p.validator_api import HISTORY_STEPS, HistoryPoint, NodeBan, NodeHistory
-from .leaderboard import credited, resolve_node
+from .leaderboard import credited, rejected, resolve_node
 from .ledger import Ledger
 from .slashing import UNATTRIBUTED_CHECKS
 
@@ -44,11 +45,12 @@ class Pace:
 
 def recent_activity(ledger: Ledger, since: float) -> dict[str, Activity]:
     """Each node's verdicts decided at or after `since` (a node without any is absent)."""
+    bad, excused = rejected(ledger)
     rows = ledger.query(
-        "SELECT node_id, SUM(accepted) AS ok, SUM(1 - accepted) AS bad,"
+        f"SELECT node_id, SUM(accepted) AS ok, {bad} AS bad,"
         f" {credited('tokens')} AS tokens, {credited('samples')} AS samples"
         f" FROM contributions WHERE decided_at >= ? AND {_ATTRIBUTED} GROUP BY node_id",
-        (since, *_UNATTRIBUTED),
+        (*excused, since, *_UNATTRIBUTED),
     )
     return {r["node_id"]: Activity(r["ok"], r["bad"], r["tokens"], r["samples"]) for r in rows}
 
@@ -63,11 +65,12 @@ class Totals:
 
 def totals(ledger: Ledger) -> Totals:
     """Every verdict in the ledger, summed (rejections for the sender's own fault only)."""
+    bad, excused = rejected(ledger)
     r = ledger.query(
-        "SELECT COALESCE(SUM(accepted), 0) AS ok, COALESCE(SUM(1 - accepted), 0) AS bad,"
+        f"SELECT COALESCE(SUM(accepted), 0) AS ok, COALESCE({bad}, 0) AS bad,"
         f" COALESCE({credited('tokens')}, 0) AS tokens, COALESCE({credited('samples')}, 0) AS samples"
         f" FROM contributions WHERE {_ATTRIBUTED}",
-        _UNATTRIBUTED,
+        (*excused, *_UNATTRIBUTED),
     )[0]
     return Totals(r["ok"], r["bad"], r["tokens"], r["samples"])
 
@@ -110,12 +113,13 @@ def node_history(ledger: Ledger, node_id: str, steps: int = HISTORY_STEPS) -> No
     """The node's accepted and rejected files per policy step, its newest `steps` steps (`node_id`: an id or a
     unique prefix, as for node_detail)."""
     node = resolve_node(ledger, node_id)
+    bad, excused = rejected(ledger)
     rows = ledger.query(
-        "SELECT step, SUM(accepted) AS ok, SUM(1 - accepted) AS bad,"
+        f"SELECT step, SUM(accepted) AS ok, {bad} AS bad,"
         f" {credited('tokens')} AS tokens"
         f" FROM contributions WHERE node_id = ? AND {_ATTRIBUTED}"
         " GROUP BY step ORDER BY step DESC LIMIT ?",
-        (node, *_UNATTRIBUTED, steps),
+        (*excused, node, *_UNATTRIBUTED, steps),
     )
     points = [
         HistoryPoint(step=r["step"], accepted=r["ok"], rejected=r["bad"], tokens=r["tokens"])

@@ -6,7 +6,9 @@ groups"); files recorded before the share existed count whole. Accepted files ar
 
 Ties fall to the higher score, then to the node id, so the order is total and the same on every read.
 Files that failed before their sender was authenticated (size, signature) are left out of a node's
-counts: anyone can put a node's id on a forged file.
+counts: anyone can put a node's id on a forged file. A node's rejected files are those rejected for its own
+fault or fraud: a rejection the ledger's slashing policy excuses (a checkpoint that never arrived, a pipelined
+group-mate's fraud, a group no operator formed...) is not the node's doing and is not counted (`rejected`).
 
 The rows are the API's own answer types (p2p/validator_api.py), built with `outgoing`: free text from the
 ledger (reasons, hardware names) is made printable there, so the API never serves what its readers refuse.
@@ -34,7 +36,7 @@ from ...p2p.validator_api import (
 from ...p2p.wire import HEX_DIGITS
 from ..errors import TrainerError
 from .ledger import Ledger
-from .slashing import UNATTRIBUTED_CHECKS
+from .slashing import UNATTRIBUTED_CHECKS, CheckClass
 
 
 class NodeLookupError(TrainerError):
@@ -54,18 +56,37 @@ def credited(column: str) -> str:
     return f"CAST(ROUND(SUM(CASE WHEN accepted = 1 THEN {column} * COALESCE(credit_share, 1) ELSE 0 END)) AS INTEGER)"
 
 
+def rejected(ledger: Ledger) -> tuple[str, tuple[str, ...]]:
+    """SQL and its parameters: the count, over a group of rows, of files rejected for the sender's own fault or
+    fraud. Excused rejections are told by the ledger's slashing policy, so an operator's reclassification counts;
+    the names are those the ledger holds (a few distinct values), classified here rather than listed in SQL,
+    because a check the policy does not name takes its `unknown_check_class`."""
+    names = ledger.query("SELECT DISTINCT failed_check FROM contributions WHERE failed_check IS NOT NULL")
+    excused = tuple(
+        sorted(
+            r["failed_check"]
+            for r in names
+            if ledger.policy.classify(r["failed_check"]) is CheckClass.excused
+        )
+    )
+    if not excused:
+        return "SUM(1 - accepted)", ()
+    marks = ",".join("?" for _ in excused)
+    return f"SUM(CASE WHEN accepted = 0 AND failed_check NOT IN ({marks}) THEN 1 ELSE 0 END)", excused
+
+
 _PLACEHOLDERS = ",".join("?" for _ in _UNATTRIBUTED)
 
-_RANKED = f"""
+_RANKED = """
 WITH agg AS (
     SELECT node_id,
-           {credited("tokens")} AS accepted_tokens,
-           {credited("samples")} AS accepted_samples,
+           {credited_tokens} AS accepted_tokens,
+           {credited_samples} AS accepted_samples,
            SUM(accepted) AS accepted_files,
-           SUM(1 - accepted) AS rejected_files,
+           {rejected} AS rejected_files,
            MAX(CASE WHEN accepted = 1 THEN step END) AS last_step
     FROM contributions
-    WHERE failed_check IS NULL OR failed_check NOT IN ({_PLACEHOLDERS})
+    WHERE failed_check IS NULL OR failed_check NOT IN ({unattributed})
     GROUP BY node_id
 ), sl AS (
     SELECT node_id, COUNT(*) AS slashes, SUM(amount) AS slashed FROM slashes GROUP BY node_id
@@ -94,12 +115,25 @@ SELECT * FROM ranked
 """
 
 
+def _ranked(ledger: Ledger, now: float) -> tuple[str, tuple[object, ...]]:
+    """The ranking's SQL (to be followed by a WHERE, ORDER BY or LIMIT) and its parameters up to there."""
+    count, excused = rejected(ledger)
+    sql = _RANKED.format(
+        credited_tokens=credited("tokens"),
+        credited_samples=credited("samples"),
+        rejected=count,
+        unattributed=_PLACEHOLDERS,
+    )
+    return sql, (*excused, *_UNATTRIBUTED, now)
+
+
 def leaderboard(ledger: Ledger, *, top: int = 100, now: float | None = None) -> list[LeaderboardRow]:
     """The first `top` nodes of the ranking."""
     if not 1 <= top <= MAX_TOP:
         raise NodeLookupError(f"top must be between 1 and {MAX_TOP}, got {top}", 400)
     now = time.time() if now is None else now
-    rows = ledger.query(_RANKED + " ORDER BY rank LIMIT ?", (*_UNATTRIBUTED, now, top))
+    sql, params = _ranked(ledger, now)
+    rows = ledger.query(sql + " ORDER BY rank LIMIT ?", (*params, top))
     return [_row(r) for r in rows]
 
 
@@ -107,9 +141,9 @@ def node_detail(ledger: Ledger, node_id: str, *, now: float | None = None) -> No
     """One node's row (with its rank) and its recent verdicts, slashes and bans; `node_id` may be a prefix."""
     prefix = _prefix(node_id)
     now = time.time() if now is None else now
+    sql, params = _ranked(ledger, now)
     rows = ledger.query(
-        _RANKED + " WHERE node_id >= ? AND node_id < ? ORDER BY rank LIMIT 2",
-        (*_UNATTRIBUTED, now, prefix, prefix + "g"),
+        sql + " WHERE node_id >= ? AND node_id < ? ORDER BY rank LIMIT 2", (*params, prefix, prefix + "g")
     )
     if not rows:
         raise NodeLookupError(f"no node {prefix} in the ledger", 404)
