@@ -135,6 +135,67 @@ async def test_a_killed_member_dissolves_its_group_and_the_survivors_regroup() -
             await cancel_and_wait(list(tasks.values()))
 
 
+async def test_a_member_leaving_for_failed_batches_names_the_group_and_is_not_cooled_down() -> None:
+    """A member whose batches kept breaking gives its group up (StageHost's on_give_up -> PipelineMember.avoid):
+    its heartbeat stops naming the group and names it as left; the coordinator dissolves the group at once, does
+    not cool the leaver down (before: cooldown_s, while its neighbour that kept confirming went free), and does not
+    put the two together again while the pair is kept apart."""
+    operator = Identity.generate()
+    async with fleet("leavers", operator) as swarm:
+        coordinator_peer = await swarm.add(operator, roles=("trainer",), **FAST)
+        nodes = [await swarm.add(**FAST) for _ in range(3)]
+        for node in nodes:
+            node.policy_step = 3
+        settings = MemberSettings(
+            stages=frozenset({0, 1}), layer_tokens_per_s=1000.0, poll_s=0.3, stale_after_s=STALE_S
+        )
+        members = [PipelineMember(node, LAYOUT, settings) for node in nodes]
+        # confirm_within_s far beyond the test: only the leaver's word can dissolve the group in time
+        coordinator = GroupCoordinator(
+            coordinator_peer,
+            LAYOUT,
+            lambda: 3,
+            PlanSettings(stale_after_s=STALE_S, confirm_within_s=600.0, keep_apart_s=600.0),
+            poll_s=0.3,
+        )
+        tasks = [asyncio.create_task(coordinator.run(), name="test-coordinator")]
+        tasks += [asyncio.create_task(m.run(), name=f"test-member-{i}") for i, m in enumerate(members)]
+        try:
+
+            async def formed() -> bool:
+                return len(coordinator.state.current) == 1 and all(
+                    members[[n.node_id for n in nodes].index(m)].group is not None
+                    for m in coordinator.state.current[0].members
+                )
+
+            await wait_until(formed, timeout=60.0)
+            (first,) = coordinator.state.current
+            leader, leaver = first.members
+            leaving = members[[n.node_id for n in nodes].index(leaver)]
+            leaving.avoid(first, "8 batches in a row broke", declare=True)
+
+            async def dissolved() -> bool:
+                return any(gid == first.group_id for _, gid, _ in coordinator.state.dissolved)
+
+            await wait_until(dissolved, timeout=30.0)
+            beat = (await coordinator_peer.list_peers())[leaver]
+            assert beat.group != first.group_id and beat.left_group == first.group_id
+            why = next(why for _, gid, why in coordinator.state.dissolved if gid == first.group_id)
+            assert "left it" in why
+            assert leaver not in coordinator.state.cooldown and leader not in coordinator.state.cooldown
+            assert (min(leader, leaver), max(leader, leaver)) in coordinator.state.apart
+
+            async def regrouped() -> bool:
+                return any(g.group_id != first.group_id for g in coordinator.state.current)
+
+            await wait_until(regrouped, timeout=30.0)
+            await asyncio.sleep(1.0)  # a few more rounds: the pair is never formed again
+            for group in coordinator.state.current:
+                assert not {leader, leaver} <= set(group.members), group.members
+        finally:
+            await cancel_and_wait(tasks)
+
+
 async def _truthy(value: object) -> bool:
     return bool(await value)  # type: ignore[misc]
 

@@ -268,11 +268,12 @@ class PipelineStage:
                 f"stage {status.stage} of group {group.group_id[:16]}… at step {group.policy_step}"
             )
 
-    def _give_up(self, group: GroupRecord, why: str) -> None:
-        """The host ended its stage of `group`: leave it at the next poll and keep out of it a while."""
+    def _give_up(self, group: GroupRecord, why: str, batches_failed: bool) -> None:
+        """The host ended its stage of `group`: leave it at the next poll and keep out of it a while (naming it
+        as left in the heartbeat when its batches failed, so the coordinator does not cool this node down)."""
         self.state.error(f"left group {group.group_id[:16]}…: {why}")
         if self.member is not None:
-            self.member.avoid(group, why)
+            self.member.avoid(group, why, declare=batches_failed)
 
     def _prepare(self, step: int) -> tuple[RunTasks, int, int]:
         """The tasks, EOS and pad ids of `step`'s checkpoint, loaded once. Blocking, and called from worker

@@ -76,8 +76,10 @@ STOP_TIMEOUT_S = 10.0
 MAX_BATCH_JUMP = 1 << 20
 ABANDONED_KEPT = 256  # the recent abandoned batches kept for the status API and the tests
 
-# Called with the group this node gives up and why (the stage task has ended; the owner leaves the group).
-OnGiveUp = Callable[[GroupRecord, str], None]
+# Called with the group this node gives up, why, and whether the group's batches failed (broke, or none finished:
+# the owner names the group as left in its heartbeat, so the coordinator does not cool it down for leaving) rather
+# than this node's own state (its batch marks). The stage task has ended; the owner leaves the group.
+OnGiveUp = Callable[[GroupRecord, str, bool], None]
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,7 @@ class StageHost:
             self.marks.why_refused, self.run_id, group.group_id, group.policy_step
         )
         if refused is not None:
-            self._give_up(group, f"its batch numbers cannot be kept: {refused}")
+            self._give_up(group, f"its batch numbers cannot be kept: {refused}", batches_failed=False)
             return
         checkpoint = self.checkpoint(group.policy_step)
         model = await asyncio.to_thread(self.load_stage, checkpoint, self.layout, stage)
@@ -222,7 +224,7 @@ class StageHost:
         while True:
             idle_s = time.monotonic() - progress_at
             if self.leave_without_batch_s is not None and idle_s >= self.leave_without_batch_s:
-                self._give_up(group, f"no batch finished in {idle_s:.0f} s")
+                self._give_up(group, f"no batch finished in {idle_s:.0f} s", batches_failed=True)
                 return
             inbound: Inbound | None = None
             runner: StageRunner | None = None
@@ -272,7 +274,9 @@ class StageHost:
                     if runner is not None and runner.ring_closed:  # else a member not there yet: see above
                         broken += 1
                     if self.leave_after_broken is not None and broken >= self.leave_after_broken:
-                        self._give_up(group, f"{broken} batches in a row broke, the last: {why}")
+                        self._give_up(
+                            group, f"{broken} batches in a row broke, the last: {why}", batches_failed=True
+                        )
                         return
                 else:  # a follower that opened no batch: the leader's next one is still to be taken
                     logger.info("stage %d of group %s… not started: %s", stage, group.group_id[:16], exc)
@@ -296,7 +300,7 @@ class StageHost:
             broken = 0
             progress_at = time.monotonic()
 
-    def _give_up(self, group: GroupRecord, why: str) -> None:
+    def _give_up(self, group: GroupRecord, why: str, *, batches_failed: bool) -> None:
         """End this group's stage task (the caller returns) and tell the owner, which leaves the group."""
         logger.warning("giving up group %s…: %s", group.group_id[:16], why)
         self.given_up.pop(group.group_id, None)
@@ -304,7 +308,7 @@ class StageHost:
         while len(self.given_up) > ABANDONED_KEPT:
             del self.given_up[next(iter(self.given_up))]
         if self.on_give_up is not None:
-            self.on_give_up(group, why)
+            self.on_give_up(group, why, batches_failed)
 
     def _done(
         self, group: GroupRecord, batch: int, stage: int, processor: StageProcessor, runner: StageRunner

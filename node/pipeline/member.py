@@ -8,7 +8,9 @@ owner abandons the batch in flight of a group it left (its stage task is cancell
 produced) and starts its stage in the new one.
 
 A group its owner gave up (`avoid`: its batches kept breaking) is left at the next poll and not rejoined for
-`avoid_s`: the coordinator, seeing this node no longer confirm it, dissolves it and the members regroup.
+`avoid_s`: the coordinator, seeing this node no longer confirm it, dissolves it and the members regroup. When
+the batches were at fault (`declare`), the heartbeat that withdraws the confirmation names the group as left
+(`left_group`, for as long as it is avoided), so the coordinator does not cool this node down for leaving.
 """
 
 from __future__ import annotations
@@ -60,9 +62,10 @@ class PipelineMember:
         self._offered_at = float("-inf")
         self.avoided = AvoidedGroups(settings.avoid_s)
 
-    def avoid(self, group: GroupRecord, why: str) -> None:
-        """Leave `group` at the next poll and do not rejoin it for `avoid_s`."""
-        self.avoided.add(group.group_id, why)
+    def avoid(self, group: GroupRecord, why: str, *, declare: bool = False) -> None:
+        """Leave `group` at the next poll and do not rejoin it for `avoid_s`; with `declare` (its batches broke
+        or none finished) the heartbeat names it as left meanwhile."""
+        self.avoided.add(group.group_id, why, declare=declare)
 
     def offer(self) -> StageAvailability:
         return StageAvailability(
@@ -100,6 +103,9 @@ class PipelineMember:
         )
         current = self.group.group_id if self.group is not None else None
         chosen, why = choose_group(groups, view, current)
+        # Set with the switch below (no await between): the heartbeat that stops naming a group given up for its
+        # failed batches is the one that names it as left, so the coordinator never sees the one without the other.
+        self.directory.left_group = self.avoided.declared()
         if (chosen.group_id if chosen else None) != current:
             await self._switch(chosen, why)
         return chosen

@@ -13,7 +13,9 @@ A node joins only a group of the newest round it has seen (the coordinator re-si
 under each new round, so an older record is one it dissolved), and stays in its group while the group is
 usable, no newer round places the node elsewhere, and its record is of the newest round (or that round is
 younger than `round_grace_s`). A group the node gave up (`avoided`: its batches kept breaking, host.py) is
-unusable to it while it avoids it, so it leaves it and does not rejoin it.
+unusable to it while it avoids it, so it leaves it and does not rejoin it. While it avoids a group it gave up
+for its failed batches, its heartbeat names that group (`left_group`, `AvoidedGroups.declared`): the coordinator
+then does not cool it down as a member that never confirmed, and keeps it apart from that group's members.
 """
 
 from __future__ import annotations
@@ -55,12 +57,25 @@ class AvoidedGroups:
     def __init__(self, avoid_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.avoid_s, self.clock = avoid_s, clock
         self._until: dict[str, tuple[float, str]] = {}  # group id -> (until, on `clock`; why)
+        self._declared: str | None = None  # the newest group given up for its failed batches
 
-    def add(self, group_id: str, why: str) -> None:
+    def add(self, group_id: str, why: str, *, declare: bool = False) -> None:
+        """Avoid `group_id` for `avoid_s`; with `declare` (its batches broke or none finished, not this node's
+        own trouble) it is the group the heartbeat says this node left, replacing any named before."""
         self._until.pop(group_id, None)  # re-inserted last: the oldest is dropped first
         self._until[group_id] = (self.clock() + self.avoid_s, why)
         while len(self._until) > MAX_AVOIDED:
             del self._until[next(iter(self._until))]
+        if declare:
+            self._declared = group_id
+
+    def declared(self) -> str | None:
+        """The group the heartbeat names as left (`Heartbeat.left_group`): the newest one given up for its failed
+        batches, for as long as it is avoided (the coordinator reads it within a few polls; naming it longer
+        costs nothing), else None."""
+        if self._declared is not None and self._declared not in self.now():
+            self._declared = None
+        return self._declared
 
     def now(self) -> dict[str, str]:
         """The groups avoided now (group id -> why), forgetting those whose time is up."""

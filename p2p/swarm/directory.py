@@ -77,6 +77,7 @@ class SwarmDirectory(DHTPeer):
         self.api_url: str | None = None  # set by a validator: its HTTP API, published in its announcement
         self.from_step = 0  # set by a validator: the first policy step it judges (p2p/swarm/routing.py)
         self.group_id: str | None = None  # set by a pipeline node: the group it confirms (node/pipeline/)
+        self.left_group: str | None = None  # set by a pipeline node: a group it gave up (node/pipeline/)
         self._cache: dict[RecordKind, tuple[float, dict[str, Any]]] = {}
 
     async def join(self, *, heartbeat: bool = True) -> None:
@@ -193,6 +194,8 @@ class SwarmDirectory(DHTPeer):
             sent_at=time.time(),
             weights_url=self.weights_url if self.serves_steps else None,
             group=self.group_id,
+            # Never the group it confirms (the record would be refused): that one it has not left.
+            left_group=self.left_group if self.left_group != self.group_id else None,
         )
         return await self._publish(RecordKind.HEARTBEAT, self.node_id, body, self.config.heartbeat_ttl_s)
 

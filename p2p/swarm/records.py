@@ -96,6 +96,21 @@ class Heartbeat(WireModel):
     # The pipelined group this node confirms it runs a stage of (group_records.GroupRecord); None outside a
     # group. A group is live only while every member's fresh heartbeat names it (trainer/groups/).
     group: Sha256Hex | None = None
+    # The group this node gave up because its batches kept breaking or none finished (node/pipeline/host.py),
+    # named while the node avoids it; None otherwise. The coordinator then does not cool the node down as a
+    # member that never confirmed, and keeps it apart from that group's other members for a while
+    # (trainer/groups/plan.py). Self-declared, so it buys nothing else; `group` is the truth: a heartbeat cannot
+    # both confirm a group and say it left it.
+    left_group: Sha256Hex | None = None
+
+    @model_validator(mode="after")
+    def _left_group_is_not_confirmed(self) -> Heartbeat:
+        if self.left_group is not None and self.left_group == self.group:
+            raise ValueError(
+                "left_group names the group this heartbeat confirms (group): a node cannot run a group and have "
+                "left it"
+            )
+        return self
 
 
 class RunParameters(WireModel):

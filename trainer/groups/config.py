@@ -28,6 +28,13 @@ class GroupsSection(Section):
     cooldown_s: float = Field(
         300.0, ge=0, le=86400, description="How long a member that never confirmed its group is left out."
     )
+    keep_apart_s: float = Field(
+        600.0,
+        ge=0,
+        le=86400,
+        description="How long a member that left a group for its failed batches (its heartbeat's left_group) "
+        "is not grouped with that group's other members; it is not cooled down (0: no such pairs kept apart).",
+    )
     unknown_rtt_ms: float = Field(
         250.0, ge=0, le=60_000, description="Price of a hop whose round trip neither end measured."
     )
@@ -51,4 +58,10 @@ class GroupsSection(Section):
         formation = FormationSettings(
             unknown_rtt_ms=self.unknown_rtt_ms, unreachable_penalty_s=self.unreachable_penalty_s
         )
-        return PlanSettings(self.stale_after_s, self.confirm_within_s, self.cooldown_s, formation)
+        return PlanSettings(
+            stale_after_s=self.stale_after_s,
+            confirm_within_s=self.confirm_within_s,
+            cooldown_s=self.cooldown_s,
+            formation=formation,
+            keep_apart_s=self.keep_apart_s,
+        )

@@ -18,6 +18,7 @@ from ...p2p.errors import P2PError
 from ...p2p.pipeline.layout import StageLayout
 from ...p2p.swarm.directory import SwarmDirectory
 from ...p2p.swarm.group_records import GroupRecord
+from .formation import NodePair
 from .plan import Plan, PlanSettings, View, plan_round
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,9 @@ class CoordinatorState:
     round: int = 0
     current: list[GroupRecord] = field(default_factory=list)
     cooldown: dict[str, float] = field(default_factory=dict)
+    # node pair -> until when no group holds both (a member that left a group for its failed batches, beside
+    # each of that group's other members: plan.py); lost on a restart, as the cooldown is
+    apart: dict[NodePair, float] = field(default_factory=dict)
     signed_at: float = 0.0  # when the current round's records were last published
     # (time, group id, why) of every dissolution, and (time, group id) of every formation: what tests and the
     # operator's logs read to see how long a regroup took.
@@ -90,6 +94,7 @@ class GroupCoordinator:
             self.state.round,
             self.state.cooldown,
             self.settings,
+            self.state.apart,
         )
         for gid, why in plan.dissolved.items():
             logger.info("group %s… dissolved: %s", gid[:16], why)
@@ -110,6 +115,7 @@ class GroupCoordinator:
                 await self.directory.publish_group(g)
             self.state.signed_at = now
         self.state.round, self.state.current, self.state.cooldown = plan.round, plan.publish, plan.cooldown
+        self.state.apart = plan.apart
         return plan
 
     async def run(self) -> None:

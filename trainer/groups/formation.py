@@ -9,14 +9,15 @@ Unknown round trips cost `unknown_rtt_ms`, so measured, close peers are preferre
 Groups are formed one after another, each the cheapest that the remaining nodes allow, until no complete
 group is left (or `max_groups`). The cheapest group is found exactly when the ordered candidate tuples are
 few (`exact_limit`), and by a beam search over stages otherwise; ties go to the smaller node ids, so every
-coordinator given the same offers forms the same groups.
+coordinator given the same offers forms the same groups. Pairs of nodes kept `apart` (plan.py: a member that gave
+a group up for its failed batches and that group's other members) are never put in one group.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from ...p2p.pipeline.layout import StageLayout
@@ -30,6 +31,18 @@ class FormationSettings:
     exact_limit: int = 20_000  # ordered tuples searched exhaustively; beyond, a beam search
     beam_width: int = 64
     max_groups: int = 64
+
+
+# Two node ids, the smaller first: a pair no group may hold together (`node_pair` makes one).
+NodePair = tuple[str, str]
+
+
+def node_pair(a: str, b: str) -> NodePair:
+    return (a, b) if a < b else (b, a)
+
+
+def _any_apart(members: Sequence[str], newcomer: str, apart: Set[NodePair]) -> bool:
+    return bool(apart) and any(node_pair(m, newcomer) in apart for m in members)
 
 
 @dataclass(frozen=True)
@@ -85,10 +98,12 @@ def _eligible(
     return [sorted(m for m in pool if k in offers[m].stages) for k in range(layout.stages)]
 
 
-def _exact(per_stage: list[list[str]], prices: _Prices) -> Candidate | None:
+def _exact(per_stage: list[list[str]], prices: _Prices, apart: Set[NodePair]) -> Candidate | None:
     best: Candidate | None = None
     for members in itertools.product(*per_stage):
         if len(set(members)) != len(members):
+            continue
+        if apart and any(_any_apart(members[:k], m, apart) for k, m in enumerate(members)):
             continue
         cost = prices.cost(members)
         if best is None or (cost, members) < (best.cost_s, best.members):
@@ -96,7 +111,7 @@ def _exact(per_stage: list[list[str]], prices: _Prices) -> Candidate | None:
     return best
 
 
-def _beam(per_stage: list[list[str]], prices: _Prices, width: int) -> Candidate | None:
+def _beam(per_stage: list[list[str]], prices: _Prices, width: int, apart: Set[NodePair]) -> Candidate | None:
     # Partial groups ranked by their slowest stage plus the open path's latency (the closing hop comes last).
     beam: list[tuple[float, tuple[str, ...]]] = [(0.0, ())]
     for eligible in per_stage:
@@ -104,7 +119,7 @@ def _beam(per_stage: list[list[str]], prices: _Prices, width: int) -> Candidate 
             (prices.path(members + (m,)), members + (m,))
             for _, members in beam
             for m in eligible
-            if m not in members
+            if m not in members and not _any_apart(members, m, apart)
         ]
         grown.sort()
         beam = grown[:width]
@@ -117,28 +132,32 @@ def cheapest_group(
     offers: Mapping[str, StageAvailability],
     pool: Sequence[str],
     settings: FormationSettings,
+    apart: Set[NodePair] = frozenset(),
 ) -> Candidate | None:
-    """The cheapest complete group from `pool` (each member offering its stage), or None if there is none."""
+    """The cheapest complete group from `pool` (each member offering its stage, no two of them kept `apart`), or
+    None if there is none."""
     per_stage = _eligible(layout, offers, pool)
     if any(not eligible for eligible in per_stage):
         return None
     prices = _Prices(layout, offers, settings)
     if math.prod(len(e) for e in per_stage) <= settings.exact_limit:
-        return _exact(per_stage, prices)
-    return _beam(per_stage, prices, settings.beam_width)
+        return _exact(per_stage, prices, apart)
+    return _beam(per_stage, prices, settings.beam_width, apart)
 
 
 def form_groups(
     layout: StageLayout,
     offers: Mapping[str, StageAvailability],
     settings: FormationSettings | None = None,
+    apart: Set[NodePair] = frozenset(),
 ) -> list[Candidate]:
-    """Disjoint groups, cheapest first, from the nodes whose offers are given (callers pass live ones only)."""
+    """Disjoint groups, cheapest first, from the nodes whose offers are given (callers pass live ones only), none
+    holding a pair kept `apart`."""
     settings = settings or FormationSettings()
     pool = sorted(offers)
     groups: list[Candidate] = []
     while len(groups) < settings.max_groups:
-        found = cheapest_group(layout, offers, pool, settings)
+        found = cheapest_group(layout, offers, pool, settings, apart)
         if found is None:
             break
         groups.append(found)

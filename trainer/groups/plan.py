@@ -9,6 +9,15 @@ dissolved (its batch in flight is abandoned by its members, node/pipeline/member
 return to the pool. Members that never confirmed sit out `cooldown_s`: a node that accepts groups and does
 not run them would otherwise be drawn again at once. Kept groups are re-signed under the new round, so that
 the newest round is the one set of groups every node may join.
+
+A member whose fresh heartbeat says it left the group (`left_group`: it gave the group up because its batches
+kept breaking or none finished, node/pipeline/host.py) dissolves it at once and is not cooled down: its
+neighbour may have broken the batches while confirming the group, and cooling the honest leaver down while that
+neighbour goes free would make each such group cost its honest members `cooldown_s`. Instead, for
+`keep_apart_s`, no group puts the leaver beside any of that group's other members again. The claim is the
+node's own word, so it buys nothing else: a node that left escapes the cooldown only, and is kept away from the
+members it may have broken. The heartbeat's `group` is the truth (a member still naming the group has not left
+it), and a claim naming a group other than the one being judged is ignored.
 """
 
 from __future__ import annotations
@@ -19,7 +28,11 @@ from dataclasses import dataclass, field
 from ...p2p.pipeline.layout import StageLayout
 from ...p2p.swarm.group_records import GroupRecord, StageAvailability, group_id
 from ...p2p.swarm.records import Heartbeat
-from .formation import FormationSettings, form_groups
+from .formation import FormationSettings, NodePair, form_groups, node_pair
+
+# At most this many pairs kept apart at once (each leaver adds one per other member of its group); past it the
+# pairs whose time is nearest its end go first: a pair dropped early may only be grouped again sooner.
+MAX_APART_PAIRS = 16_384
 
 
 @dataclass(frozen=True)
@@ -28,6 +41,9 @@ class PlanSettings:
     confirm_within_s: float = 60.0  # members must name a new group in their heartbeat within this
     cooldown_s: float = 300.0  # how long a member that never confirmed is left out
     formation: FormationSettings = field(default_factory=FormationSettings)
+    # How long a member that left a group for its failed batches is not grouped with that group's other members
+    # (at least the members' `pipeline.avoid_s`, 600 s, for which the leaver still names the group).
+    keep_apart_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,7 @@ class Plan:
     publish: list[GroupRecord]  # every current group, kept and new, signed under `round`
     dissolved: dict[str, str]  # group id -> why
     cooldown: dict[str, float]  # node id -> until when it is left out
+    apart: dict[NodePair, float] = field(default_factory=dict)  # node pair -> until when no group holds both
 
 
 def live_nodes(view: View, settings: PlanSettings) -> set[str]:
@@ -63,25 +80,56 @@ def live_nodes(view: View, settings: PlanSettings) -> set[str]:
     return live
 
 
+@dataclass(frozen=True)
+class Dissolution:
+    why: str
+    cool: list[str] = field(default_factory=list)  # members that never confirmed it: left out for cooldown_s
+    left: list[str] = field(default_factory=list)  # members that said they left it: kept apart from the rest
+
+
+def leavers(group: GroupRecord, view: View) -> list[str]:
+    """The members whose heartbeat says they gave `group` up for its failed batches (and no longer names it)."""
+    return [
+        m
+        for m in group.members
+        if (beat := view.heartbeats.get(m)) is not None
+        and beat.group != group.group_id
+        and beat.left_group == group.group_id
+    ]
+
+
 def _why_dissolved(
     group: GroupRecord, view: View, live: set[str], settings: PlanSettings
-) -> tuple[str, list[str]] | None:
-    """None while `group` stands; else why, and the members to cool down (those that never confirmed it)."""
+) -> Dissolution | None:
+    """None while `group` stands; else why, the members to cool down (those that never confirmed it) and those
+    that said they left it."""
     if group.policy_step != view.policy_step:
-        return f"policy step {group.policy_step} is not the current {view.policy_step}", []
+        return Dissolution(f"policy step {group.policy_step} is not the current {view.policy_step}")
     if group.layout != view.layout:
-        return "the run's layout changed", []
+        return Dissolution("the run's layout changed")
     gone = [m for m in group.members if m not in live]
     if gone:
-        return f"member {gone[0][:16]}… is gone (stale heartbeat, banned or no offer)", []
+        return Dissolution(f"member {gone[0][:16]}… is gone (stale heartbeat, banned or no offer)")
+    left = leavers(group, view)
+    silent: list[str] = []
     if view.now - group.formed_at > settings.confirm_within_s:
-        silent = [m for m in group.members if view.heartbeats[m].group != group.group_id]
-        if silent:
-            return (
-                f"member {silent[0][:16]}… did not confirm within {settings.confirm_within_s:.0f} s",
-                silent,
-            )
+        silent = [m for m in group.members if view.heartbeats[m].group != group.group_id and m not in left]
+    if left:  # at once: the group cannot stand without it, and the others need not wait for confirm_within_s
+        return Dissolution(
+            f"member {left[0][:16]}… left it (its batches broke or none finished)", silent, left
+        )
+    if silent:
+        return Dissolution(
+            f"member {silent[0][:16]}… did not confirm within {settings.confirm_within_s:.0f} s", silent
+        )
     return None
+
+
+def _bounded(apart: dict[NodePair, float]) -> dict[NodePair, float]:
+    if len(apart) <= MAX_APART_PAIRS:
+        return apart
+    latest = sorted(apart.items(), key=lambda item: (-item[1], item[0]))[:MAX_APART_PAIRS]
+    return dict(latest)
 
 
 def plan_round(
@@ -91,10 +139,13 @@ def plan_round(
     last_round: int,
     cooldown: Mapping[str, float],
     settings: PlanSettings,
+    apart: Mapping[NodePair, float] | None = None,
 ) -> Plan:
-    """Keep the groups that still stand, dissolve the rest, form new groups from the free live nodes."""
+    """Keep the groups that still stand, dissolve the rest, form new groups from the free live nodes, none
+    holding a pair kept `apart` (node pair -> until when; the plan returns them with the new ones added)."""
     live = live_nodes(view, settings)
     cooling = {n: t for n, t in cooldown.items() if t > view.now}
+    kept_apart = {p: t for p, t in (apart or {}).items() if t > view.now}
     kept: list[GroupRecord] = []
     dissolved: dict[str, str] = {}
     for group in current:
@@ -102,11 +153,17 @@ def plan_round(
         if verdict is None:
             kept.append(group)
             continue
-        dissolved[group.group_id], silent = verdict
-        cooling.update(dict.fromkeys(silent, view.now + settings.cooldown_s))
+        dissolved[group.group_id] = verdict.why
+        cooling.update(dict.fromkeys(verdict.cool, view.now + settings.cooldown_s))
+        if settings.keep_apart_s > 0:
+            until = view.now + settings.keep_apart_s
+            kept_apart.update(
+                {node_pair(m, other): until for m in verdict.left for other in group.members if other != m}
+            )
+    kept_apart = _bounded(kept_apart)
     busy = {m for g in kept for m in g.members}
     free = {n: view.offers[n] for n in sorted(live - busy) if n not in cooling}
-    formed = form_groups(view.layout, free, settings.formation)
+    formed = form_groups(view.layout, free, settings.formation, frozenset(kept_apart))
     changed = bool(dissolved or formed)
     new_round = last_round + 1 if changed else last_round
     publish = [g.model_copy(update={"round": new_round, "signed_at": view.now}) for g in kept]
@@ -122,4 +179,4 @@ def plan_round(
                 signed_at=view.now,
             )
         )
-    return Plan(new_round, publish, dissolved, cooling)
+    return Plan(new_round, publish, dissolved, cooling, kept_apart)
