@@ -22,7 +22,15 @@ from prime_node.node.contributor.settings import PipelineNodeSettings, StartSett
 from prime_node.node.contributor.state import NodeState
 from prime_node.node.engine.hf import eos_and_pad
 from prime_node.node.engine.types import SamplingParams
-from prime_node.node.pipeline.batch_marks import FORMAT, FORMAT_V2, FORMAT_V3, BatchMarks
+from prime_node.node.pipeline.batch_marks import (
+    FORMAT,
+    FORMAT_V2,
+    FORMAT_V3,
+    MAX_FILE_BYTES,
+    MAX_MARKS,
+    MAX_RUN_ID,
+    BatchMarks,
+)
 from prime_node.node.pipeline.broken_files import BrokenFileBudget
 from prime_node.node.pipeline.driver import Tamper
 from prime_node.node.pipeline.errors import PipelineError
@@ -39,6 +47,7 @@ from prime_node.p2p.pipeline.group_ids import nonce_formed_ms
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.pipeline.transport import Route
 from prime_node.p2p.swarm.group_records import GroupRecord, group_id
+from prime_node.p2p.wire import MAX_UNIX_TIME
 from prime_node.proofs.pipeline.blame import GroupWork, check_fraud
 from prime_node.proofs.pipeline.broken import BatchRules, blame_broken, cut_of
 from prime_node.proofs.pipeline.records import GroupSpec
@@ -822,3 +831,19 @@ async def test_a_stage_derives_its_work_and_signs_its_records_off_the_event_loop
     await _run(model_dir, marks, both, tamper=break_once, host_type=_Watched, work_for=work_for)
     for what, threads in {"work": work_threads, **_Watched.threads}.items():
         assert threads and loop_thread not in threads, (what, threads, loop_thread)
+
+
+def test_a_full_marks_file_of_the_largest_entries_fits_its_bound_and_reads_back(tmp_path: Path) -> None:
+    """At MAX_MARKS entries of the largest values (a 128-character run id, 64-hex ids, steps and batch numbers
+    near 2^63, formation times at the wire's last second), the file stays within the 1 MiB its reader takes."""
+    path = tmp_path / "marks.json"
+    run, top = "r" * MAX_RUN_ID, (1 << 63) - 2
+    last_ms = int(MAX_UNIX_TIME * 1000)
+    marks = BatchMarks(None)  # filled in memory (thousands of fsynced saves take seconds), then saved once
+    for k in range(MAX_MARKS):
+        marks.use(run, f"{k:064x}", top, top, formed_ms=last_ms - k)
+    marks.path = path
+    marks.use(run, "ff" * 32, top, top, formed_ms=last_ms)  # one more: one mark dropped, the file written
+    assert len(_marks_in(path)) == MAX_MARKS - 1  # the run's entry and its marks
+    assert path.stat().st_size <= MAX_FILE_BYTES, path.stat().st_size
+    assert BatchMarks(path).next_batch(run, "ff" * 32, top, formed_ms=last_ms) == top + 1
