@@ -25,6 +25,8 @@ from prime_node.trainer.groups.coordinator import adopt
 from prime_node.trainer.groups.formation import FormationSettings, form_groups, group_cost
 from prime_node.trainer.groups.plan import PlanSettings, View, plan_round
 
+from support.nonces import nonce_at
+
 RUN = "unit-run"
 LAYOUT = StageLayout(boundaries=[0, 2, 4])
 IDS = sorted(Identity.from_seed(bytes([60 + i]) * 32).node_id for i in range(8))
@@ -220,17 +222,23 @@ def _node_view(node: str, beats: dict[str, Heartbeat], now: float = 100.0, **cha
 
 def _group(members: list[str], round_: int = 1, **changes: object) -> GroupRecord:
     fields: dict[str, object] = dict(
-        group_id=group_id(RUN, 3, members, LAYOUT),
         round=round_,
         policy_step=3,
         layout=LAYOUT,
         members=members,
         formed_at=100.0,
         signed_at=100.0,
+        nonce=nonce_at(100.0),
     )
     fields.update(changes)
-    if "group_id" not in changes:  # the digest of what the record names, its layout included
-        fields["group_id"] = group_id(RUN, 3, members, fields["layout"])  # type: ignore[arg-type]
+    if "group_id" not in changes:  # the digest of what the record names, its layout and nonce included
+        fields["group_id"] = group_id(
+            RUN,
+            fields["policy_step"],  # type: ignore[arg-type]
+            members,
+            fields["layout"],  # type: ignore[arg-type]
+            fields["nonce"],  # type: ignore[arg-type]
+        )
     return GroupRecord(**fields)
 
 
@@ -240,14 +248,16 @@ def test_a_node_runs_only_a_usable_group_of_the_newest_round_that_names_it() -> 
     good = _group([a, b])
     cases = {
         "does not name this node": _group([b, c]),
-        "not the digest": _group([a, b], group_id=group_id(RUN, 3, [b, a], LAYOUT)),
+        "not the digest": _group([a, b], group_id=group_id(RUN, 3, [b, a], LAYOUT, nonce_at(100.0))),
+        # The same record under another nonce's id: the nonce is part of the digest.
+        "formation nonce": _group([a, b], group_id=_group([a, b], nonce=nonce_at(100.0, salt=1)).group_id),
         "boundaries [0, 1, 4], the run's [0, 2, 4]": _group([a, b], layout=StageLayout(boundaries=[0, 1, 4])),
         # A group whose batches are cut otherwise than the run's pinned shape: its members' frames would disagree.
         "micro_batch_size 4, the run's 2": _group(
             [a, b], layout=StageLayout(boundaries=[0, 2, 4], micro_batch_size=4)
         ),
         "prompts 8, the run's 4": _group([a, b], layout=StageLayout(boundaries=[0, 2, 4], prompts=8)),
-        "policy step 4": _group([a, b], policy_step=4, group_id=group_id(RUN, 4, [a, b], LAYOUT)),
+        "policy step 4": _group([a, b], policy_step=4),
         "no heartbeat (unknown": _group([a, stranger]),
     }
     for reason, g in cases.items():
@@ -303,7 +313,7 @@ def test_a_restarted_coordinator_adopts_the_newest_round() -> None:
     a, b, c, d = IDS[:4]
     old = _group([a, b], round_=1)
     standing = _group([c, d], round_=2)
-    stale_step = _group([a, c], round_=2, policy_step=2, group_id=group_id(RUN, 2, [a, c], LAYOUT))
+    stale_step = _group([a, c], round_=2, policy_step=2)
     assert adopt([old, standing, stale_step], 3, LAYOUT) == (2, [standing])
     assert adopt([], 3, LAYOUT) == (0, [])
 

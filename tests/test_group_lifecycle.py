@@ -95,7 +95,11 @@ async def test_a_killed_member_dissolves_its_group_and_the_survivors_regroup() -
             # peer's DHT validator refuses it, so no member ever sees it.
             pair = [spare.node_id, survivor.node_id]
             forged = first.model_copy(
-                update={"group_id": group_id("groups", 3, pair, first.layout), "members": pair, "round": 99}
+                update={
+                    "group_id": group_id("groups", 3, pair, first.layout, first.nonce),
+                    "members": pair,
+                    "round": 99,
+                }
             )
             exp = get_dht_time() + 30
             value = seal(survivor.identity, "groups", RecordKind.GROUP, forged.group_id, forged, exp)
@@ -228,7 +232,9 @@ async def test_a_kill_mid_batch_abandons_it_and_the_regrouped_survivors_produce_
         stages[result.stage] = result
         if len(stages) == LAYOUT.stages:  # the validator's check of the whole group
             group = result.group
-            spec = GroupSpec("groups", group.policy_step, result.batch, LAYOUT, tuple(group.members))
+            spec = GroupSpec(
+                "groups", group.policy_step, result.batch, LAYOUT, tuple(group.members), group.nonce
+            )
             work = work_for(group, result.batch)
             gwork = GroupWork(
                 [r.prompt_ids for r in work.requests],

@@ -24,6 +24,8 @@ from prime_node.p2p.swarm.records import RecordKind, key_id, payload_of, seal, s
 from prime_node.p2p.swarm.validator import SwarmRecordValidator
 from prime_node.proofs.pipeline.records import GroupSpec
 
+from support.nonces import nonce_at
+
 RUN = "unit-run"
 OPERATOR = Identity.from_seed(bytes(range(32)))
 NODES = [Identity.from_seed(bytes([40 + i]) * 32) for i in range(4)]
@@ -47,7 +49,6 @@ def offer(node: Identity, **changes: object) -> StageAvailability:
 def group(members: list[str] | None = None, **changes: object) -> GroupRecord:
     members = members or [NODES[0].node_id, NODES[1].node_id]
     fields: dict[str, object] = dict(
-        group_id=group_id(RUN, 3, members, LAYOUT),
         round=1,
         policy_step=3,
         layout=LAYOUT,
@@ -56,8 +57,9 @@ def group(members: list[str] | None = None, **changes: object) -> GroupRecord:
         signed_at=1.0,
     )
     fields.update(changes)
-    if "group_id" not in changes:  # the digest of what the record names, its layout included
-        fields["group_id"] = group_id(RUN, 3, members, fields["layout"])  # type: ignore[arg-type]
+    fields.setdefault("nonce", nonce_at(fields["formed_at"]))  # type: ignore[arg-type]
+    if "group_id" not in changes:  # the digest of what the record names, its layout and nonce included
+        fields["group_id"] = group_id(RUN, 3, members, fields["layout"], fields["nonce"])  # type: ignore[arg-type]
     return GroupRecord(**fields)
 
 
@@ -81,7 +83,7 @@ def test_honest_offer_and_group_parse_back(validator: SwarmRecordValidator) -> N
     value = seal(OPERATOR, RUN, RecordKind.GROUP, g.group_id, g, exp)
     assert validator.check(record(RecordKind.GROUP, g.group_id, value, exp)) == g
     # The id members derive is the one the group's activation streams open with.
-    assert g.group_id == GroupSpec(RUN, 3, 0, LAYOUT, tuple(g.members)).group_id
+    assert g.group_id == GroupSpec(RUN, 3, 0, LAYOUT, tuple(g.members), g.nonce).group_id
 
 
 def test_the_largest_offer_and_group_fit_their_size_limits() -> None:
@@ -96,7 +98,7 @@ def test_the_largest_offer_and_group_fit_their_size_limits() -> None:
     payload_of(RecordKind.STAGES, big)  # raises RecordError when over the limit
     members = [Identity.from_seed(bytes([120 + i]) * 32).node_id for i in range(64)]
     layout = StageLayout(boundaries=list(range(0, 65 * 16, 16)))
-    payload_of(RecordKind.GROUP, group(members, group_id=group_id(RUN, 3, members, layout), layout=layout))
+    payload_of(RecordKind.GROUP, group(members, layout=layout))
 
 
 def _hostile() -> dict[str, tuple[RecordKind, str, bytes]]:
@@ -164,8 +166,8 @@ def _hostile() -> dict[str, tuple[RecordKind, str, bytes]]:
         "group signed by a wrong operator key": raw_group(Identity.from_seed(bytes([7]) * 32)),
         "group under another group's subkey": (
             RecordKind.GROUP,
-            group_id(RUN, 3, other_members, LAYOUT),
-            seal(OPERATOR, RUN, RecordKind.GROUP, group_id(RUN, 3, other_members, LAYOUT), g, exp),
+            group(other_members).group_id,
+            seal(OPERATOR, RUN, RecordKind.GROUP, group(other_members).group_id, g, exp),
         ),
         "group naming a node twice": raw_group(members=[n0.node_id, n0.node_id]),
         "group with more members than stages": raw_group(members=[n.node_id for n in NODES[:3]]),
@@ -173,6 +175,15 @@ def _hostile() -> dict[str, tuple[RecordKind, str, bytes]]:
         "group with a non-hex member": raw_group(members=[n0.node_id, "zz" * 32]),
         "group with bad boundaries": raw_group(layout={"boundaries": [0, 3, 2]}),
         "group with a NaN formation time": raw_group(formed_at=float("nan")),
+        # The formation nonce: 48 lowercase hex digits, its first 16 the formation time in ms (formed_at's).
+        "group with no nonce": raw_group(nonce=None),
+        "group with a short nonce": raw_group(nonce=g.nonce[:-2]),
+        "group with a long nonce": raw_group(nonce=g.nonce + "00"),
+        "group with an uppercase nonce": raw_group(nonce=g.nonce.upper()),
+        "group with a non-hex nonce": raw_group(nonce="zz" + g.nonce[2:]),
+        "group with a nonce and a newline": raw_group(nonce=g.nonce + "\n"),
+        "group with a nonce of another formation time": raw_group(nonce=nonce_at(2.0)),
+        "group whose nonce is not a string": raw_group(nonce=int(g.nonce, 16)),
     }
 
 
@@ -208,8 +219,28 @@ def test_a_group_id_binds_every_field_of_the_layout() -> None:
         LAYOUT.model_copy(update={"prompts": LAYOUT.prompts + 1}),
         LAYOUT.model_copy(update={"micro_batch_size": LAYOUT.micro_batch_size + 1}),
     ]
-    ids = [group_id(RUN, 3, members, layout) for layout in layouts]
+    nonce = nonce_at(1.0)
+    ids = [group_id(RUN, 3, members, layout, nonce) for layout in layouts]
     assert len(set(ids)) == len(layouts)
     for layout, gid in zip(layouts, ids, strict=True):
-        assert GroupSpec(RUN, 3, 0, layout, tuple(members)).group_id == gid
-        assert group_id(RUN, 3, members, StageLayout.model_validate(layout.model_dump(mode="json"))) == gid
+        assert GroupSpec(RUN, 3, 0, layout, tuple(members), nonce).group_id == gid
+        copy = StageLayout.model_validate(layout.model_dump(mode="json"))
+        assert group_id(RUN, 3, members, copy, nonce) == gid
+
+
+def test_each_formation_of_the_same_members_is_another_group() -> None:
+    """Before the nonce, the same members at the same step under one layout were one group whenever formed, so a
+    re-formed group took up the old one's batch numbers and a node had to keep every such group's mark for good
+    (in a frozen run it filled its marks file). Each formation's nonce now makes its own id, computed alike by the
+    record, the streams (GroupSpec) and a report's claim; a nonce that differs in one byte or its time is another
+    group."""
+    members = [NODES[0].node_id, NODES[1].node_id]
+    first, again = group(members), group(members, formed_at=1.0, nonce=nonce_at(1.0, salt=0x11))
+    later = group(members, formed_at=2.0)
+    assert len({first.group_id, again.group_id, later.group_id}) == 3
+    for g in (first, again, later):
+        assert GroupSpec(RUN, 3, 0, LAYOUT, tuple(members), g.nonce).group_id == g.group_id
+    flipped = first.nonce[:-1] + ("0" if first.nonce[-1] != "0" else "1")
+    assert group_id(RUN, 3, members, LAYOUT, flipped) != first.group_id
+    with pytest.raises(ValueError, match="formation time"):  # the nonce's time must be the record's formed_at
+        GroupRecord(**dict(first.model_dump(), formed_at=1.5))

@@ -1,4 +1,4 @@
-"""Pipeline stage files (prime-node/rollout/v3): the group's assignment, what every member writes, and a reader
+"""Pipeline stage files (prime-node/rollout/v4): the group's assignment, what every member writes, and a reader
 that refuses every malformed stage column with an error naming it."""
 
 from __future__ import annotations
@@ -147,7 +147,16 @@ CASES = {
     # Another layout's digest is another group than the one the envelope signs (the layout is part of its id).
     "layout-other": (
         _set("layout_sha256", "ab" * 32),
-        "another group than the file's members, run, policy step and",
+        "another group than the file's members, run, policy step, layout and nonce",
+    ),
+    # The group record's formation nonce: 48 lowercase hex digits, the same in every row, and part of the id.
+    "nonce-hex": (_set("group_nonce", lambda v: v.upper()), "'group_nonce': not 48 lowercase hex"),
+    "nonce-short": (_set("group_nonce", lambda v: v[:-2]), "'group_nonce': not 48 lowercase hex"),
+    "nonce-long": (_set("group_nonce", lambda v: v + "00"), "'group_nonce'"),
+    "nonce-differs": (_set("group_nonce", lambda v: "0" * 48, row=1), "group_nonce.*row 1 differs"),
+    "nonce-other": (
+        _set("group_nonce", lambda v: v[:-1] + ("1" if v[-1] == "0" else "0")),
+        "another group than the file's members, run, policy step, layout and nonce",
     ),
 }
 
@@ -238,6 +247,7 @@ def test_a_finished_batch_is_judged_whole_and_a_partial_record_cannot_void_it(ma
         prompts=2,
         micro_batch_size=1,
         layout_sha256=layout_digest(files.spec.layout),
+        nonce=files.spec.nonce,
     )
     partial = tmp_path / "partial.json"
     write_report(partial, PartialReport(claim=claim, record=first.record), members[0])
@@ -322,6 +332,7 @@ def test_a_later_stage_signing_frames_of_another_cut_is_charged_alone(made, tmp_
         members[1],
         members=last.members,
         layout_sha256=layout_digest(files.spec.layout),
+        nonce=last.nonce,
         micro_batch_size=1,
         signed=signed,
     )

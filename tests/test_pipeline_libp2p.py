@@ -26,6 +26,7 @@ from prime_node.node.pipeline.hops import SwarmHops
 from prime_node.node.pipeline.host import BatchDone, StageHost
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.errors import PipelineWireError
+from prime_node.p2p.pipeline.group_ids import new_nonce
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.pipeline.libp2p import ACK, StageStreams, StreamLimits, protocol_name, transport_addresses
 from prime_node.p2p.pipeline.transport import ROUTE_BYTES, Route
@@ -181,14 +182,17 @@ async def test_two_processes_generate_like_one_engine_and_strangers_are_refused(
     operator = Identity.generate()
     first_id, second_id = Identity.from_seed(b"\x11" * 32), Identity.from_seed(b"\x12" * 32)
     members = [first_id.node_id, second_id.node_id]
+    formed_at = time.time()
+    nonce = new_nonce(formed_at)  # as the coordinator draws it for a new group
     group = GroupRecord(
-        group_id=group_id(RUN, STEP, members, LAYOUT),
+        group_id=group_id(RUN, STEP, members, LAYOUT, nonce),
         round=1,
         policy_step=STEP,
         layout=LAYOUT,
         members=members,
-        formed_at=time.time(),
+        formed_at=formed_at,
         signed_at=time.time(),
+        nonce=nonce,
     )
     done: list[BatchDone] = []
     done_at: list[float] = []
@@ -331,7 +335,7 @@ async def test_two_processes_generate_like_one_engine_and_strangers_are_refused(
             assert got["finish"] == want.finish_reason
         # The two processes' stage records verify together, as a validator would check them.
         records = [ours[produced["batch"]].record, SignedStageRecord.model_validate(produced["record"])]
-        gspec = GroupSpec(RUN, STEP, produced["batch"], LAYOUT, tuple(members))
+        gspec = GroupSpec(RUN, STEP, produced["batch"], LAYOUT, tuple(members), group.nonce)
         gwork = GroupWork(
             [r.prompt_ids for r in batch_work.requests],
             [r.seed for r in batch_work.requests],

@@ -35,11 +35,12 @@ from prime_node.p2p.signing import canonical_json
 from prime_node.proofs.pipeline.blame import GroupWork, verify_group
 from prime_node.proofs.pipeline.records import GroupSpec, parse_stage_record
 
+from support.nonces import NONCE, nonce_at
 from support.pipeline import group, identities, random_requests, save_tiny
 
 LAYOUT = StageLayout(boundaries=[0, 2, 4])
 SENDER, OTHER = identities(2)
-SPEC = GroupSpec("local", 3, 7, LAYOUT, (SENDER.node_id, OTHER.node_id))
+SPEC = GroupSpec("local", 3, 7, LAYOUT, (SENDER.node_id, OTHER.node_id), NONCE)
 # What the sender (stage 0) acknowledges: its predecessor's (stage 1's) opening, under stage 1's signature.
 _INPUT_HEAD = chain_start(canonical_json(SPEC.opening(1).model_dump(mode="json")))
 ACK = Acknowledgement(
@@ -170,7 +171,7 @@ def hostile_streams() -> dict[str, tuple[bytes, str]]:
         ("at another index", None, 2),
         (
             "for another batch's stream",
-            opening_digest(GroupSpec("local", 3, 8, LAYOUT, SPEC.members).opening(0)),
+            opening_digest(GroupSpec("local", 3, 8, LAYOUT, SPEC.members, NONCE).opening(0)),
             1,
         ),
     ):
@@ -226,7 +227,7 @@ def test_an_older_opening_is_refused(version: str) -> None:
 
 def test_an_opening_from_another_sender_or_layout_is_refused() -> None:
     imposter = FrameWriter(
-        OTHER, GroupSpec("local", 3, 7, LAYOUT, (OTHER.node_id, SENDER.node_id)).opening(0)
+        OTHER, GroupSpec("local", 3, 7, LAYOUT, (OTHER.node_id, SENDER.node_id), NONCE).opening(0)
     )
     with pytest.raises(PipelineWireError, match="not signed by the expected sender"):
         split_frames(reader(), imposter.opening())
@@ -236,11 +237,18 @@ def test_an_opening_from_another_sender_or_layout_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    "other", [GroupSpec("local", 3, 8, LAYOUT, SPEC.members), GroupSpec("local", 4, 7, LAYOUT, SPEC.members)]
+    "other",
+    [
+        GroupSpec("local", 3, 8, LAYOUT, SPEC.members, NONCE),
+        GroupSpec("local", 4, 7, LAYOUT, SPEC.members, NONCE),
+        # The same members, step and batch of another formation (another nonce): another group.
+        GroupSpec("local", 3, 7, LAYOUT, SPEC.members, nonce_at(1_700_000_001.0)),
+    ],
 )
 def test_a_stage_refuses_its_predecessors_opening_for_another_batch_or_step(other: GroupSpec) -> None:
-    # Correctly signed by the right sender for the right stage, but for another batch (or policy step, hence
-    # group): read on, its frames would be acknowledged in the receiver's record and the receiver blamed.
+    # Correctly signed by the right sender for the right stage, but for another batch (or policy step, or
+    # formation, hence group): read on, its frames would be acknowledged in the receiver's record and the
+    # receiver blamed.
     wrong = FrameWriter(SENDER, other.opening(0))
     with pytest.raises(PipelineWireError, match="expected group"):
         split_frames(SPEC.reader(1), wrong.opening())

@@ -22,7 +22,15 @@ from prime_node.node.contributor.settings import PipelineNodeSettings, StartSett
 from prime_node.node.contributor.state import NodeState
 from prime_node.node.engine.hf import eos_and_pad
 from prime_node.node.engine.types import SamplingParams
-from prime_node.node.pipeline.batch_marks import FORMAT, FORMAT_V2, BatchMarks
+from prime_node.node.pipeline.batch_marks import (
+    FORMAT,
+    FORMAT_V2,
+    FORMAT_V3,
+    MAX_FILE_BYTES,
+    MAX_MARKS,
+    MAX_RUN_ID,
+    BatchMarks,
+)
 from prime_node.node.pipeline.broken_files import BrokenFileBudget
 from prime_node.node.pipeline.driver import Tamper
 from prime_node.node.pipeline.errors import PipelineError
@@ -35,13 +43,16 @@ from prime_node.node.pipeline.work import PipelineWork
 from prime_node.node.run.settings import RunSettings
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.frames import FrameWriter
+from prime_node.p2p.pipeline.group_ids import nonce_formed_ms
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.pipeline.transport import Route
 from prime_node.p2p.swarm.group_records import GroupRecord, group_id
+from prime_node.p2p.wire import MAX_UNIX_TIME
 from prime_node.proofs.pipeline.blame import GroupWork, check_fraud
 from prime_node.proofs.pipeline.broken import BatchRules, blame_broken, cut_of
 from prime_node.proofs.pipeline.records import GroupSpec
 
+from support.nonces import NONCE, formed_at_of, nonce_at
 from support.pipeline import random_requests, save_tiny
 from support.pipeline_files import drop_a_row, uncommitted
 
@@ -51,6 +62,7 @@ PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
 SAMPLES, MICRO = 4, 2
 HOP = HopSettings(frame_timeout_s=10.0, connect_timeout_s=10.0)
 IDS = [Identity.from_seed(bytes([k + 1]) * 32) for k in range(2)]
+FORMED = nonce_formed_ms(NONCE)  # the test group's formation time (ms), as its nonce carries it
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +71,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _group() -> GroupRecord:
+    """The test's group: the same id on every call (its nonce is fixed)."""
     members = [i.node_id for i in IDS]
-    now = time.time()
     return GroupRecord(
-        group_id=group_id(RUN, 0, members, LAYOUT),
+        group_id=group_id(RUN, 0, members, LAYOUT, NONCE),
         round=1,
         policy_step=0,
         layout=LAYOUT,
         members=members,
-        formed_at=now,
-        signed_at=now,
+        formed_at=formed_at_of(NONCE),
+        signed_at=time.time(),
+        nonce=NONCE,
     )
 
 
@@ -145,7 +158,7 @@ async def test_batch_numbers_never_repeat_for_a_group_across_a_restart(
     for k in range(2):
         before, after = _per_stage(first, k), _per_stage(second, k)
         assert min(after) > max(before), (k, before, after)
-        assert BatchMarks(paths[k]).next_batch(RUN, gid, 0) > max(after)
+        assert BatchMarks(paths[k]).next_batch(RUN, gid, 0, formed_ms=FORMED) > max(after)
     signed = [(d.stage, d.batch) for d in first + second]
     assert len(signed) == len(set(signed))
 
@@ -153,13 +166,13 @@ async def test_batch_numbers_never_repeat_for_a_group_across_a_restart(
 def test_batch_marks_are_durable_and_refuse_reuse(tmp_path: Path) -> None:
     path = tmp_path / "marks.json"
     marks = BatchMarks(path)
-    marks.use(RUN, "aa" * 32, 3, 0)
-    marks.use(RUN, "aa" * 32, 3, 5)
-    assert BatchMarks(path).next_batch(RUN, "aa" * 32, 3) == 6
+    marks.use(RUN, "aa" * 32, 3, 0, formed_ms=FORMED)
+    marks.use(RUN, "aa" * 32, 3, 5, formed_ms=FORMED)
+    assert BatchMarks(path).next_batch(RUN, "aa" * 32, 3, formed_ms=FORMED) == 6
     with pytest.raises(PipelineError, match="already used"):
-        marks.use(RUN, "aa" * 32, 3, 3)
+        marks.use(RUN, "aa" * 32, 3, 3, formed_ms=FORMED)
     with pytest.raises(PipelineError, match="a group id names one step"):
-        marks.use(RUN, "aa" * 32, 4, 6)
+        marks.use(RUN, "aa" * 32, 4, 6, formed_ms=FORMED)
     for text, why in (
         ("{", "unreadable"),
         (json.dumps({"format": "other", "next": []}), "format"),
@@ -169,12 +182,31 @@ def test_batch_marks_are_durable_and_refuse_reuse(tmp_path: Path) -> None:
         (json.dumps({"format": FORMAT_V2, "floor": -1, "next": []}), "floor"),
         (json.dumps({"format": FORMAT_V2, "floor": 0, "next": [["aa", True, 1]]}), "a step"),
         (
-            json.dumps({"format": FORMAT, "runs": [["r", 0, [["aa", None, 1]]]], "legacy": {}}),
+            json.dumps({"format": FORMAT_V3, "runs": [["r", 0, [["aa", None, 1]]]], "legacy": {}}),
             "names no step",
         ),
-        (json.dumps({"format": FORMAT, "runs": [["r", 0, []], ["r", 0, []]], "legacy": {}}), "named twice"),
-        (json.dumps({"format": FORMAT, "runs": [["", 0, []]], "legacy": {}}), "run id"),
-        (json.dumps({"format": FORMAT, "runs": [["r", -1, []]], "legacy": {}}), "floor"),
+        (
+            json.dumps({"format": FORMAT, "runs": [["r", 0, 0, [["aa", None, 1, 5]]]], "legacy": {}}),
+            "names no step",
+        ),
+        (
+            json.dumps({"format": FORMAT, "runs": [["r", 0, 0, [["aa", 1, 1, -5]]]], "legacy": {}}),
+            "formation",
+        ),
+        (
+            json.dumps({"format": FORMAT, "runs": [["r", 0, 0, [["aa", 1, 1, 1.5]]]], "legacy": {}}),
+            "formation",
+        ),
+        (json.dumps({"format": FORMAT, "runs": [["r", 0, 0, [["aa", 1, 1]]]], "legacy": {}}), "unreadable"),
+        (json.dumps({"format": FORMAT, "runs": [["r", 0, []]], "legacy": {}}), "unreadable"),  # a v3 entry
+        (
+            json.dumps({"format": FORMAT, "runs": [["r", 0, 0, []], ["r", 0, 0, []]], "legacy": {}}),
+            "named twice",
+        ),
+        (json.dumps({"format": FORMAT, "runs": [["", 0, 0, []]], "legacy": {}}), "run id"),
+        (json.dumps({"format": FORMAT, "runs": [["r", -1, 0, []]], "legacy": {}}), "floor"),
+        (json.dumps({"format": FORMAT, "runs": [["r", 0, -1, []]], "legacy": {}}), "floor"),
+        (json.dumps({"format": FORMAT, "runs": [["r", 0, True, []]], "legacy": {}}), "floor"),
         (json.dumps({"format": FORMAT, "runs": []}), "legacy"),
         (json.dumps([]), "not a JSON object"),
     ):
@@ -185,7 +217,7 @@ def test_batch_marks_are_durable_and_refuse_reuse(tmp_path: Path) -> None:
 
 def _marks_in(path: Path) -> list[list[object]]:
     document = json.loads(path.read_text())
-    return [m for _, _, marks in document["runs"] for m in marks] + document["legacy"]["next"]
+    return [m for _, _, _, marks in document["runs"] for m in marks] + document["legacy"]["next"]
 
 
 def test_each_run_keeps_its_own_floor_across_a_reload(tmp_path: Path) -> None:
@@ -193,15 +225,18 @@ def test_each_run_keeps_its_own_floor_across_a_reload(tmp_path: Path) -> None:
     newest step minus `keep_steps`: run B's step 3 after run A's step 500. Each run now has its own floor."""
     path = tmp_path / "marks.json"
     marks = BatchMarks(path, keep_steps=128)
-    marks.use("run-a", "aa" * 32, 500, 0)
+    marks.use("run-a", "aa" * 32, 500, 0, formed_ms=FORMED)
     for reread in (marks, BatchMarks(path, keep_steps=128)):
         assert reread.floor("run-a") == 372 and reread.floor("run-b") == 0
-        assert reread.why_refused("run-b", "bb" * 32, 3) is None
-        assert "below 372" in (reread.why_refused("run-a", "cc" * 32, 3) or "")
+        assert reread.why_refused("run-b", "bb" * 32, 3, formed_ms=FORMED) is None
+        assert "below 372" in (reread.why_refused("run-a", "cc" * 32, 3, formed_ms=FORMED) or "")
     reread = BatchMarks(path, keep_steps=128)
-    reread.use("run-b", "bb" * 32, 3, 0)
+    reread.use("run-b", "bb" * 32, 3, 0, formed_ms=FORMED)
     again = BatchMarks(path, keep_steps=128)
-    assert again.next_batch("run-b", "bb" * 32, 3) == 1 and again.next_batch("run-a", "aa" * 32, 500) == 1
+    assert (
+        again.next_batch("run-b", "bb" * 32, 3, formed_ms=FORMED) == 1
+        and again.next_batch("run-a", "aa" * 32, 500, formed_ms=FORMED) == 1
+    )
     assert again.floor("run-a") == 372 and again.floor("run-b") == 0
 
 
@@ -211,15 +246,15 @@ def test_a_v2_file_of_an_unknown_run_is_read_safely(tmp_path: Path) -> None:
     path = tmp_path / "marks.json"
     path.write_text(json.dumps({"format": FORMAT_V2, "floor": 40, "next": [["aa" * 32, 50, 7]]}))
     marks = BatchMarks(path)
-    assert marks.next_batch("any", "aa" * 32, 50) == 7 and "below 40" in (
-        marks.why_refused("new", "bb" * 32, 39) or ""
+    assert marks.next_batch("any", "aa" * 32, 50, formed_ms=FORMED) == 7 and "below 40" in (
+        marks.why_refused("new", "bb" * 32, 39, formed_ms=FORMED) or ""
     )
     with pytest.raises(PipelineError, match="already used"):
-        marks.use("run-a", "aa" * 32, 50, 6)
-    marks.use("run-a", "aa" * 32, 50, 7)  # the mark moves to the run that used it
+        marks.use("run-a", "aa" * 32, 50, 6, formed_ms=FORMED)
+    marks.use("run-a", "aa" * 32, 50, 7, formed_ms=FORMED)  # the mark moves to the run that used it
     reread = BatchMarks(path)
     assert json.loads(path.read_text())["format"] == FORMAT
-    assert reread.next_batch("run-a", "aa" * 32, 50) == 8 and reread.floor("run-b") == 40
+    assert reread.next_batch("run-a", "aa" * 32, 50, formed_ms=FORMED) == 8 and reread.floor("run-b") == 40
 
 
 def test_a_mark_is_never_forgotten_while_its_group_could_run_again(tmp_path: Path) -> None:
@@ -229,49 +264,129 @@ def test_a_mark_is_never_forgotten_while_its_group_could_run_again(tmp_path: Pat
     path = tmp_path / "marks.json"
     first = f"{0:064x}"
     # 1100 groups of one step, the first used first (written directly: 1100 fsynced saves take seconds).
-    many = [[first, 10, 8]] + [[f"{k:064x}", 10, 1] for k in range(1, 1100)]
+    many = [[first, 10, 8, FORMED]] + [[f"{k:064x}", 10, 1, FORMED] for k in range(1, 1100)]
     path.write_text(
-        json.dumps({"format": FORMAT, "runs": [[RUN, 0, many]], "legacy": {"floor": 0, "next": []}})
+        json.dumps({"format": FORMAT, "runs": [[RUN, 0, 0, many]], "legacy": {"floor": 0, "next": []}})
     )
     marks = BatchMarks(path, keep_steps=4)
-    marks.use(RUN, "ab" * 32, 10, 0)  # one more group of the same step: none may push the first out
-    assert BatchMarks(path, keep_steps=4).next_batch(RUN, first, 10) == 8
-    assert len(_marks_in(path)) == 1101
-    marks.use(RUN, "bb" * 32, 14, 0)  # 14 - 4 = 10: step 10 is still kept
-    assert BatchMarks(path, keep_steps=4).next_batch(RUN, first, 10) == 8
     marks.use(
-        RUN, "cc" * 32, 15, 2
+        RUN, "ab" * 32, 10, 0, formed_ms=FORMED
+    )  # one more group of the same step: none may push the first out
+    assert BatchMarks(path, keep_steps=4).next_batch(RUN, first, 10, formed_ms=FORMED) == 8
+    assert len(_marks_in(path)) == 1101
+    marks.use(RUN, "bb" * 32, 14, 0, formed_ms=FORMED)  # 14 - 4 = 10: step 10 is still kept
+    assert BatchMarks(path, keep_steps=4).next_batch(RUN, first, 10, formed_ms=FORMED) == 8
+    marks.use(
+        RUN, "cc" * 32, 15, 2, formed_ms=FORMED
     )  # step 10 falls below the floor (11): its marks go, its groups are refused
     for reread in (marks, BatchMarks(path, keep_steps=4)):
         assert reread.floor(RUN) == 11
-        assert "below 11" in (reread.why_refused(RUN, first, 10) or "")
+        assert "below 11" in (reread.why_refused(RUN, first, 10, formed_ms=FORMED) or "")
         with pytest.raises(PipelineError, match="refused"):
-            reread.next_batch(RUN, first, 10)
+            reread.next_batch(RUN, first, 10, formed_ms=FORMED)
         with pytest.raises(PipelineError, match="refused"):
-            reread.use(RUN, first, 10, 8)
-        assert reread.why_refused(RUN, "dd" * 32, 11) is None and reread.next_batch(RUN, "cc" * 32, 15) == 3
+            reread.use(RUN, first, 10, 8, formed_ms=FORMED)
+        assert (
+            reread.why_refused(RUN, "dd" * 32, 11, formed_ms=FORMED) is None
+            and reread.next_batch(RUN, "cc" * 32, 15, formed_ms=FORMED) == 3
+        )
     assert len(_marks_in(path)) == 2  # the 1101 groups of step 10 are gone from the file
 
 
-def test_batch_marks_refuse_a_new_group_when_full_and_read_a_v1_file(tmp_path: Path) -> None:
+def test_a_frozen_run_forms_more_groups_than_the_marks_hold_and_none_is_refused(tmp_path: Path) -> None:
+    """A synthetic run's step never advances, so no mark was ever dropped by step: each group formed at the one
+    step added a mark for good, and once the file was full (8192 entries) every new group was refused, for good.
+    A group id now binds its formation's nonce, so the marks of the oldest formations are dropped for room and a
+    floor refuses their groups: here a file of at most 8 entries sees 40 formations of the same two members at
+    step 0, none refused; every batch number of every id is used once, across restarts (the marks are read back
+    from disk before each group); and an id whose mark was dropped is refused, never numbered from 0 again."""
     path = tmp_path / "marks.json"
-    marks = BatchMarks(path, max_marks=3)  # the run's entry and two marks
-    marks.use(RUN, "aa" * 32, 1, 0)
-    marks.use(RUN, "bb" * 32, 1, 0)
-    assert "3 groups and runs already" in (marks.why_refused(RUN, "cc" * 32, 1) or "")
-    with pytest.raises(PipelineError, match="refused"):
-        marks.use(RUN, "cc" * 32, 1, 0)
-    marks.use(RUN, "aa" * 32, 1, 1)  # a group it has a mark of still runs
-    # A v1 file names no steps: its marks are kept for good, never dropped by step.
+    members = [i.node_id for i in IDS]
+    used: dict[str, list[int]] = {}
+    formed: dict[str, int] = {}
+    for k in range(40):
+        nonce = nonce_at(1_700_000_000.0 + k)  # a new formation of the same members, one second later
+        gid = group_id(RUN, 0, members, LAYOUT, nonce)
+        assert gid not in used  # each formation is another group
+        formed[gid] = nonce_formed_ms(nonce)
+        marks = BatchMarks(path, max_marks=8)  # a restart of the node before each group
+        assert marks.why_refused(RUN, gid, 0, formed_ms=formed[gid]) is None, k
+        first = marks.next_batch(RUN, gid, 0, formed_ms=formed[gid])
+        assert first == 0  # a new id starts at 0: no opening of an older formation is signed again
+        for batch in range(first, first + 3):
+            marks.use(RUN, gid, 0, batch, formed_ms=formed[gid])
+            used.setdefault(gid, []).append(batch)
+        assert len(_marks_in(path)) + 1 <= 8  # the run's entry and its marks: never past the bound
+    reread = BatchMarks(path, max_marks=8)
+    kept = {g for g, *_ in _marks_in(path)}
+    assert len(kept) == 7 and kept == set(list(used)[-7:])  # the newest formations' marks
+    assert reread.formed_floor(RUN) == formed[list(used)[-8]] + 1
+    for gid, batches in used.items():
+        if gid in kept:  # a kept group goes on past every number it used
+            assert reread.next_batch(RUN, gid, 0, formed_ms=formed[gid]) == max(batches) + 1
+            with pytest.raises(PipelineError, match="already used"):
+                reread.use(RUN, gid, 0, max(batches), formed_ms=formed[gid])
+            continue
+        assert "dropped the batch marks" in (reread.why_refused(RUN, gid, 0, formed_ms=formed[gid]) or "")
+        with pytest.raises(PipelineError, match="refused"):
+            reread.next_batch(RUN, gid, 0, formed_ms=formed[gid])
+        with pytest.raises(PipelineError, match="refused"):
+            reread.use(RUN, gid, 0, 0, formed_ms=formed[gid])
+    # A group of another run is not held to this run's formation floor.
+    assert reread.why_refused("other-run", "ee" * 32, 0, formed_ms=0) is None
+
+
+def test_batch_marks_drop_older_files_marks_first_and_refuse_only_with_nothing_to_drop(
+    tmp_path: Path,
+) -> None:
+    """Marks read from a v1-v3 file name ids computed without a nonce, which no group record makes any more: they
+    are the first to go for room, and raise no floor. A new group is refused for room only when the entries are
+    all runs' floors, with no mark to drop (here a bound of 1 entry)."""
+    path = tmp_path / "marks.json"
+    path.write_text(json.dumps({"format": "prime-node/pipeline-batch-marks/v1", "next": [["aa" * 32, 4]]}))
+    marks = BatchMarks(path, max_marks=3)
+    assert marks.next_batch(RUN, "aa" * 32, 0, formed_ms=5) == 4  # kept while there is room
+    marks.use(RUN, "bb" * 32, 1, 0, formed_ms=FORMED)  # the run's entry, the v1 mark and this one: full
+    marks.use(RUN, "cc" * 32, 1, 0, formed_ms=FORMED + 1)  # the v1 mark goes, not an older formation's
+    assert {g for g, *_ in _marks_in(path)} == {"bb" * 32, "cc" * 32} and marks.formed_floor(RUN) == 0
+    marks.use(
+        RUN, "dd" * 32, 1, 0, formed_ms=FORMED + 2
+    )  # now the oldest formation goes, and the floor rises
+    assert marks.formed_floor(RUN) == FORMED + 1
+    assert "before" in (marks.why_refused(RUN, "ee" * 32, 1, formed_ms=FORMED) or "")  # formed too early
+    assert marks.why_refused(RUN, "ee" * 32, 1, formed_ms=FORMED + 1) is None  # formed after the dropped one
+    marks.use(RUN, "cc" * 32, 1, 1, formed_ms=FORMED + 1)  # a group it has a mark of still runs
+    assert "holds no mark it could drop" in (
+        BatchMarks(None, max_marks=1).why_refused(RUN, "aa" * 32, 1, formed_ms=0) or ""
+    )
+    # A v1 file names no steps: its marks are never dropped by step.
     path.write_text(json.dumps({"format": "prime-node/pipeline-batch-marks/v1", "next": [["aa" * 32, 4]]}))
     old = BatchMarks(path, keep_steps=1)
-    old.use(RUN, "bb" * 32, 100, 0)
+    old.use(RUN, "bb" * 32, 100, 0, formed_ms=FORMED)
     reread = BatchMarks(path)
     assert (
         reread.floor(RUN) == 99
-        and reread.next_batch(RUN, "aa" * 32, 99) == 4
-        and reread.next_batch(RUN, "bb" * 32, 100) == 1
+        and reread.next_batch(RUN, "aa" * 32, 99, formed_ms=FORMED) == 4
+        and reread.next_batch(RUN, "bb" * 32, 100, formed_ms=FORMED) == 1
     )
+
+
+def test_a_re_formed_group_starts_its_own_batch_numbers(tmp_path: Path) -> None:
+    """The same members at the same step formed again (the coordinator dissolved and re-formed them) are another
+    group: its numbers begin at 0 while the first formation's continue from its own mark, so no opening is ever
+    signed twice (an opening names the group id, which differs)."""
+    path = tmp_path / "marks.json"
+    members = [i.node_id for i in IDS]
+    first, again = (nonce_at(1_700_000_000.0), nonce_at(1_700_000_060.0))
+    ids = [group_id(RUN, 0, members, LAYOUT, n) for n in (first, again)]
+    marks = BatchMarks(path)
+    for batch in range(5):
+        marks.use(RUN, ids[0], 0, batch, formed_ms=nonce_formed_ms(first))
+    reread = BatchMarks(path)
+    assert reread.next_batch(RUN, ids[1], 0, formed_ms=nonce_formed_ms(again)) == 0
+    assert reread.next_batch(RUN, ids[0], 0, formed_ms=nonce_formed_ms(first)) == 5
+    openings = {GroupSpec(RUN, 0, 0, LAYOUT, tuple(members), n).opening(0) for n in (first, again)}
+    assert len(openings) == 2
 
 
 async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_or_that_jumps_too_far(
@@ -298,7 +413,7 @@ async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_o
     def opening(batch: int, signer: Identity, named: int | None = None) -> bytes:
         """Stage 0's opening of batch `named` (default `batch`) signed by `signer` (a forgery unless IDS[0])."""
         members = tuple(i.node_id for i in IDS)
-        spec = GroupSpec(RUN, 0, batch if named is None else named, LAYOUT, members)
+        spec = GroupSpec(RUN, 0, batch if named is None else named, LAYOUT, members, NONCE)
         writer = FrameWriter(signer, spec.opening(0).model_copy(update={"sender": signer.node_id}))
         return writer.opening()
 
@@ -319,7 +434,8 @@ async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_o
             assert await asyncio.wait_for(reader.read(), 20.0) == b""
             writer.close()
             assert (
-                follower.marks.next_batch(RUN, gid, 0) == 0 and BatchMarks(path).next_batch(RUN, gid, 0) == 0
+                follower.marks.next_batch(RUN, gid, 0, formed_ms=FORMED) == 0
+                and BatchMarks(path).next_batch(RUN, gid, 0, formed_ms=FORMED) == 0
             ), batch
             assert follower.task is not None and not follower.task.done()
         leader = host(0)
@@ -334,7 +450,7 @@ async def test_a_follower_records_no_batch_number_its_predecessor_did_not_sign_o
     finally:
         await follower.stop()
     assert all(d.batch < 8 for d in done), [d.batch for d in done]
-    assert 0 < BatchMarks(path).next_batch(RUN, gid, 0) <= 64
+    assert 0 < BatchMarks(path).next_batch(RUN, gid, 0, formed_ms=FORMED) <= 64
 
 
 async def test_a_receiver_hands_in_the_evidence_that_blames_its_sender(
@@ -345,7 +461,7 @@ async def test_a_receiver_hands_in_the_evidence_that_blames_its_sender(
     report = next(x for x in lost if x.fraud is not None)
     assert report.stage == 1 and report.partial is None
     group = _group()
-    spec = GroupSpec(RUN, 0, report.batch, LAYOUT, tuple(group.members))
+    spec = GroupSpec(RUN, 0, report.batch, LAYOUT, tuple(group.members), group.nonce)
     work = _work(model_dir)(group, report.batch)
     gwork = GroupWork(
         [r.prompt_ids for r in work.requests],
@@ -380,7 +496,7 @@ async def test_a_broken_batch_has_every_member_hand_in_its_partial_record(
         IDS[0].node_id,
     ]
     group = _group()
-    spec = GroupSpec(RUN, 0, batch, LAYOUT, tuple(group.members))
+    spec = GroupSpec(RUN, 0, batch, LAYOUT, tuple(group.members), group.nonce)
     work = _work(model_dir)(group, batch)
     rules = BatchRules(
         work.eos_token_id, PARAMS.max_new_tokens, cut_of([r.prompt_ids for r in work.requests], MICRO)
@@ -508,7 +624,7 @@ async def test_a_group_whose_batch_numbers_could_not_be_kept_is_not_run(model_di
     """Marks of steps below the floor are gone: a group of such a step is refused before any work (its batch
     numbers would begin again at 0) and given up, so the member leaves it."""
     marks = BatchMarks(None, keep_steps=1)
-    marks.use(RUN, "ee" * 32, 5, 0)  # the floor is now 4; the test's group is of step 0
+    marks.use(RUN, "ee" * 32, 5, 0, formed_ms=FORMED)  # the floor is now 4; the test's group is of step 0
     gave_up: list[tuple[str, bool]] = []
 
     async def on_batch(result: BatchDone) -> None:
@@ -629,8 +745,8 @@ def test_a_partial_record_is_charged_to_the_neighbour_whose_stream_broke(tmp_pat
     members = [before, IDS[0].node_id, after]
     now = time.time()
     group = GroupRecord(
-        group_id=group_id(RUN, 0, members, layout), round=1, policy_step=0, layout=layout, members=members,
-        formed_at=now, signed_at=now,
+        group_id=group_id(RUN, 0, members, layout, nonce_at(now)), round=1, policy_step=0, layout=layout,
+        members=members, formed_at=now, signed_at=now, nonce=nonce_at(now),
     )  # fmt: skip
     settings = StartSettings(
         operator_key="ab" * 32,
@@ -720,3 +836,19 @@ async def test_a_stage_derives_its_work_and_signs_its_records_off_the_event_loop
     await _run(model_dir, marks, both, tamper=break_once, host_type=_Watched, work_for=work_for)
     for what, threads in {"work": work_threads, **_Watched.threads}.items():
         assert threads and loop_thread not in threads, (what, threads, loop_thread)
+
+
+def test_a_full_marks_file_of_the_largest_entries_fits_its_bound_and_reads_back(tmp_path: Path) -> None:
+    """At MAX_MARKS entries of the largest values (a 128-character run id, 64-hex ids, steps and batch numbers
+    near 2^63, formation times at the wire's last second), the file stays within the 1 MiB its reader takes."""
+    path = tmp_path / "marks.json"
+    run, top = "r" * MAX_RUN_ID, (1 << 63) - 2
+    last_ms = int(MAX_UNIX_TIME * 1000)
+    marks = BatchMarks(None)  # filled in memory (thousands of fsynced saves take seconds), then saved once
+    for k in range(MAX_MARKS):
+        marks.use(run, f"{k:064x}", top, top, formed_ms=last_ms - k)
+    marks.path = path
+    marks.use(run, "ff" * 32, top, top, formed_ms=last_ms)  # one more: one mark dropped, the file written
+    assert len(_marks_in(path)) == MAX_MARKS - 1  # the run's entry and its marks
+    assert path.stat().st_size <= MAX_FILE_BYTES, path.stat().st_size
+    assert BatchMarks(path).next_batch(run, "ff" * 32, top, formed_ms=last_ms) == top + 1

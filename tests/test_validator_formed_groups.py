@@ -20,21 +20,27 @@ from prime_node.p2p.swarm.records import seal
 from prime_node.trainer.validator import formed_groups
 from prime_node.trainer.validator.formed_groups import FormedGroups, FormedSettings, why_not_formed
 
+from support.nonces import nonce_at
+
 RUN = "formed-groups"
 LAYOUT = StageLayout(boundaries=[0, 2, 4])
 OPERATOR = Identity.from_seed(b"\x31" * 32)
 
 
-def _record(a: int, b: int, *, step: int = 3, round_: int = 1, gid: str | None = None) -> GroupRecord:
+def _record(
+    a: int, b: int, *, step: int = 3, round_: int = 1, gid: str | None = None, salt: int = 0x5A
+) -> GroupRecord:
     members = [f"{a:064x}", f"{b:064x}"]
+    nonce = nonce_at(1000.0, salt)
     return GroupRecord(
-        group_id=gid or group_id(RUN, step, members, LAYOUT),
+        group_id=gid or group_id(RUN, step, members, LAYOUT, nonce),
         round=round_,
         policy_step=step,
         layout=LAYOUT,
         members=members,
         formed_at=1000.0,
         signed_at=1000.0,
+        nonce=nonce,
     )
 
 
@@ -115,10 +121,13 @@ def test_records_whose_id_is_not_their_groups_digest_are_not_kept() -> None:
     book = dht.book()
     forged = _record(1, 2, gid="ab" * 32)  # signed by the operator, but no file's group id can be it
     dht.records[forged.group_id] = forged
+    # The id of the same members under another formation's nonce: the validator recomputes it with the nonce.
+    renonced = _record(1, 2, gid=_record(1, 2, salt=0x11).group_id)
+    dht.records[renonced.group_id] = renonced
     newer, older = _record(3, 4, round_=5), _record(3, 4, round_=2)
     dht.records[newer.group_id] = newer
     asyncio.run(book.refresh())
-    assert book.find(forged.group_id) is None and len(book) == 1
+    assert book.find(forged.group_id) is None and book.find(renonced.group_id) is None and len(book) == 1
     dht.records[newer.group_id] = older  # an older round read later does not replace the newer record
     asyncio.run(book.refresh())
     found = book.find(newer.group_id)

@@ -29,6 +29,7 @@ from prime_node.trainer.service.inbox import Inbox
 from prime_node.trainer.validator import service as service_module
 from prime_node.trainer.validator.spool import Spool
 
+from support.nonces import formed_at_of, nonce_at
 from support.pipeline_attacks import perturb_stage_
 from support.pipeline_files import drop_a_row, fraud_report_file, group_files, partial_report_files
 from support.swarm import fleet, wait_until
@@ -70,8 +71,9 @@ async def _form(operator: Swarm, *specs: GroupSpec, round_: int = 1) -> None:
             policy_step=spec.policy_step,
             layout=spec.layout,
             members=list(spec.members),
-            formed_at=now,
+            formed_at=formed_at_of(spec.nonce),  # the formation its files' nonce names
             signed_at=now,
+            nonce=spec.nonce,
         )
         assert await operator.publish_group(record)
 
@@ -279,7 +281,7 @@ async def test_files_of_a_batch_shape_the_run_has_since_changed_are_excused_not_
         engine,
         members,
     )
-    new = GroupSpec(RUN, 0, 0, PIPELINED.pipeline, old.spec.members)
+    new = GroupSpec(RUN, 0, 0, PIPELINED.pipeline, old.spec.members, old.spec.nonce)
     assert new.group_id != old.spec.group_id  # one id for both was the finding
     settings = _settings(tmp_path / "validator")
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
@@ -302,7 +304,8 @@ async def test_files_of_a_batch_shape_the_run_has_since_changed_are_excused_not_
 async def test_only_formed_groups_are_credited_and_junk_starts_no_grace_period(tmp_path: Path, world) -> None:  # noqa: ANN001
     # A group of real, signed work that no operator-signed record formed (one operator running every stage under
     # its own identities) is not credited, nor slashed; a record naming the same members in another order is
-    # another group's (its id is another digest), so for this group there is no record: the record's member and
+    # another group's (its id is another digest), and so is one of the same members of another formation (its
+    # nonce is in the digest), so for this group there is no record: the record's member and
     # step checks (`why_not_formed`) are defence in depth, which no file can reach. A stranger's junk file routed
     # to a formed group's key is refused before it is read (the record does not name its sender) and does not
     # start the group's grace period: members arriving within the grace of the first *valid* file are judged
@@ -313,7 +316,11 @@ async def test_only_formed_groups_are_credited_and_junk_starts_no_grace_period(t
     stranger = Identity.generate()
     formed = group_files(tmp_path / "formed", checkpoint, PIPELINED, tasks, engine, members)
     unformed = group_files(tmp_path / "self", checkpoint, PIPELINED, tasks, engine, self_made)
-    other_order = GroupSpec(RUN, 0, 0, unformed.spec.layout, unformed.spec.members[::-1])
+    other_order = GroupSpec(RUN, 0, 0, unformed.spec.layout, unformed.spec.members[::-1], unformed.spec.nonce)
+    # The same members in the same order, of another formation (another nonce): another group's record too.
+    other_formation = GroupSpec(
+        RUN, 0, 0, unformed.spec.layout, unformed.spec.members, nonce_at(1_700_000_001.0)
+    )
     junk = tmp_path / "junk.parquet"
     junk.write_bytes(b"junk" * 1000)
     signature_path(junk).write_text(
@@ -324,7 +331,7 @@ async def test_only_formed_groups_are_credited_and_junk_starts_no_grace_period(t
     settings = settings.model_copy(update={"run": PIPELINED})
     publish_checkpoint(checkpoint, settings.resolved_data_dir() / "validator-weights", 0)
     async with running_validator(settings) as running, fleet(RUN, OPERATOR) as swarm:
-        await _form(running.swarm, formed.spec, other_order)
+        await _form(running.swarm, formed.spec, other_order, other_formation)
         # One host hands in every node's files (each node id bound to its peer id by a signed heartbeat).
         host = await swarm.add(stranger, bootstrap=running.maddrs[:1], reachability="public")
         await bind_node_ids(host, [*members, *self_made])

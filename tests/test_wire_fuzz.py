@@ -55,6 +55,7 @@ from prime_node.p2p.pipeline.frames import (
     chain_start,
     head_message,
 )
+from prime_node.p2p.pipeline.group_ids import group_id_of
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.signing import canonical_json
 from prime_node.p2p.swarm import SwarmConfig
@@ -114,7 +115,6 @@ from prime_node.proofs.pipeline.records import (
     SignedStageRecord,
     StageRecord,
     StageRecordError,
-    group_id_of,
     parse_stage_record,
 )
 from prime_node.proofs.pipeline.reports import (
@@ -126,6 +126,8 @@ from prime_node.proofs.pipeline.reports import (
 )
 from prime_node.proofs.rollout_file import sign_bytes, signature_path
 from prime_node.proofs.rollout_schema import RolloutFileError
+
+from support.nonces import nonce_at
 
 RUN = "fuzz"
 T = 1_800_000_000.0
@@ -419,7 +421,11 @@ def _group_report(
         try:
             claim = loads_strict(raw)["claim"]
             group = group_id_of(
-                claim["run_id"], claim["policy_step"], claim["members"], claim["layout_sha256"]
+                claim["run_id"],
+                claim["policy_step"],
+                claim["members"],
+                claim["layout_sha256"],
+                claim["nonce"],
             )
             batch = (int(claim["policy_step"]), int(claim["batch"]))
         except (WireFormatError, KeyError, TypeError, ValueError):
@@ -451,6 +457,7 @@ _CLAIM = BatchClaim(
     prompts=1,
     micro_batch_size=1,
     layout_sha256="ab" * 32,
+    nonce=nonce_at(T),
 )
 
 
@@ -617,15 +624,18 @@ CARRIERS = [
     _record(
         RecordKind.GROUP,
         OPERATOR,
-        group_id(RUN, 1, [NODE.node_id, VALIDATOR.node_id], StageLayout(boundaries=[0, 2, 4])),
+        group_id(RUN, 1, [NODE.node_id, VALIDATOR.node_id], StageLayout(boundaries=[0, 2, 4]), nonce_at(T)),
         GroupRecord(
-            group_id=group_id(RUN, 1, [NODE.node_id, VALIDATOR.node_id], StageLayout(boundaries=[0, 2, 4])),
+            group_id=group_id(
+                RUN, 1, [NODE.node_id, VALIDATOR.node_id], StageLayout(boundaries=[0, 2, 4]), nonce_at(T)
+            ),
             round=1,
             policy_step=1,
             layout=StageLayout(boundaries=[0, 2, 4]),
             members=[NODE.node_id, VALIDATOR.node_id],
             formed_at=T,
             signed_at=T,
+            nonce=nonce_at(T),
         ),
     ),
     _signed_document(

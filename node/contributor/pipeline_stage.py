@@ -316,6 +316,7 @@ class PipelineStage:
             assignment,
             tuple(group.members),
             group.layout,
+            group.nonce,
             done.record,
             self.identity,
             done.final_states,
@@ -398,14 +399,30 @@ class PipelineStage:
         if lost.fraud is not None:
             staged = self._staged(group, lost.batch, f"stage{lost.stage}-fraud.json")
             sig = await asyncio.to_thread(
-                write_member_report, staged, run, batch, members, group.layout, lost.fraud, self.identity
+                write_member_report,
+                staged,
+                run,
+                batch,
+                members,
+                group.layout,
+                group.nonce,
+                lost.fraud,
+                self.identity,
             )
             logger.warning("%s: the previous stage sent a frame its commitment belies; reporting it", what)
             await self._commit("fraud", staged, sig, group.policy_step, f"fraud report on {what}")
         elif lost.partial is not None:
             staged = self._staged(group, lost.batch, f"stage{lost.stage}-partial.json")
             sig = await asyncio.to_thread(
-                write_member_partial, staged, run, batch, members, group.layout, lost.partial, self.identity
+                write_member_partial,
+                staged,
+                run,
+                batch,
+                members,
+                group.layout,
+                group.nonce,
+                lost.partial,
+                self.identity,
             )
             await self._commit(
                 "partial", staged, sig, group.policy_step, f"partial record of {what} ({lost.why})"

@@ -22,8 +22,8 @@ and each number is recorded durably before its opening is signed, so no opening 
 takes its number from the route its predecessor dialled with, which nobody signed: it records it only after it
 read the predecessor's signed opening of that very batch, and only when it lies at most `max_batch_jump` past its
 mark (else a predecessor could move the mark to 2^63 - 1, past which no route decodes: the group dead for this
-node, across restarts too). A group whose marks refuse it (batch_marks.py: its step is older than the marks keep)
-is not run at all.
+node, across restarts too). A group whose marks refuse it (batch_marks.py: its step is older than the marks keep,
+or it was formed before the newest formation whose marks were dropped for room) is not run at all.
 
 A group whose batches keep breaking is given up: after `leave_after_broken` batches in a row abandoned with
 none finished between them once the ring had closed (every member took the batch: group.py `ring_closed`; a
@@ -52,6 +52,7 @@ import torch
 
 from ...p2p.identity import Identity
 from ...p2p.pipeline.errors import PipelineWireError
+from ...p2p.pipeline.group_ids import nonce_formed_ms
 from ...p2p.pipeline.layout import StageLayout
 from ...p2p.pipeline.transport import Inbound, Route
 from ...p2p.swarm.group_records import GroupRecord
@@ -196,7 +197,10 @@ class StageHost:
         if stage is None:
             raise PipelineError(f"group {group.group_id[:16]}… does not name this node")
         refused = await asyncio.to_thread(
-            self.marks.why_refused, self.run_id, group.group_id, group.policy_step
+            partial(self.marks.why_refused, formed_ms=nonce_formed_ms(group.nonce)),
+            self.run_id,
+            group.group_id,
+            group.policy_step,
         )
         if refused is not None:
             self._give_up(group, f"its batch numbers cannot be kept: {refused}", batches_failed=False)
@@ -217,8 +221,9 @@ class StageHost:
         previous, following = group.members[(stage - 1) % stages], (stage + 1) % stages
         leader = stage == 0
         step = group.policy_step
+        formed_ms = nonce_formed_ms(group.nonce)  # orders formations: which marks go first (batch_marks.py)
         # never a number this node signed an opening for
-        batch = self.marks.next_batch(self.run_id, group.group_id, step)
+        batch = self.marks.next_batch(self.run_id, group.group_id, step, formed_ms=formed_ms)
         broken = 0  # batches abandoned in a row after the ring closed, none finished between them
         progress_at = time.monotonic()  # when the stage was ready or a batch last finished
         while True:
@@ -231,7 +236,11 @@ class StageHost:
             self.in_flight = (group.group_id, batch) if leader else None  # a follower's starts when opened
             try:
                 # A follower listens from its mark: not from a number a refused route named.
-                floor = batch if leader else self.marks.next_batch(self.run_id, group.group_id, step)
+                floor = (
+                    batch
+                    if leader
+                    else self.marks.next_batch(self.run_id, group.group_id, step, formed_ms=formed_ms)
+                )
                 inbound = await self.hops.inbound(
                     Route(group.group_id, floor, stage), previous, follow=not leader
                 )
@@ -241,15 +250,17 @@ class StageHost:
                     except PipelineWireError as exc:  # nothing opened yet: nothing in flight, wait again
                         logger.debug("stage %d of group %s… idle: %s", stage, group.group_id[:16], exc)
                         continue
-                    batch = self._followed(group.group_id, step, inbound.route.batch)
-                spec = GroupSpec(self.run_id, group.policy_step, batch, self.layout, tuple(group.members))
+                    batch = self._followed(group.group_id, step, formed_ms, inbound.route.batch)
+                spec = GroupSpec(
+                    self.run_id, group.policy_step, batch, self.layout, tuple(group.members), group.nonce
+                )
                 # Tokenizing the batch's prompts is CPU work: off the loop, which serves heartbeats and streams.
                 processor = StageProcessor(model, await asyncio.to_thread(self.work_for, group, batch))
                 runner = StageRunner(spec, stage, processor, self.identity, self.hop, self.tamper)
                 if not leader:  # the route's number is the predecessor's signed word before it is recorded
                     await runner.read_opening(inbound)
                 await asyncio.to_thread(
-                    self.marks.use, self.run_id, group.group_id, step, batch
+                    partial(self.marks.use, formed_ms=formed_ms), self.run_id, group.group_id, step, batch
                 )  # durable before signed
                 self.in_flight = (group.group_id, batch)
                 dial = partial(
@@ -322,10 +333,10 @@ class StageHost:
         states = processor.final_states() if last else None
         return BatchDone(group, batch, stage, record, completions, states)
 
-    def _followed(self, group_id: str, step: int, batch: int) -> int:
+    def _followed(self, group_id: str, step: int, formed_ms: int, batch: int) -> int:
         """`batch`, the number a predecessor's (unsigned) route names, if a follower may take it: not one it
         used, and at most `max_batch_jump` past its mark; PipelineError naming both otherwise."""
-        mark = self.marks.next_batch(self.run_id, group_id, step)
+        mark = self.marks.next_batch(self.run_id, group_id, step, formed_ms=formed_ms)
         if batch < mark:
             raise PipelineError(
                 f"the predecessor opened batch {batch}; this node already used batches below {mark}"

@@ -3,11 +3,11 @@
 Every group record it is given has passed the swarm's checks (a pinned operator key signed it, its payload is
 strict and bounded: p2p/swarm/records.py); a record failing those never reaches here. What remains is whether
 *this* node should run a stage of it. A group is usable when it names this node, its id is the digest of its
-run, step, members and layout (the id every stream of the group opens with), its layout is the run's (boundaries,
-activation dtype and the batch's prompts and micro-batch size: run.pipeline, which the node pinned against
-the operator's announcement), it is
-for the checkpoint this node holds, its stage for this node is one the node offered, and every member's
-heartbeat is fresh: a group naming a node the node cannot see (unknown, departed) is not run.
+run, step, members, layout and formation nonce (the id every stream of the group opens with), its layout is
+the run's (boundaries, activation dtype and the batch's prompts and micro-batch size: run.pipeline, which the
+node pinned against the operator's announcement), it is for the checkpoint this node holds, its stage for this
+node is one the node offered, and every member's heartbeat is fresh: a group naming a node the node cannot see
+(unknown, departed) is not run.
 
 A node joins only a group of the newest round it has seen (the coordinator re-signs every standing group
 under each new round, so an older record is one it dissolved), and stays in its group while the group is
@@ -91,8 +91,8 @@ def why_unusable(group: GroupRecord, view: NodeView) -> str | None:
         return "does not name this node"
     if group.group_id in view.avoided:
         return f"this node gave it up: {view.avoided[group.group_id]}"
-    if group.group_id != group_id(view.run_id, group.policy_step, group.members, group.layout):
-        return "its id is not the digest of its run, step, members and layout"
+    if group.group_id != group_id(view.run_id, group.policy_step, group.members, group.layout, group.nonce):
+        return "its id is not the digest of its run, step, members, layout and formation nonce"
     if group.layout != view.layout:  # the batch's shape too: members cutting it otherwise break every batch
         found = "; ".join(
             f"{name} {theirs!r}, the run's {ours!r}"

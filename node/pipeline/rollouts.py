@@ -80,6 +80,7 @@ def write_member_file(
     assignment: Assignment,
     members: tuple[str, ...],
     layout: StageLayout,
+    nonce: str,
     signed: SignedStageRecord,
     identity: Identity,
     final_states: Sequence[torch.Tensor] | None = None,
@@ -94,6 +95,7 @@ def write_member_file(
         identity,
         members=members,
         layout_sha256=layout_digest(layout),
+        nonce=nonce,
         micro_batch_size=batch.micro_batch_size,
         signed=signed,
     )
@@ -105,6 +107,7 @@ def write_member_report(
     batch: GroupBatch,
     members: tuple[str, ...],
     layout: StageLayout,
+    nonce: str,
     fraud: HopFraud,
     identity: Identity,
 ) -> Path:
@@ -114,6 +117,7 @@ def write_member_report(
         run_id=run.run_id,
         members=members,
         layout=layout,
+        nonce=nonce,
     )
     return write_report(out, report, identity)
 
@@ -124,6 +128,7 @@ def write_member_partial(
     batch: GroupBatch,
     members: tuple[str, ...],
     layout: StageLayout,
+    nonce: str,
     partial: SignedStageRecord,
     identity: Identity,
 ) -> Path:
@@ -136,6 +141,7 @@ def write_member_partial(
         prompts=batch.prompts,
         micro_batch_size=batch.micro_batch_size,
         layout_sha256=layout_digest(layout),
+        nonce=nonce,
     )
     report = PartialReport(claim=claim, record=partial)
     return write_report(out, report, identity)

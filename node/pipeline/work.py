@@ -74,7 +74,9 @@ def real_rows(states: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 class GroupBatch:
     """Which batch of which group, and how it is cut: what `work_for` needs beyond the run."""
 
-    group_id: str  # 64 hex digits: GroupSpec.group_id (a digest of run, policy step and members)
+    group_id: (
+        str  # 64 hex digits: GroupSpec.group_id (a digest of run, policy step, members, layout and nonce)
+    )
     policy_step: int
     batch: int  # the group's batch counter at that step
     prompts: int  # problems in the batch (each with the run's `samples` completions)

@@ -4,7 +4,8 @@
   stages of the run's layout it can hold, its measured throughput, round-trip times to peers it knows and
   whether it is directly reachable. The operator's coordinator forms groups from these.
 - `GroupRecord` (kind "group", subkey: the group id, signer: a pinned operator key): members in stage order,
-  the policy step, the layout's boundaries and the formation round. A node acts only on one that names it.
+  the policy step, the layout, the formation round and the formation nonce (bound into the id). A node acts
+  only on one that names it.
 
 Both are sealed and opened by records.py like every swarm record (signer and signature checked before the
 payload is parsed); the models here bound every list and keep every float finite and in range, so that the
@@ -13,11 +14,11 @@ formation's arithmetic (trainer/groups/formation.py) never meets a NaN, an infin
 
 from __future__ import annotations
 
-import hashlib
 from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from ..pipeline.group_ids import GroupNonce, formed_ms, group_id_of, nonce_formed_ms
 from ..pipeline.layout import MAX_STAGES, StageLayout, layout_digest
 from ..wire import NodeId, Sha256Hex, Timestamp, WireModel
 
@@ -60,23 +61,25 @@ class StageAvailability(WireModel):
         return next((r.rtt_ms for r in self.rtts if r.node_id == node_id), None)
 
 
-def group_id(run_id: str, policy_step: int, members: tuple[str, ...] | list[str], layout: StageLayout) -> str:
-    """The id a group's streams open with (proofs/pipeline/records.GroupSpec.group_id computes the same).
-
-    The layout is bound in (its digest): the same members at the same step under another layout (a trainer
-    restarted with another batch shape under the same run id) form another group, so files made under the old
-    layout belong to the old layout's record, never to the new one, whose shape they would break."""
-    text = f"{run_id}|{policy_step}|{','.join(members)}|{layout_digest(layout)}"
-    return hashlib.sha256(text.encode()).hexdigest()
+def group_id(
+    run_id: str, policy_step: int, members: tuple[str, ...] | list[str], layout: StageLayout, nonce: str
+) -> str:
+    """The id a group's streams open with: the digest of run, step, members, layout and formation nonce
+    (p2p/pipeline/group_ids.py, which every party's computation of the id goes through)."""
+    return group_id_of(run_id, policy_step, members, layout_digest(layout), nonce)
 
 
 class GroupRecord(WireModel):
-    group_id: Sha256Hex  # must equal the subkey and group_id(run, policy_step, members, layout)
+    group_id: Sha256Hex  # must equal the subkey and group_id(run, policy_step, members, layout, nonce)
     round: int = Field(ge=0, lt=1 << 63)  # the coordinator's formation round: a newer round supersedes
     policy_step: int = Field(ge=0, lt=1 << 63)  # the checkpoint every member runs
     layout: StageLayout  # must equal the run's announced layout (RunParameters.pipeline)
     members: list[NodeId] = Field(min_length=2, max_length=MAX_STAGES)  # node ids in stage order
     formed_at: Timestamp  # when the group was first formed (its confirmation deadline counts from here)
+    # Drawn by the coordinator when it formed the group, kept while the group stands (p2p/pipeline/group_ids.py):
+    # its formation time in ms (must be `formed_at`'s) and 16 random bytes. Bound into the id, it makes each
+    # formation of the same members another group, whose batch numbers begin at 0 with no opening signed twice.
+    nonce: GroupNonce
     signed_at: Timestamp  # when this round signed it (members allow a newer round a moment to propagate)
 
     @model_validator(mode="after")
@@ -85,6 +88,11 @@ class GroupRecord(WireModel):
             raise ValueError(f"{len(self.members)} members for a layout of {self.layout.stages} stages")
         if len(set(self.members)) != len(self.members):
             raise ValueError("a node is named for two stages")
+        if nonce_formed_ms(self.nonce) != formed_ms(self.formed_at):
+            raise ValueError(
+                f"nonce {self.nonce} carries formation time {nonce_formed_ms(self.nonce)} ms, not formed_at "
+                f"{formed_ms(self.formed_at)} ms"
+            )
         return self
 
     def stage_of(self, node_id: str) -> int | None:

@@ -9,9 +9,7 @@ The record is signed by its own node, so no member can write another's.
 
 from __future__ import annotations
 
-import hashlib
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -29,6 +27,7 @@ from ...p2p.pipeline.frames import (
     StreamOpening,
     tensor_bytes,
 )
+from ...p2p.pipeline.group_ids import group_id_of
 from ...p2p.pipeline.layout import StageLayout, layout_digest
 from ...p2p.signing import canonical_json, is_valid_signature
 from ...p2p.wire import NodeId, Sha256Hex, WireFormatError, WireModel, describe, loads_strict
@@ -41,12 +40,6 @@ MAX_SAMPLES = 4096
 MAX_OUTPUT_TOKENS = 8192
 
 
-def group_id_of(run_id: str, policy_step: int, members: Sequence[str], layout_sha256: str) -> str:
-    """A group's id: the digest of its run, policy step, members in stage order and the digest of its stage layout
-    (p2p/pipeline/layout.layout_digest): what its record names (p2p/swarm/group_records.group_id)."""
-    return hashlib.sha256(f"{run_id}|{policy_step}|{','.join(members)}|{layout_sha256}".encode()).hexdigest()
-
-
 @dataclass(frozen=True)
 class GroupSpec:
     """Who runs which stage of which batch (what a signed group record names)."""
@@ -56,10 +49,13 @@ class GroupSpec:
     batch: int
     layout: StageLayout
     members: tuple[str, ...]  # node ids in stage order
+    nonce: str  # the formation nonce the group record carries (p2p/pipeline/group_ids.py): part of the id
 
     @property
     def group_id(self) -> str:
-        return group_id_of(self.run_id, self.policy_step, self.members, layout_digest(self.layout))
+        return group_id_of(
+            self.run_id, self.policy_step, self.members, layout_digest(self.layout), self.nonce
+        )
 
     def opening(self, stage: int) -> StreamOpening:
         return StreamOpening(

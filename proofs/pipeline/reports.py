@@ -39,6 +39,7 @@ from pydantic import Field, StringConstraints, ValidationError
 from ...p2p.identity import Identity
 from ...p2p.pipeline.errors import PipelineWireError
 from ...p2p.pipeline.frames import MAX_TENSOR_BYTES, FrameShapes, check_header
+from ...p2p.pipeline.group_ids import GroupNonce, group_id_of
 from ...p2p.pipeline.layout import MAX_STAGES, StageLayout, layout_digest
 from ...p2p.wire import NodeId, Sha256Hex, WireFormatError, WireModel, loads_strict_prefix, printable
 from ..rollout_file import (
@@ -54,7 +55,7 @@ from ..rollout_file import (
     write_atomic,
 )
 from ..rollout_schema import RolloutFileError
-from .records import MAX_RECORD_BYTES, MAX_SAMPLES, HopFraud, HopRecord, SignedStageRecord, group_id_of
+from .records import MAX_RECORD_BYTES, MAX_SAMPLES, HopFraud, HopRecord, SignedStageRecord
 
 MAX_CLAIM_BYTES = 16 << 10  # a claim: up to 64 members of 64 hex digits, a run id, a few numbers
 MAX_HOP_BYTES = 16 << 20  # the accused's stream up to the frame: its headers with their TOPLOC commitments
@@ -81,10 +82,12 @@ class BatchClaim(WireModel):
     micro_batch_size: int = Field(ge=1, le=MAX_SAMPLES)
     # The digest of the stage layout the group ran under (p2p/pipeline/layout.layout_digest): part of its id.
     layout_sha256: Sha256Hex
+    # The group record's formation nonce (p2p/pipeline/group_ids.py): part of its id, like the layout's digest.
+    nonce: GroupNonce
 
     @property
     def group_id(self) -> str:
-        return group_id_of(self.run_id, self.policy_step, self.members, self.layout_sha256)
+        return group_id_of(self.run_id, self.policy_step, self.members, self.layout_sha256, self.nonce)
 
 
 class FraudReport(WireModel):
@@ -145,7 +148,9 @@ def write_report(path: Path, report: FraudReport | PartialReport, identity: Iden
     return sig_path
 
 
-def report_of(fraud: HopFraud, *, run_id: str, members: tuple[str, ...], layout: StageLayout) -> FraudReport:
+def report_of(
+    fraud: HopFraud, *, run_id: str, members: tuple[str, ...], layout: StageLayout, nonce: str
+) -> FraudReport:
     opening = fraud.hop.opening
     claim = BatchClaim(
         run_id=run_id,
@@ -155,6 +160,7 @@ def report_of(fraud: HopFraud, *, run_id: str, members: tuple[str, ...], layout:
         prompts=layout.prompts,
         micro_batch_size=layout.micro_batch_size,
         layout_sha256=layout_digest(layout),
+        nonce=nonce,
     )
     return FraudReport(
         claim=claim,

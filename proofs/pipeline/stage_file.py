@@ -1,4 +1,4 @@
-"""A pipeline stage's rollout file (format prime-node/rollout/v3): what one member of a group hands a validator.
+"""A pipeline stage's rollout file (format prime-node/rollout/v4): what one member of a group hands a validator.
 
 Every stage of a group writes one, signed by its own node (envelope prime-node/rollout-sig/v3, which signs the
 group too, so the group's files are routed to one validator). Every stage's file holds the same rows: the
@@ -17,6 +17,8 @@ stages' `proof` is empty. Then the stage record (proofs/pipeline/records.py) as 
     stage_signature   string   this node's signature over the stage record (RECORD_DOMAIN, records.py) (shared)
     layout_sha256     string   the digest of the stage layout the group ran under (p2p/pipeline/layout.py
                                layout_digest), part of the group id the envelope signs (shared)
+    group_nonce       string   the group record's formation nonce (p2p/pipeline/group_ids.py), part of the group
+                               id the envelope signs (shared). New in v4: v3 files had no nonce
 
 The streams are held once, in row 0, so that a large record is not repeated per row. A reader checks the
 envelope's signature before Parquet is parsed, the layout and every column's bytes before decoding (as for
@@ -39,6 +41,7 @@ from pydantic import ValidationError
 
 from ...p2p.errors import UnsignableDocument
 from ...p2p.identity import Identity
+from ...p2p.pipeline.group_ids import NONCE_DIGITS, group_id_of, is_nonce
 from ...p2p.pipeline.layout import MAX_STAGES
 from ...p2p.signing import canonical_json
 from ...p2p.wire import WireFormatError, describe, is_hex64, loads_strict
@@ -67,9 +70,9 @@ from ..rollout_schema import (
     RolloutRow,
     check_rows,
 )
-from .records import HopRecord, SignedStageRecord, StageRecord, group_id_of
+from .records import HopRecord, SignedStageRecord, StageRecord
 
-STAGE_FORMAT = "prime-node/rollout/v3"
+STAGE_FORMAT = "prime-node/rollout/v4"
 MAX_STREAM_BYTES = 24 << 20  # one stream's canonical JSON: ~700 bytes a frame header, some 35,000 frames
 STAGE_COLUMNS = (
     "group_members",
@@ -79,6 +82,7 @@ STAGE_COLUMNS = (
     "sent_stream",
     "stage_signature",
     "layout_sha256",
+    "group_nonce",
 )
 STAGE_SCHEMA = pa.schema(
     [
@@ -90,6 +94,7 @@ STAGE_SCHEMA = pa.schema(
         pa.field("sent_stream", pa.binary(), nullable=True),
         pa.field("stage_signature", pa.string(), nullable=False),
         pa.field("layout_sha256", pa.string(), nullable=False),
+        pa.field("group_nonce", pa.string(), nullable=False),
     ],
     metadata={FORMAT_KEY: STAGE_FORMAT.encode()},
 )
@@ -100,8 +105,9 @@ STAGE_LIMITS = {
     "sent_stream": MAX_STREAM_BYTES,
     "stage_signature": 128,
     "layout_sha256": 64,
+    "group_nonce": NONCE_DIGITS,
 }
-_SHARED = ("group_members", "stage", "micro_batch_size", "stage_signature", "layout_sha256")
+_SHARED = ("group_members", "stage", "micro_batch_size", "stage_signature", "layout_sha256", "group_nonce")
 _SIGNATURE = re.compile(r"[0-9a-f]{128}")
 
 
@@ -112,8 +118,10 @@ class StageFile:
     path: Path
     sha256: str
     signer: str  # the stage's node: signed the envelope and the record, named by every row
-    group_id: str  # the group the envelope signs; the digest of run, step, `members` and `layout_sha256`
+    # the group the envelope signs; the digest of run, step, `members`, the layout's digest and `nonce`
+    group_id: str
     members: tuple[str, ...]  # the group in stage order
+    nonce: str  # the group's formation nonce (its record's)
     micro_batch_size: int
     rows: tuple[RolloutRow, ...]
     record: SignedStageRecord  # rebuilt from the columns and the rows' tokens, its signature checked
@@ -140,6 +148,7 @@ def encode_stage_rows(
     rows: list[RolloutRow],
     members: tuple[str, ...],
     layout_sha256: str,
+    nonce: str,
     micro_batch_size: int,
     signed: SignedStageRecord,
 ) -> bytes:
@@ -157,6 +166,7 @@ def encode_stage_rows(
             micro_batch_size=micro_batch_size,
             stage_signature=signed.signature,
             layout_sha256=layout_sha256,
+            group_nonce=nonce,
         )
         for name, raw in streams.items():
             values[name] = raw if i == 0 else None
@@ -174,6 +184,7 @@ def write_stage_file(
     *,
     members: tuple[str, ...],
     layout_sha256: str,
+    nonce: str,
     micro_batch_size: int,
     signed: SignedStageRecord,
     limits: RolloutLimits | None = None,
@@ -181,8 +192,8 @@ def write_stage_file(
     """Write a stage's file and its v3 envelope beside it; returns the envelope's path. The file is checked with
     the reader's own rules first, so a member never publishes what an honest validator would call malformed."""
     limits = limits or RolloutLimits()
-    data = encode_stage_rows(rows, members, layout_sha256, micro_batch_size, signed)
-    group = group_id_of(rows[0].run_id, rows[0].policy_step, members, layout_sha256) if rows else ""
+    data = encode_stage_rows(rows, members, layout_sha256, nonce, micro_batch_size, signed)
+    group = group_id_of(rows[0].run_id, rows[0].policy_step, members, layout_sha256, nonce) if rows else ""
     _check(data, identity.node_id, group, batch_of(rows) if rows else None, limits)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,6 +254,11 @@ def _check(
     layout_sha256 = values["layout_sha256"][0]
     if not is_hex64(layout_sha256):
         raise _bad("layout_sha256", "not 64 lowercase hex digits")
+    nonce = values["group_nonce"][0]
+    if not is_nonce(nonce):
+        raise _bad(
+            "group_nonce", f"not {NONCE_DIGITS} lowercase hex digits (a group record's formation nonce)"
+        )
     check_rows(rows, limits, proof=stage == len(members) - 1)
     try:  # rows that are not the signer's, or another batch than its envelope routed: fraud, as for rollout files
         check_signer(rows, signer, batch)
@@ -252,9 +268,9 @@ def _check(
         raise RolloutFileError(
             f"column 'group_members': stage {stage}'s member is not the file's signer", check="signer"
         )
-    if group_id_of(rows[0].run_id, rows[0].policy_step, members, layout_sha256) != group:
+    if group_id_of(rows[0].run_id, rows[0].policy_step, members, layout_sha256, nonce) != group:
         raise RolloutFileError(
-            "the envelope signs another group than the file's members, run, policy step and layout make",
+            "the envelope signs another group than the file's members, run, policy step, layout and nonce make",
             check="signer",
         )
     streams = [_stream(name, values[name]) for name in ("received_stream", "sent_stream")]
@@ -274,7 +290,7 @@ def _check(
     signed = SignedStageRecord(record=record, signature=signature)
     if not signed.is_authentic():
         raise _bad("stage_signature", "not the signer's signature over the stage record these columns hold")
-    return StageFile(path, sha256, signer, group, members, micro, tuple(rows), signed)
+    return StageFile(path, sha256, signer, group, members, nonce, micro, tuple(rows), signed)
 
 
 def _members(text: str) -> tuple[str, ...]:

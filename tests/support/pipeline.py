@@ -18,6 +18,8 @@ from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.proofs.pipeline.blame import GroupVerdict
 from prime_node.proofs.pipeline.records import GroupSpec
 
+from support.nonces import NONCE
+
 
 def save_tiny(out: Path, seed: int = 3, shape: TinyModelShape | None = None) -> Path:
     save_model_dir(*build_tiny_model(seed=seed, shape=shape), out)
@@ -50,6 +52,7 @@ def group(
     batch: int = 0,
     commit: bool = True,
     members: list[Identity] | None = None,
+    nonce: str = NONCE,
 ) -> tuple[GroupSpec, list[StageProcessor], list[Identity]]:
     layout = StageLayout(boundaries=boundaries)
     work = PipelineWork(requests, params, micro_batch_size, eos_token_id, pad_token_id)
@@ -58,7 +61,7 @@ def group(
         for s in range(layout.stages)
     ]
     ids = members if members is not None else identities(layout.stages)
-    spec = GroupSpec("local", 0, batch, layout, tuple(i.node_id for i in ids))
+    spec = GroupSpec("local", 0, batch, layout, tuple(i.node_id for i in ids), nonce)
     return spec, processors, ids
 
 

@@ -24,6 +24,8 @@ from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.proofs.pipeline.records import GroupSpec
 from prime_node.proofs.toploc import build_proof
 
+from support.nonces import NONCE
+
 
 @dataclass(frozen=True)
 class GroupFiles:
@@ -46,6 +48,7 @@ def group_files(
     micro_batch_size: int | None = None,
     tamper: Tamper | None = None,
     corrupt: Callable[[list[StageProcessor]], None] | None = None,
+    nonce: str = NONCE,
 ) -> GroupFiles:
     """Run batch `batch` of the group of `members` (layout `run.pipeline`, whose batch shape it takes unless
     `prompts` or `micro_batch_size` say otherwise) in one process, the assignment from `work_for`, and write
@@ -53,7 +56,7 @@ def group_files(
     tests/support/pipeline_attacks.py)."""
     assert run.pipeline is not None
     layout: StageLayout = run.pipeline
-    spec = GroupSpec(run.run_id, step, batch, layout, tuple(m.node_id for m in members))
+    spec = GroupSpec(run.run_id, step, batch, layout, tuple(m.node_id for m in members), nonce)
     group_batch = _batch(run.pipeline, spec.group_id, step, batch, prompts, micro_batch_size)
     work, assignment = work_for(
         run, tasks, group_batch, eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
@@ -75,6 +78,7 @@ def group_files(
             assignment,
             spec.members,
             spec.layout,
+            spec.nonce,
             record,
             member,
             processors[k].final_states() if last else None,
@@ -127,10 +131,11 @@ def fraud_report_file(
     batch: int = 0,
     prompts: int | None = None,
     micro_batch_size: int | None = None,
+    nonce: str = NONCE,
 ) -> tuple[GroupSpec, Path]:
     """Run a batch whose stage `cheat` sends a frame its commitment belies; the receiver's signed fraud report."""
     assert run.pipeline is not None
-    spec = GroupSpec(run.run_id, 0, batch, run.pipeline, tuple(m.node_id for m in members))
+    spec = GroupSpec(run.run_id, 0, batch, run.pipeline, tuple(m.node_id for m in members), nonce)
     group_batch = _batch(run.pipeline, spec.group_id, 0, batch, prompts, micro_batch_size)
     work, _ = work_for(
         run, tasks, group_batch, eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
@@ -143,7 +148,9 @@ def fraud_report_file(
     except FraudDetected as detected:
         receiver = members[(cheat + 1) % len(members)]
         path = out / f"group-{spec.group_id[:8]}-b{batch}-fraud.json"
-        write_member_report(path, run, group_batch, spec.members, spec.layout, detected.fraud, receiver)
+        write_member_report(
+            path, run, group_batch, spec.members, spec.layout, spec.nonce, detected.fraud, receiver
+        )
         return spec, path
     raise AssertionError("the receiver did not detect the frame its commitment belies")
 
@@ -181,10 +188,11 @@ def partial_report_files(
     batch: int = 0,
     prompts: int | None = None,
     micro_batch_size: int | None = None,
+    nonce: str = NONCE,
 ) -> tuple[GroupSpec, list[Path]]:
     """Run a batch that `tamper` breaks; every member's signed partial report, in stage order."""
     assert run.pipeline is not None
-    spec = GroupSpec(run.run_id, 0, batch, run.pipeline, tuple(m.node_id for m in members))
+    spec = GroupSpec(run.run_id, 0, batch, run.pipeline, tuple(m.node_id for m in members), nonce)
     group_batch = _batch(run.pipeline, spec.group_id, 0, batch, prompts, micro_batch_size)
     work, _ = work_for(
         run, tasks, group_batch, eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
@@ -198,7 +206,9 @@ def partial_report_files(
         paths = []
         for k, (member, record) in enumerate(zip(members, broken.partial, strict=True)):
             path = out / f"group-{spec.group_id[:8]}-b{batch}-partial{k}.json"
-            write_member_partial(path, run, group_batch, spec.members, spec.layout, record, member)
+            write_member_partial(
+                path, run, group_batch, spec.members, spec.layout, spec.nonce, record, member
+            )
             paths.append(path)
         return spec, paths
     raise AssertionError("the batch did not break")

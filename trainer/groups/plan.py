@@ -8,7 +8,10 @@ banned, and it has a fresh stage offer. A group is kept while every member is li
 dissolved (its batch in flight is abandoned by its members, node/pipeline/membership.py) and its live members
 return to the pool. Members that never confirmed sit out `cooldown_s`: a node that accepts groups and does
 not run them would otherwise be drawn again at once. Kept groups are re-signed under the new round, so that
-the newest round is the one set of groups every node may join.
+the newest round is the one set of groups every node may join; each keeps its formation nonce, and with it its
+id. A newly formed group draws a fresh nonce (p2p/pipeline/group_ids.py), so the same members formed again are
+another group with batch numbers of its own. The nonce is random, the one part of a round that is not a pure
+function of the view.
 
 A member whose fresh heartbeat says it left the group (`left_group`: it gave the group up because its batches
 kept breaking or none finished, node/pipeline/host.py) dissolves it at once and is not cooled down: its
@@ -25,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ...p2p.pipeline.group_ids import new_nonce
 from ...p2p.pipeline.layout import StageLayout
 from ...p2p.swarm.group_records import GroupRecord, StageAvailability, group_id
 from ...p2p.swarm.records import Heartbeat
@@ -168,15 +172,19 @@ def plan_round(
     new_round = last_round + 1 if changed else last_round
     publish = [g.model_copy(update={"round": new_round, "signed_at": view.now}) for g in kept]
     for candidate in formed:
+        # A new formation draws a new nonce, so its id is new even for members that formed a group before; a
+        # kept group (above) keeps its own, so its id does not change while it stands.
+        nonce = new_nonce(view.now)
         publish.append(
             GroupRecord(
-                group_id=group_id(run_id, view.policy_step, candidate.members, view.layout),
+                group_id=group_id(run_id, view.policy_step, candidate.members, view.layout, nonce),
                 round=new_round,
                 policy_step=view.policy_step,
                 layout=view.layout,
                 members=list(candidate.members),
                 formed_at=view.now,
                 signed_at=view.now,
+                nonce=nonce,
             )
         )
     return Plan(new_round, publish, dissolved, cooling, kept_apart)

@@ -74,10 +74,11 @@ def why_not_formed(
     """None when `record` forms the group a file names; else a one-line reason.
 
     Only the absent record and the layout can differ in practice: a record is kept under its group id only when
-    the id is the digest of its run, policy step, members and layout (`FormedGroups.refresh`), and the file's
-    readers check that the id its envelope signs is the digest of the members, step and layout digest the file
-    names, so the member and step checks are defence in depth, should either of those checks ever change. (A file
-    made under a layout the run has since left names that layout's record, which differs from the run's: excused.)"""
+    the id is the digest of its run, policy step, members, layout and nonce (`FormedGroups.refresh`), and the
+    file's readers check that the id its envelope signs is the digest of the members, step, layout digest and
+    nonce the file names, so the member and step checks are defence in depth, should either of those checks ever
+    change. (A file made under a layout the run has since left names that layout's record, which differs from the
+    run's: excused.)"""
     if record is None:
         return "no operator-signed group record forms this group (the coordinator did not form it)"
     if list(record.members) != list(members):
@@ -154,7 +155,7 @@ class FormedGroups:
             # group's files carry, or the record forms no group a file can name.
             if not isinstance(record, GroupRecord) or gid != record.group_id:
                 continue
-            if gid != group_id(self.run_id, record.policy_step, record.members, record.layout):
+            if gid != group_id(self.run_id, record.policy_step, record.members, record.layout, record.nonce):
                 continue
             known = self._records.pop(gid, None)
             if known is None or known.record.round < record.round:

@@ -269,7 +269,7 @@ def _judge_reports(
                 step, REPORT_FAILED, f"the report names no batch of the group: {exc}"
             )
             continue
-        spec = GroupSpec(run.run_id, step, claim.batch, layout, tuple(claim.members))
+        spec = GroupSpec(run.run_id, step, claim.batch, layout, tuple(claim.members), claim.nonce)
         group_work = GroupWork(
             [r.prompt_ids for r in work.requests],
             [r.seed for r in work.requests],
@@ -338,12 +338,12 @@ def _judge_broken(
         else:
             records[k], holder[k] = partial.report.record, d
             claim = partial.report.claim if k == 0 else claim
-    members = next(iter(partials.values())).report.claim.members
+    # Every claim here names the one group id, the digest of members and nonce among others: any claim's do.
+    any_claim = next(iter(partials.values())).report.claim
+    members = any_claim.members
     if len(members) != layout.stages:  # every record of the group names the same members: all refused above
         return result
-    spec = GroupSpec(
-        run.run_id, step, next(iter(partials.values())).report.claim.batch, layout, tuple(members)
-    )
+    spec = GroupSpec(run.run_id, step, any_claim.batch, layout, tuple(members), any_claim.nonce)
     cut = None
     if claim is not None:  # stage 0's own claim of the batch it cut (signed by it, of the run's shape: above)
         try:
@@ -504,7 +504,7 @@ def verify_group_files(
     first = parsed[by_stage[0]]
     batch = GroupBatch.pinned(layout, first.group_id, step, first.batch[1])
     work, _ = work_for(run, tasks, batch, eos_token_id=eos, pad_token_id=pad)
-    spec = GroupSpec(run.run_id, step, batch.batch, layout, first.members)
+    spec = GroupSpec(run.run_id, step, batch.batch, layout, first.members, first.nonce)
     records = [parsed[by_stage[k]].record for k in range(layout.stages)]
     group_work = GroupWork(
         [r.prompt_ids for r in work.requests],
