@@ -551,6 +551,7 @@ CARRIERS = [
             sent_at=T,
             weights_url="http://127.0.0.1:1/w",
             group=SHA,
+            left_group="5e" * 32,  # a group it gave up (docs/pipeline.md): never the one it confirms
         ),
     ),
     _record(
