@@ -14,18 +14,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from prime_node.node.engine import HFEngine
 from prime_node.node.pipeline.driver import Tamper
+from prime_node.node.pipeline.errors import PipelineError
 from prime_node.node.pipeline.group import HopSettings
 from prime_node.node.pipeline.hops import LoopbackHops
 from prime_node.node.pipeline.host import BatchDone, BatchLost, StageHost
 from prime_node.node.pipeline.rollouts import write_member_file
-from prime_node.node.pipeline.stage import Outgoing
+from prime_node.node.pipeline.stage import Outgoing, StageProcessor, completions_of
+from prime_node.node.pipeline.stage_model import StageModel
 from prime_node.node.pipeline.work import GroupBatch, PipelineWork, work_for
 from prime_node.node.run.settings import RunSettings
 from prime_node.node.run.validation import RunTasks
-from prime_node.p2p.pipeline.frames import PADDING
+from prime_node.p2p.pipeline.frames import PADDING, FrameWriter, completions_tensor, split_frames
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.swarm.group_records import GroupRecord, group_id
 from prime_node.proofs.pipeline.broken import BatchRules, blame_broken
@@ -248,3 +251,49 @@ def test_a_malformed_end_frame_breaks_the_batch_and_its_sender_is_named(
     verdict = blame_broken(spec, records, BatchRules(made[2].eos_token_id, RUN.max_new_tokens, None))
     assert verdict.blamed == 0, verdict.reason
     assert "end" in verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("rows", "why"),
+    [
+        ([[5, 6, -1], [7, -1, -1]], "sample 0"),  # stops short of max_new_tokens without EOS
+        ([[5, 2, -1], [2, -1, -1]], None),  # both end at EOS
+        ([[5, -1, 6], [2, -1, -1]], "sample 0"),  # a hole in the padding
+        ([[-1, -1, -1], [2, -1, -1]], "sample 0"),  # an empty completion
+        ([[5, 2, 6], [2, -1, -1]], "sample 0"),  # a token after EOS
+        ([[5, 6, 9], [7, 2, -1]], None),  # max_new_tokens reached without EOS, and EOS last
+        ([[5, 6, 9], [7, -1, -1]], "sample 1"),  # stops short of max_new_tokens without EOS
+        ([[5, 6, 9], [7, 2, 99]], "sample 1"),  # a token outside the vocabulary (after EOS too)
+        ([[5, 6, 9], [-7, 2, -1]], "sample 1"),  # a negative id other than the padding
+        ([[5, 6, 9]], "are \\[1, 3\\]"),  # another number of samples
+    ],
+)
+def test_a_middle_stage_takes_only_well_formed_completions(rows: list[list[int]], why: str | None) -> None:
+    table = torch.tensor(rows, dtype=torch.int64)
+
+    def read() -> list[list[int]]:
+        return completions_of(table, samples=2, max_new_tokens=3, eos_token_id=2, vocab_size=50)
+
+    if why is None:
+        assert read() == [[t for t in row if t != PADDING] for row in rows]
+        return
+    with pytest.raises(PipelineError, match=why):
+        read()
+
+
+def test_the_last_stage_refuses_an_end_frame_before_its_micro_batches_ended(
+    made: tuple[Path, RunTasks, HFEngine],
+) -> None:
+    checkpoint, tasks, engine = made
+    work = work_for(
+        RUN, tasks, _batch(_group(), 0), eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
+    )[0]
+    last = StageProcessor(StageModel.load(checkpoint, LAYOUT, 2), work)
+    spec = GroupSpec(RUN.run_id, 0, 0, LAYOUT, tuple(i.node_id for i in IDS))
+    writer = FrameWriter(IDS[1], spec.opening(1))
+    reader = spec.reader(2)
+    split_frames(reader, writer.opening())
+    table = completions_tensor([[5] * RUN.max_new_tokens] * len(work.requests), RUN.max_new_tokens)
+    (end,) = split_frames(reader, writer.end(reader.acknowledgement(), table)[0], opening=False)
+    with pytest.raises(PipelineError, match="before every micro-batch ended"):
+        last.on_end(end)

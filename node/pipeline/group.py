@@ -144,10 +144,10 @@ class StageRunner:
                 if following is not None:
                     await self._send(out, following)
                 if self.processor.model.first and self.processor.done:
-                    await self._send(out, self.processor.end_frame())
+                    await self._send(out, await asyncio.to_thread(self.processor.end_frame))
                     ended = True  # from here the successor may close: it has all it needs
-            if not self.processor.model.first:
-                await self._send(out, self.processor.end_frame())
+            if not self.processor.model.first:  # the completions table is CPU work: off the loop
+                await self._send(out, await asyncio.to_thread(self.processor.end_frame))
             await self._on("following", out.close(self.hop.frame_timeout_s))
         finally:
             hangup.cancel()

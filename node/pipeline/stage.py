@@ -181,12 +181,17 @@ class StageProcessor:
         """The predecessor's end frame. A middle stage learns the batch's completions from it (it sees no tokens)
         and will pass them on; PipelineError when the frame holds no well-formed completion for every sample
         (listing it would make this stage's own file malformed). Stage 0 and the last stage know the completions
-        themselves and keep them: what the predecessor's end frame claims is the validator's to judge."""
+        themselves and keep them (what the predecessor's end frame claims is the validator's to judge); they refuse
+        an end frame that comes before their every micro-batch ended."""
         if frame.header.kind != "end":
             raise PipelineError(
                 f"frame {frame.header.index}: expected the end frame, got {frame.header.kind}"
             )
         if self.model.first or self.model.last:
+            if not self.done:  # the batch would end here with samples unfinished, its record short of them
+                raise PipelineError(
+                    f"frame {frame.header.index}: the end frame came before every micro-batch ended"
+                )
             return
         self.outputs.tokens = completions_of(
             frame.tensor,
