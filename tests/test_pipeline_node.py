@@ -1,7 +1,8 @@
-"""`prime-node start --pipeline` end to end on 127.0.0.1: two real node processes fetch the operator's checkpoint,
-offer stages, are put in one group by the operator's GroupCoordinator (the trainer's, here on the validator's
-operator-keyed peer), run its batches over libp2p and hand their stage files to the real validator service, which
-accepts and credits them; `prime-node status` shows the stage; SIGTERM stops each node cleanly (exit 0)."""
+"""`prime-node start --pipeline` end to end on 127.0.0.1: two (or three) real node processes fetch the operator's
+checkpoint, offer stages, are put in one group by the operator's GroupCoordinator (the trainer's, here on the
+validator's operator-keyed peer), run its batches over libp2p and hand their stage files to the real validator
+service, which accepts and credits them; `prime-node status` shows the stage; SIGTERM stops each node cleanly
+(exit 0). With three, the middle stage's files are accepted too: it learns the tokens from the end frames."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from support.validator import OPERATOR, RUN, VALIDATOR_RUN, running_validator, v
 
 # One prompt per group batch, cut in micro-batches of one: the run pins them, every member and the validator.
 LAYOUT = StageLayout(boundaries=[0, 2, 4], prompts=1, micro_batch_size=1)
+# Three stages: the middle one learns the sampled tokens from its predecessor's end frame (wire v4).
+LAYOUT_3 = StageLayout(boundaries=[0, 1, 2, 4], prompts=1, micro_batch_size=1)
 PIPELINED = VALIDATOR_RUN.model_copy(update={"pipeline": LAYOUT})
 STALE_S = 8.0
 PIPELINE_ENV = {
@@ -46,7 +49,7 @@ PIPELINE_ENV = {
 
 
 def pipeline_argv(data_dir: Path, peers: list[str]) -> list[str]:
-    run = PIPELINED
+    run = PIPELINED  # the layout itself comes in the environment (PRIME_NODE_RUN__PIPELINE)
     return [
         *(sys.executable, "-m", "prime_node.node.cli.main", "start", "--pipeline"),
         *("--data-dir", str(data_dir), "--operator-key", OPERATOR.node_id, "--peers", *peers),
@@ -62,13 +65,16 @@ def node_id_of(data_dir: Path) -> str:
 
 
 @pytest.mark.slow
-async def test_two_pipeline_nodes_form_a_group_and_their_stage_files_are_accepted(
+@pytest.mark.parametrize("layout", [LAYOUT, LAYOUT_3], ids=["2-stage", "3-stage"])
+async def test_pipeline_nodes_form_a_group_and_their_stage_files_are_accepted(
     tmp_path: Path,
     world,  # noqa: ANN001
+    layout: StageLayout,
 ) -> None:
     checkpoint, _, _ = world
+    pipelined = VALIDATOR_RUN.model_copy(update={"pipeline": layout})
     settings = validator_settings(tmp_path / "validator", group_grace_s=30.0).model_copy(
-        update={"run": PIPELINED}
+        update={"run": pipelined}
     )
     weights = settings.resolved_data_dir() / "validator-weights"  # the validator's store, served to the nodes
     manifest, _ = publish(
@@ -76,7 +82,7 @@ async def test_two_pipeline_nodes_form_a_group_and_their_stage_files_are_accepte
     )
     server = WeightsServer(Store(weights), ServeSettings(port=0, scan_interval_s=0.5), OPERATOR.node_id)
     url = await server.start()
-    dirs = [tmp_path / f"stage-node-{i}" for i in range(2)]
+    dirs = [tmp_path / f"stage-node-{i}" for i in range(layout.stages)]
     for data_dir in dirs:
         data_dir.mkdir()
         Identity.generate().save(data_dir / "node.key")
@@ -85,26 +91,33 @@ async def test_two_pipeline_nodes_form_a_group_and_their_stage_files_are_accepte
             operator = (
                 running.swarm
             )  # the operator's key signs the policy, the group records and the verdicts
-            assert await operator.publish_policy(0, manifest.digest, [url], run_parameters(PIPELINED))
+            assert await operator.publish_policy(0, manifest.digest, [url], run_parameters(pipelined))
             coordinator = GroupCoordinator(
                 operator,
-                LAYOUT,
+                layout,
                 lambda: 0,
                 PlanSettings(stale_after_s=STALE_S, confirm_within_s=60.0),
                 poll_s=0.5,
             )
             coordinating = asyncio.create_task(coordinator.run(), name="test-group-coordinator")
             try:
-                await _run_nodes(tmp_path, running, coordinator, dirs)
+                await _run_nodes(tmp_path, running, coordinator, dirs, layout)
             finally:
                 await cancel_and_wait([coordinating])
     finally:
         await server.stop()
 
 
-async def _run_nodes(tmp_path: Path, running, coordinator: GroupCoordinator, dirs: list[Path]) -> None:  # noqa: ANN001
+async def _run_nodes(
+    tmp_path: Path,
+    running,  # noqa: ANN001
+    coordinator: GroupCoordinator,
+    dirs: list[Path],
+    layout: StageLayout,
+) -> None:
+    env = {**PIPELINE_ENV, "PRIME_NODE_RUN__PIPELINE": layout.model_dump_json()}
     with ProcessGroup(tmp_path / "logs") as children:
-        nodes = [children.start(d.name, pipeline_argv(d, running.maddrs[:1]), env=PIPELINE_ENV) for d in dirs]
+        nodes = [children.start(d.name, pipeline_argv(d, running.maddrs[:1]), env=env) for d in dirs]
         ledger = running.service.ledger.ledger
 
         def accepted(node_id: str) -> int:

@@ -26,6 +26,7 @@ from prime_node.p2p.pipeline.frames import (
     FrameWriter,
     chain_next,
     chain_start,
+    completions_tensor,
     head_message,
     opening_digest,
     split_frames,
@@ -116,13 +117,14 @@ def test_frames_round_trip_exactly(dtype: str) -> None:
             commitment=b"",
             acknowledged=ACK,
         )[0]
-        + w.end(ACK)[0]
+        + w.end(ACK, completions_tensor([[5], [9, 2]], 3))[0]
     )
     chain = reader()
     first, second, end = split_frames(chain, data)
     expected = hidden if dtype == "float32" else hidden.to(torch.bfloat16)
     assert torch.equal(first.tensor, expected) and torch.equal(second.tensor, tokens)
     assert end.header.kind == "end" and chain.head == w.head and len(chain.headers) == 3
+    assert end.tensor.tolist() == [[5, -1, -1], [9, 2, -1]] and end.header.rows == [0, 1]
 
 
 def hostile_streams() -> dict[str, tuple[bytes, str]]:
@@ -183,6 +185,16 @@ def hostile_streams() -> dict[str, tuple[bytes, str]]:
             struct.pack(">I", len(raw_header)) + raw_header + signature + raw,
             "bad signature",
         )
+    # An end frame carries every sample's completion, rows 0, 1, ... in order, and no commitment (v4).
+    ends = torch.full((2, 3), -1, dtype=torch.int64).numpy().tobytes()
+    for name, fields in {
+        "end frame with its rows out of order": dict(rows=[1, 0]),
+        "end frame with a commitment": dict(commitment="ab"),
+        "end frame of one dimension (a v3 end frame)": dict(rows=[], shape=[0]),
+    }.items():
+        w = writer()
+        end = header_of(ends, kind="end", rows=[0, 1], shape=[2, 3], dtype="int64") | fields
+        cases[name] = (forged(w, end, ends), "an end frame carries every sample's completion")
     w = writer()
     cases["frame out of order"] = (forged(w, header_of(raw, index=2), raw), "arrived where frame 1")
     w = writer()
@@ -288,7 +300,10 @@ def test_a_silent_peer_times_out() -> None:
 
 
 # The batch of the frames below: one micro-batch of samples 0 and 1, prompts left-padded to 2, hidden size 4.
-SHAPES = FrameShapes(hidden_size=4, activation_dtype="float32", micro_batches=(((0, 1), 2),))
+# The end frame carries both samples' completions: [2, max_new_tokens 3].
+SHAPES = FrameShapes(
+    hidden_size=4, activation_dtype="float32", micro_batches=(((0, 1), 2),), samples=2, max_new_tokens=3
+)
 
 
 @pytest.mark.parametrize(
@@ -300,6 +315,10 @@ SHAPES = FrameShapes(hidden_size=4, activation_dtype="float32", micro_batches=((
         dict(rows=[0, 2], shape=[2, 2, 4]),  # a row the micro-batch does not hold
         dict(micro_batch=3, rows=[0, 1], shape=[2, 2, 4]),  # a micro-batch the batch does not have
         dict(kind="decode", rows=[0, 1], shape=[2, 3, 4]),  # a decode frame of more than one position
+        # an end frame with longer completions than max_new_tokens (8 MiB: under the wire's bound)
+        dict(kind="end", rows=[0, 1], shape=[2, 1 << 19], dtype="int64", commitment=None),
+        # an end frame from another micro-batch than 0 (there is one end frame per stream)
+        dict(kind="end", micro_batch=1, rows=[0, 1], shape=[2, 3], dtype="int64", commitment=None),
     ],
 )
 def test_a_frame_declaring_a_shape_the_schedule_does_not_call_for_is_refused_before_its_bytes(
@@ -315,7 +334,8 @@ def test_a_frame_declaring_a_shape_the_schedule_does_not_call_for_is_refused_bef
         await frames.read_frame()
 
     with pytest.raises(
-        PipelineWireError, match="frame 1: .*(schedule calls for|not micro-batch|the batch has)"
+        PipelineWireError,
+        match="frame 1: .*(schedule calls for|not micro-batch|the batch has|the batch calls for)",
     ):
         asyncio.run(scenario())
 
@@ -336,7 +356,7 @@ def test_frames_the_schedule_calls_for_pass_its_shapes() -> None:
             commitment=b"",
             acknowledged=ACK,
         )[0]
-        + w.end(ACK)[0]
+        + w.end(ACK, completions_tensor([[3, 5, 7], [4]], 3))[0]
     )
     assert [f.header.kind for f in split_frames(SPEC.reader(1, SHAPES), data)] == [
         "prefill",

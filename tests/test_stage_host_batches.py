@@ -771,25 +771,6 @@ def test_a_partial_record_is_charged_to_the_neighbour_whose_stream_broke(tmp_pat
     assert asyncio.run(withheld()) == [None, None, "peer_limit"]
 
 
-async def test_the_pipeline_node_refuses_a_layout_with_a_middle_stage(tmp_path: Path) -> None:
-    """A middle stage never sees the sampled tokens, so the files every member must agree on cannot be built
-    for it: the node refuses a run of more than two stages before it waits for a checkpoint or joins a group
-    (its swarm and keeper are never touched: None here)."""
-    settings = StartSettings(
-        operator_key="ab" * 32,
-        data_dir=tmp_path,
-        run=RunSettings(run_id=RUN, pipeline=StageLayout(boundaries=[0, 1, 2, 4])),
-        pipeline=PipelineNodeSettings(enabled=True),
-    )
-    stage = PipelineStage(
-        settings, IDS[0], None, None, Outbox(tmp_path / "rollouts"), NodeState(IDS[0].node_id, None),
-        tmp_path, environment=None, on_committed=lambda *_: None, supervise=lambda _: None,
-        request_stop=lambda _: None,
-    )  # fmt: skip
-    with pytest.raises(PipelineError, match=r"into 3 stages; the pipeline node runs groups of at most 2"):
-        await asyncio.wait_for(stage.run(), 10.0)
-
-
 class _Watched(StageHost):
     """A StageHost that notes the thread on which each batch's record (finished or partial) is built; the real
     work runs as ever (nothing is replaced)."""

@@ -58,7 +58,6 @@ from ..environments import Environment
 from ..pipeline.batch_marks import BatchMarks
 from ..pipeline.broken_files import BrokenFileBudget, Withheld
 from ..pipeline.driver import Tamper
-from ..pipeline.errors import PipelineError
 from ..pipeline.group import HopSettings
 from ..pipeline.hops import SwarmHops
 from ..pipeline.host import BatchDone, BatchLost, LoadStage, StageHost
@@ -80,7 +79,6 @@ logger = logging.getLogger(__name__)
 MARKS_FILE = "pipeline/batch_marks.json"
 _IDLE_POLL_S = 0.5  # how often to look again while no checkpoint is usable
 _WITHHELD_GROUPS_KEPT = 64  # groups whose withheld files are counted for the log (the oldest forgotten first)
-MAX_NODE_STAGES = 2  # groups of more stages run in one process (node/pipeline/driver.py), not through nodes
 _TASKS_KEPT = 2  # checkpoints whose tasks (tokenizer) stay loaded: the current step and the one before
 
 
@@ -153,14 +151,6 @@ class PipelineStage:
 
     async def run(self) -> None:
         """Wait for a checkpoint, measure, then follow the groups until cancelled (the host stops with it)."""
-        if self.layout.stages > MAX_NODE_STAGES:
-            # A middle stage never sees the sampled tokens (the last stage returns them to stage 0 only), so its
-            # file could not list the outputs every member's file must agree on: refused before joining anything
-            # rather than running a stage whose every file would fail (docs/pipeline.md, "Not built").
-            raise PipelineError(
-                f"run.pipeline {self.layout.boundaries} cuts the model into {self.layout.stages} stages; the "
-                f"pipeline node runs groups of at most {MAX_NODE_STAGES} (a middle stage's files are not built)"
-            )
         s, p = self.settings, self.settings.pipeline
         step = await self._usable_step()
         throughput = await asyncio.to_thread(self._measure, step)

@@ -83,23 +83,55 @@ def run_loopback(
     except FraudDetected:
         raise
     except PipelineError as exc:  # a frame the schedule does not call for: every member's partial record
-        partial = [
-            stage_record(k, identities[k], readers[k], writers[k], known_tokens(processors[k]))
-            for k in range(stages)
-        ]
-        raise BatchBroken(str(exc), partial) from exc
-    for k in range(stages):
-        encoded, _ = writers[k].end(readers[k].acknowledgement())
-        split_frames(readers[(k + 1) % stages], encoded, opening=False)
-    outputs = processors[-1].outputs.tokens
-    records = [stage_record(k, identities[k], readers[k], writers[k], outputs) for k in range(stages)]
+        raise _broken(exc, identities, processors, readers, writers) from exc
+    # The end frames go round once, from stage 0: each carries the batch's completions, which a middle stage
+    # learns from its predecessor's before it sends its own (as over streams, group.py).
+    try:
+        for k in range(stages):
+            out = processors[k].end_frame()
+            if tamper is not None:
+                out = tamper(k, out)
+            encoded, _ = writers[k].frame(
+                kind=out.kind,
+                micro_batch=out.micro_batch,
+                step=out.step,
+                rows=out.rows,
+                tensor=out.tensor,
+                dtype=out.dtype,
+                commitment=out.commitment,
+                acknowledged=readers[k].acknowledgement(),
+            )
+            (frame,) = split_frames(readers[(k + 1) % stages], encoded, opening=False)
+            processors[(k + 1) % stages].on_end(frame)
+    except PipelineError as exc:  # an end frame without a well-formed completion for every sample
+        raise _broken(exc, identities, processors, readers, writers) from exc
+    # Each stage records the completions it knows (a middle stage: those its predecessor's end frame carried).
+    records = [
+        stage_record(k, identities[k], readers[k], writers[k], processors[k].outputs.tokens)
+        for k in range(stages)
+    ]
     return processors[-1].completions(), records
 
 
+def _broken(
+    exc: PipelineError,
+    identities: Sequence[Identity],
+    processors: Sequence[StageProcessor],
+    readers: list[ChainReader],
+    writers: list[FrameWriter],
+) -> BatchBroken:
+    partial = [
+        stage_record(k, identities[k], readers[k], writers[k], known_tokens(processors[k]))
+        for k in range(len(processors))
+    ]
+    return BatchBroken(str(exc), partial)
+
+
 def known_tokens(processor: StageProcessor) -> list[list[int]]:
-    """The tokens a stage knows mid-batch: stage 0 those it received, the last stage those it sampled."""
-    first_or_last = processor.model.first or processor.model.last
-    return [list(t) for t in processor.outputs.tokens] if first_or_last else []
+    """The tokens a stage knows mid-batch: stage 0 those it received, the last stage those it sampled, a middle
+    stage every completion once its predecessor's end frame was read, else none."""
+    knows = processor.model.first or processor.model.last or processor.learned
+    return [list(t) for t in processor.outputs.tokens] if knows else []
 
 
 def _relay(

@@ -124,6 +124,11 @@ class StageRunner:
                 )
                 self.ring_closed = True
                 if frame.header.kind == "end":
+                    try:  # a middle stage learns the batch's completions here, to pass on and to record
+                        await asyncio.to_thread(self.processor.on_end, frame)
+                    except PipelineError:  # no completion for every sample: the predecessor's doing
+                        self.broke = self.broke or "previous"
+                        raise
                     break
                 started = time.monotonic()
                 try:
@@ -139,10 +144,10 @@ class StageRunner:
                 if following is not None:
                     await self._send(out, following)
                 if self.processor.model.first and self.processor.done:
-                    await self._on("following", out.send(self.writer.end(self.chain.acknowledgement())[0]))
+                    await self._send(out, await asyncio.to_thread(self.processor.end_frame))
                     ended = True  # from here the successor may close: it has all it needs
-            if not self.processor.model.first:
-                await self._on("following", out.send(self.writer.end(self.chain.acknowledgement())[0]))
+            if not self.processor.model.first:  # the completions table is CPU work: off the loop
+                await self._send(out, await asyncio.to_thread(self.processor.end_frame))
             await self._on("following", out.close(self.hop.frame_timeout_s))
         finally:
             hangup.cancel()
@@ -192,7 +197,8 @@ class StageRunner:
         )
         queued = time.monotonic()
         await self._on("following", out.send(encoded))
-        self.timeline.append(("flight", outgoing.micro_batch, queued, queued + self.hop.delay_s))
+        if outgoing.kind != "end":  # the timeline is of micro-batches' frames
+            self.timeline.append(("flight", outgoing.micro_batch, queued, queued + self.hop.delay_s))
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
@@ -248,6 +254,10 @@ async def run_group(
 def _group_run(
     processors: Sequence[StageProcessor], identities: Sequence[Identity], runners: list[StageRunner]
 ) -> GroupRun:
-    outputs = processors[-1].outputs.tokens
-    records = [stage_record(k, identities[k], r.chain, r.writer, outputs) for k, r in enumerate(runners)]
+    # Each stage records the completions it knows: the last stage sampled them, stage 0 received them, a middle
+    # stage read them from its predecessor's end frame.
+    records = [
+        stage_record(k, identities[k], r.chain, r.writer, processors[k].outputs.tokens)
+        for k, r in enumerate(runners)
+    ]
     return GroupRun(processors[-1].completions(), records, runners)

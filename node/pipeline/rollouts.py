@@ -4,9 +4,10 @@ against its predecessor; for a batch broken over a frame the schedule does not c
 (proofs/pipeline/reports.py).
 
 Every member writes the same rows: the assignment `work_for` derived (node/pipeline/work.py), the output tokens
-every stage's record lists (the last stage sampled them and sent them to stage 0; a middle stage lists the
-last stage's), finish reasons read from the tokens, and rewards from the run's verifiers. The last stage adds
-today's proofs (TOPLOC commitments of the final hidden states it kept, proofs/toploc.py); the others none.
+every stage's record lists (the last stage sampled them and sent them to stage 0; a middle stage lists those
+its predecessor's end frame carried), finish reasons read from the tokens, and rewards from the run's verifiers.
+The last stage adds today's proofs (TOPLOC commitments of the final hidden states it kept, proofs/toploc.py); the
+others none.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Per micro-batch a stage keeps what HFEngine keeps for a batch (node/engine/hf.py
 cache of its layers, the attention mask, the next position of every row and which samples are still active;
 and it applies the same operations in the same order (drop finished rows from the cache, extend the mask,
 forward one position). Stage 0 embeds prompts and fed-back tokens; the last stage norms, samples with the
-node's seeded Gumbel-max sampler and sends the tokens back to stage 0.
+node's seeded Gumbel-max sampler and sends the tokens back to stage 0. Every stage's end frame carries the
+batch's completions: stage 0 and the last stage know them, a middle stage learns them from its predecessor's end
+frame (`on_end`) and passes them on, so every member's record lists the same outputs.
 
 Frames come from a peer: their rows, steps and shapes are checked against the schedule every stage derives
 itself (work.py), and an activation frame's signed commitment is recomputed from its tensor before use; a
@@ -19,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from ...p2p.pipeline.errors import CommitmentMismatch, PipelineWireError
-from ...p2p.pipeline.frames import Frame, FrameKind, WireDtype
+from ...p2p.pipeline.frames import PADDING, Frame, FrameKind, WireDtype, completions_tensor
 from ...proofs.errors import ProofError
 from ...proofs.gumbel import gumbel_noise, perturbed_scores
 from ...proofs.toploc import build_proof
@@ -39,7 +41,7 @@ class Outgoing:
     rows: list[int]
     tensor: torch.Tensor
     dtype: WireDtype
-    commitment: bytes
+    commitment: bytes | None  # None on the end frame alone
 
 
 @dataclass
@@ -76,6 +78,9 @@ class StageProcessor:
             [[] for _ in range(n)], [[] for _ in range(n)], ["length"] * n, [[] for _ in range(n)]
         )
         self.finished: set[int] = set()  # micro-batches done (stage 0 and the last stage know)
+        # Whether this stage knows every sample's completion: stage 0 and the last stage once the batch is done, a
+        # middle stage once its predecessor's end frame was read (`on_end`).
+        self.learned = False
 
     # ------------------------------------------------------------------ stage 0
 
@@ -169,6 +174,44 @@ class StageProcessor:
         return self._emit(
             "decode", header.micro_batch, header.step, header.rows, hidden, state, prefill=False
         )
+
+    # ------------------------------------------------------------------ every stage
+
+    def on_end(self, frame: Frame) -> None:
+        """The predecessor's end frame. A middle stage learns the batch's completions from it (it sees no tokens)
+        and will pass them on; PipelineError when the frame holds no well-formed completion for every sample
+        (listing it would make this stage's own file malformed). Stage 0 and the last stage know the completions
+        themselves and keep them (what the predecessor's end frame claims is the validator's to judge); they refuse
+        an end frame that comes before their every micro-batch ended."""
+        if frame.header.kind != "end":
+            raise PipelineError(
+                f"frame {frame.header.index}: expected the end frame, got {frame.header.kind}"
+            )
+        if self.model.first or self.model.last:
+            if not self.done:  # the batch would end here with samples unfinished, its record short of them
+                raise PipelineError(
+                    f"frame {frame.header.index}: the end frame came before every micro-batch ended"
+                )
+            return
+        self.outputs.tokens = completions_of(
+            frame.tensor,
+            samples=len(self.work.requests),
+            max_new_tokens=self.work.params.max_new_tokens,
+            eos_token_id=self.work.eos_token_id,
+            vocab_size=self.model.config.vocab_size,
+        )
+        self.outputs.reasons = [
+            "eos" if tokens[-1] == self.work.eos_token_id else "length" for tokens in self.outputs.tokens
+        ]
+        self.learned = True
+
+    def end_frame(self) -> Outgoing:
+        """This stage's end frame: the batch's completions as this stage knows them (PipelineError if it does not
+        know them yet: stage 0 and the last stage before the batch is done, a middle stage before `on_end`)."""
+        if not (self.learned or self.done):
+            raise PipelineError("the batch's completions are not known yet: no end frame to send")
+        tensor = completions_tensor(self.outputs.tokens, self.work.params.max_new_tokens)
+        return Outgoing("end", 0, 0, list(range(tensor.shape[0])), tensor, "int64", None)
 
     # ------------------------------------------------------------------ helpers
 
@@ -284,6 +327,36 @@ class StageProcessor:
         if not self.model.last:
             raise PipelineError("only the last stage holds the final hidden states")
         return [torch.stack(states) for states in self.outputs.states]
+
+
+def completions_of(
+    table: torch.Tensor, *, samples: int, max_new_tokens: int, eos_token_id: int, vocab_size: int
+) -> list[list[int]]:
+    """Every sample's output tokens from an end frame's tensor (p2p/pipeline/frames.py `completions_tensor`);
+    PipelineError naming the first thing wrong: another shape than [samples, max_new_tokens], a row that is not
+    tokens (ids in the vocabulary) followed by padding alone, an empty completion, a token after EOS, or a
+    completion that stops short of max_new_tokens without EOS (no honest generation ends so)."""
+    if tuple(table.shape) != (samples, max_new_tokens) or table.dtype != torch.int64:
+        raise PipelineError(
+            f"the end frame's completions are {list(table.shape)} {table.dtype}; the batch has "
+            f"[{samples}, {max_new_tokens}] int64"
+        )
+    padding = table == PADDING
+    lengths = (~padding).sum(dim=1)
+    suffix = torch.arange(max_new_tokens)[None, :] >= lengths[:, None]
+    bad = (padding != suffix).any(dim=1) | (lengths == 0)
+    bad |= (~padding & ((table < 0) | (table >= vocab_size))).any(dim=1)
+    eos = (table == eos_token_id) & (torch.arange(max_new_tokens)[None, :] < (lengths[:, None] - 1))
+    bad |= eos.any(dim=1)
+    last = table.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
+    bad |= (last != eos_token_id) & (lengths != max_new_tokens)
+    if bool(bad.any()):
+        sample = int(bad.nonzero()[0, 0])
+        raise PipelineError(
+            f"the end frame's completion of sample {sample} is malformed (tokens in the vocabulary, then padding "
+            "alone; at least one; none after EOS; stopping without EOS only at max_new_tokens)"
+        )
+    return [row[: int(n)] for row, n in zip(table.tolist(), lengths.tolist(), strict=True)]
 
 
 def _is_subsequence(rows: list[int], active: list[int]) -> bool:

@@ -61,6 +61,8 @@ def frame_shapes(work: PipelineWork, hidden_size: int, activation_dtype: WireDty
         hidden_size,
         activation_dtype,
         tuple((tuple(rows), max(len(work.requests[r].prompt_ids) for r in rows)) for rows in work.schedule),
+        len(work.requests),
+        work.params.max_new_tokens,
     )
 
 

@@ -10,7 +10,10 @@ head_i = SHA-256(head_{i-1} || SHA-256(header)); each signature is the sender's 
 DOMAIN || SHA-256(opening header) || u64 i || head_i (`head_message`), so every prefix of the stream is signed
 and a receiver holds the sender's word for everything up to the last frame it read, even if the sender stops
 mid-batch. The tensor bytes enter the chain through the header's
-`tensor_sha256`. The stream ends with an "end" frame whose signed head is the stream's chain head.
+`tensor_sha256`. The stream ends with an "end" frame whose signed head is the stream's chain head; it carries the
+batch's completions (every sample's output tokens, padded with -1: `completions_tensor`), which stage 0 learns
+from the last stage's tokens frames and every later stage passes on, so a middle stage, which sees no tokens,
+knows what every member's stage file lists (docs/pipeline.md, "Wire format").
 
 Every frame header also acknowledges the sender's input: the chain head of the stream it has received so far
 (its predecessor's), its index, and the predecessor's signature over them. The signature binds the head to
@@ -32,6 +35,7 @@ import asyncio
 import hashlib
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -48,9 +52,10 @@ from .layout import MAX_STAGES, StageLayout
 
 # v2: frame headers carry `acknowledged` (v1 headers had none). v3: every head is signed with its stream's
 # opening digest and index, and acknowledgements carry the index (a v2 head signature bound neither, so a stage
-# could acknowledge a head replayed from another batch). An older peer's opening is refused.
-PipelineProtocol = Literal["prime-node/pipeline/v3"]
-PROTOCOL: PipelineProtocol = "prime-node/pipeline/v3"
+# could acknowledge a head replayed from another batch). v4: the end frame carries the batch's completions (v3's
+# was empty, so a middle stage never learned the sampled tokens). An older peer's opening is refused.
+PipelineProtocol = Literal["prime-node/pipeline/v4"]
+PROTOCOL: PipelineProtocol = "prime-node/pipeline/v4"
 DOMAIN = b"prime-node/pipeline-chain/v3\x00"
 _INDEX = struct.Struct(">Q")
 MAX_HEADER_BYTES = 64 << 10  # a header with a TOPLOC commitment of a 4096-row prefill frame fits easily
@@ -59,6 +64,7 @@ MAX_ROWS = 4096  # samples in one frame
 MAX_DIM = 1 << 20
 MAX_FRAMES = 1 << 20  # frames in one stream
 MAX_COMMITMENT_HEX = 2 * 48 * 1024
+PADDING = -1  # an end frame's entry after a sample's last output token
 _LEN = struct.Struct(">I")
 Parsed = TypeVar("Parsed", bound=WireModel)
 
@@ -107,7 +113,7 @@ class FrameHeader(WireModel):
     index: int = Field(ge=1, le=MAX_FRAMES)  # 1, 2, ... in stream order (the opening is 0)
     micro_batch: int = Field(ge=0, lt=MAX_ROWS)
     # prefill: the prompt's activations; decode: one new position per row; tokens: sampled ids (last stage to
-    # stage 0); end: no tensor, closes the stream.
+    # stage 0); end: closes the stream, carrying every sample's output tokens ([samples, max_new_tokens], padded).
     kind: FrameKind
     step: int = Field(ge=0, le=1 << 16)  # decode step that consumes (decode) or produced (tokens) the rows
     rows: list[Annotated[int, Field(ge=0, lt=1 << 24)]] = Field(
@@ -180,8 +186,16 @@ def head_message(digest: bytes, index: int, head: bytes) -> bytes:
 def check_header(header: FrameHeader, max_tensor_bytes: int) -> int:
     """The tensor's byte size; PipelineWireError for a header whose shape, rows and dtype do not agree."""
     if header.kind == "end":
-        if header.shape != [0] or header.rows or header.commitment is not None:
-            raise PipelineWireError("an end frame carries no rows, no commitment and shape [0]")
+        if (
+            len(header.shape) != 2
+            or header.shape[0] != len(header.rows)
+            or header.rows != list(range(len(header.rows)))
+            or header.commitment is not None
+        ):
+            raise PipelineWireError(
+                f"frame {header.index}: an end frame carries every sample's completion (rows 0, 1, ..., shape "
+                "[samples, max_new_tokens]) and no commitment"
+            )
     elif not header.shape or header.shape[0] != len(header.rows):
         raise PipelineWireError(
             f"frame {header.index}: shape {header.shape} does not have {len(header.rows)} rows"
@@ -206,18 +220,25 @@ class FrameShapes:
     batch calls for, and the receiver knows exactly which shape it awaits.
 
     `micro_batches`: per micro-batch, its rows (sample ids, in row order) and its prefill width (its longest
-    prompt, which every row is left-padded to)."""
+    prompt, which every row is left-padded to); `samples` and `max_new_tokens`: the end frame's shape."""
 
     hidden_size: int
     activation_dtype: WireDtype
     micro_batches: tuple[tuple[tuple[int, ...], int], ...]
+    samples: int
+    max_new_tokens: int
 
     def check(self, header: FrameHeader) -> None:
         """PipelineWireError naming the frame when its declared micro-batch, rows, shape or dtype are not ones the
         schedule calls for; the receiving stage still checks steps and row order once the frame is read."""
-        if header.kind == "end":
-            return
         at = f"frame {header.index}"
+        if header.kind == "end":
+            if header.shape != [self.samples, self.max_new_tokens] or header.micro_batch != 0:
+                raise PipelineWireError(
+                    f"{at}: an end frame declared as {header.shape} (micro-batch {header.micro_batch}); the batch "
+                    f"calls for [{self.samples}, {self.max_new_tokens}] (micro-batch 0)"
+                )
+            return
         if header.micro_batch >= len(self.micro_batches):
             raise PipelineWireError(
                 f"{at}: micro-batch {header.micro_batch}; the batch has {len(self.micro_batches)}"
@@ -293,13 +314,15 @@ class FrameWriter:
         encoded = _LEN.pack(len(header_bytes)) + header_bytes + signature + data
         return encoded, Frame(header, tensor, self.head, signature)
 
-    def end(self, acknowledged: Acknowledgement, micro_batch: int = 0) -> tuple[bytes, Frame]:
+    def end(self, acknowledged: Acknowledgement, completions: torch.Tensor) -> tuple[bytes, Frame]:
+        """The stream's last frame, carrying `completions` (`completions_tensor`: what this stage knows the batch
+        generated; a stage that relays passes on what it received)."""
         return self.frame(
             kind="end",
-            micro_batch=micro_batch,
+            micro_batch=0,
             step=0,
-            rows=[],
-            tensor=torch.empty(0, dtype=torch.int64),
+            rows=list(range(completions.shape[0])),
+            tensor=completions,
             dtype="int64",
             commitment=None,
             acknowledged=acknowledged,
@@ -430,6 +453,22 @@ class FrameReader:
             raise PipelineWireError(f"stream ended in {what} ({len(exc.partial)} of {size} bytes)") from None
         except (OSError, ConnectionError) as exc:
             raise PipelineWireError(f"stream broke while reading {what}: {exc}") from None
+
+
+def completions_tensor(outputs: Sequence[Sequence[int]], max_new_tokens: int) -> torch.Tensor:
+    """An end frame's tensor: [samples, max_new_tokens] int64, row s sample s's output tokens then PADDING. A
+    sample with more tokens than `max_new_tokens` is a PipelineWireError (no honest stage has one)."""
+    table = torch.full((len(outputs), max_new_tokens), PADDING, dtype=torch.int64)
+    for s, tokens in enumerate(outputs):
+        if len(tokens) > max_new_tokens:
+            raise PipelineWireError(f"sample {s} has {len(tokens)} output tokens; at most {max_new_tokens}")
+        table[s, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.int64)
+    return table
+
+
+def completions_sha256(outputs: Sequence[Sequence[int]], max_new_tokens: int) -> str:
+    """The `tensor_sha256` of the end frame that carries `outputs`: what a validator compares end frames with."""
+    return hashlib.sha256(tensor_bytes(completions_tensor(outputs, max_new_tokens), "int64")).hexdigest()
 
 
 def split_frames(chain: ChainReader, data: bytes, *, opening: bool = True) -> list[Frame]:

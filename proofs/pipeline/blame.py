@@ -10,7 +10,9 @@ Cheapest first (docs/pipeline.md, "Trust"):
    this batch's stream at their index, never going back (proofs/pipeline/acknowledgements.py): any other
    acknowledgement is the stage's own contradiction, except a signed head at an index its copy holds that
    differs there: the predecessor's equivocation;
-3. tokens: the last stage's token frames hash to the outputs its record lists, and every stage lists them;
+3. tokens: the last stage's token frames hash to the outputs its record lists, every stage's end frame carries
+   them (the first that does not is blamed: a middle stage learns them only from its predecessor's), and every
+   stage lists them;
 4. one monolithic prefill with hooks at every boundary recomputes what each honest stage sends; stage by
    stage in order, its sent frames' TOPLOC commitments are checked against the recomputed boundary, and the
    last stage's tokens must be the Gumbel-argmax of the recomputed logits. Because of (2), a stage's input
@@ -32,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...p2p.pipeline.errors import PipelineWireError
-from ...p2p.pipeline.frames import FrameHeader, decode_tensor, verify_chain
+from ...p2p.pipeline.frames import FrameHeader, completions_sha256, decode_tensor, verify_chain
 from ..bounds import CALIBRATED, ToplocThresholds
 from ..errors import ProofError
 from ..gumbel import gumbel_noise, perturbed_scores
@@ -222,6 +224,18 @@ def _tokens(
             covered[r] += 1
     if covered != [len(o) for o in outputs]:
         return GroupVerdict(last, f"stage {last}: its token frames do not carry every output token once")
+    # Every stage's stream ends with one end frame carrying these completions: stage 0 received them in the token
+    # frames, every later stage passes on its predecessor's end frame (a middle stage learns them only so), and
+    # the last stage sampled them. In stage order, the first whose end frame carries others is blamed: its input
+    # carried the right ones (hop consistency), so an honest stage that relayed a liar's is never named.
+    due = completions_sha256(outputs, work.max_new_tokens)
+    for k, record in enumerate(present):
+        headers = record.sent.headers
+        ends = [h for h in headers if h.kind == "end"]
+        if len(ends) != 1 or headers[-1].kind != "end" or headers[-1].tensor_sha256 != due:
+            return GroupVerdict(
+                k, f"stage {k}: its stream does not end with one end frame carrying the batch's completions"
+            )
     for k, record in enumerate(present[:-1]):
         if record.outputs != outputs:
             return GroupVerdict(k, f"stage {k}: its record lists other tokens than the last stage sampled")

@@ -22,7 +22,10 @@ frames are checked against its input frames (`blame_broken`):
   (of the prefill at s = 0);
 - stage 0 sends a prefill per micro-batch with exactly the batch's cut, and the decode of step t for exactly the
   rows of the tokens of step t it received whose token is not EOS (none at t = max_new_tokens - 1); the token
-  values come from a record whose outputs match the token frames' signed hashes (stage 0's or the last stage's).
+  values come from a record whose outputs match the token frames' signed hashes (stage 0's or the last stage's);
+- every stage ends its stream with an end frame carrying the batch's completions: stage 0's those the token frames
+  it received carry, a middle stage's its predecessor's end frame's (a middle stage refuses one without a
+  well-formed completion for every sample, which breaks the batch), the last stage's after its predecessor's.
 
 An output frame without an input frame it had acknowledged by then, or with other rows, is that stage's own signed
 deviation against the input it acknowledges: it alone is blamed. Two validly signed copies of one hop that diverge
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...p2p.pipeline.frames import FrameHeader, verify_chain
+from ...p2p.pipeline.frames import FrameHeader, completions_sha256, verify_chain
 from .acknowledgements import acknowledged, forged_acknowledgement, prefix_heads
 from .blame import GroupVerdict
 from .records import GroupSpec, HopRecord, SignedStageRecord
@@ -141,6 +144,9 @@ def _deviation(
     index = _index(given)
     for header, limit in zip(sent, acked, strict=True):
         if header.kind == "end":
+            reason = _end_deviation(k, stages, given[:limit], header, run, tokens)
+            if reason is not None:
+                return f"frame {header.index} (end): {reason}"
             continue
         what = f"frame {header.index} ({header.kind} of micro-batch {header.micro_batch}, step {header.step})"
         if k == 0:
@@ -177,6 +183,39 @@ def _deviation(
             return f"{what} follows from no frame it received"
         if list(header.rows) != due:
             return f"{what} carries rows {list(header.rows)[:8]}, its input calls for {due[:8]}"
+    return None
+
+
+def _end_deviation(
+    k: int,
+    stages: int,
+    given: list[FrameHeader],
+    header: FrameHeader,
+    run: BatchRules,
+    tokens: list[list[int]] | None,
+) -> str | None:
+    """Why stage k's end frame does not follow from the input it acknowledges, or None. Stage 0's carries the
+    completions the token frames it received carry (judged only when confirmed token values cover those frames
+    exactly); a later stage's follows its predecessor's end frame, which a middle stage passes on unchanged (the
+    last stage's carries what it sampled, which its predecessor's end frame does not decide)."""
+    if k == 0:
+        if tokens is None:
+            return None
+        covered = [0] * len(tokens)
+        for h in given:
+            if h.kind == "tokens":
+                for r in h.rows:
+                    covered[r] += 1
+        if covered != [len(t) for t in tokens] or any(len(t) > run.max_new_tokens for t in tokens):
+            return None  # the confirmed values are not exactly what the frames carried: not judged
+        if header.tensor_sha256 != completions_sha256(tokens, run.max_new_tokens):
+            return "it carries other completions than the tokens it received"
+        return None
+    ends = [h for h in given if h.kind == "end"]
+    if not ends:
+        return "it follows from no end frame it received"
+    if k < stages - 1 and header.tensor_sha256 != ends[0].tensor_sha256:
+        return "it carries other completions than its predecessor's end frame"
     return None
 
 

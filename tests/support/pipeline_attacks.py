@@ -99,7 +99,7 @@ def run_case(
             hit = target % (2 * len(processors[0].work.schedule))
 
             def tamper(stage: int, out: Outgoing) -> Outgoing:
-                if stage != k:
+                if stage != k or out.kind == "end":
                     return out
                 sent[0] += 1
                 if sent[0] - 1 != hit:
