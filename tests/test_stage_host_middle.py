@@ -36,6 +36,7 @@ from prime_node.proofs.pipeline.records import GroupSpec
 from prime_node.trainer.validator.group_job import Delivery, GroupOutcome, layer_share, verify_group_files
 
 from support.attack import make_checkpoint, run_tasks
+from support.nonces import NONCE, formed_at_of
 from support.pipeline import identities
 
 LAYOUT = StageLayout(boundaries=[0, 1, 3, 4], prompts=2, micro_batch_size=2)
@@ -52,16 +53,17 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RunTasks, HFEn
 
 
 def _group() -> GroupRecord:
+    """The test's group: the same id on every call (its nonce is fixed)."""
     members = [i.node_id for i in IDS]
-    now = time.time()
     return GroupRecord(
-        group_id=group_id(RUN.run_id, 0, members, LAYOUT),
+        group_id=group_id(RUN.run_id, 0, members, LAYOUT, NONCE),
         round=1,
         policy_step=0,
         layout=LAYOUT,
         members=members,
-        formed_at=now,
-        signed_at=now,
+        formed_at=formed_at_of(NONCE),
+        signed_at=time.time(),
+        nonce=NONCE,
     )
 
 
@@ -99,7 +101,7 @@ async def _run_group(
         )
         path = out / f"b{result.batch}-stage{result.stage}.parquet"
         write_member_file(
-            path, RUN, tasks, batch, work, assignment, tuple(result.group.members), LAYOUT, result.record,
+            path, RUN, tasks, batch, work, assignment, tuple(result.group.members), LAYOUT, NONCE, result.record,
             IDS[result.stage], result.final_states,
         )  # fmt: skip
         return path
@@ -247,7 +249,7 @@ def test_a_malformed_end_frame_breaks_the_batch_and_its_sender_is_named(
     middle = next(x for x in lost if x.batch == batch and x.stage == 1)
     assert "end frame" in middle.why and middle.broken_by == IDS[0].node_id
     records = [next(x.partial for x in lost if x.batch == batch and x.stage == k) for k in range(3)]
-    spec = GroupSpec(RUN.run_id, 0, batch, LAYOUT, tuple(i.node_id for i in IDS))
+    spec = GroupSpec(RUN.run_id, 0, batch, LAYOUT, tuple(i.node_id for i in IDS), NONCE)
     verdict = blame_broken(spec, records, BatchRules(made[2].eos_token_id, RUN.max_new_tokens, None))
     assert verdict.blamed == 0, verdict.reason
     assert "end" in verdict.reason
@@ -289,7 +291,7 @@ def test_the_last_stage_refuses_an_end_frame_before_its_micro_batches_ended(
         RUN, tasks, _batch(_group(), 0), eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id
     )[0]
     last = StageProcessor(StageModel.load(checkpoint, LAYOUT, 2), work)
-    spec = GroupSpec(RUN.run_id, 0, 0, LAYOUT, tuple(i.node_id for i in IDS))
+    spec = GroupSpec(RUN.run_id, 0, 0, LAYOUT, tuple(i.node_id for i in IDS), NONCE)
     writer = FrameWriter(IDS[1], spec.opening(1))
     reader = spec.reader(2)
     split_frames(reader, writer.opening())
