@@ -268,10 +268,12 @@ async def test_the_pipeline_nodes_keeper_holds_its_stages_shards_and_deletes_the
         assert 0.4 < held < 0.7  # the last of two stages: about half the bytes
         assert mine.versions[STEP].ready and not mine.versions[STEP].complete
 
-        # After a restart the version is found again, for the stages it was fetched for only.
-        again = keeper_for({1})
-        await again.load_local()
-        assert again.verified_steps() == [STEP]
+        # After a restart the version is found again, for the stages it was fetched for only, and served.
+        async with counted(tmp_path / "node", me) as restarted:
+            again = keeper_for({1}, ServeAsVerified(restarted))
+            await again.load_local()
+            assert again.verified_steps() == [STEP]
+            assert restarted.versions[STEP].ready == mine.versions[STEP].ready
         other = keeper_for({0})
         await other.load_local()
         assert other.verified_steps() == []

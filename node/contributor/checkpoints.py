@@ -29,7 +29,7 @@ from ...p2p.weights.manifest import SignedManifest
 from ...p2p.weights.pinned import Pin, PinnedFetch, PinRefused
 from ...p2p.weights.selection import SelectionPlan
 from ...p2p.weights.serve_verified import ServeAsVerified
-from ...p2p.weights.store import Store
+from ...p2p.weights.store import Holdings, Store
 from ..errors import NodeError
 from ..runtime.progress import DownloadProgress
 from .policy_window import steps_to_delete, usable_step
@@ -84,9 +84,8 @@ class CheckpointKeeper:
         )
         self.announced: PolicyAnnouncement | None = None
         self._verified: set[int] = set()
-        self._in_part: set[int] = (
-            set()
-        )  # verified steps held only in part (the plan's shards), under .partial/
+        # Verified steps held only in part (the plan's shards), under the store's .partial/.
+        self._in_part: set[int] = set()
         # A bar on stderr for a download still running after this many seconds (None: never, as under
         # --log-json; tqdm leaves out a stderr that is not a terminal by itself).
         self.download_bar_after_s = download_bar_after_s
@@ -105,29 +104,33 @@ class CheckpointKeeper:
             self._verified.add(step)
         if self.pinned.plan is not None:
             for step in await asyncio.to_thread(self.store.partial_versions):
-                if step not in self._verified and await asyncio.to_thread(self._holds_plan, step):
+                held = None if step in self._verified else await asyncio.to_thread(self._holds_plan, step)
+                if held is not None:
                     self._verified.add(step)
                     self._in_part.add(step)
+                    if self.serve is not None:  # its shards are served again, as before the restart
+                        self.serve.offer_held(held.manifest, held.done)
         self._publish_local()
         if self._verified:
             logger.info("reusing verified checkpoints %s from %s", sorted(self._verified), self.store.root)
 
-    def _holds_plan(self, step: int) -> bool:
-        """Whether the partial version of `step` holds every shard the plan names (a selective fetch that
-        finished, not one cut short). Blocking."""
+    def _holds_plan(self, step: int) -> Holdings | None:
+        """What the partial version of `step` holds when that is every shard the plan names (a selective fetch
+        that finished, not one cut short) and its manifest verifies against the operator key; else None.
+        Blocking."""
         assert self.pinned.plan is not None
         try:
             held = self.store.holdings(step)
             if held is None:
-                return False
+                return None
             self.store.load_manifest(step, self.operator_key, partial=True)
             chosen = self.pinned.plan.choose(
                 held.manifest, self.store.checkpoint_dir(step, partial=True), held.done
             )
         except (WeightsError, NodeError, OSError) as exc:
             logger.warning("ignoring the partial checkpoint step %d: %s", step, exc)
-            return False
-        return chosen.shards <= held.done
+            return None
+        return held if chosen.shards <= held.done else None
 
     def checkpoint_dir(self, step: int) -> Path:
         """Where verified step `step`'s files lie: the complete version, or the one held in part (a pipeline

@@ -37,6 +37,12 @@ class ServeAsVerified:
             self.server.mark_complete(result.manifest, result.checkpoint_dir)
         self.step = None
 
+    def offer_held(self, manifest: SignedManifest, shards: frozenset[int]) -> None:
+        """Serve the verified shards of a version held in part from an earlier run (none is being fetched)."""
+        self.server.add_partial(manifest, self.server.store.checkpoint_dir(manifest.step, partial=True))
+        for index in sorted(shards):
+            self.server.shard_ready(manifest.step, index)
+
     def withdraw(self, step: int) -> None:
         """Stop serving a version held in part (its files are being deleted)."""
         self.server.drop(step)
