@@ -30,7 +30,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.swarm import PolicyAnnouncement
 from prime_node.p2p.weights.availability import parse_availability
-from prime_node.p2p.weights.errors import IncompleteVersion
+from prime_node.p2p.weights.errors import IncompleteVersion, PlanError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.metrics import WeightsServerMetrics
 from prime_node.p2p.weights.publish import publish
@@ -42,7 +42,7 @@ from prime_node.p2p.weights.store import Store
 
 from support.pipeline import save_tiny
 from support.swarm import RUN_PARAMETERS
-from support.weights import hostile, operator, same_tree
+from support.weights import hostile, operator, publish_steps, same_tree
 
 STEP = 3
 SHARD = 16 << 10  # the embedded model's ~3 MB checkpoint in ~200 shards, as docs/pipeline.md measures
@@ -155,6 +155,14 @@ async def test_a_version_held_in_part_is_never_taken_for_a_whole_one(origin: Pat
     assert refused.value.missing == missing
     assert f"shards {describe_shards(missing)} were never fetched" in str(refused.value)
     assert f"{len(result.held or ())} of {count} shards" in str(refused.value)
+    # The node turns monolithic: a plain (whole) fetch downloads only the shards it lacked, then it loads.
+    async with counted(origin) as server:
+        whole = await fetch([server.url], tmp_path / "node", None)
+        assert (
+            whole.complete
+            and sent(server) == whole.fetched_bytes == result.manifest.body.total_size - result.held_bytes
+        )
+    assert store.versions() == [STEP] and store.whole_checkpoint_dir(STEP) == whole.checkpoint_dir
 
 
 async def test_widening_the_selection_fetches_only_what_is_missing(origin: Path, tmp_path: Path) -> None:
@@ -283,3 +291,11 @@ async def test_the_pipeline_nodes_keeper_holds_its_stages_shards_and_deletes_the
         await keeper.prune()
         assert keeper.verified_steps() == [] and store.partial_versions() == []
         assert STEP not in mine.versions
+
+
+async def test_a_checkpoint_the_stages_do_not_fit_is_refused_by_name(tmp_path: Path) -> None:
+    # Its tensors are not a Qwen2 model's: no plan can name the stages' shards, and the fetch says so.
+    publish_steps(tmp_path, operator(), [STEP], megabytes=0.2)
+    async with counted(tmp_path / "origin") as server:
+        with pytest.raises(PlanError, match=r"stages \[0\] need: .*lacks tensors stage 0 needs"):
+            await fetch([server.url], tmp_path / "node", StageSelection(TWO, frozenset({0})))

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
 from ...p2p.pipeline.layout import StageLayout
-from ...p2p.weights.errors import WeightsError
+from ...p2p.weights.errors import PlanError, WeightsError
 from ...p2p.weights.manifest import SignedManifest
 from ...p2p.weights.selection import Selection, describe_shards
 from ...p2p.weights.store import holdings
@@ -216,6 +216,16 @@ class StageSelection:
         self.stages = frozenset(stages)
 
     def choose(self, manifest: SignedManifest, checkpoint_dir: Path, held: frozenset[int]) -> Selection:
+        """The fetcher's question (p2p/weights/selection.py); PlanError when the checkpoint does not fit."""
+        try:
+            return self.shards_to_hold(manifest, checkpoint_dir, held)
+        except EngineError as exc:
+            raise PlanError(f"cannot tell which shards stages {sorted(self.stages)} need: {exc}") from None
+
+    def shards_to_hold(
+        self, manifest: SignedManifest, checkpoint_dir: Path, held: frozenset[int]
+    ) -> Selection:
+        """This round's answer given the shards `held` (verified); EngineError when the checkpoint does not fit."""
         body = manifest.body
         files = [(f.path, f.size) for f in body.files]
         weights = [(path, size) for path, size in files if path.endswith(".safetensors")]
@@ -257,7 +267,9 @@ def check_held(checkpoint: Path, layout: StageLayout, stage: int) -> None:
         raise EngineError(f"cannot tell which shards {checkpoint} holds: {exc}") from None
     if held is None:
         return
-    needed = StageSelection(layout, frozenset({stage})).choose(held.manifest, Path(checkpoint), held.done)
+    needed = StageSelection(layout, frozenset({stage})).shards_to_hold(
+        held.manifest, Path(checkpoint), held.done
+    )
     missing = held.missing(needed.shards)
     if missing:
         raise EngineError(

@@ -34,6 +34,11 @@ class IncompleteVersion(StoreError):
         self.missing = missing  # the shard indices it lacks
 
 
+class PlanError(WeightsError):
+    """A selection plan (selection.py) cannot name the shards to hold: the verified checkpoint does not fit it
+    (a layout for another model, a safetensors header out of bounds). The fetch of that version is refused."""
+
+
 class PublishError(WeightsError):
     """A checkpoint directory cannot be published (missing, empty, or holding files that cannot be shipped)."""
 

@@ -65,7 +65,8 @@ class Selection:
 
 class SelectionPlan(Protocol):
     """Says which shards a version must hold. Blocking (it may read the version's verified files); called on a
-    worker thread, once per round, with the shards verified so far."""
+    worker thread, once per round, with the shards verified so far. PlanError when the checkpoint does not fit
+    the plan."""
 
     def choose(self, manifest: SignedManifest, checkpoint_dir: Path, held: frozenset[int]) -> Selection: ...
 
