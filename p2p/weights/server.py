@@ -259,7 +259,8 @@ class WeightsServer:
         for step, served in list(self.versions.items()):
             # A version held in part whose files were deleted (pruned, or discarded) is no longer served; one
             # that just moved into place is marked complete by its fetch.
-            if not served.complete and not served.checkpoint_dir.exists() and step not in steps:
+            gone = not served.checkpoint_dir.exists() and not self.store.version_dir(step).exists()
+            if not served.complete and gone:
                 self.drop(step)
 
     # ---- used by relays ----------------------------------------------------------------------------------
