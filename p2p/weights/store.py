@@ -339,9 +339,9 @@ class Store:
         count = len(held.manifest.body.shards)
         missing = held.missing(frozenset(range(count)))
         raise IncompleteVersion(
-            f"checkpoint step {step} is held only in part ({len(held.done)} of {count} shards, as a pipeline "
-            f"stage fetches them): shards {describe_shards(missing)} were never fetched, so it cannot be loaded "
-            "as one model; fetch it whole first",
+            f"checkpoint step {step} is held only in part ({len(held.done)} of {count} shards: a pipeline "
+            f"stage's, or a fetch not finished): shards {describe_shards(missing)} were never fetched, so it "
+            "cannot be loaded as one model; fetch it whole first",
             missing,
         )
 
