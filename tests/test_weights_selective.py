@@ -233,6 +233,9 @@ def test_safetensors_headers_are_bounded_and_parsed_strictly() -> None:
         entry = json.dumps({"w": {"data_offsets": bad}}).encode()
         with pytest.raises(EngineError, match="integer data offsets"):
             tensor_ranges(len(entry).to_bytes(8, "little") + entry)
+    twice = b'{"w": {"data_offsets": [0, 4]}, "w": {"data_offsets": [4, 8]}}'
+    with pytest.raises(EngineError, match="not strict JSON"):
+        tensor_ranges(len(twice).to_bytes(8, "little") + twice)  # one name, two ranges: which one is read?
     with pytest.raises(EngineError, match="stages"):
         StageSelection(TWO, frozenset({2}))
 

@@ -25,6 +25,7 @@ from ...p2p.weights.errors import PlanError, WeightsError
 from ...p2p.weights.manifest import SignedManifest
 from ...p2p.weights.selection import Selection, describe_shards
 from ...p2p.weights.store import holdings
+from ...p2p.wire import loads_strict
 from ..errors import EngineError
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -134,10 +135,10 @@ def tensor_ranges(header: bytes, file_size: int | None = None) -> dict[str, tupl
     start = safetensors_header_size(header, file_size)
     if len(header) < start:
         raise EngineError(f"{len(header)} header bytes given, the header has {start}")
-    try:
-        entries = json.loads(header[LENGTH_BYTES:start])
-    except ValueError as exc:
-        raise EngineError(f"a safetensors header is not JSON: {exc}") from None
+    try:  # duplicate names, NaN and bad UTF-8 refused: one reading of the header, the same as safetensors'
+        entries = loads_strict(bytes(header[LENGTH_BYTES:start]), "safetensors header")
+    except ValueError as exc:  # WireFormatError is a ValueError
+        raise EngineError(f"a safetensors header is not strict JSON: {exc}") from None
     if not isinstance(entries, dict):
         raise EngineError("a safetensors header is not a JSON object")
     limit = None if file_size is None else file_size - start
