@@ -48,7 +48,7 @@ PIPELINE_ENV = {
 }
 
 
-def pipeline_argv(data_dir: Path, peers: list[str]) -> list[str]:
+def pipeline_argv(data_dir: Path, peers: list[str], stage: int) -> list[str]:
     run = PIPELINED  # the layout itself comes in the environment (PRIME_NODE_RUN__PIPELINE)
     return [
         *(sys.executable, "-m", "prime_node.node.cli.main", "start", "--pipeline"),
@@ -57,6 +57,7 @@ def pipeline_argv(data_dir: Path, peers: list[str]) -> list[str]:
         *("--temperature", str(run.temperature), "--max-new-tokens", str(run.max_new_tokens)),
         *("--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--reachability", "public"),
         *("--threads", "1", "--status-port", "0"),
+        *("--stages", str(stage)),  # one stage each: each node fetches only that stage's shards
     ]
 
 
@@ -78,7 +79,7 @@ async def test_pipeline_nodes_form_a_group_and_their_stage_files_are_accepted(
     )
     weights = settings.resolved_data_dir() / "validator-weights"  # the validator's store, served to the nodes
     manifest, _ = publish(
-        checkpoint, step=0, identity=OPERATOR, out_dir=weights, shard_size=1 << 20, run_id=RUN
+        checkpoint, step=0, identity=OPERATOR, out_dir=weights, shard_size=64 << 10, run_id=RUN
     )
     server = WeightsServer(Store(weights), ServeSettings(port=0, scan_interval_s=0.5), OPERATOR.node_id)
     url = await server.start()
@@ -117,7 +118,10 @@ async def _run_nodes(
 ) -> None:
     env = {**PIPELINE_ENV, "PRIME_NODE_RUN__PIPELINE": layout.model_dump_json()}
     with ProcessGroup(tmp_path / "logs") as children:
-        nodes = [children.start(d.name, pipeline_argv(d, running.maddrs[:1]), env=env) for d in dirs]
+        nodes = [
+            children.start(d.name, pipeline_argv(d, running.maddrs[:1], stage), env=env)
+            for stage, d in enumerate(dirs)
+        ]
         ledger = running.service.ledger.ledger
 
         def accepted(node_id: str) -> int:
@@ -140,8 +144,13 @@ async def _run_nodes(
         assert status is not None and status["pipeline"]["group_id"] == group.group_id
         assert status["pipeline"]["batches"] >= 1 and status["pipeline"]["stage_files"] >= 1
         marks = json.loads((dirs[0] / "pipeline" / "batch_marks.json").read_text())
-        (run_marks,) = [m for run_id, _, m in marks["runs"] if run_id == RUN]  # kept per run
-        assert {g: (step, b) for g, step, b in run_marks}[group.group_id][1] >= 1
+        (run_marks,) = [run[-1] for run in marks["runs"] if run[0] == RUN]  # kept per run
+        assert {entry[0]: entry[2] for entry in run_marks}[group.group_id] >= 1  # [group, step, next, formed]
+        for data_dir in dirs:  # each holds only its stage's shards of the checkpoint, never the whole
+            store = Store(data_dir / "checkpoints")
+            held = store.holdings(0)
+            assert store.versions() == [] and held is not None
+            assert len(held.done) < len(held.manifest.body.shards)
         for node in nodes:  # a clean stop: the stage task cancelled, the daemon's shutdown bounded
             os.killpg(node.pid, signal.SIGTERM)
         for node in nodes:

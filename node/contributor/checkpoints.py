@@ -6,6 +6,11 @@ sources serve is signed by the operator key, its digest is the announced one, an
 verified on arrival (p2p/weights/pinned.py). Anything else is refused: logged, counted as a verification
 failure, retried later with exponential backoff (a source may heal), and the node keeps working with what it
 has. Versions that fell out of the async window are deleted; they can never be used again.
+
+A pipeline node fetches with a selection plan (node/pipeline/weights.py `StageSelection`): only the shards of
+the stages it offers, the version held in part under the store's .partial/ (p2p/weights/selection.py). Its
+stages load from there (`checkpoint_dir`); a monolithic load goes through `whole_checkpoint_dir`, which refuses
+such a version naming the shards it lacks.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 from ...p2p.identity import Identity
 from ...p2p.swarm.records import PolicyAnnouncement
@@ -21,8 +27,10 @@ from ...p2p.weights.errors import WeightsError
 from ...p2p.weights.fetch import FetchSettings
 from ...p2p.weights.manifest import SignedManifest
 from ...p2p.weights.pinned import Pin, PinnedFetch, PinRefused
+from ...p2p.weights.selection import SelectionPlan
 from ...p2p.weights.serve_verified import ServeAsVerified
-from ...p2p.weights.store import Store
+from ...p2p.weights.store import Holdings, Store
+from ..errors import NodeError
 from ..runtime.progress import DownloadProgress
 from .policy_window import steps_to_delete, usable_step
 from .state import NodeState
@@ -47,6 +55,7 @@ class CheckpointKeeper:
         on_proven: Callable[[str, str], None] | None = None,
         download_bar_after_s: float | None = None,
         serve: ServeAsVerified | None = None,
+        plan: SelectionPlan | None = None,
     ) -> None:
         self.store = store
         self.operator_key = operator_key
@@ -69,11 +78,14 @@ class CheckpointKeeper:
             peer_sources=peer_sources,
             on_disproved=self._on_disproved,
             on_proven=on_proven,  # the peers a fetch found serving where they say: drawn first next time
+            plan=plan,
             retry_s=retry_s,
             max_retry_s=max_retry_s,
         )
         self.announced: PolicyAnnouncement | None = None
         self._verified: set[int] = set()
+        # Verified steps held only in part (the plan's shards), under the store's .partial/.
+        self._in_part: set[int] = set()
         # A bar on stderr for a download still running after this many seconds (None: never, as under
         # --log-json; tqdm leaves out a stderr that is not a terminal by itself).
         self.download_bar_after_s = download_bar_after_s
@@ -90,9 +102,46 @@ class CheckpointKeeper:
                 logger.warning("ignoring local checkpoint step %d: %s", step, exc)
                 continue
             self._verified.add(step)
+        if self.pinned.plan is not None:
+            for step in await asyncio.to_thread(self.store.partial_versions):
+                held = None if step in self._verified else await asyncio.to_thread(self._holds_plan, step)
+                if held is not None:
+                    self._verified.add(step)
+                    self._in_part.add(step)
+                    if self.serve is not None:  # its shards are served again, as before the restart
+                        self.serve.offer_held(held.manifest, held.done)
         self._publish_local()
         if self._verified:
             logger.info("reusing verified checkpoints %s from %s", sorted(self._verified), self.store.root)
+
+    def _holds_plan(self, step: int) -> Holdings | None:
+        """What the partial version of `step` holds when that is every shard the plan names (a selective fetch
+        that finished, not one cut short) and its manifest verifies against the operator key; else None.
+        Blocking."""
+        assert self.pinned.plan is not None
+        try:
+            held = self.store.holdings(step)
+            if held is None:
+                return None
+            self.store.load_manifest(step, self.operator_key, partial=True)
+            chosen = self.pinned.plan.choose(
+                held.manifest, self.store.checkpoint_dir(step, partial=True), held.done
+            )
+        except (WeightsError, NodeError, OSError) as exc:
+            logger.warning("ignoring the partial checkpoint step %d: %s", step, exc)
+            return None
+        return held if chosen.shards <= held.done else None
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """Where verified step `step`'s files lie: the complete version, or the one held in part (a pipeline
+        stage's loader checks it holds what it reads)."""
+        if step in self._in_part and not self.store.version_dir(step).exists():
+            return self.store.checkpoint_dir(step, partial=True)
+        return self.store.checkpoint_dir(step)
+
+    def whole_checkpoint_dir(self, step: int) -> Path:
+        """Step `step`'s checkpoint for a monolithic load; IncompleteVersion when only part of it is held."""
+        return self.store.whole_checkpoint_dir(step)
 
     def verified_steps(self) -> list[int]:
         return sorted(self._verified)
@@ -163,6 +212,11 @@ class CheckpointKeeper:
                 self._bar = None
         if self.serve is not None and not result.already_held:
             self.serve.finished(result)
+        self.state.metrics.held_fraction.set(result.held_bytes / result.manifest.body.total_size)
+        if result.complete:
+            self._in_part.discard(pin.step)
+        else:
+            self._in_part.add(pin.step)
         self._verified.add(pin.step)
         await self.prune()
         self._publish_local()
@@ -178,5 +232,11 @@ class CheckpointKeeper:
             return
         keep = len([s for s in await asyncio.to_thread(self.store.versions) if s > max(doomed)])
         removed = await asyncio.to_thread(self.store.prune, max(1, keep))
+        for step in sorted(self._in_part.intersection(doomed)):  # held in part: deleted here, not by prune
+            if self.serve is not None:
+                self.serve.withdraw(step)
+            await asyncio.to_thread(self.store.discard_partial, step)
+            self._in_part.discard(step)
+            removed.append(step)
         self._verified.difference_update(removed)
         logger.debug("deleted checkpoints %s (outside the async window of %d)", removed, self.async_level)

@@ -23,6 +23,7 @@ from ...p2p.swarm import Hardware, Swarm, SwarmError
 from ...p2p.swarm.hardware import local_hardware
 from ...p2p.weights.store import Store
 from ..errors import ConfigError, NodeError, OperatorActionNeeded
+from ..pipeline.weights import StageSelection
 from ..run.announcement import agreed_policies, run_parameters
 from ..run.settings import engine_for_run, open_run_environment
 from ..runtime.supervisor import Supervisor, TaskCrashed
@@ -30,7 +31,7 @@ from .checkpoints import CheckpointKeeper
 from .delivery import Delivery
 from .leaderboard import run_leaderboard
 from .outbox import Outbox
-from .pipeline_stage import PipelineStage
+from .pipeline_stage import PipelineStage, offered_stages
 from .preflight import (
     check_cuda,
     check_cuda_visible,
@@ -162,6 +163,9 @@ class ContributorNode:
         if await sharing.start():
             sup.on_shutdown("weights server", sharing.stop)
             sup.supervise(*sharing.tasks())  # its rescans: a crash stops the node instead of serving less
+        layout = s.run.pipeline
+        # A pipeline node fetches only the shards of the stages it offers (docs/pipeline.md, "Selective download").
+        plan = StageSelection(layout, offered_stages(s, layout)) if s.pipeline.enabled and layout else None
         keeper = CheckpointKeeper(
             store,
             self.operator_key,
@@ -174,6 +178,7 @@ class ContributorNode:
             peer_sources=sharing.sources_for,
             on_proven=sharing.note_proven,
             serve=sharing.serve_as_verified(),
+            plan=plan,
             # A tiny checkpoint arrives in milliseconds: a bar only for a download slower than a second.
             download_bar_after_s=None if s.log_json else 1.0,
         )

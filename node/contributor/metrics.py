@@ -47,6 +47,12 @@ class NodeMetrics:
         self.download_bytes = Counter(
             P + "checkpoint_download_bytes_total", "Checkpoint bytes downloaded", registry=r
         )
+        self.held_fraction = Gauge(
+            P + "checkpoint_held_fraction",
+            "Fraction of the last verified checkpoint's bytes held here (under 1 for a pipeline node, which "
+            "fetches only its stages' shards)",
+            registry=r,
+        )
         self.verification_failures = Counter(
             P + "checkpoint_verification_failures_total",
             "Checkpoints or shards that failed verification",

@@ -82,6 +82,13 @@ _WITHHELD_GROUPS_KEPT = 64  # groups whose withheld files are counted for the lo
 _TASKS_KEPT = 2  # checkpoints whose tasks (tokenizer) stay loaded: the current step and the one before
 
 
+def offered_stages(settings: StartSettings, layout: StageLayout) -> frozenset[int]:
+    """The stages of `layout` the node offers: `pipeline.stages`, or every stage when it is empty. The node
+    fetches the checkpoint's shards of these only (node/pipeline/weights.py `StageSelection`)."""
+    stages = settings.pipeline.stages
+    return frozenset(stages) if stages else frozenset(range(layout.stages))
+
+
 def own_prompts_note(settings: StartSettings, layout: StageLayout) -> str | None:
     """The log line for a node whose own `prompts` was set otherwise than the run's group batch, which it adopts:
     `prompts` sizes a node's monolithic rollout batches, while every member of a group must cut its batches as
@@ -125,7 +132,7 @@ class PipelineStage:
         self.layout: StageLayout = layout
         self.on_committed, self.supervise, self.request_stop = on_committed, supervise, request_stop
         p = settings.pipeline
-        self.offered = frozenset(p.stages) if p.stages else frozenset(range(layout.stages))
+        self.offered = offered_stages(settings, layout)
         self.marks = BatchMarks(data_dir / MARKS_FILE)
         self.hop = HopSettings(frame_timeout_s=p.frame_timeout_s, connect_timeout_s=p.connect_timeout_s)
         self._tasks: dict[int, tuple[RunTasks, int, int]] = {}  # step -> (tasks, eos id, pad id)
@@ -164,7 +171,7 @@ class PipelineStage:
         self.host = StageHost(
             self.identity,
             s.run.run_id,
-            self.keeper.store.checkpoint_dir,
+            self.keeper.checkpoint_dir,
             self.layout,
             self._work,
             SwarmHops(streams, self.swarm.pipeline_peer),
@@ -235,7 +242,7 @@ class PipelineStage:
 
     def _measure(self, step: int) -> float:
         stage = min(self.offered)
-        model = self.load_stage(self.keeper.store.checkpoint_dir(step), self.layout, stage)
+        model = self.load_stage(self.keeper.checkpoint_dir(step), self.layout, stage)
         return self.measure_throughput(model)
 
     # ----- group changes and the group's work ---------------------------------------------------------------
@@ -272,7 +279,7 @@ class PipelineStage:
         with self._tasks_lock:
             found = self._tasks.get(step)
             if found is None:
-                directory = self.keeper.store.checkpoint_dir(step)
+                directory = self.keeper.checkpoint_dir(step)
                 tasks = load_run_tasks(self.settings.run, directory, self.environment)
                 eos, pad = eos_and_pad(AutoConfig.from_pretrained(directory, local_files_only=True))
                 found = self._tasks[step] = (tasks, eos, pad)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...p2p.identity import Identity
+from ...p2p.weights.errors import WeightsError
 from ...proofs.rollout_file import signature_path
 from ..engine import InferenceEngine, load_engine
 from ..environments import Environment
@@ -107,7 +108,10 @@ class RolloutLoop:
 
     async def _load(self, step: int) -> None:
         self.state.state = f"loading checkpoint step {step}"
-        directory = self.keeper.store.checkpoint_dir(step)
+        try:  # a version held only in part (a pipeline node's shards) is never loaded as one model
+            directory = self.keeper.whole_checkpoint_dir(step)
+        except WeightsError as exc:
+            raise NodeError(str(exc)) from exc
         self._engine = self._tasks = None  # let the old model go before the new one is loaded
         self._engine, self._tasks = await self._in_worker(self._load_blocking, directory)
         self._engine_step = step

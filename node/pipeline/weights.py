@@ -3,7 +3,10 @@
 The embedding goes to the first stage; the final norm and the LM head to the last (with tied embeddings the
 head is the embedding matrix, so the last stage reads that tensor too). Tensors are read through
 safetensors' lazy reader: the bytes of other stages' layers are never loaded. The checkpoint directory is the
-one the node verified against the signed manifest (p2p/weights), as for a monolithic load.
+one the node verified against the signed manifest (p2p/weights), as for a monolithic load, or the version a
+pipeline node fetched only in part: `StageSelection` is the fetch's plan (p2p/weights/selection.py) that names
+the shards of the stages it offers, from the verified manifest and the safetensors headers read from verified
+shards, and a stage loaded from such a version is first checked to lie in shards it holds (`check_held`).
 """
 
 from __future__ import annotations
@@ -15,8 +18,14 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig
 
 from ...p2p.pipeline.layout import StageLayout
+from ...p2p.weights.errors import PlanError, WeightsError
+from ...p2p.weights.manifest import SignedManifest
+from ...p2p.weights.selection import Selection, describe_shards
+from ...p2p.weights.store import holdings
+from ...p2p.wire import loads_strict
 from ..errors import EngineError
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -80,7 +89,9 @@ def stage_tensor_names(available: set[str], layout: StageLayout, stage: int, tie
 def load_stage_tensors(
     checkpoint: Path, layout: StageLayout, stage: int, dtype: torch.dtype, *, tied: bool
 ) -> dict[str, torch.Tensor]:
-    """The stage's tensors under their stage names, in `dtype`; nothing else is read."""
+    """The stage's tensors under their stage names, in `dtype`; nothing else is read. From a version held in
+    part, only once every byte read is known to lie in a verified shard (EngineError naming the others)."""
+    check_held(checkpoint, layout, stage)
     files = tensor_files(checkpoint)
     wanted = stage_tensor_names(set(files), layout, stage, tied)
     by_file: dict[Path, list[str]] = {}
@@ -100,38 +111,56 @@ def load_stage_tensors(
 # ---------------------------------------------------------------------------- which shards a stage needs
 
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on its JSON header
+LENGTH_BYTES = 8  # a safetensors file opens with its header's length, a little-endian u64
 
 
-def safetensors_header_size(prefix: bytes) -> int:
-    """Bytes of a safetensors file before its tensor data (8-byte length + JSON header), from its first 8 bytes."""
-    if len(prefix) < 8:
+def safetensors_header_size(prefix: bytes, file_size: int | None = None) -> int:
+    """Bytes of a safetensors file before its tensor data (8-byte length + JSON header), from its first 8 bytes;
+    bounded by MAX_SAFETENSORS_HEADER and by the file's size when given."""
+    if len(prefix) < LENGTH_BYTES:
         raise EngineError("a safetensors file is shorter than its 8-byte header length")
-    size = int.from_bytes(prefix[:8], "little")
+    size = int.from_bytes(prefix[:LENGTH_BYTES], "little")
     if size > MAX_SAFETENSORS_HEADER:
         raise EngineError(f"a safetensors header claims {size} bytes; at most {MAX_SAFETENSORS_HEADER}")
-    return 8 + size
+    if file_size is not None and LENGTH_BYTES + size > file_size:
+        raise EngineError(f"a safetensors header claims {size} bytes; its file has {file_size}")
+    return LENGTH_BYTES + size
 
 
-def tensor_ranges(header: bytes) -> dict[str, tuple[int, int]]:
+def tensor_ranges(header: bytes, file_size: int | None = None) -> dict[str, tuple[int, int]]:
     """Tensor name -> [start, end) byte range in the file, from the file's header bytes (at least
     safetensors_header_size of them). The header comes from the signed checkpoint, so it is trusted for
-    content, but its offsets are still checked to lie after the header."""
-    start = safetensors_header_size(header)
+    content, but it is parsed strictly all the same: every offset an integer, lying after the header and, when
+    the file's size is given, inside the file."""
+    start = safetensors_header_size(header, file_size)
     if len(header) < start:
         raise EngineError(f"{len(header)} header bytes given, the header has {start}")
-    try:
-        entries = json.loads(header[8:start])
-    except ValueError as exc:
-        raise EngineError(f"a safetensors header is not JSON: {exc}") from None
+    try:  # duplicate names, NaN and bad UTF-8 refused: one reading of the header, the same as safetensors'
+        entries = loads_strict(bytes(header[LENGTH_BYTES:start]), "safetensors header")
+    except ValueError as exc:  # WireFormatError is a ValueError
+        raise EngineError(f"a safetensors header is not strict JSON: {exc}") from None
+    if not isinstance(entries, dict):
+        raise EngineError("a safetensors header is not a JSON object")
+    limit = None if file_size is None else file_size - start
     ranges = {}
     for name, entry in entries.items():
         if name == "__metadata__":
             continue
-        begin, end = entry["data_offsets"]
-        if not 0 <= begin <= end:
-            raise EngineError(f"tensor {name} has data offsets {begin}, {end}")
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(offsets, list) or len(offsets) != 2 or not all(type(x) is int for x in offsets)  # noqa: E721 (bool is an int, and no offset)
+        ):
+            raise EngineError(f"tensor {name[:80]!r} has no pair of integer data offsets")
+        begin, end = offsets
+        if not 0 <= begin <= end or (limit is not None and end > limit):
+            raise EngineError(f"tensor {name[:80]!r} has data offsets {begin}, {end} outside its file")
         ranges[name] = (start + begin, start + end)
     return ranges
+
+
+def _shards_of(begin: int, end: int, shard_size: int) -> set[int]:
+    """The shards holding bytes [begin, end) of the concatenated checkpoint."""
+    return set(range(begin // shard_size, (end - 1) // shard_size + 1)) if end > begin else set()
 
 
 def stage_shards(
@@ -147,7 +176,10 @@ def stage_shards(
     header, and every other file whole (config, tokenizer, index). `files`: (path, size) in manifest order
     (the checkpoint is their concatenation, cut every `shard_size` bytes); `headers`: each .safetensors
     file's header bytes (its first shard holds them in practice)."""
-    ranges_of = {path: tensor_ranges(headers[path]) for path, _ in files if path.endswith(".safetensors")}
+    sizes = dict(files)
+    ranges_of = {
+        path: tensor_ranges(headers[path], sizes[path]) for path, _ in files if path.endswith(".safetensors")
+    }
     available = {name for ranges in ranges_of.values() for name in ranges}
     wanted = stage_tensor_names(available, layout, stage, tied)
     needed: list[tuple[int, int]] = []
@@ -161,6 +193,108 @@ def stage_shards(
         offset += size
     shards: set[int] = set()
     for begin, end in needed:
-        if end > begin:
-            shards.update(range(begin // shard_size, (end - 1) // shard_size + 1))
+        shards |= _shards_of(begin, end, shard_size)
     return sorted(shards)
+
+
+# ---------------------------------------------------------------------------- fetching only a stage's shards
+
+
+class StageSelection:
+    """The selection plan (p2p/weights/selection.py) of a pipeline node: the shards of the stages it offers.
+
+    Asked in rounds with the shards verified so far, it names: first every file but the safetensors files
+    whole (config, tokenizer, index) and the shard(s) of each safetensors file's 8-byte header length; then,
+    reading those lengths from the verified bytes (each bounded by the file's size and MAX_SAFETENSORS_HEADER),
+    the shards of each header; then, parsing the headers strictly, the shards of the offered stages' tensors
+    (`stage_shards`). Every answer includes the ones before, and nothing is read before it verified."""
+
+    def __init__(self, layout: StageLayout, stages: frozenset[int]) -> None:
+        bad = sorted(s for s in stages if not 0 <= s < layout.stages)
+        if not stages or bad:
+            raise EngineError(f"stages {sorted(stages)} are not stages of the layout {layout.boundaries}")
+        self.layout = layout
+        self.stages = frozenset(stages)
+
+    def choose(self, manifest: SignedManifest, checkpoint_dir: Path, held: frozenset[int]) -> Selection:
+        """The fetcher's question (p2p/weights/selection.py); PlanError when the checkpoint does not fit."""
+        try:
+            return self.shards_to_hold(manifest, checkpoint_dir, held)
+        except EngineError as exc:
+            raise PlanError(f"cannot tell which shards stages {sorted(self.stages)} need: {exc}") from None
+
+    def shards_to_hold(
+        self, manifest: SignedManifest, checkpoint_dir: Path, held: frozenset[int]
+    ) -> Selection:
+        """This round's answer given the shards `held` (verified); EngineError when the checkpoint does not fit."""
+        body = manifest.body
+        files = [(f.path, f.size) for f in body.files]
+        weights = [(path, size) for path, size in files if path.endswith(".safetensors")]
+        starts, offset = {}, 0
+        for path, size in files:
+            starts[path] = offset
+            offset += size
+        wanted: set[int] = set()
+        for path, size in files:
+            if path.endswith(".safetensors"):
+                if size < LENGTH_BYTES:
+                    raise EngineError(f"{path} of step {manifest.step} has {size} bytes: no safetensors file")
+                wanted |= _shards_of(starts[path], starts[path] + LENGTH_BYTES, body.shard_size)
+            else:
+                wanted |= _shards_of(starts[path], starts[path] + size, body.shard_size)
+        if not wanted <= held:
+            return Selection.of(manifest, wanted)
+        header_sizes = {
+            path: safetensors_header_size(_read(checkpoint_dir / path, LENGTH_BYTES), size)
+            for path, size in weights
+        }
+        for path, length in header_sizes.items():
+            wanted |= _shards_of(starts[path], starts[path] + length, body.shard_size)
+        if not wanted <= held:
+            return Selection.of(manifest, wanted)
+        headers = {path: _read(checkpoint_dir / path, length) for path, length in header_sizes.items()}
+        tied = _tied(checkpoint_dir)
+        for stage in sorted(self.stages):
+            wanted.update(stage_shards(files, body.shard_size, headers, self.layout, stage, tied=tied))
+        return Selection.of(manifest, wanted)
+
+
+def check_held(checkpoint: Path, layout: StageLayout, stage: int) -> None:
+    """Nothing when `checkpoint` is a complete version (or no store's at all); for a version held in part,
+    EngineError naming the shards of `stage` it lacks, so that no stage is ever built from unfetched bytes."""
+    try:
+        held = holdings(Path(checkpoint).parent)
+    except WeightsError as exc:
+        raise EngineError(f"cannot tell which shards {checkpoint} holds: {exc}") from None
+    if held is None:
+        return
+    needed = StageSelection(layout, frozenset({stage})).shards_to_hold(
+        held.manifest, Path(checkpoint), held.done
+    )
+    missing = held.missing(needed.shards)
+    if missing:
+        raise EngineError(
+            f"stage {stage} needs shards {describe_shards(missing)} of checkpoint step {held.manifest.step}, "
+            f"which this node did not fetch (it holds {len(held.done)} of {len(held.manifest.body.shards)}: "
+            "those of the stages it offers); offer this stage to fetch them"
+        )
+
+
+def _read(path: Path, length: int) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(length)
+    except OSError as exc:
+        raise EngineError(f"cannot read {path}: {exc}") from None
+    if len(data) != length:
+        raise EngineError(f"{path} has {len(data)} bytes where {length} were expected")
+    return data
+
+
+def _tied(checkpoint_dir: Path) -> bool:
+    """Whether the head is the embedding matrix, as StageModel.load reads it (transformers' config defaults)."""
+    try:
+        config = AutoConfig.from_pretrained(checkpoint_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"cannot read the config of {checkpoint_dir}: {exc}") from None
+    return bool(getattr(config, "tie_word_embeddings", False))

@@ -26,6 +26,19 @@ class StoreError(WeightsError):
     """The on-disk store is unusable: not enough free disk, unreadable state, or a conflicting version."""
 
 
+class IncompleteVersion(StoreError):
+    """A version is held only in part (a pipeline stage's shards, selection.py) and was asked for whole."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing  # the shard indices it lacks
+
+
+class PlanError(WeightsError):
+    """A selection plan (selection.py) cannot name the shards to hold: the verified checkpoint does not fit it
+    (a layout for another model, a safetensors header out of bounds). The fetch of that version is refused."""
+
+
 class PublishError(WeightsError):
     """A checkpoint directory cannot be published (missing, empty, or holding files that cannot be shipped)."""
 

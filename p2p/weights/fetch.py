@@ -16,6 +16,10 @@ sources with less standing than the ones the caller names: each is asked for a s
 availability record signed by one of those node ids verified and claims it, the first such record binding
 the URL to that node for the fetch (peering.py; the other claimants are reported in `disproved`), and one
 that sends bytes not matching the manifest is dropped from the fetch and charged (outcomes.py).
+
+With a selection plan (selection.py) only the shards it names are fetched, in rounds (a stage's plan reads the
+safetensors headers from their verified shards before it names the tensors' shards), and a version held in part
+stays under the store's .partial/; a later, wider fetch of it downloads only what is missing.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import asyncio
 import collections
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +43,7 @@ from .http_head import check_source_url
 from .manifest import MAX_MANIFEST_BYTES, SignedManifest, parse_signed
 from .result import FetchResult
 from .run_state import FetchContext
+from .selection import MAX_PLAN_ROUNDS, Selection, SelectionPlan
 from .shardrun import ShardRun
 from .sources import SourcePool
 from .store import Store
@@ -261,8 +267,9 @@ class Fetcher:
             )
         return next(m for m in found.values() if m.digest == chosen_digest)
 
-    async def fetch_version(self, resolution: Resolution) -> FetchResult:
-        """Fetch the shards of a resolved manifest and move the version into place."""
+    async def fetch_version(self, resolution: Resolution, plan: SelectionPlan | None = None) -> FetchResult:
+        """Fetch the shards of a resolved manifest (those `plan` selects, when given) and, once every one is
+        held, move the version into place; a selection short of the whole stays under .partial/."""
         manifest = resolution.manifest
         self.store.check_not_replayed(manifest)
         held = self.store.version_dir(manifest.step)
@@ -282,6 +289,39 @@ class Fetcher:
                 pool.exclude(source, why)
             elif source not in resolution.serving:
                 pool.exclude(source, resolution.errors.get(source, "does not serve this manifest"))
+        if plan is None:
+            return await self._run(resolution, pool, None)
+        return await self._fetch_planned(resolution, pool, plan)
+
+    async def _fetch_planned(
+        self, resolution: Resolution, pool: SourcePool, plan: SelectionPlan
+    ) -> FetchResult:
+        """Rounds of `plan` (selection.py): each names the shards to hold given those verified so far, and is
+        fetched, until one names nothing new. Sources keep their measured standing from round to round."""
+        manifest = resolution.manifest
+        began = time.monotonic()
+        rounds: list[FetchResult] = []
+        for _ in range(MAX_PLAN_ROUNDS):
+            known = await asyncio.to_thread(self.store.holdings, manifest.step)
+            have = (
+                known.done if known is not None and known.manifest.digest == manifest.digest else frozenset()
+            )
+            checkpoint = self.store.checkpoint_dir(manifest.step, partial=True)
+            chosen = await asyncio.to_thread(plan.choose, manifest, checkpoint, have)
+            if rounds and chosen.shards <= have:
+                return _merged(rounds, time.monotonic() - began)
+            rounds.append(await self._run(resolution, pool, chosen))
+            if rounds[-1].complete:  # the plan asked for every shard: the version is in place
+                return _merged(rounds, time.monotonic() - began)
+        raise FetchError(
+            f"the shard selection for step {manifest.step} still grew after {MAX_PLAN_ROUNDS} rounds (a bug)"
+        )
+
+    async def _run(
+        self, resolution: Resolution, pool: SourcePool, selection: Selection | None
+    ) -> FetchResult:
+        """One shard run over `pool`: every shard, or those of `selection`."""
+        manifest = resolution.manifest
         partial = await asyncio.to_thread(self.store.open_partial, manifest)
         context = FetchContext(
             self.settings,
@@ -292,10 +332,12 @@ class Fetcher:
             self.on_manifest,
             ask_manifest=lambda source: self._spawn_manifest(source, manifest.step),
         )
-        run = ShardRun(context, partial, pool, resolution.pending, resolution.absent)
+        wanted = None if selection is None or selection.is_whole else selection.shards
+        run = ShardRun(context, partial, pool, resolution.pending, resolution.absent, wanted)
         try:
             return await run.execute()
         finally:
+            resolution.pending = run.state.joining  # sources still answering may join the next round
             self.dropped_peers.update(run.outcomes.dropped)
             self.disproved += run.peering.disproved
             self.proven.update(
@@ -303,3 +345,16 @@ class Fetcher:
                 for s in pool.sources.values()
                 if s.node_id is not None and s.record_ms >= 0 and s.lies == 0 and s.excluded is None
             )
+
+
+def _merged(rounds: list[FetchResult], seconds: float) -> FetchResult:
+    """The last round's result with the counts of every round of a planned fetch."""
+    last = rounds[-1]
+    last.fetched_bytes = sum(r.fetched_bytes for r in rounds)
+    last.received_bytes = sum(r.received_bytes for r in rounds)
+    last.resumed_bytes = rounds[0].resumed_bytes
+    last.hedges = sum(r.hedges for r in rounds)
+    last.hedges_won = sum(r.hedges_won for r in rounds)
+    last.seconds = seconds
+    last.rounds = len(rounds)
+    return last

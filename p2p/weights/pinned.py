@@ -5,7 +5,8 @@ Every role that follows the policy (the contributor, the validator) fetches it t
 verified multi-source Fetcher (fetch.py), pinned to the announced manifest, so a source serving another one
 (an older build of the same step, even operator-signed) is not used and none serving it is a refusal. A
 refusal, whatever a source sent, is logged and retried later with exponential backoff (a source may heal);
-it never ends the caller's task. `run` follows the newest pin until it is held.
+it never ends the caller's task. `run` follows the newest pin until it is held. With a selection plan
+(selection.py: a pipeline node's stages) only the shards it names are fetched and the version is held in part.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .errors import WeightsError
 from .fetch import Fetcher, FetchSettings
 from .manifest import SignedManifest
 from .result import FetchResult
+from .selection import SelectionPlan
 from .store import Store
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class PinnedFetch:
         peer_sources: Callable[[int], PeerClaims] | None = None,
         on_disproved: Callable[[str, Disproved], None] | None = None,
         on_proven: Callable[[str, str], None] | None = None,
+        plan: SelectionPlan | None = None,
         retry_s: float = 5.0,
         max_retry_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
@@ -106,6 +109,8 @@ class PinnedFetch:
         self.on_disproved = on_disproved
         # Called with (URL, node id) for each peer URL a fetch found that node serving at (`Fetcher.proven`).
         self.on_proven = on_proven
+        # Which shards to hold (a pipeline node's stages): None fetches every shard, the version whole.
+        self.plan = plan
         # (URL, a claimant it is not) -> the node it proved to be
         self.disproved: dict[tuple[str, str], str] = {}
         self.retry_s = retry_s
@@ -142,13 +147,30 @@ class PinnedFetch:
             )
             raise self._refused(pin.step, f"unexpected error: {type(exc).__name__}: {exc}") from exc
         self._retry_at.pop(pin.step, None)
-        logger.info(
-            "checkpoint step %d verified (%d bytes in %.1f s) at %s",
-            pin.step,
-            result.manifest.body.total_size,
-            result.seconds,
-            result.version_dir,
-        )
+        total = result.manifest.body.total_size
+        if result.complete:
+            logger.info(
+                "checkpoint step %d verified (%d bytes in %.1f s) at %s",
+                pin.step,
+                total,
+                result.seconds,
+                result.version_dir,
+            )
+        else:
+            logger.info(
+                "checkpoint step %d: the %d of %d shards selected verified (%d of %d bytes held, %.1f%%; %d "
+                "fetched in %.1f s over %d rounds) at %s",
+                pin.step,
+                len(result.held or ()),
+                len(result.manifest.body.shards),
+                result.held_bytes,
+                total,
+                100 * result.held_bytes / total,
+                result.fetched_bytes,
+                result.seconds,
+                result.rounds,
+                result.version_dir,
+            )
         return result
 
     async def _fetch(self, pin: Pin) -> FetchResult:
@@ -179,7 +201,7 @@ class PinnedFetch:
         fetcher.on_manifest = self.on_manifest
         try:
             resolution = await fetcher.resolve(pin.step, digest=pin.digest)
-            return await fetcher.fetch_version(resolution)
+            return await fetcher.fetch_version(resolution, self.plan)
         finally:
             fetcher.close()
             for node_id, why in fetcher.dropped_peers.items():

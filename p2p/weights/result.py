@@ -25,10 +25,26 @@ class FetchResult:
     seconds: float = 0.0
     already_held: bool = False
     sources: list[dict[str, object]] = field(default_factory=list)
+    # The verified shards of a version held only in part (a selective fetch, selection.py: `version_dir` is
+    # then its directory under the store's .partial/); None for a complete version.
+    held: frozenset[int] | None = None
+    rounds: int = 1  # fetches of a growing selection (selection.py `SelectionPlan`) that made it
 
     @property
     def checkpoint_dir(self) -> Path:
         return self.version_dir / CHECKPOINT_NAME
+
+    @property
+    def complete(self) -> bool:
+        return self.held is None
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the checkpoint held here once the fetch is done (its total when complete)."""
+        if self.held is None:
+            return self.manifest.body.total_size
+        shards = self.manifest.body.shards
+        return sum(shards[i].size for i in self.held)
 
     def report(self) -> dict[str, object]:
         return {
@@ -38,6 +54,10 @@ class FetchResult:
             "checkpoint_sha256": self.manifest.body.checkpoint_sha256,
             "checkpoint_dir": str(self.checkpoint_dir),
             "total_bytes": self.manifest.body.total_size,
+            "complete": self.complete,
+            "held_shards": len(self.manifest.body.shards) if self.held is None else len(self.held),
+            "shards": len(self.manifest.body.shards),
+            "held_bytes": self.held_bytes,
             "fetched_bytes": self.fetched_bytes,
             "resumed_bytes": self.resumed_bytes,
             "received_bytes": self.received_bytes,

@@ -53,6 +53,7 @@ class RunState:
         pool: SourcePool,
         joining: dict[str, asyncio.Task[SignedManifest]] | None = None,
         absent: set[str] | None = None,
+        wanted: frozenset[int] | None = None,
     ) -> None:
         self.ctx = context
         self.settings = context.settings
@@ -61,9 +62,9 @@ class RunState:
         self.shards = self.manifest.body.shards
         self.pool = pool
         self.joining = dict(joining or {})  # manifest requests still running: their sources may join
-        self.queue = ShardQueue(
-            (i for i in range(len(self.shards)) if i not in partial.done), len(self.shards)
-        )
+        # The shards this run is to hold: every one, or a selection (selection.py); the rest are never asked for.
+        self.wanted = frozenset(range(len(self.shards))) if wanted is None else wanted
+        self.queue = ShardQueue((i for i in sorted(self.wanted) if i not in partial.done), len(self.shards))
         self.inflight: dict[int, list[Attempt]] = {}
         self.tried: dict[int, set[str]] = collections.defaultdict(set)
         self.asked: set[str] = set()  # sources asked for some shard in this fetch
@@ -71,7 +72,8 @@ class RunState:
         self.reported = {i: p.done_bytes for i, p in partial.progress.items()}  # bytes passed to on_bytes
         self.delayed = 0  # shards waiting out a relay's Retry-After before they are queued again
         self.received = self.hedges = self.hedges_won = self.serial = 0
-        self.resumed = sum(self.shards[i].size for i in partial.done)  # + prefixes a winning copy continued
+        # Selected bytes already verified on disk, + prefixes a winning copy continued.
+        self.resumed = sum(self.shards[i].size for i in partial.done if i in self.wanted)
         self.error: BaseException | None = None  # our own failure (the disk, a bug): the run stops with it
         self.dirty = False  # progress changed since the journal last saved it
         self.changed = asyncio.Event()  # wakes the scheduler
@@ -102,6 +104,9 @@ class RunState:
     def _join(self, url: str, task: asyncio.Task[SignedManifest]) -> None:
         self.joining[url] = task
         task.add_done_callback(lambda _t: self.changed.set())
+
+    def holds_wanted(self) -> bool:
+        return self.wanted.issubset(self.partial.done)
 
     def attempts(self) -> list[Attempt]:
         return [a for attempts in self.inflight.values() for a in attempts]

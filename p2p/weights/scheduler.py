@@ -61,8 +61,9 @@ class Scheduler:
         self.started = state.started
 
     async def run(self) -> None:
-        """Until every shard verified: admit late sources, judge, launch, then sleep until something changes."""
-        while len(self.partial.done) < len(self.shards):
+        """Until every wanted shard verified: admit late sources, judge, launch, then sleep until something
+        changes."""
+        while not self.state.holds_wanted():
             self._admit_late_sources()
             wake = self._judge(time.monotonic())
             wake = min(wake, self._launch())

@@ -256,6 +256,12 @@ class WeightsServer:
             self.mark_complete(manifest, self.store.checkpoint_dir(step))
         for step in [s for s, v in self.versions.items() if v.complete and s not in steps]:
             del self.versions[step]
+        for step, served in list(self.versions.items()):
+            # A version held in part whose files were deleted (pruned, or discarded) is no longer served; one
+            # that just moved into place is marked complete by its fetch.
+            gone = not served.checkpoint_dir.exists() and not self.store.version_dir(step).exists()
+            if not served.complete and gone:
+                self.drop(step)
 
     # ---- used by relays ----------------------------------------------------------------------------------
 

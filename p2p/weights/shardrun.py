@@ -8,6 +8,10 @@ while they run, and on every exit path, success or not, cuts the transfers in fl
 threads before the partial version's files are closed, so no thread ever writes to a closed (or reused) file
 descriptor.
 
+A run may be given the shards it is to hold (a selection, selection.py): only those are asked for, and once
+they all verified the version stays where it is, under the store's .partial/, its journal saying what it holds
+(the files are sparse: nothing else is written). A run wanting every shard moves the version into place.
+
 The fetch fails only when every usable source that could still serve a shard (it signs no records, or claims
 the shard) has failed it `max_attempts_per_shard` times: budgets are per source (outcomes.py). Verified shards
 are kept even then: they match the signed manifest whoever sent them, and a rerun fetches only what is missing.
@@ -45,8 +49,9 @@ class ShardRun:
         pool: SourcePool,
         joining: dict[str, asyncio.Task[SignedManifest]] | None = None,
         absent: set[str] | None = None,
+        wanted: frozenset[int] | None = None,
     ) -> None:
-        self.state = RunState(context, partial, pool, joining, absent)
+        self.state = RunState(context, partial, pool, joining, absent, wanted)
         self.scheduler = Scheduler(self.state, AttemptRunner(self.state))
         self.ctx = context
         self.settings = context.settings
@@ -67,25 +72,29 @@ class ShardRun:
 
     async def execute(self) -> FetchResult:
         body = self.manifest.body
-        on_disk = sum(body.shards[i].size for i in self.partial.done)
-        on_disk += sum(p.done_bytes for p in self.partial.progress.values())
+        wanted = self.state.wanted
+        whole = len(wanted) == len(body.shards)
+        selected = sum(body.shards[i].size for i in wanted)
+        on_disk = sum(body.shards[i].size for i in self.partial.done if i in wanted)
+        on_disk += sum(p.done_bytes for i, p in self.partial.progress.items() if i in wanted)
         began = time.monotonic()
         try:
-            await asyncio.to_thread(self.ctx.store.ensure_free_space, body.total_size - on_disk)
+            await asyncio.to_thread(self.ctx.store.ensure_free_space, selected - on_disk)
             if self.ctx.on_manifest is not None:
                 self.ctx.on_manifest(self.manifest, on_disk)
             for index in list(self.partial.done):
                 if self.ctx.on_shard is not None:
                     self.ctx.on_shard(index)
             logger.info(
-                "fetching step %d: %d of %d shards missing, %d bytes on disk",
+                "fetching step %d: %d of %d %sshards missing, %d bytes on disk",
                 self.manifest.step,
                 len(self.queue),
-                len(body.shards),
+                len(wanted),
+                "" if whole else f"selected (of {len(body.shards)}) ",
                 on_disk,
             )
             await self._download_all()
-            final = await self._finish()
+            final = await (self._finish() if whole else self._finish_part())
         finally:
             # Stop transfer threads at their next chunk and wait for them before any file is closed.
             await self._stop_threads()
@@ -94,17 +103,21 @@ class ShardRun:
         seconds = time.monotonic() - began
         resumed = self.state.resumed
         logger.info(
-            "step %d verified and stored at %s (%.1f MiB in %.2f s, %d hedged shards)",
+            "step %d %s at %s (%.1f MiB in %.2f s, %d hedged shards)",
             self.manifest.step,
+            "verified and stored"
+            if whole
+            else f"{len(wanted)} of {len(body.shards)} shards verified and held",
             final,
-            (body.total_size - resumed) / 2**20,
+            (selected - resumed) / 2**20,
             seconds,
             self.state.hedges,
         )
         return FetchResult(
             manifest=self.manifest,
             version_dir=final,
-            fetched_bytes=body.total_size - resumed,
+            held=None if whole else frozenset(self.partial.done),
+            fetched_bytes=selected - resumed,
             resumed_bytes=resumed,
             received_bytes=self.state.received,
             hedges=self.state.hedges,
@@ -170,6 +183,17 @@ class ShardRun:
         if self.settings.keep:
             await asyncio.to_thread(self.ctx.store.prune, self.settings.keep)
         return final
+
+    async def _finish_part(self) -> Path:
+        """Every selected shard verified: the version stays under .partial/, its journal (durable when the
+        settings ask) listing what it holds, so that a later, wider fetch resumes from it."""
+        await self._stop_threads()
+        await asyncio.to_thread(shutil.rmtree, self.hedge_dir, True)
+        if self.settings.durable:
+            await asyncio.to_thread(self.partial.fsync)
+        await self._save_progress()
+        await asyncio.to_thread(self.ctx.store.note_held, self.manifest.step)
+        return self.partial.directory
 
     async def _save_progress(self) -> None:
         await asyncio.to_thread(self.partial.write_progress, self.partial.progress_snapshot())

@@ -6,7 +6,10 @@
     ROOT/high-water.json                          the highest step ever completed (replay protection)
 
 Partial data lives only under .partial/ and a version appears at its final path by one atomic rename of
-its directory, so a reader never sees a half-written checkpoint. progress.json records which shards are
+its directory, so a reader never sees a half-written checkpoint. A version fetched only in part (a pipeline
+stage's shards, selection.py) stays under .partial/ with its progress.json, for good: `versions()` never lists
+it, `whole_checkpoint_dir` refuses it naming the shards it lacks, and only a loader that checks the shards it
+reads against `holdings` (node/pipeline/weights.py) reads its files. progress.json records which shards are
 verified and how many bytes of unfinished shards are on disk and which source sent them, so a rerun after
 kill -9 resumes with Range requests (from that same source only). Every call here blocks on disk; async
 callers run them in a thread.
@@ -24,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..wire import WireFormatError, parse_uint
-from .errors import ReplayError, StoreError
+from .errors import IncompleteVersion, ReplayError, StoreError, WeightsError
 from .manifest import SignedManifest, parse_signed
+from .selection import describe_shards
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +73,47 @@ def write_atomic(path: Path, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """The verified shards of a version held in part (its directory under .partial/), as its journal says."""
+
+    manifest: SignedManifest
+    done: frozenset[int]
+
+    def missing(self, needed: set[int] | frozenset[int]) -> list[int]:
+        return sorted(set(needed) - self.done)
+
+
+def holdings(version_dir: Path) -> Holdings | None:
+    """What a version directory holds when it is a partial one (its progress.json lists the verified shards);
+    None for a complete version (finalize removes the journal). The files are our own: the manifest was verified
+    when it was fetched and is read against the signer it names, as `Store.load_manifest` does for an origin."""
+    version_dir = Path(version_dir)
+    try:
+        journal = (version_dir / PROGRESS_NAME).read_bytes()
+        raw = (version_dir / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreError(f"cannot read what {version_dir} holds: {exc}") from None
+    try:
+        manifest = parse_signed(raw, _claimed_signer(raw))
+    except WeightsError as exc:
+        raise StoreError(f"{version_dir / MANIFEST_NAME} does not verify: {exc}") from None
+    shards = manifest.body.shards
+    held: set[int] = set()
+    try:
+        state = json.loads(journal)
+        if state.get("manifest") == manifest.digest:
+            for key, digest in dict(state.get("done", {})).items():
+                index = parse_uint(key, "shard index", maximum=len(shards) - 1)
+                if digest == shards[index].sha256:
+                    held.add(index)
+    except (ValueError, TypeError, AttributeError) as exc:  # WireFormatError is a ValueError
+        raise StoreError(f"{version_dir / PROGRESS_NAME} is malformed: {exc}") from None
+    return Holdings(manifest, frozenset(held))
 
 
 @dataclass
@@ -279,6 +324,35 @@ class Store:
                 "free some space or pass another --out"
             )
 
+    def holdings(self, step: int) -> Holdings | None:
+        """The verified shards of `step` held in part (None when no partial version of it is here)."""
+        return holdings(self.partial_dir(step))
+
+    def whole_checkpoint_dir(self, step: int) -> Path:
+        """The checkpoint of complete version `step`, for a monolithic load; IncompleteVersion, naming the shards
+        it lacks, when only part of it is held (a pipeline stage's shards), StoreError when none of it is."""
+        if (self.version_dir(step) / MANIFEST_NAME).is_file():
+            return self.checkpoint_dir(step)
+        held = self.holdings(step)
+        if held is None:
+            raise StoreError(f"{self.root} holds no checkpoint step {step}")
+        count = len(held.manifest.body.shards)
+        missing = held.missing(frozenset(range(count)))
+        raise IncompleteVersion(
+            f"checkpoint step {step} is held only in part ({len(held.done)} of {count} shards: a pipeline "
+            f"stage's, or a fetch not finished): shards {describe_shards(missing)} were never fetched, so it "
+            "cannot be loaded as one model; fetch it whole first",
+            missing,
+        )
+
+    def note_held(self, step: int) -> None:
+        """Record `step` as held (in part) for replay protection, as `install` does for a complete version."""
+        self._raise_high_water(step)
+
+    def _raise_high_water(self, step: int) -> None:
+        high = max(step, self.high_water())  # recorded so that deleting versions never re-opens old steps
+        write_atomic(self.root / HIGH_WATER_NAME, json.dumps({"step": high, "at": int(time.time())}).encode())
+
     def open_partial(self, manifest: SignedManifest) -> PartialVersion:
         directory = self.partial_dir(manifest.step)
         partial = PartialVersion(directory, manifest)
@@ -305,8 +379,7 @@ class Store:
                 os.fsync(dir_fd)  # the rename itself must survive a crash
             finally:
                 os.close(dir_fd)
-        high = max(step, self.high_water())  # recorded so that deleting versions never re-opens old steps
-        write_atomic(self.root / HIGH_WATER_NAME, json.dumps({"step": high, "at": int(time.time())}).encode())
+        self._raise_high_water(step)
         return final
 
     def discard_partial(self, step: int) -> None:
