@@ -1,7 +1,8 @@
 """A member that gives a group up because its batches kept breaking (or none finished) says so in its heartbeat
 (`left_group`); the coordinator then dissolves the group at once, does not cool that member down as a silent
-one, and keeps it apart from the group's other members for `keep_apart_s` (trainer/groups/plan.py). Pure
-functions, and the heartbeat's bytes through the swarm's record checks."""
+one, and keeps it apart from the group's other members for `keep_apart_s` (trainer/groups/plan.py), provided it
+saw that member confirm the group before; a claim from a member never seen confirming it is taken as silence.
+Pure functions, and the heartbeat's bytes through the swarm's record checks."""
 
 from __future__ import annotations
 
@@ -82,18 +83,45 @@ def together(plan: Plan, a: str, b: str) -> bool:
     return any(a in g.members and b in g.members for g in plan.publish)
 
 
+def confirmed_round(first: Plan, group: GroupRecord, others: list[str], now: float) -> Plan:
+    """A round at `now` in which every member of `group` names it (the others free): the group stands, and the
+    plan records each member as having confirmed it."""
+    beats = {m: beat(m, now, group.group_id) for m in group.members} | {n: beat(n, now) for n in others}
+    plan = plan_round(
+        RUN,
+        view(now, beats),
+        first.publish,
+        first.round,
+        first.cooldown,
+        SETTINGS,
+        first.apart,
+        first.confirmed,
+    )
+    assert not plan.dissolved and plan.confirmed == {group.group_id: frozenset(group.members)}
+    return plan
+
+
 def test_a_member_that_left_for_failed_batches_is_not_cooled_down_and_kept_apart() -> None:
-    """The leader keeps confirming (it broke the batches, say); the follower gave the group up and says so: the
-    group is dissolved at once (within confirm_within_s), nobody is cooled down, and the pair is not grouped
-    again for keep_apart_s while each may be grouped with a third node."""
-    first, group, leader, follower, (spare,) = formed_pair(IDS[:3])
+    """Both members confirm; then the leader keeps confirming (it broke the batches, say) and the follower gives
+    the group up and says so: the group is dissolved at once (within confirm_within_s), nobody is cooled down,
+    and the pair is not grouped again for keep_apart_s while each may be grouped with a third node."""
+    formed, group, leader, follower, (spare,) = formed_pair(IDS[:3])
+    assert formed.confirmed == {group.group_id: frozenset()}  # nobody can have named a new group yet
+    first = confirmed_round(formed, group, [spare], 101.0)
     beats = {
         leader: beat(leader, 102.0, group.group_id),
         follower: beat(follower, 102.0, left_group=group.group_id),
         spare: beat(spare, 102.0),
     }
     second = plan_round(
-        RUN, view(102.0, beats), first.publish, first.round, first.cooldown, SETTINGS, first.apart
+        RUN,
+        view(102.0, beats),
+        first.publish,
+        first.round,
+        first.cooldown,
+        SETTINGS,
+        first.apart,
+        first.confirmed,
     )
     assert "left it" in second.dissolved[group.group_id]
     assert second.cooldown == {}  # before, the follower sat out cooldown_s once confirm_within_s had passed
@@ -104,7 +132,14 @@ def test_a_member_that_left_for_failed_batches_is_not_cooled_down_and_kept_apart
     beats = {n: beat(n, 500.0, regrouped.group_id if n in regrouped.members else None) for n in beats}
     beats = {**beats, follower: beats[follower].model_copy(update={"left_group": group.group_id})}
     third = plan_round(
-        RUN, view(500.0, beats), second.publish, second.round, second.cooldown, SETTINGS, second.apart
+        RUN,
+        view(500.0, beats),
+        second.publish,
+        second.round,
+        second.cooldown,
+        SETTINGS,
+        second.apart,
+        second.confirmed,
     )
     assert not third.dissolved and third.publish == [
         g.model_copy(update={"signed_at": 500.0}) for g in second.publish
@@ -116,6 +151,81 @@ def test_a_member_that_left_for_failed_batches_is_not_cooled_down_and_kept_apart
         RUN, view(703.0, {n: beat(n, 703.0) for n in alone}), [], third.round, {}, SETTINGS, third.apart
     )
     assert after.apart == {} and together(after, leader, follower)
+
+
+def test_a_claim_to_have_left_a_group_never_confirmed_is_silence_and_buys_nothing() -> None:
+    """A member placed in a group that never names it, only names it as left (a node that would dissolve every
+    group it is drawn into at no cost): the group still dissolves at once (the member said it will not run it),
+    but the member is cooled down as a silent one and kept apart from nobody; a confirmation of another group,
+    or one the coordinator never saw, counts for nothing. Its partner is free and grouped at once."""
+    formed, group, leader, follower, (spare,) = formed_pair(IDS[:3])
+    beats = {
+        leader: beat(leader, 102.0, group.group_id),
+        follower: beat(follower, 102.0, left_group=group.group_id),
+        spare: beat(spare, 102.0),
+    }
+    for confirmed in (
+        formed.confirmed,  # nothing seen yet
+        {},  # none recorded at all
+        {group.group_id: frozenset({leader}), ELSEWHERE: frozenset({follower})},  # only the leader's seen
+        {group.group_id: frozenset({IDS[5]})},  # a name the group does not hold
+    ):
+        plan = plan_round(
+            RUN, view(102.0, beats), formed.publish, formed.round, {}, SETTINGS, formed.apart, confirmed
+        )
+        assert "without ever confirming it" in plan.dissolved[group.group_id]
+        assert plan.cooldown == {follower: 402.0}  # before: none (the claim escaped the cooldown)
+        assert plan.apart == {}
+        (regrouped,) = plan.publish  # the leader and the spare: the follower sits out
+        assert set(regrouped.members) == {leader, spare}
+        assert plan.confirmed == {regrouped.group_id: frozenset()}  # the dissolved group's are dropped
+    # Beside a leaver that did confirm it, the one that never did is still cooled down, and only the leaver's
+    # pairs are kept apart.
+    three = LAYOUT.model_copy(update={"boundaries": [0, 1, 2, 4]})
+    first = plan_round(
+        RUN,
+        View(100.0, 3, three, {n: beat(n, 100.0) for n in IDS[:3]}, offers3(IDS[:3], 100.0), frozenset()),
+        [],
+        0,
+        {},
+        SETTINGS,
+    )
+    (trio,) = first.publish
+    a, b, c = trio.members
+    named = {a: beat(a, 101.0, trio.group_id), b: beat(b, 101.0, trio.group_id), c: beat(c, 101.0)}
+    seen = plan_round(
+        RUN,
+        View(101.0, 3, three, named, offers3(IDS[:3], 101.0), frozenset()),
+        first.publish,
+        first.round,
+        {},
+        SETTINGS,
+        first.apart,
+        first.confirmed,
+    )
+    assert not seen.dissolved and seen.confirmed == {trio.group_id: frozenset({a, b})}
+    claims = {
+        a: beat(a, 103.0, trio.group_id),
+        b: beat(b, 103.0, left_group=trio.group_id),
+        c: beat(c, 103.0, left_group=trio.group_id),
+    }
+    plan = plan_round(
+        RUN,
+        View(103.0, 3, three, claims, offers3(IDS[:3], 103.0), frozenset()),
+        seen.publish,
+        seen.round,
+        {},
+        SETTINGS,
+        seen.apart,
+        seen.confirmed,
+    )
+    assert f"member {b[:16]}… left it" in plan.dissolved[trio.group_id]
+    assert plan.cooldown == {c: 403.0}
+    assert plan.apart == {node_pair(b, a): 703.0, node_pair(b, c): 703.0}
+
+
+def offers3(nodes: list[str], now: float) -> dict[str, StageAvailability]:
+    return {n: offer(n, now).model_copy(update={"stages": [0, 1, 2]}) for n in nodes}
 
 
 def test_a_silent_member_is_still_cooled_down_and_a_claim_naming_another_group_changes_nothing() -> None:
@@ -163,12 +273,15 @@ def test_pairs_kept_apart_expire_and_their_number_is_bounded() -> None:
     assert min(plan.apart.values()) == 205.0  # the pairs nearest their end went first
     assert together(plan, *nodes)
     no_pairs = PlanSettings(stale_after_s=5.0, confirm_within_s=10.0, keep_apart_s=0.0)
-    first, group, leader, follower, _ = formed_pair(nodes)
+    formed, group, leader, follower, _ = formed_pair(nodes)
+    first = confirmed_round(formed, group, [], 101.0)
     beats = {
         leader: beat(leader, 102.0, group.group_id),
         follower: beat(follower, 102.0, left_group=group.group_id),
     }
-    plan = plan_round(RUN, view(102.0, beats), first.publish, first.round, {}, no_pairs, first.apart)
+    plan = plan_round(
+        RUN, view(102.0, beats), first.publish, first.round, {}, no_pairs, first.apart, first.confirmed
+    )
     assert group.group_id in plan.dissolved and plan.apart == {} and plan.cooldown == {}
 
 

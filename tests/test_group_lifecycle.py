@@ -143,7 +143,9 @@ async def test_a_member_leaving_for_failed_batches_names_the_group_and_is_not_co
     """A member whose batches kept breaking gives its group up (StageHost's on_give_up -> PipelineMember.avoid):
     its heartbeat stops naming the group and names it as left; the coordinator dissolves the group at once, does
     not cool the leaver down (before: cooldown_s, while its neighbour that kept confirming went free), and does not
-    put the two together again while the pair is kept apart."""
+    put the two together again while the pair is kept apart. Then the coordinator restarts (its memory of who
+    confirmed lost) and a member of the new group leaves before the new coordinator's first round: adopted, the
+    group's members count as confirmed, so that leaver is not cooled down either."""
     operator = Identity.generate()
     async with fleet("leavers", operator) as swarm:
         coordinator_peer = await swarm.add(operator, roles=("trainer",), **FAST)
@@ -167,10 +169,10 @@ async def test_a_member_leaving_for_failed_batches_names_the_group_and_is_not_co
         try:
 
             async def formed() -> bool:
-                return len(coordinator.state.current) == 1 and all(
-                    members[[n.node_id for n in nodes].index(m)].group is not None
-                    for m in coordinator.state.current[0].members
-                )
+                # the coordinator saw both confirm: an honest leaver's batches ran after its confirmation
+                return len(coordinator.state.current) == 1 and coordinator.state.confirmed.get(
+                    coordinator.state.current[0].group_id
+                ) == frozenset(coordinator.state.current[0].members)
 
             await wait_until(formed, timeout=60.0)
             (first,) = coordinator.state.current
@@ -196,6 +198,23 @@ async def test_a_member_leaving_for_failed_batches_names_the_group_and_is_not_co
             await asyncio.sleep(1.0)  # a few more rounds: the pair is never formed again
             for group in coordinator.state.current:
                 assert not {leader, leaver} <= set(group.members), group.members
+
+            (second,) = coordinator.state.current
+            await cancel_and_wait(tasks[:1])  # the coordinator stops; its state is lost
+            second_leaver = second.members[1]
+            members[[n.node_id for n in nodes].index(second_leaver)].avoid(second, "broke", declare=True)
+
+            async def declared() -> bool:
+                beat = (await coordinator_peer.list_peers()).get(second_leaver)
+                return beat is not None and beat.left_group == second.group_id
+
+            await wait_until(declared, timeout=30.0)
+            restarted = GroupCoordinator(
+                coordinator_peer, LAYOUT, lambda: 3, coordinator.settings, poll_s=0.3
+            )
+            plan = await restarted.tick()  # adopts the standing groups, then judges them on the same view
+            assert plan is not None and "left it" in plan.dissolved[second.group_id]
+            assert second_leaver not in plan.cooldown
         finally:
             await cancel_and_wait(tasks)
 

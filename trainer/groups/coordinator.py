@@ -32,6 +32,9 @@ class CoordinatorState:
     # node pair -> until when no group holds both (a member that left a group for its failed batches, beside
     # each of that group's other members: plan.py); lost on a restart, as the cooldown is
     apart: dict[NodePair, float] = field(default_factory=dict)
+    # group id -> the members seen confirming it, for each current group: only theirs is a claim to have left it
+    # that escapes the cooldown (plan.py). A restart counts every member of an adopted group (`_resume`).
+    confirmed: dict[str, frozenset[str]] = field(default_factory=dict)
     signed_at: float = 0.0  # when the current round's records were last published
     # (time, group id, why) of every dissolution, and (time, group id) of every formation: what tests and the
     # operator's logs read to see how long a regroup took.
@@ -71,6 +74,10 @@ class GroupCoordinator:
         # the groups of the newest round, so that a trainer restart does not break up groups that stand.
         groups = await self.directory.list_groups()
         self.state.round, self.state.current = adopt(groups.values(), step, self.layout)
+        # The confirmations seen before the restart are lost: each member is given the benefit of the doubt, so
+        # an honest member leaving after confirming is not cooled down. A member that never confirmed gains one
+        # claim without a cooldown per adopted group and restart (the restart forgot the cooldowns too).
+        self.state.confirmed = {g.group_id: frozenset(g.members) for g in self.state.current}
 
     async def tick(self) -> Plan | None:
         """One round: read, plan, publish what changed (and republish before the records expire)."""
@@ -95,6 +102,7 @@ class GroupCoordinator:
             self.state.cooldown,
             self.settings,
             self.state.apart,
+            self.state.confirmed,
         )
         for gid, why in plan.dissolved.items():
             logger.info("group %s… dissolved: %s", gid[:16], why)
@@ -115,7 +123,7 @@ class GroupCoordinator:
                 await self.directory.publish_group(g)
             self.state.signed_at = now
         self.state.round, self.state.current, self.state.cooldown = plan.round, plan.publish, plan.cooldown
-        self.state.apart = plan.apart
+        self.state.apart, self.state.confirmed = plan.apart, plan.confirmed
         return plan
 
     async def run(self) -> None:

@@ -18,9 +18,20 @@ kept breaking or none finished, node/pipeline/host.py) dissolves it at once and 
 neighbour may have broken the batches while confirming the group, and cooling the honest leaver down while that
 neighbour goes free would make each such group cost its honest members `cooldown_s`. Instead, for
 `keep_apart_s`, no group puts the leaver beside any of that group's other members again. The claim is the
-node's own word, so it buys nothing else: a node that left escapes the cooldown only, and is kept away from the
-members it may have broken. The heartbeat's `group` is the truth (a member still naming the group has not left
-it), and a claim naming a group other than the one being judged is ignored.
+node's own word, so it buys nothing else, and it is honoured only from a member the coordinator saw confirm the
+group (a fresh heartbeat naming it, in some round while the group stood: `Plan.confirmed`). An honest leaver
+always confirmed first: it names the group in its heartbeat when it joins (node/pipeline/member.py), before its
+stage runs a batch, and it can give the group up only after batches ran or `leave_without_batch_s` passed. A
+member naming as left a group it never confirmed is taken as silent: the group dissolves at once (the member said
+it will not run it) and the member sits out `cooldown_s`, kept apart from nobody; else a node placed in a new
+group every round could dissolve each at once at no cost. Then a node that left escapes the cooldown only, and is
+kept away from the members it may have broken. The heartbeat's `group` is the truth (a member still naming the
+group has not left it), and a claim naming a group other than the one being judged is ignored.
+
+The confirmations live in the coordinator's memory: a restarted coordinator adopts the standing groups with every
+member counted as confirmed (coordinator.py `_resume`), so a restart never cools down a member that confirmed
+before it; what that gives away is one claim without a cooldown per adopted group and restart, which the
+operator's restarts bound, not a peer (a restart also forgets the cooldowns themselves).
 """
 
 from __future__ import annotations
@@ -69,6 +80,8 @@ class Plan:
     dissolved: dict[str, str]  # group id -> why
     cooldown: dict[str, float]  # node id -> until when it is left out
     apart: dict[NodePair, float] = field(default_factory=dict)  # node pair -> until when no group holds both
+    # group id -> the members seen confirming it, for every group in `publish` (a dissolved group's are dropped)
+    confirmed: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def live_nodes(view: View, settings: PlanSettings) -> set[str]:
@@ -91,7 +104,7 @@ class Dissolution:
     left: list[str] = field(default_factory=list)  # members that said they left it: kept apart from the rest
 
 
-def leavers(group: GroupRecord, view: View) -> list[str]:
+def claimants(group: GroupRecord, view: View) -> list[str]:
     """The members whose heartbeat says they gave `group` up for its failed batches (and no longer names it)."""
     return [
         m
@@ -102,11 +115,28 @@ def leavers(group: GroupRecord, view: View) -> list[str]:
     ]
 
 
+def leavers(group: GroupRecord, view: View, confirmed: frozenset[str]) -> list[str]:
+    """The claimants whose claim is honoured: those seen confirming `group` before (in `confirmed`)."""
+    return [m for m in claimants(group, view) if m in confirmed]
+
+
+def confirming(group: GroupRecord, view: View, settings: PlanSettings) -> frozenset[str]:
+    """The members whose fresh heartbeat names `group` in this view."""
+    return frozenset(
+        m
+        for m in group.members
+        if (beat := view.heartbeats.get(m)) is not None
+        and view.now - beat.sent_at <= settings.stale_after_s
+        and beat.group == group.group_id
+    )
+
+
 def _why_dissolved(
-    group: GroupRecord, view: View, live: set[str], settings: PlanSettings
+    group: GroupRecord, view: View, live: set[str], settings: PlanSettings, confirmed: frozenset[str]
 ) -> Dissolution | None:
-    """None while `group` stands; else why, the members to cool down (those that never confirmed it) and those
-    that said they left it."""
+    """None while `group` stands; else why, the members to cool down (those that never confirmed it, a claim
+    to have left it without a confirmation seen before included) and those that left it after confirming it
+    (`confirmed`: the members ever seen confirming it, this view's included)."""
     if group.policy_step != view.policy_step:
         return Dissolution(f"policy step {group.policy_step} is not the current {view.policy_step}")
     if group.layout != view.layout:
@@ -114,13 +144,20 @@ def _why_dissolved(
     gone = [m for m in group.members if m not in live]
     if gone:
         return Dissolution(f"member {gone[0][:16]}… is gone (stale heartbeat, banned or no offer)")
-    left = leavers(group, view)
+    claimed = claimants(group, view)
+    left = leavers(group, view, confirmed)
+    # Said it will not run a group it never confirmed: silent, at once (the claim buys no cooldown's escape).
+    disowned = [m for m in claimed if m not in left]
     silent: list[str] = []
     if view.now - group.formed_at > settings.confirm_within_s:
-        silent = [m for m in group.members if view.heartbeats[m].group != group.group_id and m not in left]
+        silent = [m for m in group.members if view.heartbeats[m].group != group.group_id and m not in claimed]
     if left:  # at once: the group cannot stand without it, and the others need not wait for confirm_within_s
         return Dissolution(
-            f"member {left[0][:16]}… left it (its batches broke or none finished)", silent, left
+            f"member {left[0][:16]}… left it (its batches broke or none finished)", disowned + silent, left
+        )
+    if disowned:
+        return Dissolution(
+            f"member {disowned[0][:16]}… named it as left without ever confirming it", disowned + silent
         )
     if silent:
         return Dissolution(
@@ -144,18 +181,25 @@ def plan_round(
     cooldown: Mapping[str, float],
     settings: PlanSettings,
     apart: Mapping[NodePair, float] | None = None,
+    confirmed: Mapping[str, frozenset[str]] | None = None,
 ) -> Plan:
     """Keep the groups that still stand, dissolve the rest, form new groups from the free live nodes, none
-    holding a pair kept `apart` (node pair -> until when; the plan returns them with the new ones added)."""
+    holding a pair kept `apart` (node pair -> until when; the plan returns them with the new ones added).
+    `confirmed` is the previous plan's (group id -> the members seen confirming it; none seen where absent)."""
     live = live_nodes(view, settings)
     cooling = {n: t for n, t in cooldown.items() if t > view.now}
     kept_apart = {p: t for p, t in (apart or {}).items() if t > view.now}
     kept: list[GroupRecord] = []
     dissolved: dict[str, str] = {}
+    seen: dict[str, frozenset[str]] = {}
     for group in current:
-        verdict = _why_dissolved(group, view, live, settings)
+        members = frozenset(group.members)  # bounded by the group: a stale entry's other names are dropped
+        earlier = (confirmed or {}).get(group.group_id, frozenset()) & members
+        seen_now = earlier | confirming(group, view, settings)
+        verdict = _why_dissolved(group, view, live, settings, seen_now)
         if verdict is None:
             kept.append(group)
+            seen[group.group_id] = seen_now
             continue
         dissolved[group.group_id] = verdict.why
         cooling.update(dict.fromkeys(verdict.cool, view.now + settings.cooldown_s))
@@ -175,16 +219,16 @@ def plan_round(
         # A new formation draws a new nonce, so its id is new even for members that formed a group before; a
         # kept group (above) keeps its own, so its id does not change while it stands.
         nonce = new_nonce(view.now)
-        publish.append(
-            GroupRecord(
-                group_id=group_id(run_id, view.policy_step, candidate.members, view.layout, nonce),
-                round=new_round,
-                policy_step=view.policy_step,
-                layout=view.layout,
-                members=list(candidate.members),
-                formed_at=view.now,
-                signed_at=view.now,
-                nonce=nonce,
-            )
+        record = GroupRecord(
+            group_id=group_id(run_id, view.policy_step, candidate.members, view.layout, nonce),
+            round=new_round,
+            policy_step=view.policy_step,
+            layout=view.layout,
+            members=list(candidate.members),
+            formed_at=view.now,
+            signed_at=view.now,
+            nonce=nonce,
         )
-    return Plan(new_round, publish, dissolved, cooling, kept_apart)
+        publish.append(record)
+        seen[record.group_id] = frozenset()  # its id is new: nobody can have named it yet
+    return Plan(new_round, publish, dissolved, cooling, kept_apart, seen)
