@@ -13,11 +13,11 @@ once). With --eval-samples K every set is also scored by sampled pass@1 at --tem
 Everything is seeded (--seed).
 
     .venv/bin/python benchmarks/learning.py --model DIR --steps 30 --out reward.png
-    # the record run, prompts held out by content (docs/trainer.md, "Does it learn?", section 6):
-    .venv/bin/python benchmarks/learning.py --sft-steps 300 --heldout-fraction 0.2 --filter 4000 \
+    # the record run, prompts held out by content (docs/trainer.md, "Does it learn?", section 9):
+    .venv/bin/python benchmarks/learning.py --sft-steps 250 --heldout-fraction 0.2 --filter 8000 \
         --heldout-filter 8000 --steps 400 --files 1 --prompts 64 --samples 8 --batch-size 192 \
         --optimizer-steps 1 --lr 1e-3 --warmup 5 --negative-weight 0 --decay --min-lr-ratio 0 \
-        --eval-every 50 --minutes 20 --seed 0
+        --eval-every 50 --threads 1 --cpu-minutes 20 --seed 0
 
 `--steps N` is N training steps (one per full batch of mixed-reward groups; the lr decays over them): a
 generation round whose groups all had equal rewards trains nothing, and the next round generates again, at most

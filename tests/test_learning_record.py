@@ -9,14 +9,14 @@ idle one gives), for each of three seeds:
 - `band-distinct` (the same, each prompt counted once: the honest measure of generalisation) gains >= 15.
 
 Opt-in (PRIME_NODE_LONG_TESTS=1) because it does not fit the default suite's budget: measured at commit
-db5ae79 (docs/trainer.md, section 8), one seed stops at its 400 steps after about 6.6 CPU-minutes of RL plus
-under one of warm start, filtering and evaluations, so three seeds cost about 22 CPU-minutes, and about as many
-minutes of wall time since they run one after another, while the default suite already takes about 25 minutes
-on CI's two cores. Measured there: `band` +30.9 to +35.5 (every seed passes), `band-distinct` +14.8, +13.3 and
-+15.6 (seeds 0 and 1 fail by one and two of its 128 prompts). The CPU kernels are pinned to AVX2
-(node/runtime/numerics.py) and the weights do not depend on the thread count, so x86-64 machines should give
-the same figures (checked: the pinned warm start's accuracy is the one issue 25 measured on its AVX2 machine;
-not checked bit for bit on an Intel machine). docs/trainer.md records what the command measured.
+42453af (docs/trainer.md, section 9), one seed stops at its 400 steps after about 6 CPU-minutes of RL plus about
+one of warm start, filtering and evaluations, so three seeds cost about 21 CPU-minutes, and about as many minutes
+of wall time since they run one after another, while the default suite already takes about 23 minutes on CI's
+two cores. Measured there: `band` +37.8, +35.5 and +34.8, `band-distinct` +15.6 for each seed (20 of its 128
+prompts; 19 would be +14.8 and fail). The CPU kernels are pinned to AVX2 (node/runtime/numerics.py) and the weights
+do not depend on the thread count, so x86-64 machines should give the same figures (checked: the pinned warm
+start's accuracy is the one issue 25 measured on its AVX2 machine; not checked bit for bit on an Intel machine).
+docs/trainer.md records what the command measured.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = (
-    "--sft-steps 250 --heldout-fraction 0.2 --filter 4000 --heldout-filter 8000 --steps 400 --files 1 "
+    "--sft-steps 250 --heldout-fraction 0.2 --filter 8000 --heldout-filter 8000 --steps 400 --files 1 "
     "--prompts 64 --samples 8 --batch-size 192 --optimizer-steps 1 --lr 1e-3 --warmup 5 --negative-weight 0 "
     "--decay --min-lr-ratio 0 --eval-every 50 --threads 1 --cpu-minutes 20"
 ).split()
