@@ -255,6 +255,68 @@ def test_a_malformed_end_frame_breaks_the_batch_and_its_sender_is_named(
     assert "end" in verdict.reason
 
 
+def _early_end(eos: int) -> Tamper:
+    """Stage 0 sends a well-formed end frame (every completion [EOS]) in place of its first prefill."""
+
+    def tamper(stage: int, out: Outgoing) -> Outgoing:
+        if stage != 0 or out.kind != "prefill" or out.micro_batch != 0:
+            return out
+        samples = LAYOUT.prompts * RUN.samples
+        table = completions_tensor([[eos]] * samples, RUN.max_new_tokens)
+        return Outgoing("end", 0, 0, list(range(samples)), table, "int64", None)
+
+    return tamper
+
+
+def _shortened_end(eos: int) -> Tamper:
+    """Stage 0's end frame with one completion cut a token short (still well-formed: it ends at EOS), so the
+    completions no longer agree with the decode frames stage 0 sent."""
+
+    def tamper(stage: int, out: Outgoing) -> Outgoing:
+        if stage != 0 or out.kind != "end":
+            return out
+        table = out.tensor.clone()
+        lengths = (table != PADDING).sum(dim=1).tolist()
+        sample = next(s for s, n in enumerate(lengths) if n >= 2)
+        table[sample, lengths[sample] - 2] = eos
+        table[sample, lengths[sample] - 1] = PADDING
+        return dataclasses.replace(out, tensor=table)
+
+    return tamper
+
+
+@pytest.mark.parametrize(
+    ("make_tamper", "why"),
+    [(_early_end, "before the prefill of micro-batch 0"), (_shortened_end, "the frames before it call for")],
+    ids=["early", "shortened"],
+)
+def test_a_middle_stage_refuses_an_end_frame_its_predecessors_frames_belie(
+    made: tuple[Path, RunTasks, HFEngine],
+    tmp_path: Path,
+    one_torch_thread: None,
+    make_tamper: Callable[[int], Tamper],
+    why: str,
+) -> None:
+    """An end frame from stage 0 that does not agree with the frames it sent (one sent before any prefill, or
+    one whose completion is shorter than the decode frames that carried it) is refused by the middle stage,
+    which writes no stage file and charges stage 0 (`broken_by`), not itself; blame_broken names stage 0."""
+
+    def settled(
+        done: list[BatchDone], lost: list[BatchLost]
+    ) -> bool:  # the middle stage refused or "finished"
+        return any(x.stage == 1 and x.partial is not None for x in lost) or any(d.stage == 1 for d in done)
+
+    done, lost, _ = asyncio.run(_run_group(made, tmp_path, settled, make_tamper(made[2].eos_token_id)))
+    assert not [d for d in done if d.stage == 1]  # no batch "finished" at the middle stage
+    middle = next(x for x in lost if x.stage == 1 and x.partial is not None)
+    assert why in middle.why and middle.broken_by == IDS[0].node_id, middle.why
+    partials = {x.stage: x.partial for x in lost if x.batch == middle.batch}
+    records = [partials.get(k) for k in range(3)]
+    spec = GroupSpec(RUN.run_id, 0, middle.batch, LAYOUT, tuple(i.node_id for i in IDS), NONCE)
+    verdict = blame_broken(spec, records, BatchRules(made[2].eos_token_id, RUN.max_new_tokens, None))
+    assert verdict.blamed == 0, verdict.reason
+
+
 @pytest.mark.parametrize(
     ("rows", "why"),
     [
