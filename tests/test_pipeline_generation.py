@@ -43,6 +43,17 @@ def test_bad_layouts_are_refused(boundaries: list[int]) -> None:
         StageLayout(boundaries=boundaries)
 
 
+def test_a_run_whose_group_batches_carry_too_many_output_tokens_is_refused() -> None:
+    """Every end frame carries prompts x samples x max_new_tokens int64 tokens, and every stage holds them as
+    Python ints: a run past MAX_PIPELINE_COMPLETION_ENTRIES is refused when configured (a run without
+    pipelined groups, or at the bound, is not)."""
+    layout = StageLayout(boundaries=[0, 2, 4], prompts=512, micro_batch_size=8)
+    RunSettings(run_id="big", samples=8, max_new_tokens=1024, pipeline=layout)  # 2^22: at the bound
+    RunSettings(run_id="big", samples=16, max_new_tokens=8192)  # no pipeline: no end frames
+    with pytest.raises(ValidationError, match="output tokens per group batch"):
+        RunSettings(run_id="big", samples=16, max_new_tokens=1024, pipeline=layout)
+
+
 def test_layout_must_cover_the_model(model_dir: Path) -> None:
     with pytest.raises(EngineError, match="model has 4 layers"):
         StageModel.load(model_dir, StageLayout(boundaries=[0, 2, 3]), 0)

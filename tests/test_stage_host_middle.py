@@ -32,12 +32,13 @@ from prime_node.p2p.pipeline.frames import PADDING, FrameWriter, completions_ten
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.swarm.group_records import GroupRecord, group_id
 from prime_node.proofs.pipeline.broken import BatchRules, blame_broken
-from prime_node.proofs.pipeline.records import GroupSpec
+from prime_node.proofs.pipeline.records import GroupSpec, HopRecord, SignedStageRecord
 from prime_node.trainer.validator.group_job import Delivery, GroupOutcome, layer_share, verify_group_files
 
 from support.attack import make_checkpoint, run_tasks
 from support.nonces import NONCE, formed_at_of
 from support.pipeline import identities
+from support.pipeline_attacks import rechain
 
 LAYOUT = StageLayout(boundaries=[0, 1, 3, 4], prompts=2, micro_batch_size=2)
 RUN = RunSettings(run_id="host-middle", run_seed=9, samples=2, max_new_tokens=8, pipeline=LAYOUT)
@@ -253,6 +254,92 @@ def test_a_malformed_end_frame_breaks_the_batch_and_its_sender_is_named(
     verdict = blame_broken(spec, records, BatchRules(made[2].eos_token_id, RUN.max_new_tokens, None))
     assert verdict.blamed == 0, verdict.reason
     assert "end" in verdict.reason
+    # The same end frame acknowledging an older head stage 1 (the last stage) signed, the one its previous
+    # frame acknowledged, which some final token frames came after: named all the same, with or without its
+    # record (judging its end frame does not depend on how far its acknowledgements reach).
+    older = _end_acknowledging_older_input(records)
+    for held in (older, [None, *older[1:]]):
+        verdict = blame_broken(spec, held, BatchRules(made[2].eos_token_id, RUN.max_new_tokens, None))
+        assert verdict.blamed == 0 and "came before sample" in verdict.reason, verdict.reason
+
+
+def _end_acknowledging_older_input(records: list[SignedStageRecord | None]) -> list[SignedStageRecord | None]:
+    """The partial records as they would be had stage 0's end frame acknowledged what its previous frame did:
+    its own copy and stage 1's copy of that frame, each re-chained by stage 0 and the records re-signed."""
+    first, middle = records[0], records[1]
+    assert first is not None and middle is not None
+
+    def older(hop: HopRecord) -> HopRecord:
+        headers = list(hop.headers)
+        assert headers[-1].kind == "end" and headers[-2].acknowledged != headers[-1].acknowledged
+        headers[-1] = headers[-1].model_copy(update={"acknowledged": headers[-2].acknowledged})
+        return rechain(hop.model_copy(update={"headers": headers}), IDS[0])
+
+    sent = first.record.model_copy(update={"sent": older(first.record.sent)})
+    received = middle.record.model_copy(update={"received": older(middle.record.received)})
+    return [SignedStageRecord.sign(sent, IDS[0]), SignedStageRecord.sign(received, IDS[1]), records[2]]
+
+
+def _early_end(eos: int) -> Tamper:
+    """Stage 0 sends a well-formed end frame (every completion [EOS]) in place of its first prefill."""
+
+    def tamper(stage: int, out: Outgoing) -> Outgoing:
+        if stage != 0 or out.kind != "prefill" or out.micro_batch != 0:
+            return out
+        samples = LAYOUT.prompts * RUN.samples
+        table = completions_tensor([[eos]] * samples, RUN.max_new_tokens)
+        return Outgoing("end", 0, 0, list(range(samples)), table, "int64", None)
+
+    return tamper
+
+
+def _shortened_end(eos: int) -> Tamper:
+    """Stage 0's end frame with one completion cut a token short (still well-formed: it ends at EOS), so the
+    completions no longer agree with the decode frames stage 0 sent."""
+
+    def tamper(stage: int, out: Outgoing) -> Outgoing:
+        if stage != 0 or out.kind != "end":
+            return out
+        table = out.tensor.clone()
+        lengths = (table != PADDING).sum(dim=1).tolist()
+        sample = next(s for s, n in enumerate(lengths) if n >= 2)
+        table[sample, lengths[sample] - 2] = eos
+        table[sample, lengths[sample] - 1] = PADDING
+        return dataclasses.replace(out, tensor=table)
+
+    return tamper
+
+
+@pytest.mark.parametrize(
+    ("make_tamper", "why"),
+    [(_early_end, "before the prefill of micro-batch 0"), (_shortened_end, "the frames before it call for")],
+    ids=["early", "shortened"],
+)
+def test_a_middle_stage_refuses_an_end_frame_its_predecessors_frames_belie(
+    made: tuple[Path, RunTasks, HFEngine],
+    tmp_path: Path,
+    one_torch_thread: None,
+    make_tamper: Callable[[int], Tamper],
+    why: str,
+) -> None:
+    """An end frame from stage 0 that does not agree with the frames it sent (one sent before any prefill, or
+    one whose completion is shorter than the decode frames that carried it) is refused by the middle stage,
+    which writes no stage file and charges stage 0 (`broken_by`), not itself; blame_broken names stage 0."""
+
+    def settled(
+        done: list[BatchDone], lost: list[BatchLost]
+    ) -> bool:  # the middle stage refused or "finished"
+        return any(x.stage == 1 and x.partial is not None for x in lost) or any(d.stage == 1 for d in done)
+
+    done, lost, _ = asyncio.run(_run_group(made, tmp_path, settled, make_tamper(made[2].eos_token_id)))
+    assert not [d for d in done if d.stage == 1]  # no batch "finished" at the middle stage
+    middle = next(x for x in lost if x.stage == 1 and x.partial is not None)
+    assert why in middle.why and middle.broken_by == IDS[0].node_id, middle.why
+    partials = {x.stage: x.partial for x in lost if x.batch == middle.batch}
+    records = [partials.get(k) for k in range(3)]
+    spec = GroupSpec(RUN.run_id, 0, middle.batch, LAYOUT, tuple(i.node_id for i in IDS), NONCE)
+    verdict = blame_broken(spec, records, BatchRules(made[2].eos_token_id, RUN.max_new_tokens, None))
+    assert verdict.blamed == 0, verdict.reason
 
 
 @pytest.mark.parametrize(

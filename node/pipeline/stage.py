@@ -15,6 +15,7 @@ frame whose commitment does not match its bytes is provable fraud by its sender 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,9 @@ class StageProcessor:
         # Whether this stage knows every sample's completion: stage 0 and the last stage once the batch is done, a
         # middle stage once its predecessor's end frame was read (`on_end`).
         self.learned = False
+        # Per sample, how many decode frames carried it to this stage (a middle stage): an honest stage 0 feeds a
+        # sample once per output token after the first, so its completion must be one token longer (`on_end`).
+        self.relayed = [0] * n
 
     # ------------------------------------------------------------------ stage 0
 
@@ -168,6 +172,8 @@ class StageProcessor:
                 f"frame {header.index}: decode shape {list(hidden_in.shape)} is not [rows, 1, {width}]"
             )
         self._check_commitment(frame, hidden_in[:, -1])
+        for sample in header.rows:
+            self.relayed[sample] += 1
         self._select(state, [state.active.index(r) for r in header.rows])
         hidden = self._decode(state, hidden_in)
         state.step = header.step + 1
@@ -179,10 +185,15 @@ class StageProcessor:
 
     def on_end(self, frame: Frame) -> None:
         """The predecessor's end frame. A middle stage learns the batch's completions from it (it sees no tokens)
-        and will pass them on; PipelineError when the frame holds no well-formed completion for every sample
-        (listing it would make this stage's own file malformed). Stage 0 and the last stage know the completions
-        themselves and keep them (what the predecessor's end frame claims is the validator's to judge); they refuse
-        an end frame that comes before their every micro-batch ended."""
+        and will pass them on; PipelineError (the predecessor's doing) unless the frame holds a well-formed
+        completion for every sample (listing another would make this stage's own file malformed) that agrees
+        with the frames the predecessor sent before it: every micro-batch's prefill came, and each sample's
+        completion is one token longer than the decode frames that carried it (an honest stage 0 feeds every
+        output token but the last back, `on_tokens`). Without that check an end frame sent in place of the first
+        prefill would "finish" the batch here with completions nobody sampled, the successor would refuse it as
+        early and charge this stage, not the predecessor. Stage 0 and the last stage know the completions
+        themselves and keep them (what the predecessor's end frame claims is the validator's to judge); they
+        refuse an end frame that comes before their every micro-batch ended."""
         if frame.header.kind != "end":
             raise PipelineError(
                 f"frame {frame.header.index}: expected the end frame, got {frame.header.kind}"
@@ -193,12 +204,18 @@ class StageProcessor:
                     f"frame {frame.header.index}: the end frame came before every micro-batch ended"
                 )
             return
+        unstarted = [mb for mb in range(len(self.work.schedule)) if mb not in self.batches]
+        if unstarted:
+            raise PipelineError(
+                f"frame {frame.header.index}: the end frame came before the prefill of micro-batch {unstarted[0]}"
+            )
         self.outputs.tokens = completions_of(
             frame.tensor,
             samples=len(self.work.requests),
             max_new_tokens=self.work.params.max_new_tokens,
             eos_token_id=self.work.eos_token_id,
             vocab_size=self.model.config.vocab_size,
+            lengths=[fed + 1 for fed in self.relayed],
         )
         self.outputs.reasons = [
             "eos" if tokens[-1] == self.work.eos_token_id else "length" for tokens in self.outputs.tokens
@@ -330,33 +347,60 @@ class StageProcessor:
 
 
 def completions_of(
-    table: torch.Tensor, *, samples: int, max_new_tokens: int, eos_token_id: int, vocab_size: int
+    table: torch.Tensor,
+    *,
+    samples: int,
+    max_new_tokens: int,
+    eos_token_id: int,
+    vocab_size: int,
+    lengths: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Every sample's output tokens from an end frame's tensor (p2p/pipeline/frames.py `completions_tensor`);
     PipelineError naming the first thing wrong: another shape than [samples, max_new_tokens], a row that is not
-    tokens (ids in the vocabulary) followed by padding alone, an empty completion, a token after EOS, or a
-    completion that stops short of max_new_tokens without EOS (no honest generation ends so)."""
+    tokens (ids in the vocabulary) followed by padding alone, an empty completion, a token after EOS, a
+    completion that stops short of max_new_tokens without EOS (no honest generation ends so), or, given
+    `lengths` (each sample's length the frames seen imply), a completion of another length.
+
+    The table may be the run's largest (4096 rows of 8192 tokens: 256 MiB), so no full-size int64 temporary is
+    made (row reductions and one-byte masks) and a row becomes Python ints only up to its length."""
     if tuple(table.shape) != (samples, max_new_tokens) or table.dtype != torch.int64:
         raise PipelineError(
             f"the end frame's completions are {list(table.shape)} {table.dtype}; the batch has "
             f"[{samples}, {max_new_tokens}] int64"
         )
-    padding = table == PADDING
-    lengths = (~padding).sum(dim=1)
-    suffix = torch.arange(max_new_tokens)[None, :] >= lengths[:, None]
-    bad = (padding != suffix).any(dim=1) | (lengths == 0)
-    bad |= (~padding & ((table < 0) | (table >= vocab_size))).any(dim=1)
-    eos = (table == eos_token_id) & (torch.arange(max_new_tokens)[None, :] < (lengths[:, None] - 1))
-    bad |= eos.any(dim=1)
-    last = table.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
-    bad |= (last != eos_token_id) & (lengths != max_new_tokens)
+    # One-byte masks and row reductions that do not widen them (a sum would make an int64 copy of the mask).
+    real = (table != PADDING).view(torch.uint8)
+    full = real.all(dim=1).bool()
+    counts = torch.where(
+        full, max_new_tokens, real.argmin(dim=1)
+    )  # the first padding entry: the row's length
+    last_real = max_new_tokens - 1 - real.flip(1).argmax(dim=1)
+    del real
+    bad = (counts == 0) | (~full & (last_real >= counts))  # none, or a token after the first padding
+    bad |= (table.amin(dim=1) < PADDING) | (
+        table.amax(dim=1) >= vocab_size
+    )  # a -1 among tokens: caught above
+    eos = (table == eos_token_id).view(torch.uint8)
+    first_eos = torch.where(eos.any(dim=1).bool(), eos.argmax(dim=1), max_new_tokens)
+    del eos
+    bad |= first_eos < counts - 1  # EOS only as the last token
+    last = table.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
+    bad |= (last != eos_token_id) & (counts != max_new_tokens)
     if bool(bad.any()):
         sample = int(bad.nonzero()[0, 0])
         raise PipelineError(
             f"the end frame's completion of sample {sample} is malformed (tokens in the vocabulary, then padding "
             "alone; at least one; none after EOS; stopping without EOS only at max_new_tokens)"
         )
-    return [row[: int(n)] for row, n in zip(table.tolist(), lengths.tolist(), strict=True)]
+    found = counts.tolist()
+    if lengths is not None:
+        for sample, (n, due) in enumerate(zip(found, lengths, strict=True)):
+            if n != due:
+                raise PipelineError(
+                    f"the end frame's completion of sample {sample} has {n} tokens; the frames before it call "
+                    f"for {due} (one per decode step that carried the sample, and the prefill's)"
+                )
+    return [table[s, :n].tolist() for s, n in enumerate(found)]
 
 
 def _is_subsequence(rows: list[int], active: list[int]) -> bool:

@@ -25,6 +25,11 @@ from .prompts import MAX_SYSTEM_PROMPT_CHARS
 if TYPE_CHECKING:
     from .validation import RunTasks
 
+# A pipelined group batch's output tokens (prompts x samples x max_new_tokens) travel in every end frame as int64
+# (8 bytes each) and every stage holds them as Python lists (about 40 bytes each): 2^22 keeps the end frame at
+# 32 MiB and the lists near 170 MB, far under the wire bound (256 MiB) at which they would pass 1 GB.
+MAX_PIPELINE_COMPLETION_ENTRIES = 1 << 22
+
 
 class RunSettings(Section):
     """The run's parameters that both the contributor and the validator must agree on."""
@@ -119,6 +124,14 @@ class RunSettings(Section):
             raise ValueError("run.annotators needs run.run_kind = synthetic (an RL run annotates nothing)")
         if len(set(self.annotators)) != len(self.annotators):
             raise ValueError("run.annotators names a model twice")
+        if self.pipeline is not None:
+            entries = self.pipeline.prompts * self.samples * self.max_new_tokens
+            if entries > MAX_PIPELINE_COMPLETION_ENTRIES:
+                raise ValueError(
+                    f"run.pipeline.prompts x run.samples x run.max_new_tokens is {entries} output tokens per "
+                    f"group batch; at most {MAX_PIPELINE_COMPLETION_ENTRIES}: every end frame carries them all "
+                    'and every stage holds them (docs/pipeline.md, "Wire format")'
+                )
         return self
 
     @property

@@ -195,20 +195,36 @@ def _end_deviation(
     tokens: list[list[int]] | None,
 ) -> str | None:
     """Why stage k's end frame does not follow from the input it acknowledges, or None. Stage 0's carries the
-    completions the token frames it received carry (judged only when confirmed token values cover those frames
-    exactly); a later stage's follows its predecessor's end frame, which a middle stage passes on unchanged (the
-    last stage's carries what it sampled, which its predecessor's end frame does not decide)."""
+    completions of the token frames it acknowledged, whichever prefix of its input that is (an honest stage 0
+    acknowledges every token frame it used), and only once those frames ended every sample: at EOS or
+    max_new_tokens (an honest one sends no end frame before); judged when confirmed token values cover the
+    acknowledged frames and those bring each sample's tokens in step order (else an honest stage 0 would have
+    refused them, and it is the last stage that is judged). A later stage's follows its predecessor's end
+    frame, which a middle stage passes on unchanged (the last stage's carries what it sampled, which its
+    predecessor's end frame does not decide)."""
     if k == 0:
         if tokens is None:
             return None
-        covered = [0] * len(tokens)
+        steps: list[list[int]] = [[] for _ in tokens]
         for h in given:
             if h.kind == "tokens":
                 for r in h.rows:
-                    covered[r] += 1
-        if covered != [len(t) for t in tokens] or any(len(t) > run.max_new_tokens for t in tokens):
-            return None  # the confirmed values are not exactly what the frames carried: not judged
-        if header.tensor_sha256 != completions_sha256(tokens, run.max_new_tokens):
+                    steps[r].append(h.step)
+        if any(
+            s != list(range(len(s))) or len(s) > min(len(t), run.max_new_tokens)
+            for s, t in zip(steps, tokens)
+        ):
+            return (
+                None  # not each sample's tokens in step order, or more than the confirmed values: not judged
+            )
+        received = [t[: len(s)] for s, t in zip(steps, tokens)]
+        for sample, got in enumerate(received):
+            if not got or (got[-1] != run.eos_token_id and len(got) < run.max_new_tokens):
+                return (
+                    f"it came before sample {sample} ended: the token frames it acknowledges bring "
+                    f"{len(got)} tokens, without EOS"
+                )
+        if header.tensor_sha256 != completions_sha256(received, run.max_new_tokens):
             return "it carries other completions than the tokens it received"
         return None
     ends = [h for h in given if h.kind == "end"]
