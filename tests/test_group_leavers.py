@@ -375,3 +375,50 @@ def test_keep_apart_is_a_bounded_setting_passed_to_the_plan() -> None:
     for bad in (-1.0, float("nan"), 86_401.0):
         with pytest.raises(ValidationError, match="keep_apart_s"):
             GroupsSection(keep_apart_s=bad)
+
+
+def test_a_node_that_keeps_leaving_groups_is_cooled_down_past_its_free_leaves() -> None:
+    """Confirming costs one heartbeat, so a node could confirm a group and claim to have left it in the next
+    heartbeat, dissolving a group every two polls. Its first `free_leaves` (2) honoured leaves within
+    keep_apart_s cost no cooldown; the next one does (it is still kept apart); once keep_apart_s has passed
+    since them, a leave is free again."""
+    leaver, partners = IDS[0], IDS[1:5]
+    plan = Plan(0, [], {}, {})
+
+    def leave_with(partner: str, now: float) -> Plan:
+        nonlocal plan
+        for step, (lbeat, pbeat) in enumerate(
+            (
+                (lambda g: beat(leaver, now), lambda g: beat(partner, now)),  # formed
+                (lambda g: beat(leaver, now + 1, g), lambda g: beat(partner, now + 1, g)),  # both confirm
+                (
+                    lambda g: beat(leaver, now + 2, left_group=g),
+                    lambda g: beat(partner, now + 2, g),
+                ),  # it leaves
+            )
+        ):
+            gid = plan.publish[0].group_id if plan.publish else None
+            beats = {leaver: lbeat(gid), partner: pbeat(gid)}
+            args = (
+                plan.publish,
+                plan.round,
+                plan.cooldown,
+                SETTINGS,
+                plan.apart,
+                plan.confirmed,
+                plan.leaves,
+            )
+            plan = plan_round(RUN, view(now + step, beats), *args)
+        assert (
+            not plan.publish and len(plan.dissolved) >= 1
+        )  # dissolved; the pair is kept apart, nobody regrouped
+        return plan
+
+    assert leaver not in leave_with(partners[0], 100.0).cooldown
+    assert leaver not in leave_with(partners[1], 110.0).cooldown
+    third = leave_with(partners[2], 120.0)
+    assert third.cooldown[leaver] == 122.0 + SETTINGS.cooldown_s and partners[2] not in third.cooldown
+    assert node_pair(leaver, partners[2]) in third.apart
+    plan = Plan(third.round, [], {}, {}, {}, {}, third.leaves)  # cooldowns and pairs over; the count kept
+    assert leaver not in leave_with(partners[3], 120.0 + SETTINGS.keep_apart_s).cooldown
+    assert len(plan.leaves[leaver]) == 1  # the older leaves fell out of the window

@@ -35,6 +35,13 @@ class GroupsSection(Section):
         description="How long a member that left a group for its failed batches (its heartbeat's left_group) "
         "is not grouped with that group's other members; it is not cooled down (0: no such pairs kept apart).",
     )
+    free_leaves: int = Field(
+        2,
+        ge=0,
+        le=1000,
+        description="How many groups a member may leave for failed batches within keep_apart_s without a "
+        "cooldown; each further one within it is cooled down as well (a leave costs the leaver one confirmation).",
+    )
     unknown_rtt_ms: float = Field(
         250.0, ge=0, le=60_000, description="Price of a hop whose round trip neither end measured."
     )
@@ -64,4 +71,5 @@ class GroupsSection(Section):
             cooldown_s=self.cooldown_s,
             formation=formation,
             keep_apart_s=self.keep_apart_s,
+            free_leaves=self.free_leaves,
         )

@@ -35,6 +35,8 @@ class CoordinatorState:
     # group id -> the members seen confirming it, for each current group: only theirs is a claim to have left it
     # that escapes the cooldown (plan.py). A restart counts every member of an adopted group (`_resume`).
     confirmed: dict[str, frozenset[str]] = field(default_factory=dict)
+    # node id -> when its claims to have left a group were honoured, within keep_apart_s (plan.py `free_leaves`)
+    leaves: dict[str, tuple[float, ...]] = field(default_factory=dict)
     signed_at: float = 0.0  # when the current round's records were last published
     # (time, group id, why) of every dissolution, and (time, group id) of every formation: what tests and the
     # operator's logs read to see how long a regroup took.
@@ -103,6 +105,7 @@ class GroupCoordinator:
             self.settings,
             self.state.apart,
             self.state.confirmed,
+            self.state.leaves,
         )
         for gid, why in plan.dissolved.items():
             logger.info("group %s… dissolved: %s", gid[:16], why)
@@ -123,7 +126,7 @@ class GroupCoordinator:
                 await self.directory.publish_group(g)
             self.state.signed_at = now
         self.state.round, self.state.current, self.state.cooldown = plan.round, plan.publish, plan.cooldown
-        self.state.apart, self.state.confirmed = plan.apart, plan.confirmed
+        self.state.apart, self.state.confirmed, self.state.leaves = plan.apart, plan.confirmed, plan.leaves
         return plan
 
     async def run(self) -> None:

@@ -28,6 +28,12 @@ group every round could dissolve each at once at no cost. Then a node that left 
 kept away from the members it may have broken. The heartbeat's `group` is the truth (a member still naming the
 group has not left it), and a claim naming a group other than the one being judged is ignored.
 
+A confirmation costs one heartbeat, so a node could still name a group in one heartbeat and claim to have left it
+in the next, dissolving a group every two polls. So a node's honoured claims are counted: past `free_leaves`
+within `keep_apart_s`, a leaver is cooled down as well (still kept apart). An honest node leaves a group only
+after batches kept breaking or none finished for `leave_without_batch_s` (900 s by default), so it reaches that
+count only beside several members that broke its batches in a row, and then sits out one cooldown.
+
 The confirmations live in the coordinator's memory: a restarted coordinator adopts the standing groups with every
 member counted as confirmed (coordinator.py `_resume`), so a restart never cools down a member that confirmed
 before it; what that gives away is one claim without a cooldown per adopted group and restart, which the
@@ -45,6 +51,9 @@ from ...p2p.swarm.group_records import GroupRecord, StageAvailability, group_id
 from ...p2p.swarm.records import Heartbeat
 from .formation import FormationSettings, NodePair, form_groups, node_pair
 
+# At most this many nodes with honoured leaves counted (`Plan.leaves`); past it the ones whose last leave is
+# oldest are forgotten first.
+MAX_LEAVERS_KEPT = 16_384
 # At most this many pairs kept apart at once (each leaver adds one per other member of its group); past it the
 # pairs whose time is nearest its end go first: a pair dropped early may only be grouped again sooner.
 MAX_APART_PAIRS = 16_384
@@ -59,6 +68,10 @@ class PlanSettings:
     # How long a member that left a group for its failed batches is not grouped with that group's other members
     # (at least the members' `pipeline.avoid_s`, 600 s, for which the leaver still names the group).
     keep_apart_s: float = 600.0
+    # How many honoured claims to have left a group a node makes within keep_apart_s before each further one is
+    # cooled down as well (one heartbeat confirming a group, the next leaving it, would otherwise dissolve a
+    # group every two polls at no cost).
+    free_leaves: int = 2
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,8 @@ class Plan:
     apart: dict[NodePair, float] = field(default_factory=dict)  # node pair -> until when no group holds both
     # group id -> the members seen confirming it, for every group in `publish` (a dissolved group's are dropped)
     confirmed: dict[str, frozenset[str]] = field(default_factory=dict)
+    # node id -> when its claims to have left a group were honoured, within keep_apart_s (at most free_leaves + 1)
+    leaves: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 def live_nodes(view: View, settings: PlanSettings) -> set[str]:
@@ -166,6 +181,22 @@ def _why_dissolved(
     return None
 
 
+def _counted_leaves(
+    leaves: Mapping[str, tuple[float, ...]], now: float, settings: PlanSettings
+) -> dict[str, tuple[float, ...]]:
+    """The honoured leaves still within keep_apart_s, per node; nodes without any dropped."""
+    since = now - settings.keep_apart_s
+    recent = {n: tuple(t for t in times if t > since) for n, times in leaves.items()}
+    return {n: times for n, times in recent.items() if times}
+
+
+def _bounded_leaves(leaves: dict[str, tuple[float, ...]]) -> dict[str, tuple[float, ...]]:
+    if len(leaves) <= MAX_LEAVERS_KEPT:
+        return leaves
+    latest = sorted(leaves.items(), key=lambda item: (-item[1][-1], item[0]))[:MAX_LEAVERS_KEPT]
+    return dict(latest)
+
+
 def _bounded(apart: dict[NodePair, float]) -> dict[NodePair, float]:
     if len(apart) <= MAX_APART_PAIRS:
         return apart
@@ -182,13 +213,16 @@ def plan_round(
     settings: PlanSettings,
     apart: Mapping[NodePair, float] | None = None,
     confirmed: Mapping[str, frozenset[str]] | None = None,
+    leaves: Mapping[str, tuple[float, ...]] | None = None,
 ) -> Plan:
     """Keep the groups that still stand, dissolve the rest, form new groups from the free live nodes, none
     holding a pair kept `apart` (node pair -> until when; the plan returns them with the new ones added).
-    `confirmed` is the previous plan's (group id -> the members seen confirming it; none seen where absent)."""
+    `confirmed` is the previous plan's (group id -> the members seen confirming it; none seen where absent), and
+    `leaves` its honoured leaves per node."""
     live = live_nodes(view, settings)
     cooling = {n: t for n, t in cooldown.items() if t > view.now}
     kept_apart = {p: t for p, t in (apart or {}).items() if t > view.now}
+    counted = _counted_leaves(leaves or {}, view.now, settings)
     kept: list[GroupRecord] = []
     dissolved: dict[str, str] = {}
     seen: dict[str, frozenset[str]] = {}
@@ -203,12 +237,18 @@ def plan_round(
             continue
         dissolved[group.group_id] = verdict.why
         cooling.update(dict.fromkeys(verdict.cool, view.now + settings.cooldown_s))
+        for m in verdict.left:
+            times = counted.get(m, ())
+            if len(times) >= settings.free_leaves:  # past its free leaves: this one costs the cooldown too
+                cooling[m] = view.now + settings.cooldown_s
+            counted[m] = (*times, view.now)[-(settings.free_leaves + 1) :]
         if settings.keep_apart_s > 0:
             until = view.now + settings.keep_apart_s
             kept_apart.update(
                 {node_pair(m, other): until for m in verdict.left for other in group.members if other != m}
             )
     kept_apart = _bounded(kept_apart)
+    counted = _bounded_leaves(counted)
     busy = {m for g in kept for m in g.members}
     free = {n: view.offers[n] for n in sorted(live - busy) if n not in cooling}
     formed = form_groups(view.layout, free, settings.formation, frozenset(kept_apart))
@@ -231,4 +271,4 @@ def plan_round(
         )
         publish.append(record)
         seen[record.group_id] = frozenset()  # its id is new: nobody can have named it yet
-    return Plan(new_round, publish, dissolved, cooling, kept_apart, seen)
+    return Plan(new_round, publish, dissolved, cooling, kept_apart, seen, counted)
