@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -30,7 +31,7 @@ from prime_node.p2p.identity import Identity
 from prime_node.p2p.pipeline.layout import StageLayout
 from prime_node.p2p.swarm import PolicyAnnouncement
 from prime_node.p2p.weights.availability import parse_availability
-from prime_node.p2p.weights.errors import IncompleteVersion, PlanError
+from prime_node.p2p.weights.errors import IncompleteVersion, PlanError, StoreError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.metrics import WeightsServerMetrics
 from prime_node.p2p.weights.publish import publish
@@ -302,3 +303,152 @@ async def test_a_checkpoint_the_stages_do_not_fit_is_refused_by_name(tmp_path: P
     async with counted(tmp_path / "origin") as server:
         with pytest.raises(PlanError, match=r"stages \[0\] need: .*lacks tensors stage 0 needs"):
             await fetch([server.url], tmp_path / "node", StageSelection(TWO, frozenset({0})))
+
+
+def keeper_of(store: Store, stages: set[int] | None, async_level: int = 1) -> CheckpointKeeper:
+    """A pipeline node's keeper offering `stages` of TWO (None: a monolithic node's)."""
+    key = operator()
+    return CheckpointKeeper(
+        store,
+        key.node_id,
+        NodeState(Identity.from_seed(b"\x0c" * 32).node_id, key.node_id),
+        async_level=async_level,
+        fetch_settings=FetchSettings(**FAST),  # type: ignore[arg-type]
+        plan=None if stages is None else StageSelection(TWO, frozenset(stages)),
+    )
+
+
+def announce(keeper: CheckpointKeeper, step: int) -> None:
+    keeper.announce(
+        PolicyAnnouncement(
+            step=step,
+            manifest_sha256="0" * 64,
+            sources=["http://127.0.0.1:9"],
+            published_at=time.time(),
+            run=RUN_PARAMETERS,
+        )
+    )
+
+
+def cut_short(store: Store, origin: Path) -> None:
+    """A fetch of STEP stopped after its first journal write: the manifest and an empty journal on disk."""
+    partial = store.open_partial(Store(origin).load_manifest(STEP, operator().node_id))
+    partial.write_progress(partial.progress_snapshot())
+    partial.close()
+
+
+async def test_a_fetch_cut_short_is_kept_to_resume_then_deleted_below_the_window(
+    origin: Path, tmp_path: Path
+) -> None:
+    store = Store(tmp_path / "node")
+    cut_short(store, origin)
+    keeper = keeper_of(store, {1})
+    await keeper.load_local()  # not every shard its plan names: not used, but kept for the fetch to resume
+    assert keeper.verified_steps() == [] and store.partial_versions() == [STEP]
+    announce(keeper, STEP + 1)  # the window (async level 1) still reaches STEP
+    await keeper.prune()
+    assert store.partial_versions() == [STEP]
+    announce(keeper, STEP + 2)  # out of the window: no fetch will ever finish it, and no one else deletes it
+    await keeper.prune()
+    assert store.partial_versions() == []
+
+    # The same for a monolithic node, which used to delete one only once a newer complete version was held.
+    cut_short(store, origin)
+    monolithic = keeper_of(store, None)
+    announce(monolithic, STEP + 2)
+    await monolithic.prune()
+    assert store.partial_versions() == []
+
+
+async def test_a_partial_version_that_can_never_be_used_is_deleted_on_start(
+    origin: Path, tmp_path: Path
+) -> None:
+    store = Store(tmp_path / "node")
+    cut_short(store, origin)
+    store.note_held(STEP + 1)  # a newer step is held: a fetch of STEP is refused as a replay, never resumed
+    await keeper_of(store, {1}).load_local()
+    assert store.partial_versions() == []
+
+
+async def test_a_partial_version_whose_manifest_is_damaged_is_deleted_on_start(
+    origin: Path, tmp_path: Path
+) -> None:
+    async with counted(origin) as server:
+        await fetch([server.url], tmp_path / "other", StageSelection(TWO, frozenset({1})))
+    other = Store(tmp_path / "other")
+    manifest = other.partial_dir(STEP) / "manifest.json"
+    doc = json.loads(manifest.read_bytes())
+    doc["body"]["signer"] = "not a key"  # damaged on disk: its signer no public key at all
+    manifest.write_bytes(json.dumps(doc).encode())
+    with pytest.raises(StoreError, match="does not verify"):
+        other.whole_checkpoint_dir(STEP)
+    with pytest.raises(EngineError, match="cannot tell which shards"):
+        load_stage_tensors(other.checkpoint_dir(STEP, partial=True), TWO, 1, torch.float32, tied=True)
+    keeper = keeper_of(other, {1})
+    await keeper.load_local()  # used to fail on every start, until someone deleted the directory
+    assert keeper.verified_steps() == [] and other.partial_versions() == []
+
+
+async def test_a_partial_version_without_its_journal_is_never_loaded(
+    model_dir: Path, origin: Path, tmp_path: Path
+) -> None:
+    async with counted(origin) as server:
+        result = await fetch([server.url], tmp_path / "node", StageSelection(TWO, frozenset({0})))
+    assert load_stage_tensors(result.checkpoint_dir, TWO, 0, torch.float32, tied=True)
+    (result.version_dir / "progress.json").unlink()  # it used to be taken for a complete version
+    for stage in (0, 1):
+        with pytest.raises(EngineError, match=f"step {STEP} without its journal progress.json"):
+            load_stage_tensors(result.checkpoint_dir, TWO, stage, torch.float32, tied=True)
+    (result.version_dir / "progress.json").write_bytes(b"{not json")
+    with pytest.raises(EngineError, match="progress.json is malformed"):
+        load_stage_tensors(result.checkpoint_dir, TWO, 1, torch.float32, tied=True)
+
+
+async def test_the_shards_checked_and_fetched_are_those_of_the_tensors_the_loader_reads(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    # Tied embeddings, the head stored as its own tensor too, and an index that omits it: the loader reads
+    # the head from the embedding (as the index says), so the last stage must hold the embedding's shards.
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    for path in model_dir.iterdir():
+        if path.is_file() and path.name != "model.safetensors":
+            (checkpoint / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    weight_map = {name: "model.safetensors" for name in tensors if name != "lm_head.weight"}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    origin = tmp_path / "origin"
+    publish(checkpoint, step=STEP, identity=operator(), out_dir=origin, shard_size=SHARD, run_id="test")
+    async with counted(origin) as server:
+        result = await fetch([server.url], tmp_path / "node", StageSelection(TWO, frozenset({1})))
+    full = load_stage_tensors(checkpoint, TWO, 1, torch.float32, tied=True)
+    assert torch.equal(full["head.weight"], tensors["model.embed_tokens.weight"])
+    assert same_tensors(full, load_stage_tensors(result.checkpoint_dir, TWO, 1, torch.float32, tied=True))
+
+
+async def test_the_journal_of_a_version_held_in_part_is_made_durable(
+    origin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:  # the real fsync, noting what it made durable
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    settings = FetchSettings(**{**FAST, "durable": True})  # type: ignore[arg-type]
+    async with counted(origin) as server:
+        fetcher = Fetcher([server.url], operator().node_id, Store(tmp_path / "node"), settings)
+        try:
+            resolved = await fetcher.resolve(STEP)
+            result = await fetcher.fetch_version(resolved, StageSelection(TWO, frozenset({1})))
+        finally:
+            fetcher.close()
+    version = str(result.version_dir)
+    assert version in synced  # the journal's rename
+    assert any(Path(path).parent == result.version_dir and "progress.json" in path for path in synced)

@@ -20,10 +20,11 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from ...p2p.errors import P2PError
 from ...p2p.identity import Identity
 from ...p2p.swarm.records import PolicyAnnouncement
 from ...p2p.weights.claims import Disproved, PeerClaims
-from ...p2p.weights.errors import WeightsError
+from ...p2p.weights.errors import StoreError, WeightsError
 from ...p2p.weights.fetch import FetchSettings
 from ...p2p.weights.manifest import SignedManifest
 from ...p2p.weights.pinned import Pin, PinnedFetch, PinRefused
@@ -86,6 +87,7 @@ class CheckpointKeeper:
         self._verified: set[int] = set()
         # Verified steps held only in part (the plan's shards), under the store's .partial/.
         self._in_part: set[int] = set()
+        self._fetching: int | None = None  # the step a fetch is writing under .partial/: never pruned
         # A bar on stderr for a download still running after this many seconds (None: never, as under
         # --log-json; tqdm leaves out a stderr that is not a terminal by itself).
         self.download_bar_after_s = download_bar_after_s
@@ -102,35 +104,50 @@ class CheckpointKeeper:
                 logger.warning("ignoring local checkpoint step %d: %s", step, exc)
                 continue
             self._verified.add(step)
-        if self.pinned.plan is not None:
-            for step in await asyncio.to_thread(self.store.partial_versions):
-                held = None if step in self._verified else await asyncio.to_thread(self._holds_plan, step)
-                if held is not None:
-                    self._verified.add(step)
-                    self._in_part.add(step)
-                    if self.serve is not None:  # its shards are served again, as before the restart
-                        self.serve.offer_held(held.manifest, held.done)
+        for step in await asyncio.to_thread(self.store.partial_versions):
+            if step in self._verified:
+                continue
+            held = await asyncio.to_thread(self._take_up, step)
+            if held is not None:
+                self._verified.add(step)
+                self._in_part.add(step)
+                if self.serve is not None:  # its shards are served again, as before the restart
+                    self.serve.offer_held(held.manifest, held.done)
         self._publish_local()
         if self._verified:
             logger.info("reusing verified checkpoints %s from %s", sorted(self._verified), self.store.root)
 
-    def _holds_plan(self, step: int) -> Holdings | None:
-        """What the partial version of `step` holds when that is every shard the plan names (a selective fetch
-        that finished, not one cut short) and its manifest verifies against the operator key; else None.
-        Blocking."""
-        assert self.pinned.plan is not None
+    def _take_up(self, step: int) -> Holdings | None:
+        """What the partial version of `step` left by an earlier run holds, when it is to be used again: every
+        shard the plan names (a selective fetch that finished, not one cut short) under a manifest that verifies
+        against the operator key. Otherwise None; and the version is deleted, logged, when it can never be of
+        use: its journal or manifest damaged (a later fetch could not resume it either), or its step below the
+        store's high water (no fetch of it is ever started again, so it could never be finished). A fetch cut
+        short at a newer step is kept, for the next fetch to resume. Blocking."""
         try:
             held = self.store.holdings(step)
-            if held is None:
-                return None
-            self.store.load_manifest(step, self.operator_key, partial=True)
-            chosen = self.pinned.plan.choose(
-                held.manifest, self.store.checkpoint_dir(step, partial=True), held.done
-            )
-        except (WeightsError, NodeError, OSError) as exc:
-            logger.warning("ignoring the partial checkpoint step %d: %s", step, exc)
+        except StoreError as exc:
+            self._delete_partial(step, f"it cannot be read ({exc})")
             return None
-        return held if chosen.shards <= held.done else None
+        plan = self.pinned.plan
+        if held is not None and plan is not None:
+            try:
+                self.store.load_manifest(step, self.operator_key, partial=True)
+                chosen = plan.choose(held.manifest, self.store.checkpoint_dir(step, partial=True), held.done)
+            except (P2PError, NodeError, OSError) as exc:
+                logger.warning("ignoring the partial checkpoint step %d: %s", step, exc)
+                return None
+            if chosen.shards <= held.done:
+                return held
+        if step < self.store.high_water():
+            self._delete_partial(
+                step, "its fetch was cut short and a newer step is held, so it is never resumed"
+            )
+        return None
+
+    def _delete_partial(self, step: int, why: str) -> None:
+        logger.warning("deleting the partial checkpoint step %d: %s", step, why)
+        self.store.discard_partial(step)
 
     def checkpoint_dir(self, step: int) -> Path:
         """Where verified step `step`'s files lie: the complete version, or the one held in part (a pipeline
@@ -196,6 +213,13 @@ class CheckpointKeeper:
 
     async def _try(self, pin: Pin) -> bool:
         self.state.state = f"downloading checkpoint step {pin.step}"
+        self._fetching = pin.step
+        try:
+            return await self._fetch(pin)
+        finally:
+            self._fetching = None
+
+    async def _fetch(self, pin: Pin) -> bool:
         if self.download_bar_after_s is not None:
             self._bar = DownloadProgress(delay_s=self.download_bar_after_s, leave=False)
         try:
@@ -205,6 +229,7 @@ class CheckpointKeeper:
                 self.serve.abandoned()
             self.state.metrics.verification_failures.inc()
             self.state.error(str(refused))
+            await self.prune()  # a refused fetch of a step now out of the window leaves nothing behind
             return False
         finally:
             if self._bar is not None:
@@ -225,18 +250,35 @@ class CheckpointKeeper:
         return True
 
     async def prune(self) -> None:
-        """Delete versions that fell out of the window (and never re-fetch them: the store's high water)."""
+        """Delete versions that fell out of the window (and never re-fetch them: the store's high water), and
+        any partial version below it (one held in part, or a fetch refused or cut short) but the one being
+        fetched: nothing else ever deletes a partial version while no complete one is newer."""
         announced = self.announced.step if self.announced else None
-        doomed = steps_to_delete(self._verified, announced, self.async_level)
-        if not doomed:
+        if announced is None:
             return
-        keep = len([s for s in await asyncio.to_thread(self.store.versions) if s > max(doomed)])
-        removed = await asyncio.to_thread(self.store.prune, max(1, keep))
-        for step in sorted(self._in_part.intersection(doomed)):  # held in part: deleted here, not by prune
-            if self.serve is not None:
+        floor = announced - self.async_level
+        doomed = steps_to_delete(self._verified, announced, self.async_level)
+        removed: list[int] = []
+        if doomed:
+            keep = len([s for s in await asyncio.to_thread(self.store.versions) if s > max(doomed)])
+            removed = await asyncio.to_thread(self.store.prune, max(1, keep))
+        stale = [
+            step
+            for step in await asyncio.to_thread(self.store.partial_versions)
+            if step < floor and step != self._fetching
+        ]
+        for step in stale:
+            if step in self._in_part and self.serve is not None:
                 self.serve.withdraw(step)
             await asyncio.to_thread(self.store.discard_partial, step)
-            self._in_part.discard(step)
-            removed.append(step)
+            if step in self._in_part:
+                self._in_part.discard(step)
+                removed.append(step)
         self._verified.difference_update(removed)
-        logger.debug("deleted checkpoints %s (outside the async window of %d)", removed, self.async_level)
+        if removed or stale:
+            logger.debug(
+                "deleted checkpoints %s and partial versions %s (outside the async window of %d)",
+                sorted(set(removed)),
+                stale,
+                self.async_level,
+            )

@@ -45,26 +45,53 @@ def read_config(checkpoint: Path) -> dict[str, Any]:
         raise EngineError(f"cannot read {path}: {exc}") from None
 
 
-def tensor_files(checkpoint: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (one file, or the files an index names)."""
+def tensor_files(checkpoint: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it, relative to the checkpoint (the files an index names, or
+    the one file)."""
     checkpoint = Path(checkpoint)
-    index = checkpoint / INDEX_FILE
-    if index.is_file():
-        if index.stat().st_size > MAX_INDEX_BYTES:
-            raise EngineError(f"{index} is larger than {MAX_INDEX_BYTES} bytes")
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise EngineError(f"cannot read the weight map of {index}: {exc}") from None
-        return {name: checkpoint / file for name, file in weight_map.items()}
+    weight_map = read_weight_map(checkpoint)
+    if weight_map is not None:
+        return weight_map
     single = checkpoint / SINGLE_FILE
     if not single.is_file():
         raise EngineError(f"{checkpoint} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     try:
         with safe_open(single, framework="pt") as handle:
-            return {name: single for name in handle.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+            return dict.fromkeys(handle.keys(), SINGLE_FILE)  # noqa: SIM118 (safe_open is not a mapping)
     except (OSError, SafetensorError) as exc:
         raise EngineError(f"cannot open {single}: {exc}") from None
+
+
+def read_weight_map(checkpoint: Path) -> dict[str, str] | None:
+    """The index's tensor name -> file (relative to the checkpoint), None when there is no index: then every
+    tensor is read from SINGLE_FILE. The one reading of the index, for the loader and for the shard plan."""
+    index = Path(checkpoint) / INDEX_FILE
+    if not index.is_file():
+        return None
+    if index.stat().st_size > MAX_INDEX_BYTES:
+        raise EngineError(f"{index} is larger than {MAX_INDEX_BYTES} bytes")
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"cannot read the weight map of {index}: {exc}") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) and isinstance(file, str) for name, file in weight_map.items()
+    ):
+        raise EngineError(f"the weight map of {index} is not an object of tensor names to file names")
+    return weight_map
+
+
+def stage_reads(
+    file_of: dict[str, str], layout: StageLayout, stage: int, tied: bool
+) -> dict[str, tuple[str, str]]:
+    """What stage `stage` reads: checkpoint tensor name -> (the file it is read from, its name inside the
+    stage), given every tensor's file (`file_of`: the index's weight map, or SINGLE_FILE for each tensor of
+    its header). The loader reads exactly these pairs, and a version held in part is checked and fetched for
+    exactly these (`StageSelection`, `check_held`), so that no tensor is read from a shard not held."""
+    return {
+        name: (file_of[name], inside)
+        for name, inside in stage_tensor_names(set(file_of), layout, stage, tied).items()
+    }
 
 
 def stage_tensor_names(available: set[str], layout: StageLayout, stage: int, tied: bool) -> dict[str, str]:
@@ -91,18 +118,18 @@ def load_stage_tensors(
 ) -> dict[str, torch.Tensor]:
     """The stage's tensors under their stage names, in `dtype`; nothing else is read. From a version held in
     part, only once every byte read is known to lie in a verified shard (EngineError naming the others)."""
-    check_held(checkpoint, layout, stage)
-    files = tensor_files(checkpoint)
-    wanted = stage_tensor_names(set(files), layout, stage, tied)
+    check_held(checkpoint, layout, stage, tied=tied)
+    checkpoint = Path(checkpoint)
+    reads = stage_reads(tensor_files(checkpoint), layout, stage, tied)
     by_file: dict[Path, list[str]] = {}
-    for name in wanted:
-        by_file.setdefault(files[name], []).append(name)
+    for name, (file, _) in reads.items():
+        by_file.setdefault(checkpoint / file, []).append(name)
     state: dict[str, torch.Tensor] = {}
     for path, names in sorted(by_file.items()):
         try:
             with safe_open(path, framework="pt") as handle:
                 for name in names:
-                    state[wanted[name]] = handle.get_tensor(name).to(dtype)
+                    state[reads[name][1]] = handle.get_tensor(name).to(dtype)
         except (OSError, SafetensorError) as exc:
             raise EngineError(f"cannot read stage {stage}'s tensors from {path}: {exc}") from None
     return state
@@ -171,26 +198,39 @@ def stage_shards(
     stage: int,
     *,
     tied: bool,
+    weight_map: dict[str, str] | None = None,
 ) -> list[int]:
-    """Indices of the checkpoint's shards a stage needs: every byte of its tensors and of each safetensors
-    header, and every other file whole (config, tokenizer, index). `files`: (path, size) in manifest order
-    (the checkpoint is their concatenation, cut every `shard_size` bytes); `headers`: each .safetensors
-    file's header bytes (its first shard holds them in practice)."""
+    """Indices of the checkpoint's shards a stage needs: every byte of the tensors it reads (`stage_reads`, from
+    the files the loader reads them from: the index's `weight_map`, or SINGLE_FILE without an index), of each
+    safetensors header, and every other file whole (config, tokenizer, index). `files`: (path, size) in
+    manifest order (the checkpoint is their concatenation, cut every `shard_size` bytes); `headers`: each
+    .safetensors file's header bytes (its first shard holds them in practice)."""
     sizes = dict(files)
     ranges_of = {
         path: tensor_ranges(headers[path], sizes[path]) for path, _ in files if path.endswith(".safetensors")
     }
-    available = {name for ranges in ranges_of.values() for name in ranges}
-    wanted = stage_tensor_names(available, layout, stage, tied)
+    if weight_map is None:
+        if SINGLE_FILE not in ranges_of:
+            raise EngineError(f"the checkpoint has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        weight_map = dict.fromkeys(ranges_of[SINGLE_FILE], SINGLE_FILE)
+    reads = stage_reads(weight_map, layout, stage, tied)
+    starts, offset = {}, 0
+    for path, size in files:
+        starts[path] = offset
+        offset += size
     needed: list[tuple[int, int]] = []
-    offset = 0
     for path, size in files:
         if path in ranges_of:
-            needed.append((offset, offset + safetensors_header_size(headers[path])))
-            needed += [(offset + a, offset + b) for name, (a, b) in ranges_of[path].items() if name in wanted]
+            needed.append((starts[path], starts[path] + safetensors_header_size(headers[path])))
         elif size:
-            needed.append((offset, offset + size))
-        offset += size
+            needed.append((starts[path], starts[path] + size))
+    for name, (file, _) in sorted(reads.items()):
+        if name not in ranges_of.get(file, {}):
+            raise EngineError(
+                f"tensor {name[:80]!r} is to be read from {file[:80]!r}, whose safetensors header lacks it"
+            )
+        begin, end = ranges_of[file][name]
+        needed.append((starts[file] + begin, starts[file] + end))
     shards: set[int] = set()
     for begin, end in needed:
         shards |= _shards_of(begin, end, shard_size)
@@ -224,9 +264,16 @@ class StageSelection:
             raise PlanError(f"cannot tell which shards stages {sorted(self.stages)} need: {exc}") from None
 
     def shards_to_hold(
-        self, manifest: SignedManifest, checkpoint_dir: Path, held: frozenset[int]
+        self,
+        manifest: SignedManifest,
+        checkpoint_dir: Path,
+        held: frozenset[int],
+        *,
+        tied: bool | None = None,
     ) -> Selection:
-        """This round's answer given the shards `held` (verified); EngineError when the checkpoint does not fit."""
+        """This round's answer given the shards `held` (verified); EngineError when the checkpoint does not fit.
+        `tied`: whether the head is the embedding, as the loader is told (None: as the checkpoint's config says,
+        which is what the loader is told in practice, StageModel.load)."""
         body = manifest.body
         files = [(f.path, f.size) for f in body.files]
         weights = [(path, size) for path, size in files if path.endswith(".safetensors")]
@@ -253,23 +300,35 @@ class StageSelection:
         if not wanted <= held:
             return Selection.of(manifest, wanted)
         headers = {path: _read(checkpoint_dir / path, length) for path, length in header_sizes.items()}
-        tied = _tied(checkpoint_dir)
+        tied = _tied(checkpoint_dir) if tied is None else tied
+        weight_map = read_weight_map(checkpoint_dir) if INDEX_FILE in starts else None
         for stage in sorted(self.stages):
-            wanted.update(stage_shards(files, body.shard_size, headers, self.layout, stage, tied=tied))
+            wanted.update(
+                stage_shards(
+                    files, body.shard_size, headers, self.layout, stage, tied=tied, weight_map=weight_map
+                )
+            )
         return Selection.of(manifest, wanted)
 
 
-def check_held(checkpoint: Path, layout: StageLayout, stage: int) -> None:
-    """Nothing when `checkpoint` is a complete version (or no store's at all); for a version held in part,
-    EngineError naming the shards of `stage` it lacks, so that no stage is ever built from unfetched bytes."""
+def check_held(checkpoint: Path, layout: StageLayout, stage: int, *, tied: bool | None = None) -> None:
+    """Nothing when `checkpoint` is a complete version (or no store's at all); for a version held in part
+    (any under the store's .partial/), EngineError naming the shards of `stage` it lacks, or saying it cannot
+    tell (its journal missing or damaged), so that no stage is ever built from unfetched bytes. The shards are
+    those of the (file, tensor) pairs the loader reads (`stage_reads`), with the same `tied`, round by round:
+    the index and headers they are found from are read only once their own shards are known to be held."""
     try:
         held = holdings(Path(checkpoint).parent)
     except WeightsError as exc:
-        raise EngineError(f"cannot tell which shards {checkpoint} holds: {exc}") from None
+        raise EngineError(
+            f"cannot tell which shards {checkpoint} holds, so stage {stage} is not loaded from it: {exc}"
+        ) from None
     if held is None:
         return
+    # One answer: shards_to_hold stops at the first round whose shards are not all held (small files and header
+    # lengths, then headers), so the index and headers are read only from held shards.
     needed = StageSelection(layout, frozenset({stage})).shards_to_hold(
-        held.manifest, Path(checkpoint), held.done
+        held.manifest, Path(checkpoint), held.done, tied=tied
     )
     missing = held.missing(needed.shards)
     if missing:

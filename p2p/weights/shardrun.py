@@ -189,9 +189,10 @@ class ShardRun:
         settings ask) listing what it holds, so that a later, wider fetch resumes from it."""
         await self._stop_threads()
         await asyncio.to_thread(shutil.rmtree, self.hedge_dir, True)
-        if self.settings.durable:
+        if self.settings.durable:  # the shards first: a journal on disk must never list bytes that are not
             await asyncio.to_thread(self.partial.fsync)
-        await self._save_progress()
+        snapshot = self.partial.progress_snapshot()
+        await asyncio.to_thread(self.partial.write_progress, snapshot, durable=self.settings.durable)
         await asyncio.to_thread(self.ctx.store.note_held, self.manifest.step)
         return self.partial.directory
 

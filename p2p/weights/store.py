@@ -7,9 +7,10 @@
 
 Partial data lives only under .partial/ and a version appears at its final path by one atomic rename of
 its directory, so a reader never sees a half-written checkpoint. A version fetched only in part (a pipeline
-stage's shards, selection.py) stays under .partial/ with its progress.json, for good: `versions()` never lists
-it, `whole_checkpoint_dir` refuses it naming the shards it lacks, and only a loader that checks the shards it
-reads against `holdings` (node/pipeline/weights.py) reads its files. progress.json records which shards are
+stage's shards, selection.py) stays under .partial/ with its progress.json until its owner deletes it (a node's
+keeper, below the async window): `versions()` never lists it, `whole_checkpoint_dir` refuses it naming the
+shards it lacks, and only a loader that checks the shards it reads against `holdings` (node/pipeline/weights.py)
+reads its files. progress.json records which shards are
 verified and how many bytes of unfinished shards are on disk and which source sent them, so a rerun after
 kill -9 resumes with Range requests (from that same source only). Every call here blocks on disk; async
 callers run them in a thread.
@@ -26,8 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import P2PError
 from ..wire import WireFormatError, parse_uint
-from .errors import IncompleteVersion, ReplayError, StoreError, WeightsError
+from .errors import IncompleteVersion, ReplayError, StoreError
 from .manifest import SignedManifest, parse_signed
 from .selection import describe_shards
 
@@ -67,12 +69,27 @@ def checkpoint_dir_in(version_dir: Path) -> Path:
     return version_dir / CHECKPOINT_NAME
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a small file so that readers see the old or the new content, never a mix."""
+def write_atomic(path: Path, data: bytes, *, durable: bool = False) -> None:
+    """Write a small file so that readers see the old or the new content, never a mix; `durable`: the content
+    and the rename are fsync'ed, so that a crash leaves the new content, not an empty or a missing file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     with open(tmp, "wb") as f:
         f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the renames inside `directory` survive a crash."""
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 @dataclass(frozen=True)
@@ -87,21 +104,42 @@ class Holdings:
 
 
 def holdings(version_dir: Path) -> Holdings | None:
-    """What a version directory holds when it is a partial one (its progress.json lists the verified shards);
-    None for a complete version (finalize removes the journal). The files are our own: the manifest was verified
-    when it was fetched and is read against the signer it names, as `Store.load_manifest` does for an origin."""
-    version_dir = Path(version_dir)
+    """What a version directory holds: None for a complete version (any directory not under .partial/); for a
+    partial one (its parent is .partial/, symlinks resolved), the shards its journal lists as verified.
+
+    Partial is decided by the path, never by the journal's presence: a partial version whose progress.json is
+    missing or unreadable, or whose manifest is damaged, is StoreError naming it, so that no reader takes its
+    sparse files for a whole checkpoint. The files are our own: the manifest was verified when it was fetched
+    and is read against the signer it names, as `Store.load_manifest` does for an origin."""
+    version_dir = Path(version_dir).resolve()
+    if version_dir.parent.name != PARTIAL:
+        return None
+    manifest = _partial_manifest(version_dir)
     try:
         journal = (version_dir / PROGRESS_NAME).read_bytes()
-        raw = (version_dir / MANIFEST_NAME).read_bytes()
     except FileNotFoundError:
-        return None
+        raise StoreError(
+            f"{version_dir} is a partial version of step {manifest.step} without its journal {PROGRESS_NAME}: "
+            "which of its shards verified is unknown; fetch it again"
+        ) from None
     except OSError as exc:
-        raise StoreError(f"cannot read what {version_dir} holds: {exc}") from None
+        raise StoreError(f"cannot read {version_dir / PROGRESS_NAME}: {exc}") from None
+    return Holdings(manifest, _journaled_shards(version_dir, manifest, journal))
+
+
+def _partial_manifest(version_dir: Path) -> SignedManifest:
+    path = version_dir / MANIFEST_NAME
     try:
-        manifest = parse_signed(raw, _claimed_signer(raw))
-    except WeightsError as exc:
-        raise StoreError(f"{version_dir / MANIFEST_NAME} does not verify: {exc}") from None
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise StoreError(f"cannot read the manifest of the partial version {version_dir}: {exc}") from None
+    try:
+        return parse_signed(raw, _claimed_signer(raw))
+    except P2PError as exc:  # a damaged signer is a SignatureError, which is no WeightsError
+        raise StoreError(f"{path} does not verify: {exc}") from None
+
+
+def _journaled_shards(version_dir: Path, manifest: SignedManifest, journal: bytes) -> frozenset[int]:
     shards = manifest.body.shards
     held: set[int] = set()
     try:
@@ -113,7 +151,7 @@ def holdings(version_dir: Path) -> Holdings | None:
                     held.add(index)
     except (ValueError, TypeError, AttributeError) as exc:  # WireFormatError is a ValueError
         raise StoreError(f"{version_dir / PROGRESS_NAME} is malformed: {exc}") from None
-    return Holdings(manifest, frozenset(held))
+    return frozenset(held)
 
 
 @dataclass
@@ -211,9 +249,11 @@ class PartialVersion:
         }
         return json.dumps(state).encode()
 
-    def write_progress(self, snapshot: bytes) -> None:
+    def write_progress(self, snapshot: bytes, *, durable: bool = False) -> None:
+        """Replace the journal; `durable`: it and its rename reach the disk before this returns (the journal
+        that says which shards a version held in part holds, for good)."""
         with self._lock:  # journal writes from two threads must not interleave their temp files
-            write_atomic(self.directory / PROGRESS_NAME, snapshot)
+            write_atomic(self.directory / PROGRESS_NAME, snapshot, durable=durable)
 
     def write(self, index: int, shard_offset: int, data: bytes | memoryview) -> None:
         """Write `data` at `shard_offset` inside shard `index`, across file boundaries."""
@@ -325,8 +365,15 @@ class Store:
             )
 
     def holdings(self, step: int) -> Holdings | None:
-        """The verified shards of `step` held in part (None when no partial version of it is here)."""
-        return holdings(self.partial_dir(step))
+        """The verified shards of `step` held in part: None when no partial version of it is here, none when
+        its fetch stopped before the first journal write (it has a manifest, no progress.json yet); StoreError
+        when it cannot be read (`holdings`)."""
+        directory = self.partial_dir(step)
+        if not (directory / MANIFEST_NAME).is_file():
+            return None
+        if not (directory / PROGRESS_NAME).exists():
+            return Holdings(_partial_manifest(directory), frozenset())
+        return holdings(directory)
 
     def whole_checkpoint_dir(self, step: int) -> Path:
         """The checkpoint of complete version `step`, for a monolithic load; IncompleteVersion, naming the shards
@@ -374,11 +421,7 @@ class Store:
             raise StoreError(f"{final} already exists; remove it to store step {step} again")
         os.replace(staging, final)
         if durable:
-            dir_fd = os.open(self.root, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)  # the rename itself must survive a crash
-            finally:
-                os.close(dir_fd)
+            fsync_dir(self.root)  # the rename itself must survive a crash
         self._raise_high_water(step)
         return final
 
