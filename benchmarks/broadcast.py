@@ -68,6 +68,7 @@ async def agent(args: argparse.Namespace) -> None:
         scan_interval_s=0.5,
         limits=ServeLimits(max_connections=4096, max_connections_per_ip=256),
         upload_slots=args.origin_slots if args.origin else 0,
+        super_seed=args.origin and args.super_seed,
     )
     # Nodes and relays sign availability records; the origin, like the trainer's, signs none (it holds all).
     identity = None if args.origin else Identity.from_seed(os.urandom(32))
@@ -283,6 +284,12 @@ def main() -> None:
         help="seconds between a node's availability polls of one source (fetch.availability_interval_s)",
     )
     parser.add_argument("--origin-slots", type=int, default=4, help="the origin's upload slots (0: no limit)")
+    parser.add_argument(
+        "--super-seed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the origin super-seeds (serve.super_seed: each shard sent once before any twice; seeding.py)",
+    )
     parser.add_argument("--async-level", type=int, default=2, help="for the missed-steps table")
     args = parser.parse_args()
     if args.agent:
@@ -335,6 +342,7 @@ def main() -> None:
                 extra=(
                     "--availability-interval",
                     str(args.availability_interval),
+                    "--super-seed" if args.super_seed else "--no-super-seed",
                     *(("--profile", args.profile) if args.profile and name == "n0" else ()),
                 ),
             )
@@ -353,7 +361,8 @@ def main() -> None:
             print(
                 f"lab: origin, {len(relays)} relays, {len(nodes)} nodes; every line {args.mbit:g} Mbit/s both ways; "
                 f"checkpoint {args.mib:g} MiB in {args.shard_mib:g} MiB shards; ideal (one node alone) {ideal:.2f} s; "
-                f"peers per node (reserve) {MAX_PEER_SOURCES}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+                f"peers per node (reserve) {MAX_PEER_SOURCES}; origin super-seeds: {args.super_seed}; "
+                f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
             step = 0

@@ -244,6 +244,10 @@ class AttemptRunner:
                 holders = {u.url for u in self.pool.usable()} - self.peering.lacking(index)
                 everyone = (holders or {u.url for u in self.pool.usable()}) <= self.tried[index]
                 self.state.requeue(index, failure.retry_after if everyone else 0.0, first=False)
+            if isinstance(failure, ShardFailure) and failure.instead is not None:
+                # A super-seeding origin sent this shard to someone already and named one it never sent: asked
+                # for at once, once this attempt has left the in-flight table (call_soon runs after it).
+                self.loop.call_soon(self._ask_instead, attempt.source, failure.instead)
             return None
         if attempt.in_place and (failure.corrupt or attempt.recheck is not None):
             self.partial.progress.pop(index, None)  # wrong bytes, or bytes no verified copy vouches for
@@ -253,6 +257,23 @@ class AttemptRunner:
             return recheck  # the recheck, or the other copy, carries on
         self._give_up_or_requeue(index)
         return None
+
+    def _ask_instead(self, source: SourceState, index: int) -> None:
+        """Start shard `index` from `source` if it named it (a super-seeding origin's 503) and the shard is still
+        waiting here: a hint about a shard this fetch does not want, holds, or has in flight is ignored."""
+        if self.state.error is not None or self.cancelled.is_set():
+            return
+        if index not in self.queue or self.inflight.get(index) or index in self.winners:
+            return
+        # Asked only of a source that holds the shard, or (as the scheduler asks one) of a source that is not an
+        # advertised peer and has not answered its first availability request yet.
+        holds = source.holds(index) or (source.records is None and not source.advertised)
+        if source.excluded is not None or not holds or source.url in self.outcomes.spent(index):
+            return
+        if self.pool.clock() < source.cooldown_until:
+            return
+        self.queue.take(index)
+        self.start(index, source)
 
     def _give_up_or_requeue(self, index: int) -> None:
         """After a charge: end the fetch when no source may serve shard `index` any more, else queue it again."""

@@ -38,6 +38,10 @@ class ShardQueue:
     def __bool__(self) -> bool:
         return bool(self._waiting or self._retry)
 
+    def __contains__(self, index: object) -> bool:
+        """Whether shard `index` waits to be asked for (not taken since it was queued)."""
+        return index in self._waiting or index in self._retry
+
     def first(self) -> int:
         return next(self.candidates())
 

@@ -52,9 +52,11 @@ from .access import (
     verify_access_token,
 )
 from .availability import MAX_AGE_S, sign_availability
+from .errors import WeightsError
 from .guard import ConnectionGuard, GuardedSite, ServeLimits
 from .manifest import MAX_SHARDS, MAX_STEP, SignedManifest
 from .metrics import WeightsServerMetrics
+from .seeding import SEED_HEADER, SeedLedger
 from .store import Store
 from .transfer import BUSY_HEADER, SHARD_CONTENT_TYPE
 
@@ -107,6 +109,12 @@ class ServeSettings(BaseModel):
     )
     busy_retry_s: float = Field(
         0.2, gt=0, le=5, description="Retry-After of a 503 for want of an upload slot."
+    )
+    super_seed: bool = Field(
+        False,
+        description="An origin feeding re-serving peers: while some shard of a version has never been sent, a "
+        "request for one already sent gets 503 naming a never-sent shard instead (seeding.py). Only for a "
+        "server that signs no availability records.",
     )
     limits: ServeLimits = Field(
         default_factory=ServeLimits, description="Connections, request-head and send deadlines per client."
@@ -162,6 +170,12 @@ class WeightsServer:
         self.audiences: set[str] = set()  # host:port names access tokens may be addressed to
         self._unservable: set[int] = set()
         self.sending = 0  # shard responses in flight (bounded by settings.upload_slots)
+        if self.settings.super_seed and identity is not None:
+            raise WeightsError(
+                "serve.super_seed is for a server that signs no availability records: a node that signed it "
+                "holds a shard and then refused it would be taken for a liar"
+            )
+        self.seeds = SeedLedger() if self.settings.super_seed else None
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -256,6 +270,8 @@ class WeightsServer:
             self.mark_complete(manifest, self.store.checkpoint_dir(step))
         for step in [s for s, v in self.versions.items() if v.complete and s not in steps]:
             del self.versions[step]
+        if self.seeds is not None:
+            self.seeds.keep_only(set(self.versions))
         for step, served in list(self.versions.items()):
             # A version held in part whose files were deleted (pruned, or discarded) is no longer served; one
             # that just moved into place is marked complete by its fetch.
@@ -448,6 +464,16 @@ class WeightsServer:
                 content_type="application/json",
                 headers={"Retry-After": f"{self.settings.busy_retry_s:g}", BUSY_HEADER: "upload slots"},
             )
+        step, count = served.manifest.step, len(shards)
+        if self.seeds is not None and served.complete:
+            instead = self.seeds.instead(step, count, index)
+            if instead is not None:
+                raise web.HTTPServiceUnavailable(
+                    text='{"error": "shard sent already; ask its peers, and this server for another"}',
+                    content_type="application/json",
+                    headers={"Retry-After": "0", SEED_HEADER: str(instead)},
+                )
+            self.seeds.started(step, count, index)
         partial = "Range" in request.headers
         resp = web.StreamResponse(status=206 if partial else 200)
         resp.content_type = SHARD_CONTENT_TYPE
@@ -457,15 +483,21 @@ class WeightsServer:
         if partial:
             resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
         self.sending += 1
+        sent = False
         try:
-            await self.guard.send(
+            whole = await self.guard.send(
                 request,
                 resp,
                 stop - start,
                 lambda: self._send_range(request, resp, served, index, start, stop),
             )
+            sent = (
+                whole and stop == size
+            )  # a range that ends before the shard's end leaves it incomplete there
         finally:
             self.sending -= 1
+            if self.seeds is not None and served.complete and not sent:
+                self.seeds.failed(step, index)
         return resp
 
     async def _wait_for(self, served: ServedVersion, index: int) -> ServedVersion:

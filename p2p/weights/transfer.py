@@ -29,7 +29,8 @@ from ..wire import WireFormatError, loads_strict
 from . import http_head
 from .connections import NETWORK_ERRORS, ConnectionPool
 from .errors import ManifestAbsent, ManifestError, SourceError, StoreError
-from .manifest import MAX_SHARD_SIZE
+from .manifest import MAX_SHARD_SIZE, MAX_SHARDS
+from .seeding import SEED_HEADER
 from .store import PartialVersion
 from .watchdog import Watch
 
@@ -46,10 +47,12 @@ MAX_REFUSAL_BYTES = 256
 class ShardFailure(SourceError):
     """A shard transfer failed through its source; `corrupt` when it sent wrong bytes rather than no bytes;
     `busy` for a 503 that says every upload slot was taken (the source is paused, not only the shard);
-    `withdrawn` for a 404 that says the source no longer serves the version at all (it dropped or pruned it)."""
+    `withdrawn` for a 404 that says the source no longer serves the version at all (it dropped or pruned it);
+    `instead` for a 503 of a super-seeding origin, naming the shard to ask it for instead."""
 
     busy = False
     withdrawn = False
+    instead: int | None = None  # on a super-seeding origin's 503: a shard it has not sent yet (seeding.py)
 
 
 class DigestMismatch(ShardFailure):
@@ -150,6 +153,11 @@ def _check_head(resp: http.client.HTTPResponse, start: int, size: int, watch: Wa
             status=503,
         )
         failure.busy = busy
+        seed = http_head.single_header(resp, SEED_HEADER)
+        if (
+            seed is not None
+        ):  # an origin super-seeding (seeding.py): this shard went out already, ask for that one
+            failure.instead = http_head.header_uint(seed, SEED_HEADER, MAX_SHARDS - 1)
         raise failure
     expected = 206 if start else 200
     if resp.status != expected:
