@@ -102,7 +102,8 @@ class Delivery:
                 logger.info("hand-offs work again")
                 self._last_failure = None
             try:  # until a file is committed, or the first validator's backoff ends
-                await asyncio.wait_for(self._wake.wait(), timeout=min([_IDLE_RECHECK_S, *waits]))
+                async with asyncio.timeout(min([_IDLE_RECHECK_S, *waits])):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

@@ -98,7 +98,8 @@ class VerdictWatcher:
             now = time.monotonic()
             wait = min((a.due for a in self._awaited.values()), default=now + _IDLE_S) - now
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=max(0.05, min(_IDLE_S, wait)))
+                async with asyncio.timeout(max(0.05, min(_IDLE_S, wait))):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

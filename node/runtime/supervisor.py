@@ -132,7 +132,8 @@ class Supervisor:
     async def sleep_or_stop(self, seconds: float) -> bool:
         """Sleep up to `seconds`; return True early (and True) if a stop was requested."""
         try:
-            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+            async with asyncio.timeout(seconds):
+                await self._stop.wait()
         except TimeoutError:
             return False
         return True

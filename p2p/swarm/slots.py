@@ -126,7 +126,8 @@ class SlotTable:
                 if left <= 0:
                     return reason
                 try:
-                    await asyncio.wait_for(self._changed.wait(), left)
+                    async with asyncio.timeout(left):
+                        await self._changed.wait()
                 except TimeoutError:
                     pass  # one last look above
 

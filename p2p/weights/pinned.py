@@ -265,6 +265,7 @@ class PinnedFetch:
                     await attempt(pin)
                     continue
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout=max(0.05, min(IDLE_WAKE_S, wait)))
+                async with asyncio.timeout(max(0.05, min(IDLE_WAKE_S, wait))):
+                    await self._changed.wait()
             except TimeoutError:
                 pass

@@ -91,7 +91,8 @@ class Scheduler:
                 )
             self.changed.clear()
             try:  # wake on any attempt's end, or when one in flight can next be judged
-                await asyncio.wait_for(self.changed.wait(), max(0.001, wake))
+                async with asyncio.timeout(max(0.001, wake)):
+                    await self.changed.wait()
             except TimeoutError:
                 pass
             if self.state.error is not None:

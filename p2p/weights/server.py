@@ -430,7 +430,8 @@ class WeightsServer:
             if remaining <= 0:
                 break
             try:
-                await asyncio.wait_for(served.arrived.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await served.arrived.wait()
             except TimeoutError:
                 pass
             current = self.versions.get(served.manifest.step)
@@ -518,7 +519,8 @@ class WeightsServer:
                     headers={"Retry-After": "1"},
                 )
             try:
-                await asyncio.wait_for(served.arrived.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await served.arrived.wait()
             except TimeoutError:
                 pass
         return served

@@ -447,7 +447,8 @@ class ValidatorService:
         tick = min(1.0, self.settings.intake.group_grace_s / 4)
         while True:
             try:  # woken by an arrival or a learned record; else each tick, for files whose grace runs out
-                await asyncio.wait_for(self.arrived.wait(), tick)
+                async with asyncio.timeout(tick):
+                    await self.arrived.wait()
             except TimeoutError:
                 pass
             self.arrived.clear()
