@@ -91,16 +91,7 @@ def run_loopback(
             out = processors[k].end_frame()
             if tamper is not None:
                 out = tamper(k, out)
-            encoded, _ = writers[k].frame(
-                kind=out.kind,
-                micro_batch=out.micro_batch,
-                step=out.step,
-                rows=out.rows,
-                tensor=out.tensor,
-                dtype=out.dtype,
-                commitment=out.commitment,
-                acknowledged=readers[k].acknowledgement(),
-            )
+            encoded = _encode(writers[k], readers[k], out)
             (frame,) = split_frames(readers[(k + 1) % stages], encoded, opening=False)
             processors[(k + 1) % stages].on_end(frame)
     except PipelineError as exc:  # an end frame without a well-formed completion for every sample
@@ -134,6 +125,21 @@ def known_tokens(processor: StageProcessor) -> list[list[int]]:
     return [list(t) for t in processor.outputs.tokens] if knows else []
 
 
+def _encode(writer: FrameWriter, reader: ChainReader, out: Outgoing) -> bytes:
+    """`out` as its stage's next signed frame, acknowledging what that stage has read so far."""
+    encoded, _ = writer.frame(
+        kind=out.kind,
+        micro_batch=out.micro_batch,
+        step=out.step,
+        rows=out.rows,
+        tensor=out.tensor,
+        dtype=out.dtype,
+        commitment=out.commitment,
+        acknowledged=reader.acknowledgement(),
+    )
+    return encoded
+
+
 def _relay(
     spec: GroupSpec,
     processors: Sequence[StageProcessor],
@@ -147,16 +153,7 @@ def _relay(
         sender, out = pending.popleft()
         if tamper is not None:
             out = tamper(sender, out)
-        encoded, _ = writers[sender].frame(
-            kind=out.kind,
-            micro_batch=out.micro_batch,
-            step=out.step,
-            rows=out.rows,
-            tensor=out.tensor,
-            dtype=out.dtype,
-            commitment=out.commitment,
-            acknowledged=readers[sender].acknowledgement(),
-        )
+        encoded = _encode(writers[sender], readers[sender], out)
         receiver = (sender + 1) % stages
         (frame,) = split_frames(readers[receiver], encoded, opening=False)
         following = deliver_checked(processors[receiver], frame, readers[receiver])
