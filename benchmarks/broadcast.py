@@ -143,7 +143,10 @@ async def agent(args: argparse.Namespace) -> None:
                 "hedges": result.hedges,
                 # When a quarter, half and three quarters of the shards had verified (the pace of the fetch).
                 "quarters": [arrivals[int(len(arrivals) * q)] for q in (0.25, 0.5, 0.75)] if arrivals else [],
-                **{k: sum(s[k] for s in result.sources) for k in ("lies", "shards_failed", "not_ready")},
+                **{
+                    k: sum(s[k] for s in result.sources)
+                    for k in ("lies", "shards_failed", "not_ready", "hints")
+                },
             }
         )
     await server.stop()
@@ -253,8 +256,10 @@ def round_of(
         if agent in nodes:
             times.append(float(reply["done"]) - began)  # type: ignore[arg-type]
             quarters.append([t - began for t in reply["quarters"]])  # type: ignore[union-attr]
-            for key in ("received", "from_first", "hedges", "lies", "shards_failed", "not_ready"):
+            for key in ("received", "from_first", "hedges", "lies", "shards_failed", "not_ready", "hints"):
                 totals[key] = totals.get(key, 0) + float(reply[key])  # type: ignore[arg-type]
+            # The most super-seeding hints one node got (outcomes.py `hint_budget`: the shards plus 64 are free).
+            totals["most_hints"] = max(totals.get("most_hints", 0), float(reply["hints"]))  # type: ignore[arg-type]
     wall = time.monotonic() - began
     totals["cpu"] = (sum(a.cpu_s() for a in everyone) - cpu0) / wall
     for i, q in enumerate(("q1", "q2", "q3")):
@@ -386,7 +391,8 @@ def main() -> None:
                     f"  N={n:<3} {mode:<8} last {max(times):6.2f} s  median {statistics.median(times):6.2f} s  "
                     f"cpu {t['cpu']:.2f} cores; nodes received {t['received'] / size / n:.2f}x the checkpoint, "
                     f"{t['from_first'] / size:.2f} copies from their first source; hedges {t['hedges']:.0f}, "
-                    f"failed {t['shards_failed']:.0f}, 503s {t['not_ready']:.0f}, lies {t['lies']:.0f}; "
+                    f"failed {t['shards_failed']:.0f}, 503s {t['not_ready']:.0f} (seed hints {t['hints']:.0f}, at most "
+                    f"{t['most_hints']:.0f} to a node), lies {t['lies']:.0f}; "
                     f"median node at 1/4, 1/2, 3/4 of its shards: {t['q1']:.1f}, {t['q2']:.1f}, {t['q3']:.1f} s",
                     flush=True,
                 )

@@ -10,7 +10,9 @@ else. Alone, a source that drips or stalls must fail within its deadline instead
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +21,12 @@ import pytest
 from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.publish import publish
-from prime_node.p2p.weights.sources import SelectionSettings
+from prime_node.p2p.weights.seeding import MAX_REFUSALS_WITHOUT_PROGRESS
+from prime_node.p2p.weights.sources import NOT_READY_PAUSE_S, SelectionSettings
 from prime_node.p2p.weights.store import Store
 
 from support.hostile_http import MODES
+from support.weights import hostile as paced_source
 from support.weights import hostile_process, make_checkpoint, operator, publish_steps, same_tree, serving
 
 # Short deadlines so that every test stays small: a manifest within 1 s, a body at >= 32 KiB/s over each 1 s
@@ -74,6 +78,8 @@ REASONS: dict[str, tuple[str, ...] | None] = {
     "s-503-nan": ("Retry-After 'NaN'",),
     "s-503-huge": None,  # a valid (if huge) Retry-After: not a fault, capped at 5 s; the honest source serves
     "s-503-unicode": ("Retry-After '²'",),
+    # Its hints are free (within its budget while the honest server serves everything, ~0.05 s); bounded below.
+    "s-503-seed": None,
     "s-redirect": ("HTTP 302",),
     "s-slow": None,  # a correct source, just slow: it may serve shards, but must not slow the fetch
     "s-garbage-close": ("source ended after",),
@@ -131,6 +137,40 @@ async def test_a_hostile_source_beside_an_honest_one_costs_the_fetch_nothing(
     if expected is not None:
         said = " ".join([report["excluded"] or "", *report["last_errors"]])
         assert any(e in said for e in expected), f"{mode}: {said!r} names none of {expected}"
+
+
+def shard_requests(url: str) -> int:
+    """Shard requests the hostile server received under source URL `url` (tests/support/hostile_http.py)."""
+    with urllib.request.urlopen(f"{url}/requests", timeout=5) as resp:
+        return int(json.loads(resp.read())["shards"])
+
+
+async def test_a_source_that_hints_at_every_request_is_asked_a_bounded_number_of_times(
+    origin: Path, hostile: str, tmp_path: Path
+) -> None:
+    # s-503-seed answers every shard request as a super-seeding origin answers one for a shard it sent already:
+    # 503, Retry-After 0, X-Prime-Node-Seed naming another shard (the next one, round the ring). The fetcher
+    # used to follow every hint, and each hinted request got another, so the source was asked at once after
+    # every answer for as long as the fetch lasted (about 650 requests in this ~1.3 s fetch). Now a hint is
+    # followed once per (source, shard), and past the shard count + MAX_REFUSALS_WITHOUT_PROGRESS hint-503s
+    # each one pauses the source for NOT_READY_PAUSE_S (outcomes.py `hint_budget`). The honest source is paced
+    # (~0.3 s a shard, 8 at once) so that the fetch lasts long enough for the budget to be spent.
+    bad = f"{hostile}/s-503-seed~bounded"
+    async with paced_source(origin, 3, chunk_delay_s=0.04) as good:
+        began = time.monotonic()
+        result = await asyncio.wait_for(fetcher([bad, good.url], tmp_path / "out").fetch(), 30)
+        elapsed = time.monotonic() - began
+    assert same_tree(origin / "step-000000000003" / "checkpoint", result.checkpoint_dir)
+    assert elapsed < BOUND_S, f"the fetch took {elapsed:.1f} s"
+    count = len(result.manifest.body.shards)
+    asked = await asyncio.to_thread(shard_requests, bad)
+    report = report_of(result.sources, bad)
+    budget = count + MAX_REFUSALS_WITHOUT_PROGRESS
+    # The bound: `budget` answers at the fetch's pace, then one per pause (and one in flight when it was spent).
+    assert budget < asked <= budget + elapsed / NOT_READY_PAUSE_S + 2, (asked, budget, elapsed, report)
+    # Every answer was a free "not ready" one: no charge (an honest origin past the budget would be paused alike).
+    assert report["hints"] == report["not_ready"] == asked and report["shards_failed"] == 0, (asked, report)
+    assert report["shards_ok"] == 0 and report_of(result.sources, good.url)["shards_ok"] == count
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import aiohttp
@@ -10,9 +11,12 @@ import pytest
 
 from prime_node.p2p.weights.errors import WeightsError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
+from prime_node.p2p.weights.manifest import SignedManifest
+from prime_node.p2p.weights.outcomes import Outcomes
 from prime_node.p2p.weights.seeding import MAX_REFUSALS_WITHOUT_PROGRESS, SEED_HEADER, SeedLedger
+from prime_node.p2p.weights.selection import Selection
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
-from prime_node.p2p.weights.sources import SelectionSettings
+from prime_node.p2p.weights.sources import NOT_READY_PAUSE_S, SelectionSettings, SourcePool
 from prime_node.p2p.weights.store import Store
 
 from support.weights import operator, publish_steps, same_tree, serving
@@ -109,3 +113,54 @@ def test_the_phase_ends_when_nobody_asks_for_the_never_sent_shards() -> None:
         assert ledger.instead(4, 3, 0) is not None
     ledger.started(4, 3, 1)
     assert ledger.instead(4, 3, 0) == 2
+
+
+class AllBut:
+    """A selection plan (p2p/weights/selection.py) wanting every shard but one."""
+
+    def __init__(self, left_out: int) -> None:
+        self.left_out = left_out
+
+    def choose(self, manifest: SignedManifest, checkpoint_dir: Path, held: frozenset[int]) -> Selection:
+        return Selection.of(manifest, set(range(len(manifest.body.shards))) - {self.left_out})
+
+
+async def test_hints_a_fetcher_cannot_use_cost_an_honest_origin_nothing(tmp_path: Path) -> None:
+    """The one never-sent shard is one this fetch does not want (a selective fetch; a resumed one holding it
+    is alike): every request is refused naming it, the hint is ignored, and after MAX_REFUSALS_WITHOUT_PROGRESS
+    refusals in a row the origin's phase ends and it serves. Those hint-503s are within the fetcher's hint
+    budget (outcomes.py, the shard count plus that many): no pause, no charge. With a budget of the shard
+    count alone each hint past it would have paused the origin, the only source, for NOT_READY_PAUSE_S (here
+    about 10 s in all)."""
+    manifest = publish_steps(tmp_path, operator(), [3])[3]
+    count = len(manifest.body.shards)
+    left = count // 2
+    async with serving(tmp_path / "origin", super_seed=True) as server:
+        for index in range(count):
+            if index != left:
+                assert (await get(f"{server.url}/v1/weights/3/shards/{index}"))[0] == 200
+        fetcher = Fetcher([server.url], operator().node_id, Store(tmp_path / "out"), FAST)
+        began = time.monotonic()
+        try:
+            result = await fetcher.fetch_version(await fetcher.resolve(3), AllBut(left))
+        finally:
+            fetcher.close()
+        elapsed = time.monotonic() - began
+    (origin,) = result.sources
+    assert origin["hints"] == MAX_REFUSALS_WITHOUT_PROGRESS > count, origin
+    assert origin["shards_failed"] == 0 and origin["last_errors"] == [], origin
+    assert origin["shards_ok"] == count - 1
+    assert elapsed < (MAX_REFUSALS_WITHOUT_PROGRESS - count) * NOT_READY_PAUSE_S / 2, f"took {elapsed:.1f} s"
+
+
+def test_a_hint_is_followed_once_per_source_and_shard_and_free_up_to_the_budget() -> None:
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    pool = SourcePool(urls)
+    outcomes = Outcomes(pool, FAST, 3, 10)
+    a, b = (pool.sources[u] for u in urls)
+    assert outcomes.follow_hint(a, 4) and not outcomes.follow_hint(a, 4)
+    assert outcomes.follow_hint(a, 5) and outcomes.follow_hint(b, 4)  # another shard, another source
+    assert outcomes.hint_budget == 10 + MAX_REFUSALS_WITHOUT_PROGRESS
+    assert all(outcomes.hinted(a) for _ in range(outcomes.hint_budget))
+    assert not outcomes.hinted(a) and outcomes.hinted(b)  # a's budget is spent, b's is its own
+    assert a.hints == outcomes.hint_budget + 1 and b.hints == 1

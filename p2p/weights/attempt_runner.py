@@ -8,8 +8,10 @@ its signed availability record and answers a shard-level 404 or a plain 503 for 
 one that answers "no such version" withdrew the version (an honest server that dropped or pruned it): its
 claims are cleared and asked for again, and it is charged a plain failure, not a lie; a 503 from a relay
 still mirroring, or a server with no free upload slot, costs no attempt (`max_not_ready` times per source and
-shard). The fetch fails only when every source that could still serve a shard (it signs no records, or claims
-the shard) has failed it `max_attempts_per_shard` times (outcomes.py: budgets are per source).
+shard), and a super-seeding origin's 503 naming another shard is followed at once, within that source's
+hint budget (outcomes.py). The fetch fails only when every source that could still serve a shard (it signs no
+records, or claims the shard) has failed it `max_attempts_per_shard` times (outcomes.py: budgets are per
+source).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 from .attempts import Attempt, Recheck, fresh_hasher, install_side, resume_point, side_writer
 from .errors import FetchError, SourceError
 from .run_state import RunState
-from .sources import SourceState
+from .sources import NOT_READY_PAUSE_S, SourceState
 from .store import ShardProgress
 from .transfer import ShardFailure, ShardResult, TransferCancelled, download_shard, rehash, shard_path
 from .watchdog import Watch
@@ -235,19 +237,24 @@ class AttemptRunner:
             if not others and index not in self.winners:
                 self._give_up_or_requeue(index)
             return None
-        if failure.retry_after is not None and self.outcomes.not_ready(
-            attempt, failure.reason, failure.retry_after if busy else 0.0
-        ):
+        # A super-seeding origin's 503 naming another shard (seeding.py): followed only within the source's hint
+        # budget (outcomes.py `hinted`); beyond it ignored, and the source paused as if busy, so that hints
+        # cannot keep it asked for ever at once.
+        hint = failure.instead if isinstance(failure, ShardFailure) else None
+        pause_s = (failure.retry_after or 0.0) if busy else 0.0
+        if hint is not None and not self.outcomes.hinted(attempt.source):
+            hint, pause_s = None, NOT_READY_PAUSE_S
+        if failure.retry_after is not None and self.outcomes.not_ready(attempt, failure.reason, pause_s):
             # A relay still mirroring this shard, or a server with no free upload slot: no penalty and no
             # attempt used; other holders are tried at once, and when every holder was, it waits Retry-After.
             if not others and index not in self.winners:
                 holders = {u.url for u in self.pool.usable()} - self.peering.lacking(index)
                 everyone = (holders or {u.url for u in self.pool.usable()}) <= self.tried[index]
                 self.state.requeue(index, failure.retry_after if everyone else 0.0, first=False)
-            if isinstance(failure, ShardFailure) and failure.instead is not None:
+            if hint is not None:
                 # A super-seeding origin sent this shard to someone already and named one it never sent: asked
                 # for at once, once this attempt has left the in-flight table (call_soon runs after it).
-                self.loop.call_soon(self._ask_instead, attempt.source, failure.instead)
+                self.loop.call_soon(self._ask_instead, attempt.source, hint)
             return None
         if attempt.in_place and (failure.corrupt or attempt.recheck is not None):
             self.partial.progress.pop(index, None)  # wrong bytes, or bytes no verified copy vouches for
@@ -271,6 +278,8 @@ class AttemptRunner:
         if source.excluded is not None or not holds or source.url in self.outcomes.spent(index):
             return
         if self.pool.clock() < source.cooldown_until:
+            return
+        if not self.outcomes.follow_hint(source, index):  # once per (source, shard): no chain runs for ever
             return
         self.queue.take(index)
         self.start(index, source)

@@ -22,6 +22,27 @@ has spent its own budget on it (`exhausted`). So peers that claim a shard and fa
 only their own attempts, never the origin's. Likewise a 503 that says "not here yet" or "busy" is free only
 `max_not_ready` times per (source, shard): sybils answering busy cannot use up the origin's allowance.
 
+A super-seeding origin's 503 (seeding.py) names a shard to ask it for instead, and the fetcher asks at once
+(attempt_runner.py). That hint is budgeted per source: it is followed at most once per (source, named shard),
+and only while the source's hint-503s number at most `hint_budget`, the shard count plus seeding.py's
+MAX_REFUSALS_WITHOUT_PROGRESS. Beyond it a hint-503 is a "not ready" answer whose hint is ignored, and it
+pauses its source for NOT_READY_PAUSE_S (as a busy answer does), whatever its Retry-After. A source that
+answers every request with a hint (each hinted request getting another, round the shards, for as long as the
+fetch lasts) used to be asked at once after every answer, at no cost, its requests taking shards out of the
+queue; now it gets `hint_budget` answers at that pace, then at most one request per NOT_READY_PAUSE_S, out of
+the draw in between. Ignoring the hints alone would not bound it: a 503 with Retry-After 0 from a source that
+serves nothing is asked again at the scheduler's pace (its own probe slot), `max_not_ready` times per shard.
+
+Why a pause and not a charge: an honest origin stays under the budget in the cases it is sized for (the
+hints a fetcher follows are each a first send of a different shard, so at most the shard count; the hints it
+cannot use, for a shard it holds or does not want, end the origin's phase after MAX_REFUSALS_WITHOUT_PROGRESS
+in a row), but no budget for one fetcher bounds an origin in a swarm: that count starts again at every first
+send anywhere, and a hint also goes unused while its shard waits out a Retry-After or the origin is paused.
+Charged as failures, the extra hints would spend the origin's `max_attempts_per_shard` on one shard in a few
+answers and fail a fetch whose only source is that origin (tried with a budget of the shard count alone:
+the selective fetch in tests/test_weights_seeding.py failed so); paused, an honest origin past the budget
+loses at most a quarter second per hint, in a phase that ends within one copy of the checkpoint anyway.
+
 A peer the swarm advertised, bound to a node id (`SourceState.node_id`), that is charged with wrong bytes is
 also dropped from the fetch (excluded, its claims withdrawn): nobody vouched for it, and every further shard
 it sends would have to be received and hashed before it could be refused again. An origin or relay the
@@ -37,6 +58,7 @@ from collections.abc import Callable
 from .attempts import Attempt, Recheck
 from .errors import SourceError
 from .fetch_settings import FetchSettings
+from .seeding import MAX_REFUSALS_WITHOUT_PROGRESS
 from .sources import SourcePool, SourceState
 from .transfer import DigestMismatch, ShardResult
 
@@ -51,6 +73,7 @@ class Outcomes:
         pool: SourcePool,
         settings: FetchSettings,
         step: int,
+        shard_count: int,
         on_drop: Callable[[SourceState], None] | None = None,
     ) -> None:
         self.pool = pool
@@ -64,6 +87,26 @@ class Outcomes:
         self.failures: collections.Counter[tuple[int, str]] = collections.Counter()
         self._spent: dict[int, set[str]] = {}  # shard -> sources that used their whole budget on it
         self._not_ready: collections.Counter[tuple[int, str]] = collections.Counter()
+        # Super-seeding hints (module docstring): the hint-503s each source may give at the fetch's pace (counted
+        # in `SourceState.hints`, one fetch's), and the (shard, source) pairs whose hint was followed (bounded
+        # like the counters above, by the shards and sources of one fetch).
+        self.hint_budget = shard_count + MAX_REFUSALS_WITHOUT_PROGRESS
+        self._followed: set[tuple[int, str]] = set()
+
+    def hinted(self, source: SourceState) -> bool:
+        """`source` answered a super-seeding 503 naming another shard: True while its hint-503s are within
+        `hint_budget`; False beyond it (the hint is ignored and the source paused: module docstring). Either
+        way a hint-503 with a Retry-After is a "not ready" answer (`not_ready`)."""
+        source.hints += 1
+        return source.hints <= self.hint_budget
+
+    def follow_hint(self, source: SourceState, index: int) -> bool:
+        """Whether `source`'s hint to ask it for shard `index` may be followed: once per (source, shard) in a
+        fetch. Call only when it is about to be followed (a hint that is not wanted uses nothing)."""
+        if (index, source.url) in self._followed:
+            return False
+        self._followed.add((index, source.url))
+        return True
 
     def not_ready(self, attempt: Attempt, reason: str, pause_s: float) -> bool:
         """The source answered 503 (not verified there yet, or every upload slot busy): True while such answers

@@ -99,7 +99,9 @@ class RunState:
             on_change=self.changed.set,
             on_join=self._join,
         )
-        self.outcomes = Outcomes(pool, self.settings, self.manifest.step, on_drop=self.peering.drop)
+        self.outcomes = Outcomes(
+            pool, self.settings, self.manifest.step, len(self.manifest.body.shards), on_drop=self.peering.drop
+        )
 
     def _join(self, url: str, task: asyncio.Task[SignedManifest]) -> None:
         self.joining[url] = task

@@ -70,6 +70,7 @@ class SourceState:
     shards_corrupt: int = 0
     shards_lost: int = 0  # transfers cancelled because a faster copy of their shard verified first
     not_ready: int = 0  # 503 answers (a relay still mirroring, a server with every upload slot busy)
+    hints: int = 0  # 503 answers naming another shard to ask for instead (a super-seeding origin, seeding.py)
     bytes_ok: int = 0
     errors: list[str] = field(default_factory=list)
     # Availability (availability.py): None until known. `records` False: the source signs none (404), so it is
@@ -121,6 +122,7 @@ class SourceState:
             "shards_corrupt": self.shards_corrupt,
             "shards_lost": self.shards_lost,
             "not_ready": self.not_ready,
+            "hints": self.hints,
             "lies": self.lies,
             "bytes_ok": self.bytes_ok,
             "excluded": self.excluded,

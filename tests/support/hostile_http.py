@@ -9,7 +9,8 @@ asks it for `/<mode>/v1/weights/...` as it asks any server. The content is the g
 shard bytes of the versions in STORE_DIR (a prime-node store; `latest` is its highest step, and a version
 published there later is served too), except where the mode says otherwise; modes starting
 with `m-` break the manifest response and serve honest shards, modes starting with `s-` serve the honest
-manifest and break every shard response. It writes raw bytes to the socket (no HTTP library), so it can say
+manifest and break every shard response. `GET <base URL>/requests` answers `{"shards": <n>}`, the shard
+requests that source has received. It writes raw bytes to the socket (no HTTP library), so it can say
 what no well-behaved library would: `Content-Length: ²` (0xB2, what `str.isdigit()` accepts), headers that
 never end, a body that drips one byte at a time. Standard library only, so it starts in a few milliseconds.
 """
@@ -57,6 +58,8 @@ SHARD_MODES = {
     "s-503-nan": "503 with Retry-After: NaN, for ever",
     "s-503-huge": "503 with a Retry-After of 20 digits, for ever",
     "s-503-unicode": "503 with Retry-After: ², for ever",
+    "s-503-seed": "503 with Retry-After: 0 and X-Prime-Node-Seed naming the next shard (cycling), for ever: a "
+    "super-seeding origin's hint, given for every request",
     "s-redirect": "302 to another address",
     "s-slow": "the honest shard, 1 KiB per interval (slow, but a correct source)",
     # Resume poisoning: bytes that are kept on disk when the transfer breaks off, for a later one to continue.
@@ -67,6 +70,8 @@ SHARD_MODES = {
     "Content-Range (its own resume fails)",
 }
 GARBAGE_BYTES = 8 << 10
+SEED = "X-Prime-Node-Seed"  # p2p/weights/seeding.py SEED_HEADER (standard library only here)
+EMPTY = [("Content-Length", "0")]
 MODES = {**MANIFEST_MODES, **SHARD_MODES}
 MAX_REQUEST_HEAD = 16 << 10
 
@@ -151,6 +156,14 @@ class Handler(socketserver.BaseRequestHandler):
         """Answer one request; False when the connection must end (the mode broke the framing)."""
         parts = path.strip("/").split("/")
         mode, rest = parts[0].split("~")[0], parts[1:]
+        if rest == ["requests"]:  # how many shard requests this source (`<mode>~<k>`) received, for the tests
+            with self.server.lock:
+                doc = json.dumps({"shards": self.server.shard_requests.get(parts[0], 0)}).encode()
+            sock.sendall(head("200 OK", [("Content-Length", str(len(doc)))]) + doc)
+            return True
+        if len(rest) == 5 and rest[3] == "shards":
+            with self.server.lock:
+                self.server.shard_requests[parts[0]] = self.server.shard_requests.get(parts[0], 0) + 1
         interval = self.server.interval
         asked = rest[2] if len(rest) > 2 else ""
         step = int(asked) if asked.isascii() and asked.isdigit() else None
@@ -176,6 +189,14 @@ class Handler(socketserver.BaseRequestHandler):
             start = int(range_header.removeprefix("bytes=").split("-")[0]) if range_header else 0
             if broken in ("s-garbage-close", "s-garbage-stall", "s-garbage-resume", "s-range-shifted"):
                 return self.poison(sock, broken, body, start)
+            if broken == "s-503-seed":
+                # A super-seeding origin's hint (p2p/weights/seeding.py) for every request, the next shard
+                # round the ring: a fetcher that took every hint would ask this source for ever.
+                hinted = (int(rest[4]) + 1) % len(content.shards)
+                sock.sendall(
+                    head("503 Service Unavailable", [*EMPTY, ("Retry-After", "0"), (SEED, str(hinted))])
+                )
+                return True
             if range_header and broken is None:
                 sock.sendall(partial_head(ctype, start, len(body)) + body[start:])
                 return True
@@ -307,6 +328,8 @@ class HostileServer(socketserver.ThreadingTCPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.versions = versions
         self.interval = interval
+        self.lock = threading.Lock()
+        self.shard_requests: dict[str, int] = {}  # source path (`<mode>~<k>`) -> shard requests received
 
 
 def main() -> None:
