@@ -167,7 +167,8 @@ async def test_a_source_that_hints_at_every_request_is_asked_a_bounded_number_of
     report = report_of(result.sources, bad)
     budget = count + MAX_REFUSALS_WITHOUT_PROGRESS
     # The bound: `budget` answers at the fetch's pace, then one per pause (and one in flight when it was spent).
-    assert budget < asked <= budget + elapsed / NOT_READY_PAUSE_S + 2, (asked, budget, elapsed, report)
+    # No lower bound: on a loaded machine the fetch may end before the source has spent its budget.
+    assert asked <= budget + elapsed / NOT_READY_PAUSE_S + 2, (asked, budget, elapsed, report)
     # Every answer was a free "not ready" one: no charge (an honest origin past the budget would be paused alike).
     assert report["hints"] == report["not_ready"] == asked and report["shards_failed"] == 0, (asked, report)
     assert report["shards_ok"] == 0 and report_of(result.sources, good.url)["shards_ok"] == count

@@ -240,6 +240,7 @@ class ContributorNode:
         sup.spawn("announcement-wait", _report_no_announcement(s.announcement_wait_s, s.max_retry_s, state))
         sup.spawn("checkpoint-fetch", keeper.run())
         sup.spawn("peers-watch", _watch_peers(swarm, state, sharing))
+        sup.spawn("weights-source-proofs", sharing.prove_sources())
         if sharing.server is not None:
             sup.spawn("weights-serve", sharing.advertise())
         sup.spawn("hand-off", delivery.run())

@@ -39,7 +39,10 @@ Many ports of one host count once when a fetch draws its peers (`sources_for`: h
 MAX_URLS_PER_HOST servers of each), so a machine with many ids and ports cannot crowd the other hosts out
 of a fetch; and within a host the servers a fetch found serving as a node that names them are drawn first
 (`note_proven`), so ports named on an honest node's host by others cannot crowd its server out of its host's
-share once this node has fetched from it.
+share once this node has fetched from it. Before that, on a host naming more URLs than a fetch draws of it,
+the node asks each unproven URL for its signed availability record, a few per host per minute
+(source_proofs.py): the honest server proves its node id and is drawn first from the next fetch on, and a URL
+that answers no current record of a node naming it is kept out of the draw for a while.
 
 What is left is a peer naming a public host that is not its own, with one request per node per fetch to a
 path of /v1/weights/; any source's answers are then bounded and verified like every other's.
@@ -61,6 +64,7 @@ from ...p2p.weights.serve_verified import ServeAsVerified
 from ...p2p.weights.server import WeightsServer
 from ...p2p.weights.store import Store
 from .settings import StartSettings
+from .source_proofs import ProofSettings, ProofTarget, SourceProver
 from .state import NodeState
 
 logger = logging.getLogger(__name__)
@@ -83,6 +87,7 @@ class WeightsSharing:
         swarm: Swarm,
         state: NodeState,
         identity: Identity | None = None,
+        proofs: ProofSettings | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
@@ -99,6 +104,8 @@ class WeightsSharing:
         self._proven: dict[
             str, str
         ] = {}  # weights URL -> the node a fetch found serving there (`note_proven`)
+        # Dial-back proofs on hosts naming more URLs than a fetch draws of one (`proof_targets`).
+        self.prover = SourceProver(self.note_proven, identity, proofs, slots_per_host=MAX_URLS_PER_HOST)
 
     async def start(self) -> bool:
         """Start serving when asked to and reachable; False (with the reason logged) otherwise."""
@@ -224,6 +231,21 @@ class WeightsSharing:
         self._peer_urls = by_step
         self.refused = refused
         self.contested = contested
+        self.prover.wake()
+
+    async def prove_sources(self) -> None:
+        """Supervised task: dial-back proofs of the URLs on contested hosts (source_proofs.py)."""
+        await self.prover.run(self.proof_targets)
+
+    def proof_targets(self) -> tuple[list[ProofTarget], set[str]]:
+        """Every peer URL with its claimants and the newest step they say it serves, and the URLs already
+        proven to be served by a node that still names them."""
+        newest: dict[str, ProofTarget] = {}
+        for step, urls in sorted(self._peer_urls.items()):
+            for url, claimants in urls.items():
+                newest[url] = ProofTarget(url, claimants, step)
+        proven = {url for url, target in newest.items() if self._proven.get(url, "") in target.claimants}
+        return list(newest.values()), proven
 
     def note_proven(self, url: str, node_id: str) -> None:
         """A fetch found `node_id` serving at `url`: it served a current availability record signed by that
@@ -241,9 +263,10 @@ class WeightsSharing:
         Within a host, servers already found serving as a node that still names them (`note_proven`) are drawn
         first, for all slots but one; the rest are drawn at random. A peer that names many ports or paths on an
         honest node's host (listing its address as its own) cannot push the honest server out of the draw once
-        this node has fetched from it: the false servers can never be proven, as nothing there signs as their
-        claimants. The one random slot keeps a newcomer on a host of proven servers (several nodes behind one
-        NAT) in the draw."""
+        this node has fetched from it, or proved it by a dial-back (source_proofs.py): the false servers can never
+        be proven, as nothing there signs as their claimants. The one random slot keeps a newcomer on a host of
+        proven servers (several nodes behind one NAT) in the draw. A URL whose dial-back failed is not drawn
+        while it is held out."""
         peers = self._peer_urls.get(step, {})
         by_host: dict[str, list[str]] = {}
         for url in sorted(peers):
@@ -253,7 +276,7 @@ class WeightsSharing:
             urls = by_host[host]
             proven = [u for u in urls if self._proven.get(u, "") in peers[u]]  # still named by that node
             first = random.sample(proven, min(MAX_URLS_PER_HOST - 1, len(proven)))
-            rest = [u for u in urls if u not in first]
+            rest = [u for u in urls if u not in first and not self.prover.held_out(u)]
             drawn += first + random.sample(rest, min(MAX_URLS_PER_HOST - len(first), len(rest)))
         return {url: peers[url] for url in drawn}
 

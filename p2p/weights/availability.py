@@ -125,6 +125,26 @@ def parse_availability(
 ) -> tuple[AvailabilityBody, frozenset[int]]:
     """Verify a peer's record for `manifest` (signed by one of `signers` when given: the node ids a source may
     be); returns it and the shards it claims. AvailabilityError (naming what is wrong) for anything else."""
+    parsed = verify_signed_record(raw, signers=signers)
+    if parsed.step != manifest.step or parsed.manifest_sha256 != manifest.digest:
+        raise AvailabilityError(
+            f"availability record is about manifest {parsed.manifest_sha256[:16]}… of step {parsed.step}, "
+            f"not {manifest.digest[:16]}… of step {manifest.step}",
+            corrupt=True,
+        )
+    if parsed.shard_count != len(manifest.body.shards):
+        raise AvailabilityError(
+            f"availability record counts {parsed.shard_count} shards; the manifest has {len(manifest.body.shards)}",
+            corrupt=True,
+        )
+    check_current(parsed, now)
+    return parsed, decode_bitmap(parsed.have, parsed.shard_count)
+
+
+def verify_signed_record(raw: bytes, *, signers: AbstractSet[str] | None = None) -> AvailabilityBody:
+    """The body of a record whose size, JSON, signer (one of `signers` when given) and signature verify and whose
+    fields match the schema; not yet checked against any manifest nor for its age (`parse_availability` does
+    both; a dial-back proof of who serves at a URL needs only this and `check_current`)."""
     if len(raw) > MAX_AVAILABILITY_BYTES:
         raise AvailabilityError(
             f"availability record is {len(raw)} bytes, over the {MAX_AVAILABILITY_BYTES}-byte limit",
@@ -166,20 +186,14 @@ def parse_availability(
             f"availability record signature does not verify for {signer[:16]}…", corrupt=True
         ) from None
     try:
-        parsed = AvailabilityBody.model_validate(body)
+        return AvailabilityBody.model_validate(body)
     except ValidationError as exc:
         raise AvailabilityError(f"availability record is invalid {describe(exc)}", corrupt=True) from None
-    if parsed.step != manifest.step or parsed.manifest_sha256 != manifest.digest:
-        raise AvailabilityError(
-            f"availability record is about manifest {parsed.manifest_sha256[:16]}… of step {parsed.step}, "
-            f"not {manifest.digest[:16]}… of step {manifest.step}",
-            corrupt=True,
-        )
-    if parsed.shard_count != len(manifest.body.shards):
-        raise AvailabilityError(
-            f"availability record counts {parsed.shard_count} shards; the manifest has {len(manifest.body.shards)}",
-            corrupt=True,
-        )
+
+
+def check_current(parsed: AvailabilityBody, now: float | None = None) -> None:
+    """StaleAvailability for a record older than MAX_AGE_S, AvailabilityError for one dated beyond the same skew
+    in the future (see the module docstring)."""
     age = (time.time() if now is None else now) - parsed.issued_at_ms / 1000
     if age > MAX_AGE_S:
         raise StaleAvailability(
@@ -191,7 +205,6 @@ def parse_availability(
             "skew tolerated",
             corrupt=True,
         )
-    return parsed, decode_bitmap(parsed.have, parsed.shard_count)
 
 
 def is_hex128(text: str) -> bool:
