@@ -30,6 +30,7 @@ from prime_node.node.contributor.source_proofs import (
 from prime_node.node.contributor.state import NodeState
 from prime_node.p2p.identity import Identity
 from prime_node.p2p.swarm import Hardware, Heartbeat, Swarm
+from prime_node.p2p.weights.access import TokenSource
 from prime_node.p2p.weights.store import Store
 
 from support.swarm import config
@@ -119,7 +120,11 @@ async def test_the_honest_server_among_many_false_urls_on_its_host_is_proven_and
     publish_steps(tmp_path, key, [3], megabytes=0.2)
     honest_id, impostor_id = Identity.generate(), Identity.generate()
     clock = FakeClock()
-    settings = ProofSettings(per_host=4, per_window=32, timeout_s=0.5, window_s=60, hold_s=600)
+    # Each URL is asked once here: an unanswering one is held as long as a wrongly answering one (its short
+    # hold, doubled per probe in a row, has its own test). The deadline is loose enough for a loaded machine.
+    settings = ProofSettings(
+        per_host=4, per_window=32, timeout_s=2.5, window_s=60, hold_s=600, unanswered_hold_s=600
+    )
     sharing = sharing_for(tmp_path, key, clock, settings)
     async with (
         serving(tmp_path / "origin", key.node_id, identity=honest_id) as honest,
@@ -152,6 +157,7 @@ async def test_the_honest_server_among_many_false_urls_on_its_host_is_proven_and
             clock.now += settings.window_s
         assert proven_in is not None and sharing.prover.sent == len(fakes) + 1  # each URL asked once
         assert sharing._proven == {good: honest_id.node_id}
+        assert sharing.proof_targets()[2] == {HOST}  # its host is asked first from now on
         # Every false URL failed its probe and is held out: the host gives only its honest server.
         for _ in range(20):
             assert sharing.sources_for(3) == {good: frozenset({honest_id.node_id})}
@@ -166,20 +172,42 @@ async def test_the_honest_server_among_many_false_urls_on_its_host_is_proven_and
         assert sharing.prover.window_probes[HOST] == settings.per_host
 
 
-async def test_a_probe_that_hangs_is_cut_by_its_deadline_and_held_out(tmp_path: Path) -> None:
+async def test_no_answer_holds_a_url_out_briefly_and_longer_each_time_a_wrong_answer_for_long(
+    tmp_path: Path,
+) -> None:
+    # A server that hangs (cut by the deadline) and a closed port gave no answer: an honest server restarting
+    # looks the same, so they are held out for unanswered_hold_s, doubled at each such probe in a row up to
+    # hold_s. A path the server answers 404 for answered wrongly: held out for hold_s at once.
+    key = weights_operator()
+    publish_steps(tmp_path, key, [3], megabytes=0.2)
     clock = FakeClock()
     proven: list[tuple[str, str]] = []
-    settings = ProofSettings(timeout_s=0.4, hold_s=100)
+    settings = ProofSettings(
+        timeout_s=1.5, window_s=1, per_host=64, unanswered_hold_s=60, hold_s=300
+    )  # the budgets are not what this test is about
     prover = SourceProver(
         lambda u, n: proven.append((u, n)), settings=settings, slots_per_host=0, clock=clock
     )
-    async with silent_server() as url:
-        began = time.monotonic()
-        assert await prover.prove([ProofTarget(url, frozenset({"a" * 64}), 3)], set()) == 0
-        assert time.monotonic() - began < settings.timeout_s + 1.5
-    assert prover.held_out(url) and proven == []
-    clock.now += settings.hold_s
-    assert not prover.held_out(url)
+    claimant = frozenset({Identity.generate().node_id})
+    async with (
+        silent_server() as silent,
+        serving(tmp_path / "origin", key.node_id, identity=Identity.generate()) as server,
+    ):
+        closed = f"http://{HOST}:{closed_ports(1)[0]}"
+        wrong = f"{server.url}/elsewhere"  # type: ignore[attr-defined]
+        targets = [ProofTarget(url, claimant, (3,)) for url in (silent, closed, wrong)]
+        holds: dict[str, list[float]] = {t.url: [] for t in targets}
+        for _ in range(5):  # bounded: each round asks the URLs no longer held, then waits for the next to end
+            began = time.monotonic()
+            await prover.prove(targets, set())
+            # The hanging server is cut by its deadline: a round never waits much longer than one probe.
+            assert time.monotonic() - began < settings.timeout_s + 3.0
+            for url in [u for u, when in prover._asked.items() if when == clock.now]:
+                holds[url].append(prover._held[url] - clock.now)
+            clock.now = min(until for until in prover._held.values() if until > clock.now)
+    assert holds[silent] == holds[closed] == [60, 120, 240, 300]  # asked at t = 0, 60, 180, 420
+    assert holds[wrong] == [300, 300]  # asked at t = 0, 300
+    assert proven == []
 
 
 def test_probes_stay_within_their_budgets_however_many_urls_sybils_name() -> None:
@@ -191,9 +219,11 @@ def test_probes_stay_within_their_budgets_however_many_urls_sybils_name() -> Non
     settings = ProofSettings(per_host=4, per_window=32)
     prover = SourceProver(lambda u, n: None, settings=settings, slots_per_host=MAX_URLS_PER_HOST, clock=clock)
     claimant = frozenset({"b" * 64})
-    victim = [ProofTarget(f"http://1.2.3.4:{10000 + n}", claimant, 3) for n in range(1000)]
-    others = [ProofTarget(f"http://5.6.{h}.1:{8000 + n}", claimant, 3) for h in range(40) for n in range(5)]
-    quiet = [ProofTarget(f"http://9.9.9.9:{8000 + n}", claimant, 3) for n in range(MAX_URLS_PER_HOST)]
+    victim = [ProofTarget(f"http://1.2.3.4:{10000 + n}", claimant, (3,)) for n in range(1000)]
+    others = [
+        ProofTarget(f"http://5.6.{h}.1:{8000 + n}", claimant, (3,)) for h in range(40) for n in range(5)
+    ]
+    quiet = [ProofTarget(f"http://9.9.9.9:{8000 + n}", claimant, (3,)) for n in range(MAX_URLS_PER_HOST)]
     for _ in range(5):
         plan = prover.due(victim + others + quiet, set())
         hosts = {t.url.split("//")[1].rsplit(":", 1)[0] for t in plan}
@@ -212,7 +242,7 @@ def test_probes_stay_within_their_budgets_however_many_urls_sybils_name() -> Non
         clock=clock,
     )
     many = [
-        ProofTarget(f"http://1.{h // 250}.{h % 250}.1:{8000 + n}", claimant, 3)
+        ProofTarget(f"http://1.{h // 250}.{h % 250}.1:{8000 + n}", claimant, (3,))
         for h in range(1300)
         for n in range(4)
     ]
@@ -223,6 +253,53 @@ def test_probes_stay_within_their_budgets_however_many_urls_sybils_name() -> Non
         seen |= {t.url for t in plan}
         clock.now += settings.window_s
     assert len(wide._asked) == MAX_URLS_KEPT
+
+
+def test_the_budget_goes_first_to_hosts_proven_before_then_to_hosts_naming_the_announced_step() -> None:
+    # Sybils can make contested hosts of any public addresses and name the announced step there too: with
+    # forty such hosts and a budget of two hosts a window, a host where a URL was proven before (which no
+    # sybil can fake) is still asked in the first window, and a host naming the announced step before
+    # one that does not.
+    clock = FakeClock()
+    claimant = frozenset({"b" * 64})
+    settings = ProofSettings(per_host=4, per_window=8)
+    sybils = [
+        ProofTarget(f"http://5.6.{h}.1:{8000 + n}", claimant, (4,), urgent=True)
+        for h in range(40)
+        for n in range(5)
+    ]
+    known = [ProofTarget(f"http://8.8.8.8:{8000 + n}", claimant, (3,)) for n in range(5)]
+    for seed in range(10):
+        prover = SourceProver(
+            lambda u, n: None,
+            settings=settings,
+            slots_per_host=MAX_URLS_PER_HOST,
+            clock=clock,
+            rng=random.Random(seed),
+        )
+        assert prover.window_probes == {} and len(prover.due(sybils + known, set(), {"8.8.8.8"})) == 8
+        assert prover.window_probes["8.8.8.8"] == settings.per_host
+        quiet = [ProofTarget(t.url, t.claimants, t.steps) for t in sybils]
+        prover = SourceProver(
+            lambda u, n: None,
+            settings=settings,
+            slots_per_host=MAX_URLS_PER_HOST,
+            clock=clock,
+            rng=random.Random(seed),
+        )
+        prover.due(quiet + [ProofTarget(t.url, t.claimants, (4,), urgent=True) for t in known], set())
+        assert prover.window_probes["8.8.8.8"] == settings.per_host
+
+
+async def test_the_prover_keeps_no_access_tokens_between_rounds() -> None:
+    # A token per host:port asked: kept for the node's life they would grow with every port sybils name.
+    clock = FakeClock()
+    prover = SourceProver(
+        lambda u, n: None, Identity.generate(), ProofSettings(timeout_s=2.0), slots_per_host=0, clock=clock
+    )
+    targets = [ProofTarget(f"http://{HOST}:{port}", frozenset({"b" * 64}), (3,)) for port in closed_ports(3)]
+    assert await prover.prove(targets, set()) == 0 and prover.sent == 3
+    assert not [v for v in vars(prover).values() if isinstance(v, TokenSource)]
 
 
 async def test_the_supervised_task_proves_a_contested_host_as_soon_as_its_peers_are_noted(
@@ -254,3 +331,68 @@ async def test_the_supervised_task_proves_a_contested_host_as_soon_as_its_peers_
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def test_a_sybil_naming_the_honest_url_with_steps_it_does_not_serve_cannot_hold_it_out(
+    tmp_path: Path,
+) -> None:
+    # The attack: a sybil names the honest node's own URL with steps it does not serve (the announced step 4,
+    # which the honest node has not fetched yet, and 10**9: a heartbeat bounds no step), and three more URLs
+    # on its host (paths the honest server answers 404 for) make the host contested. Were the steps of all
+    # claimants merged and the newest asked, the honest server would answer 404, be held out, and be asked
+    # the same again after each hold: never drawn. Each claimant is asked its own newest step within the
+    # announced one, and a URL is held out only once every claimant's step failed there.
+    key = weights_operator()
+    publish_steps(tmp_path, key, [3], megabytes=0.2)
+    honest_id, sybil_id = Identity.generate(), Identity.generate()
+    clock = FakeClock()
+    settings = ProofSettings(per_host=4, per_window=32, timeout_s=3.0, window_s=60, hold_s=600)
+    sharing = sharing_for(tmp_path, key, clock, settings)
+    sharing.state.set_announced(4)
+    async with serving(tmp_path / "origin", key.node_id, identity=honest_id) as honest:
+        good = honest.url  # type: ignore[attr-defined]
+        fakes = [f"{good}/x{n}" for n in range(MAX_URLS_PER_HOST)]
+        peers = {
+            honest_id.node_id: beat(honest_id, good),
+            sybil_id.node_id: beat(sybil_id, good, (3, 4, 10**9)),
+            # Two sybils name the first false URL, with steps of their own: both must fail before it is held.
+            (two := Identity.generate()).node_id: beat(two, fakes[0], (2,)),
+        }
+        peers |= {(s := Identity.generate()).node_id: beat(s, url) for url in fakes}
+        sharing.note_peers(peers, banned=set())
+        held: list[dict[str, bool]] = []
+        for _ in range(3):  # bounded: a window each
+            await sharing.prover.prove(*sharing.proof_targets())
+            held.append({url: sharing.prover.held_out(url) for url in [good, *fakes]})
+            clock.now += settings.window_s
+        drawn = sum(good in sharing.sources_for(3) for _ in range(50))
+        assert drawn == 50, f"the honest URL was drawn {drawn} of 50 times"
+        assert sharing._proven == {good: honest_id.node_id}
+        # Window 1 asked the honest URL about step 4 (404: one claimant's step failed, nothing concluded) and
+        # the doubly named false URL about step 3; window 2 asked them about steps 3 (proven) and 2 (held out).
+        assert [h[good] for h in held] == [False] * 3
+        assert [h[fakes[0]] for h in held] == [False, True, True]
+        assert all(h[url] for h in held for url in fakes[1:])
+        assert sharing.prover.sent == 4 + 2 + 0  # 10**9 was never asked: it is beyond the announced step
+        assert sharing.sources_for(3) == {good: frozenset({honest_id.node_id, sybil_id.node_id})}
+
+
+def test_each_claimant_is_asked_its_own_newest_step_within_the_announced_one(tmp_path: Path) -> None:
+    sharing = sharing_for(tmp_path, weights_operator(), FakeClock(), ProofSettings())
+    url = f"http://{HOST}:8470"
+    honest, sybil, ahead = Identity.generate(), Identity.generate(), Identity.generate()
+    peers = {
+        honest.node_id: beat(honest, url, (7, 8)),
+        sybil.node_id: beat(sybil, url, (3, 10, 10**9)),
+        ahead.node_id: beat(ahead, url, (12, 13)),  # fetched steps this node has not seen announced yet
+    }
+    sharing.note_peers(peers, banned=set())
+    sharing.state.set_announced(10)
+    (target,), proven, favoured = sharing.proof_targets()
+    assert target.steps == (10, 8, 13) and target.urgent and proven == set() and favoured == set()
+    assert target.claimants == frozenset(peers)
+    sharing.state.announced_step = None  # none seen yet: each claimant's newest, newest first
+    (target,), _, _ = sharing.proof_targets()
+    assert target.steps == (10**9, 13, 8) and not target.urgent
+    sharing.note_proven(url, honest.node_id)
+    assert sharing.proof_targets()[1:] == ({url}, {HOST})

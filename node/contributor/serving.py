@@ -41,8 +41,9 @@ of a fetch; and within a host the servers a fetch found serving as a node that n
 (`note_proven`), so ports named on an honest node's host by others cannot crowd its server out of its host's
 share once this node has fetched from it. Before that, on a host naming more URLs than a fetch draws of it,
 the node asks each unproven URL for its signed availability record, a few per host per minute
-(source_proofs.py): the honest server proves its node id and is drawn first from the next fetch on, and a URL
-that answers no current record of a node naming it is kept out of the draw for a while.
+(source_proofs.py), each node naming it about a step of its own: the honest server proves its node id and is
+drawn first from the next fetch on, and a URL where no node naming it served a current record of its step is
+kept out of the draw for a while.
 
 What is left is a peer naming a public host that is not its own, with one request per node per fetch to a
 path of /v1/weights/; any source's answers are then bounded and verified like every other's.
@@ -98,6 +99,10 @@ class WeightsSharing:
         self.server: WeightsServer | None = None
         # step -> {weights URL: the node ids naming it} of live, unbanned peers
         self._peer_urls: dict[int, dict[str, frozenset[str]]] = {}
+        # weights URL -> {node id naming it: the steps that node says it serves there}: each claimant's own
+        # claims, for the dial-back proofs (`proof_targets`), which must never ask a URL about a step that only
+        # some other claimant named
+        self._claims: dict[str, dict[str, frozenset[int]]] = {}
         self.networks = [ipaddress.ip_network(n, strict=False) for n in settings.peer_weights_networks]
         self.refused: dict[str, str] = {}  # node id -> why its weights URL is not used (status, tests)
         self.contested: dict[str, frozenset[str]] = {}  # weights URL -> the node ids naming it, when several
@@ -195,8 +200,7 @@ class WeightsSharing:
         claimants. The fetcher binds such a contested server to the claimant whose current signed availability
         record it serves (p2p/weights/peering.py), so the server stays in use and the false (or stale) claim
         gains nothing. A URL is a source for a step when any of its claimants says it serves that step."""
-        claims: dict[str, set[str]] = {}
-        steps: dict[str, set[int]] = {}
+        claims: dict[str, dict[str, frozenset[int]]] = {}
         refused: dict[str, str] = {}
         for node_id, heartbeat in sorted(peers.items()):
             url = heartbeat.weights_url
@@ -206,16 +210,14 @@ class WeightsSharing:
             if why is not None:
                 refused[node_id] = why
                 continue
-            canonical = canonical_url(url)
-            claims.setdefault(canonical, set()).add(node_id)
-            steps.setdefault(canonical, set()).update(heartbeat.serves_steps)
+            claims.setdefault(canonical_url(url), {})[node_id] = frozenset(heartbeat.serves_steps)
         by_step: dict[int, dict[str, frozenset[str]]] = {}
         contested: dict[str, frozenset[str]] = {}
-        for url, ids in claims.items():
-            claimants = frozenset(ids)
+        for url, named in claims.items():
+            claimants = frozenset(named)
             if len(claimants) > 1:
                 contested[url] = claimants
-            for step in steps[url]:
+            for step in set[int]().union(*named.values()):
                 by_step.setdefault(step, {})[url] = claimants
         for node_id, why in refused.items():
             if self.refused.get(node_id) != why:
@@ -229,6 +231,7 @@ class WeightsSharing:
                     url,
                 )
         self._peer_urls = by_step
+        self._claims = claims
         self.refused = refused
         self.contested = contested
         self.prover.wake()
@@ -237,15 +240,29 @@ class WeightsSharing:
         """Supervised task: dial-back proofs of the URLs on contested hosts (source_proofs.py)."""
         await self.prover.run(self.proof_targets)
 
-    def proof_targets(self) -> tuple[list[ProofTarget], set[str]]:
-        """Every peer URL with its claimants and the newest step they say it serves, and the URLs already
-        proven to be served by a node that still names them."""
-        newest: dict[str, ProofTarget] = {}
-        for step, urls in sorted(self._peer_urls.items()):
-            for url, claimants in urls.items():
-                newest[url] = ProofTarget(url, claimants, step)
-        proven = {url for url, target in newest.items() if self._proven.get(url, "") in target.claimants}
-        return list(newest.values()), proven
+    def proof_targets(self) -> tuple[list[ProofTarget], set[str], set[str]]:
+        """Every peer URL with its claimants and the steps to ask it about, the URLs already proven to be served
+        by a node that still names them, and the hosts where a URL was ever proven (asked first).
+
+        Each claimant is asked about its own newest step, never a step only another claimant named: a sybil
+        naming an honest node's URL with steps that server does not serve must not get it held out. Steps
+        beyond the announced one (which no fetch draws sources for yet, and a heartbeat bounds no step) are
+        asked only of a claimant naming no other, after the rest, nearest first: an honest node may have
+        fetched a step this node has not seen announced yet."""
+        announced = self.state.announced_step
+        targets: list[ProofTarget] = []
+        for url, named in self._claims.items():
+            asked: set[int] = set()
+            for steps in named.values():
+                within = [s for s in steps if announced is None or s <= announced]
+                if within or steps:
+                    asked.add(max(within or steps))
+            ordered = sorted((s for s in asked if announced is None or s <= announced), reverse=True)
+            ordered += sorted(s for s in asked if announced is not None and s > announced)
+            urgent = announced is not None and announced in asked
+            targets.append(ProofTarget(url, frozenset(named), tuple(ordered), urgent))
+        proven = {t.url for t in targets if self._proven.get(t.url, "") in t.claimants}
+        return targets, proven, {_host(url) for url in self._proven}
 
     def note_proven(self, url: str, node_id: str) -> None:
         """A fetch found `node_id` serving at `url`: it served a current availability record signed by that

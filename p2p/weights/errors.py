@@ -17,6 +17,17 @@ class ManifestAbsent(ManifestError):
     """A source does not hold the version (yet): it answered 404 or 503 for the manifest. A peer still fetching
     it may hold it soon, so the fetch asks it again (shardrun.py) rather than setting it aside for good."""
 
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = (
+            status  # 404 (it does not serve that) or 503 (not now); decisions read this, not the text
+        )
+
+
+class SourceUnreachable(ManifestError):
+    """No answer came: the connection was refused, reset or cut, or timed out, before the head of a response.
+    Nothing the source said, so nothing it can be held to beyond being unreachable now (a restart looks so)."""
+
 
 class ReplayError(ManifestError):
     """A manifest names a step older than one already held (a replayed or rolled-back checkpoint)."""

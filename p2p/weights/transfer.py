@@ -28,7 +28,7 @@ from typing import Any
 from ..wire import WireFormatError, loads_strict
 from . import http_head
 from .connections import NETWORK_ERRORS, ConnectionPool
-from .errors import ManifestAbsent, ManifestError, SourceError, StoreError
+from .errors import ManifestAbsent, ManifestError, SourceError, SourceUnreachable, StoreError
 from .manifest import MAX_SHARD_SIZE, MAX_SHARDS
 from .seeding import SEED_HEADER
 from .store import PartialVersion
@@ -240,14 +240,20 @@ def download_shard(
 
 def fetch_document(pool: ConnectionPool, source: str, path: str, limit: int, timeout_s: float) -> bytes:
     """Blocking GET of a small JSON document (a manifest, an availability record): at most `limit` bytes, all
-    of it within `timeout_s` of wall-clock time however the source paces it. ManifestAbsent for 404 and 503."""
+    of it within `timeout_s` of wall-clock time however the source paces it. ManifestAbsent for 404 and 503,
+    SourceUnreachable when no response head came (refused, reset, cut or timed out)."""
     watch = Watch(deadline_s=timeout_s)
     token: Any = None
     reusable = False
     try:
-        resp, token = pool.request(source, path, {}, watch)
+        try:
+            resp, token = pool.request(source, path, {}, watch)
+        except (
+            OSError
+        ) as exc:  # a refused, reset or timed-out connection; not a malformed answer (HTTPException)
+            raise SourceUnreachable(_reason(watch, exc)) from None
         if resp.status in (404, 503):
-            raise ManifestAbsent(f"answered HTTP {resp.status} for {path}")
+            raise ManifestAbsent(f"answered HTTP {resp.status} for {path}", resp.status)
         if resp.status != 200:
             raise ManifestError(f"answered HTTP {resp.status} for {path}")
         length = http_head.content_length(resp, limit, "manifest")
