@@ -32,7 +32,14 @@ from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.rarest import ShardQueue
 from prime_node.p2p.weights.serve_verified import ServeAsVerified
 from prime_node.p2p.weights.server import ServeSettings, WeightsServer
-from prime_node.p2p.weights.sources import NOT_READY_PAUSE_S, SelectionSettings, SourcePool
+from prime_node.p2p.weights.sources import (
+    NOT_READY_BACKOFF_MAX_S,
+    NOT_READY_FLOOR_S,
+    NOT_READY_FREE_IN_ROW,
+    NOT_READY_PAUSE_S,
+    SelectionSettings,
+    SourcePool,
+)
 from prime_node.p2p.weights.store import Store
 
 from support.weights import hostile, operator, publish_steps, same_tree, serving
@@ -410,6 +417,43 @@ def test_a_busy_503_pauses_its_source_and_a_not_ready_one_does_not() -> None:
     now[0] += NOT_READY_PAUSE_S
     assert pool.weight(busy, now[0]) > 0 and busy.failures_in_row == relay.failures_in_row == 0
     assert busy.shards_failed == relay.shards_failed == 0  # neither is charged
+
+
+def test_not_ready_answers_in_a_row_pause_their_source_more_and_more_until_it_serves() -> None:
+    # A source answering "not verified yet, Retry-After: 0" for every shard used to be asked again at once,
+    # for the whole fetch. Its first NOT_READY_FREE_IN_ROW such answers in a row are free as before (a relay
+    # behind the fetcher gives a few), then each pauses it: NOT_READY_FLOOR_S, doubled per answer, at most
+    # NOT_READY_BACKOFF_MAX_S (an honest busy server's Retry-After). A verified shard from it starts the count
+    # again.
+    now = [100.0]
+    pool = SourcePool(["http://a:1"], rng=random.Random(0), clock=lambda: now[0])
+    relay = pool.sources["http://a:1"]
+
+    def pause_after_one_more(retry_after: float = 0.0, *, counted: bool = True) -> float:
+        pool.record_not_ready(relay, retry_after, counted=counted)
+        pause = max(0.0, relay.cooldown_until - now[0])
+        now[0] += pause  # asked again as soon as it may be
+        return pause
+
+    assert [pause_after_one_more() for _ in range(NOT_READY_FREE_IN_ROW)] == [0.0] * NOT_READY_FREE_IN_ROW
+    ramp = [pause_after_one_more() for _ in range(6)]
+    floor = NOT_READY_FLOOR_S
+    assert NOT_READY_BACKOFF_MAX_S == 4 * floor  # the ramp reaches the cap at its third step
+    assert ramp == pytest.approx([floor, 2 * floor] + [NOT_READY_BACKOFF_MAX_S] * 4)
+    for _ in range(100):  # however long it goes on: no longer than the cap, and no overflow
+        assert pause_after_one_more() == pytest.approx(NOT_READY_BACKOFF_MAX_S)
+    # A longer Retry-After of its own is honoured past the cap, up to NOT_READY_PAUSE_S as for any busy answer.
+    assert pause_after_one_more(5.0) == pytest.approx(NOT_READY_PAUSE_S)
+    # A super-seeding hint within its budget (followed at once) and the answer to a blind ask (a shard it never
+    # said it holds) are neither paused nor counted.
+    assert pause_after_one_more(counted=False) == 0.0
+    assert (
+        relay.not_ready_in_row == NOT_READY_FREE_IN_ROW + 107
+        and relay.not_ready == NOT_READY_FREE_IN_ROW + 108
+    )
+    assert relay.failures_in_row == relay.shards_failed == 0  # paused, never charged
+    pool.record_success(relay, 1 << 20, 0.1)  # it served a shard: free again, a busy Retry-After honoured
+    assert pause_after_one_more() == 0.0 and pause_after_one_more(0.2) == pytest.approx(0.2)
 
 
 def test_a_source_that_is_always_busy_is_drawn_less_often_and_heals_with_time() -> None:

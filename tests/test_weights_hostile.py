@@ -22,7 +22,12 @@ from prime_node.p2p.weights.errors import FetchError
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.seeding import MAX_REFUSALS_WITHOUT_PROGRESS
-from prime_node.p2p.weights.sources import NOT_READY_PAUSE_S, SelectionSettings
+from prime_node.p2p.weights.sources import (
+    NOT_READY_BACKOFF_MAX_S,
+    NOT_READY_FREE_IN_ROW,
+    NOT_READY_PAUSE_S,
+    SelectionSettings,
+)
 from prime_node.p2p.weights.store import Store
 
 from support.hostile_http import MODES
@@ -80,6 +85,8 @@ REASONS: dict[str, tuple[str, ...] | None] = {
     "s-503-unicode": ("Retry-After '²'",),
     # Its hints are free (within its budget while the honest server serves everything, ~0.05 s); bounded below.
     "s-503-seed": None,
+    # "Not verified here yet" is no fault (a relay still mirroring says it): free, but paced; bounded below.
+    "s-503-zero": None,
     "s-redirect": ("HTTP 302",),
     "s-slow": None,  # a correct source, just slow: it may serve shards, but must not slow the fetch
     "s-garbage-close": ("source ended after",),
@@ -172,6 +179,37 @@ async def test_a_source_that_hints_at_every_request_is_asked_a_bounded_number_of
     # Every answer was a free "not ready" one: no charge (an honest origin past the budget would be paused alike).
     assert report["hints"] == report["not_ready"] == asked and report["shards_failed"] == 0, (asked, report)
     assert report["shards_ok"] == 0 and report_of(result.sources, good.url)["shards_ok"] == count
+
+
+async def test_a_source_that_is_never_ready_is_asked_a_bounded_number_of_times(
+    origin: Path, hostile: str, tmp_path: Path
+) -> None:
+    # s-503-zero answers every shard request 503 "not verified here yet" with Retry-After 0 and no hint, what a
+    # relay still mirroring says (with Retry-After 1). Such an answer costs no attempt (`max_not_ready` per
+    # shard), and the source used to be asked again as soon as it answered, for another shard: 831-1349 requests
+    # in this ~1.3 s fetch. Now its not-ready answers in a row past NOT_READY_FREE_IN_ROW pause it, for a pause that
+    # doubles from NOT_READY_FLOOR_S up to NOT_READY_BACKOFF_MAX_S (sources.py `record_not_ready`). The honest source
+    # is paced, as in the hinting test above, so that the fetch lasts long enough for the pauses to count.
+    bad = f"{hostile}/s-503-zero~bounded"
+    async with paced_source(origin, 3, chunk_delay_s=0.04) as good:
+        began = time.monotonic()
+        result = await asyncio.wait_for(fetcher([bad, good.url], tmp_path / "out").fetch(), 30)
+        elapsed = time.monotonic() - began
+    assert same_tree(origin / "step-000000000003" / "checkpoint", result.checkpoint_dir)
+    assert elapsed < BOUND_S, f"the fetch took {elapsed:.1f} s"
+    asked = await asyncio.to_thread(shard_requests, bad)
+    report = report_of(result.sources, bad)
+    # One request at a time (a source that has served nothing holds one probe slot), the first
+    # NOT_READY_FREE_IN_ROW + 1 at the fetch's pace, then each after a pause: 0.05 s, 0.1 s, then
+    # NOT_READY_BACKOFF_MAX_S each, so the pauses of k answers past the free ones sum to at least
+    # k * NOT_READY_BACKOFF_MAX_S - 0.25 s; + 1 for the one in flight at the end. No lower bound: a loaded
+    # machine may end the fetch early.
+    bound = NOT_READY_FREE_IN_ROW + 2 + (elapsed + 0.25) / NOT_READY_BACKOFF_MAX_S
+    assert asked <= bound, (asked, bound, elapsed, report)
+    # Every answer was a free "not ready" one: no charge, no lie (a relay still mirroring is treated alike).
+    assert report["not_ready"] == asked and report["hints"] == 0 and report["shards_failed"] == 0, report
+    assert report["lies"] == 0 and report["shards_ok"] == 0, report
+    assert report_of(result.sources, good.url)["shards_ok"] == len(result.manifest.body.shards)
 
 
 @pytest.mark.parametrize(

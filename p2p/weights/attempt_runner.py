@@ -8,10 +8,11 @@ its signed availability record and answers a shard-level 404 or a plain 503 for 
 one that answers "no such version" withdrew the version (an honest server that dropped or pruned it): its
 claims are cleared and asked for again, and it is charged a plain failure, not a lie; a 503 from a relay
 still mirroring, or a server with no free upload slot, costs no attempt (`max_not_ready` times per source and
-shard), and a super-seeding origin's 503 naming another shard is followed at once, within that source's
-hint budget (outcomes.py). The fetch fails only when every source that could still serve a shard (it signs no
-records, or claims the shard) has failed it `max_attempts_per_shard` times (outcomes.py: budgets are per
-source).
+shard; past a few such answers in a row from one source, each pauses it a little longer, sources.py
+`record_not_ready`), and a super-seeding origin's 503 naming another shard is followed at once, within that
+source's hint budget (outcomes.py). The fetch fails only when every source that could still serve a shard (it
+signs no records, or claims the shard) has failed it `max_attempts_per_shard` times (outcomes.py: budgets are
+per source).
 """
 
 from __future__ import annotations
@@ -244,13 +245,21 @@ class AttemptRunner:
         pause_s = (failure.retry_after or 0.0) if busy else 0.0
         if hint is not None and not self.outcomes.hinted(attempt.source):
             hint, pause_s = None, NOT_READY_PAUSE_S
-        if failure.retry_after is not None and self.outcomes.not_ready(attempt, failure.reason, pause_s):
+        # Any other "not ready" answer (a 503 with a Retry-After: busy, not verified there yet, an ignored hint)
+        # to a request for a shard the source holds (it signs no records, or claims it) pauses its source once
+        # it has given many in a row (sources.py `record_not_ready`): a Retry-After of 0 cannot keep a source
+        # that serves nothing asked at once. A blind ask's answer is not counted: the source said nothing false.
+        retry_after = failure.retry_after
+        counted = hint is None and attempt.source.holds(index)
+        if retry_after is not None and self.outcomes.not_ready(
+            attempt, failure.reason, pause_s, counted=counted
+        ):
             # A relay still mirroring this shard, or a server with no free upload slot: no penalty and no
             # attempt used; other holders are tried at once, and when every holder was, it waits Retry-After.
             if not others and index not in self.winners:
                 holders = {u.url for u in self.pool.usable()} - self.peering.lacking(index)
                 everyone = (holders or {u.url for u in self.pool.usable()}) <= self.tried[index]
-                self.state.requeue(index, failure.retry_after if everyone else 0.0, first=False)
+                self.state.requeue(index, retry_after if everyone else 0.0, first=False)
             if hint is not None:
                 # A super-seeding origin sent this shard to someone already and named one it never sent: asked
                 # for at once, once this attempt has left the in-flight table (call_soon runs after it).

@@ -30,8 +30,10 @@ pauses its source for NOT_READY_PAUSE_S (as a busy answer does), whatever its Re
 answers every request with a hint (each hinted request getting another, round the shards, for as long as the
 fetch lasts) used to be asked at once after every answer, at no cost, its requests taking shards out of the
 queue; now it gets `hint_budget` answers at that pace, then at most one request per NOT_READY_PAUSE_S, out of
-the draw in between. Ignoring the hints alone would not bound it: a 503 with Retry-After 0 from a source that
-serves nothing is asked again at the scheduler's pace (its own probe slot), `max_not_ready` times per shard.
+the draw in between. Past the budget its hint-503s also count among its "not ready" answers in a row, which
+pause any source that gives many (sources.py `record_not_ready`: a 503 with Retry-After 0 from a source that
+serves nothing was asked again at the scheduler's pace, `max_not_ready` times per shard); within the budget
+they are not counted there, so that a followed hint still goes out at once.
 
 Why a pause and not a charge: an honest origin stays under the budget in the cases it is sized for (the
 hints a fetcher follows are each a first send of a different shard, so at most the shard count; the hints it
@@ -108,16 +110,18 @@ class Outcomes:
         self._followed.add((index, source.url))
         return True
 
-    def not_ready(self, attempt: Attempt, reason: str, pause_s: float) -> bool:
+    def not_ready(self, attempt: Attempt, reason: str, pause_s: float, *, counted: bool = True) -> bool:
         """The source answered 503 (not verified there yet, or every upload slot busy): True while such answers
         from this source for this shard are tolerated, without a charge or an attempt used. Each one still
         lowers the source's health (sources.py `record_not_ready`), so a source that is always busy is drawn
-        less often."""
+        less often, and many in a row pause it. `counted` False: a super-seeding hint within the source's
+        budget (`hinted`), followed at once, or the answer to a blind ask: neither counted in a row nor paused
+        (sources.py `record_not_ready`)."""
         key = (attempt.index, attempt.source.url)
         if self._not_ready[key] >= self.settings.max_not_ready:
             return False
         self._not_ready[key] += 1
-        self.pool.record_not_ready(attempt.source, pause_s)
+        self.pool.record_not_ready(attempt.source, pause_s, counted=counted)
         return True
 
     def lied(self, attempt: Attempt, reason: str) -> None:

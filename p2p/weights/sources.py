@@ -29,6 +29,12 @@ from pydantic import BaseModel, ConfigDict, Field
 NOT_READY_PAUSE_S = (
     0.25  # longest pause of a source after a 503, whatever its Retry-After (that is per shard)
 )
+# A source's "not ready" 503s in a row (no shard verified from it since) that cost it no pause of ours, the
+# first pause past them, and the longest it doubles up to: an honest busy server's Retry-After (server.py
+# `busy_retry_s`), so that one is never paused longer than it asks (`record_not_ready`).
+NOT_READY_FREE_IN_ROW = 8
+NOT_READY_FLOOR_S = 0.05
+NOT_READY_BACKOFF_MAX_S = 0.2
 
 
 class SelectionSettings(BaseModel):
@@ -70,6 +76,7 @@ class SourceState:
     shards_corrupt: int = 0
     shards_lost: int = 0  # transfers cancelled because a faster copy of their shard verified first
     not_ready: int = 0  # 503 answers (a relay still mirroring, a server with every upload slot busy)
+    not_ready_in_row: int = 0  # those since it last served a verified shard (`record_not_ready`: which count)
     hints: int = 0  # 503 answers naming another shard to ask for instead (a super-seeding origin, seeding.py)
     bytes_ok: int = 0
     errors: list[str] = field(default_factory=list)
@@ -190,6 +197,7 @@ class SourcePool:
         source.bandwidth = rate if source.bandwidth is None else a * rate + (1 - a) * source.bandwidth
         source.success = a + (1 - a) * source.success
         source.failures_in_row = 0
+        source.not_ready_in_row = 0
         source.shards_ok += 1
         source.bytes_ok += nbytes
 
@@ -207,18 +215,44 @@ class SourcePool:
         source.bandwidth = rate if source.bandwidth is None else a * rate + (1 - a) * source.bandwidth
         source.shards_lost += 1
 
-    def record_not_ready(self, source: SourceState, pause_s: float = 0.0) -> None:
+    def record_not_ready(self, source: SourceState, pause_s: float = 0.0, *, counted: bool = True) -> None:
         """A relay has not verified a shard yet, or a server has no free upload slot (503): no charge (no
         failure counted, no back-off), but a sample of the source's health: it did not serve, so its success
         score falls as for a failure and heals with time the same way, and a source that is always busy is
         drawn less often than one that serves. A busy server is not asked again for `pause_s` (at most
-        NOT_READY_PAUSE_S), so that it is not hammered with requests it cannot serve."""
+        NOT_READY_PAUSE_S), so that it is not hammered with requests it cannot serve.
+
+        Whatever it asks for (a Retry-After of 0 included), a source whose counted not-ready answers in a row
+        pass NOT_READY_FREE_IN_ROW is paused too: NOT_READY_FLOOR_S after the first answer past them, doubled for
+        each further one, up to NOT_READY_BACKOFF_MAX_S; a verified shard from it starts the count again.
+        Without it, a source that answered "not verified yet, Retry-After: 0" for every shard was asked again as
+        soon as it answered, for the whole fetch (831-1349 requests in a 1.3 s fetch beside an honest source).
+        Why a count in a row and not a floor on every pause: honest sources give a few such answers between
+        shards (a relay behind the fetcher, each answer after holding the request for `shard_wait_s`; a server
+        whose upload slots are all taken), and below the count their answers are treated exactly as before.
+        Why no longer than NOT_READY_BACKOFF_MAX_S: an honest busy server asks for that, and a relay or server
+        that becomes ready is asked again as soon as that; a source that keeps answering so, serving nothing,
+        is asked about as often as an honest busy one.
+
+        `counted` False: an answer that says nothing about the source's pace, neither counted nor paused here:
+        a super-seeding hint within its source's budget (outcomes.py `hinted`: it has its own budget, and a
+        followed hint goes out at once), and the answer to a blind ask, for a shard the source never said it
+        holds (scheduler.py asks a source that signs records for a shard nobody claims yet; a relay still
+        mirroring answers it at once, and counting those paused relays that were about to verify the shard:
+        `benchmarks/broadcast.py --modes relays` ran about 7% slower)."""
         now = self.clock()
         source.not_ready += 1
         source.success = (1 - self.settings.ema_alpha) * source.success
         source.last_failure = now  # the healing term runs from here, as after a failure
+        pause_s = min(pause_s, NOT_READY_PAUSE_S)
+        if counted:
+            source.not_ready_in_row += 1
+            past = source.not_ready_in_row - NOT_READY_FREE_IN_ROW
+            if past > 0:  # the exponent is capped before the power: the count has no bound of its own
+                backoff = NOT_READY_FLOOR_S * 2 ** min(past - 1, 16)
+                pause_s = max(pause_s, min(backoff, NOT_READY_BACKOFF_MAX_S))
         if pause_s > 0:
-            source.cooldown_until = max(source.cooldown_until, now + min(pause_s, NOT_READY_PAUSE_S))
+            source.cooldown_until = max(source.cooldown_until, now + pause_s)
 
     def record_failure(self, source: SourceState, reason: str, *, corrupt: bool = False) -> None:
         a = self.settings.ema_alpha

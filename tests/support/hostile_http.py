@@ -60,6 +60,8 @@ SHARD_MODES = {
     "s-503-unicode": "503 with Retry-After: ², for ever",
     "s-503-seed": "503 with Retry-After: 0 and X-Prime-Node-Seed naming the next shard (cycling), for ever: a "
     "super-seeding origin's hint, given for every request",
+    "s-503-zero": "503 'shard not verified here yet' with Retry-After: 0 and no hint, for ever: what a relay still "
+    "mirroring says (with Retry-After: 1), given for every shard at once",
     "s-redirect": "302 to another address",
     "s-slow": "the honest shard, 1 KiB per interval (slow, but a correct source)",
     # Resume poisoning: bytes that are kept on disk when the transfer breaks off, for a later one to continue.
@@ -196,6 +198,13 @@ class Handler(socketserver.BaseRequestHandler):
                 sock.sendall(
                     head("503 Service Unavailable", [*EMPTY, ("Retry-After", "0"), (SEED, str(hinted))])
                 )
+                return True
+            if broken == "s-503-zero":
+                # A relay's "not verified here yet" (p2p/weights/server.py `_wait_for`) for every shard, with no
+                # wait before it and no pause asked for: a fetcher that asked again at once would for ever.
+                doc = b'{"error": "shard not verified here yet"}'
+                answer = [("Content-Length", str(len(doc))), ("Retry-After", "0")]
+                sock.sendall(head("503 Service Unavailable", answer) + doc)
                 return True
             if range_header and broken is None:
                 sock.sendall(partial_head(ctype, start, len(body)) + body[start:])
