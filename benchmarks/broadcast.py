@@ -67,7 +67,7 @@ async def agent(args: argparse.Namespace) -> None:
         rate_per_s=0,
         scan_interval_s=0.5,
         limits=ServeLimits(max_connections=4096, max_connections_per_ip=256),
-        upload_slots=args.origin_slots if args.origin else 0,
+        upload_slots=args.slots,
         super_seed=args.origin and args.super_seed,
     )
     # Nodes and relays sign availability records; the origin, like the trainer's, signs none (it holds all).
@@ -143,6 +143,7 @@ async def agent(args: argparse.Namespace) -> None:
                 "hedges": result.hedges,
                 # When a quarter, half and three quarters of the shards had verified (the pace of the fetch).
                 "quarters": [arrivals[int(len(arrivals) * q)] for q in (0.25, 0.5, 0.75)] if arrivals else [],
+                "arrivals": arrivals,  # for the swarm's copies over time (one entry per shard)
                 **{
                     k: sum(s[k] for s in result.sources)
                     for k in ("lies", "shards_failed", "not_ready", "hints")
@@ -179,7 +180,7 @@ class Agent:
         self.node_id: str | None = None  # signs its availability records (said when it is ready)
         argv = [sys.executable, __file__, "--agent", "--ip", host.ip, "--store", str(store), "--key", key]
         argv += ["--concurrency", str(concurrency)] + (["--origin"] if origin else [])
-        argv += ["--origin-slots", str(slots), *extra]
+        argv += ["--slots", str(slots), *extra]
         log = open(store.parent / f"{host.name}.log", "wb")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
             host.argv(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1
@@ -249,6 +250,7 @@ def round_of(
     times = []
     totals: dict[str, float] = {}
     quarters: list[list[float]] = []
+    arrived: list[float] = []  # when each copy of a shard verified at a node, over the round
     for agent in [*nodes, *(relays if mode == "relays" else [])]:
         reply = agent.receive()
         if not reply.get("ok"):
@@ -256,12 +258,16 @@ def round_of(
         if agent in nodes:
             times.append(float(reply["done"]) - began)  # type: ignore[arg-type]
             quarters.append([t - began for t in reply["quarters"]])  # type: ignore[union-attr]
+            arrived += [t - began for t in reply["arrivals"]]  # type: ignore[union-attr]
             for key in ("received", "from_first", "hedges", "lies", "shards_failed", "not_ready", "hints"):
                 totals[key] = totals.get(key, 0) + float(reply[key])  # type: ignore[arg-type]
             # The most super-seeding hints one node got (outcomes.py `hint_budget`: the shards plus 64 are free).
             totals["most_hints"] = max(totals.get("most_hints", 0), float(reply["hints"]))  # type: ignore[arg-type]
     wall = time.monotonic() - began
     totals["cpu"] = (sum(a.cpu_s() for a in everyone) - cpu0) / wall
+    arrived.sort()
+    for i, q in enumerate((0.25, 0.5, 0.75)):  # when the swarm as a whole held that share of all its copies
+        totals[f"swarm{i + 1}"] = arrived[int(len(arrived) * q)] if arrived else 0.0
     for i, q in enumerate(("q1", "q2", "q3")):
         totals[q] = statistics.median(row[i] for row in quarters) if quarters and quarters[0] else 0.0
     return times, totals
@@ -274,6 +280,7 @@ def main() -> None:
     parser.add_argument("--ip", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
+    parser.add_argument("--slots", type=int, default=0, help=argparse.SUPPRESS)  # an agent's upload slots
     parser.add_argument("--profile", help="write a cProfile of the first node's event loop to this file")
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16, 32], help="swarm sizes N")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -281,14 +288,26 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=16.0, help="checkpoint size")
     parser.add_argument("--shard-mib", type=float, default=1.0)
     parser.add_argument("--relays", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, default=4, help="shard transfers at once per fetch")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=2,
+        help="shard transfers at once per fetch (fetch.concurrency; 2 suits a capped home line, the default 8 "
+        "fast links: docs/network.md)",
+    )
     parser.add_argument(
         "--availability-interval",
         type=float,
         default=1.0,
         help="seconds between a node's availability polls of one source (fetch.availability_interval_s)",
     )
-    parser.add_argument("--origin-slots", type=int, default=4, help="the origin's upload slots (0: no limit)")
+    parser.add_argument("--origin-slots", type=int, default=2, help="the origin's upload slots (0: no limit)")
+    parser.add_argument(
+        "--node-slots",
+        type=int,
+        default=None,
+        help="each node's upload slots (0: no limit; default: a node's, serve.upload_slots); relays have none",
+    )
     parser.add_argument(
         "--super-seed",
         action=argparse.BooleanOptionalAction,
@@ -313,11 +332,14 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the lab and the agents are removed
 
     from prime_node.node.contributor.serving import MAX_PEER_SOURCES
+    from prime_node.node.contributor.settings import NODE_UPLOAD_SLOTS
     from prime_node.p2p.identity import Identity
     from prime_node.p2p.weights.publish import publish
 
     from support.netlab import Lab, unavailable_reason  # noqa: PLC0415
 
+    if args.node_slots is None:
+        args.node_slots = NODE_UPLOAD_SLOTS
     why = unavailable_reason()
     if why is not None:
         raise SystemExit(f"broadcast: {why}")
@@ -334,7 +356,7 @@ def main() -> None:
         (source / "model.safetensors").write_bytes(os.urandom(int(args.mib * 2**20)))
         agents: list[Agent] = []
 
-        def start(name: str, *, origin: bool = False) -> Agent:
+        def start(name: str, slots: int, *, origin: bool = False) -> Agent:
             host = lab.host(name, mbit=args.mbit)
             (root / name).mkdir()
             agent_ = Agent(
@@ -342,7 +364,7 @@ def main() -> None:
                 root / name / "store",
                 operator.node_id,
                 args.concurrency,
-                args.origin_slots,
+                slots,
                 origin=origin,
                 extra=(
                     "--availability-interval",
@@ -355,9 +377,10 @@ def main() -> None:
             return agent_
 
         try:
-            origin = start("origin", origin=True)
-            relays = [start(f"relay{i}") for i in range(args.relays)] if "relays" in args.modes else []
-            nodes = [start(f"n{i}") for i in range(max(args.sizes))]
+            origin = start("origin", args.origin_slots, origin=True)
+            # Relays as `prime-node weights serve` runs them by default (no upload-slot limit).
+            relays = [start(f"relay{i}", 0) for i in range(args.relays)] if "relays" in args.modes else []
+            nodes = [start(f"n{i}", args.node_slots) for i in range(max(args.sizes))]
             for agent_ in agents:
                 ready = agent_.receive()
                 if ready.get("ready") is not True:
@@ -393,7 +416,9 @@ def main() -> None:
                     f"{t['from_first'] / size:.2f} copies from their first source; hedges {t['hedges']:.0f}, "
                     f"failed {t['shards_failed']:.0f}, 503s {t['not_ready']:.0f} (seed hints {t['hints']:.0f}, at most "
                     f"{t['most_hints']:.0f} to a node), lies {t['lies']:.0f}; "
-                    f"median node at 1/4, 1/2, 3/4 of its shards: {t['q1']:.1f}, {t['q2']:.1f}, {t['q3']:.1f} s",
+                    f"median node at 1/4, 1/2, 3/4 of its shards: {t['q1']:.1f}, {t['q2']:.1f}, {t['q3']:.1f} s; "
+                    f"the swarm at 1/4, 1/2, 3/4 of all copies: {t['swarm1']:.1f}, {t['swarm2']:.1f}, "
+                    f"{t['swarm3']:.1f} s",
                     flush=True,
                 )
         finally:

@@ -16,7 +16,7 @@ from prime_node.node.config import load_config
 from prime_node.node.contributor.checkpoints import CheckpointKeeper
 from prime_node.node.contributor.delivery import Delivery
 from prime_node.node.contributor.outbox import Outbox
-from prime_node.node.contributor.settings import StartSettings
+from prime_node.node.contributor.settings import NODE_UPLOAD_SLOTS, StartSettings
 from prime_node.node.contributor.state import NodeState
 from prime_node.node.errors import ConfigError
 from prime_node.p2p.identity import Identity
@@ -100,6 +100,26 @@ def test_start_settings_pin_the_operator_and_run_in_the_swarm_section() -> None:
         load_config(StartSettings, cli_overrides={"operator_key": "not-hex"}, env={})
     with pytest.raises(ConfigError, match="--run-id: String should match pattern"):
         load_config(StartSettings, cli_overrides={"run.run_id": "has space"}, env={})
+
+
+def test_a_nodes_serve_defaults_hold_when_some_serve_keys_are_set(tmp_path: Path) -> None:
+    # The node's own defaults (a free port, NODE_UPLOAD_SLOTS upload slots) used to come from a default_factory,
+    # which pydantic drops as soon as any `serve.*` key is given: a reachable node setting its port or public
+    # URL served with no upload-slot limit, and one setting serve.shard_wait_s bound port 8470.
+    plain = load_config(StartSettings, env={})
+    assert (plain.serve.port, plain.serve.upload_slots) == (0, NODE_UPLOAD_SLOTS)
+    port_set = load_config(StartSettings, env={"PRIME_NODE_SERVE__PORT": "9000"})
+    assert (port_set.serve.port, port_set.serve.upload_slots) == (9000, NODE_UPLOAD_SLOTS)
+    config = tmp_path / "node.toml"
+    config.write_text('[serve]\nshard_wait_s = 2.5\npublic_urls = ["http://203.0.113.7:8470"]\n')
+    from_file = load_config(StartSettings, toml_path=config, env={})
+    assert (from_file.serve.port, from_file.serve.upload_slots, from_file.serve.shard_wait_s) == (
+        0,
+        NODE_UPLOAD_SLOTS,
+        2.5,
+    )
+    unlimited = load_config(StartSettings, cli_overrides={"serve.upload_slots": 0}, env={})
+    assert unlimited.serve.upload_slots == 0  # an operator may still lift the limit
 
 
 def test_start_refuses_clearly_and_status_says_no_node_runs(

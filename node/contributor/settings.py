@@ -23,6 +23,34 @@ from ..runtime.metrics import PORTS
 
 KEY_FILE_NAME = "node.key"
 
+# A node re-serving weights sends at most this many shards at once (serve.upload_slots; more requests get a busy
+# 503 and ask another holder). A shard is served on only once its last byte verified, so on a capped home line
+# two shards at half the line each spread a checkpoint faster than every requester's shard at a crawl: at
+# N = 32 on 10 Mbit/s lines the last node took 1.9-2.0x one node's time with 2 slots, 2.3x without a limit
+# (benchmarks/broadcast.py, docs/network.md "Upload slots on re-serving nodes").
+NODE_UPLOAD_SLOTS = 2
+
+
+class NodeServeSettings(ServeSettings):
+    """A node's weights server: ServeSettings with a node's own defaults. A class of its own, not a
+    default_factory, so that they hold when an operator sets only some `serve.*` keys (a factory's values are
+    dropped as soon as any key of the section is given)."""
+
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="TCP port of the weights server (0 picks a free one, which is advertised).",
+    )
+    upload_slots: int = Field(
+        NODE_UPLOAD_SLOTS,
+        ge=0,
+        le=65536,
+        description="Shards sent at once (0: no limit); more requests get 503 with Retry-After busy_retry_s. A "
+        "node passes a shard on only once it verified, so a few at full speed spread a checkpoint faster than "
+        "every requester's at a crawl.",
+    )
+
 
 class PipelineNodeSettings(Section):
     """Serving a stage of pipelined groups (`start --pipeline`; docs/pipeline.md, "The pipeline node")."""
@@ -168,8 +196,8 @@ class StartSettings(CommonSettings):
         description="Networks (CIDR) beyond public addresses that weights URLs from peers' heartbeats may point "
         "into, e.g. 127.0.0.0/8 for peers on one machine or 10.0.0.0/8 in a cluster; others are never fetched from.",
     )
-    serve: ServeSettings = Field(
-        default_factory=lambda: ServeSettings(port=0), description="The weights server (when serve_weights)."
+    serve: NodeServeSettings = Field(
+        default_factory=NodeServeSettings, description="The weights server (when serve_weights)."
     )
     async_level: int = Field(
         2, ge=0, le=64, description="Use checkpoints at most this many steps behind the announced one."
