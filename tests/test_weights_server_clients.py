@@ -21,6 +21,7 @@ from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
 from prime_node.p2p.weights.guard import ServeLimits
 from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.store import Store
+from prime_node.p2p.weights.transfer import BUSY_HEADER
 
 from support.weights import hostile_clients, make_checkpoint, operator, publish_steps, same_tree, serving
 
@@ -127,6 +128,43 @@ async def test_an_honest_fetch_beside_a_flood_from_one_address(origin: Path, tmp
             report = await asyncio.to_thread(flood.result, 15)
     assert same_tree(origin / "step-000000000003" / "checkpoint", fetched)
     assert all(t is not None for t in report["closed_at"]), report
+
+
+async def get_from(source_ip: str, url: str, **headers: str) -> tuple[int, dict[str, str], bytes]:
+    """One GET to `url` from `source_ip` (any 127.x address on Linux): status, headers, body."""
+    connector = aiohttp.TCPConnector(local_addr=(source_ip, 0))
+    timeout = aiohttp.ClientTimeout(total=15)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with session.get(url, headers=headers) as resp:
+            return resp.status, dict(resp.headers), await resp.read()
+
+
+async def test_one_client_that_does_not_read_holds_one_upload_slot_not_all(big_origin: Path) -> None:
+    # Slots are held for a whole send, and a client that never reads holds one until its send deadline (a
+    # 16 MiB shard at the default 64 KiB/s: about 266 s). Before the per-client cap two such connections from
+    # one address took both slots, and the server answered everyone busy for minutes.
+    shard = "/v1/weights/3/shards/0"
+    limits = LIMITS.model_copy(update={"send_grace_s": 60.0})  # the stalled send outlives the test
+    async with serving(big_origin, limits=limits, upload_slots=2) as server:
+        with hostile_clients(server.url, "slow-read", 1, source_ip="127.0.0.2", path=shard, duration=30):
+            for _ in range(300):  # bounded: 15 s for the stalled request to take its slot
+                if server.sending == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert server.sending_by_client == {"127.0.0.2": 1}
+            # The same address asks again: busy, as if every slot were taken (one slot is still free).
+            status, headers, _ = await get_from("127.0.0.2", server.url + shard, Range="bytes=0-1023")
+            assert status == 503 and BUSY_HEADER in headers, (status, headers)
+            assert headers["Retry-After"] == "0.2"
+            # Another address is served at once from the free slot.
+            status, headers, body = await get_from("127.0.0.3", server.url + shard, Range="bytes=0-1023")
+            assert status == 206 and len(body) == 1024, (status, headers)
+            assert server.sending_by_client == {"127.0.0.2": 1}  # the served request let go of its slot
+        for _ in range(300):  # bounded: the killed client's send breaks off and lets go of its slot
+            if server.sending == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert server.sending == 0 and server.sending_by_client == {}
 
 
 async def test_route_numbers_are_ascii_digits_only(origin: Path) -> None:

@@ -8,11 +8,11 @@ its signed availability record and answers a shard-level 404 or a plain 503 for 
 one that answers "no such version" withdrew the version (an honest server that dropped or pruned it): its
 claims are cleared and asked for again, and it is charged a plain failure, not a lie; a 503 from a relay
 still mirroring, or a server with no free upload slot, costs no attempt (`max_not_ready` times per source and
-shard; past a few such answers in a row from one source, each pauses it a little longer, sources.py
-`record_not_ready`), and a super-seeding origin's 503 naming another shard is followed at once, within that
-source's hint budget (outcomes.py). The fetch fails only when every source that could still serve a shard (it
-signs no records, or claims the shard) has failed it `max_attempts_per_shard` times (outcomes.py: budgets are
-per source).
+shard, busy answers without limit; past a few such answers in a row from one source, each pauses it a little
+longer, sources.py `record_not_ready`), and a super-seeding origin's 503 naming another shard is followed at
+once, within that source's hint budget (outcomes.py). The fetch fails only when every source that could still
+serve a shard (it signs no records, or claims the shard) has failed it `max_attempts_per_shard` times
+(outcomes.py: budgets are per source).
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ class AttemptRunner:
         retry_after = failure.retry_after
         counted = hint is None and attempt.source.holds(index)
         if retry_after is not None and self.outcomes.not_ready(
-            attempt, failure.reason, pause_s, counted=counted
+            attempt, failure.reason, pause_s, counted=counted, busy=busy
         ):
             # A relay still mirroring this shard, or a server with no free upload slot: no penalty and no
             # attempt used; other holders are tried at once, and when every holder was, it waits Retry-After.

@@ -19,8 +19,11 @@ A mismatch that cannot be attributed never counts against a source, never counts
 Budgets are per source. Each source may fail a shard `max_attempts_per_shard` times, after which it is not
 asked for that shard again (`spent`); a shard is given up only when every source that could still serve it
 has spent its own budget on it (`exhausted`). So peers that claim a shard and fail it, however many, use up
-only their own attempts, never the origin's. Likewise a 503 that says "not here yet" or "busy" is free only
-`max_not_ready` times per (source, shard): sybils answering busy cannot use up the origin's allowance.
+only their own attempts, never the origin's. Likewise a 503 that says "not here yet" is free only
+`max_not_ready` times per (source, shard), each source's own allowance. A 503 that says "busy" (every upload
+slot taken) is always free: it is paced instead (the source waits out its Retry-After, and many in a row
+pause it, sources.py `record_not_ready`), since an honest origin feeding a swarm can be busy for longer than
+any such count allows (`not_ready`).
 
 A super-seeding origin's 503 (seeding.py) names a shard to ask it for instead, and the fetcher asks at once
 (attempt_runner.py). That hint is budgeted per source: it is followed at most once per (source, named shard),
@@ -110,14 +113,25 @@ class Outcomes:
         self._followed.add((index, source.url))
         return True
 
-    def not_ready(self, attempt: Attempt, reason: str, pause_s: float, *, counted: bool = True) -> bool:
+    def not_ready(
+        self, attempt: Attempt, reason: str, pause_s: float, *, counted: bool = True, busy: bool = False
+    ) -> bool:
         """The source answered 503 (not verified there yet, or every upload slot busy): True while such answers
         from this source for this shard are tolerated, without a charge or an attempt used. Each one still
         lowers the source's health (sources.py `record_not_ready`), so a source that is always busy is drawn
         less often, and many in a row pause it. `counted` False: a super-seeding hint within the source's
         budget (`hinted`), followed at once, or the answer to a blind ask: neither counted in a row nor paused
-        (sources.py `record_not_ready`)."""
+        (sources.py `record_not_ready`).
+
+        `busy` (the 503 says every upload slot is taken): always tolerated, never counted towards
+        `max_not_ready`. Such answers are paced already (the source waits out its Retry-After, up to
+        NOT_READY_PAUSE_S, and many in a row pause it), so counting them only turned honest busyness into
+        charges: 1000 answers at an honest server's 0.2 s are 200 s, after which an origin busy feeding a swarm
+        was charged failures for a shard only it held, and the fetch failed."""
         key = (attempt.index, attempt.source.url)
+        if busy:
+            self.pool.record_not_ready(attempt.source, pause_s, counted=counted)
+            return True
         if self._not_ready[key] >= self.settings.max_not_ready:
             return False
         self._not_ready[key] += 1

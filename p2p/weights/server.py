@@ -107,6 +107,15 @@ class ServeSettings(BaseModel):
         "An origin feeding a swarm of re-serving peers sends a few shards at full speed rather than every "
         "shard to everyone at a crawl.",
     )
+    upload_slots_per_client: int = Field(
+        1,
+        ge=1,
+        le=65536,
+        description="Upload slots one client (one IP address) may hold at once when upload_slots is set; "
+        "beyond it a request gets the same busy 503. A slot is held for the whole send, and a client that "
+        "reads slowly holds one for minutes (limits.send_grace_s plus the shard at limits.min_send_rate_bytes_s): "
+        "without this cap a few such connections from one address would make the server busy to everyone.",
+    )
     busy_retry_s: float = Field(
         0.2, gt=0, le=5, description="Retry-After of a 503 for want of an upload slot."
     )
@@ -170,6 +179,9 @@ class WeightsServer:
         self.audiences: set[str] = set()  # host:port names access tokens may be addressed to
         self._unservable: set[int] = set()
         self.sending = 0  # shard responses in flight (bounded by settings.upload_slots)
+        # Client address -> its shard responses in flight, tracked only when upload_slots is set: an entry
+        # exists only while that client holds a slot, so there are at most upload_slots of them.
+        self.sending_by_client: dict[str, int] = {}
         if self.settings.super_seed and identity is not None:
             raise WeightsError(
                 "serve.super_seed is for a server that signs no availability records: a node that signed it "
@@ -459,7 +471,13 @@ class WeightsServer:
         if not 0 <= start < stop:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
         slots = self.settings.upload_slots
-        if slots and self.sending >= slots:
+        client = request.remote or "?"  # the peer address, as the rate limiter keys it
+        if slots and (
+            self.sending >= slots
+            or self.sending_by_client.get(client, 0) >= self.settings.upload_slots_per_client
+        ):
+            # Every slot taken, or this client holds its share of them (`upload_slots_per_client`): the same
+            # answer either way, so a client holding slots learns nothing it could not learn by asking again.
             raise web.HTTPServiceUnavailable(
                 text='{"error": "every upload slot is busy"}',
                 content_type="application/json",
@@ -484,6 +502,8 @@ class WeightsServer:
         if partial:
             resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
         self.sending += 1
+        if slots:
+            self.sending_by_client[client] = self.sending_by_client.get(client, 0) + 1
         sent = False
         try:
             whole = await self.guard.send(
@@ -497,6 +517,10 @@ class WeightsServer:
             )  # a range that ends before the shard's end leaves it incomplete there
         finally:
             self.sending -= 1
+            if slots:
+                held = self.sending_by_client.pop(client) - 1
+                if held > 0:
+                    self.sending_by_client[client] = held
             if self.seeds is not None and served.complete and not sent:
                 self.seeds.failed(step, index)
         return resp
