@@ -123,13 +123,16 @@ class Outcomes:
         budget (`hinted`), followed at once, or the answer to a blind ask: neither counted in a row nor paused
         (sources.py `record_not_ready`).
 
-        `busy` (the 503 says every upload slot is taken): always tolerated, never counted towards
-        `max_not_ready`. Such answers are paced already (the source waits out its Retry-After, up to
-        NOT_READY_PAUSE_S, and many in a row pause it), so counting them only turned honest busyness into
-        charges: 1000 answers at an honest server's 0.2 s are 200 s, after which an origin busy feeding a swarm
-        was charged failures for a shard only it held, and the fetch failed."""
+        `busy` (the 503 says every upload slot is taken) from a source the caller chose (an origin or relay, not
+        an advertised peer): always tolerated, never counted towards `max_not_ready`. Such answers are paced
+        already (the source waits out its Retry-After, up to NOT_READY_PAUSE_S, and many in a row pause it), so
+        counting them only turned honest busyness into charges: 1000 answers at an honest server's 0.2 s are
+        200 s, after which an origin busy feeding a swarm was charged failures for a shard only it held, and the
+        fetch failed. An advertised peer's busy answers still count: a peer that claims every shard and answers
+        busy for ever would otherwise be waited on for ever once it is the last holder a fetch may ask (no
+        deadline bounds a fetch as a whole); after `max_not_ready` it is charged, as before."""
         key = (attempt.index, attempt.source.url)
-        if busy:
+        if busy and not attempt.source.advertised:
             self.pool.record_not_ready(attempt.source, pause_s, counted=counted)
             return True
         if self._not_ready[key] >= self.settings.max_not_ready:
