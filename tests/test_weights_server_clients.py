@@ -159,6 +159,12 @@ async def test_one_client_that_does_not_read_holds_one_upload_slot_not_all(big_o
             # Another address is served at once from the free slot.
             status, headers, body = await get_from("127.0.0.3", server.url + shard, Range="bytes=0-1023")
             assert status == 206 and len(body) == 1024, (status, headers)
+            for _ in range(
+                300
+            ):  # bounded: the served request's handler lets go of its slot after its last byte
+                if server.sending_by_client == {"127.0.0.2": 1}:
+                    break
+                await asyncio.sleep(0.05)
             assert server.sending_by_client == {"127.0.0.2": 1}  # the served request let go of its slot
         for _ in range(300):  # bounded: the killed client's send breaks off and lets go of its slot
             if server.sending == 0:
