@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from prime_node.p2p.weights.fetch import Fetcher, FetchSettings
-from prime_node.p2p.weights.guard import ServeLimits
+from prime_node.p2p.weights.guard import ServeLimits, client_of
 from prime_node.p2p.weights.publish import publish
 from prime_node.p2p.weights.store import Store
 from prime_node.p2p.weights.transfer import BUSY_HEADER
@@ -179,3 +179,16 @@ async def test_route_numbers_are_ascii_digits_only(origin: Path) -> None:
             async with session.get(f"{server.url}/v1/weights/{path}") as resp:
                 ascii_only = "%" not in path
                 assert resp.status == (200 if ascii_only else 404), (path, resp.status)
+
+
+def test_a_client_is_an_ipv4_address_or_an_ipv6_slash_64() -> None:
+    # The per-client limits (connections, the request rate, upload slots) used the full address, and an IPv6
+    # subscriber holds a whole /64: a client could take a server's per-client share once per address it chose.
+    assert client_of("203.0.113.7") == "203.0.113.7" != client_of("203.0.113.8")
+    assert (
+        client_of("2001:db8:1:2::1") == client_of("2001:db8:1:2:ffff:ffff:ffff:ffff") == "2001:db8:1:2::/64"
+    )
+    assert client_of("2001:db8:1:3::1") != client_of("2001:db8:1:2::1")  # another subscriber
+    assert client_of("::ffff:203.0.113.7") == "203.0.113.7"  # an IPv4 client on a dual-stack socket
+    assert client_of(None) == client_of("") == "?"
+    assert client_of("not an address") == "not an address"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import logging
 import socket
 import struct
@@ -36,6 +37,27 @@ logger = logging.getLogger(__name__)
 CLIENT_GONE = (ConnectionError, RuntimeError)
 
 
+# An IPv6 subscriber is given a whole /64 (RFC 6177), so one client counted by its full address could take a
+# server's per-client share once per address it picks there. IPv4 addresses are scarce enough to count alone.
+IPV6_CLIENT_PREFIX = 64
+
+
+def client_of(address: str | None) -> str:
+    """The client an address stands for, as the per-client limits count it: an IPv4 address itself (also when
+    IPv4-mapped), an IPv6 address's /64, "?" for no address; an address that does not parse counts as itself."""
+    if not address:
+        return "?"
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address[:64]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, IPV6_CLIENT_PREFIX), strict=False))
+    return str(ip)
+
+
 class ServeLimits(BaseModel):
     """Bounds on what clients can hold of a weights server (a section of ServeSettings)."""
 
@@ -48,7 +70,10 @@ class ServeLimits(BaseModel):
         description="Connections served at once from all clients; more are closed at once.",
     )
     max_connections_per_ip: int = Field(
-        32, ge=1, le=65536, description="Connections served at once from one client address."
+        32,
+        ge=1,
+        le=65536,
+        description="Connections served at once from one client (an IPv4 address, an IPv6 address's /64).",
     )
     header_timeout_s: float = Field(
         10.0,
@@ -88,7 +113,7 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         peer = transport.get_extra_info("peername")
-        self.ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        self.ip = client_of(str(peer[0])) if isinstance(peer, tuple) and peer else "?"
         refusal = self.guard.admit(self)
         if refusal is not None:
             logger.debug("refused a connection from %s: %s", self.ip, refusal)

@@ -53,7 +53,7 @@ from .access import (
 )
 from .availability import MAX_AGE_S, sign_availability
 from .errors import WeightsError
-from .guard import ConnectionGuard, GuardedSite, ServeLimits
+from .guard import ConnectionGuard, GuardedSite, ServeLimits, client_of
 from .manifest import MAX_SHARDS, MAX_STEP, SignedManifest
 from .metrics import WeightsServerMetrics
 from .seeding import SEED_HEADER, SeedLedger
@@ -371,7 +371,7 @@ class WeightsServer:
             )
         if self.bans.is_banned(request.remote, node_id):
             return web.json_response({"error": "banned"}, status=403)
-        retry = self.limiter.take(request.remote or "?")
+        retry = self.limiter.take(client_of(request.remote))
         if retry > 0:
             return web.json_response(
                 {"error": "rate limited"}, status=429, headers={"Retry-After": f"{retry:.2f}"}
@@ -471,7 +471,9 @@ class WeightsServer:
         if not 0 <= start < stop:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
         slots = self.settings.upload_slots
-        client = request.remote or "?"  # the peer address, as the rate limiter keys it
+        client = client_of(
+            request.remote
+        )  # the socket's peer (an IPv6 one's /64), as the rate limiter keys it
         if slots and (
             self.sending >= slots
             or self.sending_by_client.get(client, 0) >= self.settings.upload_slots_per_client
