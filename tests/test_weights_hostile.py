@@ -141,7 +141,14 @@ async def test_a_hostile_source_beside_an_honest_one_costs_the_fetch_nothing(
     if mode != "s-slow":
         assert report["shards_ok"] == 0, report
     expected = REASONS[mode]
-    if expected is not None:
+    # A hostile source whose manifest answer came after the fetch had started (a loaded machine can delay the
+    # hostile process past the manifest grace) never took part: the honest source served everything first,
+    # and there is no misbehaviour of its own to name.
+    late = any(
+        (said or "").endswith("its manifest had not arrived when the fetch started")
+        for said in [report["excluded"], *report["last_errors"]]
+    )
+    if expected is not None and not (late and report["shards_failed"] == report["not_ready"] == 0):
         said = " ".join([report["excluded"] or "", *report["last_errors"]])
         assert any(e in said for e in expected), f"{mode}: {said!r} names none of {expected}"
 
